@@ -1,0 +1,375 @@
+"""The plan format: small immutable instruction types, per-rank programs and the `Plan`.
+
+A `Plan` is everything one data-parallel replica's pipeline ranks need for one iteration:
+the static `Placement` (which chunk of which module lives on which rank), the sub-microbatch
+table, the cross-module dependencies, the global-batch loss denominators and one `Program`
+(an ordered tuple of instructions) per pipeline rank.
+
+Execution semantics (what `engine.py` models and the runtime implements):
+
+* `Forward`/`Backward` run one chunk on one sub-microbatch. Their inputs must already be on the
+  rank: produced locally by an earlier instruction or received by a `Recv` that an earlier
+  `Wait` completed.
+* `Send`/`Recv` are *posted* without blocking. A maximal run of consecutive `Send`/`Recv`
+  instructions forms one batch (one `batch_isend_irecv`). Batches of a rank start in program
+  order, each only after the previous one completed (one NCCL stream per pipeline group). An
+  operation completes once its batch and the batch holding the matching operation on the peer
+  have both started; a batch completes when all its operations have.
+* `Wait` blocks the rank until the named operations completed. Everything still outstanding at
+  the end of a program is waited for implicitly.
+
+Messages are named by `MessageKey` (kind, producer stage, consumer stage), so a message can never
+be confused with another one, even when the previous and the next pipeline rank are the same
+process (PP=2).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+FORMAT_VERSION = 1
+
+
+class MessageKind(str, enum.Enum):
+    """What a message carries: forward activations or backward gradients."""
+
+    ACTIVATION = "act"
+    GRADIENT = "grad"
+
+
+class Recompute(str, enum.Enum):
+    """Activation recomputation of one chunk on one sub-microbatch."""
+
+    NONE = "none"
+    SELECTIVE = "selective"  # recompute the attention core only (Megatron's "selective")
+    FULL = "full"  # keep the chunk input only, recompute the whole chunk in backward
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
+
+
+@dataclass(frozen=True, order=True)
+class WorkId:
+    """One sub-microbatch of one module: the unit of data a chunk computes on."""
+
+    module: str
+    microbatch: int
+    sub: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.module}[mb{self.microbatch}.{self.sub}]"
+
+
+@dataclass(frozen=True, order=True)
+class StageId:
+    """One chunk of one module applied to one sub-microbatch."""
+
+    module: str
+    chunk: int
+    microbatch: int
+    sub: int = 0
+
+    @property
+    def work(self) -> WorkId:
+        return WorkId(self.module, self.microbatch, self.sub)
+
+    def __str__(self) -> str:
+        return f"{self.module}{self.chunk}[mb{self.microbatch}.{self.sub}]"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one tensor of a message, fixed by the plan."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"TensorSpec {self.name!r}: unsupported dtype {self.dtype!r}")
+        if any((not isinstance(d, int)) or d < 0 for d in self.shape):
+            raise ValueError(f"TensorSpec {self.name!r}: bad shape {self.shape!r}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, order=True)
+class MessageKey:
+    """Names a message: activations of `producer` for `consumer`, or the gradient back.
+
+    An activation message goes from the rank of `producer` to the rank of `consumer`;
+    a gradient message goes the other way.
+    """
+
+    kind: MessageKind
+    producer: StageId
+    consumer: StageId
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.producer}->{self.consumer}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Instructions
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Forward of `stage.chunk` of `stage.module` on sub-microbatch `stage.work`."""
+
+    stage: StageId
+    recompute: Recompute = Recompute.NONE
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Backward of the chunk on the sub-microbatch (input and weight gradients)."""
+
+    stage: StageId
+
+
+@dataclass(frozen=True)
+class Send:
+    """Post the send of message `key` to pipeline rank `peer`."""
+
+    key: MessageKey
+    peer: int
+    tensors: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Post the receive of message `key` from pipeline rank `peer`."""
+
+    key: MessageKey
+    peer: int
+    tensors: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Block until the posted operations of these messages have completed."""
+
+    keys: tuple[MessageKey, ...]
+
+
+Instruction = Union[Forward, Backward, Send, Recv, Wait]
+ComputeInstruction = Union[Forward, Backward]
+CommInstruction = Union[Send, Recv]
+INSTRUCTION_TYPES: tuple[type, ...] = (Forward, Backward, Send, Recv, Wait)
+
+
+@dataclass(frozen=True)
+class Program:
+    """The ordered instructions of one pipeline rank."""
+
+    rank: int
+    instructions: tuple[Instruction, ...]
+
+    def __len__(self) -> int:
+        return len(self.instructions)
+
+    def compute(self) -> list[ComputeInstruction]:
+        """The compute instructions in program order."""
+        return [i for i in self.instructions if isinstance(i, (Forward, Backward))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Layers [layer_start, layer_end) of a module, living on pipeline rank `rank`.
+
+    Chunk 0 also holds the module's input layers (patch/token embedding, timestep embedding),
+    the module's last chunk its output layers (projector, final norm, output head, loss).
+    """
+
+    module: str
+    index: int
+    rank: int
+    layer_start: int
+    layer_end: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """How one modality module is cut into chunks and where the chunks live."""
+
+    name: str
+    num_layers: int
+    trainable: bool
+    chunks: tuple[ChunkSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            raise ValueError(f"module {self.name!r} has no chunks")
+        start = 0
+        for i, c in enumerate(self.chunks):
+            if c.module != self.name or c.index != i:
+                raise ValueError(f"module {self.name!r}: chunk {i} is named {c.module}{c.index}")
+            if c.layer_start != start or c.layer_end < c.layer_start:
+                raise ValueError(
+                    f"module {self.name!r}: chunk {i} covers layers [{c.layer_start}, "
+                    f"{c.layer_end}), expected to start at {start}"
+                )
+            start = c.layer_end
+        if start != self.num_layers:
+            raise ValueError(
+                f"module {self.name!r}: chunks cover {start} layers, module has {self.num_layers}"
+            )
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Static placement of every module's chunks on the pipeline ranks."""
+
+    num_ranks: int
+    modules: tuple[ModuleLayout, ...]
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate module names in placement: {names}")
+        for m in self.modules:
+            for c in m.chunks:
+                if not 0 <= c.rank < self.num_ranks:
+                    raise ValueError(
+                        f"chunk {m.name}{c.index} on rank {c.rank}, outside 0..{self.num_ranks - 1}"
+                    )
+
+    def module(self, name: str) -> ModuleLayout:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"no module {name!r} in placement (have {[m.name for m in self.modules]})")
+
+    def rank_of(self, module: str, chunk: int) -> int:
+        return self.module(module).chunks[chunk].rank
+
+    def chunks_on_rank(self, rank: int) -> list[ChunkSpec]:
+        return [c for m in self.modules for c in m.chunks if c.rank == rank]
+
+
+# ---------------------------------------------------------------------------------------------
+# Data description
+
+
+@dataclass(frozen=True)
+class MicrobatchInfo:
+    """One microbatch of this replica: which samples it packs and its sequence length."""
+
+    index: int
+    sample_ids: tuple[int, ...]
+    seq_tokens: int
+
+
+@dataclass(frozen=True)
+class SubMicrobatch:
+    """Instances [instance_start, instance_end) of `module` in microbatch `microbatch`.
+
+    Instances are images/clips for vision and diffusion modules, sequences/captions for text
+    modules, counted in the order the data side lists them in the microbatch. `tokens` is the
+    real token (or patch) count, `padded_tokens` what the runtime computes on (e.g. rounded up to
+    a multiple of the tensor-parallel size under sequence parallelism).
+    """
+
+    module: str
+    microbatch: int
+    index: int
+    instance_start: int
+    instance_end: int
+    tokens: int
+    padded_tokens: int
+
+    @property
+    def work(self) -> WorkId:
+        return WorkId(self.module, self.microbatch, self.index)
+
+    @property
+    def num_instances(self) -> int:
+        return self.instance_end - self.instance_start
+
+
+@dataclass(frozen=True, order=True)
+class Dependency:
+    """`producer`'s output (after its module's last chunk) is an input of `consumer`'s first
+    chunk: vision embeddings scattered into an LLM microbatch, a text encoding conditioning a DiT
+    sub-microbatch. The gradient flows back the same way when the producer is trainable."""
+
+    producer: WorkId
+    consumer: WorkId
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Denominators of the whole global batch (all data-parallel replicas), so that unequal
+    sub-microbatches and replicas still produce exactly the gradient of the global mean loss."""
+
+    num_microbatches: int  # microbatches of the whole global batch
+    num_samples: int
+    num_loss_tokens: int  # tokens that carry a loss (LLM labels; DiT latent tokens)
+    data_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Programs of all pipeline ranks of one data-parallel replica for one iteration."""
+
+    iteration: int
+    placement: Placement
+    microbatches: tuple[MicrobatchInfo, ...]
+    submicrobatches: tuple[SubMicrobatch, ...]
+    dependencies: tuple[Dependency, ...]
+    totals: BatchTotals
+    programs: tuple[Program, ...]
+    replica: int = 0
+    forward_only: bool = False
+    name: str = "custom"
+    version: int = FORMAT_VERSION
+    _sub_index: dict = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if len(self.programs) != self.placement.num_ranks:
+            raise ValueError(
+                f"plan has {len(self.programs)} programs for {self.placement.num_ranks} ranks"
+            )
+        for r, p in enumerate(self.programs):
+            if p.rank != r:
+                raise ValueError(f"program {r} is labelled rank {p.rank}")
+        index = {s.work: s for s in self.submicrobatches}
+        if len(index) != len(self.submicrobatches):
+            raise ValueError("duplicate sub-microbatch in plan")
+        object.__setattr__(self, "_sub_index", index)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.placement.num_ranks
+
+    def submicrobatch(self, work: WorkId) -> SubMicrobatch:
+        try:
+            return self._sub_index[work]
+        except KeyError:
+            raise KeyError(f"plan has no sub-microbatch {work}") from None
+
+    def program(self, rank: int) -> Program:
+        return self.programs[rank]

@@ -1,0 +1,27 @@
+"""megatron-dip: DIP, a dynamic modality-aware interleaved pipeline schedule for Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dip",
+    version="0.1.0",
+    description="Dynamic, modality-aware interleaved pipeline schedules for multimodal Megatron-Core training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dip", "megatron_dip.*"]),
+    # Ranges only: GPU clusters bring their own torch. The exact CPU pin lives in the README's
+    # set-up command. megatron-core 0.16.1 (Python 3.11) and 0.19.x are tested.
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.20",
+        "numpy>=1.24",
+        "scipy>=1.11",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.6"],
+        # Optional GPU accelerations; nothing in megatron-dip requires them.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+)
