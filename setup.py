@@ -1,12 +1,14 @@
 """megatron-dip: DIP, a dynamic modality-aware interleaved pipeline schedule for Megatron-Core."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="megatron-dip",
     version="0.1.0",
-    description="Dynamic, modality-aware interleaved pipeline schedules for multimodal Megatron-Core training",
-    long_description=open("README.md", encoding="utf-8").read(),
+    description="Dynamic modality-aware interleaved pipeline schedules for Megatron-Core",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_dip", "megatron_dip.*"]),

@@ -28,7 +28,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Union
 
 FORMAT_VERSION = 1
 
@@ -163,9 +162,9 @@ class Wait:
     keys: tuple[MessageKey, ...]
 
 
-Instruction = Union[Forward, Backward, Send, Recv, Wait]
-ComputeInstruction = Union[Forward, Backward]
-CommInstruction = Union[Send, Recv]
+Instruction = Forward | Backward | Send | Recv | Wait
+ComputeInstruction = Forward | Backward
+CommInstruction = Send | Recv
 INSTRUCTION_TYPES: tuple[type, ...] = (Forward, Backward, Send, Recv, Wait)
 
 
