@@ -289,7 +289,9 @@ class SubMicrobatch:
     Instances are images/clips for vision and diffusion modules, sequences/captions for text
     modules, counted in the order the data side lists them in the microbatch. `tokens` is the
     real token (or patch) count, `padded_tokens` what the runtime computes on (e.g. rounded up to
-    a multiple of the tensor-parallel size under sequence parallelism).
+    a multiple of the tensor-parallel size under sequence parallelism). `attention_pairs` is the
+    sum of squared lengths of the attention segments (documents of a packed sequence, single
+    images in a ViT), 0 meaning instances of equal length; it drives attention's quadratic cost.
     """
 
     module: str
@@ -299,6 +301,7 @@ class SubMicrobatch:
     instance_end: int
     tokens: int
     padded_tokens: int
+    attention_pairs: int = 0
 
     @property
     def work(self) -> WorkId:
