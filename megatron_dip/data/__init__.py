@@ -1,0 +1,1 @@
+"""Multimodal samples, batch metadata, synthetic generators, packing and readers (no torch)."""
