@@ -1,0 +1,295 @@
+"""The DIP planner: from a batch's metadata to one validated `Plan` per data-parallel replica.
+
+    BatchMeta -> replica split (balanced by estimated cost) -> packing into microbatches
+      -> sub-microbatches + dependencies -> stage graph -> dual-queue list schedule
+      -> MCTS over segment order -> recompute choice under the memory limit
+      -> communication pass -> validated Plan
+
+Everything here works on metadata only; the runtime is never imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from ..data.packing import PackingLimits, pack_microbatches, split_replicas
+from ..data.sample import BatchMeta, SampleMeta
+from ..models.layout import message_tensors
+from ..modelspec import ModuleKind, MultimodalSpec
+from ..schedule.graph import Dataflow
+from ..schedule.ir import BatchTotals, MessageKey, Placement, Plan, Recompute, StageId
+from ..schedule.passes import add_communication
+from ..schedule.validate import validate_plan
+from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, priorities_from_units
+from .memory import RecomputeChoice, choose_recompute
+from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
+from .submicrobatch import MicrobatchWork, split_microbatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner needs to know about the run (flags map onto these fields)."""
+
+    seq_length: int
+    data_parallel: int = 1
+    sub_sizes: Mapping[str, int] = field(default_factory=dict)  # per non-LLM module
+    search: SearchConfig = field(default_factory=SearchConfig)
+    memory_limit_bytes: float | None = None  # activation memory per rank
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    dtype: str = "float32"
+    message_latency: float = 0.0
+    lookahead: int = 1  # producer microbatches ahead of their consumer in the greedy order
+    fill_bubbles: bool = True  # dual-queue interleaving (False: fixed segment order)
+    use_search: bool = True
+    optimize_memory: bool = True
+    max_clips_per_microbatch: int | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """A plan with the planner's own statistics."""
+
+    plan: Plan
+    greedy_makespan: float
+    makespan: float
+    rollouts: int
+    recompute_added: float
+    planning_seconds: float
+
+
+def sample_loss_tokens(meta: SampleMeta, model: MultimodalSpec) -> int:
+    """Tokens of a sample that carry a loss (text tokens for an LLM, latent tokens for a DiT)."""
+    if model.loss_module.kind is ModuleKind.LLM:
+        return meta.text_tokens - sum(meta.llm_tokens)
+    return sum(meta.vision_tokens)
+
+
+class DipPlanner:
+    """Plans batches for a fixed model, placement and cost model."""
+
+    def __init__(
+        self,
+        model: MultimodalSpec,
+        cost_model,
+        placement: Placement,
+        config: PlannerConfig,
+    ) -> None:
+        self.model = model
+        self.cost_model = cost_model
+        self.placement = placement
+        self.config = config
+        missing = [
+            m.name
+            for m in model.modules
+            if m.kind is not ModuleKind.LLM and m.name not in config.sub_sizes
+        ]
+        if missing:
+            raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
+
+    # -- data side ---------------------------------------------------------------------------
+
+    def replica_samples(self, batch: BatchMeta) -> list[list[SampleMeta]]:
+        """Split the global batch over data-parallel replicas, balanced by estimated cost."""
+        if not batch.samples:
+            raise ValueError(f"iteration {batch.iteration}: empty batch")
+        return split_replicas(
+            list(batch.samples), num_replicas=self.config.data_parallel, cost=self._sample_cost
+        )
+
+    def _sample_cost(self, meta: SampleMeta) -> float:
+        total = 0.0
+        for m in self.model.modules:
+            if m.kind is ModuleKind.LLM or m.kind is ModuleKind.TEXT_ENCODER:
+                tokens, n = meta.text_tokens, 1
+            else:
+                tokens, n = sum(meta.vision_tokens), len(meta.vision_tokens)
+            if n and tokens:
+                total += self.cost_model.module_time(m.name, instances=n, tokens=tokens)
+        return total
+
+    def microbatches(self, samples: Sequence[SampleMeta]) -> list[MicrobatchWork]:
+        """Pack a replica's samples and cut every microbatch into sub-microbatches."""
+        by_id = {s.sample_id: s for s in samples}
+        limits = PackingLimits(
+            seq_length=self.config.seq_length,
+            max_instances=self.config.max_clips_per_microbatch,
+        )
+        packed = pack_microbatches(samples, limits=limits)
+        pad = self.config.tensor_parallel if self.config.sequence_parallel else 1
+        return [
+            split_microbatch(
+                self.model,
+                [by_id[i] for i in mb.sample_ids],
+                index=i,
+                seq_length=self.config.seq_length,
+                sub_sizes=self.config.sub_sizes,
+                pad_multiple=pad,
+            )
+            for i, mb in enumerate(packed)
+        ]
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def plan_batch(self, batch: BatchMeta) -> list[ReplicaPlan]:
+        """One plan per data-parallel replica for the global batch `batch`."""
+        replicas = self.replica_samples(batch)
+        works = [self.microbatches(samples) for samples in replicas]
+        totals = BatchTotals(
+            num_microbatches=sum(len(w) for w in works),
+            num_samples=batch.num_samples,
+            num_loss_tokens=sum(sample_loss_tokens(s, self.model) for s in batch.samples),
+            data_parallel_size=self.config.data_parallel,
+        )
+        return [
+            self.plan_replica(w, iteration=batch.iteration, replica=r, totals=totals)
+            for r, w in enumerate(works)
+        ]
+
+    def plan_replica(
+        self,
+        works: Sequence[MicrobatchWork],
+        *,
+        iteration: int,
+        replica: int,
+        totals: BatchTotals,
+        forward_only: bool = False,
+    ) -> ReplicaPlan:
+        """Schedule the microbatches of one replica and return its validated plan."""
+        started = time.perf_counter()
+        subs = tuple(s for w in works for s in w.submicrobatches)
+        deps = tuple(d for w in works for d in w.dependencies)
+        dataflow = Dataflow(self.placement, subs, deps)
+        sub_of = {s.work: s for s in subs}
+        schedule, search, choice = self._schedule(dataflow, sub_of, forward_only=forward_only)
+        tensors = functools.partial(self._tensors, sub_of)
+        programs = add_communication(schedule.orders, dataflow, tensors=tensors)
+        plan = Plan(
+            iteration=iteration,
+            placement=self.placement,
+            microbatches=tuple(w.info for w in works),
+            submicrobatches=subs,
+            dependencies=deps,
+            totals=totals,
+            programs=programs,
+            replica=replica,
+            forward_only=forward_only,
+            name="dip",
+        )
+        validate_plan(plan)
+        return ReplicaPlan(
+            plan,
+            search.greedy_makespan,
+            schedule.makespan,
+            search.rollouts,
+            choice.added_time,
+            time.perf_counter() - started,
+        )
+
+    def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
+        return message_tensors(
+            self.model,
+            key=key,
+            sub_lookup=sub_of.__getitem__,
+            dtype=self.config.dtype,
+            tensor_parallel=self.config.tensor_parallel,
+            sequence_parallel=self.config.sequence_parallel,
+        )
+
+    def _schedule(
+        self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool
+    ) -> tuple[ListSchedule, SearchResult, RecomputeChoice]:
+        limits = self._memory_limits()
+        choice = RecomputeChoice({}, 0.0)
+        graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
+        search = self._search(graph, dataflow, limits)
+        schedule = self._list_schedule(graph, search.order, limits, choice)
+        if self.config.optimize_memory and limits is not None and not forward_only:
+            choice = choose_recompute(
+                [[i for i in order] for order in schedule.orders],
+                mode_cost=functools.partial(self._mode_cost, sub_of),
+                keeps_activations=lambda s: dataflow.needs_backward(s.module),
+                memory_limit=limits,
+            )
+            if choice.modes:
+                graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
+                schedule = self._list_schedule(graph, search.order, limits, choice)
+        return schedule, search, choice
+
+    def _memory_limits(self) -> list[float] | None:
+        if self.config.memory_limit_bytes is None:
+            return None
+        return [self.config.memory_limit_bytes] * self.placement.num_ranks
+
+    def _graph(
+        self, dataflow: Dataflow, sub_of: Mapping, choice: RecomputeChoice, *, forward_only: bool
+    ):
+        def stage_cost(stage: StageId, recompute: Recompute) -> tuple[float, float, int]:
+            chunk = self.placement.module(stage.module).chunks[stage.chunk]
+            c = self.cost_model.stage_cost(chunk, sub_of[stage.work], recompute)
+            return c.forward, c.backward, c.activation_bytes
+
+        def transfer(key: MessageKey) -> float:
+            nbytes = sum(t.nbytes for t in self._tensors(sub_of, key))
+            return self.cost_model.transfer_time(nbytes) + self.config.message_latency
+
+        return build_stage_graph(
+            dataflow,
+            stage_cost=stage_cost,
+            transfer=transfer,
+            recompute=choice.of,
+            forward_only=forward_only,
+        )
+
+    def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: Recompute) -> tuple[float, int]:
+        chunk = self.placement.module(stage.module).chunks[stage.chunk]
+        c = self.cost_model.stage_cost(chunk, sub_of[stage.work], mode)
+        return c.forward + c.backward, c.activation_bytes
+
+    def _units(self, dataflow: Dataflow) -> dict[str, list[int]]:
+        units: dict[str, list[int]] = {}
+        for w in dataflow.works:
+            mbs = units.setdefault(w.module, [])
+            if not mbs or mbs[-1] != w.microbatch:
+                mbs.append(w.microbatch)
+        return units
+
+    def _search(self, graph, dataflow: Dataflow, limits) -> SearchResult:
+        feeds = {m.name: m.feeds for m in self.model.modules}
+        constraints = unit_constraints(
+            self._units(dataflow), feeds, lookahead=self.config.lookahead
+        )
+        factory = functools.partial(_score_factory, graph, limits, self.config.fill_bubbles)
+        config = self.config.search
+        if not self.config.use_search:
+            config = replace(config, max_rollouts=1)
+        return parallel_mcts_order(constraints, factory, config)
+
+    def _list_schedule(self, graph, order, limits, choice: RecomputeChoice) -> ListSchedule:
+        return list_schedule(
+            graph,
+            priority=priorities_from_units(graph.stages, order),
+            memory_limit=limits,
+            recompute=choice.of,
+            fill_bubbles=self.config.fill_bubbles,
+        )
+
+
+def _score_factory(graph, limits, fill_bubbles: bool):
+    """A picklable scorer for the search workers: unit order -> list-schedule makespan."""
+
+    def score(order) -> float:
+        return list_schedule(
+            graph,
+            priority=priorities_from_units(graph.stages, order),
+            memory_limit=limits,
+            fill_bubbles=fill_bubbles,
+        ).makespan
+
+    return score

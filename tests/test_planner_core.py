@@ -1,0 +1,239 @@
+"""Placement arithmetic, sub-microbatching, the list scheduler, the search and the memory pass,
+on small hand-checkable cases with a toy cost model."""
+
+import pytest
+
+from megatron_dip.data.sample import SampleMeta
+from megatron_dip.modelspec import tiny_t2v, tiny_vlm
+from megatron_dip.planner.list_scheduler import (
+    build_stage_graph,
+    list_schedule,
+    priorities_from_units,
+)
+from megatron_dip.planner.memory import MemoryLimitError, choose_recompute
+from megatron_dip.planner.placement import (
+    balanced_layer_split,
+    parse_segments,
+    segments_per_module,
+)
+from megatron_dip.planner.search import SearchConfig, mcts_order, unit_constraints
+from megatron_dip.planner.submicrobatch import split_microbatch, split_sizes
+from megatron_dip.schedule.graph import Dataflow
+from megatron_dip.schedule.ir import (
+    Backward,
+    ChunkSpec,
+    Dependency,
+    Forward,
+    ModuleLayout,
+    Placement,
+    Recompute,
+    SubMicrobatch,
+    WorkId,
+)
+
+
+def single_module(num_ranks: int, num_microbatches: int, *, chunks_per_rank: int = 1):
+    n = num_ranks * chunks_per_rank
+    chunks = tuple(ChunkSpec("m", c, c % num_ranks, c, c + 1) for c in range(n))
+    placement = Placement(num_ranks, (ModuleLayout("m", n, True, chunks),))
+    subs = [SubMicrobatch("m", mb, 0, 0, 1, 10, 10) for mb in range(num_microbatches)]
+    return Dataflow(placement, subs, [])
+
+
+def unit_graph(dataflow, fwd=1.0, bwd=2.0, act=1):
+    return build_stage_graph(
+        dataflow, stage_cost=lambda s, r: (fwd, bwd, act), transfer=lambda k: 0.0
+    )
+
+
+def order_string(order):
+    return " ".join(
+        ("F" if isinstance(i, Forward) else "B") + str(i.stage.microbatch) for i in order
+    )
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+
+def test_parse_segments_accepts_and_rejects():
+    assert parse_segments("vit=1, llm=2") == {"vit": 1, "llm": 2}
+    for bad in ("vit", "vit=0", "vit=x", "=2"):
+        with pytest.raises(ValueError, match="--dip-segments"):
+            parse_segments(bad)
+
+
+def test_segments_follow_floor_of_latency_ratio():
+    k = segments_per_module(tiny_vlm(), {"vit": 2.0, "llm": 5.1})
+    assert k == {"vit": 1, "llm": 2}
+    assert (
+        segments_per_module(tiny_vlm(), {"vit": 2.0, "llm": 5.1}, override={"llm": 3})["llm"] == 3
+    )
+    with pytest.raises(ValueError, match="unknown module"):
+        segments_per_module(tiny_vlm(), {"vit": 1.0, "llm": 1.0}, override={"dit": 1})
+
+
+def test_balanced_split_charges_head_to_last_chunk():
+    # 8 equal layers, 2 chunks; the last chunk also carries a head worth 2 layers.
+    cost = lambda i, s, e: (e - s) + (2.0 if e == 8 else 0.0)  # noqa: E731
+    assert balanced_layer_split(8, 2, cost) == [(0, 5), (5, 8)]
+    assert balanced_layer_split(4, 4, cost) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError, match="non-empty"):
+        balanced_layer_split(3, 4, cost)
+
+
+# -- sub-microbatches ---------------------------------------------------------------------------
+
+
+def test_split_sizes_balanced_ceil():
+    assert split_sizes(5, 2) == [2, 2, 1]
+    assert split_sizes(7, 3) == [3, 2, 2]
+    assert split_sizes(0, 4) == []
+    with pytest.raises(ValueError):
+        split_sizes(3, 0)
+
+
+def test_vlm_microbatch_subs_and_dependencies():
+    model = tiny_vlm()
+    samples = [
+        SampleMeta(0, 40, (64, 64), (16, 16)),
+        SampleMeta(1, 20),
+        SampleMeta(2, 30, (64, 64, 64), (16, 16, 16)),
+    ]
+    work = split_microbatch(model, samples, index=3, seq_length=128, sub_sizes={"vit": 2})
+    vit = [s for s in work.submicrobatches if s.module == "vit"]
+    assert [(s.instance_start, s.instance_end, s.tokens) for s in vit] == [
+        (0, 2, 128),
+        (2, 4, 128),  # sub-microbatches may span samples
+        (4, 5, 64),
+    ]
+    llm = [s for s in work.submicrobatches if s.module == "llm"]
+    assert len(llm) == 1 and llm[0].tokens == 128
+    assert llm[0].attention_pairs == 40**2 + 20**2 + 30**2 + 38**2
+    assert {d.producer for d in work.dependencies} == {WorkId("vit", 3, k) for k in range(3)}
+    assert {d.consumer for d in work.dependencies} == {WorkId("llm", 3, 0)}
+
+
+def test_t2v_dit_needs_captions_of_its_clips():
+    model = tiny_t2v()
+    samples = [SampleMeta(i, 10 + i, (32,)) for i in range(5)]
+    work = split_microbatch(
+        model, samples, index=0, seq_length=256, sub_sizes={"text": 3, "dit": 2}
+    )
+    deps = {(d.producer.sub, d.consumer.sub) for d in work.dependencies}
+    # text subs cover captions [0,3) [3,5); dit subs cover clips [0,2) [2,4) [4,5)
+    assert deps == {(0, 0), (0, 1), (1, 1), (1, 2)}
+
+
+def test_text_longer_than_sequence_is_rejected_naming_samples():
+    with pytest.raises(ValueError, match=r"samples \[7\]"):
+        split_microbatch(
+            tiny_vlm(), [SampleMeta(7, 300)], index=0, seq_length=128, sub_sizes={"vit": 1}
+        )
+
+
+# -- list scheduler -----------------------------------------------------------------------------
+
+
+def test_memory_limit_turns_greedy_into_1f1b():
+    g = unit_graph(single_module(4, 8))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(8)])
+    free = list_schedule(g, priority=prio)
+    assert order_string(free.orders[0]) == "F0 F1 F2 F3 F4 F5 F6 F7 B0 B1 B2 B3 B4 B5 B6 B7"
+    limited = list_schedule(g, priority=prio, memory_limit=[4, 3, 2, 1])
+    assert order_string(limited.orders[0]) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    assert order_string(limited.orders[3]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+    assert limited.peak_memory == (4, 3, 2, 1)
+    # Both are bubble-optimal for uniform stages: (M + P - 1) * (f + b).
+    assert free.makespan == limited.makespan == (8 + 4 - 1) * 3
+
+
+def test_fixed_order_waits_for_its_next_forward():
+    g = unit_graph(single_module(2, 3))
+    prio = priorities_from_units(g.stages, [("m", 2), ("m", 0), ("m", 1)])
+    fixed = list_schedule(g, priority=prio, fill_bubbles=False)
+    assert [i.stage.microbatch for i in fixed.orders[0] if isinstance(i, Forward)] == [2, 0, 1]
+
+
+def test_overcommit_reported_when_every_rank_is_stuck():
+    g = unit_graph(single_module(2, 4), act=10)
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    s = list_schedule(g, priority=prio, memory_limit=[5, 5])
+    assert s.overcommitted
+    assert sum(isinstance(i, Backward) for i in s.orders[0]) == 4
+
+
+# -- search ---------------------------------------------------------------------------------------
+
+
+def two_module_graph(num_ranks=2, microbatches=4):
+    layouts = (
+        ModuleLayout(
+            "vit",
+            num_ranks,
+            True,
+            tuple(ChunkSpec("vit", c, c, c, c + 1) for c in range(num_ranks)),
+        ),
+        ModuleLayout(
+            "llm",
+            num_ranks,
+            True,
+            tuple(ChunkSpec("llm", c, c, c, c + 1) for c in range(num_ranks)),
+        ),
+    )
+    placement = Placement(num_ranks, layouts)
+
+    subs, deps = [], []
+    for mb in range(microbatches):
+        if mb % 2 == 0:  # images only in even microbatches: uneven vision work
+            subs.append(SubMicrobatch("vit", mb, 0, 0, 4, 400, 400))
+            deps.append(Dependency(WorkId("vit", mb, 0), WorkId("llm", mb, 0)))
+        subs.append(SubMicrobatch("llm", mb, 0, 0, 1, 100, 100))
+    df = Dataflow(placement, subs, deps)
+    cost = lambda s, r: (s.module == "vit" and (3.0, 6.0, 1)) or (1.0, 2.0, 1)  # noqa: E731
+    return df, build_stage_graph(df, stage_cost=cost, transfer=lambda k: 0.1)
+
+
+def test_search_never_worse_than_greedy_and_deterministic():
+    df, g = two_module_graph()
+    units = {"vit": [0, 2], "llm": [0, 1, 2, 3]}
+    cons = unit_constraints(units, {"vit": "llm", "llm": None})
+    # producers precede their consumer; modules keep microbatch order
+    assert cons.units.index(("vit", 2)) < cons.units.index(("llm", 2))
+
+    def score(order):
+        return list_schedule(g, priority=priorities_from_units(g.stages, order)).makespan
+
+    a = mcts_order(cons, score, SearchConfig(max_rollouts=40, time_budget_s=30, seed=3))
+    b = mcts_order(cons, score, SearchConfig(max_rollouts=40, time_budget_s=30, seed=3))
+    assert a.order == b.order and a.makespan == b.makespan
+    assert a.makespan <= a.greedy_makespan
+    assert a.makespan == score(a.order)
+    for prefix_unit in a.order:
+        assert all(
+            x in a.order[: a.order.index(prefix_unit)] for x in cons.before.get(prefix_unit, ())
+        )
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def test_memory_pass_picks_cheapest_mode_under_limit():
+    g = unit_graph(single_module(2, 4))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
+    table = {Recompute.NONE: (3.0, 100), Recompute.SELECTIVE: (3.2, 60), Recompute.FULL: (4.0, 10)}
+    choice = choose_recompute(
+        orders,
+        mode_cost=lambda s, m: table[m],
+        keeps_activations=lambda s: True,
+        memory_limit=[250, 1000],
+    )
+    assert choice.modes == {("m", 0): Recompute.SELECTIVE}  # 4 x 60 <= 250 < 4 x 100
+    assert choice.added_time == pytest.approx(4 * 0.2)
+    with pytest.raises(MemoryLimitError, match="rank 0"):
+        choose_recompute(
+            orders,
+            mode_cost=lambda s, m: table[m],
+            keeps_activations=lambda s: True,
+            memory_limit=[30, 1000],
+        )
