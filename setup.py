@@ -20,6 +20,7 @@ setup(
         "numpy>=1.24",
         "scipy>=1.11",
         "matplotlib>=3.7",
+        "pillow>=10",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.6"],

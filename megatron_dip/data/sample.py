@@ -30,13 +30,15 @@ class SampleMeta:
     `vision_tokens[i]`: tokens of image/clip i inside its vision module (ViT patches, DiT latent
     tokens); `llm_tokens[i]`: tokens it occupies in the LLM sequence (VLM only, else 0).
     `text_tokens`: all tokens of the text sequence (image placeholders included for VLMs; the
-    caption for text-to-video).
+    caption for text-to-video). `frames[i]`: latent frames of clip i (diffusion only, else
+    empty); text-to-video packing budgets clip duration in these.
     """
 
     sample_id: int
     text_tokens: int
     vision_tokens: tuple[int, ...] = ()
     llm_tokens: tuple[int, ...] = ()
+    frames: tuple[int, ...] = ()
 
     @property
     def num_instances(self) -> int:

@@ -1,0 +1,383 @@
+"""Seeded synthetic multimodal data with paper-like distributions.
+
+A `MixtureSpec` describes data in token units, independent of the model: text lengths, images or
+clips per sample, image size as LLM tokens per side (13 x 13 = 169 tokens, as in the paper),
+video frames as DiT tokens per latent-frame side, clip durations in seconds. The model then fixes
+the pixel and latent sizes (patch size, merge, DiT patch), so one mixture serves the paper-scale
+simulation and the tiny CPU models alike; `MixtureSpec.scaled` shrinks all token counts by about
+a factor for tiny runs.
+
+Two outputs come from ONE seeded stream:
+
+* `generate_meta` — metadata only, vectorised, for the planner/simulator at paper scale;
+* `generate_samples` — real numpy arrays following `megatron_dip.data.sample`'s conventions.
+
+The stream is split in blocks of `BLOCK` samples; block b's structure (source, lengths, counts)
+comes from the seed sequence (seed, 0, b) and sample i's contents from (seed, 1, i). Any range of
+samples is thus reproducible on its own, and `sample_meta(generate_samples(...)[k])` equals
+`generate_meta(...)[k]` by construction (the tests check it).
+
+Presets (`MIXTURES`): "laion" (one image, 5-60 caption tokens: a packed 8192 sequence holds up to
+~47 images of 169 tokens), "obelics" (interleaved documents, 300-3000 text tokens, 0-6 images),
+"mixed" (both, half the samples each), "text-only"; for diffusion "t2v" (clips of 2-16 s at
+16 FPS, a causal VAE with 4x temporal and 8x spatial compression, 256p in three aspect ratios,
+captions of 20-200 tokens) and "t2i" (512p still images, one latent frame). Text lengths and
+durations are log-uniform: short items dominate, as in web data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Literal
+
+import numpy as np
+
+from megatron_dip.data.meta import ModelKind, model_kind, text_module, vision_module
+from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta
+from megatron_dip.modelspec import MultimodalSpec
+
+BLOCK = 1024
+_STRUCTURE, _CONTENT = 0, 1
+_FIRST_TEXT_ID = 2  # 0 = PAD and 1 = IMAGE_TOKEN never appear as text
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One kind of sample in a mixture. Ranges are inclusive.
+
+    `layout`: "image_first" puts the images before the text (captioning data), "interleaved"
+    places them at random distinct positions inside the text (documents).
+    `seconds`: clip duration range for diffusion video; None makes still images (one latent
+    frame).
+    """
+
+    name: str
+    weight: float
+    text_tokens: tuple[int, int]
+    instances: tuple[int, int] = (0, 0)
+    layout: Literal["image_first", "interleaved"] = "image_first"
+    seconds: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        lo, hi = self.text_tokens
+        if self.weight <= 0 or not 1 <= lo <= hi:
+            raise ValueError(f"source {self.name!r}: need weight > 0 and 1 <= text range: {self}")
+        if not 0 <= self.instances[0] <= self.instances[1]:
+            raise ValueError(f"source {self.name!r}: bad instance range {self.instances}")
+        if self.seconds is not None and not 0 < self.seconds[0] <= self.seconds[1]:
+            raise ValueError(f"source {self.name!r}: bad duration range {self.seconds}")
+
+
+@dataclass(frozen=True)
+class MixtureSpec:
+    """A weighted mixture of sources for one model kind ("vlm" or "diffusion").
+
+    `image_grid`: VLM images are square with image_grid^2 LLM tokens. `frame_grids`: diffusion
+    latent frames of (rows, cols) DiT tokens, one drawn uniformly per sample. Video frames come
+    at `fps`; the VAE keeps 1 + (frames - 1) // temporal_compression latent frames and divides
+    each pixel side by `spatial_compression`.
+    """
+
+    name: str
+    kind: ModelKind
+    sources: tuple[SourceSpec, ...]
+    image_grid: int = 13
+    frame_grids: tuple[tuple[int, int], ...] = ((16, 16),)
+    fps: int = 16
+    temporal_compression: int = 4
+    spatial_compression: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError(f"mixture {self.name!r} has no sources")
+        if self.image_grid < 1 or not self.frame_grids or min(min(g) for g in self.frame_grids) < 1:
+            raise ValueError(f"mixture {self.name!r}: grids must be >= 1")
+
+    def scaled(self, factor: float) -> MixtureSpec:
+        """A copy whose text lengths and per-image/per-frame token counts shrink by ~`factor`.
+
+        Image and frame sides shrink by sqrt(factor) so their token areas follow the text and a
+        packed sequence keeps about as many images. Counts and durations stay as they are.
+        """
+        if factor <= 0:
+            raise ValueError(f"scale factor must be positive, got {factor}")
+        if factor == 1:
+            return self
+
+        def side(g: int) -> int:
+            return max(1, round(g * math.sqrt(factor)))
+
+        def text(r: tuple[int, int]) -> tuple[int, int]:
+            lo = max(1, round(r[0] * factor))
+            return lo, max(lo, round(r[1] * factor))
+
+        sources = tuple(replace(s, text_tokens=text(s.text_tokens)) for s in self.sources)
+        grids = tuple((side(h), side(w)) for h, w in self.frame_grids)
+        return replace(
+            self,
+            name=f"{self.name}@{factor:g}",
+            sources=sources,
+            image_grid=side(self.image_grid),
+            frame_grids=grids,
+        )
+
+
+_LAION = SourceSpec("laion", 1.0, (5, 60), (1, 1), "image_first")
+_OBELICS = SourceSpec("obelics", 1.0, (300, 3000), (0, 6), "interleaved")
+_TEXT = SourceSpec("text", 1.0, (100, 4000))
+_VIDEO = SourceSpec("video", 1.0, (20, 200), (1, 1), seconds=(2.0, 16.0))
+_STILL = SourceSpec("image", 1.0, (10, 120), (1, 1))
+_VIDEO_GRIDS = ((16, 16), (16, 28), (28, 16))  # 256x256, 256x448, 448x256 pixels at 8x and p=2
+
+MIXTURES: MappingProxyType[str, MixtureSpec] = MappingProxyType(
+    {
+        "laion": MixtureSpec("laion", "vlm", (_LAION,)),
+        "obelics": MixtureSpec("obelics", "vlm", (_OBELICS,)),
+        "mixed": MixtureSpec("mixed", "vlm", (_LAION, _OBELICS)),
+        "text-only": MixtureSpec("text-only", "vlm", (_TEXT,)),
+        "t2v": MixtureSpec("t2v", "diffusion", (_VIDEO,), frame_grids=_VIDEO_GRIDS),
+        "t2i": MixtureSpec(
+            "t2i", "diffusion", (_STILL,), frame_grids=((32, 32), (32, 56), (56, 32))
+        ),
+    }
+)
+
+
+def get_mixture(name: str) -> MixtureSpec:
+    """The preset mixture `name` (see `MIXTURES`); raises KeyError listing the presets."""
+    try:
+        return MIXTURES[name]
+    except KeyError:
+        raise KeyError(f"unknown mixture {name!r}; presets: {sorted(MIXTURES)}") from None
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """Per-sample draws of a range of samples (arrays of equal length)."""
+
+    source: np.ndarray
+    text: np.ndarray  # text tokens without image placeholders (VLM) / caption tokens
+    instances: np.ndarray
+    frames: np.ndarray  # latent frames per clip (diffusion), 1 for still images
+    grid: np.ndarray  # index into frame_grids (diffusion)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+def _log_uniform(u: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Integers in [lo, hi], log-uniformly distributed, from uniforms `u` in [0, 1)."""
+    x = np.exp(np.log(lo) + u * (np.log(hi + 1.0) - np.log(lo)))
+    return np.clip(np.floor(x), lo, hi).astype(np.int64)
+
+
+def _draw_block(mixture: MixtureSpec, seed: int, block: int) -> _Structure:
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_STRUCTURE, block)))
+    src = mixture.sources
+    weights = np.cumsum([s.weight for s in src]) / sum(s.weight for s in src)
+    source = np.minimum(np.searchsorted(weights, rng.random(BLOCK), side="right"), len(src) - 1)
+    t_lo, t_hi = (np.array([s.text_tokens[k] for s in src])[source] for k in (0, 1))
+    text = _log_uniform(rng.random(BLOCK), t_lo.astype(float), t_hi.astype(float))
+    i_lo, i_hi = (np.array([s.instances[k] for s in src])[source] for k in (0, 1))
+    instances = i_lo + np.floor(rng.random(BLOCK) * (i_hi - i_lo + 1)).astype(np.int64)
+    # Interleaved images sit before distinct text positions, so there must be enough text.
+    interleaved = np.array([s.layout == "interleaved" for s in src])[source]
+    text = np.where(interleaved, np.maximum(text, instances), text)
+    video = np.array([s.seconds is not None for s in src])[source]
+    s_lo, s_hi = (np.array([(s.seconds or (1.0, 1.0))[k] for s in src])[source] for k in (0, 1))
+    seconds = np.exp(np.log(s_lo) + rng.random(BLOCK) * (np.log(s_hi) - np.log(s_lo)))
+    raw_frames = np.maximum(1, np.rint(seconds * mixture.fps)).astype(np.int64)
+    frames = np.where(video, 1 + (raw_frames - 1) // mixture.temporal_compression, 1)
+    grid = np.floor(rng.random(BLOCK) * len(mixture.frame_grids)).astype(np.int64)
+    return _Structure(source, text, instances, frames, grid)
+
+
+def _structure(mixture: MixtureSpec, seed: int, start: int, stop: int) -> _Structure:
+    """Draws of samples [start, stop), assembled from the blocks that hold them."""
+    if start < 0 or stop < start:
+        raise ValueError(f"bad sample range [{start}, {stop})")
+    parts = []
+    for block in range(start // BLOCK, (stop - 1) // BLOCK + 1 if stop > start else 0):
+        lo = max(start, block * BLOCK) - block * BLOCK
+        hi = min(stop, (block + 1) * BLOCK) - block * BLOCK
+        b = _draw_block(mixture, seed, block)
+        parts.append([a[lo:hi] for a in (b.source, b.text, b.instances, b.frames, b.grid)])
+    if not parts:
+        return _Structure(*(np.zeros(0, dtype=np.int64) for _ in range(5)))
+    return _Structure(*(np.concatenate(cols) for cols in zip(*parts)))
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What the model makes of the mixture's token units."""
+
+    kind: ModelKind
+    vocab: int
+    channels: int
+    patch: int  # ViT pixels per patch side / DiT latent pixels per patch side
+    image_side: int  # VLM image side in pixels
+    patches: int  # VLM ViT patches per image
+    llm: int  # VLM LLM tokens per image
+    grids: tuple[tuple[int, int], ...]  # diffusion DiT tokens per latent frame side
+
+
+def _sizes(mixture: MixtureSpec, model: MultimodalSpec, image_size: int | None) -> _Sizes:
+    kind = model_kind(model)
+    if kind != mixture.kind:
+        raise ValueError(f"mixture {mixture.name!r} is for {mixture.kind}, model is {kind}")
+    vis, vocab = vision_module(model), text_module(model).vocab_size
+    if vocab <= _FIRST_TEXT_ID:
+        raise ValueError(f"vocabulary of {vocab} leaves no ids for text")
+    if kind == "vlm":
+        unit = vis.patch_size * vis.merge
+        g = mixture.image_grid if image_size is None else _exact(image_size, unit, "image")
+        return _Sizes(kind, vocab, vis.in_channels, vis.patch_size, g * unit,
+                      (g * vis.merge) ** 2, g * g, ())  # fmt: skip
+    grids = mixture.frame_grids
+    if image_size is not None:
+        g = _exact(image_size, mixture.spatial_compression * vis.patch_size, "frame")
+        grids = ((g, g),)
+    return _Sizes(kind, vocab, vis.in_channels, vis.patch_size, 0, 0, 0, grids)
+
+
+def _exact(pixels: int, unit: int, what: str) -> int:
+    if pixels <= 0 or pixels % unit:
+        raise ValueError(f"{what} size {pixels} must be a positive multiple of {unit} pixels")
+    return pixels // unit
+
+
+def _metas(st: _Structure, sz: _Sizes, start: int) -> list[SampleMeta]:
+    if sz.kind == "vlm":
+        text = (st.text + st.instances * sz.llm).tolist()
+        inst = st.instances.tolist()
+        return [
+            SampleMeta(start + k, text[k], (sz.patches,) * n, (sz.llm,) * n)
+            for k, n in enumerate(inst)
+        ]
+    per_frame = np.array([h * w for h, w in sz.grids], dtype=np.int64)[st.grid]
+    tokens = (st.frames * per_frame).tolist()
+    text, frames = st.text.tolist(), st.frames.tolist()
+    return [
+        SampleMeta(start + k, text[k], (tokens[k],), (0,), (frames[k],)) for k in range(len(st))
+    ]
+
+
+def generate_meta(
+    mixture: MixtureSpec | str,
+    *,
+    model: MultimodalSpec,
+    num_samples: int,
+    seed: int,
+    start: int = 0,
+    scale: float = 1.0,
+    image_size: int | None = None,
+) -> list[SampleMeta]:
+    """Metadata of samples [start, start + num_samples) of the seeded stream; ids are positions.
+
+    `scale` applies `MixtureSpec.scaled`; `image_size` (pixels) overrides the image side (VLM)
+    or the square frame side (diffusion). Vectorised: 10k samples take a few tens of ms.
+    """
+    mix = (get_mixture(mixture) if isinstance(mixture, str) else mixture).scaled(scale)
+    sizes = _sizes(mix, model, image_size)
+    return _metas(_structure(mix, seed, start, start + num_samples), sizes, start)
+
+
+def generate_samples(
+    mixture: MixtureSpec | str,
+    *,
+    model: MultimodalSpec,
+    num_samples: int,
+    seed: int,
+    start: int = 0,
+    scale: float = 1.0,
+    image_size: int | None = None,
+) -> list[Sample]:
+    """Samples [start, start + num_samples) with arrays; their metadata equals `generate_meta`'s.
+
+    VLM: token ids in [2, vocab) with one IMAGE_TOKEN run per image, float32 images [C, H, W],
+    labels_mask 1 on text and 0 on placeholders. Diffusion: caption ids, one float32 latent clip
+    [T, C, h, w], no labels_mask (the loss covers the latent tokens).
+    """
+    mix = (get_mixture(mixture) if isinstance(mixture, str) else mixture).scaled(scale)
+    sizes = _sizes(mix, model, image_size)
+    st = _structure(mix, seed, start, start + num_samples)
+    return [_sample(mix, sizes, st, k, start + k, seed) for k in range(len(st))]
+
+
+def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, seed: int) -> Sample:
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_CONTENT, index)))
+    words = rng.integers(_FIRST_TEXT_ID, sz.vocab, size=int(st.text[k]), dtype=np.int64)
+    if sz.kind == "diffusion":
+        h, w = sz.grids[int(st.grid[k])]
+        shape = (int(st.frames[k]), sz.channels, h * sz.patch, w * sz.patch)
+        return Sample(index, words, [rng.standard_normal(shape, dtype=np.float32)])
+    n = int(st.instances[k])
+    if mix.sources[int(st.source[k])].layout == "interleaved":
+        cuts = np.sort(rng.choice(words.size, size=n, replace=False))
+    else:
+        cuts = np.zeros(n, dtype=np.int64)
+    run = np.full(sz.llm, IMAGE_TOKEN, dtype=np.int64)
+    pieces = np.split(words, cuts)
+    text = np.concatenate([x for i, p in enumerate(pieces) for x in ((run, p) if i else (p,))])
+    shape = (sz.channels, sz.image_side, sz.image_side)
+    images = [rng.standard_normal(shape, dtype=np.float32) for _ in range(n)]
+    return Sample(index, text, images, (text != IMAGE_TOKEN).astype(np.uint8))
+
+
+class SyntheticSource:
+    """The synthetic stream as a random-access, unbounded sample source for `BatchStream`.
+
+    Caches the last few structure blocks, so reading metadata position by position stays cheap.
+    """
+
+    num_samples: int | None = None  # unbounded
+
+    def __init__(
+        self,
+        mixture: MixtureSpec | str,
+        *,
+        model: MultimodalSpec,
+        seed: int,
+        scale: float = 1.0,
+        image_size: int | None = None,
+    ) -> None:
+        self.model = model
+        self.mixture = (get_mixture(mixture) if isinstance(mixture, str) else mixture).scaled(scale)
+        self.seed = seed
+        self._sizes = _sizes(self.mixture, model, image_size)
+        self._blocks: dict[int, _Structure] = {}
+
+    def _block(self, block: int) -> _Structure:
+        if block not in self._blocks:
+            if len(self._blocks) >= 4:
+                self._blocks.pop(next(iter(self._blocks)))
+            self._blocks[block] = _draw_block(self.mixture, self.seed, block)
+        return self._blocks[block]
+
+    def metas(self, indices: Sequence[int]) -> list[SampleMeta | None]:
+        """Metadata of the given stream positions (never None: synthetic samples are valid)."""
+        out: list[SampleMeta | None] = []
+        k = 0
+        while k < len(indices):
+            # Consecutive indices inside one block become one vectorised slice.
+            first, end = indices[k], k + 1
+            while (
+                end < len(indices)
+                and indices[end] == first + end - k
+                and indices[end] // BLOCK == first // BLOCK
+            ):
+                end += 1
+            b, lo = self._block(first // BLOCK), first % BLOCK
+            j = slice(lo, lo + end - k)
+            part = _Structure(b.source[j], b.text[j], b.instances[j], b.frames[j], b.grid[j])
+            out.extend(_metas(part, self._sizes, first))
+            k = end
+        return out
+
+    def sample(self, index: int) -> Sample:
+        """The arrays of stream position `index`."""
+        b = self._block(index // BLOCK)
+        return _sample(self.mixture, self._sizes, b, index % BLOCK, index, self.seed)

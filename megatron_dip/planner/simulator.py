@@ -1,0 +1,220 @@
+"""The simulator: a plan's iteration time, bubbles and activation memory under a cost model.
+
+Timing is `schedule.engine.execute_programs`, the same machine that defines the plan semantics;
+this module only supplies durations and reads the result:
+
+* a `Forward` lasts `stage_cost(chunk, sub, recompute).forward`, a `Backward` `.backward` with the
+  recompute strategy of its stage's forward;
+* a message lasts `transfer_time(bytes of its tensors) + message_latency`. The extra per-message
+  latency models the per-operation hand-over overhead that EMULATION.md measured (it grows with
+  the number of messages, so schedules that send more messages must pay for it).
+
+Activation memory per rank is a step function over time: a stage adds its `activation_bytes` at
+the end of its forward and releases them at the end of its backward. A forward-only stage (frozen
+module with nothing trainable upstream) runs without autograd and holds nothing afterwards; what
+its consumers keep of its output is part of their own activation bytes. Transient working memory
+inside an operator, parameters, gradients and optimizer state are not part of this timeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..schedule.engine import ExecutionResult, execute_programs
+from ..schedule.ir import (
+    Backward,
+    ChunkSpec,
+    Forward,
+    Instruction,
+    Plan,
+    Recompute,
+    Send,
+    StageId,
+    SubMicrobatch,
+)
+from .cost_model import StageCost
+from .trace import Span, chrome_trace_events, plan_timeline
+
+__all__ = ["SimResult", "StageCostModel", "UniformCost", "simulate"]
+
+
+class StageCostModel(Protocol):
+    """What the simulator needs of a cost model (`CostModel` or any stand-in)."""
+
+    def stage_cost(
+        self, chunk: ChunkSpec, sub: SubMicrobatch, recompute: Recompute = Recompute.NONE
+    ) -> StageCost:
+        """Seconds of forward and backward and activation bytes of `chunk` on `sub`."""
+        ...
+
+    def transfer_time(self, nbytes: int) -> float:
+        """Seconds of one message of `nbytes` between pipeline ranks."""
+        ...
+
+
+@dataclass(frozen=True)
+class UniformCost:
+    """Every stage costs the same: the cost model of the textbook bubble formulas and of timeline
+    drawings. `per_layer` multiplies the times and bytes by the chunk's layer count."""
+
+    forward: float = 1.0
+    backward: float = 2.0
+    activation_bytes: int = 1
+    transfer: float = 0.0
+    per_layer: bool = False
+
+    def stage_cost(
+        self, chunk: ChunkSpec, sub: SubMicrobatch, recompute: Recompute = Recompute.NONE
+    ) -> StageCost:
+        """The same forward/backward/bytes for every stage (times the layers if `per_layer`)."""
+        n = chunk.num_layers if self.per_layer else 1
+        return StageCost(n * self.forward, n * self.backward, n * self.activation_bytes)
+
+    def transfer_time(self, nbytes: int) -> float:
+        """`transfer` seconds for any message."""
+        return self.transfer
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Simulated timing and memory of one plan.
+
+    `busy[r]`: compute seconds of rank r; `idle[r]` = iteration_time - busy[r].
+    `bubble_fraction` = 1 - sum(busy) / (ranks * iteration_time).
+    `lower_bound`: the busiest rank's compute, what no schedule of these stages can beat;
+    `bound_efficiency` = lower_bound / iteration_time.
+    `peak_activation_bytes[r]` and `memory_timeline[r]` (time, bytes held after it) per rank.
+    """
+
+    iteration_time: float
+    busy: tuple[float, ...]
+    idle: tuple[float, ...]
+    bubble_fraction: float
+    lower_bound: float
+    bound_efficiency: float
+    peak_activation_bytes: tuple[int, ...]
+    memory_timeline: tuple[tuple[tuple[float, int], ...], ...]
+    num_messages: int
+    timeline: tuple[tuple[Span, ...], ...]
+    execution: ExecutionResult = field(compare=False, repr=False)
+    memory_limit_bytes: int | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.busy)
+
+    @property
+    def ranks_over_memory(self) -> tuple[int, ...]:
+        """Ranks whose activation peak exceeds `memory_limit_bytes` (none without a limit)."""
+        if self.memory_limit_bytes is None:
+            return ()
+        return tuple(
+            r for r, p in enumerate(self.peak_activation_bytes) if p > self.memory_limit_bytes
+        )
+
+    def trace_events(self) -> list[dict]:
+        """Chrome/Perfetto trace events of the simulated timeline (see `planner.trace`)."""
+        return chrome_trace_events(self.timeline)
+
+    def summary(self) -> str:
+        """One line: iteration time, bubble fraction, bound efficiency, largest memory peak."""
+        peak = max(self.peak_activation_bytes, default=0)
+        return (
+            f"iteration {self.iteration_time * 1e3:.3f} ms, bubbles {self.bubble_fraction:.1%}, "
+            f"bound efficiency {self.bound_efficiency:.1%}, peak activations {peak / 2**30:.2f} GiB"
+        )
+
+
+def _stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[StageId]]:
+    """(stage -> StageCost with its forward's recompute, stages that run a backward)."""
+    recompute: dict[StageId, Recompute] = {}
+    has_backward: set[StageId] = set()
+    for program in plan.programs:
+        for ins in program.instructions:
+            if isinstance(ins, Forward):
+                recompute[ins.stage] = ins.recompute
+            elif isinstance(ins, Backward):
+                has_backward.add(ins.stage)
+    costs = {}
+    for stage, mode in recompute.items():
+        chunk = plan.placement.module(stage.module).chunks[stage.chunk]
+        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), mode)
+    missing = has_backward - recompute.keys()
+    if missing:
+        raise ValueError(f"plan has backwards without a forward: {sorted(map(str, missing))[:5]}")
+    return costs, has_backward
+
+
+def _memory(
+    plan: Plan, execution: ExecutionResult, costs: dict, has_backward: set[StageId]
+) -> tuple[tuple[int, ...], tuple[tuple[tuple[float, int], ...], ...]]:
+    peaks, timelines = [], []
+    for program, spans in zip(plan.programs, execution.spans):
+        held, peak, steps = 0, 0, []
+        for index, _, end in spans:  # spans of one rank never overlap: program order is time order
+            ins = program.instructions[index]
+            nbytes = int(costs[ins.stage].activation_bytes)
+            if isinstance(ins, Forward) and ins.stage in has_backward:
+                held += nbytes
+            elif isinstance(ins, Backward):
+                held -= nbytes
+            else:
+                continue
+            peak = max(peak, held)
+            steps.append((end, held))
+        peaks.append(peak)
+        timelines.append(tuple(steps))
+    return tuple(peaks), tuple(timelines)
+
+
+def simulate(
+    plan: Plan,
+    cost_model: StageCostModel,
+    *,
+    message_latency: float = 0.0,
+    post_overhead: float = 0.0,
+    memory_limit_bytes: int | None = None,
+) -> SimResult:
+    """Simulate one iteration of `plan` with durations from `cost_model`.
+
+    `message_latency` is added to every message's transfer time, `post_overhead` to every posted
+    batch of sends/receives (both seconds). Raises `schedule.DeadlockError` / `PlanError` for a
+    plan that cannot run.
+    """
+    costs, has_backward = _stage_costs(plan, cost_model)
+
+    def compute_time(rank: int, ins: Instruction) -> float:
+        c = costs[ins.stage]
+        return c.forward if isinstance(ins, Forward) else c.backward
+
+    def transfer_time(send: Send) -> float:
+        nbytes = sum(t.nbytes for t in send.tensors)
+        return cost_model.transfer_time(nbytes) + message_latency
+
+    execution = execute_programs(
+        plan.programs,
+        compute_time=compute_time,
+        transfer_time=transfer_time,
+        post_overhead=post_overhead,
+    )
+    iteration = execution.makespan
+    busy = tuple(sum(end - start for _, start, end in spans) for spans in execution.spans)
+    bound = max(busy, default=0.0)
+    ranks = len(busy)
+    peaks, mem_timeline = _memory(plan, execution, costs, has_backward)
+    sends = sum(isinstance(i, Send) for p in plan.programs for i in p.instructions)
+    return SimResult(
+        iteration_time=iteration,
+        busy=busy,
+        idle=tuple(iteration - b for b in busy),
+        bubble_fraction=1.0 - sum(busy) / (ranks * iteration) if iteration > 0 else 0.0,
+        lower_bound=bound,
+        bound_efficiency=bound / iteration if iteration > 0 else 1.0,
+        peak_activation_bytes=peaks,
+        memory_timeline=mem_timeline,
+        num_messages=sends,
+        timeline=plan_timeline(plan, execution),
+        execution=execution,
+        memory_limit_bytes=memory_limit_bytes,
+    )

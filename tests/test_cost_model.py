@@ -1,0 +1,241 @@
+"""The analytic cost model: paper ballparks, scaling laws, recompute, TP, profiles, calibration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_dip.modelspec import PAPER_SETUPS, tiny_t2v
+from megatron_dip.planner.cost_model import CostModel, load_profile
+from megatron_dip.planner.devices import DEVICES, H100, H800, get_device
+from megatron_dip.schedule.ir import ChunkSpec, Recompute, SubMicrobatch
+
+VLM_S = PAPER_SETUPS["vlm-s"]  # ViT-5B + Llama3-8B, TP4
+VLM_M = PAPER_SETUPS["vlm-m"]  # ViT-5B + Qwen2-32B, TP8: the paper's 37B VLM
+
+
+def _mid(module: str) -> ChunkSpec:
+    """A chunk of one inner layer (no embedding or head)."""
+    return ChunkSpec(module, 1, 0, 5, 6)
+
+
+def _sub(module: str, instances: int, tokens: int, pairs: int = 0) -> SubMicrobatch:
+    return SubMicrobatch(module, 0, 0, 0, instances, tokens, tokens, pairs)
+
+
+def _layer_ms(cm: CostModel, module: str, instances: int, tokens: int, pairs: int = 0) -> float:
+    c = cm.stage_cost(_mid(module), _sub(module, instances, tokens, pairs))
+    return (c.forward + c.backward) * 1e3
+
+
+def test_device_presets() -> None:
+    assert get_device("h800") is H800 and set(DEVICES) == {"H100", "H200", "H800"}
+    assert H800.nvlink_bandwidth < H100.nvlink_bandwidth
+    assert DEVICES["H200"].hbm_bandwidth > H100.hbm_bandwidth
+    with pytest.raises(ValueError, match="H100, H200, H800"):
+        get_device("A100")
+
+
+def test_paper_vlm_layers_are_in_the_right_ballpark() -> None:
+    # Paper (37B VLM, TP8): ViT layer 6.75 ms, LLM layer 10.5 ms, forward + backward.
+    for setup, device in ((VLM_S, H100), (VLM_M, H800)):
+        cm = CostModel(setup.model, device, tensor_parallel=setup.tensor_parallel)
+        llm = _layer_ms(cm, "llm", 1, 8192, 8 * 1024**2)  # 8 packed documents of 1024 tokens
+        assert 3.0 < llm < 25.0
+        # Per token a ViT-5B layer is far cheaper than the LLM's ...
+        assert 0.15 < _layer_ms(cm, "vit", 8, 8192) / llm < 0.7
+        # ... but a sequence of 48 images of 169 LLM tokens is 48 x 2704 patches in the ViT.
+        assert _layer_ms(cm, "vit", 48, 48 * 2704) > 2 * llm
+    # The paper's ratio is reached with a realistic image share (14 images of 52x52 patches).
+    cm = CostModel(VLM_M.model, H800, tensor_parallel=8)
+    ratio = _layer_ms(cm, "vit", 14, 14 * 2704) / _layer_ms(cm, "llm", 1, 8192, 8 * 1024**2)
+    assert 6.75 / 10.5 / 2 < ratio < 6.75 / 10.5 * 2
+
+
+def test_attention_is_quadratic_in_segment_length() -> None:
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    # Same 8192 tokens, longer documents: more attention work.
+    times = [_layer_ms(cm, "llm", 1, 8192, (8192 // d) * d * d) for d in (512, 2048, 8192)]
+    assert times[0] < times[1] < times[2]
+    # Per-token cost of one sequence grows with its length once GEMMs are saturated.
+    per_token = [_layer_ms(cm, "llm", 1, t) / t for t in (8192, 16384, 32768)]
+    assert per_token[0] < per_token[1] < per_token[2]
+    # The increase is linear in attention pairs: doubling the document length doubles it.
+    base = _layer_ms(cm, "llm", 1, 32768, 32768 * 4096)
+    d1 = _layer_ms(cm, "llm", 1, 32768, 32768 * 8192) - base
+    d2 = _layer_ms(cm, "llm", 1, 32768, 32768 * 16384) - base
+    assert d2 / d1 == pytest.approx(3.0, rel=0.05)
+    # ViT: same patches in fewer, larger images cost more (default pairs = tokens^2 / instances).
+    assert _layer_ms(cm, "vit", 4, 4 * 4096) > _layer_ms(cm, "vit", 16, 4 * 4096)
+
+
+def test_recompute_trades_time_for_memory() -> None:
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, flash_attention=False)
+    chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
+    none, sel, full = (cm.stage_cost(chunk, sub, r) for r in Recompute)
+    assert none.forward == sel.forward == full.forward
+    assert none.backward < sel.backward < full.backward
+    assert full.backward == pytest.approx(none.backward + none.forward)
+    assert none.activation_bytes > sel.activation_bytes > full.activation_bytes
+    # Full recompute keeps the chunk input only: tokens x hidden x 2 bytes.
+    assert full.activation_bytes == 8192 * 4096 * 2
+    # With flash attention the scores are never stored, so selective saves almost nothing.
+    flash = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    f_none, f_sel = (flash.stage_cost(chunk, sub, r) for r in (Recompute.NONE, Recompute.SELECTIVE))
+    assert f_none.activation_bytes > f_sel.activation_bytes > 0.99 * f_none.activation_bytes
+
+
+def test_activation_memory_follows_korthikanti() -> None:
+    # Korthikanti et al.: sbh(34 + 5as/h) bytes per layer for MLP 4h with dropout. Without dropout
+    # (its two sbh masks and the as^2b mask + dropped scores) that is sbh(32 + 2as/h); for another
+    # FFN width the two 8sbh GELU terms become 2 * 2sbh * ffn/h.
+    vit = PAPER_SETUPS["vlm-s"].model
+    cm = CostModel(vit, H100, flash_attention=False)
+    s, h, a = 4096, 1792, 16
+    got = cm.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
+    ffn = vit.module("vit").layer.ffn
+    # 4 norm/GEMM inputs, Q K V, out-proj input, 2 x ffn (GELU input and output); scores
+    want = 2 * s * h * (4 + 3 + 1 + 2 * ffn / h) + 2 * a * s * s
+    assert got == pytest.approx(want, rel=1e-6)
+    tp = CostModel(vit, H100, tensor_parallel=4, flash_attention=False)
+    sp = CostModel(vit, H100, tensor_parallel=4, sequence_parallel=True, flash_attention=False)
+    bytes_tp = tp.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
+    bytes_sp = sp.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
+    assert bytes_sp == pytest.approx(got / 4, rel=1e-6)
+    assert bytes_sp < bytes_tp < got
+
+
+def test_tensor_parallel_divides_compute_and_adds_communication() -> None:
+    one = CostModel(VLM_S.model, H100)
+    four = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    four_h800 = CostModel(VLM_S.model, H800, tensor_parallel=4)
+    t1, t4 = _layer_ms(one, "llm", 1, 8192), _layer_ms(four, "llm", 1, 8192)
+    assert t1 / 4 < t4 < t1 / 2
+    assert _layer_ms(four_h800, "llm", 1, 8192) > t4  # slower NVLink, same compute
+
+
+def test_efficiency_is_monotone_and_saturating() -> None:
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    for tokens in (256, 1024, 2704):
+        curve = [
+            cm.efficiency("vit", instances=b, tokens_per_instance=tokens) for b in range(1, 65)
+        ]
+        assert all(0 < e <= 1 for e in curve)
+        assert all(a <= b + 1e-12 for a, b in zip(curve, curve[1:]))
+        gains = [curve[2 * b - 1] - curve[b - 1] for b in (1, 2, 4, 8, 16, 32)]  # doublings
+        assert gains[-3] > gains[-2] > gains[-1]  # an S-curve over log(size): flattening
+        assert gains[-1] < 0.05 * curve[63] and curve[0] < 0.9 * curve[63]
+        size = next(b for b, e in enumerate(curve, 1) if e >= 0.95 * max(curve))
+        assert 1 < size < 48
+
+
+def test_input_and_output_layers_are_charged_to_end_chunks() -> None:
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    sub = _sub("llm", 1, 8192)
+    first, mid, last = (
+        cm.stage_cost(ChunkSpec("llm", i, 0, s, s + 1), sub) for i, s in ((0, 0), (1, 5), (2, 31))
+    )
+    assert first.forward > mid.forward and last.forward > mid.forward
+    assert last.activation_bytes > mid.activation_bytes + 8192 * 128256 // 4 * 4 - 1  # fp32 logits
+    # Llama3-8B: 6.98 B in its layers, 8.03 B with embedding and head.
+    layers = sum(cm.chunk_params(ChunkSpec("llm", i, 0, i, i + 1)) for i in range(1, 31))
+    total = cm.chunk_params(ChunkSpec("llm", 0, 0, 0, 32))
+    assert layers == 30 * cm.layer_params("llm")
+    assert total == pytest.approx(8.03e9, rel=0.01)
+    assert 32 * cm.layer_params("llm") == pytest.approx(6.98e9, rel=0.01)
+
+
+def test_dit_cross_attention_and_frozen_text_encoder() -> None:
+    t2v = PAPER_SETUPS["t2v-s"]
+    short = CostModel(t2v.model, H100, tensor_parallel=4, caption_tokens=64)
+    long = CostModel(t2v.model, H100, tensor_parallel=4, caption_tokens=1024)
+    assert _layer_ms(long, "dit", 4, 4 * 4096) > _layer_ms(short, "dit", 4, 4 * 4096)
+    # The frozen text encoder runs forward only; the DiT forward and backward.
+    text = short.stage_cost(ChunkSpec("text", 0, 0, 0, 32), _sub("text", 8, 8 * 256))
+    assert short.module_time("text", instances=8, tokens=8 * 256) == pytest.approx(text.forward)
+    dit = short.stage_cost(ChunkSpec("dit", 0, 0, 0, 28), _sub("dit", 2, 8192))
+    assert short.module_time("dit", instances=2, tokens=8192) == pytest.approx(
+        dit.forward + dit.backward
+    )
+    # A frozen LLM fed by a trainable vision module still needs its backward.
+    tiny = CostModel(tiny_t2v(train_text=True), H100)
+    whole = tiny.stage_cost(ChunkSpec("dit", 0, 0, 0, 8), _sub("dit", 1, 64))
+    assert tiny.module_time("dit", instances=1, tokens=64) == pytest.approx(
+        whole.forward + whole.backward
+    )
+
+
+def test_transfer_time_is_latency_plus_bandwidth() -> None:
+    cm = CostModel(VLM_S.model, H100)
+    assert cm.transfer_time(0) == H100.p2p_latency
+    assert cm.transfer_time(10**9) == pytest.approx(H100.p2p_latency + 10**9 / H100.ib_bandwidth)
+
+
+def _profile(tmp_path, **changes) -> str:
+    data = {
+        "format": "megatron-dip-profile/1",
+        "device": "H100",
+        "software": {"torch": "2.6.0", "megatron_core": "0.16.1"},
+        "attention": "flash-attn 2",
+        "tensor_parallel": 4,
+        "modules": {
+            "llm": [
+                {"tokens": 4096, "instances": 1, "forward_ms": 2.0, "backward_ms": 4.0},
+                {"tokens": 8192, "instances": 1, "forward_ms": 4.0, "backward_ms": 9.0},
+                {"tokens": 4096, "instances": 2, "forward_ms": 3.0, "backward_ms": 6.0},
+                {"tokens": 8192, "instances": 2, "forward_ms": 6.0, "backward_ms": 14.0},
+            ]
+        },
+    }
+    data.update(changes)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_profile_is_preferred_and_interpolated(tmp_path) -> None:
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, profile=load_profile(_profile(tmp_path)))
+    analytic = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    c = cm.stage_cost(_mid("llm"), _sub("llm", 1, 6144))
+    assert (c.forward, c.backward) == pytest.approx((3.0e-3, 6.5e-3))
+    # Two instances: per-instance times of the 2-instance measurements, times two.
+    c2 = cm.stage_cost(_mid("llm"), _sub("llm", 2, 2 * 8192))
+    assert (c2.forward, c2.backward) == pytest.approx((6.0e-3, 14.0e-3))
+    # Beyond the measured tokens: the edge measurement scaled by the analytic model.
+    big, edge = (analytic.stage_cost(_mid("llm"), _sub("llm", 1, t)).forward for t in (16384, 8192))
+    assert cm.stage_cost(_mid("llm"), _sub("llm", 1, 16384)).forward == pytest.approx(
+        4e-3 * big / edge, rel=1e-3
+    )
+    # The ViT is not covered: analytic.
+    assert cm.stage_cost(_mid("vit"), _sub("vit", 4, 4096)) == analytic.stage_cost(
+        _mid("vit"), _sub("vit", 4, 4096)
+    )
+
+
+def test_invalid_profile_names_file_and_field(tmp_path) -> None:
+    bad_entry = {"llm": [{"tokens": 4096, "instances": 1, "forward_ms": -1, "backward_ms": 1}]}
+    with pytest.raises(ValueError, match=r"profile\.json.*modules\.llm\[0\]\.forward_ms"):
+        load_profile(_profile(tmp_path, modules=bad_entry))
+    with pytest.raises(ValueError, match="'tensor_parallel'"):
+        load_profile(_profile(tmp_path, tensor_parallel=0))
+    with pytest.raises(ValueError, match="'format'"):
+        load_profile(_profile(tmp_path, format="v0"))
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        CostModel(VLM_S.model, H100, tensor_parallel=8, profile=load_profile(_profile(tmp_path)))
+
+
+def test_calibrated_copy_scales_one_module() -> None:
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    cal = cm.calibrated({"vit": 1.5})
+    sub = _sub("vit", 4, 4096)
+    base, scaled = cm.stage_cost(_mid("vit"), sub), cal.stage_cost(_mid("vit"), sub)
+    assert scaled.forward == pytest.approx(1.5 * base.forward)
+    assert scaled.backward == pytest.approx(1.5 * base.backward)
+    assert scaled.activation_bytes == base.activation_bytes
+    llm = _sub("llm", 1, 8192)
+    assert cal.stage_cost(_mid("llm"), llm) == cm.stage_cost(_mid("llm"), llm)
+    with pytest.raises(ValueError, match="> 0"):
+        cm.calibrated({"vit": 0.0})
+    with pytest.raises(KeyError, match="nope"):
+        cm.calibrated({"nope": 1.1})

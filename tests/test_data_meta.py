@@ -1,0 +1,113 @@
+"""sample_meta: token arithmetic and validation messages that name the sample."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_dip.data.meta import clip_tokens, image_tokens, sample_meta
+from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta
+from megatron_dip.modelspec import PAPER_SETUPS, tiny_t2v, tiny_vlm
+
+VLM = tiny_vlm()  # ViT patch 8, merge 2 -> images in multiples of 16 pixels
+T2V = tiny_t2v()  # DiT patch 2, 4 latent channels
+
+
+def _vlm_sample(sid=7, sizes=((32, 48),), text_before=3, text_after=4):
+    parts, images = [np.full(text_before, 5)], []
+    for h, w in sizes:
+        parts += [np.full((h // 16) * (w // 16), IMAGE_TOKEN), np.full(2, 6)]
+        images.append(np.zeros((3, h, w), np.float32))
+    parts.append(np.full(text_after, 7))
+    text = np.concatenate(parts).astype(np.int64)
+    return Sample(sid, text, images, (text != IMAGE_TOKEN).astype(np.uint8))
+
+
+def test_paper_vit_image_is_169_llm_tokens():
+    vit = PAPER_SETUPS["vlm-s"].model.module("vit")
+    assert image_tokens(height=728, width=728, vit=vit) == (52 * 52, 169)
+
+
+def test_vlm_meta_counts_patches_and_merged_tokens():
+    s = _vlm_sample(sizes=((32, 48), (16, 16)))
+    meta = sample_meta(s, model=VLM)
+    assert meta == SampleMeta(7, s.text.size, (4 * 6, 2 * 2), (6, 1))
+    assert meta.num_instances == 2
+
+
+def test_adjacent_images_share_one_placeholder_run():
+    text = np.array([5] + [IMAGE_TOKEN] * (6 + 1) + [5])
+    images = [np.zeros((3, 32, 48), np.float32), np.zeros((3, 16, 16), np.float32)]
+    assert sample_meta(Sample(3, text, images), model=VLM).llm_tokens == (6, 1)
+
+
+def test_diffusion_meta_counts_latent_tokens_and_frames():
+    clip = np.zeros((5, 4, 6, 8), np.float32)
+    meta = sample_meta(Sample(2, np.array([9, 10, 11]), [clip]), model=T2V)
+    assert meta == SampleMeta(2, 3, (5 * 3 * 4,), (0,), (5,))
+    assert clip_tokens(frames=5, height=6, width=8, dit=T2V.module("dit")) == 60
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (
+            lambda s: Sample(s.sample_id, s.text, [np.zeros((3, 32, 40), np.float32)]),
+            "multiple of patch\\*merge",
+        ),
+        (lambda s: Sample(s.sample_id, s.text[:-8], s.images), "placeholder"),
+        (lambda s: Sample(s.sample_id, np.array([IMAGE_TOKEN] * 3), s.images), "only 3 tokens"),
+        (
+            lambda s: Sample(s.sample_id, np.where(s.text == 5, 500, s.text), s.images),
+            "token ids must lie",
+        ),
+        (
+            lambda s: Sample(s.sample_id, s.text, [np.zeros((1, 32, 48), np.float32)]),
+            "must be \\[3, H, W\\]",
+        ),
+        (
+            lambda s: Sample(s.sample_id, s.text, s.images, np.ones(s.text.size, np.uint8)),
+            "labels_mask marks",
+        ),
+        (
+            lambda s: Sample(s.sample_id, s.text, s.images, np.ones(2, np.uint8)),
+            "labels_mask has shape",
+        ),
+    ],
+)
+def test_vlm_errors_name_the_sample(mutate, message):
+    bad = mutate(_vlm_sample(sid=41))
+    with pytest.raises(ValueError, match=f"sample 41: .*{message}"):
+        sample_meta(bad, model=VLM)
+
+
+def test_run_that_splits_an_image_is_rejected():
+    # 7 placeholders in runs of 3 and 4 for images of 6 and 1 tokens: totals agree, runs do not.
+    text = np.array([5] + [IMAGE_TOKEN] * 3 + [5] + [IMAGE_TOKEN] * 4)
+    images = [np.zeros((3, 32, 48), np.float32), np.zeros((3, 16, 16), np.float32)]
+    with pytest.raises(ValueError, match="sample 9: placeholder run 0 has 3 tokens"):
+        sample_meta(Sample(9, text, images), model=VLM)
+
+
+def test_diffusion_errors_name_the_sample():
+    clip = np.zeros((2, 4, 6, 8), np.float32)
+    with pytest.raises(ValueError, match="sample 5: .*one latent clip"):
+        sample_meta(Sample(5, np.array([3]), [clip, clip]), model=T2V)
+    with pytest.raises(ValueError, match="sample 5: .*multiples of the DiT patch"):
+        sample_meta(Sample(5, np.array([3]), [np.zeros((2, 4, 5, 8), np.float32)]), model=T2V)
+    with pytest.raises(ValueError, match="sample 5: .*\\[T, 4, h, w\\]"):
+        sample_meta(Sample(5, np.array([3]), [np.zeros((2, 3, 6, 8), np.float32)]), model=T2V)
+    with pytest.raises(ValueError, match="sample 5: the caption is empty"):
+        sample_meta(Sample(5, np.array([], np.int64), [clip]), model=T2V)
+
+
+def test_data_package_imports_neither_torch_nor_megatron():
+    code = (
+        "import sys\n"
+        "import megatron_dip.data.diffusion, megatron_dip.data.llava, megatron_dip.data.stream\n"
+        "import megatron_dip.data.synthetic, megatron_dip.data.tiny_llava\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

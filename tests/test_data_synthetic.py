@@ -1,0 +1,125 @@
+"""Synthetic mixtures: one seeded stream for metadata and tensors, paper-like distributions."""
+
+import time
+
+import numpy as np
+import pytest
+
+from megatron_dip.data.meta import sample_meta
+from megatron_dip.data.packing import PackingLimits, pack_microbatches
+from megatron_dip.data.sample import IMAGE_TOKEN
+from megatron_dip.data.synthetic import (
+    MIXTURES,
+    SyntheticSource,
+    generate_meta,
+    generate_samples,
+    get_mixture,
+)
+from megatron_dip.modelspec import DIT_5B, PAPER_SETUPS, tiny_t2v, tiny_vlm
+
+PAPER_VLM = PAPER_SETUPS["vlm-s"].model
+PAPER_T2V = PAPER_SETUPS["t2v-s"].model
+TINY = {"vlm": tiny_vlm(), "diffusion": tiny_t2v()}
+
+
+@pytest.mark.parametrize("name", sorted(MIXTURES))
+def test_samples_have_exactly_the_metadata_the_planner_sees(name):
+    model = TINY[get_mixture(name).kind]
+    kwargs = {"model": model, "num_samples": 40, "seed": 11, "start": 1000, "scale": 1 / 16}
+    samples = generate_samples(name, **kwargs)
+    metas = generate_meta(name, **kwargs)
+    assert [sample_meta(s, model=model) for s in samples] == metas
+    assert [m.sample_id for m in metas] == list(range(1000, 1040))
+    vocab = 128
+    for s in samples:
+        words = s.text[s.text != IMAGE_TOKEN]
+        assert words.min() >= 2 and words.max() < vocab and s.text.dtype == np.int64
+        assert all(x.dtype == np.float32 for x in s.images)
+
+
+def test_stream_is_seeded_and_any_range_is_reproducible():
+    a = generate_meta("mixed", model=PAPER_VLM, num_samples=3000, seed=5)
+    b = generate_meta("mixed", model=PAPER_VLM, num_samples=1000, seed=5, start=1500)
+    assert a[1500:2500] == b
+    assert a != generate_meta("mixed", model=PAPER_VLM, num_samples=3000, seed=6)
+    src = SyntheticSource("mixed", model=PAPER_VLM, seed=5)
+    assert src.metas([1023, 1024, 7, 2999]) == [a[1023], a[1024], a[7], a[2999]]
+
+
+def test_generate_meta_is_fast_at_paper_scale():
+    t0 = time.perf_counter()
+    metas = generate_meta("mixed", model=PAPER_VLM, num_samples=10_000, seed=0)
+    assert time.perf_counter() - t0 < 1.0 and len(metas) == 10_000
+
+
+def test_laion_packs_up_to_about_48_images_of_169_tokens():
+    metas = generate_meta("laion", model=PAPER_VLM, num_samples=2000, seed=0)
+    assert {m.llm_tokens for m in metas} == {(169,)}
+    assert {m.vision_tokens for m in metas} == {(52 * 52,)}  # 728 px at patch 14
+    packing = pack_microbatches(metas, seq_length=8192)
+    images = [mb.num_instances for mb in packing[:-1]]
+    assert 40 <= max(images) <= 48 and np.mean(images) > 35
+    assert all(mb.text_tokens <= 8192 for mb in packing)
+
+
+def test_obelics_documents_interleave_text_and_images():
+    metas = generate_meta("obelics", model=PAPER_VLM, num_samples=2000, seed=0)
+    counts = np.array([m.num_instances for m in metas])
+    text = np.array([m.text_tokens - 169 * m.num_instances for m in metas])
+    assert counts.min() == 0 and counts.max() == 6
+    assert text.min() >= 300 and text.max() <= 3000
+    (s,) = generate_samples(
+        "obelics", model=tiny_vlm(), num_samples=1, seed=0, start=3, scale=1 / 16
+    )
+    runs = np.flatnonzero(np.diff((s.text == IMAGE_TOKEN).astype(int)) == 1)
+    assert len(runs) == len(s.images)  # separate runs: text between images
+
+
+def test_text_only_has_no_images():
+    metas = generate_meta("text-only", model=PAPER_VLM, num_samples=500, seed=0)
+    assert all(m.num_instances == 0 for m in metas)
+
+
+def test_t2v_clips_follow_16fps_4x_causal_vae_and_patch_2():
+    metas = generate_meta("t2v", model=PAPER_T2V, num_samples=3000, seed=0)
+    frames = np.array([m.frames[0] for m in metas])
+    assert frames.min() == 1 + (32 - 1) // 4 and frames.max() == 64  # 2 s .. 16 s at 16 FPS
+    per_frame = {m.vision_tokens[0] // m.frames[0] for m in metas}
+    assert per_frame == {16 * 16, 16 * 28}  # 256x256 and 256x448 / 448x256 px, 8x VAE, patch 2
+    t2i = generate_meta("t2i", model=PAPER_T2V, num_samples=100, seed=0)
+    assert {m.frames for m in t2i} == {(1,)}
+    (s,) = generate_samples("t2v", model=tiny_t2v(), num_samples=1, seed=0, scale=1 / 16)
+    t, c, h, w = s.images[0].shape
+    assert c == 4 and h % 2 == 0 and w % 2 == 0 and s.labels_mask is None
+
+
+def _dit_flops(mb):
+    """Forward FLOPs of one DiT-5B layer on a microbatch: linear layers plus per-clip attention."""
+    h, f = DIT_5B.hidden, DIT_5B.ffn
+    tokens = np.array(mb.vision_tokens, dtype=np.float64)
+    return float((tokens * (8 * h * h + 4 * h * f) + 4 * h * tokens**2).sum())
+
+
+def test_vision_work_per_microbatch_varies_several_fold():
+    """DESIGN section 1: after packing, vision work differs several-fold between microbatches
+    (the paper: 4.15x heaviest/lightest for text-to-video)."""
+    mixed = generate_meta("mixed", model=PAPER_VLM, num_samples=4000, seed=0)
+    mbs = pack_microbatches(mixed, seq_length=8192)[:-1]
+    vit = [sum(mb.vision_tokens) for mb in mbs]
+    assert max(vit) / min(vit) >= 4
+    t2v = generate_meta("t2v", model=PAPER_T2V, num_samples=2000, seed=0)
+    mbs = pack_microbatches(t2v, limits=PackingLimits.t2v())[:-1]
+    assert all(mb.num_instances <= 8 and sum(mb.frames) <= 64 for mb in mbs)
+    work = [_dit_flops(mb) for mb in mbs]
+    assert 3 <= max(work) / min(work) <= 6
+
+
+def test_mismatched_model_and_bad_sizes_are_rejected():
+    with pytest.raises(ValueError, match="is for vlm"):
+        generate_meta("laion", model=PAPER_T2V, num_samples=1, seed=0)
+    with pytest.raises(ValueError, match="multiple of 56"):
+        generate_meta("laion", model=PAPER_VLM, num_samples=1, seed=0, image_size=700)
+    with pytest.raises(KeyError, match="presets"):
+        get_mixture("webvid")
+    metas = generate_meta("laion", model=PAPER_VLM, num_samples=3, seed=0, image_size=448)
+    assert metas[0].llm_tokens == (64,)
