@@ -1,5 +1,12 @@
 """The plan format (schedule IR). Depends on nothing else of megatron_dip."""
 
+from .baselines import (
+    build_1f1b_plan,
+    build_interleaved_plan,
+    build_megatron_plan,
+    megatron_1f1b_order,
+    megatron_interleaved_order,
+)
 from .engine import DeadlockError, ExecutionResult, PlanError, execute_programs
 from .graph import Dataflow, dataflow_of
 from .ir import (
@@ -27,6 +34,11 @@ from .ir import (
     Wait,
     WorkId,
 )
+from .passes import TensorFn, add_communication, ideal_timing
+from .printout import format_plan
+from .segments import build_segment_plan
+from .serialize import plan_from_bytes, plan_to_bytes
+from .validate import check_plan_matches, validate_plan
 
 __all__ = [
     "FORMAT_VERSION",
@@ -53,9 +65,23 @@ __all__ = [
     "Send",
     "StageId",
     "SubMicrobatch",
+    "TensorFn",
     "TensorSpec",
     "Wait",
     "WorkId",
+    "add_communication",
+    "build_1f1b_plan",
+    "build_interleaved_plan",
+    "build_megatron_plan",
+    "build_segment_plan",
+    "check_plan_matches",
     "dataflow_of",
     "execute_programs",
+    "format_plan",
+    "ideal_timing",
+    "megatron_1f1b_order",
+    "megatron_interleaved_order",
+    "plan_from_bytes",
+    "plan_to_bytes",
+    "validate_plan",
 ]

@@ -1,0 +1,75 @@
+"""A readable text printout of a plan: a header line, then one line per rank.
+
+Tokens (separated by spaces, in program order):
+
+* `F vit0.3.1` — forward of module `vit`, chunk 0, on microbatch 3, sub-microbatch 1. The
+  `.sub` part is left out when the module has a single sub-microbatch in that microbatch
+  (`B llm2.3` is the backward of llm chunk 2 on microbatch 3). A recomputed forward carries a
+  suffix: `F vit0.3.1:sel` (selective) or `F vit0.3.1:full`.
+* `>act(r1)` / `>grad(r3)` — post the send of an activation / gradient to rank 1 / 3;
+  `<act(r0)` / `<grad(r2)` — post the receive of one from rank 0 / 2. Consecutive sends and
+  receives form one batch and are printed inside brackets: `[<act(r0) >grad(r0)]`.
+* `W2` — wait for 2 posted operations.
+
+Example: `r1: [<act(r0)] W1 F model1.0 [<act(r0) >act(r2)] W2 F model1.1 ...`
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .ir import Backward, Forward, Instruction, Plan, Recompute, Recv, Send, StageId, Wait
+
+_RECOMPUTE_SUFFIX = {Recompute.NONE: "", Recompute.SELECTIVE: ":sel", Recompute.FULL: ":full"}
+
+
+def _stage_token(stage: StageId, split: set[tuple[str, int]]) -> str:
+    text = f"{stage.module}{stage.chunk}.{stage.microbatch}"
+    if (stage.module, stage.microbatch) in split:
+        text += f".{stage.sub}"
+    return text
+
+
+def _token(ins: Instruction, split: set[tuple[str, int]]) -> str:
+    if isinstance(ins, Forward):
+        return f"F {_stage_token(ins.stage, split)}{_RECOMPUTE_SUFFIX[ins.recompute]}"
+    if isinstance(ins, Backward):
+        return f"B {_stage_token(ins.stage, split)}"
+    if isinstance(ins, (Send, Recv)):
+        arrow = ">" if isinstance(ins, Send) else "<"
+        return f"{arrow}{ins.key.kind.value}(r{ins.peer})"
+    if isinstance(ins, Wait):
+        return f"W{len(ins.keys)}"
+    return repr(ins)
+
+
+def format_program(plan: Plan, rank: int) -> str:
+    """One rank's line of `format_plan`, without the `rN: ` prefix."""
+    counts = Counter((s.module, s.microbatch) for s in plan.submicrobatches)
+    split = {mm for mm, n in counts.items() if n > 1}
+    tokens: list[str] = []
+    batch: list[str] = []
+    for ins in plan.programs[rank].instructions:
+        if isinstance(ins, (Send, Recv)):
+            batch.append(_token(ins, split))
+            continue
+        if batch:
+            tokens.append("[" + " ".join(batch) + "]")
+            batch = []
+        tokens.append(_token(ins, split))
+    if batch:
+        tokens.append("[" + " ".join(batch) + "]")
+    return " ".join(tokens)
+
+
+def format_plan(plan: Plan) -> str:
+    """Header line (name, iteration, replica, ranks, microbatches) and one line per rank."""
+    mode = "forward only" if plan.forward_only else "forward+backward"
+    header = (
+        f"plan {plan.name!r} iteration {plan.iteration} replica {plan.replica}: "
+        f"{plan.num_ranks} ranks, {len(plan.microbatches)} microbatches, "
+        f"{len(plan.submicrobatches)} sub-microbatches, {mode}"
+    )
+    width = len(str(plan.num_ranks - 1))
+    lines = [header] + [f"r{r:<{width}}: {format_program(plan, r)}" for r in range(plan.num_ranks)]
+    return "\n".join(lines)
