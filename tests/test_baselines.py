@@ -346,11 +346,25 @@ def test_stock_llava_plan(train_vit):
                 assert "vit" not in (ins.key.producer.module, ins.key.consumer.module)
 
 
-def test_megatron_plan_needs_one_sub_per_microbatch():
+def test_megatron_plan_needs_at_most_one_sub_per_microbatch():
     args = _llava_stock(2, 3, train_vit=True)
     args["submicrobatches"] = args["submicrobatches"] + [SubMicrobatch("vit", 0, 1, 2, 3, 5, 5)]
-    with pytest.raises(ValueError, match="one sub-microbatch"):
+    with pytest.raises(ValueError, match="at most one"):
         build_megatron_plan(**args)
+
+
+def test_megatron_plan_skips_modules_without_work():
+    # Microbatch 1 is text-only: no ViT sub-microbatch, no ViT stage, no dependency.
+    args = _llava_stock(2, 3, train_vit=True)
+    args["submicrobatches"] = [
+        s for s in args["submicrobatches"] if not (s.module == "vit" and s.microbatch == 1)
+    ]
+    args["dependencies"] = [d for d in args["dependencies"] if d.producer.microbatch != 1]
+    plan = build_megatron_plan(**args)
+    validate_plan(plan)
+    stages = {i.stage for p in plan.programs for i in p.instructions if hasattr(i, "stage")}
+    assert not any(s.module == "vit" and s.microbatch == 1 for s in stages)
+    assert any(s.module == "llm" and s.microbatch == 1 for s in stages)
 
 
 def test_megatron_plan_rejects_misplaced_units():

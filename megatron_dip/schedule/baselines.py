@@ -191,9 +191,10 @@ def _check_one_sub_each(
         counts[(s.module, s.microbatch)] += 1
     for mb in microbatches:
         for m in placement.modules:
-            if counts[(m.name, mb.index)] != 1:
+            if counts[(m.name, mb.index)] > 1:
                 raise ValueError(
-                    f"module {m.name} needs one sub-microbatch in microbatch {mb.index}"
+                    f"module {m.name} has {counts[(m.name, mb.index)]} sub-microbatches in "
+                    f"microbatch {mb.index}; Megatron's schedules run at most one"
                 )
 
 
@@ -206,8 +207,11 @@ def _expand(
 ) -> list[Forward | Backward]:
     """One rank's compute order: each step runs its virtual stage's units (reversed backward)."""
     order: list[Forward | Backward] = []
+    present = {(w.module, w.microbatch) for w in df.works}
     for is_fwd, j, i in steps:
         for module, chunk in units[j] if is_fwd else reversed(units[j]):
+            if (module, microbatches[i]) not in present:
+                continue  # the module has no work in this microbatch (e.g. no images)
             stage = StageId(module, chunk, microbatches[i], 0)
             if is_fwd:
                 order.append(Forward(stage))
@@ -236,7 +240,8 @@ def build_megatron_plan(
 
     `stage_units[r][j]` lists the (module, chunk) units virtual stage j of rank r runs back to
     back in forward (reversed in backward), e.g. stock Megatron LLaVA puts the whole ViT and
-    LLM chunk 0 in rank 0's stage. Every module has exactly one sub-microbatch per microbatch.
+    LLM chunk 0 in rank 0's stage. Every module has at most one sub-microbatch per microbatch
+    (none where it has no work, like the ViT on a text-only microbatch).
     The order is interleaved 1F1B when `interleaved` (default: `num_model_chunks > 1`), else
     1F1B (which needs `num_model_chunks == 1`). Backwards are left
     out for modules that need none, and all of them when `forward_only` (megatron's forward-only
