@@ -1,0 +1,239 @@
+"""The one place that knows the differences between megatron-core releases (0.16.1 and 0.19.x).
+
+Import this module before anything imports `megatron.core`: on 0.19 without triton,
+`import megatron.core` fails on an unguarded `import triton` in
+`megatron/core/transformer/moe/ops/paged_stash.py` (pulled in by the pipeline schedules), and
+this module puts a stand-in for that one kernel module into `sys.modules` first.
+
+Differences handled here (feature-detected, not version-compared, where the API allows it):
+
+* `get_forward_backward_func` gained a third argument `schedule_pg_collection` in 0.19;
+* `backward_step` takes `model_type` in 0.16 only;
+* 0.19 rejects `variable_seq_lengths=True` with the default MoE token dispatcher, even in dense
+  models: `variable_seq_lengths_config()` adds `moe_token_dispatcher_type="alltoall"`;
+* layer specs: the Transformer Engine spec only when `transformer_engine` imports, else the
+  local spec (`get_gpt_layer_local_spec`, `WrappedTorchNorm`);
+* Megatron's scratch buffer for attention scores (`parallel_state`'s global memory buffer)
+  exists only after `initialize_model_parallel`; `ensure_global_memory_buffer()` creates it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import inspect
+import logging
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _megatron_dir() -> Path | None:
+    """Directory of the `megatron` package, found without importing `megatron.core`."""
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _unavailable_kernel(name: str) -> Any:
+    class _Kernel:
+        """A triton kernel that cannot run: triton is not installed."""
+
+        def __getitem__(self, grid: Any) -> Any:
+            raise RuntimeError(f"{name} needs triton, which is not installed")
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{name} needs triton, which is not installed")
+
+    return _Kernel()
+
+
+def install_triton_stand_in() -> bool:
+    """Put a stand-in for megatron-core 0.19's paged-stash triton kernels into `sys.modules`.
+
+    Only when triton is missing and the installed megatron-core has that module; the stand-in
+    exports the same names, and its kernels raise if anything ever launches them (only MoE
+    paged stashing does). Returns True when the stand-in is (now) installed.
+    """
+    if _PAGED_STASH in sys.modules:
+        return getattr(sys.modules[_PAGED_STASH], "__megatron_dip_stand_in__", False)
+    if importlib.util.find_spec("triton") is not None:
+        return False
+    root = _megatron_dir()
+    if root is None or not (root / "core/transformer/moe/ops/paged_stash.py").exists():
+        return False
+    module = types.ModuleType(_PAGED_STASH, "Stand-in installed by megatron_dip: no triton.")
+    module.GLOBAL_BLOCK_SIZE = 1024
+    module.paged_stash_copy_kernel = _unavailable_kernel("paged_stash_copy_kernel")
+    module.paged_stash_pop_kernel = _unavailable_kernel("paged_stash_pop_kernel")
+    module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    module.__megatron_dip_stand_in__ = True
+    sys.modules[_PAGED_STASH] = module
+    logger.info("triton missing: installed a stand-in for %s", _PAGED_STASH)
+    return True
+
+
+# Must run before the first `import megatron.core` anywhere in the process.
+install_triton_stand_in()
+
+
+def megatron_core_version() -> tuple[int, ...]:
+    """The installed megatron-core version as a tuple of ints, e.g. (0, 16, 1)."""
+    try:
+        text = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        from megatron.core import package_info
+
+        text = package_info.__version__
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine's torch extension imports (never on a CPU-only machine)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or OSError/RuntimeError from a broken CUDA build
+        return False
+    return True
+
+
+def resolve_use_te(use_te: bool | None) -> bool:
+    """`use_te=None` means: Transformer Engine when it imports. Refuses True without it."""
+    available = transformer_engine_available()
+    if use_te is None:
+        return available
+    if use_te and not available:
+        raise RuntimeError("use_te=True but transformer_engine does not import")
+    return use_te
+
+
+def tensor_parallel_random() -> types.ModuleType:
+    """`megatron.core.tensor_parallel.random` (RNG tracker and seeding)."""
+    from megatron.core.tensor_parallel import random
+
+    return random
+
+
+def get_forward_backward_func(
+    *, pp_size: int | None = None, vp_size: int | None = None, schedule_pg_collection: Any = None
+) -> Any:
+    """Megatron's schedule selector; `schedule_pg_collection` is passed only where supported."""
+    from megatron.core.pipeline_parallel import schedules
+
+    params = inspect.signature(schedules.get_forward_backward_func).parameters
+    if "schedule_pg_collection" in params:
+        return schedules.get_forward_backward_func(
+            pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection
+        )
+    if schedule_pg_collection is not None:
+        raise TypeError(
+            f"megatron-core {megatron_core_version()} has no schedule_pg_collection argument"
+        )
+    return schedules.get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
+
+
+def backward_step(
+    input_tensor: Any,
+    output_tensor: Any,
+    output_tensor_grad: Any,
+    *,
+    config: Any,
+    model_type: Any = None,
+) -> Any:
+    """Megatron's `backward_step`; `model_type` (0.16 only) defaults to encoder_or_decoder."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import schedules
+
+    if "model_type" in inspect.signature(schedules.backward_step).parameters:
+        model_type = ModelType.encoder_or_decoder if model_type is None else model_type
+        return schedules.backward_step(
+            input_tensor, output_tensor, output_tensor_grad, model_type, config
+        )
+    return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def variable_seq_lengths_config() -> dict[str, Any]:
+    """TransformerConfig keyword arguments for variable sequence lengths between microbatches.
+
+    0.19 validates the MoE dispatcher even for dense models and accepts only "alltoall" (or
+    "flex") with variable sequence lengths; 0.16 does not check.
+    """
+    kwargs: dict[str, Any] = {"variable_seq_lengths": True}
+    if megatron_core_version() >= (0, 19):
+        kwargs["moe_token_dispatcher_type"] = "alltoall"
+    return kwargs
+
+
+def ensure_global_memory_buffer() -> None:
+    """Create Megatron's global scratch buffer (used by the local DotProductAttention) if absent.
+
+    `initialize_model_parallel` creates it; chunks built without it (single-process reference
+    runs, tests) need it too. It allocates on `torch.cuda.current_device()`.
+    """
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+
+@dataclass(frozen=True)
+class LayerBackend:
+    """Megatron-Core building blocks of one backend (local or Transformer Engine).
+
+    `gpt_layer_spec(normalization)` is Megatron's own GPT layer spec; the rest are the unfused
+    parts the DiT layer composes (its adaptive norm sits between norm and linear, so the
+    fused norm+linear of the TE GPT spec cannot be used there).
+    """
+
+    use_te: bool
+    column_linear: Any
+    row_linear: Any
+    core_attention: Any
+    norm: Any
+
+    def gpt_layer_spec(self, *, normalization: str) -> Any:
+        """Megatron's GPT layer spec (dense, no MoE) for this backend."""
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if self.use_te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization)
+
+
+@functools.cache
+def layer_backend(use_te: bool) -> LayerBackend:
+    """The building blocks of the Transformer Engine backend (use_te) or the local one."""
+    if use_te:
+        from megatron.core.extensions import transformer_engine as te
+
+        return LayerBackend(
+            use_te=True,
+            column_linear=te.TEColumnParallelLinear,
+            row_linear=te.TERowParallelLinear,
+            core_attention=te.TEDotProductAttention,
+            norm=te.TENorm,
+        )
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return LayerBackend(
+        use_te=False,
+        column_linear=ColumnParallelLinear,
+        row_linear=RowParallelLinear,
+        core_attention=DotProductAttention,
+        norm=WrappedTorchNorm,
+    )

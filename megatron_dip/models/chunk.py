@@ -1,0 +1,264 @@
+"""The chunk interface the runtime calls, and the factory that builds chunks from a placement.
+
+A `ModelChunk` is layers [layer_start, layer_end) of one modality module, plus the module's
+input layers on chunk 0 and its output layers on the last chunk. It is a Megatron
+`MegatronModule` (so Megatron's DDP wrapper and optimizers accept it) whose `config` is the
+module's `TransformerConfig`. Forward contract, for one sub-microbatch:
+
+    outputs = chunk(inputs=[...], batch=sub_batch)
+
+* `inputs`: chunk 0 — one dict per producer sub-microbatch message, in producer order
+  (ViT "embeddings" for the LLM, text "cond"/"cond_index" for the DiT; [] when the module has
+  no producer or the microbatch has no images); chunk > 0 — exactly one dict, the previous
+  chunk's message.
+* `batch`: the `SubBatch` of this sub-microbatch (`inputs.build_sub_batch`).
+* returns: a non-last chunk its message for the next chunk (names and shapes of
+  `layout.message_tensors`); the last chunk of the loss module {"loss": summed loss over the
+  sub-microbatch's loss tokens (not averaged), "num_tokens": int64 count}; the last chunk of a
+  producer module the tensors handed to its consumer (ViT "embeddings"; text "cond",
+  "cond_index").
+
+Backward is plain autograd: the runtime calls `torch.autograd.backward` on the returned
+floating-point tensors with the gradient message (same names), and reads `.grad` of the
+received input tensors it marked `requires_grad`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_dip import megatron_compat
+from megatron_dip.cpu_support import apply_cpu_fixes
+from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.schedule.ir import ChunkSpec
+
+from .common import ModelGroups, mark_tensor_parallel_weights, torch_dtype, transformer_config
+from .config import ModelConfig
+from .init import init_chunk_parameters
+from .inputs import SubBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelChunk", "ModelGroups", "build_chunk", "build_module_chunks"]
+
+
+class ModelChunk(MegatronModule):
+    """Layers [chunk.layer_start, chunk.layer_end) of one module (see the module docstring).
+
+    Attributes: `chunk` (ChunkSpec), `module_spec` (ModuleSpec), `model_spec`, `num_chunks`,
+    `model_config` (ModelConfig), `groups` (ModelGroups), `pre` / `layers` / `post` (input
+    layers, transformer layers, output layers; `pre` and `post` are None where absent).
+    Subclasses implement `_build_pre/_build_layers/_build_post`, `embed`, `run_layers`, `finish`.
+    """
+
+    message_names: tuple[str, ...] = ("hidden",)
+
+    def __init__(
+        self,
+        *,
+        model: MultimodalSpec,
+        chunk: ChunkSpec,
+        num_chunks: int,
+        config: ModelConfig,
+        groups: ModelGroups,
+    ) -> None:
+        module_spec = model.module(chunk.module)
+        super().__init__(config=transformer_config(module_spec, config, tp_size=groups.tp_size))
+        # Megatron's stock schedules and DDP read model_type from every model chunk.
+        self.model_type = ModelType.encoder_or_decoder
+        self.model_spec = model
+        self.module_spec = module_spec
+        self.chunk = chunk
+        self.num_chunks = num_chunks
+        self.model_config = config
+        self.groups = groups
+        self.backend = megatron_compat.layer_backend(megatron_compat.resolve_use_te(config.use_te))
+        self.global_aliases: dict[str, str] = {}
+        self.layers = self._build_layers()
+        self.pre = self._build_pre() if self.is_first else None
+        self.post = self._build_post() if self.is_last else None
+
+    # -- structure -------------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        return self.chunk.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.chunk.index == self.num_chunks - 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.model_config.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(torch.cuda.current_device())
+
+    def zero_init_prefixes(self) -> tuple[str, ...]:
+        """Local parameter-name prefixes initialised to zero (DiT adaLN-Zero)."""
+        return ()
+
+    def _build_pre(self) -> torch.nn.Module | None:
+        return None
+
+    def _build_post(self) -> torch.nn.Module | None:
+        return None
+
+    def _build_layers(self) -> torch.nn.ModuleList:
+        raise NotImplementedError
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(
+        self, *, inputs: Sequence[Mapping[str, torch.Tensor]], batch: SubBatch
+    ) -> dict[str, torch.Tensor]:
+        """Run this chunk on one sub-microbatch (contract in the module docstring)."""
+        if batch.sub.module != self.chunk.module:
+            raise ValueError(f"{self.chunk.module} chunk got a batch of {batch.sub.work}")
+        batch = batch.to(self.device)
+        if self.is_first:
+            state = self.embed(inputs, batch)
+        else:
+            if len(inputs) != 1:
+                raise ValueError(
+                    f"{self.chunk.module} chunk {self.chunk.index} takes one message, "
+                    f"got {len(inputs)}"
+                )
+            state = dict(inputs[0])
+        state["hidden"] = self.run_layers(state, batch)
+        if self.is_last:
+            return self.finish(state, batch)
+        return {name: state[name] for name in self.message_names}
+
+    def embed(
+        self, inputs: Sequence[Mapping[str, torch.Tensor]], batch: SubBatch
+    ) -> dict[str, torch.Tensor]:
+        """Chunk 0: the message state (at least "hidden") from the data and producer inputs."""
+        raise NotImplementedError
+
+    def run_layers(self, state: dict[str, torch.Tensor], batch: SubBatch) -> torch.Tensor:
+        """This chunk's transformer layers on state["hidden"]; returns the new hidden states."""
+        raise NotImplementedError
+
+    def finish(self, state: dict[str, torch.Tensor], batch: SubBatch) -> dict[str, torch.Tensor]:
+        """Last chunk: output layers; the loss or the hand-over to the consumer module."""
+        raise NotImplementedError
+
+    def tied_embedding_weight(self) -> torch.nn.Parameter | None:
+        """This chunk's copy of a tied LLM embedding that needs reducing (None otherwise)."""
+        return None
+
+
+def _chunk_class(kind: ModuleKind) -> type[ModelChunk]:
+    if kind is ModuleKind.VIT:
+        from .vit import VitChunk
+
+        return VitChunk
+    if kind is ModuleKind.DIT:
+        from .dit import DitChunk
+
+        return DitChunk
+    from .llm import LlmChunk
+
+    return LlmChunk
+
+
+def build_chunk(
+    model: MultimodalSpec,
+    chunk: ChunkSpec,
+    *,
+    num_chunks: int,
+    config: ModelConfig,
+    groups: ModelGroups,
+) -> ModelChunk:
+    """Build one chunk (call only on the rank that owns it) with deterministic weights.
+
+    `num_chunks` is the module's chunk count (the last chunk holds the output layers). Applies
+    the CPU fixes when CUDA is absent and creates Megatron's attention scratch buffer if
+    `initialize_model_parallel` has not. A frozen module's parameters get requires_grad False.
+    """
+    module_spec = model.module(chunk.module)
+    if not 0 <= chunk.index < num_chunks:
+        raise ValueError(f"chunk index {chunk.index} outside 0..{num_chunks - 1}")
+    if not 0 <= chunk.layer_start <= chunk.layer_end <= module_spec.num_layers:
+        raise ValueError(
+            f"chunk {chunk.module}{chunk.index} layers [{chunk.layer_start}, {chunk.layer_end}) "
+            f"outside the module's {module_spec.num_layers} layers"
+        )
+    if config.sequence_parallel:
+        raise NotImplementedError(
+            "sequence parallelism inside chunks is not implemented (needs TE norms; untested)"
+        )
+    apply_cpu_fixes()
+    megatron_compat.ensure_global_memory_buffer()
+    cls = _chunk_class(module_spec.kind)
+    built = cls(model=model, chunk=chunk, num_chunks=num_chunks, config=config, groups=groups)
+    built.to(device=built.device, dtype=built.dtype)
+    mark_tensor_parallel_weights(built)
+    init_chunk_parameters(built)
+    if not module_spec.trainable:
+        built.requires_grad_(False)
+    logger.debug(
+        "built %s chunk %d layers [%d, %d)",
+        chunk.module,
+        chunk.index,
+        chunk.layer_start,
+        chunk.layer_end,
+    )
+    return built
+
+
+def build_module_chunks(
+    model: MultimodalSpec,
+    module: str,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    config: ModelConfig,
+    groups: ModelGroups,
+) -> list[ModelChunk]:
+    """All chunks of one module in this process, cut at `ranges` ((start, end) per chunk)."""
+    return [
+        build_chunk(
+            model,
+            ChunkSpec(module, i, 0, start, end),
+            num_chunks=len(ranges),
+            config=config,
+            groups=groups,
+        )
+        for i, (start, end) in enumerate(ranges)
+    ]
+
+
+def reduce_tied_embedding_grads(
+    chunks: Sequence[ModelChunk], *, group: torch.distributed.ProcessGroup
+) -> None:
+    """Sum the gradients of tied LLM embedding copies: locally, then over `group`.
+
+    Call on every rank of `group` (the ranks holding the LLM's first and last chunks) after the
+    backward of the iteration, before the optimizer step. Uses `main_grad` when a Megatron DDP
+    wrapper added it.
+    """
+    copies = [w for c in chunks if (w := c.tied_embedding_weight()) is not None]
+    if not copies:
+        return
+
+    def grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
+        return getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
+
+    total = torch.zeros_like(copies[0], dtype=torch.promote_types(copies[0].dtype, torch.float32))
+    for p in copies:
+        g = grad_of(p)
+        if g is not None:
+            total += g.to(total.dtype)
+    torch.distributed.all_reduce(total, group=group)
+    for p in copies:
+        g = grad_of(p)
+        if g is None:
+            p.grad = total.to(p.dtype)
+        else:
+            g.copy_(total.to(g.dtype))

@@ -1,0 +1,231 @@
+"""Shared pieces of the modality modules: configs, layer building, masks and rotary tables.
+
+Layers are Megatron-Core `TransformerLayer`s (or the DiT layer composed of Megatron-Core
+attention and MLP modules) built one by one with an explicit global `layer_number` and a
+`TransformerConfig` whose pipeline size is 1: Megatron never learns that the model is
+pipelined, so none of its layer-offset, virtual-stage or first/last-stage logic (all read
+from `parallel_state`) applies. Process groups are passed explicitly.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional
+
+from megatron_dip import megatron_compat  # noqa: F401  (before megatron.core: triton stand-in)
+from megatron_dip.modelspec import ModuleKind, ModuleSpec
+
+from .config import ModelConfig
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name used in plans and configs."""
+    return _TORCH_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelGroups:
+    """Process groups a chunk uses; nothing is looked up in Megatron's `parallel_state`.
+
+    `tp`: tensor-parallel group (size 1 without tensor parallelism). `cp`: a context-parallel
+    group of size 1 (Megatron's rotary code asks for one; context parallelism is not supported),
+    e.g. Megatron's context-parallel group with CP=1, or the world group of a 1-process run.
+    `embedding`: the group over which tied input/output embeddings of the LLM are summed (the
+    ranks holding its first and last chunks); None when embeddings are untied.
+    """
+
+    tp: torch.distributed.ProcessGroup
+    cp: torch.distributed.ProcessGroup
+    embedding: torch.distributed.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.cp.size() != 1:
+            raise ValueError(
+                "context parallelism is not supported: ModelGroups.cp must have size 1"
+            )
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank()
+
+    def collection(self):
+        """A Megatron `ProcessGroupCollection` with only what the layers read.
+
+        `pp` is None on purpose: with a pipeline size of 1 in the config, the layer offset is 0
+        whatever the pipeline rank.
+        """
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return ProcessGroupCollection(tp=self.tp, cp=self.cp, pp=None)
+
+
+def is_text(module: ModuleSpec) -> bool:
+    """LLMs and text encoders (RMSNorm, no biases, rotary over 1 axis)."""
+    return module.kind in (ModuleKind.LLM, ModuleKind.TEXT_ENCODER)
+
+
+def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int):
+    """Megatron `TransformerConfig` of one module's layers (pipeline size 1, no dropout).
+
+    Dropout is off because a random mask would differ between layouts; Megatron's own weight
+    initialisation is skipped (`perform_initialization=False`): `init.py` initialises every
+    parameter from its global name.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    shape = module.layer
+    dtype = torch_dtype(config.dtype)
+    return TransformerConfig(
+        num_layers=module.num_layers,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm" if is_text(module) else "LayerNorm",
+        layernorm_epsilon=config.norm_eps,
+        gated_linear_unit=shape.gated_mlp,
+        activation_func=functional.silu if shape.gated_mlp else functional.gelu,
+        add_bias_linear=not is_text(module),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+        params_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=config.sequence_parallel,
+        perform_initialization=False,
+        use_cpu_initialization=False,
+        init_method_std=config.init_std,
+    )
+
+
+def gpt_layer_spec(module: ModuleSpec, backend):
+    """Megatron's GPT layer spec with an arbitrary-mask self-attention.
+
+    The stock spec's causal mask type would let the fused softmax kernel ignore our
+    causal + document mask; "arbitrary" always applies the mask we pass.
+    """
+    from megatron.core.transformer.enums import AttnMaskType
+
+    spec = copy.deepcopy(
+        backend.gpt_layer_spec(normalization="RMSNorm" if is_text(module) else "LayerNorm")
+    )
+    attention = spec.submodules.self_attention
+    attention.params = {**(attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary}
+    return spec
+
+
+def build_transformer_layers(
+    *, spec, config, groups: ModelGroups, start: int, end: int
+) -> torch.nn.ModuleList:
+    """Megatron `TransformerLayer`s for global layers [start, end) (layer_number = index + 1)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    collection = groups.collection()
+    return torch.nn.ModuleList(
+        build_module(spec, config=config, layer_number=i + 1, pg_collection=collection)
+        for i in range(start, end)
+    )
+
+
+def build_norm(backend, tconfig, hidden: int):
+    """A norm module of this backend (LayerNorm or RMSNorm as the config says)."""
+    return backend.norm(config=tconfig, hidden_size=hidden, eps=tconfig.layernorm_epsilon)
+
+
+def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
+    """Set Megatron's tensor-parallel attributes on local parallel layers' weights.
+
+    Megatron sets `tensor_model_parallel` / `partition_dim` on these weights only inside its own
+    initialisation, which `perform_initialization=False` skips (biases get them anyway); DDP,
+    gradient clipping and `init.py` rely on them.
+    """
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    dims = ((ColumnParallelLinear, 0), (RowParallelLinear, 1), (VocabParallelEmbedding, 0))
+    for sub in module.modules():
+        for cls, dim in dims:
+            weight = getattr(sub, "weight", None)
+            unmarked = weight is not None and not hasattr(weight, "tensor_model_parallel")
+            if isinstance(sub, cls) and unmarked:
+                set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+def segment_mask(
+    q_segments: torch.Tensor, k_segments: torch.Tensor | None = None, *, causal: bool = False
+) -> torch.Tensor:
+    """Boolean attention mask [1, 1, q, k], True = masked: attend only within one's segment.
+
+    Padding tokens (segment -1) attend among themselves, so no row is fully masked.
+    """
+    k_segments = q_segments if k_segments is None else k_segments
+    mask = q_segments[:, None] != k_segments[None, :]
+    if causal:
+        n = q_segments.shape[0]
+        mask = mask | torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1)
+    return mask[None, None]
+
+
+def rotary_table(
+    positions: torch.Tensor, *, head_dim: int, base: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rotary angles [S, 1, 1, head_dim] for positions [S, A] over A axes.
+
+    Frequency slot j (of head_dim / 2) rotates with axis j mod A at frequency
+    base^(-(j div A) / slots_per_axis): A = 1 is the usual 1-D rotary embedding, A = 2 and 3 give
+    the 2-D (ViT) and 3-D (DiT) variants. The layout [freqs, freqs] is what Megatron's
+    non-interleaved `apply_rotary_pos_emb` expects.
+    """
+    slots = head_dim // 2
+    axes = positions.shape[1]
+    j = torch.arange(slots, device=positions.device)
+    per_axis = -(-slots // axes)
+    inv_freq = base ** (-(j // axes).to(torch.float64) / per_axis)
+    angles = positions[:, j % axes].to(torch.float64) * inv_freq[None, :]
+    table = torch.cat([angles, angles], dim=-1)
+    return table[:, None, None, :].to(dtype)
+
+
+def cached(batch, key: tuple, make):
+    """`batch.cache[key]`, computed by `make()` on first use (shared by all chunks)."""
+    if key not in batch.cache:
+        batch.cache[key] = make()
+    return batch.cache[key]
+
+
+def sinusoidal_embedding(values: torch.Tensor, dim: int, *, max_period: float = 10000.0):
+    """Sinusoidal features [n, dim] of scalars [n] (timesteps scaled to [0, 1000))."""
+    half = dim // 2
+    freqs = torch.exp(
+        -torch.log(torch.tensor(max_period, dtype=torch.float64))
+        * torch.arange(half, dtype=torch.float64, device=values.device)
+        / half
+    )
+    args = values.to(torch.float64)[:, None] * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)

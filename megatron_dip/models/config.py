@@ -1,0 +1,45 @@
+"""Build-time options of the multimodal models (torch-free, shared by the planner and runtime)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How the modality modules are built; the shapes come from `modelspec.ModuleSpec`.
+
+    `seed` drives the deterministic initialisation: every parameter is drawn from a generator
+    seeded by (seed, global parameter name), so every chunking of a model starts identical.
+    `text_causal`: the text encoder attends causally within each caption (the paper's text
+    encoders are decoder LLMs); False makes it bidirectional within each caption.
+    `adaln_zero`: DiT modulation and final projection start at zero (adaLN-Zero); tests switch it
+    off so that every DiT parameter gets a non-zero gradient from the first step.
+    `tie_embeddings`: the LLM output head shares the input embedding; when they live in
+    different chunks their gradients must be summed with `reduce_tied_embedding_grads` over an
+    explicit group, or building refuses.
+    `use_te`: Transformer Engine layer specs (None: when transformer_engine imports).
+    """
+
+    seed: int = 1234
+    dtype: str = "float32"
+    init_std: float = 0.02
+    norm_eps: float = 1e-5
+    rotary_base: float = 10000.0
+    text_causal: bool = True
+    adaln_zero: bool = True
+    tie_embeddings: bool = False
+    use_te: bool | None = None
+    sequence_parallel: bool = False
+    gradient_accumulation_fusion: bool = False
+    timestep_embed_dim: int = 256
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.init_std <= 0:
+            raise ValueError("ModelConfig.init_std must be positive")
+        if self.timestep_embed_dim <= 0 or self.timestep_embed_dim % 2:
+            raise ValueError("ModelConfig.timestep_embed_dim must be positive and even")

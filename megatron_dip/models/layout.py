@@ -1,0 +1,274 @@
+"""What crosses chunk boundaries, and how instances map to sub-microbatches (torch-free).
+
+The planner imports this module to fill plans; the runtime checks every sent tensor against
+`message_tensors`; the chunks in this package produce exactly these tensors (tested).
+
+Conventions (micro batch size 1, packed; Megatron's [seq, batch, hidden] layout):
+
+* Instances, in microbatch order: ViT — the images of the microbatch's samples, sample by sample;
+  LLM — one packed sequence per microbatch (a single sub-microbatch, instances [0, 1));
+  text encoder — one caption per sample; DiT — one latent clip per sample, clip i conditioned on
+  caption i.
+* Chunk-to-chunk messages of one module: "hidden" [padded_tokens, 1, hidden] (padded_tokens
+  divided by the tensor-parallel size under sequence parallelism). DiT messages also carry the
+  conditioning every DiT layer needs: "temb" [clips, hidden] (timestep embedding), "cond"
+  [caption tokens, 1, hidden] (projected text encoding of the producer captions, padding
+  removed) and "cond_index" int64 [captions] (microbatch caption index of each caption in
+  "cond", in order).
+* Hand-overs between modules (producer's last chunk -> consumer's chunk 0): ViT -> LLM
+  "embeddings" [sub tokens / merge^2, llm hidden] (one row per LLM image token); text encoder ->
+  DiT "cond" [padded_tokens, 1, text hidden] and "cond_index" int64 [captions].
+  A consumer chunk 0 receives one message per producer sub-microbatch, in producer order.
+* Gradient messages carry the floating-point tensors of the activation message, same shapes.
+* Dependencies (`cross_module_dependencies`): an LLM microbatch depends on every ViT
+  sub-microbatch of that microbatch; a DiT sub-microbatch on every text sub-microbatch whose
+  captions overlap its clips.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from megatron_dip.data.sample import Sample
+from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
+from megatron_dip.schedule.ir import (
+    Dependency,
+    MessageKey,
+    MessageKind,
+    SubMicrobatch,
+    TensorSpec,
+    WorkId,
+)
+
+INDEX_DTYPE = "int64"
+
+
+def instance_tokens(module: ModuleSpec, samples: Sequence[Sample]) -> list[int]:
+    """Tokens of each instance of `module` in a microbatch made of `samples` (see conventions)."""
+    if module.kind is ModuleKind.LLM:
+        return [sum(len(s.text) for s in samples)]
+    if module.kind is ModuleKind.TEXT_ENCODER:
+        return [len(s.text) for s in samples]
+    p = module.patch_size
+    if module.kind is ModuleKind.VIT:
+        return [(img.shape[-2] // p) * (img.shape[-1] // p) for s in samples for img in s.images]
+    counts = []
+    for s in samples:
+        if len(s.images) != 1:
+            raise ValueError(
+                f"sample {s.sample_id}: a text-to-video sample holds exactly one clip, "
+                f"got {len(s.images)}"
+            )
+        frames, _, h, w = s.images[0].shape
+        counts.append(frames * (h // p) * (w // p))
+    return counts
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def split_submicrobatches(
+    model: MultimodalSpec,
+    samples: Sequence[Sample],
+    *,
+    microbatch: int,
+    seq_length: int,
+    sizes: Mapping[str, int] | None = None,
+    pad_multiple: int = 1,
+) -> tuple[SubMicrobatch, ...]:
+    """Sub-microbatches of every module for one microbatch.
+
+    `sizes[module]` instances per sub-microbatch (ceil split, the last one smaller; default:
+    all instances in one). The LLM always forms one sub-microbatch padded to `seq_length`;
+    other modules are padded to a multiple of `pad_multiple` (the tensor-parallel size under
+    sequence parallelism). A module without instances (no images) gets no sub-microbatch.
+    """
+    sizes = dict(sizes or {})
+    subs: list[SubMicrobatch] = []
+    for module in model.modules:
+        counts = instance_tokens(module, samples)
+        if module.kind is ModuleKind.LLM:
+            if counts[0] > seq_length:
+                raise ValueError(f"microbatch {microbatch}: {counts[0]} tokens > {seq_length}")
+            docs = [len(s.text) for s in samples]
+            subs.append(
+                SubMicrobatch(
+                    module.name,
+                    microbatch,
+                    0,
+                    0,
+                    1,
+                    counts[0],
+                    seq_length,
+                    sum(d * d for d in docs),
+                )
+            )
+            continue
+        step = sizes.get(module.name, max(1, len(counts)))
+        if step <= 0:
+            raise ValueError(f"sizes[{module.name!r}] must be positive")
+        for index, start in enumerate(range(0, len(counts), step)):
+            part = counts[start : start + step]
+            tokens = sum(part)
+            subs.append(
+                SubMicrobatch(
+                    module.name,
+                    microbatch,
+                    index,
+                    start,
+                    start + len(part),
+                    tokens,
+                    _round_up(tokens, pad_multiple),
+                    sum(c * c for c in part),
+                )
+            )
+    return tuple(subs)
+
+
+def _single_producer(model: MultimodalSpec, consumer: str) -> ModuleSpec:
+    producers = model.producers_of(consumer)
+    if len(producers) != 1:
+        raise ValueError(
+            f"model {model.name!r}: module {consumer!r} needs exactly one producer module, "
+            f"has {[p.name for p in producers]}"
+        )
+    return producers[0]
+
+
+def _overlaps(a: SubMicrobatch, b: SubMicrobatch) -> bool:
+    return a.instance_start < b.instance_end and b.instance_start < a.instance_end
+
+
+def cross_module_dependencies(
+    model: MultimodalSpec, submicrobatches: Iterable[SubMicrobatch]
+) -> tuple[Dependency, ...]:
+    """The hand-over dependencies of these sub-microbatches, by the conventions above."""
+    by_key: dict[tuple[str, int], list[SubMicrobatch]] = defaultdict(list)
+    for s in submicrobatches:
+        by_key[(s.module, s.microbatch)].append(s)
+    deps: list[Dependency] = []
+    for (name, mb), consumers in sorted(by_key.items()):
+        producers_spec = model.producers_of(name)
+        if not producers_spec:
+            continue
+        producer = _single_producer(model, name)
+        produced = sorted(by_key.get((producer.name, mb), []), key=lambda s: s.index)
+        for c in sorted(consumers, key=lambda s: s.index):
+            for p in produced:
+                if producer.kind is ModuleKind.VIT or _overlaps(p, c):
+                    deps.append(Dependency(p.work, c.work))
+    return tuple(deps)
+
+
+def _seq(tokens: int, tensor_parallel: int, sequence_parallel: bool) -> int:
+    if not sequence_parallel:
+        return tokens
+    if tokens % tensor_parallel:
+        raise ValueError(
+            f"{tokens} padded tokens do not divide by tensor parallel size {tensor_parallel} "
+            "under sequence parallelism: pad sub-microbatches to a multiple of it"
+        )
+    return tokens // tensor_parallel
+
+
+def dit_condition_producers(
+    model: MultimodalSpec, dit_sub: SubMicrobatch, sub_lookup: Callable[[WorkId], SubMicrobatch]
+) -> list[SubMicrobatch]:
+    """The text sub-microbatches whose captions condition `dit_sub` (in index order).
+
+    Text sub-microbatches of the microbatch are looked up as index 0, 1, ... until
+    `sub_lookup` raises KeyError (as `Plan.submicrobatch` does).
+    """
+    text = _single_producer(model, dit_sub.module)
+    found = []
+    for k in itertools.count():
+        try:
+            sub = sub_lookup(WorkId(text.name, dit_sub.microbatch, k))
+        except KeyError:
+            break
+        if _overlaps(sub, dit_sub):
+            found.append(sub)
+    covered = sum(
+        min(s.instance_end, dit_sub.instance_end) - max(s.instance_start, dit_sub.instance_start)
+        for s in found
+    )
+    if covered != dit_sub.num_instances:
+        raise ValueError(f"captions of {dit_sub.work} are not all produced by {text.name!r}")
+    return found
+
+
+def _intra_module(
+    model: MultimodalSpec,
+    module: ModuleSpec,
+    sub: SubMicrobatch,
+    sub_lookup: Callable[[WorkId], SubMicrobatch],
+    dtype: str,
+    seq: Callable[[int], int],
+) -> list[TensorSpec]:
+    hidden = module.layer.hidden
+    specs = [TensorSpec("hidden", (seq(sub.padded_tokens), 1, hidden), dtype)]
+    if module.kind is ModuleKind.DIT:
+        producers = dit_condition_producers(model, sub, sub_lookup)
+        cond_tokens = sum(p.tokens for p in producers)
+        captions = sum(p.num_instances for p in producers)
+        specs += [
+            TensorSpec("temb", (sub.num_instances, hidden), dtype),
+            TensorSpec("cond", (cond_tokens, 1, hidden), dtype),
+            TensorSpec("cond_index", (captions,), INDEX_DTYPE),
+        ]
+    return specs
+
+
+def _hand_over(module: ModuleSpec, sub: SubMicrobatch, dtype: str) -> list[TensorSpec]:
+    if module.kind is ModuleKind.VIT:
+        rows = sub.tokens // (module.merge * module.merge)
+        return [TensorSpec("embeddings", (rows, module.out_hidden), dtype)]
+    if module.kind is ModuleKind.TEXT_ENCODER:
+        return [
+            TensorSpec("cond", (sub.padded_tokens, 1, module.layer.hidden), dtype),
+            TensorSpec("cond_index", (sub.num_instances,), INDEX_DTYPE),
+        ]
+    raise ValueError(f"module {module.name!r} ({module.kind.value}) hands nothing over")
+
+
+def message_tensors(
+    model: MultimodalSpec,
+    *,
+    key: MessageKey,
+    sub_lookup: Callable[[WorkId], SubMicrobatch],
+    dtype: str = "float32",
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+) -> tuple[TensorSpec, ...]:
+    """Names, shapes and dtypes of the tensors of message `key`, in a fixed order.
+
+    Activation messages carry all tensors, gradient messages the floating-point ones. The
+    sub-microbatch of the producer stage sizes the message (DiT messages also need the text
+    sub-microbatches of the microbatch, found through `sub_lookup`).
+    """
+    producer, consumer = key.producer, key.consumer
+    module = model.module(producer.module)
+    sub = sub_lookup(producer.work)
+
+    def seq(n: int) -> int:
+        return _seq(n, tensor_parallel, sequence_parallel)
+
+    if producer.module == consumer.module:
+        if consumer.chunk != producer.chunk + 1 or producer.work != consumer.work:
+            raise ValueError(f"message {key} does not connect consecutive chunks of one stage")
+        specs = _intra_module(model, module, sub, sub_lookup, dtype, seq)
+    else:
+        if module.feeds != consumer.module:
+            raise ValueError(f"message {key}: {module.name!r} does not feed {consumer.module!r}")
+        specs = _hand_over(module, sub, dtype)
+    if key.kind is MessageKind.GRADIENT:
+        specs = [s for s in specs if s.dtype != INDEX_DTYPE]
+    return tuple(specs)
+
+
+def message_nbytes(specs: Iterable[TensorSpec]) -> int:
+    """Total bytes of a message's tensors."""
+    return sum(s.nbytes for s in specs)

@@ -1,0 +1,204 @@
+"""CPU fixes (cpu_support) and the megatron-core compatibility layer (megatron_compat)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dip import megatron_compat
+from megatron_dip.cpu_support import apply_cpu_fixes, cpu_fixes_applied, seed_model_parallel_rng
+
+needs_cpu_only = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU fixes apply without CUDA"
+)
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+@needs_cpu_only
+def test_apply_cpu_fixes_twice_is_harmless():
+    assert apply_cpu_fixes() is True
+    depth = torch._C._len_torch_function_stack()
+    assert apply_cpu_fixes() is True
+    assert torch._C._len_torch_function_stack() == depth
+    assert cpu_fixes_applied()
+    x = torch.ones(2)
+    assert (x * 2).sum().item() == 4.0  # one redirecting mode, no recursion
+
+
+@needs_cpu_only
+def test_cuda_calls_run_on_cpu():
+    apply_cpu_fixes()
+    assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert torch.empty(3, device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.tensor([1, 2], device=0).device.type == "cpu"
+    x = torch.ones(3)
+    assert x.cuda() is x
+    assert x.to("cuda:0").device.type == "cpu"
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream(device=torch.cuda.current_device())
+    stream.wait_stream(torch.cuda.default_stream())
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.stream(stream):
+        pass
+
+
+@needs_cpu_only
+def test_megatron_scratch_buffer_allocates_on_cpu():
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    apply_cpu_fixes()
+    buffer = GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "test")
+    assert buffer.device.type == "cpu" and tuple(buffer.shape) == (2, 3)
+
+
+def _tiny_megatron_module():
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+
+    class Tiny(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config=config)
+            self.model_type = ModelType.encoder_or_decoder
+            self.linear = torch.nn.Linear(4, 1)
+
+        def set_input_tensor(self, tensor) -> None:
+            del tensor
+
+        def forward(self, x):
+            return self.linear(x)
+
+    return Tiny()
+
+
+def test_stock_schedule_runs_after_fixes(world):
+    """forward_backward_no_pipelining allocates `device="cuda"` tensors: works after the fixes."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    apply_cpu_fixes()
+    seed_model_parallel_rng(3)
+    model = _tiny_megatron_module()
+    data = [torch.randn(3, 4) for _ in range(2)]
+
+    def forward_step(iterator, module):
+        out = module(next(iterator))
+        return out, lambda o: (o.pow(2).sum(), {"loss": o.pow(2).sum().detach()})
+
+    pgs = ProcessGroupCollection(
+        tp=world, cp=world, pp=world, dp_cp=world, embd=None, pos_embd=None
+    )
+    schedule = megatron_compat.get_forward_backward_func(pp_size=1, vp_size=None)
+    losses = schedule(
+        forward_step_func=forward_step,
+        data_iterator=iter(data),
+        model=[model],
+        num_microbatches=2,
+        seq_length=3,
+        micro_batch_size=1,
+        forward_only=False,
+        pg_collection=pgs,
+    )
+    assert len(losses) == 2
+    # Megatron divides each microbatch's loss by the number of microbatches.
+    expected = sum(model(x).pow(2).sum() for x in data) / len(data)
+    grad = torch.autograd.grad(expected, model.linear.weight)[0]
+    torch.testing.assert_close(model.linear.weight.grad, grad)
+
+
+def test_seed_model_parallel_rng_is_repeatable():
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    seed_model_parallel_rng(5)
+    a = torch.rand(4)
+    seed_model_parallel_rng(5)
+    assert torch.equal(a, torch.rand(4))
+    with get_cuda_rng_tracker().fork():  # what Megatron's attention enters
+        pass
+
+
+def test_schedule_selection_and_arguments():
+    from megatron.core.pipeline_parallel import schedules
+
+    select = megatron_compat.get_forward_backward_func
+    assert select(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
+    assert select(pp_size=2, vp_size=2) is schedules.forward_backward_pipelining_with_interleaving
+    if megatron_compat.megatron_core_version() < (0, 19):
+        with pytest.raises(TypeError, match="schedule_pg_collection"):
+            select(pp_size=2, vp_size=None, schedule_pg_collection=object())
+
+
+def test_backward_step_with_and_without_model_type():
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    x = torch.ones(3, requires_grad=True)
+    grads = megatron_compat.backward_step([x], [(2 * x).sum()], [None], config=config)
+    torch.testing.assert_close(grads[0], torch.full((3,), 2.0))
+
+
+def test_version_and_config_helpers():
+    version = megatron_compat.megatron_core_version()
+    assert len(version) == 3 and all(isinstance(v, int) for v in version)
+    kwargs = megatron_compat.variable_seq_lengths_config()
+    assert kwargs["variable_seq_lengths"] is True
+    assert ("moe_token_dispatcher_type" in kwargs) == (version >= (0, 19))
+
+
+def test_layer_backend_without_transformer_engine():
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    if megatron_compat.transformer_engine_available():
+        pytest.skip("Transformer Engine installed")
+    assert megatron_compat.resolve_use_te(None) is False
+    with pytest.raises(RuntimeError, match="transformer_engine"):
+        megatron_compat.resolve_use_te(True)
+    backend = megatron_compat.layer_backend(False)
+    assert backend.column_linear is ColumnParallelLinear
+    spec = backend.gpt_layer_spec(normalization="RMSNorm")
+    assert spec.submodules.self_attention is not None
+
+
+def test_triton_stand_in_only_when_triton_is_missing(monkeypatch, tmp_path):
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    if name in sys.modules:  # a real one (triton installed) must stay untouched
+        assert not megatron_compat.install_triton_stand_in() or getattr(
+            sys.modules[name], "__megatron_dip_stand_in__", False
+        )
+        return
+    fake = tmp_path / "megatron"
+    (fake / "core/transformer/moe/ops").mkdir(parents=True)
+    (fake / "core/transformer/moe/ops/paged_stash.py").write_text("import triton\n")
+    monkeypatch.setattr(megatron_compat, "_megatron_dir", lambda: fake)
+    real_find_spec = megatron_compat.importlib.util.find_spec
+    monkeypatch.setattr(
+        megatron_compat.importlib.util,
+        "find_spec",
+        lambda n, *a: types.SimpleNamespace() if n == "triton" else real_find_spec(n, *a),
+    )
+    assert megatron_compat.install_triton_stand_in() is False  # triton "installed"
+    assert name not in sys.modules
+    monkeypatch.setattr(
+        megatron_compat.importlib.util,
+        "find_spec",
+        lambda n, *a: None if n == "triton" else real_find_spec(n, *a),
+    )
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert megatron_compat.install_triton_stand_in() is True
+    stand_in = sys.modules[name]
+    assert stand_in.GLOBAL_BLOCK_SIZE == 1024
+    with pytest.raises(RuntimeError, match="triton"):
+        stand_in.paged_stash_copy_kernel[(1,)]
+    monkeypatch.delitem(sys.modules, name)
