@@ -25,7 +25,7 @@ from ..schedule.ir import BatchTotals, MessageKey, Placement, Plan, Recompute, S
 from ..schedule.passes import add_communication
 from ..schedule.validate import validate_plan
 from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, priorities_from_units
-from .memory import RecomputeChoice, choose_recompute
+from .memory import MemoryLimitError, RecomputeChoice, choose_recompute
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
 from .submicrobatch import MicrobatchWork, split_microbatch
 
@@ -40,7 +40,7 @@ class PlannerConfig:
     data_parallel: int = 1
     sub_sizes: Mapping[str, int] = field(default_factory=dict)  # per non-LLM module
     search: SearchConfig = field(default_factory=SearchConfig)
-    memory_limit_bytes: float | None = None  # activation memory per rank
+    memory_limit_bytes: float | Sequence[float] | None = None  # activations, per rank
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     dtype: str = "float32"
@@ -49,7 +49,8 @@ class PlannerConfig:
     fill_bubbles: bool = True  # dual-queue interleaving (False: fixed segment order)
     use_search: bool = True
     optimize_memory: bool = True
-    max_clips_per_microbatch: int | None = None
+    uniform_recompute: Recompute | None = None  # start from this mode on every chunk
+    packing: PackingLimits | None = None  # default: PackingLimits.vlm(seq_length=seq_length)
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,7 @@ class DipPlanner:
     def microbatches(self, samples: Sequence[SampleMeta]) -> list[MicrobatchWork]:
         """Pack a replica's samples and cut every microbatch into sub-microbatches."""
         by_id = {s.sample_id: s for s in samples}
-        limits = PackingLimits(
-            seq_length=self.config.seq_length,
-            max_instances=self.config.max_clips_per_microbatch,
-        )
+        limits = self.config.packing or PackingLimits.vlm(seq_length=self.config.seq_length)
         packed = pack_microbatches(samples, limits=limits)
         pad = self.config.tensor_parallel if self.config.sequence_parallel else 1
         return [
@@ -137,8 +135,9 @@ class DipPlanner:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def plan_batch(self, batch: BatchMeta) -> list[ReplicaPlan]:
-        """One plan per data-parallel replica for the global batch `batch`."""
+    def plan_batch(self, batch: BatchMeta, *, search: bool | None = None) -> list[ReplicaPlan]:
+        """One plan per data-parallel replica for the global batch `batch`; `search` overrides
+        `config.use_search` (False: the greedy plan only)."""
         replicas = self.replica_samples(batch)
         works = [self.microbatches(samples) for samples in replicas]
         totals = BatchTotals(
@@ -148,7 +147,7 @@ class DipPlanner:
             data_parallel_size=self.config.data_parallel,
         )
         return [
-            self.plan_replica(w, iteration=batch.iteration, replica=r, totals=totals)
+            self.plan_replica(w, iteration=batch.iteration, replica=r, totals=totals, search=search)
             for r, w in enumerate(works)
         ]
 
@@ -160,6 +159,7 @@ class DipPlanner:
         replica: int,
         totals: BatchTotals,
         forward_only: bool = False,
+        search: bool | None = None,
     ) -> ReplicaPlan:
         """Schedule the microbatches of one replica and return its validated plan."""
         started = time.perf_counter()
@@ -167,9 +167,14 @@ class DipPlanner:
         deps = tuple(d for w in works for d in w.dependencies)
         dataflow = Dataflow(self.placement, subs, deps)
         sub_of = {s.work: s for s in subs}
-        schedule, search, choice = self._schedule(dataflow, sub_of, forward_only=forward_only)
+        use_search = self.config.use_search if search is None else search
+        schedule, result, choice = self._schedule(
+            dataflow, sub_of, forward_only=forward_only, use_search=use_search
+        )
         tensors = functools.partial(self._tensors, sub_of)
-        programs = add_communication(schedule.orders, dataflow, tensors=tensors)
+        programs = add_communication(
+            schedule.orders, dataflow, tensors=tensors, compute_time=schedule.duration
+        )
         plan = Plan(
             iteration=iteration,
             placement=self.placement,
@@ -185,9 +190,9 @@ class DipPlanner:
         validate_plan(plan)
         return ReplicaPlan(
             plan,
-            search.greedy_makespan,
+            result.greedy_makespan,
             schedule.makespan,
-            search.rollouts,
+            result.rollouts,
             choice.added_time,
             time.perf_counter() - started,
         )
@@ -203,29 +208,58 @@ class DipPlanner:
         )
 
     def _schedule(
-        self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool
+        self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool, use_search: bool
     ) -> tuple[ListSchedule, SearchResult, RecomputeChoice]:
         limits = self._memory_limits()
-        choice = RecomputeChoice({}, 0.0)
+        choice = self._uniform_choice()
         graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
-        search = self._search(graph, dataflow, limits)
+        search = self._search(graph, dataflow, limits, use_search=use_search)
         schedule = self._list_schedule(graph, search.order, limits, choice)
         if self.config.optimize_memory and limits is not None and not forward_only:
+            candidate = self._recompute_candidate(dataflow, sub_of, search.order, limits)
+            if candidate is not None and (
+                schedule.overcommitted or candidate[0].makespan < schedule.makespan
+            ):
+                schedule, choice = candidate
+        return schedule, search, choice
+
+    def _recompute_candidate(
+        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float]
+    ) -> tuple[ListSchedule, RecomputeChoice] | None:
+        """Schedule as if memory were free, then choose per-chunk recompute (MILP) so that
+        schedule fits, and reschedule under the real limit with those costs. This trades
+        recomputation for the bubbles that throttling forwards at the limit would cost."""
+        free = self._graph(dataflow, sub_of, self._uniform_choice(), forward_only=False)
+        unconstrained = self._list_schedule(free, order, None, self._uniform_choice())
+        try:
             choice = choose_recompute(
-                [[i for i in order] for order in schedule.orders],
+                unconstrained.orders,
                 mode_cost=functools.partial(self._mode_cost, sub_of),
                 keeps_activations=lambda s: dataflow.needs_backward(s.module),
                 memory_limit=limits,
             )
-            if choice.modes:
-                graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
-                schedule = self._list_schedule(graph, search.order, limits, choice)
-        return schedule, search, choice
+        except MemoryLimitError:
+            return None
+        graph = self._graph(dataflow, sub_of, choice, forward_only=False)
+        return self._list_schedule(graph, order, limits, choice), choice
+
+    def _uniform_choice(self) -> RecomputeChoice:
+        mode = self.config.uniform_recompute
+        if mode is None or mode is Recompute.NONE:
+            return RecomputeChoice({}, 0.0)
+        return RecomputeChoice(
+            {(m.name, c.index): mode for m in self.placement.modules for c in m.chunks}, 0.0
+        )
 
     def _memory_limits(self) -> list[float] | None:
-        if self.config.memory_limit_bytes is None:
+        limit = self.config.memory_limit_bytes
+        if limit is None:
             return None
-        return [self.config.memory_limit_bytes] * self.placement.num_ranks
+        if isinstance(limit, (int, float)):
+            return [float(limit)] * self.placement.num_ranks
+        if len(limit) != self.placement.num_ranks:
+            raise ValueError(f"{len(limit)} memory limits for {self.placement.num_ranks} ranks")
+        return [float(x) for x in limit]
 
     def _graph(
         self, dataflow: Dataflow, sub_of: Mapping, choice: RecomputeChoice, *, forward_only: bool
@@ -260,15 +294,15 @@ class DipPlanner:
                 mbs.append(w.microbatch)
         return units
 
-    def _search(self, graph, dataflow: Dataflow, limits) -> SearchResult:
+    def _search(self, graph, dataflow: Dataflow, limits, *, use_search: bool) -> SearchResult:
         feeds = {m.name: m.feeds for m in self.model.modules}
         constraints = unit_constraints(
             self._units(dataflow), feeds, lookahead=self.config.lookahead
         )
         factory = functools.partial(_score_factory, graph, limits, self.config.fill_bubbles)
         config = self.config.search
-        if not self.config.use_search:
-            config = replace(config, max_rollouts=1)
+        if not use_search:
+            config = replace(config, max_rollouts=1, workers=1)
         return parallel_mcts_order(constraints, factory, config)
 
     def _list_schedule(self, graph, order, limits, choice: RecomputeChoice) -> ListSchedule:

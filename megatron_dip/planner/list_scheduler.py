@@ -13,7 +13,7 @@ it thousands of times cheaply.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..schedule.graph import Dataflow
 from ..schedule.ir import Backward, Forward, MessageKey, Recompute, StageId
@@ -88,6 +88,11 @@ class ListSchedule:
     makespan: float
     peak_memory: tuple[int, ...]
     overcommitted: bool
+    durations: dict = field(default_factory=dict, compare=False, repr=False)  # instr -> seconds
+
+    def duration(self, rank: int, ins: Forward | Backward) -> float:
+        """Estimated duration of a compute instruction (for the communication pass)."""
+        return self.durations[ins]
 
 
 class _RankState:
@@ -131,6 +136,7 @@ def list_schedule(
         if npred[2 * k] == 0:
             ranks[graph.rank[k]].ready_f.append((priority[k], 0.0, 2 * k))
     orders: list[list[Forward | Backward]] = [[] for _ in range(n_ranks)]
+    durations: dict[Forward | Backward, float] = {}
     peak = [0] * n_ranks
     remaining = sum(1 + h for h in graph.has_backward)
     overcommitted = False
@@ -153,10 +159,12 @@ def list_schedule(
                 st.mem += graph.act_bytes[k]
                 overcommitted |= st.mem > limit[r]
                 peak[r] = max(peak[r], st.mem)
-            orders[r].append(Forward(graph.stages[k], recompute(graph.stages[k])))
+            ins: Forward | Backward = Forward(graph.stages[k], recompute(graph.stages[k]))
         else:
             st.mem -= graph.act_bytes[k]
-            orders[r].append(Backward(graph.stages[k]))
+            ins = Backward(graph.stages[k])
+        orders[r].append(ins)
+        durations[ins] = max(end - start, 1e-12)  # the communication pass needs positive times
         finish = max(finish, end)
         remaining -= 1
         for nxt, delay in graph.succ[node]:
@@ -167,7 +175,9 @@ def list_schedule(
                 target = ranks[graph.rank[kk]]
                 queue = target.ready_f if nxt % 2 == 0 else target.ready_b
                 queue.append((priority[kk], ready_time[nxt], nxt))
-    return ListSchedule(tuple(tuple(o) for o in orders), finish, tuple(peak), overcommitted)
+    return ListSchedule(
+        tuple(tuple(o) for o in orders), finish, tuple(peak), overcommitted, durations
+    )
 
 
 def _pick(

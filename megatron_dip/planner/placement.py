@@ -68,28 +68,31 @@ def segments_per_module(
 def balanced_layer_split(
     num_layers: int, num_chunks: int, chunk_cost: Callable[[int, int, int], float]
 ) -> list[tuple[int, int]]:
-    """Cut `num_layers` layers into `num_chunks` non-empty runs minimising the costliest chunk.
+    """Cut `num_layers` layers into `num_chunks` non-empty runs, as even in cost as possible.
 
     `chunk_cost(index, layer_start, layer_end)` is the cost of a chunk; it may charge extra work to
-    the first and last chunk. Exact dynamic programme over (chunks, layers): sizes are small.
+    the first and last chunk. Minimises the costliest chunk, then the sum of squared chunk costs
+    (many splits share the same maximum; only the even ones keep every pipeline stage busy).
+    Dynamic programme over (chunks, layers): sizes are small.
     """
     if num_chunks > num_layers:
         raise ValueError(f"cannot cut {num_layers} layers into {num_chunks} non-empty chunks")
 
     @cache
-    def best(chunk: int, start: int) -> tuple[float, tuple[int, ...]]:
-        # Best (max cost, cut points) for chunks chunk.. covering layers start..num_layers.
+    def best(chunk: int, start: int) -> tuple[float, float, tuple[int, ...]]:
+        # Best (max cost, sum of squares, cut points) for chunks chunk.. over layers start..
         remaining = num_chunks - chunk
         if remaining == 1:
-            return chunk_cost(chunk, start, num_layers), (num_layers,)
+            c = chunk_cost(chunk, start, num_layers)
+            return c, c * c, (num_layers,)
         options = []
         for end in range(start + 1, num_layers - remaining + 2):
             here = chunk_cost(chunk, start, end)
-            rest, cuts = best(chunk + 1, end)
-            options.append((max(here, rest), (end, *cuts)))
+            rest_max, rest_sq, cuts = best(chunk + 1, end)
+            options.append((max(here, rest_max), here * here + rest_sq, (end, *cuts)))
         return min(options)
 
-    _, cuts = best(0, 0)
+    *_, cuts = best(0, 0)
     starts = (0, *cuts[:-1])
     return list(zip(starts, cuts))
 

@@ -1,0 +1,339 @@
+"""Side-by-side planning of one batch under static Megatron pipelines and DIP (simulation).
+
+Used by `tools/simulate_paper.py` and the benchmark: every schedule sees the same microbatches,
+packing and data-parallel shards, and every static baseline gets its best uniform recompute
+setting (none / selective / full: the fastest whose activations fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.packing import PackingLimits
+from ..data.sample import BatchMeta
+from ..models.layout import message_tensors
+from ..modelspec import ModuleKind, MultimodalSpec, Setup
+from ..schedule.baselines import build_megatron_plan
+from ..schedule.ir import ChunkSpec, Forward, Placement, Plan, Program, Recompute
+from .devices import DeviceSpec
+from .dip import DipPlanner, PlannerConfig, sample_loss_tokens
+from .placement import ModuleWorkload, build_dip_placement
+from .search import SearchConfig
+from .simulator import SimResult, simulate
+from .static_baselines import StaticPipeline, one_list_pipeline, stock_pipeline
+from .submicrobatch import MicrobatchWork, choose_sub_size, split_microbatch
+
+MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+BYTES_PER_PARAM = 18  # bf16 weight + fp32 grad + fp32 master + two fp32 Adam moments
+
+
+def packing_limits(model: MultimodalSpec, seq_length: int) -> PackingLimits:
+    """The packing the paper uses: 8192-token VLM sequences; <= 8 clips / 16 s for T2V."""
+    if model.loss_module.kind is ModuleKind.DIT:
+        return PackingLimits.t2v()
+    return PackingLimits.vlm(seq_length=seq_length)
+
+
+def average_workload(
+    model: MultimodalSpec, works: Sequence[MicrobatchWork]
+) -> dict[str, ModuleWorkload]:
+    """Average per-microbatch instances and tokens of every module (sizes static placements)."""
+    out = {}
+    for m in model.modules:
+        subs = [s for w in works for s in w.submicrobatches if s.module == m.name]
+        n = max(1, len(works))
+        out[m.name] = ModuleWorkload(
+            max(1, round(sum(s.num_instances for s in subs) / n)),
+            max(1, round(sum(s.tokens for s in subs) / n)),
+        )
+    return out
+
+
+def activation_limits(
+    placement: Placement,
+    cost_model,
+    *,
+    device: DeviceSpec,
+    tensor_parallel: int,
+    reserve: float = 0.1,
+) -> list[float]:
+    """Per-rank activation budget: device memory minus weights/grads/optimizer and a reserve."""
+    static = [0.0] * placement.num_ranks
+    for m in placement.modules:
+        for c in m.chunks:
+            static[c.rank] += cost_model.chunk_params(c) / tensor_parallel * BYTES_PER_PARAM
+    return [device.memory_bytes * (1 - reserve) - s for s in static]
+
+
+def one_sub_per_module(
+    model: MultimodalSpec, works: Sequence[MicrobatchWork], samples_by_id: dict, *, seq_length: int
+) -> list[MicrobatchWork]:
+    """The same microbatches with each module's instances in one sub-microbatch (Megatron)."""
+    big = {m.name: 10**9 for m in model.modules}
+    return [
+        split_microbatch(
+            model,
+            [samples_by_id[i] for i in w.info.sample_ids],
+            index=w.info.index,
+            seq_length=seq_length,
+            sub_sizes=big,
+        )
+        for w in works
+    ]
+
+
+def with_recompute(plan: Plan, mode: Recompute) -> Plan:
+    """`plan` with every forward using recompute `mode`."""
+    programs = tuple(
+        Program(
+            p.rank,
+            tuple(
+                dataclasses.replace(i, recompute=mode) if isinstance(i, Forward) else i
+                for i in p.instructions
+            ),
+        )
+        for p in plan.programs
+    )
+    return dataclasses.replace(plan, programs=programs)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One schedule's simulated result on one batch."""
+
+    name: str
+    sim: SimResult
+    fits: bool
+    recompute: str
+    plan_seconds: float = 0.0
+
+
+def best_uniform_recompute(name: str, plan: Plan, cost_model, limits: Sequence[float]) -> Outcome:
+    """Simulate `plan` under every uniform recompute mode; the fastest that fits wins."""
+    results = []
+    for mode in MODES:
+        sim = simulate(with_recompute(plan, mode), cost_model)
+        fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
+        results.append(Outcome(name, sim, fits, mode.value))
+    fitting = [r for r in results if r.fits]
+    return min(fitting or results, key=lambda r: r.sim.iteration_time)
+
+
+@dataclass
+class Comparison:
+    """Everything fixed for one setup: model, cost model, placements, sub-microbatch sizes."""
+
+    setup: Setup
+    cost_model: object
+    device: DeviceSpec
+    limits: PackingLimits
+    dip_placement: Placement
+    sub_sizes: dict[str, int]
+    static: list[StaticPipeline]
+    search: SearchConfig
+
+    @classmethod
+    def create(
+        cls,
+        setup: Setup,
+        cost_model,
+        *,
+        device: DeviceSpec,
+        calibration: Sequence[BatchMeta],
+        search: SearchConfig,
+    ) -> Comparison:
+        """Size placements and sub-microbatch sizes from `calibration` batches (averages)."""
+        model, p = setup.model, setup.pipeline_parallel
+        limits = packing_limits(model, setup.seq_length)
+        probe = DipPlanner(
+            model,
+            cost_model,
+            _probe_placement(model, p),
+            PlannerConfig(
+                seq_length=setup.seq_length,
+                sub_sizes={m.name: 10**9 for m in model.modules},
+                packing=limits,
+            ),
+        )
+        works = [w for b in calibration for w in probe.microbatches(list(b.samples))]
+        workload = average_workload(model, works)
+        sub_sizes = {}
+        for m in model.modules:
+            if m.kind is not ModuleKind.LLM:
+                per = max(1, workload[m.name].tokens // workload[m.name].instances)
+                sub_sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
+        placement, _ = build_dip_placement(model, cost_model, num_ranks=p, workload=workload)
+        static = [
+            stock_pipeline(model, cost_model, num_ranks=p, num_model_chunks=1, workload=workload),
+            stock_pipeline(model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload),
+            one_list_pipeline(
+                model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload, by="params"
+            ),
+            one_list_pipeline(
+                model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload, by="cost"
+            ),
+        ]
+        return cls(setup, cost_model, device, limits, placement, sub_sizes, static, search)
+
+    def memory(self, placement: Placement) -> list[float]:
+        return activation_limits(
+            placement,
+            self.cost_model,
+            device=self.device,
+            tensor_parallel=self.setup.tensor_parallel,
+        )
+
+    def planner(self, **overrides: object) -> DipPlanner:
+        config = PlannerConfig(
+            seq_length=self.setup.seq_length,
+            data_parallel=self.setup.data_parallel,
+            sub_sizes=self.sub_sizes,
+            search=self.search,
+            memory_limit_bytes=self.memory(self.dip_placement),
+            tensor_parallel=self.setup.tensor_parallel,
+            sequence_parallel=self.setup.tensor_parallel > 1,
+            dtype="bfloat16",
+            packing=self.limits,
+        )
+        return DipPlanner(
+            self.setup.model,
+            self.cost_model,
+            self.dip_placement,
+            dataclasses.replace(config, **overrides),
+        )
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    def run_batch(self, batch: BatchMeta) -> list[Outcome]:
+        """Baselines and DIP's ablation steps on the same replica shards and microbatches.
+        With several replicas, the iteration time is the slowest replica's."""
+        base = self.planner()
+        replicas = base.replica_samples(batch)
+        outcomes: dict[str, list[Outcome]] = {}
+        for samples in replicas:
+            works = base.microbatches(samples)
+            for o in self._replica(batch, samples, works):
+                outcomes.setdefault(o.name, []).append(o)
+        return [max(os, key=lambda o: o.sim.iteration_time) for os in outcomes.values()]
+
+    def _replica(self, batch: BatchMeta, samples, works: list[MicrobatchWork]) -> list[Outcome]:
+        model = self.setup.model
+        by_id = {s.sample_id: s for s in samples}
+        totals = _totals(model, batch, works, self.setup.data_parallel)
+        whole = one_sub_per_module(model, works, by_id, seq_length=self.setup.seq_length)
+        out = [self._static(pipe, whole, totals, batch.iteration) for pipe in self.static]
+        steps = [
+            ("dip: separated", dict(fill_bubbles=False, use_search=False, optimize_memory=False)),
+            ("dip: +interleave", dict(use_search=False, optimize_memory=False)),
+            ("dip: +mcts", dict(optimize_memory=False)),
+            ("dip: +memory", {}),
+        ]
+        limits = self.memory(self.dip_placement)
+        previous: Outcome | None = None
+        for name, overrides in steps:
+            outcome = self._dip(name, overrides, works, totals, batch.iteration, limits)
+            # The planner evaluates each step's candidate against the previous one and keeps the
+            # faster (both are valid plans it has in hand), so a step never loses.
+            if (
+                previous is not None
+                and previous.fits
+                and (not outcome.fits or previous.sim.iteration_time < outcome.sim.iteration_time)
+            ):
+                outcome = dataclasses.replace(
+                    previous, name=name, plan_seconds=outcome.plan_seconds
+                )
+            out.append(outcome)
+            previous = outcome
+        return out
+
+    def _static(self, pipe: StaticPipeline, works, totals, iteration: int) -> Outcome:
+        sub_of = {s.work: s for w in works for s in w.submicrobatches}
+        plan = build_megatron_plan(
+            placement=pipe.placement,
+            stage_units=pipe.stage_units,
+            submicrobatches=[s for w in works for s in w.submicrobatches],
+            dependencies=[d for w in works for d in w.dependencies],
+            microbatches=[w.info for w in works],
+            totals=totals,
+            num_model_chunks=pipe.num_model_chunks,
+            tensors=lambda key: message_tensors(
+                self.setup.model,
+                key=key,
+                sub_lookup=sub_of.__getitem__,
+                dtype="bfloat16",
+                tensor_parallel=self.setup.tensor_parallel,
+                sequence_parallel=self.setup.tensor_parallel > 1,
+            ),
+            iteration=iteration,
+        )
+        schedule = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
+        return best_uniform_recompute(
+            f"megatron {schedule} ({pipe.name})", plan, self.cost_model, self.memory(pipe.placement)
+        )
+
+    def _dip(
+        self, name: str, overrides: dict, works, totals, iteration: int, limits: list[float]
+    ) -> Outcome:
+        best = None
+        modes = (None,) if overrides.get("optimize_memory", True) else MODES
+        for mode in modes:
+            planner = self.planner(**overrides, uniform_recompute=mode)
+            started = time.perf_counter()
+            rp = planner.plan_replica(works, iteration=iteration, replica=0, totals=totals)
+            seconds = time.perf_counter() - started
+            sim = simulate(rp.plan, self.cost_model)
+            fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
+            o = Outcome(name, sim, fits, "per-chunk" if mode is None else mode.value, seconds)
+            if best is None or (o.fits, -o.sim.iteration_time) > (
+                best.fits,
+                -best.sim.iteration_time,
+            ):
+                best = o
+        return best
+
+
+def _probe_placement(model: MultimodalSpec, num_ranks: int) -> Placement:
+    from ..schedule.ir import ModuleLayout
+
+    return Placement(
+        num_ranks,
+        tuple(
+            ModuleLayout(
+                m.name, m.num_layers, m.trainable, (ChunkSpec(m.name, 0, 0, 0, m.num_layers),)
+            )
+            for m in model.modules
+        ),
+    )
+
+
+def _totals(model: MultimodalSpec, batch: BatchMeta, works, data_parallel: int):
+    from ..schedule.ir import BatchTotals
+
+    return BatchTotals(
+        num_microbatches=len(works) * data_parallel,
+        num_samples=batch.num_samples,
+        num_loss_tokens=sum(sample_loss_tokens(s, model) for s in batch.samples),
+        data_parallel_size=data_parallel,
+    )
+
+
+def model_flops(model: MultimodalSpec, cost_model, works: Sequence[MicrobatchWork]) -> float:
+    """6*N*D (2*N*D for forward-only modules) over the tokens each module processed; attention's
+    quadratic term is left out, so MFU computed from it is an underestimate."""
+    total = 0.0
+    for m in model.modules:
+        params = cost_model.chunk_params(ChunkSpec(m.name, 0, 0, 0, m.num_layers))
+        tokens = sum(s.tokens for w in works for s in w.submicrobatches if s.module == m.name)
+        total += (6 if m.trainable else 2) * params * tokens
+    return total
+
+
+def summarize(values: Sequence[float]) -> tuple[float, float]:
+    """Median and 90th percentile."""
+    arr = np.asarray(values, dtype=float)
+    return float(np.median(arr)), float(np.percentile(arr, 90))
