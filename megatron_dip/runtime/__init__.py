@@ -1,0 +1,64 @@
+"""The runtime: executes plans on Megatron-Core model chunks (never plans anything itself).
+
+* `Executor` (executor.py) runs one pipeline rank's program of a `Plan`;
+* `PipelineP2P` (p2p.py) posts its messages over an explicit pipeline process group;
+* `dip_forward_backward` (forward_backward.py) has Megatron-Core's schedule signature, and
+  `install` / `uninstall` switch Megatron's `get_forward_backward_func` to it and back;
+* `StockPipeline` (stock.py) runs Megatron-Core's own schedules on the same chunks;
+* `wrap_chunks_ddp` (ddp.py) wraps chunks in Megatron-Core's DDP with explicit groups.
+
+Attributes load on first access, so `import megatron_dip.runtime` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Executor": "executor",
+    "ExecutorConfig": "executor",
+    "IterationResult": "executor",
+    "run_program": "executor",
+    "P2PConfig": "p2p",
+    "PipelineP2P": "p2p",
+    "MessageError": "p2p",
+    "LossConfig": "loss",
+    "BatchSource": "data",
+    "SampleBatchSource": "data",
+    "StockPipeline": "stock",
+    "DipSchedule": "forward_backward",
+    "dip_forward_backward": "forward_backward",
+    "install": "forward_backward",
+    "uninstall": "forward_backward",
+    "installed": "forward_backward",
+    "wrap_chunks_ddp": "ddp",
+    "DataParallelGroups": "ddp",
+}
+
+__all__ = [
+    "Executor",
+    "ExecutorConfig",
+    "IterationResult",
+    "run_program",
+    "P2PConfig",
+    "PipelineP2P",
+    "MessageError",
+    "LossConfig",
+    "BatchSource",
+    "SampleBatchSource",
+    "StockPipeline",
+    "DipSchedule",
+    "dip_forward_backward",
+    "install",
+    "uninstall",
+    "installed",
+    "wrap_chunks_ddp",
+    "DataParallelGroups",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,105 @@
+"""Where the executor gets each sub-microbatch's input data from.
+
+Data tensors never travel between pipeline ranks: every rank builds the inputs of the
+sub-microbatches its chunks compute on from the microbatch's samples (`models.inputs`). The
+executor asks a `BatchSource` for them and tells it when a sub-microbatch is no longer needed on
+this rank, so cached masks and rotary tables are freed early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from megatron_dip.schedule.ir import Plan, WorkId
+
+
+class BatchSource(Protocol):
+    """Inputs of sub-microbatches, built on demand."""
+
+    def sub_batch(self, work: WorkId) -> Any:
+        """The `batch=` argument of the chunks for sub-microbatch `work`."""
+
+    def loss_tokens(self, work: WorkId) -> int:
+        """Tokens of loss sub-microbatch `work` that carry a loss (the normalisation count)."""
+
+    def release(self, work: WorkId) -> None:
+        """`work` is not used on this rank any more."""
+
+
+def loss_tokens_of(batch: Any) -> int:
+    """Loss-carrying tokens of a `models.inputs.SubBatch` of the loss module.
+
+    LLM: positions whose loss mask is set; DiT: every real latent token of the clips.
+    """
+    mask = getattr(batch, "loss_mask", None)
+    if mask is not None:
+        return int((mask > 0).sum())
+    if getattr(batch, "target", None) is not None:
+        return int(batch.sub.tokens)
+    raise ValueError(f"{batch.sub.work}: no loss mask or diffusion target, not a loss module")
+
+
+class SampleBatchSource:
+    """Sub-batches built with `models.inputs.build_sub_batch` from each microbatch's samples.
+
+    `samples[mb]` lists the samples of microbatch `mb` of `plan` in order; `seq_length` caps
+    the LLM sequence; `seed` seeds diffusion noise with each sample's id.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        plan: Plan,
+        samples: Mapping[int, Sequence[Any]],
+        seq_length: int,
+        seed: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        missing = [m.index for m in plan.microbatches if m.index not in samples]
+        if missing:
+            raise ValueError(f"no samples for microbatch(es) {missing} of plan {plan.name!r}")
+        for m in plan.microbatches:
+            ids = tuple(s.sample_id for s in samples[m.index])
+            if ids != tuple(m.sample_ids):
+                raise ValueError(
+                    f"microbatch {m.index}: samples {ids}, the plan was made for {m.sample_ids}"
+                )
+        self.model = model
+        self.plan = plan
+        self.samples = samples
+        self.seq_length = seq_length
+        self.seed = seed
+        self.device = device
+        self._cache: dict[WorkId, Any] = {}
+
+    def sub_batch(self, work: WorkId) -> Any:
+        if work not in self._cache:
+            from megatron_dip.models.inputs import build_sub_batch
+
+            batch = build_sub_batch(
+                self.model,
+                self.samples[work.microbatch],
+                self.plan.submicrobatch(work),
+                seq_length=self.seq_length,
+                seed=self.seed,
+            )
+            self._cache[work] = batch.to(self.device) if self.device is not None else batch
+        return self._cache[work]
+
+    def loss_tokens(self, work: WorkId) -> int:
+        cached = work in self._cache
+        tokens = loss_tokens_of(self.sub_batch(work))
+        if not cached:
+            self.release(work)  # asked ahead of use: do not keep it alive until then
+        return tokens
+
+    def release(self, work: WorkId) -> None:
+        self._cache.pop(work, None)
+
+    def cached(self) -> list[WorkId]:
+        """Sub-microbatches currently held."""
+        return list(self._cache)

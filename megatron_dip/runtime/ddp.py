@@ -1,0 +1,96 @@
+"""Data parallelism through Megatron-Core's `DistributedDataParallel`, one wrapper per chunk.
+
+Each model chunk of a rank gets its own DDP wrapper (own gradient buffer and buckets), so each
+chunk's reduction can start on its own, at the chunk's last Backward in the plan (the executor
+drives `no_sync` / `start_grad_sync` / `finish_grad_sync`; see `gradsync.py` for the order).
+Process groups are passed explicitly; nothing is read from Megatron's `parallel_state`.
+
+The executor keeps `overlap_grad_reduce=True` semantics (asynchronous reductions started by
+the executor, waited for at the end); Megatron's own per-parameter "grad ready" counting is not
+used because every Backward runs under `no_sync`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .checks import unwrap_chunk
+
+
+@dataclass(frozen=True)
+class DataParallelGroups:
+    """The groups one rank's DDP wrappers use.
+
+    `dp`: the data-parallel group (same pipeline and tensor rank in every replica). `tp`, `pp`:
+    this rank's tensor- and pipeline-parallel groups. `single`: a group holding only this rank
+    (stands in for expert parallelism, which these models do not use).
+    """
+
+    dp: torch.distributed.ProcessGroup
+    tp: torch.distributed.ProcessGroup
+    pp: torch.distributed.ProcessGroup
+    single: torch.distributed.ProcessGroup
+
+    def collection(self):
+        """Megatron's `ProcessGroupCollection` for the DDP wrapper."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgs = ProcessGroupCollection()
+        pgs.dp, pgs.dp_cp, pgs.tp, pgs.pp = self.dp, self.dp, self.tp, self.pp
+        pgs.ep, pgs.expt_dp = self.single, self.single
+        return pgs
+
+
+def default_ddp_config():
+    """DDP settings the executor expects: asynchronous reductions, no distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=False, bucket_size=None
+    )
+
+
+def wrap_chunks_ddp(
+    chunks: Sequence[torch.nn.Module], *, groups: DataParallelGroups, ddp_config=None
+) -> list[torch.nn.Module]:
+    """Wrap every chunk in Megatron-Core's DDP (call in the same order on every rank).
+
+    `ddp_config` must keep `overlap_grad_reduce=True` (the executor starts each chunk's
+    reduction itself). Zero the buffers with `zero_grad_buffer()` before each iteration, as
+    Megatron's training loop does.
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    config = ddp_config or default_ddp_config()
+    if not config.overlap_grad_reduce:
+        raise ValueError("the executor starts reductions itself: use overlap_grad_reduce=True")
+    wrapped = []
+    for chunk in chunks:
+        inner = unwrap_chunk(chunk)
+        wrapped.append(
+            DistributedDataParallel(
+                config=inner.config,
+                ddp_config=config,
+                module=chunk,
+                disable_bucketing=False,
+                pg_collection=groups.collection(),
+            )
+        )
+    return wrapped
+
+
+def main_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Local parameter name -> reduced gradient (`main_grad` under DDP, else `.grad`)."""
+    inner = unwrap_chunk(module)
+    out = {}
+    for name, p in inner.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out[name] = g
+    return out

@@ -1,0 +1,419 @@
+"""The executor: runs one pipeline rank's `Program` of a `Plan` on the model chunks it holds.
+
+Semantics are those of `schedule/ir.py`. One handler per instruction type, registered in
+`_HANDLERS` (checked against `schedule.ir.INSTRUCTION_TYPES` at import and at construction).
+
+Buffers. An activation or gradient *message* (`MessageKey`) is held from the compute producing it
+until the compute consuming it (a local hand-over when both chunks are on this rank) or until its
+Send completed. A Forward that will be differentiated keeps its inputs (as fresh autograd leaves)
+and outputs by `StageId` until its Backward, which frees them. `leftovers()` lists whatever is
+still held; after a complete iteration it is empty (tested).
+
+Forward calls the chunk with `inputs=` (one dict per producer message, in producer order) and
+`batch=` (the sub-microbatch's inputs from the `BatchSource`). Backward runs
+`torch.autograd.backward` on the chunk's outputs with the received output gradients (summed over
+consumers), or on the weighted loss for the loss module's last chunk, and turns the inputs'
+`.grad` into the gradient messages for the producers. Loss weights: `loss.py`. Recompute:
+`recompute.py`. Data-parallel reduction points: `gradsync.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_dip.schedule.engine import PlanError
+from megatron_dip.schedule.ir import (
+    INSTRUCTION_TYPES,
+    Backward,
+    Forward,
+    Instruction,
+    MessageKey,
+    MessageKind,
+    Placement,
+    Plan,
+    Recv,
+    Send,
+    StageId,
+    Wait,
+    WorkId,
+)
+
+from .checks import TensorFn, check_before_run, index_chunks, unwrap_chunk
+from .data import BatchSource
+from .gradsync import grad_sync_points
+from .loss import LossConfig, LossTracker, reduction_averages
+from .p2p import MessageError, P2PConfig, PipelineP2P, check_message
+from .recompute import run_chunk
+
+logger = logging.getLogger(__name__)
+
+# Instruction type -> method name. A handler takes (index, instruction) and returns how many
+# instructions it consumed (a Send/Recv handler posts the whole batch that starts there).
+_HANDLERS: dict[type, str] = {
+    Forward: "_forward",
+    Backward: "_backward",
+    Send: "_comm",
+    Recv: "_comm",
+    Wait: "_wait",
+}
+
+
+def check_handlers(handlers: Mapping[type, str] = _HANDLERS) -> None:
+    """Raise `TypeError` if an instruction type of the plan format has no handler."""
+    missing = [t.__name__ for t in INSTRUCTION_TYPES if t not in handlers]
+    if missing:
+        raise TypeError(f"the executor has no handler for instruction type(s) {missing}")
+
+
+check_handlers()
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Options of the executor.
+
+    `debug`: synchronous mode, every batch of messages is waited for right after posting and
+    every produced message is checked against the plan's shapes as it is produced; each
+    instruction is logged with its duration. `validate`: run `validate_plan` (deadlock check
+    included) before communicating. `nvtx`: NVTX range per instruction when CUDA is available.
+    """
+
+    p2p: P2PConfig = field(default_factory=P2PConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    debug: bool = False
+    validate: bool = True
+    nvtx: bool = True
+
+
+@dataclass
+class IterationResult:
+    """What one rank's program produced.
+
+    `reports`: on the rank holding the loss module's last chunk, one dict per microbatch (in
+    microbatch order) {report_name: tensor([loss_sum, num_tokens])}, as Megatron's loss
+    functions report; empty elsewhere. `objective`: this rank's share of the normalised loss
+    that was differentiated (sum of weight * loss_sum, weights of `loss.py` without the
+    data-parallel factor), so the replicas' objectives sum to the global loss. `messages`:
+    point-to-point messages posted. `grad_sync_started`: (instruction index after which it
+    started, chunk) for every data-parallel reduction, -1 meaning before the first.
+    """
+
+    reports: list[dict[str, torch.Tensor]]
+    objective: float
+    seconds: float
+    messages: int
+    grad_sync_started: list[tuple[int, tuple[str, int]]] = field(default_factory=list)
+
+
+@dataclass
+class _Saved:
+    """What a Forward keeps for its Backward."""
+
+    inputs: list[tuple[MessageKey, dict[str, torch.Tensor]]]
+    outputs: dict[str, torch.Tensor]
+    root: torch.Tensor | None = None  # the weighted loss of a loss stage
+
+
+class Executor:
+    """Runs one rank's program of `plan` (see the module docstring).
+
+    `chunks`: this rank's model chunks (possibly DDP-wrapped), exactly those `placement` puts on
+    pipeline rank `pp_group.rank()`. `placement`: the placement the chunks were built from.
+    `tensor_fn`: what the built model sends for a message (`models.layout.message_tensors`
+    bound to the model); when given, a plan with other shapes is refused before communicating.
+    """
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        chunks: Sequence[torch.nn.Module],
+        placement: Placement,
+        pp_group: torch.distributed.ProcessGroup,
+        batches: BatchSource,
+        tensor_fn: TensorFn | None = None,
+        config: ExecutorConfig = ExecutorConfig(),
+    ) -> None:
+        check_handlers()
+        self.plan = plan
+        self.config = config
+        self.rank = pp_group.rank()
+        self.chunks = index_chunks(chunks)
+        self.df = check_before_run(
+            plan=plan,
+            placement=placement,
+            rank=self.rank,
+            num_ranks=pp_group.size(),
+            chunks=self.chunks,
+            tensor_fn=tensor_fn,
+            validate=config.validate,
+        )
+        self.program = plan.program(self.rank)
+        self.batches = batches
+        self.tensor_fn = tensor_fn
+        first = next(iter(self.chunks.values()), None)
+        device = _device_of(first) if first is not None else torch.device("cpu")
+        self.p2p = PipelineP2P(group=pp_group, device=device, config=config.p2p)
+        self._ddp = {k: c for k, c in self.chunks.items() if _is_ddp(c)}
+        self.losses = LossTracker(
+            plan=plan,
+            batches=batches,
+            config=config.loss,
+            reduction_averages=reduction_averages(config.loss, self._ddp.values(), plan.totals),
+        )
+        self._sync_at = (
+            {} if plan.forward_only else grad_sync_points(self.program, placement, set(self._ddp))
+        )
+        self._last_use = _last_use(self.program)
+        self._messages: dict[MessageKey, dict[str, torch.Tensor]] = {}
+        self._saved: dict[StageId, _Saved] = {}
+        self._sync_log: list[tuple[int, tuple[str, int]]] = []
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> IterationResult:
+        """Execute the program; returns the loss reports. Call once per Executor."""
+        started = time.perf_counter()
+        instrs = self.program.instructions
+        self._start_syncs(-1)
+        i = 0
+        while i < len(instrs):
+            ins = instrs[i]
+            with self._traced(i, ins):
+                consumed = getattr(self, _HANDLERS[type(ins)])(i, ins)
+            for k in range(i, i + consumed):
+                self._after(k, instrs[k])
+            i += consumed
+        self.p2p.finish()
+        for chunk in self._ddp.values():
+            chunk.finish_grad_sync()
+        left = self.leftovers()
+        if any(left.values()):
+            raise MessageError(f"rank {self.rank}: buffers left at the end of the program: {left}")
+        return IterationResult(
+            reports=self.losses.reports(),
+            objective=self.losses.objective,
+            seconds=time.perf_counter() - started,
+            messages=self.p2p.messages_posted,
+            grad_sync_started=list(self._sync_log),
+        )
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """Messages, saved activations and sub-batches still held (empty after a full run)."""
+        held = self.p2p.pending()
+        held["messages"] = [str(k) for k in self._messages]
+        held["saved"] = [str(s) for s in self._saved]
+        cached = getattr(self.batches, "cached", None)
+        held["sub_batches"] = [str(w) for w in cached()] if callable(cached) else []
+        return held
+
+    @contextlib.contextmanager
+    def _traced(self, index: int, ins: Instruction):
+        use_nvtx = self.config.nvtx and torch.cuda.is_available()
+        if use_nvtx:
+            torch.cuda.nvtx.range_push(f"{type(ins).__name__} {getattr(ins, 'stage', '')}")
+        t0 = time.perf_counter() if self.config.debug else 0.0
+        try:
+            yield
+        finally:
+            if use_nvtx:
+                torch.cuda.nvtx.range_pop()
+            if self.config.debug:
+                logger.debug(
+                    "rank %d instruction %d %s: %.3f ms",
+                    self.rank,
+                    index,
+                    ins,
+                    1e3 * (time.perf_counter() - t0),
+                )
+
+    def _after(self, index: int, ins: Instruction) -> None:
+        if isinstance(ins, (Forward, Backward)):
+            work = ins.stage.work
+            if self._last_use.get(work) == index:
+                self.batches.release(work)
+        self._start_syncs(index)
+
+    def _start_syncs(self, index: int) -> None:
+        for key in self._sync_at.get(index, ()):
+            self._ddp[key].start_grad_sync()
+            self._sync_log.append((index, key))
+
+    # -- communication ---------------------------------------------------------------------
+
+    def _comm(self, first: int, ins: Send | Recv) -> int:
+        """Post the batch starting at `first` (a maximal run of Send/Recv); returns its length."""
+        instrs = self.program.instructions
+        end = first
+        while end < len(instrs) and isinstance(instrs[end], (Send, Recv)):
+            end += 1
+        indexed = list(enumerate(instrs[first:end], start=first))
+        outgoing = {
+            op.key: self._messages.pop(op.key)
+            for _, op in indexed
+            if isinstance(op, Send) and op.key in self._messages
+        }
+        self.p2p.post(indexed, outgoing)
+        if self.config.debug:
+            self.p2p.wait([op.key for _, op in indexed], where=f"instruction {first} (debug)")
+        return end - first
+
+    def _wait(self, index: int, ins: Wait) -> int:
+        self.p2p.wait(ins.keys, where=f"instruction {index}")
+        return 1
+
+    def _take(self, key: MessageKey, index: int) -> dict[str, torch.Tensor]:
+        if self.df.receiver_of(key) == self.df.sender_of(key):
+            if key not in self._messages:
+                raise MessageError(
+                    f"rank {self.rank}: instruction {index} needs local message {key}, "
+                    "which has not been produced"
+                )
+            return self._messages.pop(key)
+        return self.p2p.take(key)
+
+    def _produce(self, index: int, key: MessageKey, tensors: dict[str, torch.Tensor]) -> None:
+        if key in self._messages:
+            raise MessageError(f"rank {self.rank}: instruction {index} produces {key} twice")
+        if self.config.debug and self.tensor_fn is not None:
+            check_message(
+                tensors,
+                tuple(self.tensor_fn(key)),
+                where=f"rank {self.rank}: instruction {index}",
+                key=key,
+            )
+        self._messages[key] = tensors
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def _chunk(self, stage: StageId) -> torch.nn.Module:
+        return self.chunks[(stage.module, stage.chunk)]
+
+    def _trains(self, stage: StageId) -> bool:
+        return not self.plan.forward_only and self.df.needs_backward(stage.module)
+
+    def _forward(self, index: int, ins: Forward) -> int:
+        stage, train = ins.stage, self._trains(ins.stage)
+        wants_grad = {k.producer for k in self.df.backward_outputs(stage)} if train else set()
+        inputs: list[tuple[MessageKey, dict[str, torch.Tensor]]] = []
+        for key in self.df.forward_inputs(stage):
+            msg = self._take(key, index)
+            leafs = key.producer in wants_grad
+            inputs.append((key, {n: _leaf(t, leafs) for n, t in msg.items()}))
+        chunk = self._chunk(stage)
+        with torch.set_grad_enabled(train):
+            outputs = run_chunk(
+                unwrap_chunk(chunk),
+                ins.recompute,
+                chunk,
+                [m for _, m in inputs],
+                self.batches.sub_batch(stage.work),
+            )
+        saved = _Saved(inputs, outputs)
+        if "loss" in outputs:
+            if self.df.consumers(stage):
+                raise PlanError(f"rank {self.rank}: instruction {index}: {stage} returned a loss")
+            root = self.losses.weighted(
+                stage, outputs, where=f"rank {self.rank}: instruction {index}"
+            )
+            scale = getattr(unwrap_chunk(chunk).config, "grad_scale_func", None)
+            saved.root = scale(root) if scale is not None else root
+        else:
+            keys = self.df.forward_outputs(stage)
+            if not keys:
+                raise PlanError(f"rank {self.rank}: {stage} returns no loss and feeds nothing")
+            for key in keys:
+                self._produce(index, key, {n: t.detach().contiguous() for n, t in outputs.items()})
+        if train:
+            self._saved[stage] = saved
+        return 1
+
+    def _backward(self, index: int, ins: Backward) -> int:
+        stage = ins.stage
+        saved = self._saved.pop(stage, None)
+        if saved is None:
+            raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no forward state")
+        roots, grads = self._roots(index, stage, saved)
+        chunk = self._chunk(stage)
+        sync = chunk.no_sync() if _is_ddp(chunk) else contextlib.nullcontext()
+        with sync:
+            if roots:
+                torch.autograd.backward(roots, grads)
+        for key, leaves in saved.inputs:
+            grad_key = MessageKey(MessageKind.GRADIENT, key.producer, stage)
+            if not self.df.needs_backward(key.producer.module):
+                continue
+            msg = {n: _grad_of(t) for n, t in leaves.items() if t.is_floating_point()}
+            self._produce(index, grad_key, msg)
+        return 1
+
+    def _roots(self, index: int, stage: StageId, saved: _Saved):
+        if saved.root is not None:
+            return [saved.root], [None]
+        total: dict[str, torch.Tensor] = {}
+        for key in self.df.backward_inputs(stage):
+            for name, g in self._take(key, index).items():
+                if name not in saved.outputs:
+                    raise MessageError(
+                        f"rank {self.rank}: instruction {index}: gradient {name!r} of {key} "
+                        f"for an output {stage} does not have"
+                    )
+                if self.config.debug and g.shape != saved.outputs[name].shape:
+                    raise MessageError(
+                        f"rank {self.rank}: instruction {index}: gradient {name!r} of {key} is "
+                        f"{tuple(g.shape)}, the output is {tuple(saved.outputs[name].shape)}"
+                    )
+                total[name] = g if name not in total else total[name] + g
+        pairs = [(saved.outputs[n], g) for n, g in total.items() if saved.outputs[n].requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    leaf = t.detach()
+    if requires_grad and leaf.is_floating_point():
+        leaf.requires_grad_(True)
+    return leaf
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor:
+    # An input the chunk did not use gets a zero gradient: the message must still be complete.
+    return t.grad.contiguous() if t.grad is not None else torch.zeros_like(t)
+
+
+def _is_ddp(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("no_sync", "start_grad_sync", "finish_grad_sync"))
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _last_use(program) -> dict[WorkId, int]:
+    last: dict[WorkId, int] = {}
+    for i, ins in enumerate(program.instructions):
+        if isinstance(ins, (Forward, Backward)):
+            last[ins.stage.work] = i
+    return last
+
+
+def run_program(**kwargs: Any) -> IterationResult:
+    """`Executor(**kwargs).run()`."""
+    return Executor(**kwargs).run()
+
+
+__all__: Iterable[str] = [
+    "Executor",
+    "ExecutorConfig",
+    "IterationResult",
+    "check_handlers",
+    "run_program",
+]

@@ -1,0 +1,252 @@
+"""A drop-in for Megatron-Core's pipeline schedule functions, and the switch that installs it.
+
+`dip_forward_backward` takes the keyword arguments of Megatron-Core's
+`forward_backward_pipelining_*` functions plus `schedule=` (a `DipSchedule`: the run's fixed
+parts) and `plan=` (or the schedule's plan provider), and returns what they return: on the rank
+holding the loss, one loss report per microbatch; elsewhere an empty list.
+
+Differences from Megatron's functions, by design:
+
+* `forward_step_func` is accepted for signature compatibility and not called: the chunks
+  compute their own loss (`models.chunk` contract) and the plan says what runs when.
+* `data_iterator` yields, for each microbatch of the plan in order, the list of samples of that
+  microbatch (checked against the plan's sample ids); `num_microbatches` must equal the plan's.
+* Gradients are finalised here (each chunk's DDP reduction started at its last Backward and
+  waited for at the end; tied embeddings summed over the schedule's embedding group). A
+  `config.finalize_model_grads_func` set by the training loop is NOT called: Megatron's
+  `finalize_model_grads` would reduce the DDP buffers a second time and reads
+  `parallel_state` / `model[0]`, `model[-1]`, which do not describe a DIP placement.
+
+`install(schedule)` replaces `get_forward_backward_func` in `megatron.core.pipeline_parallel`,
+its `schedules` module and every already imported module holding a reference to it (e.g.
+`megatron.training.training`), so that the unmodified Megatron training loop runs DIP;
+`uninstall()` restores every replaced reference. `installed(schedule)` is the context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_dip.schedule.ir import Placement, Plan
+
+from .checks import TensorFn, unwrap_chunk
+from .data import SampleBatchSource
+from .executor import Executor, ExecutorConfig, IterationResult
+
+logger = logging.getLogger(__name__)
+
+PlanProvider = Callable[[], Plan]
+TensorFnFactory = Callable[[Plan], TensorFn]
+
+
+@dataclass
+class DipSchedule:
+    """The fixed parts of a DIP run on one rank (everything but the per-iteration plan).
+
+    `model`: the `MultimodalSpec` the chunks were built from; `placement`: their placement;
+    `pp_group`: the pipeline group; `plan_provider`: returns the next iteration's plan (used
+    when no `plan=` is passed); `tensor_fn`: the model's message shapes for a plan (default:
+    `models.layout.message_tensors` with `dtype`, `tensor_parallel`, `sequence_parallel`);
+    `embedding_group`: group for tied LLM embeddings (None: untied).
+    """
+
+    model: Any
+    placement: Placement
+    pp_group: torch.distributed.ProcessGroup
+    seed: int
+    plan_provider: PlanProvider | None = None
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    dtype: str = "float32"
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    tensor_fn: TensorFnFactory | None = None
+    embedding_group: torch.distributed.ProcessGroup | None = None
+
+    def tensors_for(self, plan: Plan) -> TensorFn:
+        """The model's message shapes, for the sub-microbatches of `plan`."""
+        if self.tensor_fn is not None:
+            return self.tensor_fn(plan)
+        from megatron_dip.models.layout import message_tensors
+
+        return functools.partial(
+            message_tensors,
+            self.model,
+            sub_lookup=plan.submicrobatch,
+            dtype=self.dtype,
+            tensor_parallel=self.tensor_parallel,
+            sequence_parallel=self.sequence_parallel,
+        )
+
+
+def _as_list(model: Any) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _pull_samples(data_iterator: Any, plan: Plan) -> dict[int, list]:
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != 1:
+            raise ValueError("DIP reads all microbatches from one data iterator")
+        data_iterator = data_iterator[0]
+    out = {}
+    for info in plan.microbatches:
+        try:
+            out[info.index] = list(next(data_iterator))
+        except StopIteration:
+            raise ValueError(
+                f"data iterator ran out at microbatch {info.index} of plan {plan.name!r}"
+            ) from None
+    return out
+
+
+def dip_forward_backward(
+    *,
+    forward_step_func: Callable | None,
+    data_iterator: Iterator | Sequence[Iterator],
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: Any = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+    schedule: DipSchedule,
+    plan: Plan | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Run one iteration of a DIP plan with Megatron-Core's schedule signature.
+
+    See the module docstring for how the arguments are used. `micro_batch_size` must be 1
+    (samples are packed); `decoder_seq_length`, `first_val_step`, `p2p_communicator` and
+    `pg_collection` are ignored (the plan and `schedule` carry that information).
+    """
+    del forward_step_func, decoder_seq_length, first_val_step, p2p_communicator, pg_collection
+    del force_all_reduce
+    if collect_non_loss_data or adjust_tensor_shapes_fn is not None:
+        raise NotImplementedError("DIP plans do not support collect_non_loss_data or shape hooks")
+    if micro_batch_size != 1:
+        raise ValueError(f"DIP packs samples: micro_batch_size must be 1, got {micro_batch_size}")
+    plan = _resolve_plan(schedule, plan, num_microbatches, forward_only)
+    chunks = _as_list(model)
+    return run_iteration(
+        schedule=schedule,
+        plan=plan,
+        chunks=chunks,
+        samples=_pull_samples(data_iterator, plan),
+        seq_length=seq_length,
+    ).reports
+
+
+def _resolve_plan(
+    schedule: DipSchedule, plan: Plan | None, num_microbatches: int, forward_only: bool
+) -> Plan:
+    if plan is None:
+        if schedule.plan_provider is None:
+            raise ValueError("pass plan= or give the DipSchedule a plan_provider")
+        plan = schedule.plan_provider()
+    if num_microbatches != len(plan.microbatches):
+        raise ValueError(
+            f"num_microbatches={num_microbatches}, plan {plan.name!r} (iteration "
+            f"{plan.iteration}) has {len(plan.microbatches)}"
+        )
+    if forward_only != plan.forward_only:
+        raise ValueError(f"forward_only={forward_only}, the plan says {plan.forward_only}")
+    return plan
+
+
+def run_iteration(
+    *,
+    schedule: DipSchedule,
+    plan: Plan,
+    chunks: Sequence[torch.nn.Module],
+    samples: dict[int, list],
+    seq_length: int,
+) -> IterationResult:
+    """Execute `plan` on this rank's `chunks` with the samples of each microbatch, then finish
+    the gradients (tied embeddings summed over the schedule's embedding group)."""
+    device = next(chunks[0].parameters()).device
+    batches = SampleBatchSource(
+        model=schedule.model,
+        plan=plan,
+        samples=samples,
+        seq_length=seq_length,
+        seed=schedule.seed,
+        device=device,
+    )
+    result = Executor(
+        plan=plan,
+        chunks=chunks,
+        placement=schedule.placement,
+        pp_group=schedule.pp_group,
+        batches=batches,
+        tensor_fn=schedule.tensors_for(plan),
+        config=schedule.executor,
+    ).run()
+    if schedule.embedding_group is not None and not plan.forward_only:
+        from megatron_dip.models.chunk import reduce_tied_embedding_grads
+
+        reduce_tied_embedding_grads(
+            [unwrap_chunk(c) for c in chunks], group=schedule.embedding_group
+        )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Installing into Megatron-Core
+
+_PATCHED: list[tuple[Any, str, Any]] = []
+
+
+def _selector(schedule: DipSchedule) -> Callable[..., Callable]:
+    def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
+        """DIP's replacement: every (pp_size, vp_size, ...) selects the DIP executor."""
+        del args, kwargs
+        return functools.partial(dip_forward_backward, schedule=schedule)
+
+    get_forward_backward_func.__dip__ = True  # type: ignore[attr-defined]
+    return get_forward_backward_func
+
+
+def install(schedule: DipSchedule) -> None:
+    """Make Megatron-Core's `get_forward_backward_func` return the DIP drop-in (reversible)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    if _PATCHED:
+        raise RuntimeError("DIP is already installed: call uninstall() first")
+    original = schedules.get_forward_backward_func
+    replacement = _selector(schedule)
+    for module in list(sys.modules.values()):
+        if module is None or getattr(module, "__dict__", None) is None:
+            continue
+        if module.__dict__.get("get_forward_backward_func") is original:
+            _PATCHED.append((module, "get_forward_backward_func", original))
+            module.get_forward_backward_func = replacement
+    logger.info("DIP schedule installed in %d module(s)", len(_PATCHED))
+
+
+def uninstall() -> None:
+    """Restore every reference `install` replaced."""
+    while _PATCHED:
+        module, name, original = _PATCHED.pop()
+        setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def installed(schedule: DipSchedule) -> Iterator[None]:
+    """`install(schedule)` for the duration of a block."""
+    install(schedule)
+    try:
+        yield
+    finally:
+        uninstall()

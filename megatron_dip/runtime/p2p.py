@@ -1,0 +1,291 @@
+"""Point-to-point messages between pipeline ranks, over one explicit process group.
+
+A *batch* is a maximal run of consecutive `Send`/`Recv` instructions of a program (see
+`schedule/ir.py`). `PipelineP2P.post` posts one batch without blocking, as ONE
+`torch.distributed.batch_isend_irecv` (or one `isend`/`irecv` per tensor when
+`P2PConfig.batched` is False); `wait` blocks until named messages completed.
+
+How messages stay unambiguous. NCCL ignores tags and matches the point-to-point operations
+between two ranks in the order they were issued, per direction; gloo matches by (peer, tag) in
+order. So every operation is issued in *plan order* (the order of the instructions, then the
+order of a message's TensorSpecs), with tag 0 by default, and the runtime requires the plan to be
+*channel-consistent*: for every ordered pair of ranks (a, b), the sequence of messages rank a
+sends to b equals the sequence of messages rank b receives from a (`check_channel_order`, run
+before any communication). Then the k-th send from a to b always meets the k-th receive, even
+when the previous and the next pipeline rank are the same process (PP=2), where Megatron's own
+batched p2p swaps activations and gradients. Note that re-sorting a batch (e.g. by MessageKey)
+would be wrong: the two ends of a message may sit in differently composed batches.
+`P2PConfig.use_tags` additionally gives every tensor a tag derived from its message (gloo and
+MPI honour it; NCCL ignores it, so it is a second line of defence only).
+
+Every outgoing tensor is checked against the plan's TensorSpec (shape and dtype) before it is
+posted: NCCL does not check sizes, a mismatch would corrupt memory or hang. Receive buffers are
+allocated from the Recv's TensorSpecs. Tensors with no elements are not transferred at all
+(both ends skip them, so the order stays consistent).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dip.schedule.ir import MessageKey, Program, Recv, Send, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+def torch_dtype_of(spec: TensorSpec) -> torch.dtype:
+    """The torch dtype of a TensorSpec."""
+    return _TORCH_DTYPES[spec.dtype]
+
+
+class MessageError(RuntimeError):
+    """A tensor does not match the plan, or a message is used in a way the plan does not allow.
+
+    The message names the rank, the instruction index, the message and the tensor.
+    """
+
+
+@dataclass(frozen=True)
+class P2PConfig:
+    """How batches of messages are posted.
+
+    `batched`: one `batch_isend_irecv` per batch (Megatron's `batch_p2p_comm`); False posts
+    one `isend`/`irecv` per tensor (same order). `use_tags`: a per-tensor tag derived from the
+    message key (see the module docstring); off by default so that gloo runs exercise exactly
+    the order-based matching NCCL relies on.
+    """
+
+    batched: bool = True
+    use_tags: bool = False
+
+
+def message_tag(key: MessageKey, tensor_index: int) -> int:
+    """A stable tag in [1, 2^30) for tensor `tensor_index` of message `key`."""
+    digest = hashlib.blake2b(f"{key}#{tensor_index}".encode(), digest_size=4).digest()
+    return 1 + int.from_bytes(digest, "little") % ((1 << 30) - 1)
+
+
+def check_tensor(tensor: torch.Tensor, spec: TensorSpec, *, where: str, key: MessageKey) -> None:
+    """Raise `MessageError` unless `tensor` has the shape and dtype of `spec`."""
+    want = torch_dtype_of(spec)
+    if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != want:
+        raise MessageError(
+            f"{where}: tensor {spec.name!r} of message {key} is {tuple(tensor.shape)} "
+            f"{tensor.dtype}, the plan says {tuple(spec.shape)} {want}"
+        )
+
+
+def check_message(
+    tensors: Mapping[str, torch.Tensor],
+    specs: Sequence[TensorSpec],
+    *,
+    where: str,
+    key: MessageKey,
+) -> None:
+    """Raise `MessageError` unless `tensors` holds exactly the tensors of `specs`, matching."""
+    names = [s.name for s in specs]
+    if set(tensors) != set(names):
+        raise MessageError(
+            f"{where}: message {key} has tensors {sorted(tensors)}, the plan says {names}"
+        )
+    for spec in specs:
+        check_tensor(tensors[spec.name], spec, where=where, key=key)
+
+
+def check_channel_order(programs: Sequence[Program]) -> None:
+    """Raise `MessageError` unless every channel a -> b carries its messages in one order.
+
+    The sends of rank a to rank b, in program order, must be the receives of rank b from rank a,
+    in program order (see the module docstring: NCCL matches by order).
+    """
+    sent: dict[tuple[int, int], list[MessageKey]] = defaultdict(list)
+    received: dict[tuple[int, int], list[MessageKey]] = defaultdict(list)
+    for program in programs:
+        for ins in program.instructions:
+            if isinstance(ins, Send):
+                sent[(program.rank, ins.peer)].append(ins.key)
+            elif isinstance(ins, Recv):
+                received[(ins.peer, program.rank)].append(ins.key)
+    for channel in sorted(set(sent) | set(received)):
+        a, b = sent.get(channel, []), received.get(channel, [])
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            got_s = str(a[first]) if first < len(a) else "nothing"
+            got_r = str(b[first]) if first < len(b) else "nothing"
+            raise MessageError(
+                f"channel rank {channel[0]} -> rank {channel[1]}: message {first} sent is "
+                f"{got_s} but message {first} received is {got_r}; the two ends must post "
+                "their messages in the same order (NCCL matches point-to-point operations "
+                "by order)"
+            )
+
+
+_WARM_GROUPS: set[int] = set()
+
+
+class _Batch:
+    """The posted operations of one batch: their `Work` handles, completed together."""
+
+    __slots__ = ("done", "first", "works")
+
+    def __init__(self, first: int, works: list) -> None:
+        self.first = first
+        self.works = works
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+
+
+class PipelineP2P:
+    """Posts and completes the messages of one pipeline rank (see the module docstring).
+
+    `group`: the pipeline process group; peers are ranks *within* it. `device`: where receive
+    buffers are allocated (the model's device).
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        config: P2PConfig = P2PConfig(),
+    ) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.device = torch.device(device)
+        self.config = config
+        self._batch_of: dict[tuple[bool, MessageKey], _Batch] = {}
+        self._received: dict[MessageKey, dict[str, torch.Tensor]] = {}
+        self._sending: dict[MessageKey, Mapping[str, torch.Tensor]] = {}
+        self.messages_posted = 0
+        if self.device.type == "cuda" and config.batched and id(group) not in _WARM_GROUPS:
+            # NCCL: a batch_isend_irecv that is the first operation on a communicator must
+            # involve every rank of the group (torch's documented caveat); one barrier first.
+            dist.barrier(group=group)
+            _WARM_GROUPS.add(id(group))
+
+    # -- posting ---------------------------------------------------------------------------
+
+    def post(
+        self,
+        ops: Sequence[tuple[int, Send | Recv]],
+        outgoing: Mapping[MessageKey, Mapping[str, torch.Tensor]],
+    ) -> None:
+        """Post one batch: `ops` are (instruction index, Send/Recv) in program order.
+
+        `outgoing[key]` holds the tensors of each Send; they are checked against the plan
+        first (nothing is posted when one does not match) and kept alive until waited for.
+        """
+        self._check_batch(ops, outgoing)
+        p2p_ops: list[dist.P2POp] = []
+        for _, op in ops:
+            if isinstance(op, Send):
+                tensors = outgoing[op.key]
+                self._sending[op.key] = tensors
+                p2p_ops += self._ops(dist.isend, op, [tensors[s.name] for s in op.tensors])
+            else:
+                buffers = {
+                    s.name: torch.empty(s.shape, dtype=torch_dtype_of(s), device=self.device)
+                    for s in op.tensors
+                }
+                self._received[op.key] = buffers
+                p2p_ops += self._ops(dist.irecv, op, [buffers[s.name] for s in op.tensors])
+        batch = _Batch(ops[0][0] if ops else -1, self._start(p2p_ops))
+        for _, op in ops:
+            self._batch_of[(isinstance(op, Send), op.key)] = batch
+        self.messages_posted += len(ops)
+
+    def _check_batch(
+        self,
+        ops: Sequence[tuple[int, Send | Recv]],
+        outgoing: Mapping[MessageKey, Mapping[str, torch.Tensor]],
+    ) -> None:
+        for index, op in ops:
+            if (isinstance(op, Send), op.key) in self._batch_of:
+                raise MessageError(
+                    f"rank {self.rank}: instruction {index} posts {op.key} a second time"
+                )
+            if isinstance(op, Send):
+                where = f"rank {self.rank}: instruction {index} (send to {op.peer})"
+                if op.key not in outgoing:
+                    raise MessageError(f"{where}: message {op.key} has not been produced")
+                check_message(outgoing[op.key], op.tensors, where=where, key=op.key)
+
+    def _ops(self, fn, op: Send | Recv, tensors: list[torch.Tensor]) -> list[dist.P2POp]:
+        out = []
+        for i, (tensor, spec) in enumerate(zip(tensors, op.tensors)):
+            if spec.numel == 0:
+                continue
+            if not tensor.is_contiguous():
+                raise MessageError(
+                    f"rank {self.rank}: tensor {spec.name!r} of {op.key} is not contiguous"
+                )
+            tag = message_tag(op.key, i) if self.config.use_tags else 0
+            peer = dist.get_global_rank(self.group, op.peer)
+            out.append(dist.P2POp(fn, tensor, peer, self.group, tag))
+        return out
+
+    def _start(self, p2p_ops: list[dist.P2POp]) -> list:
+        if not p2p_ops:
+            return []
+        if self.config.batched:
+            return list(dist.batch_isend_irecv(p2p_ops))
+        works = []
+        for op in p2p_ops:
+            work = op.op(op.tensor, op.peer, op.group, op.tag)
+            if work is not None:
+                works.append(work)
+        return works
+
+    # -- completion ------------------------------------------------------------------------
+
+    def wait(self, keys: Iterable[MessageKey], *, where: str = "") -> None:
+        """Block until the posted operations of `keys` (and their batches) completed."""
+        for key in keys:
+            batch = self._batch_of.get((True, key)) or self._batch_of.get((False, key))
+            if batch is None:
+                raise MessageError(f"rank {self.rank}: {where} waits for {key}, never posted")
+            batch.wait()
+            self._sending.pop(key, None)
+
+    def take(self, key: MessageKey) -> dict[str, torch.Tensor]:
+        """The tensors of received message `key` (which must have been waited for)."""
+        batch = self._batch_of.get((False, key))
+        if batch is None or not batch.done or key not in self._received:
+            raise MessageError(
+                f"rank {self.rank}: message {key} used before it was received and waited for"
+            )
+        return self._received.pop(key)
+
+    def finish(self) -> None:
+        """Wait for everything still outstanding (the implicit wait at the end of a program)."""
+        for batch in {id(b): b for b in self._batch_of.values()}.values():
+            batch.wait()
+        self._sending.clear()
+
+    def pending(self) -> dict[str, list[str]]:
+        """What is still held: received-but-unused messages and unfinished sends."""
+        return {
+            "received": [str(k) for k in self._received],
+            "sending": [str(k) for k in self._sending],
+        }

@@ -1,0 +1,116 @@
+"""Activation recomputation of one chunk on one sub-microbatch, as the plan's Forward says.
+
+* `NONE`: the forward keeps its autograd graph (all activations).
+* `FULL`: the whole chunk call runs under a non-reentrant `torch.utils.checkpoint`: the forward
+  keeps only the chunk's inputs; the backward re-runs the chunk with grad and differentiates it.
+* `SELECTIVE`: Megatron's "selective" recomputation, the attention core only: while the chunk
+  runs, the `core_attention` module of every Megatron attention block is wrapped in the same
+  checkpoint, so scores, softmax and attention probabilities are recomputed in backward. Megatron's
+  own switch (`Attention.checkpoint_core_attention`, fixed at construction from the config) is
+  not used because it cannot vary per sub-microbatch and its `tensor_parallel.checkpoint` reads
+  CUDA RNG states, which do not exist without a GPU. A chunk that defines
+  `recompute_context(mode)` (a context manager) takes over instead; a chunk without attention
+  blocks (e.g. a toy MLP) has nothing to recompute selectively.
+
+Random state. `preserve_rng_state` restores the torch CPU/CUDA generators before recomputing;
+`megatron_rng_context` also restores the states of Megatron's model-parallel RNG tracker (used
+by dropout under tensor parallelism), as Megatron's own `CheckpointFunction` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron_dip.schedule.ir import Recompute
+
+
+def _tracker():
+    try:
+        from megatron.core.tensor_parallel import random as mrandom
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        return None
+    if not getattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        return None
+    return mrandom.get_cuda_rng_tracker()
+
+
+def megatron_rng_context() -> tuple[contextlib.AbstractContextManager, Any]:
+    """`context_fn` for `checkpoint`: recompute under the tracker states of the forward."""
+    tracker = _tracker()
+    states = tracker.get_states() if tracker is not None else None
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        if tracker is None or not states:
+            yield
+            return
+        saved = tracker.get_states()
+        tracker.set_states(states)
+        try:
+            yield
+        finally:
+            tracker.set_states(saved)
+
+    return contextlib.nullcontext(), recompute()
+
+
+def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` wrapped in a non-reentrant checkpoint (kwargs and non-tensor outputs allowed)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=megatron_rng_context,
+            **kwargs,
+        )
+
+    return run
+
+
+@contextlib.contextmanager
+def selective_attention(chunk: torch.nn.Module) -> Iterator[int]:
+    """Checkpoint every `core_attention` submodule of `chunk` while inside; yields their count."""
+    cores = [
+        m.core_attention
+        for m in chunk.modules()
+        if isinstance(getattr(m, "core_attention", None), torch.nn.Module)
+    ]
+    for core in cores:
+        core.forward = checkpointed(core.forward)
+    try:
+        yield len(cores)
+    finally:
+        for core in cores:
+            del core.forward  # back to the class's forward
+
+
+def run_chunk(
+    chunk: torch.nn.Module,
+    mode: Recompute,
+    call: Callable[[], Any],
+    inputs: Any,
+    batch: Any,
+) -> Any:
+    """Run `call(inputs, batch)`-style chunk forward under recompute `mode`.
+
+    `chunk` is the unwrapped model chunk (for the selective switch), `call` the callable that
+    runs it (e.g. the DDP wrapper).
+    """
+    if mode is Recompute.NONE or not torch.is_grad_enabled():
+        return call(inputs=inputs, batch=batch)
+    if mode is Recompute.FULL:
+        return checkpointed(call)(inputs=inputs, batch=batch)
+    own = getattr(chunk, "recompute_context", None)
+    context = own(mode) if callable(own) else selective_attention(chunk)
+    with context:
+        return call(inputs=inputs, batch=batch)

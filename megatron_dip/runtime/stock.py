@@ -1,0 +1,308 @@
+"""Megatron-Core's own, unmodified pipeline schedules on our model chunks: the honest baseline.
+
+`StockPipeline` makes our `ModelChunk`s look like Megatron model chunks, so that
+`forward_backward_pipelining_without_interleaving` / `..._with_interleaving` (or
+`forward_backward_no_pipelining` on one rank) run them exactly as they would run a GPT or LLaVA
+model. Layout, as Megatron's LLaVA does: every producer module (ViT, text encoder) runs entirely
+inside the first virtual stage, in front of the loss module's first chunk(s); the loss module's
+chunks are spread over the virtual stages (`stage_units[j]` lists the (module, chunk) units of
+this rank's virtual stage j, as for `schedule.baselines.build_megatron_plan`).
+
+Megatron sends ONE tensor of a fixed shape [seq_length, micro_batch_size, hidden_size] between
+stages. A stage boundary here carries one message of possibly several tensors (a DiT message is
+hidden + temb + cond + cond_index), so each message is packed: its tensors, flattened in
+TensorSpec order and cast to the pipeline dtype, are concatenated and zero-padded to
+`seq_length` elements, and unpacked as views on the other side (gradients flow through the
+concatenation, the index tensor travels as exact small floats). The adapter's config sets
+`hidden_size=1`, so `seq_length` is the packed length (`boundary_length`). Within a stage the
+units are chained without detaching: one autograd graph per stage, as in Megatron.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from megatron_dip import megatron_compat
+from megatron_dip.schedule.graph import Dataflow
+from megatron_dip.schedule.ir import MessageKey, StageId, TensorSpec, WorkId
+
+from .checks import TensorFn, unwrap_chunk
+from .data import BatchSource
+from .p2p import torch_dtype_of
+
+Unit = tuple[str, int]
+
+
+def pack_message(
+    tensors: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec], *, length: int, dtype
+) -> torch.Tensor:
+    """`tensors` flattened in spec order, cast to `dtype`, zero-padded to [length, 1, 1]."""
+    parts = [tensors[s.name].reshape(-1).to(dtype) for s in specs]
+    used = sum(p.numel() for p in parts)
+    if used > length:
+        raise ValueError(f"message of {used} elements does not fit the {length}-element buffer")
+    device = parts[0].device if parts else torch.device("cpu")
+    parts.append(torch.zeros(length - used, dtype=dtype, device=device))
+    return torch.cat(parts).reshape(length, 1, 1)
+
+
+def unpack_message(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    """Inverse of `pack_message` (views of `flat`, cast back to each spec's dtype)."""
+    data = flat.reshape(-1)
+    out, at = {}, 0
+    for s in specs:
+        piece = data[at : at + s.numel].reshape(s.shape)
+        want = torch_dtype_of(s)
+        out[s.name] = piece.round().to(want) if not want.is_floating_point else piece.to(want)
+        at += s.numel
+    return out
+
+
+class StockStage(torch.nn.Module):
+    """One virtual pipeline stage for Megatron's schedules: a run of our chunks."""
+
+    def __init__(
+        self,
+        *,
+        units: Sequence[Unit],
+        chunks: Mapping[Unit, torch.nn.Module],
+        dataflow: Dataflow,
+        batches: BatchSource,
+        tensor_fn: TensorFn,
+        config: Any,
+        length: int,
+    ) -> None:
+        super().__init__()
+        self.units = list(units)
+        self.parts = torch.nn.ModuleList(chunks[u] for u in self.units)
+        self.df, self.batches, self.tensor_fn = dataflow, batches, tensor_fn
+        self.config = config
+        from megatron.core.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder
+        self.length = length
+        self._input: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensors: list[torch.Tensor | None] | torch.Tensor | None) -> None:
+        """Megatron's hook: the tensor received from the previous stage (None on the first)."""
+        self._input = tensors[0] if isinstance(tensors, list) else tensors
+
+    def _works(self, module: str, microbatch: int) -> list[WorkId]:
+        return sorted(w for w in self.df.works if w.module == module and w.microbatch == microbatch)
+
+    def forward(self, microbatch: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Run every unit on every sub-microbatch of `microbatch`; pack what leaves the stage."""
+        values: dict[StageId, dict[str, torch.Tensor]] = {}
+        order: list[StageId] = []
+        for (module, chunk), part in zip(self.units, self.parts):
+            for work in self._works(module, microbatch):
+                stage = StageId(module, chunk, work.microbatch, work.sub)
+                inputs = [self._input_of(key, values) for key in self.df.forward_inputs(stage)]
+                values[stage] = part(inputs=inputs, batch=self.batches.sub_batch(work))
+                order.append(stage)
+        leaving = [
+            key
+            for stage in order
+            for key in self.df.forward_outputs(stage)
+            if key.consumer not in values
+        ]
+        last = values[order[-1]]
+        if "loss" in last:
+            return last
+        if len(leaving) != 1:
+            raise ValueError(
+                f"a stock pipeline stage must hand exactly one message to the next, this one "
+                f"hands {[str(k) for k in leaving]}"
+            )
+        key = leaving[0]
+        return pack_message(
+            values[key.producer],
+            tuple(self.tensor_fn(key)),
+            length=self.length,
+            dtype=self.config.pipeline_dtype,
+        )
+
+    def _input_of(self, key: MessageKey, values: Mapping[StageId, dict]) -> dict:
+        if key.producer in values:
+            return values[key.producer]
+        if self._input is None:
+            raise ValueError(f"{key.consumer} needs {key.producer}, which is not in this stage")
+        return unpack_message(self._input, tuple(self.tensor_fn(key)))
+
+
+def boundary_length(
+    dataflow: Dataflow, stage_units: Sequence[Sequence[Sequence[Unit]]], tensor_fn: TensorFn
+) -> int:
+    """Elements of the largest message crossing a stage boundary (all ranks' stages)."""
+    where = {
+        u: (j, r)
+        for r, stages in enumerate(stage_units)
+        for j, units in enumerate(stages)
+        for u in units
+    }
+    biggest = 1
+    for stage in dataflow.stages():
+        for key in dataflow.forward_outputs(stage):
+            a = where[(key.producer.module, key.producer.chunk)]
+            b = where[(key.consumer.module, key.consumer.chunk)]
+            if a != b:
+                biggest = max(biggest, sum(s.numel for s in tensor_fn(key)))
+    return biggest
+
+
+def stock_config(
+    template: Any,
+    *,
+    pp_size: int,
+    vp_size: int | None,
+    dtype,
+    batch_p2p: bool,
+    per_token: bool,
+    group_size: int | None,
+) -> Any:
+    """A copy of a chunk's TransformerConfig set up for the stock schedules and packed p2p.
+
+    The DDP hooks (`no_sync_func`, `grad_sync_func`, `param_sync_func`,
+    `finalize_model_grads_func`) are cleared: the stages are not DDP modules, so data-parallel
+    reduction after the schedule is the caller's. `grad_scale_func` (loss scaling) is kept.
+    """
+    config = copy.copy(template)
+    config.hidden_size = 1
+    config.pipeline_dtype = dtype
+    config.pipeline_model_parallel_size = pp_size
+    config.virtual_pipeline_model_parallel_size = vp_size
+    config.variable_seq_lengths = False
+    config.sequence_parallel = False
+    config.batch_p2p_comm = batch_p2p
+    config.overlap_p2p_comm = False
+    config.deallocate_pipeline_outputs = False
+    config.calculate_per_token_loss = per_token
+    config.microbatch_group_size_per_vp_stage = group_size or pp_size
+    for name in (
+        "no_sync_func",
+        "grad_sync_func",
+        "param_sync_func",
+        "finalize_model_grads_func",
+        "timers",
+    ):
+        setattr(config, name, None)
+    return config
+
+
+def _loss_func(num_tokens: torch.Tensor, name: str, output: torch.Tensor):
+    report = torch.stack([output.detach().double(), num_tokens.double()])
+    return output, num_tokens.to(torch.int), {name: report}
+
+
+def _forward_step(name: str, data_iterator: Iterable[int], model: StockStage):
+    microbatch = next(data_iterator)
+    out = model(microbatch)
+    if isinstance(out, dict):
+        return out["loss"], functools.partial(_loss_func, out["num_tokens"], name)
+    return out, None
+
+
+class StockPipeline:
+    """Runs one rank's part of a stock Megatron schedule on our chunks (module docstring).
+
+    `all_stage_units[r][j]`: the units of rank r's virtual stage j (all ranks', so that every
+    rank sizes the packed messages alike). `dataflow`: producers and consumers of the batch's
+    sub-microbatches. `single_group`: a group of this rank only, standing in for the tensor-,
+    context- and data-parallel groups of the schedule's process-group collection.
+    `batch_p2p`: Megatron's `batch_p2p_comm` (leave it off for interleaving at PP=2, where it
+    swaps messages).
+    """
+
+    def __init__(
+        self,
+        *,
+        chunks: Sequence[torch.nn.Module],
+        all_stage_units: Sequence[Sequence[Sequence[Unit]]],
+        dataflow: Dataflow,
+        microbatches: Sequence[int],
+        batches: BatchSource,
+        tensor_fn: TensorFn,
+        pp_group: torch.distributed.ProcessGroup,
+        single_group: torch.distributed.ProcessGroup,
+        batch_p2p: bool = True,
+        per_token: bool = False,
+        report_name: str = "lm loss",
+    ) -> None:
+        by_unit = {}
+        for c in chunks:
+            spec = unwrap_chunk(c).chunk
+            by_unit[(spec.module, spec.index)] = c
+        rank, self.pp_size = pp_group.rank(), pp_group.size()
+        units = all_stage_units[rank]
+        self.vp_size = len(units) if len(units) > 1 else None
+        template = unwrap_chunk(chunks[0]).config
+        dtype = next(unwrap_chunk(chunks[0]).parameters()).dtype
+        self.config = stock_config(
+            template,
+            pp_size=self.pp_size,
+            vp_size=self.vp_size,
+            dtype=dtype,
+            batch_p2p=batch_p2p,
+            per_token=per_token,
+            group_size=None,
+        )
+        self.length = boundary_length(dataflow, all_stage_units, tensor_fn)
+        self.stages = [
+            StockStage(
+                units=u,
+                chunks=by_unit,
+                dataflow=dataflow,
+                batches=batches,
+                tensor_fn=tensor_fn,
+                config=self.config,
+                length=self.length,
+            )
+            for u in units
+        ]
+        self.microbatches = list(microbatches)
+        self.pp_group, self.single = pp_group, single_group
+        self.report_name = report_name
+
+    def _collection(self):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgs = ProcessGroupCollection()
+        pgs.tp, pgs.cp, pgs.dp_cp = self.single, self.single, self.single
+        pgs.embd, pgs.pos_embd, pgs.pp = None, None, self.pp_group
+        return pgs
+
+    def run(self, *, forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
+        """One iteration of the stock schedule; returns Megatron's loss reports."""
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        func = megatron_compat.get_forward_backward_func(pp_size=self.pp_size, vp_size=self.vp_size)
+        kwargs: dict[str, Any] = {"pg_collection": self._collection()}
+        if self.pp_size > 1:
+            kwargs["p2p_communicator"] = P2PCommunicator(pp_group=self.pp_group, config=self.config)
+        iters = [iter(self.microbatches) for _ in self.stages]
+        model: Any = self.stages if self.vp_size else self.stages[0]
+        data: Any = iters if self.vp_size else iters[0]
+        return func(
+            forward_step_func=functools.partial(_forward_step, self.report_name),
+            data_iterator=data,
+            model=model,
+            num_microbatches=len(self.microbatches),
+            seq_length=self.length,
+            micro_batch_size=1,
+            forward_only=forward_only,
+            **kwargs,
+        )
+
+
+__all__: list[str] = [
+    "StockPipeline",
+    "StockStage",
+    "boundary_length",
+    "pack_message",
+    "unpack_message",
+]

@@ -1,0 +1,419 @@
+"""The runtime in one process: handlers, message checks, recompute, loss modes, the drop-in.
+
+A world-size-1 gloo group stands in for the pipeline group (all chunks on rank 0: every message
+is a local hand-over), fp64 tiny models; the multi-process behaviour is in test_runtime_dist.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import test_runtime_setups as st
+import torch
+import torch.distributed as dist
+
+from megatron_dip.models.chunk import ModelGroups, build_chunk
+from megatron_dip.models.init import global_param_name
+from megatron_dip.models.reference import reference_loss_and_grads
+from megatron_dip.runtime import executor as executor_mod
+from megatron_dip.runtime.data import SampleBatchSource
+from megatron_dip.runtime.executor import Executor, ExecutorConfig, check_handlers
+from megatron_dip.runtime.gradsync import grad_sync_points
+from megatron_dip.runtime.loss import LossConfig, loss_weight
+from megatron_dip.runtime.p2p import MessageError, PipelineP2P, check_channel_order
+from megatron_dip.runtime.recompute import run_chunk
+from megatron_dip.runtime.stock import pack_message, unpack_message
+from megatron_dip.schedule import (
+    Backward,
+    BatchTotals,
+    ChunkSpec,
+    MessageKey,
+    MessageKind,
+    ModuleLayout,
+    Placement,
+    PlanError,
+    Program,
+    Recompute,
+    Recv,
+    Send,
+    StageId,
+    TensorSpec,
+    Wait,
+    build_segment_plan,
+)
+
+SIZES = {"vlm": {"vit": 2}, "t2v": {"text": 2, "dit": 2}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny fp64 ops: OpenMP threads only contend (100x slower when another process runs).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> ModelGroups:
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    world = dist.group.WORLD
+    from megatron_dip.cpu_support import seed_model_parallel_rng
+
+    seed_model_parallel_rng(st.CFG.seed)
+    return ModelGroups(tp=world, cp=world)
+
+
+def _setup(kind: str, *, segments: int = 2, forward_only: bool = False):
+    mbs = st.group_samples(st.samples(kind, 10), [3, 2, 3, 2])
+    batch = st.make_batch(kind, mbs, sizes=SIZES[kind])
+    placement = st.dip_placement(batch.model, 1, {m.name: segments for m in batch.model.modules})
+    plan = build_segment_plan(
+        placement=placement,
+        microbatches=batch.infos,
+        submicrobatches=batch.subs,
+        dependencies=batch.deps,
+        totals=batch.totals,
+        tensors=batch.tensor_fn(),
+        forward_only=forward_only,
+    )
+    return batch, placement, plan
+
+
+def _chunks(batch, placement, groups):
+    return [
+        build_chunk(
+            batch.model,
+            c,
+            num_chunks=placement.module(c.module).num_chunks,
+            config=st.CFG,
+            groups=groups,
+        )
+        for c in placement.chunks_on_rank(0)
+    ]
+
+
+def _run(batch, placement, plan, chunks, *, config=None):
+    source = SampleBatchSource(
+        model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
+    )
+    ex = Executor(
+        plan=plan,
+        chunks=chunks,
+        placement=placement,
+        pp_group=dist.group.WORLD,
+        batches=source,
+        tensor_fn=batch.tensor_fn(),
+        config=config or ExecutorConfig(),
+    )
+    return ex, ex.run()
+
+
+def _grads(chunks) -> dict[str, torch.Tensor]:
+    return {
+        global_param_name(c, n): p.grad
+        for c in chunks
+        for n, p in c.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _reference(batch, groups, **kw):
+    return reference_loss_and_grads(
+        batch.model,
+        [list(mb) for mb in batch.microbatches],
+        seed=st.SEED,
+        seq_length=st.SEQ,
+        groups=groups,
+        config=st.CFG,
+        **kw,
+    )
+
+
+# -- handlers and messages ------------------------------------------------------------------------
+
+
+def test_every_instruction_type_has_a_handler():
+    check_handlers()
+    with pytest.raises(TypeError, match="Wait"):
+        check_handlers({t: h for t, h in executor_mod._HANDLERS.items() if t is not Wait})
+
+
+def _key(kind: MessageKind, chunk: int, mb: int) -> MessageKey:
+    return MessageKey(kind, StageId("m", chunk, mb), StageId("m", chunk + 1, mb))
+
+
+def test_channel_order_must_agree_on_both_ends():
+    a, b = _key(MessageKind.ACTIVATION, 0, 0), _key(MessageKind.GRADIENT, 0, 1)
+    spec = (TensorSpec("hidden", (2,)),)
+    sender = Program(0, (Send(a, 1, spec), Send(b, 1, spec), Wait((a, b))))
+    check_channel_order([sender, Program(1, (Recv(a, 0, spec), Recv(b, 0, spec), Wait((a, b))))])
+    swapped = Program(1, (Recv(b, 0, spec), Wait((b,)), Recv(a, 0, spec), Wait((a,))))
+    with pytest.raises(MessageError, match=r"rank 0 -> rank 1: message 0 sent is act:m0\[mb0.0\]"):
+        check_channel_order([sender, swapped])
+
+
+def test_outgoing_tensors_are_checked_before_anything_is_posted(groups):
+    p2p = PipelineP2P(group=dist.group.WORLD, device=torch.device("cpu"))
+    key = _key(MessageKind.ACTIVATION, 0, 3)
+    spec = (TensorSpec("hidden", (4, 1, 8), "float64"), TensorSpec("idx", (2,), "int64"))
+    send = Send(key, 0, spec)
+    bad = {
+        "hidden": torch.zeros(4, 1, 9, dtype=torch.float64),
+        "idx": torch.zeros(2, dtype=torch.int64),
+    }
+    with pytest.raises(MessageError) as err:
+        p2p.post([(7, send)], {key: bad})
+    text = str(err.value)
+    assert "rank 0: instruction 7" in text and str(key) in text and "'hidden'" in text
+    assert "(4, 1, 9)" in text and "(4, 1, 8)" in text
+    wrong_dtype = {**bad, "hidden": torch.zeros(4, 1, 8, dtype=torch.float32)}
+    with pytest.raises(MessageError, match="float32"):
+        p2p.post([(7, send)], {key: wrong_dtype})
+    with pytest.raises(MessageError, match="has not been produced"):
+        p2p.post([(8, send)], {})
+    assert p2p.messages_posted == 0
+
+
+def test_packed_stock_messages_round_trip_with_gradients():
+    specs = (
+        TensorSpec("hidden", (3, 1, 4), "float64"),
+        TensorSpec("temb", (2, 4), "float64"),
+        TensorSpec("cond_index", (2,), "int64"),
+    )
+    hidden = torch.randn(3, 1, 4, dtype=torch.float64, requires_grad=True)
+    temb = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([5, 1])
+    flat = pack_message(
+        {"hidden": hidden, "temb": temb, "cond_index": index}, specs, length=30, dtype=torch.float64
+    )
+    assert flat.shape == (30, 1, 1)
+    back = unpack_message(flat, specs)
+    assert torch.equal(back["hidden"], hidden) and torch.equal(back["cond_index"], index)
+    (back["hidden"].sum() + 2 * back["temb"].sum()).backward()
+    assert torch.equal(hidden.grad, torch.ones_like(hidden))
+    assert torch.equal(temb.grad, 2 * torch.ones_like(temb))
+
+
+def test_grad_sync_points_follow_last_backwards_in_canonical_order():
+    def layout(name: str) -> ModuleLayout:
+        return ModuleLayout(
+            name, 2, True, (ChunkSpec(name, 0, 0, 0, 1), ChunkSpec(name, 1, 0, 1, 2))
+        )
+
+    placement = Placement(1, (layout("vit"), layout("llm")))
+    order = [("llm", 1), ("vit", 1), ("llm", 0), ("vit", 0), ("llm", 1), ("vit", 1), ("llm", 0)]
+    program = Program(0, tuple(Backward(StageId(m, c, 0)) for m, c in order))
+    points = grad_sync_points(program, placement, {("llm", 0), ("llm", 1), ("vit", 0), ("vit", 1)})
+    # llm1 last at 4; llm0 last at 6; vit1 last at 5 but after llm0 in the order; vit0 at 3.
+    assert points == {4: [("llm", 1)], 6: [("llm", 0), ("vit", 1), ("vit", 0)]}
+    assert grad_sync_points(program, placement, {("vit", 0)}) == {3: [("vit", 0)]}
+
+
+def test_loss_weight_formulas():
+    totals = BatchTotals(
+        num_microbatches=4, num_samples=9, num_loss_tokens=100, data_parallel_size=2
+    )
+    w = loss_weight(totals=totals, microbatch_tokens=10, per_token=False, reduction_averages=True)
+    assert w == pytest.approx(2 / (4 * 10))
+    w = loss_weight(totals=totals, microbatch_tokens=10, per_token=True, reduction_averages=False)
+    assert w == pytest.approx(1 / 100)
+    assert (
+        loss_weight(totals=totals, microbatch_tokens=0, per_token=False, reduction_averages=False)
+        == 0.25
+    )
+
+
+# -- executor on real chunks ----------------------------------------------------------------------
+
+
+def test_plan_for_other_chunks_is_refused_before_running(groups):
+    batch, placement, plan = _setup("vlm")
+    chunks = _chunks(batch, placement, groups)
+    with pytest.raises(PlanError, match="was not built"):
+        _run(batch, placement, plan, chunks[1:])
+    wrong = ChunkSpec("vit", 0, 0, 0, 3)
+    built = build_chunk(batch.model, wrong, num_chunks=2, config=st.CFG, groups=groups)
+    with pytest.raises(PlanError, match=r"built for layers \[0, 3\)"):
+        _run(batch, placement, plan, [built, *chunks[1:]])
+
+
+@pytest.mark.parametrize("mode", [Recompute.SELECTIVE, Recompute.FULL])
+def test_recompute_keeps_less_and_gives_the_same_gradients(groups, mode):
+    """Bytes saved for backward during one chunk forward: NONE > SELECTIVE > FULL; the
+    gradients are identical, and FULL re-runs the chunk's layers in backward."""
+    batch, placement, plan = _setup("vlm", segments=1)
+    spec = placement.module("llm").chunks[0]
+    chunk = build_chunk(batch.model, spec, num_chunks=1, config=st.CFG, groups=groups)
+    source = SampleBatchSource(
+        model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
+    )
+    sub = next(s for s in batch.subs if s.module == "llm" and s.microbatch == 0)
+    images = sum(1 for s in batch.subs if s.module == "vit" and s.microbatch == 0)
+    rows = source.sub_batch(sub.work).image_positions.numel()
+    gen = torch.Generator().manual_seed(0)
+    emb = torch.randn(rows, 32, generator=gen, dtype=torch.float64)
+    assert images > 0 and rows > 0
+
+    def once(m: Recompute):
+        chunk.zero_grad(set_to_none=True)
+        saved, calls = [0], [0]
+        hook = chunk.layers[0].register_forward_pre_hook(
+            lambda *a: calls.__setitem__(0, calls[0] + 1)
+        )
+
+        def pack(t):
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        inp = [{"embeddings": emb.clone().requires_grad_(True)}]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run_chunk(chunk, m, chunk, inp, source.sub_batch(sub.work))
+        out["loss"].backward()
+        hook.remove()
+        grads = {n: p.grad.clone() for n, p in chunk.named_parameters()}
+        return saved[0], calls[0], grads, inp[0]["embeddings"].grad
+
+    base = once(Recompute.NONE)
+    got = once(mode)
+    assert got[0] < base[0]
+    if mode is Recompute.FULL:
+        assert got[1] == 2 and base[1] == 1
+        assert got[0] < once(Recompute.SELECTIVE)[0]
+    for name, g in base[2].items():
+        torch.testing.assert_close(got[2][name], g, rtol=1e-12, atol=1e-15, msg=name)
+    torch.testing.assert_close(got[3], base[3], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("kind", ["vlm", "t2v"])
+def test_per_token_loss_matches_reference(groups, kind):
+    batch, placement, plan = _setup(kind)
+    chunks = _chunks(batch, placement, groups)
+    config = ExecutorConfig(loss=LossConfig(per_token=True), debug=True)
+    ex, result = _run(batch, placement, plan, chunks, config=config)
+    loss, ref = _reference(batch, groups, per_token_loss=True)
+    assert result.objective == pytest.approx(loss, rel=1e-12)
+    got = _grads(chunks)
+    assert got.keys() == ref.keys()
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12 * float(g.abs().max()))
+    assert not any(ex.leftovers().values())
+    tokens = sum(float(r["lm loss"][1]) for r in result.reports)
+    assert tokens == batch.totals.num_loss_tokens
+
+
+def test_forward_only_plan_reports_losses_and_keeps_nothing(groups):
+    batch, placement, plan = _setup("vlm", forward_only=True)
+    chunks = _chunks(batch, placement, groups)
+    ex, result = _run(batch, placement, plan, chunks)
+    assert all(p.grad is None for c in chunks for p in c.parameters())
+    loss, _ = _reference(batch, groups)
+    assert result.objective == pytest.approx(loss, rel=1e-12)
+    assert len(result.reports) == len(batch.infos)
+    assert not any(ex.leftovers().values())
+
+
+def test_drop_in_installed_into_megatron_runs_the_plan(groups):
+    """`install` makes Megatron's own `get_forward_backward_func()` return the DIP drop-in;
+    called with Megatron's schedule arguments it runs the plan; `uninstall` restores."""
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_dip.runtime.forward_backward import DipSchedule, installed
+
+    original = schedules.get_forward_backward_func
+    batch, placement, plan = _setup("t2v")
+    chunks = _chunks(batch, placement, groups)
+    schedule = DipSchedule(
+        model=batch.model,
+        placement=placement,
+        pp_group=dist.group.WORLD,
+        seed=st.SEED,
+        plan_provider=lambda: plan,
+        dtype=st.CFG.dtype,
+    )
+    with installed(schedule):
+        func = pipeline_parallel.get_forward_backward_func()
+        assert schedules.get_forward_backward_func(pp_size=4, vp_size=2) is not original
+        with pytest.raises(ValueError, match="num_microbatches=3"):
+            func(forward_step_func=None, data_iterator=iter(batch.microbatches), model=chunks,
+                 num_microbatches=3, seq_length=st.SEQ, micro_batch_size=1)  # fmt: skip
+        reports = func(
+            forward_step_func=None,
+            data_iterator=iter(batch.microbatches),
+            model=chunks,
+            num_microbatches=len(batch.infos),
+            seq_length=st.SEQ,
+            micro_batch_size=1,
+        )
+    assert schedules.get_forward_backward_func is original
+    assert pipeline_parallel.get_forward_backward_func is original
+    loss, ref = _reference(batch, groups)
+    per_mb = [float(r["lm loss"][0]) / float(r["lm loss"][1]) for r in reports]
+    assert np.mean(per_mb) == pytest.approx(loss, rel=1e-12)
+    got = _grads(chunks)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12 * float(g.abs().max()))
+
+
+def test_microbatch_without_images_and_frozen_text_encoder(groups):
+    """A VLM microbatch whose samples have no image (no ViT work, no LLM producer) and a
+    text-to-video model whose frozen text encoder runs forward only."""
+    vlm = st.samples("vlm", 10, start=10)
+    no_images = [vlm[2], vlm[7]]  # samples 12 and 17
+    assert not any(s.images for s in no_images)
+    cases = [
+        st.make_batch("vlm", [no_images, list(vlm[:2])], sizes=SIZES["vlm"]),
+        st.make_batch(
+            "t2v-frozen", st.group_samples(st.samples("t2v", 5), [3, 2]), sizes=SIZES["t2v"]
+        ),
+    ]
+    for batch in cases:
+        placement = st.dip_placement(batch.model, 1, {m.name: 2 for m in batch.model.modules})
+        plan = st.segment_plan(batch, placement)
+        chunks = _chunks(batch, placement, groups)
+        ex, result = _run(batch, placement, plan, chunks)
+        loss, ref = _reference(batch, groups)
+        assert result.objective == pytest.approx(loss, rel=1e-12)
+        got = _grads(chunks)
+        assert got.keys() == ref.keys()
+        for name, g in ref.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12 * float(g.abs().max()))
+        assert not any(ex.leftovers().values())
+    frozen = [c for c in chunks if c.chunk.module == "text"]
+    assert frozen and all(p.grad is None for c in frozen for p in c.parameters())
+
+
+def test_stock_no_pipelining_on_our_chunks_matches_reference(groups):
+    """One rank: Megatron's `forward_backward_no_pipelining` through the stock adapter."""
+    from megatron_dip.runtime.stock import StockPipeline
+    from megatron_dip.schedule import Dataflow
+
+    batch = st.make_batch("t2v", st.group_samples(st.samples("t2v", 10), [3, 2, 3, 2]))
+    placement, units = st.stock_placement(batch.model, 1, vp=1)
+    chunks = _chunks(batch, placement, groups)
+    source = SampleBatchSource(
+        model=batch.model,
+        plan=st.segment_plan(batch, placement),
+        samples=batch.by_index,
+        seq_length=st.SEQ,
+        seed=st.SEED,
+    )
+    reports = StockPipeline(
+        chunks=chunks,
+        all_stage_units=units,
+        dataflow=Dataflow(placement, batch.subs, batch.deps),
+        microbatches=[i.index for i in batch.infos],
+        batches=source,
+        tensor_fn=batch.tensor_fn(),
+        pp_group=dist.group.WORLD,
+        single_group=dist.group.WORLD,
+    ).run()
+    loss, ref = _reference(batch, groups)
+    per_mb = [float(r["lm loss"][0]) / float(r["lm loss"][1]) for r in reports]
+    assert np.mean(per_mb) == pytest.approx(loss, rel=1e-12)
+    got = _grads(chunks)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12 * float(g.abs().max()))

@@ -1,0 +1,217 @@
+"""The runtime on several gloo processes: exact gradients under every kind of plan and layout.
+
+Two process launches in total (2 and 4 ranks, module-scoped fixtures); each runs every scenario
+of its world size in sequence (`test_runtime_scenarios.py`) and returns per-rank numbers: the
+gradient of every parameter by global name, loss reports, the normalised objective, buffers left
+over, recompute counts and data-parallel reduction points. Rank 0 also returns the single-process,
+non-pipelined reference (`models.reference`). Models are tiny and fp64, so "close" means
+rtol 1e-9 plus an atol of 1e-11 times the parameter gradient's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from distributed_harness import run_world
+
+pytestmark = pytest.mark.distributed
+
+RTOL, ATOL = 1e-9, 1e-11
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return run_world(world_size=2, target="test_runtime_scenarios:world2", timeout=240)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict]:
+    return run_world(world_size=4, target="test_runtime_scenarios:world4", timeout=300)
+
+
+def _expected_shard(full: np.ndarray, shard) -> np.ndarray:
+    from megatron_dip.models.init import shard_for_rank
+
+    dim, glu, tp_rank, tp_size = shard
+
+    class _P:  # the attributes shard_for_rank reads
+        tensor_model_parallel = True
+        partition_dim = dim
+
+    out = shard_for_rank(torch.from_numpy(full), _P(), tp_rank=tp_rank, tp_size=tp_size, glu=glu)
+    return out.numpy()
+
+
+def check_grads(results: list[dict], name: str, ranks=None) -> float:
+    """Assert every parameter's gradient (on every rank holding it) matches the reference;
+    return the largest error relative to the parameter's largest reference gradient."""
+    kind = "vlm" if "vlm" in name else "t2v"
+    ref = results[0][f"ref:{kind}"]["grads"]
+    seen, worst = set(), 0.0
+    for r in ranks if ranks is not None else range(len(results)):
+        for pname, (grad, shard) in results[r][name]["grads"].items():
+            full = ref[pname]
+            want = full if shard is None else _expected_shard(full, shard)
+            scale = float(np.abs(full).max())
+            np.testing.assert_allclose(
+                grad, want, rtol=RTOL, atol=ATOL * scale, err_msg=f"{name}: {pname} on rank {r}"
+            )
+            worst = max(worst, float(np.abs(grad - want).max()) / max(scale, 1e-300))
+            seen.add(pname)
+    assert seen == set(ref), f"{name}: gradients missing for {sorted(set(ref) - seen)[:5]}"
+    assert all(np.abs(g).max() > 0 for g in ref.values()), "a parameter gets no gradient at all"
+    return worst
+
+
+def check_loss(results: list[dict], name: str, ranks=None) -> None:
+    kind = "vlm" if "vlm" in name else "t2v"
+    total = sum(results[r][name]["objective"] for r in ranks or range(len(results)))
+    assert total == pytest.approx(results[0][f"ref:{kind}"]["loss"], rel=1e-12)
+
+
+def check_clean(results: list[dict], name: str) -> None:
+    for r, res in enumerate(results):
+        if name in res and "leftovers" in res[name]:
+            assert not any(res[name]["leftovers"].values()), f"{name} rank {r}: buffers left"
+
+
+def reports(results: list[dict], name: str) -> np.ndarray:
+    found = [res[name]["reports"] for res in results if res[name]["reports"]]
+    assert len(found) == 1, f"{name}: exactly one rank holds the loss"
+    return np.array(found[0])
+
+
+# -- PP=2 -----------------------------------------------------------------------------------------
+
+PIPELINE = ["vlm_seg_v1", "vlm_seg_v2_rc", "t2v_seg_v2_rc", "vlm_dip", "t2v_dip"]
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_pp2_plans_give_reference_gradients(world2, name):
+    """Segment plans (1 and 2 chunks per rank per module, unequal sub-microbatches, the three
+    recompute modes, batched/unbatched/tagged p2p, debug mode) and searched DIP plans."""
+    check_grads(world2, name)
+    check_loss(world2, name)
+    check_clean(world2, name)
+
+
+def test_searched_plans_use_submicrobatches_and_recompute(world2, world4):
+    for results, prefix in ((world2, ""), (world4, "pp4_")):
+        for kind in ("vlm", "t2v"):
+            counts = [res[f"{prefix}{kind}_dip"]["recompute"] for res in results]
+            assert sum(c.get("full", 0) + c.get("selective", 0) for c in counts) > 0
+            assert sum(c.get("none", 0) for c in counts) > 0
+
+
+@pytest.mark.parametrize(
+    ("ours", "stock"),
+    [("vlm_meg_interleaved", "vlm_stock_interleaved"), ("t2v_meg_1f1b", "t2v_stock_1f1b")],
+)
+def test_pp2_megatron_orders_match_megatron_and_reference(world2, ours, stock):
+    """Megatron's orders as plans, on our executor, vs. Megatron-Core's own unmodified
+    schedule functions on the same chunks and data: same gradients, same loss reports."""
+    check_grads(world2, ours)
+    check_grads(world2, stock)
+    np.testing.assert_allclose(reports(world2, ours), reports(world2, stock), rtol=1e-12)
+
+
+def test_pp2_message_swap_would_be_silent_and_wrong(world2):
+    """The PP=2 trap is live in this data: Megatron's batched p2p at PP=2 interleaved swaps
+    activations and gradients of the same shape and silently gives other gradients. Our
+    executor runs the same order, in which the channel rank 0 -> rank 1 carries activations
+    AND gradients of identical shapes (a mismatch of order would swap them silently), and
+    gives the reference gradients (test above)."""
+    with pytest.raises(AssertionError):
+        check_grads(world2, "vlm_stock_interleaved_batched")
+    import test_runtime_setups as st
+    from test_runtime_scenarios import vlm_microbatches
+
+    from megatron_dip.schedule import Send
+
+    batch = st.make_batch("vlm", vlm_microbatches())
+    placement, units = st.stock_placement(batch.model, 2, vp=2)
+    plan = st.megatron_plan(batch, placement, units, vp=2)
+    for program in plan.programs:
+        by_kind: dict = {}
+        for ins in program.instructions:
+            if isinstance(ins, Send):
+                by_kind.setdefault(ins.key.kind, set()).add(ins.tensors)
+        assert len(by_kind) == 2  # activations and gradients on the one channel to the peer
+        assert set.intersection(*by_kind.values())  # ... with identical tensor specs
+
+
+def test_mismatched_plans_are_rejected_on_every_rank_before_communicating(world2):
+    place = [res["reject_placement"] for res in world2]
+    assert [p["rejected"] for p in place] == ["PlanError", "PlanError"]
+    assert "another placement" in place[0]["message"] and "llm" in place[0]["message"]
+    shapes = [res["reject_shapes"] for res in world2]
+    assert [s["rejected"] for s in shapes] == ["PlanError", "PlanError"]
+    assert "float32" in shapes[0]["message"] and "instruction" in shapes[0]["message"]
+
+
+# -- PP=4, PP=2 x TP=2, PP=2 x DP=2 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [f"pp4_{n}" for n in PIPELINE])
+def test_pp4_plans_give_reference_gradients(world4, name):
+    check_grads(world4, name)
+    check_loss(world4, name)
+    check_clean(world4, name)
+
+
+@pytest.mark.parametrize(
+    ("ours", "stock"),
+    [
+        ("pp4_vlm_meg_interleaved", "pp4_vlm_stock_interleaved"),
+        ("pp4_t2v_meg_1f1b", "pp4_t2v_stock_1f1b"),
+    ],
+)
+def test_pp4_megatron_orders_match_megatron_and_reference(world4, ours, stock):
+    check_grads(world4, ours)
+    check_grads(world4, stock)
+    np.testing.assert_allclose(reports(world4, ours), reports(world4, stock), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tp2_vlm", "tp2_t2v"])
+def test_pp2_tp2_shards_match_reference(world4, name):
+    """Tensor-parallel shards (column, row, vocabulary, gated fc1) of every parameter."""
+    check_grads(world4, name)
+    check_loss(world4, name, ranks=[0, 2])  # the TP rank 0 of each pipeline rank
+    check_clean(world4, name)
+
+
+@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v"])
+def test_pp2_dp2_unequal_replicas_average_to_global_batch(world4, name):
+    """Replica 0 holds 3 microbatches, replica 1 one (unequal tokens): after the DDP reduction
+    every replica holds the single-process gradient of the whole global batch."""
+    check_grads(world4, name)
+    check_loss(world4, name)
+    check_clean(world4, name)
+
+
+@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v"])
+def test_each_chunk_reduction_starts_at_its_own_last_backward(world4, name):
+    from megatron_dip.runtime.gradsync import canonical_reduction_order
+    from megatron_dip.schedule import ChunkSpec, ModuleLayout, Placement
+
+    overlapped = 0
+    for res in world4:
+        got = res[name]["grad_sync"]
+        last = res[name]["last_backward"]
+        assert {tuple(k) for _, k in got} == set(last)
+        modules = ("vit", "llm") if "vlm" in name else ("text", "dit")
+        layouts = tuple(
+            ModuleLayout(
+                m, 8, True, tuple(ChunkSpec(m, c, c % 2, 2 * c, 2 * c + 2) for c in range(4))
+            )
+            for m in modules
+        )
+        order = canonical_reduction_order(Placement(2, layouts), set(last))
+        assert [tuple(k) for _, k in got] == order  # identical on every replica
+        bound = -1
+        for index, key in got:
+            bound = max(bound, last[tuple(key)])
+            assert index == bound  # right after its last backward (or its predecessor's start)
+            overlapped += index < res[name]["length"] - 1
+    assert overlapped > 0  # reductions overlap the rest of the schedule

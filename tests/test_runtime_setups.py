@@ -1,0 +1,296 @@
+"""Helpers, no tests: tiny models, uneven batches, placements and plans of the runtime tests.
+
+(Named test_runtime_*.py to sit with the runtime's tests; a `tests/dist/` package would be
+matched by the repository's `.gitignore` rule `dist/`.)
+
+Everything here is deterministic, so every worker process builds identical objects (plans made
+by the searched planner are built once on rank 0 and broadcast instead).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from megatron_dip.data.sample import Sample, SampleMeta
+from megatron_dip.data.synthetic import MixtureSpec, SourceSpec, generate_samples
+from megatron_dip.models import ModelConfig, cross_module_dependencies, message_tensors
+from megatron_dip.models.layout import split_submicrobatches
+from megatron_dip.modelspec import MultimodalSpec, tiny_t2v, tiny_vlm
+from megatron_dip.runtime.data import loss_tokens_of
+from megatron_dip.schedule import (
+    BatchTotals,
+    ChunkSpec,
+    Forward,
+    MicrobatchInfo,
+    ModuleLayout,
+    Placement,
+    Plan,
+    Program,
+    Recompute,
+    build_megatron_plan,
+    build_segment_plan,
+)
+
+SEQ = 48
+SEED = 11
+CFG = ModelConfig(dtype="float64", adaln_zero=False, seed=7)
+
+# VLM samples: 0-6 images (16x16 px = 4 ViT patches = 1 LLM token) interleaved in 2-10 text
+# tokens. T2V samples: a caption of 2-9 tokens and one clip of 1-3 latent frames of 4x4 or 4x6.
+VLM_MIX = MixtureSpec(
+    "test-vlm", "vlm", (SourceSpec("docs", 1.0, (2, 10), (0, 6), "interleaved"),), image_grid=1
+)
+T2V_MIX = MixtureSpec(
+    "test-t2v",
+    "diffusion",
+    (SourceSpec("clips", 1.0, (2, 9), (1, 1), seconds=(0.05, 0.6)),),
+    frame_grids=((2, 2), (2, 3)),
+)
+
+
+def model_of(kind: str) -> MultimodalSpec:
+    """ "vlm", "t2v" (trainable text encoder) or "t2v-frozen"."""
+    if kind == "vlm":
+        return tiny_vlm()
+    return tiny_t2v(train_text=kind != "t2v-frozen")
+
+
+@functools.cache
+def samples(kind: str, count: int, start: int = 0) -> tuple[Sample, ...]:
+    mix = VLM_MIX if kind == "vlm" else T2V_MIX
+    return tuple(
+        generate_samples(mix, model=model_of(kind), num_samples=count, seed=SEED, start=start)
+    )
+
+
+def group_samples(items: Sequence[Sample], counts: Sequence[int]) -> list[list[Sample]]:
+    """Consecutive groups of `counts[i]` samples (one group per microbatch)."""
+    out, at = [], 0
+    for n in counts:
+        out.append(list(items[at : at + n]))
+        at += n
+    return out
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One replica's microbatches, sub-microbatches and dependencies, and global totals."""
+
+    kind: str
+    model: MultimodalSpec
+    microbatches: tuple[tuple[Sample, ...], ...]
+    infos: tuple[MicrobatchInfo, ...]
+    subs: tuple
+    deps: tuple
+    totals: BatchTotals
+
+    @property
+    def by_index(self) -> dict[int, list[Sample]]:
+        return {i.index: list(mb) for i, mb in zip(self.infos, self.microbatches)}
+
+    def tensor_fn(self) -> Callable:
+        return functools.partial(_tensors, self.model, {s.work: s for s in self.subs})
+
+
+def _tensors(model, table, key):
+    return message_tensors(model, key=key, sub_lookup=table.__getitem__, dtype=CFG.dtype)
+
+
+def loss_tokens(model: MultimodalSpec, microbatches: Sequence[Sequence[Sample]]) -> int:
+    from megatron_dip.models.inputs import build_sub_batch
+
+    total = 0
+    for i, mb in enumerate(microbatches):
+        for sub in split_submicrobatches(model, mb, microbatch=i, seq_length=SEQ):
+            if sub.module == model.loss_module.name:
+                total += loss_tokens_of(build_sub_batch(model, mb, sub, seq_length=SEQ, seed=SEED))
+    return total
+
+
+def make_batch(
+    kind: str,
+    microbatches: Sequence[Sequence[Sample]],
+    *,
+    sizes: Mapping[str, int] | None = None,
+    all_microbatches: Sequence[Sequence[Sample]] | None = None,
+    data_parallel: int = 1,
+) -> Batch:
+    """This replica's `microbatches`; totals over `all_microbatches` (default: these)."""
+    model = model_of(kind)
+    everything = list(all_microbatches or microbatches)
+    subs = tuple(
+        s
+        for i, mb in enumerate(microbatches)
+        for s in split_submicrobatches(model, mb, microbatch=i, seq_length=SEQ, sizes=sizes)
+    )
+    infos = tuple(
+        MicrobatchInfo(i, tuple(s.sample_id for s in mb), SEQ) for i, mb in enumerate(microbatches)
+    )
+    totals = BatchTotals(
+        num_microbatches=len(everything),
+        num_samples=sum(len(mb) for mb in everything),
+        num_loss_tokens=loss_tokens(model, everything),
+        data_parallel_size=data_parallel,
+    )
+    return Batch(
+        kind,
+        model,
+        tuple(tuple(mb) for mb in microbatches),
+        infos,
+        subs,
+        cross_module_dependencies(model, subs),
+        totals,
+    )
+
+
+def even_ranges(num_layers: int, num_chunks: int) -> list[tuple[int, int]]:
+    cuts = [round(i * num_layers / num_chunks) for i in range(num_chunks + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def dip_placement(model: MultimodalSpec, num_ranks: int, segments: Mapping[str, int]) -> Placement:
+    """Every module over all ranks, `segments[m]` passes; chunk c on rank c mod P."""
+    layouts = []
+    for m in model.modules:
+        n = num_ranks * segments[m.name]
+        chunks = tuple(
+            ChunkSpec(m.name, c, c % num_ranks, s, e)
+            for c, (s, e) in enumerate(even_ranges(m.num_layers, n))
+        )
+        layouts.append(ModuleLayout(m.name, m.num_layers, m.trainable, chunks))
+    return Placement(num_ranks, tuple(layouts))
+
+
+def stock_placement(model: MultimodalSpec, num_ranks: int, vp: int) -> tuple[Placement, list]:
+    """Megatron LLaVA-style: producers whole on rank 0 (one chunk), the loss module cut into
+    P*vp chunks (chunk c on rank c mod P); returns the placement and the stage units."""
+    producer, loss = model.modules[0], model.loss_module
+    n = num_ranks * vp
+    layouts = [
+        ModuleLayout(
+            producer.name,
+            producer.num_layers,
+            producer.trainable,
+            (ChunkSpec(producer.name, 0, 0, 0, producer.num_layers),),
+        ),
+        ModuleLayout(
+            loss.name,
+            loss.num_layers,
+            loss.trainable,
+            tuple(
+                ChunkSpec(loss.name, c, c % num_ranks, s, e)
+                for c, (s, e) in enumerate(even_ranges(loss.num_layers, n))
+            ),
+        ),
+    ]
+    units = [
+        [
+            ([(producer.name, 0)] if r == 0 and j == 0 else []) + [(loss.name, j * num_ranks + r)]
+            for j in range(vp)
+        ]
+        for r in range(num_ranks)
+    ]
+    return Placement(num_ranks, tuple(layouts)), units
+
+
+def segment_plan(batch: Batch, placement: Placement) -> Plan:
+    return build_segment_plan(
+        placement=placement,
+        microbatches=batch.infos,
+        submicrobatches=batch.subs,
+        dependencies=batch.deps,
+        totals=batch.totals,
+        tensors=batch.tensor_fn(),
+    )
+
+
+def megatron_plan(batch: Batch, placement: Placement, units, *, vp: int) -> Plan:
+    return build_megatron_plan(
+        placement=placement,
+        stage_units=units,
+        submicrobatches=batch.subs,
+        dependencies=batch.deps,
+        microbatches=batch.infos,
+        totals=batch.totals,
+        num_model_chunks=vp,
+        tensors=batch.tensor_fn(),
+    )
+
+
+def with_recompute(plan: Plan, choose: Callable[[Forward], Recompute]) -> Plan:
+    """The same plan with each Forward's recompute mode set by `choose`."""
+    programs = tuple(
+        Program(
+            p.rank,
+            tuple(
+                Forward(i.stage, choose(i)) if isinstance(i, Forward) else i for i in p.instructions
+            ),
+        )
+        for p in plan.programs
+    )
+    return replace(plan, programs=programs, name=plan.name + "+recompute")
+
+
+def cycle_recompute(ins: Forward) -> Recompute:
+    modes = (Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE)
+    s = ins.stage
+    return modes[(s.chunk + s.microbatch + s.sub) % 3]
+
+
+def sample_meta(model: MultimodalSpec, sample: Sample) -> SampleMeta:
+    from megatron_dip.data.meta import sample_meta as meta
+
+    return meta(sample, model=model)
+
+
+def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) -> Plan:
+    """A searched DIP plan for `batch` (sub-microbatch sizes 2; recompute under the limit)."""
+    from megatron_dip.planner.cost_model import CostModel
+    from megatron_dip.planner.devices import get_device
+    from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+    from megatron_dip.planner.search import SearchConfig
+    from megatron_dip.planner.submicrobatch import split_microbatch
+
+    model = batch.model
+    cost = CostModel(model, get_device("h100"), dtype_bytes=8)
+    sizes = {m.name: 2 for m in model.modules if m.name != "llm"}
+    config = PlannerConfig(
+        seq_length=SEQ,
+        sub_sizes=sizes,
+        dtype=CFG.dtype,
+        memory_limit_bytes=memory_limit,
+        search=SearchConfig(max_rollouts=8, time_budget_s=60.0, seed=0),
+    )
+    planner = DipPlanner(model, cost, placement, config)
+    works = [
+        split_microbatch(
+            model,
+            [sample_meta(model, s) for s in mb],
+            index=i,
+            seq_length=SEQ,
+            sub_sizes=sizes,
+        )
+        for i, mb in enumerate(batch.microbatches)
+    ]
+    plan = planner.plan_replica(works, iteration=0, replica=0, totals=batch.totals).plan
+    return fix_llm_tokens(plan, batch)
+
+
+def fix_llm_tokens(plan: Plan, batch: Batch) -> Plan:
+    """Work-around (reported): the planner's LLM sub-microbatch counts `seq_length` tokens, the
+    models count the real text tokens (padded to `seq_length`); the programs are the same."""
+    real = {s.work: s for s in batch.subs}
+    subs = tuple(
+        replace(s, tokens=real[s.work].tokens) if s.module == "llm" and s.work in real else s
+        for s in plan.submicrobatches
+    )
+    return replace(plan, submicrobatches=subs, _sub_index=None)
+
+
+def as_numpy(grads: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in grads.items()}

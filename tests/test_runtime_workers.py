@@ -1,0 +1,267 @@
+"""Helpers, no tests: per-rank building blocks of the runtime's distributed scenarios, run
+inside the worker processes of `distributed_harness.run_world`."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import test_runtime_setups as st
+import torch
+import torch.distributed as dist
+
+from megatron_dip.cpu_support import seed_model_parallel_rng
+from megatron_dip.models.chunk import ModelGroups, build_chunk
+from megatron_dip.models.init import global_param_name
+from megatron_dip.runtime.checks import unwrap_chunk
+from megatron_dip.runtime.data import SampleBatchSource
+from megatron_dip.runtime.ddp import DataParallelGroups, main_grads, wrap_chunks_ddp
+from megatron_dip.runtime.executor import Executor, ExecutorConfig
+from megatron_dip.runtime.stock import StockPipeline
+from megatron_dip.schedule import (
+    Forward,
+    Placement,
+    Plan,
+    Recompute,
+    plan_from_bytes,
+    plan_to_bytes,
+)
+from megatron_dip.schedule.engine import PlanError
+
+
+@dataclass
+class Groups:
+    """This rank's process groups for one layout."""
+
+    pp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    single: dist.ProcessGroup
+    dp: dist.ProcessGroup | None = None
+    extra: dict = field(default_factory=dict)
+
+    def model_groups(self) -> ModelGroups:
+        return ModelGroups(tp=self.tp, cp=self.single)
+
+
+def make_groups(
+    world_size: int, layouts: Sequence[Sequence[int]]
+) -> list[dist.ProcessGroup | None]:
+    """Create the groups `layouts` (lists of ranks), same order everywhere; None where absent."""
+    me = dist.get_rank()
+    mine: list[dist.ProcessGroup | None] = []
+    for ranks in layouts:
+        g = dist.new_group(list(ranks))
+        mine.append(g if me in ranks else None)
+    return mine
+
+
+def singles(world_size: int) -> dist.ProcessGroup:
+    """Every rank's singleton group; returns this rank's."""
+    gs = make_groups(world_size, [[r] for r in range(world_size)])
+    return gs[dist.get_rank()]
+
+
+def pick(groups: Sequence[dist.ProcessGroup | None]) -> dist.ProcessGroup:
+    return next(g for g in groups if g is not None)
+
+
+def mark_tensor_parallel(chunk: torch.nn.Module) -> int:
+    """Work-around (reported to the models package): with `perform_initialization=False`
+    Megatron never sets the tensor-parallel attributes of Column/RowParallelLinear and
+    VocabParallelEmbedding weights, so `init_chunk_parameters` drew TP shards as if they were
+    whole tensors. Mark them and initialise again; returns how many weights were marked."""
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from megatron_dip.models.init import init_chunk_parameters
+
+    dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    marked = 0
+    for module in chunk.modules():
+        weight = getattr(module, "weight", None)
+        dim = next((d for cls, d in dims if isinstance(module, cls)), None)
+        if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        set_tensor_model_parallel_attributes(weight, True, dim, 1)
+        marked += 1
+    if marked:
+        init_chunk_parameters(chunk)
+    return marked
+
+
+def build_chunks(batch: st.Batch, placement: Placement, groups: Groups) -> list[torch.nn.Module]:
+    seed_model_parallel_rng(st.CFG.seed, tp_rank=groups.tp.rank())
+    chunks = [
+        build_chunk(
+            batch.model,
+            c,
+            num_chunks=placement.module(c.module).num_chunks,
+            config=st.CFG,
+            groups=groups.model_groups(),
+        )
+        for c in placement.chunks_on_rank(groups.pp.rank())
+    ]
+    if groups.tp.size() > 1:
+        for c in chunks:
+            mark_tensor_parallel(c)
+    return chunks
+
+
+def grads_of(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """Global name -> (gradient as numpy, TP sharding info or None)."""
+    out = {}
+    for c in chunks:
+        inner = unwrap_chunk(c)
+        params = dict(inner.named_parameters())
+        tp = inner.groups.tp_size
+        for name, g in main_grads(c).items():
+            p = params[name]
+            shard = None
+            if tp > 1 and getattr(p, "tensor_model_parallel", False):
+                glu = inner.module_spec.layer.gated_mlp and "linear_fc1." in name
+                shard = (int(p.partition_dim), glu, inner.groups.tp_rank, tp)
+            out[global_name(inner, name)] = (g.detach().numpy().copy(), shard)
+    return out
+
+
+def global_name(chunk, local: str) -> str:
+    return global_param_name(chunk, local)
+
+
+def last_backwards(plan: Plan, rank: int) -> dict[tuple[str, int], int]:
+    """Index of each chunk's last Backward in this rank's program."""
+    from megatron_dip.schedule import Backward
+
+    last = {}
+    for i, ins in enumerate(plan.program(rank).instructions):
+        if isinstance(ins, Backward):
+            last[(ins.stage.module, ins.stage.chunk)] = i
+    return last
+
+
+def count_recompute(plan: Plan, rank: int) -> dict[str, int]:
+    modes: dict[str, int] = {}
+    for ins in plan.program(rank).instructions:
+        if isinstance(ins, Forward):
+            modes[ins.recompute.value] = modes.get(ins.recompute.value, 0) + 1
+    return modes
+
+
+def run_executor(
+    batch: st.Batch,
+    placement: Placement,
+    plan: Plan,
+    groups: Groups,
+    *,
+    config: ExecutorConfig | None = None,
+    ddp: bool = False,
+) -> dict[str, Any]:
+    chunks = build_chunks(batch, placement, groups)
+    if ddp:
+        dpg = DataParallelGroups(dp=groups.dp, tp=groups.tp, pp=groups.pp, single=groups.single)
+        chunks = wrap_chunks_ddp(chunks, groups=dpg)
+        for c in chunks:
+            c.zero_grad_buffer()
+    source = SampleBatchSource(
+        model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
+    )
+    executor = Executor(
+        plan=plan,
+        chunks=chunks,
+        placement=placement,
+        pp_group=groups.pp,
+        batches=source,
+        tensor_fn=batch.tensor_fn(),
+        config=config or ExecutorConfig(),
+    )
+    result = executor.run()
+    return {
+        "grads": grads_of(chunks),
+        "reports": [r["lm loss"].numpy() for r in result.reports],
+        "objective": result.objective,
+        "leftovers": executor.leftovers(),
+        "messages": result.messages,
+        "recompute": count_recompute(plan, groups.pp.rank()),
+        "grad_sync": result.grad_sync_started,
+        "last_backward": last_backwards(plan, groups.pp.rank()),
+        "length": len(plan.program(groups.pp.rank())),
+    }
+
+
+def run_stock(
+    batch: st.Batch, placement: Placement, units, groups: Groups, *, batch_p2p: bool
+) -> dict[str, Any]:
+    chunks = build_chunks(batch, placement, groups)
+    dummy = st.segment_plan(batch, placement)  # only for the SampleBatchSource's sub table
+    source = SampleBatchSource(
+        model=batch.model, plan=dummy, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
+    )
+    from megatron_dip.schedule import Dataflow
+
+    pipe = StockPipeline(
+        chunks=chunks,
+        all_stage_units=units,
+        dataflow=Dataflow(placement, batch.subs, batch.deps),
+        microbatches=[i.index for i in batch.infos],
+        batches=source,
+        tensor_fn=batch.tensor_fn(),
+        pp_group=groups.pp,
+        single_group=groups.single,
+        batch_p2p=batch_p2p,
+    )
+    reports = pipe.run()
+    return {
+        "grads": grads_of(chunks),
+        "reports": [r["lm loss"].numpy() for r in reports],
+        "objective": None,
+    }
+
+
+def broadcast_plan(make: Callable[[], Plan], group: dist.ProcessGroup) -> Plan:
+    """Build a plan on the group's first rank only and ship it (searched plans may differ)."""
+    src = dist.get_global_rank(group, 0)
+    box = [plan_to_bytes(make()) if group.rank() == 0 else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return plan_from_bytes(box[0])
+
+
+def expect_rejection(run: Callable[[], Any]) -> dict[str, Any]:
+    """Run something that must be refused before communicating; return the error text."""
+    try:
+        run()
+    except (PlanError, ValueError) as e:
+        return {"rejected": type(e).__name__, "message": str(e)}
+    return {"rejected": None, "message": ""}
+
+
+def reference(batch_all: Sequence[Sequence], kind: str, single: dist.ProcessGroup) -> dict:
+    from megatron_dip.models.reference import reference_loss_and_grads
+
+    loss, grads = reference_loss_and_grads(
+        st.model_of(kind),
+        [list(mb) for mb in batch_all],
+        seed=st.SEED,
+        seq_length=st.SEQ,
+        groups=ModelGroups(tp=single, cp=single),
+        config=st.CFG,
+    )
+    return {"loss": loss, "grads": {k: v.numpy().copy() for k, v in grads.items()}}
+
+
+def guarded(name: str, results: dict, fn: Callable[[], Any]) -> None:
+    """Run one scenario; a failure is re-raised with the scenario's name (the harness then
+    stops every rank: peers of a failed rank would wait forever)."""
+    try:
+        results[name] = fn()
+    except Exception as e:
+        raise RuntimeError(f"scenario {name!r} failed: {e}\n{traceback.format_exc()}") from e
+
+
+def recompute_everywhere(mode: Recompute) -> Callable[[Forward], Recompute]:
+    return lambda ins: mode
