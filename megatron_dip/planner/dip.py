@@ -31,6 +31,10 @@ from .submicrobatch import MicrobatchWork, split_microbatch
 
 logger = logging.getLogger(__name__)
 
+# How much more in-flight activation memory the memory pass lets the scheduler plan with before
+# recomputation brings it back under the real limit.
+RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
+
 
 @dataclass(frozen=True)
 class PlannerConfig:
@@ -216,32 +220,36 @@ class DipPlanner:
         search = self._search(graph, dataflow, limits, use_search=use_search)
         schedule = self._list_schedule(graph, search.order, limits, choice)
         if self.config.optimize_memory and limits is not None and not forward_only:
-            candidate = self._recompute_candidate(dataflow, sub_of, search.order, limits)
-            if candidate is not None and (
-                schedule.overcommitted or candidate[0].makespan < schedule.makespan
-            ):
-                schedule, choice = candidate
+            for candidate in self._recompute_candidates(dataflow, sub_of, search.order, limits):
+                if schedule.overcommitted or candidate[0].makespan < schedule.makespan:
+                    schedule, choice = candidate
         return schedule, search, choice
 
-    def _recompute_candidate(
+    def _recompute_candidates(
         self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float]
-    ) -> tuple[ListSchedule, RecomputeChoice] | None:
-        """Schedule as if memory were free, then choose per-chunk recompute (MILP) so that
-        schedule fits, and reschedule under the real limit with those costs. This trades
-        recomputation for the bubbles that throttling forwards at the limit would cost."""
+    ) -> list[tuple[ListSchedule, RecomputeChoice]]:
+        """Schedule as if the memory limit were `factor` times larger, choose per-chunk
+        recompute (MILP) so that schedule fits the real limit, then reschedule under the real
+        limit with those costs. This trades recomputation for the bubbles that throttling
+        forwards at the limit would cost; several factors, because the right amount of extra
+        in-flight work depends on the batch."""
         free = self._graph(dataflow, sub_of, self._uniform_choice(), forward_only=False)
-        unconstrained = self._list_schedule(free, order, None, self._uniform_choice())
-        try:
-            choice = choose_recompute(
-                unconstrained.orders,
-                mode_cost=functools.partial(self._mode_cost, sub_of),
-                keeps_activations=lambda s: dataflow.needs_backward(s.module),
-                memory_limit=limits,
-            )
-        except MemoryLimitError:
-            return None
-        graph = self._graph(dataflow, sub_of, choice, forward_only=False)
-        return self._list_schedule(graph, order, limits, choice), choice
+        out = []
+        for factor in RELAXATION_FACTORS:
+            relaxed = [x * factor for x in limits]
+            loose = self._list_schedule(free, order, relaxed, self._uniform_choice())
+            try:
+                choice = choose_recompute(
+                    loose.orders,
+                    mode_cost=functools.partial(self._mode_cost, sub_of),
+                    keeps_activations=lambda s: dataflow.needs_backward(s.module),
+                    memory_limit=limits,
+                )
+            except MemoryLimitError:
+                continue
+            graph = self._graph(dataflow, sub_of, choice, forward_only=False)
+            out.append((self._list_schedule(graph, order, limits, choice), choice))
+        return out
 
     def _uniform_choice(self) -> RecomputeChoice:
         mode = self.config.uniform_recompute
