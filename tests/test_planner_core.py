@@ -108,7 +108,7 @@ def test_vlm_microbatch_subs_and_dependencies():
         (4, 5, 64),
     ]
     llm = [s for s in work.submicrobatches if s.module == "llm"]
-    assert len(llm) == 1 and llm[0].tokens == 128
+    assert len(llm) == 1 and (llm[0].tokens, llm[0].padded_tokens) == (90, 128)
     assert llm[0].attention_pairs == 40**2 + 20**2 + 30**2 + 38**2
     assert {d.producer for d in work.dependencies} == {WorkId("vit", 3, k) for k in range(3)}
     assert {d.consumer for d in work.dependencies} == {WorkId("llm", 3, 0)}

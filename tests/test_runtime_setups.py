@@ -277,19 +277,7 @@ def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) 
         )
         for i, mb in enumerate(batch.microbatches)
     ]
-    plan = planner.plan_replica(works, iteration=0, replica=0, totals=batch.totals).plan
-    return fix_llm_tokens(plan, batch)
-
-
-def fix_llm_tokens(plan: Plan, batch: Batch) -> Plan:
-    """Work-around (reported): the planner's LLM sub-microbatch counts `seq_length` tokens, the
-    models count the real text tokens (padded to `seq_length`); the programs are the same."""
-    real = {s.work: s for s in batch.subs}
-    subs = tuple(
-        replace(s, tokens=real[s.work].tokens) if s.module == "llm" and s.work in real else s
-        for s in plan.submicrobatches
-    )
-    return replace(plan, submicrobatches=subs, _sub_index=None)
+    return planner.plan_replica(works, iteration=0, replica=0, totals=batch.totals).plan
 
 
 def as_numpy(grads: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

@@ -36,8 +36,9 @@ def module_instances(
 ) -> list[Instance]:
     """The instances `module` computes on for one microbatch, in data order."""
     if module.kind is ModuleKind.LLM:
-        # One packed sequence; documents attend within themselves, padding is its own document.
-        return [Instance(-1, seq_length)]
+        # One packed sequence of the samples' text; the runtime pads it to seq_length (see
+        # split_microbatch), and the padding attends only to itself.
+        return [Instance(-1, sum(s.text_tokens for s in samples))]
     if module.kind is ModuleKind.TEXT_ENCODER:
         return [Instance(i, s.text_tokens) for i, s in enumerate(samples)]
     return [Instance(i, t) for i, s in enumerate(samples) for t in s.vision_tokens]
@@ -99,6 +100,7 @@ def split_microbatch(
         for k, n in enumerate(split_sizes(len(items), size)):
             part = items[start : start + n]
             tokens = sum(i.tokens for i in part)
+            padded = seq_length if module.kind is ModuleKind.LLM else tokens
             subs.append(
                 SubMicrobatch(
                     module.name,
@@ -107,7 +109,7 @@ def split_microbatch(
                     start,
                     start + n,
                     tokens,
-                    round_up(tokens, pad_multiple),
+                    round_up(padded, pad_multiple),
                     _attention_pairs(module, samples, part, seq_length),
                 )
             )
