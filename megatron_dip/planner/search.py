@@ -130,7 +130,7 @@ def mcts_order(
     while rollouts < config.max_rollouts and time.monotonic() < deadline:
         path, prefix = _select_and_expand(root, constraints, config.exploration)
         rewards = []
-        for _ in range(config.rollouts_per_expansion):
+        for _ in range(min(config.rollouts_per_expansion, config.max_rollouts - rollouts)):
             order = _rollout(prefix, constraints, rng, config.greedy_rollout_bias)
             t = score(order)
             rollouts += 1

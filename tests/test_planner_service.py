@@ -1,0 +1,212 @@
+"""The DIP planner end to end on metadata: determinism, search vs greedy, memory, and the planner
+service delivering one plan per iteration to every rank, with the inline fallback."""
+
+from __future__ import annotations
+
+import functools
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from megatron_dip.data.sample import BatchMeta
+from megatron_dip.data.synthetic import generate_meta
+from megatron_dip.modelspec import tiny_vlm
+from megatron_dip.planner.cost_model import CostModel
+from megatron_dip.planner.devices import get_device
+from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+from megatron_dip.planner.placement import ModuleWorkload, build_dip_placement
+from megatron_dip.planner.search import SearchConfig
+from megatron_dip.planner.service import (
+    GREEDY,
+    INLINE,
+    SEARCHED,
+    PlanClient,
+    PlannerService,
+    StoreAddress,
+)
+from megatron_dip.planner.simulator import simulate
+from megatron_dip.schedule.serialize import plan_to_bytes
+from megatron_dip.schedule.validate import validate_plan
+
+SEQ = 256
+
+
+def make_planner(
+    *,
+    rollouts: int = 12,
+    sleep_s: float = 0.0,
+    memory_gb: float | None = None,
+    data_parallel: int = 1,
+) -> DipPlanner:
+    """A planner for the tiny VLM on 2 pipeline ranks (module-level: picklable for the service)."""
+    model = tiny_vlm()
+    cost = CostModel(model, get_device("H100"))
+    workload = {"vit": ModuleWorkload(4, 256), "llm": ModuleWorkload(1, SEQ)}
+    placement, _ = build_dip_placement(model, cost, num_ranks=2, workload=workload)
+    config = PlannerConfig(
+        seq_length=SEQ,
+        data_parallel=data_parallel,
+        sub_sizes={"vit": 2},
+        search=SearchConfig(max_rollouts=rollouts, time_budget_s=60.0, seed=7),
+        memory_limit_bytes=None if memory_gb is None else memory_gb * 2**30,
+    )
+    planner = DipPlanner(model, cost, placement, config)
+    if sleep_s:
+        planner.plan_batch = _slow(planner.plan_batch, sleep_s)
+    return planner
+
+
+def _slow(fn, seconds):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def batch(iteration: int, *, samples: int = 24) -> BatchMeta:
+    metas = generate_meta(
+        "mixed",
+        model=tiny_vlm(),
+        num_samples=samples,
+        seed=3,
+        start=iteration * samples,
+        scale=0.05,
+    )
+    return BatchMeta(iteration, tuple(metas))
+
+
+# -- planning in-process -----------------------------------------------------------------------
+
+
+def test_plans_are_valid_deterministic_and_search_never_loses():
+    a = make_planner().plan_batch(batch(0))
+    b = make_planner().plan_batch(batch(0))
+    assert [plan_to_bytes(r.plan) for r in a] == [plan_to_bytes(r.plan) for r in b]
+    for r in a:
+        validate_plan(r.plan)
+        assert r.makespan <= r.greedy_makespan + 1e-12
+        assert r.rollouts == 12
+        # Sub-microbatches: the ViT work is cut into pieces of at most 2 images.
+        assert all(s.num_instances <= 2 for s in r.plan.submicrobatches if s.module == "vit")
+    greedy = make_planner().plan_batch(batch(0), search=False)
+    assert greedy[0].rollouts == 1
+
+
+def test_data_parallel_replicas_get_their_own_balanced_plans():
+    plans = make_planner(data_parallel=2).plan_batch(batch(1, samples=40))
+    assert [r.plan.replica for r in plans] == [0, 1]
+    ids = [set(i for mb in r.plan.microbatches for i in mb.sample_ids) for r in plans]
+    assert not ids[0] & ids[1] and len(ids[0] | ids[1]) == 40
+    totals = {r.plan.totals for r in plans}
+    assert len(totals) == 1  # both replicas normalise by the same global denominators
+    times = [simulate(r.plan, make_planner().cost_model).iteration_time for r in plans]
+    assert max(times) / min(times) < 1.5
+
+
+def test_memory_limit_is_respected_in_simulation():
+    free = make_planner().plan_batch(batch(2))[0]
+    peak = max(simulate(free.plan, make_planner().cost_model).peak_activation_bytes)
+    limit_gb = 0.6 * peak / 2**30
+    tight = make_planner(memory_gb=limit_gb).plan_batch(batch(2))[0]
+    sim = simulate(tight.plan, make_planner().cost_model)
+    assert max(sim.peak_activation_bytes) <= limit_gb * 2**30
+    assert (
+        any(
+            i.recompute.value != "none"
+            for p in tight.plan.programs
+            for i in p.instructions
+            if hasattr(i, "recompute")
+        )
+        or sim.iteration_time >= simulate(free.plan, make_planner().cost_model).iteration_time
+    )
+
+
+# -- the service ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def store_address():
+    port = _free_port()
+    master = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60))
+    yield StoreAddress("127.0.0.1", port), master
+
+
+def _client(address: StoreAddress) -> PlanClient:
+    return PlanClient(address.connect(), replica=0)
+
+
+def _wait_ready(store, iteration: int, want: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    key = f"dip/{iteration}/ready"
+    while time.monotonic() < deadline:
+        if store.check([key]) and store.get(key).decode() == want:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"planner never published {want} for iteration {iteration}")
+
+
+def test_service_delivers_one_plan_to_every_rank_and_falls_back_inline(store_address):
+    address, master = store_address
+    service = PlannerService(functools.partial(make_planner, rollouts=6), address, lookahead=2)
+    try:
+        service.submit(batch(0))
+        _wait_ready(master, 0, SEARCHED)
+        ranks = [_client(address), _client(address)]
+        fetched = [c.fetch(0, inline=lambda: pytest.fail("no inline plan expected")) for c in ranks]
+        assert {v for _, v in fetched} == {SEARCHED}
+        assert plan_to_bytes(fetched[0][0]) == plan_to_bytes(fetched[1][0])
+        # Nothing submitted for iteration 5: the first rank decides "inline", all follow.
+        inline = make_planner().plan_batch(batch(5), search=False)[0].plan
+        got = [c.fetch(5, inline=lambda: inline) for c in ranks]
+        assert [v for _, v in got] == [INLINE, INLINE]
+        assert ranks[0].inline_count == ranks[1].inline_count == 1
+        ranks[0].cleanup(0, num_replicas=1)
+        assert not master.check(["dip/0/decision"])
+    finally:
+        service.close()
+
+
+def test_decision_is_made_once_even_if_a_better_plan_arrives(store_address):
+    address, master = store_address
+    service = PlannerService(
+        functools.partial(make_planner, rollouts=6, sleep_s=1.0), address, lookahead=2
+    )
+    try:
+        service.submit(batch(3))
+        _wait_ready(master, 3, GREEDY)
+        first = _client(address)
+        plan, variant = first.fetch(3, inline=lambda: pytest.fail("greedy was ready"))
+        assert variant == GREEDY
+        time.sleep(2.5)  # the searched plan would be ready by now, but the iteration is decided
+        later, variant2 = _client(address).fetch(3, inline=lambda: pytest.fail("decided"))
+        assert variant2 == GREEDY and plan_to_bytes(later) == plan_to_bytes(plan)
+    finally:
+        service.close()
+
+
+def test_killed_planner_is_restarted_and_replans_what_is_ahead(store_address):
+    address, master = store_address
+    service = PlannerService(functools.partial(make_planner, rollouts=4), address, lookahead=2)
+    try:
+        service.submit(batch(0))
+        _wait_ready(master, 0, SEARCHED)
+        service.process.kill()
+        service.process.join(timeout=10)
+        assert service.ensure_alive() is True and service.restarts == 1
+        service.submit(batch(1))
+        _wait_ready(master, 1, SEARCHED)
+        plan, variant = _client(address).fetch(1, inline=lambda: pytest.fail("planner restarted"))
+        assert variant == SEARCHED and plan.iteration == 1
+    finally:
+        service.close()
