@@ -8,6 +8,7 @@ setting (none / selective / full: the fastest whose activations fit).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ from ..data.sample import BatchMeta
 from ..models.layout import message_tensors
 from ..modelspec import ModuleKind, MultimodalSpec, Setup
 from ..schedule.baselines import build_megatron_plan
+from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import ChunkSpec, Forward, Placement, Plan, Program, Recompute
 from .devices import DeviceSpec
 from .dip import DipPlanner, PlannerConfig, sample_loss_tokens
-from .placement import ModuleWorkload, build_dip_placement
+from .placement import ModuleWorkload, build_dip_placement, choose_dip_placement
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .static_baselines import StaticPipeline, one_list_pipeline, stock_pipeline
@@ -48,8 +50,7 @@ def average_workload(
         subs = [s for w in works for s in w.submicrobatches if s.module == m.name]
         n = max(1, len(works))
         out[m.name] = ModuleWorkload(
-            max(1, round(sum(s.num_instances for s in subs) / n)),
-            max(1, round(sum(s.tokens for s in subs) / n)),
+            round(sum(s.num_instances for s in subs) / n), round(sum(s.tokens for s in subs) / n)
         )
     return out
 
@@ -136,6 +137,10 @@ class Comparison:
     sub_sizes: dict[str, int]
     static: list[StaticPipeline]
     search: SearchConfig
+    # DIP's runtime gives each (sender, receiver) pair its own communicator; Megatron's stock
+    # schedules share one per pipeline group.
+    dip_channel: ChannelFn = per_peer_channel
+    placement_scores: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(
@@ -165,9 +170,11 @@ class Comparison:
         sub_sizes = {}
         for m in model.modules:
             if m.kind is not ModuleKind.LLM:
-                per = max(1, workload[m.name].tokens // workload[m.name].instances)
+                per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
                 sub_sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
-        placement, _ = build_dip_placement(model, cost_model, num_ranks=p, workload=workload)
+        rule, _ = build_dip_placement(
+            model, cost_model, num_ranks=p, workload=workload, unit_instances=sub_sizes
+        )
         static = [
             stock_pipeline(model, cost_model, num_ranks=p, num_model_chunks=1, workload=workload),
             stock_pipeline(model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload),
@@ -178,7 +185,33 @@ class Comparison:
                 model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload, by="cost"
             ),
         ]
-        return cls(setup, cost_model, device, limits, placement, sub_sizes, static, search)
+        cmp = cls(setup, cost_model, device, limits, rule, sub_sizes, static, search)
+        cmp.dip_placement, _, cmp.placement_scores = choose_dip_placement(
+            model,
+            cost_model,
+            num_ranks=p,
+            workload=workload,
+            unit_instances=sub_sizes,
+            evaluate=functools.partial(cmp.score_placement, calibration[:2]),
+        )
+        return cmp
+
+    def score_placement(self, batches: Sequence[BatchMeta], placement: Placement) -> float:
+        """Mean simulated iteration time of greedy DIP plans of `batches` under `placement`
+        (a plan whose activations do not fit counts double)."""
+        trial = dataclasses.replace(self, dip_placement=placement)
+        planner = trial.planner(use_search=False)
+        limits = trial.memory(placement)
+        times = []
+        for b in batches:
+            samples = planner.replica_samples(b)[0]
+            works = planner.microbatches(samples)
+            totals = _totals(self.setup.model, b, works, self.setup.data_parallel)
+            plan = planner.plan_replica(works, iteration=b.iteration, replica=0, totals=totals).plan
+            sim = simulate(plan, self.cost_model, channel=self.dip_channel)
+            fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
+            times.append(sim.iteration_time * (1 if fits else 2))
+        return sum(times) / len(times)
 
     def memory(self, placement: Placement) -> list[float]:
         return activation_limits(
@@ -286,7 +319,7 @@ class Comparison:
             started = time.perf_counter()
             rp = planner.plan_replica(works, iteration=iteration, replica=0, totals=totals)
             seconds = time.perf_counter() - started
-            sim = simulate(rp.plan, self.cost_model)
+            sim = simulate(rp.plan, self.cost_model, channel=self.dip_channel)
             fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
             o = Outcome(name, sim, fits, "per-chunk" if mode is None else mode.value, seconds)
             if best is None or (o.fits, -o.sim.iteration_time) > (

@@ -70,10 +70,12 @@ class ReplicaPlan:
 
 
 def sample_loss_tokens(meta: SampleMeta, model: MultimodalSpec) -> int:
-    """Tokens of a sample that carry a loss (text tokens for an LLM, latent tokens for a DiT)."""
-    if model.loss_module.kind is ModuleKind.LLM:
-        return meta.text_tokens - sum(meta.llm_tokens)
-    return sum(meta.vision_tokens)
+    """Tokens of a sample that carry a loss, as the models count them: `meta.loss_tokens`.
+
+    The data side computes it (LLM next-token targets, DiT latent tokens); `model` is unused and
+    kept for the callers.
+    """
+    return meta.loss_tokens
 
 
 class DipPlanner:

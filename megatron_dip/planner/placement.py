@@ -8,6 +8,7 @@ rank c mod P. Layer counts are balanced by cost, the embedding / projector / out
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -47,8 +48,10 @@ def segments_per_module(
     per_sample_time: Mapping[str, float],
     *,
     override: Mapping[str, int] | None = None,
+    cap: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
-    """K_i = floor(T_i / T_min) for every module, unless `override` names it."""
+    """K_i = floor(T_i / T_min) for every module, at most `cap[i]`, unless `override` names it.
+    Modules without work (T_i = 0, e.g. a ViT on text-only data) get one segment."""
     override = dict(override or {})
     unknown = set(override) - {m.name for m in model.modules}
     if unknown:
@@ -56,13 +59,14 @@ def segments_per_module(
             f"--dip-segments names unknown module(s) {sorted(unknown)}; "
             f"the model has {[m.name for m in model.modules]}"
         )
-    t_min = min(per_sample_time[m.name] for m in model.modules)
-    if t_min <= 0:
-        raise ValueError(f"per-sample module times must be positive, got {dict(per_sample_time)}")
-    return {
-        m.name: override.get(m.name, max(1, math.floor(per_sample_time[m.name] / t_min + 1e-9)))
-        for m in model.modules
-    }
+    busy = [per_sample_time[m.name] for m in model.modules if per_sample_time[m.name] > 0]
+    t_min = min(busy, default=1.0)
+    cap = dict(cap or {})
+    out = {}
+    for m in model.modules:
+        k = max(1, math.floor(per_sample_time[m.name] / t_min + 1e-9))
+        out[m.name] = override.get(m.name, min(k, cap.get(m.name, k)))
+    return out
 
 
 def balanced_layer_split(
@@ -114,8 +118,25 @@ class PlacementReport:
         return "\n".join(lines)
 
 
-def _representative_sub(module: ModuleSpec, work: ModuleWorkload) -> SubMicrobatch:
-    return SubMicrobatch(module.name, 0, 0, 0, max(1, work.instances), work.tokens, work.tokens)
+def representative_sub(module: str, work: ModuleWorkload) -> SubMicrobatch:
+    """A sub-microbatch of the workload's size (costs placements and static splits)."""
+    tokens = max(1, work.tokens)  # a module without work still splits by its weights' cost
+    return SubMicrobatch(module, 0, 0, 0, max(1, work.instances), tokens, tokens)
+
+
+def unit_time(
+    cost_model,
+    module: str,
+    work: ModuleWorkload,
+    unit_instances: int | None,
+) -> float:
+    """Time of one unit of work of a module: a sub-microbatch of `unit_instances` instances of the
+    average size (the whole average microbatch when None)."""
+    if work.instances <= 0 or work.tokens <= 0:
+        return 0.0
+    n = work.instances if unit_instances is None else min(work.instances, unit_instances)
+    tokens = max(1, round(work.tokens * n / work.instances))
+    return cost_model.module_time(module, instances=n, tokens=tokens)
 
 
 def build_dip_placement(
@@ -125,16 +146,21 @@ def build_dip_placement(
     num_ranks: int,
     workload: Mapping[str, ModuleWorkload],
     segments: Mapping[str, int] | None = None,
+    unit_instances: Mapping[str, int] | None = None,
 ) -> tuple[Placement, PlacementReport]:
-    """DIP's separated, interleaved placement of every module over all `num_ranks` ranks."""
+    """DIP's separated, interleaved placement of every module over all `num_ranks` ranks.
+
+    K_i = floor(T_i / T_min) where T_i is the time of one unit of module i's work: a
+    sub-microbatch of `unit_instances[i]` instances (the LLM's unit is its packed sequence), so
+    each module's chunks take about the same time per unit. `segments` overrides K_i.
+    """
+    units = dict(unit_instances or {})
     per_sample = {
-        m.name: cost_model.module_time(
-            m.name, instances=workload[m.name].instances, tokens=workload[m.name].tokens
-        )
-        / max(1, workload[m.name].instances)
+        m.name: unit_time(cost_model, m.name, workload[m.name], units.get(m.name))
         for m in model.modules
     }
-    k = segments_per_module(model, per_sample, override=segments)
+    caps = {m.name: max(1, m.num_layers // num_ranks) for m in model.modules}
+    k = segments_per_module(model, per_sample, override=segments, cap=caps)
     layouts = []
     for m in model.modules:
         n_chunks = num_ranks * k[m.name]
@@ -144,7 +170,7 @@ def build_dip_placement(
                 f"{k[m.name]} segment(s) over {num_ranks} pipeline ranks; lower "
                 "--pipeline-model-parallel-size or --dip-segments"
             )
-        sub = _representative_sub(m, workload[m.name])
+        sub = representative_sub(m.name, workload[m.name])
 
         def cost(
             i: int, start: int, end: int, m: ModuleSpec = m, sub: SubMicrobatch = sub
@@ -171,10 +197,66 @@ def placement_report(
     acts = [0] * placement.num_ranks
     for layout in placement.modules:
         work = workload[layout.name]
-        sub = SubMicrobatch(layout.name, 0, 0, 0, max(1, work.instances), work.tokens, work.tokens)
+        sub = representative_sub(layout.name, work)
         for c in layout.chunks:
             params[c.rank] += cost_model.chunk_params(c)
             if layout.trainable:
                 acts[c.rank] += cost_model.stage_cost(c, sub).activation_bytes
     seg = dict(segments or {m.name: m.num_chunks // placement.num_ranks for m in placement.modules})
     return PlacementReport(tuple(params), tuple(acts), seg)
+
+
+def segment_candidates(
+    model: MultimodalSpec, base: Mapping[str, int], *, num_ranks: int
+) -> list[dict[str, int]]:
+    """Segment counts worth evaluating: the latency rule's answer first, then each module's
+    count among {1, 2, 4, K_i, 2 K_i} (capped by its layers), in a deterministic order."""
+    options = []
+    for m in model.modules:
+        cap = max(1, m.num_layers // num_ranks)
+        options.append(sorted({min(cap, k) for k in (1, 2, 4, base[m.name], 2 * base[m.name])}))
+    out = [dict(base)]
+    for combo in itertools.product(*options):
+        cand = dict(zip((m.name for m in model.modules), combo))
+        if cand not in out:
+            out.append(cand)
+    return out
+
+
+def choose_dip_placement(
+    model: MultimodalSpec,
+    cost_model,
+    *,
+    num_ranks: int,
+    workload: Mapping[str, ModuleWorkload],
+    unit_instances: Mapping[str, int] | None,
+    evaluate: Callable[[Placement], float],
+    segments: Mapping[str, int] | None = None,
+) -> tuple[Placement, PlacementReport, dict[str, float]]:
+    """The placement whose segment counts make `evaluate` (e.g. the simulated iteration time of
+    planned calibration batches) smallest; the latency rule K_i = floor(T_i / T_min) is one of
+    the candidates. An explicit `segments` (--dip-segments) skips the search. Returns the
+    placement, its report and every candidate's score (for the log)."""
+    if segments:
+        placement, report = build_dip_placement(
+            model, cost_model, num_ranks=num_ranks, workload=workload, segments=segments
+        )
+        return placement, report, {}
+    rule, _ = build_dip_placement(
+        model, cost_model, num_ranks=num_ranks, workload=workload, unit_instances=unit_instances
+    )
+    base = {m.name: m.num_chunks // num_ranks for m in rule.modules}
+    scores: dict[str, float] = {}
+    best = None
+    for cand in segment_candidates(model, base, num_ranks=num_ranks):
+        placement, report = build_dip_placement(
+            model, cost_model, num_ranks=num_ranks, workload=workload, segments=cand
+        )
+        score = evaluate(placement)
+        scores[",".join(f"{k}={v}" for k, v in cand.items())] = score
+        # Ties go to fewer chunks: fewer messages on a real network.
+        key = (score, sum(cand.values()))
+        if best is None or key < best[0]:
+            best = (key, placement, report)
+    logger.info("placement candidates (segments -> score): %s", scores)
+    return best[1], best[2], scores

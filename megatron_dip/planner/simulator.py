@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..schedule.engine import ExecutionResult, execute_programs
+from ..schedule.engine import ChannelFn, ExecutionResult, execute_programs, single_channel
 from ..schedule.ir import (
     Backward,
     ChunkSpec,
@@ -175,6 +175,7 @@ def simulate(
     message_latency: float = 0.0,
     post_overhead: float = 0.0,
     memory_limit_bytes: int | None = None,
+    channel: ChannelFn = single_channel,
 ) -> SimResult:
     """Simulate one iteration of `plan` with durations from `cost_model`.
 
@@ -197,6 +198,7 @@ def simulate(
         compute_time=compute_time,
         transfer_time=transfer_time,
         post_overhead=post_overhead,
+        channel=channel,
     )
     iteration = execution.makespan
     busy = tuple(sum(end - start for _, start, end in spans) for spans in execution.spans)

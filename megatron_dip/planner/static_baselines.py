@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..modelspec import MultimodalSpec
-from ..schedule.ir import ChunkSpec, ModuleLayout, Placement, SubMicrobatch
-from .placement import ModuleWorkload, balanced_layer_split
+from ..schedule.ir import ChunkSpec, ModuleLayout, Placement
+from .placement import ModuleWorkload, balanced_layer_split, representative_sub
 
 Units = list[list[list[tuple[str, int]]]]  # [rank][virtual stage] -> (module, chunk) units
 
@@ -39,7 +39,7 @@ def _layer_weights(
     items = []
     for m in model.modules:
         w = workload[m.name]
-        sub = SubMicrobatch(m.name, 0, 0, 0, max(1, w.instances), w.tokens, w.tokens)
+        sub = representative_sub(m.name, w)
         for layer in range(m.num_layers):
             chunk = ChunkSpec(m.name, 0, 0, layer, layer + 1)
             if by == "params":

@@ -37,6 +37,7 @@ class _Batch:
     rank: int
     first: int  # index of the first instruction of the batch
     ops: list[Send | Recv]
+    channel: object = 0
     post: float | None = None
     start: float | None = None
     complete: float | None = None
@@ -58,10 +59,27 @@ class ExecutionResult:
         return max(self.finish, default=0.0)
 
 
-def _split_batches(program: Program) -> tuple[list[_Batch], dict[int, int]]:
-    """Maximal runs of consecutive Send/Recv; map first instruction index -> batch index."""
+ChannelFn = Callable[[int, "Send | Recv"], object]
+
+
+def single_channel(rank: int, op: Send | Recv) -> object:
+    """All point-to-point operations of a rank share one ordered stream (one NCCL communicator
+    for the pipeline group, as Megatron-Core uses)."""
+    return 0
+
+
+def per_peer_channel(rank: int, op: Send | Recv) -> object:
+    """One ordered stream per (sender, receiver) pair: a 2-rank communicator per direction."""
+    return ("send", op.peer) if isinstance(op, Send) else ("recv", op.peer)
+
+
+def _split_batches(
+    program: Program, channel: ChannelFn
+) -> tuple[list[_Batch], dict[int, list[int]]]:
+    """Maximal runs of consecutive Send/Recv, split by channel; first instruction index of a run
+    -> the batches it posts."""
     batches: list[_Batch] = []
-    first_of: dict[int, int] = {}
+    first_of: dict[int, list[int]] = {}
     instrs = program.instructions
     i = 0
     while i < len(instrs):
@@ -69,8 +87,13 @@ def _split_batches(program: Program) -> tuple[list[_Batch], dict[int, int]]:
             j = i
             while j < len(instrs) and isinstance(instrs[j], (Send, Recv)):
                 j += 1
-            first_of[i] = len(batches)
-            batches.append(_Batch(program.rank, i, list(instrs[i:j])))
+            by_channel: dict[object, list[Send | Recv]] = {}
+            for op in instrs[i:j]:
+                by_channel.setdefault(channel(program.rank, op), []).append(op)
+            first_of[i] = []
+            for ch, ops in by_channel.items():
+                first_of[i].append(len(batches))
+                batches.append(_Batch(program.rank, i, ops, ch))
             i = j
         else:
             i += 1
@@ -84,6 +107,7 @@ class _Machine:
         compute_time: ComputeTime,
         transfer_time: TransferTime,
         post_overhead: float,
+        channel: ChannelFn,
     ) -> None:
         self.programs = programs
         self.compute_time = compute_time
@@ -92,14 +116,21 @@ class _Machine:
         n = len(programs)
         self.pc = [0] * n
         self.clock = [0.0] * n
-        self.active = [0] * n  # first batch of each rank that has not completed
         self.batches: list[list[_Batch]] = []
-        self.first_of: list[dict[int, int]] = []
+        self.first_of: list[dict[int, list[int]]] = []
+        # Per rank and channel: the batch indices in order, and the first not yet completed.
+        self.queues: list[dict[object, list[int]]] = []
+        self.active: list[dict[object, int]] = []
         self.where: dict[tuple[bool, MessageKey], tuple[int, int]] = {}
         for p in programs:
-            b, f = _split_batches(p)
+            b, f = _split_batches(p, channel)
             self.batches.append(b)
             self.first_of.append(f)
+            queues: dict[object, list[int]] = {}
+            for bi, batch in enumerate(b):
+                queues.setdefault(batch.channel, []).append(bi)
+            self.queues.append(queues)
+            self.active.append(dict.fromkeys(queues, 0))
             for bi, batch in enumerate(b):
                 for op in batch.ops:
                     slot = (isinstance(op, Send), op.key)
@@ -149,10 +180,11 @@ class _Machine:
                 self.spans[r].append((self.pc[r], start, self.clock[r]))
                 self.pc[r] += 1
             elif isinstance(ins, (Send, Recv)):
-                batch = self.batches[r][self.first_of[r][self.pc[r]]]
+                posted = [self.batches[r][bi] for bi in self.first_of[r][self.pc[r]]]
                 self.clock[r] += self.post_overhead
-                batch.post = self.clock[r]
-                self.pc[r] += len(batch.ops)
+                for batch in posted:
+                    batch.post = self.clock[r]
+                self.pc[r] += sum(len(b.ops) for b in posted)
             elif isinstance(ins, Wait):
                 done = self._wait_time(r, ins)
                 if done is None:
@@ -191,13 +223,20 @@ class _Machine:
 
     def resolve(self, r: int) -> bool:
         moved = False
+        for ch, queue in self.queues[r].items():
+            moved |= self._resolve_channel(r, ch, queue)
+        return moved
+
+    def _resolve_channel(self, r: int, ch: object, queue: list[int]) -> bool:
+        moved = False
         batches = self.batches[r]
-        while self.active[r] < len(batches):
-            b = batches[self.active[r]]
+        while self.active[r][ch] < len(queue):
+            k = self.active[r][ch]
+            b = batches[queue[k]]
             if b.start is None:
                 if b.post is None:
                     return moved
-                prev = batches[self.active[r] - 1].complete if self.active[r] else 0.0
+                prev = batches[queue[k - 1]].complete if k else 0.0
                 b.start = max(b.post, prev or 0.0)
                 moved = True
             for op in b.ops:
@@ -218,7 +257,7 @@ class _Machine:
             if len(b.op_complete) < len(b.ops):
                 return moved
             b.complete = max(b.op_complete.values())
-            self.active[r] += 1
+            self.active[r][ch] += 1
             moved = True
         return moved
 
@@ -237,7 +276,7 @@ class _Machine:
             r
             for r in range(n)
             if self.pc[r] < len(self.programs[r].instructions)
-            or self.active[r] < len(self.batches[r])
+            or any(self.active[r][ch] < len(q) for ch, q in self.queues[r].items())
         ]
         if unfinished:
             raise DeadlockError([self._describe_blocked(r) for r in unfinished])
@@ -252,22 +291,28 @@ class _Machine:
             where = f"rank {r} blocked at instruction {self.pc[r]} ({_short(instrs[self.pc[r]])})"
         else:
             where = f"rank {r} at end of program"
-        if self.active[r] < len(self.batches[r]):
-            b = self.batches[r][self.active[r]]
-            if b.start is None:
-                return f"{where}; its batch at instruction {b.first} is not posted yet"
-            pending = []
-            for op in b.ops:
-                if (isinstance(op, Send), op.key) in b.op_complete:
-                    continue
-                peer_rank, peer_bi = self.where[(not isinstance(op, Send), op.key)]
-                peer_first = self.batches[peer_rank][peer_bi].first
-                pending.append(
-                    f"{_short(op)} (instruction {b.first + b.ops.index(op)}) waits for rank "
-                    f"{peer_rank}'s batch at instruction {peer_first}"
-                )
-            return f"{where}; pending: " + "; ".join(pending)
-        return where
+        parts = []
+        for ch, queue in self.queues[r].items():
+            if self.active[r][ch] < len(queue):
+                parts.append(self._describe_batch(r, self.batches[r][queue[self.active[r][ch]]]))
+        return "; ".join([where, *parts])
+
+    def _describe_batch(self, r: int, b: _Batch) -> str:
+        if b.start is None:
+            return f"its batch at instruction {b.first} is not posted yet"
+        pending = []
+        instrs = self.programs[r].instructions
+        for op in b.ops:
+            if (isinstance(op, Send), op.key) in b.op_complete:
+                continue
+            peer_rank, peer_bi = self.where[(not isinstance(op, Send), op.key)]
+            peer_first = self.batches[peer_rank][peer_bi].first
+            index = next(i for i in range(b.first, len(instrs)) if instrs[i] is op)
+            pending.append(
+                f"{_short(op)} (instruction {index}) waits for rank "
+                f"{peer_rank}'s batch at instruction {peer_first}"
+            )
+        return "pending: " + "; ".join(pending)
 
 
 def _short(ins: Instruction) -> str:
@@ -288,8 +333,13 @@ def execute_programs(
     compute_time: ComputeTime | None = None,
     transfer_time: TransferTime | None = None,
     post_overhead: float = 0.0,
+    channel: ChannelFn = single_channel,
 ) -> ExecutionResult:
     """Run `programs` on the abstract machine and return their timing.
+
+    `channel` maps each operation to the ordered stream it travels on (`single_channel`: one
+    per rank, Megatron-Core's single pipeline communicator; `per_peer_channel`: one per sender and
+    receiver pair). Batches of one channel start in order.
 
     Raises `DeadlockError` when the programs cannot finish, `PlanError` when a message has no
     matching counterpart or a wait names a message the rank never posted.
@@ -299,5 +349,6 @@ def execute_programs(
         compute_time or (lambda r, i: 0.0),
         transfer_time or (lambda s: 0.0),
         post_overhead,
+        channel,
     )
     return machine.run()
