@@ -20,9 +20,7 @@ Differences handled here (feature-detected, not version-compared, where the API 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
-import inspect
 import logging
 import sys
 import types
@@ -87,6 +85,8 @@ install_triton_stand_in()
 
 def megatron_core_version() -> tuple[int, ...]:
     """The installed megatron-core version as a tuple of ints, e.g. (0, 16, 1)."""
+    import importlib.metadata  # local: ~15 ms, and importing this module must stay cheap
+
     try:
         text = importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
@@ -131,6 +131,8 @@ def get_forward_backward_func(
     *, pp_size: int | None = None, vp_size: int | None = None, schedule_pg_collection: Any = None
 ) -> Any:
     """Megatron's schedule selector; `schedule_pg_collection` is passed only where supported."""
+    import inspect
+
     from megatron.core.pipeline_parallel import schedules
 
     params = inspect.signature(schedules.get_forward_backward_func).parameters
@@ -154,6 +156,8 @@ def backward_step(
     model_type: Any = None,
 ) -> Any:
     """Megatron's `backward_step`; `model_type` (0.16 only) defaults to encoder_or_decoder."""
+    import inspect
+
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 
@@ -169,6 +170,18 @@ def test_layer_backend_without_transformer_engine():
     assert backend.column_linear is ColumnParallelLinear
     spec = backend.gpt_layer_spec(normalization="RMSNorm")
     assert spec.submodules.self_attention is not None
+
+
+def test_package_import_installs_compat_first_and_stays_light():
+    """`import megatron_dip` runs megatron_compat (so the triton stand-in precedes any
+    `import megatron.core`), without importing torch or megatron."""
+    code = (
+        "import sys, megatron_dip\n"
+        "assert 'megatron_dip.megatron_compat' in sys.modules\n"
+        "heavy = sorted(m for m in ('torch', 'megatron', 'numpy') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_triton_stand_in_only_when_triton_is_missing(monkeypatch, tmp_path):

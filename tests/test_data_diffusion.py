@@ -44,7 +44,8 @@ def test_round_trip_of_synthetic_clips(tmp_path):
         assert s.images[0].dtype == np.float32 and s.labels_mask is None
         t = clip.images[0].shape[0]
         tokens = sample_meta(clip, model=MODEL).vision_tokens
-        assert ds.meta(i) == SampleMeta(i, len(caption) + 2, tokens, (0,), (t,))
+        expected = SampleMeta(i, len(caption) + 2, tokens, (0,), (t,), loss_tokens=tokens[0])
+        assert ds.meta(i) == expected
         assert ds.record_id(i) == f"c{i}"
 
 

@@ -65,6 +65,7 @@ def test_tiny_sample_round_trips(tiny):
         assert TOK.decode(s.text) == prompt.replace("<image>", "") + "\n" + caption
         assert TOK.decode(s.text[s.labels_mask == 1]) == caption
         assert s.text[s.labels_mask == 1][-1] == TOK.eos_id
+        assert ds.meta(i).loss_tokens == len(TOK.encode(caption)) + 1  # the caption and EOS
         (image,) = s.images
         with Image.open(tiny.parent / record["image"]) as im:
             w, h = im.size

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_dip.data.meta import clip_tokens, image_tokens, sample_meta
-from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta
+from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta, loss_targets
 from megatron_dip.modelspec import PAPER_SETUPS, tiny_t2v, tiny_vlm
 
 VLM = tiny_vlm()  # ViT patch 8, merge 2 -> images in multiples of 16 pixels
@@ -32,8 +32,26 @@ def test_paper_vit_image_is_169_llm_tokens():
 def test_vlm_meta_counts_patches_and_merged_tokens():
     s = _vlm_sample(sizes=((32, 48), (16, 16)))
     meta = sample_meta(s, model=VLM)
-    assert meta == SampleMeta(7, s.text.size, (4 * 6, 2 * 2), (6, 1))
+    # 11 words, 7 placeholders; every word but the first is a target
+    assert meta == SampleMeta(7, 18, (4 * 6, 2 * 2), (6, 1), loss_tokens=10)
     assert meta.num_instances == 2
+
+
+def test_loss_tokens_count_labelled_targets_never_the_first_token_or_placeholders():
+    """labels_mask[j] = 1: token j is predicted (by position j - 1); see data/sample.py."""
+    text = np.array([IMAGE_TOKEN] * 6 + [5, 6, 7, 8, 9], dtype=np.int64)
+    image = [np.zeros((3, 32, 48), np.float32)]
+    assert sample_meta(Sample(1, text, image), model=VLM).loss_tokens == 5  # image first
+    mask = np.array([0] * 6 + [0, 0, 1, 1, 1], dtype=np.uint8)  # a 2-token prompt
+    assert sample_meta(Sample(1, text, image, mask), model=VLM).loss_tokens == 3
+    words = np.array([5, 6, 7], dtype=np.int64)
+    assert sample_meta(Sample(2, words, []), model=VLM).loss_tokens == 2  # first is no target
+    first_labelled = np.array([1, 0, 1], dtype=np.uint8)
+    assert sample_meta(Sample(2, words, [], first_labelled), model=VLM).loss_tokens == 1
+    np.testing.assert_array_equal(loss_targets(words, first_labelled), [False, False, True])
+    # Hand-built metadata gets an estimate; the data side always sets the exact count.
+    assert SampleMeta(3, 20, (24,), (6,)).loss_tokens == 13
+    assert SampleMeta(3, 20, (60,), (0,), (5,)).loss_tokens == 60
 
 
 def test_adjacent_images_share_one_placeholder_run():
@@ -45,7 +63,7 @@ def test_adjacent_images_share_one_placeholder_run():
 def test_diffusion_meta_counts_latent_tokens_and_frames():
     clip = np.zeros((5, 4, 6, 8), np.float32)
     meta = sample_meta(Sample(2, np.array([9, 10, 11]), [clip]), model=T2V)
-    assert meta == SampleMeta(2, 3, (5 * 3 * 4,), (0,), (5,))
+    assert meta == SampleMeta(2, 3, (5 * 3 * 4,), (0,), (5,), loss_tokens=60)
     assert clip_tokens(frames=5, height=6, width=8, dit=T2V.module("dit")) == 60
 
 

@@ -15,6 +15,7 @@ from megatron_dip.data.synthetic import (
     generate_samples,
     get_mixture,
 )
+from megatron_dip.models.layout import loss_tokens_of
 from megatron_dip.modelspec import DIT_5B, PAPER_SETUPS, tiny_t2v, tiny_vlm
 
 PAPER_VLM = PAPER_SETUPS["vlm-s"].model
@@ -30,6 +31,8 @@ def test_samples_have_exactly_the_metadata_the_planner_sees(name):
     metas = generate_meta(name, **kwargs)
     assert [sample_meta(s, model=model) for s in samples] == metas
     assert [m.sample_id for m in metas] == list(range(1000, 1040))
+    # loss_tokens (part of the equality above) is what the models count as loss tokens.
+    assert [m.loss_tokens for m in metas] == [loss_tokens_of(model, [s]) for s in samples]
     vocab = 128
     for s in samples:
         words = s.text[s.text != IMAGE_TOKEN]
@@ -73,6 +76,19 @@ def test_obelics_documents_interleave_text_and_images():
     )
     runs = np.flatnonzero(np.diff((s.text == IMAGE_TOKEN).astype(int)) == 1)
     assert len(runs) == len(s.images)  # separate runs: text between images
+
+
+def test_interleaved_documents_open_with_an_image_as_often_as_uniform_positions_say():
+    """Whether a document's first token is an image (then no word is lost as a loss target)
+    comes from the metadata stream: P = images / words, as for uniform distinct positions."""
+    kwargs = {"model": tiny_vlm(), "num_samples": 300, "seed": 2, "scale": 1 / 16}
+    samples = generate_samples("obelics", **kwargs)
+    metas = generate_meta("obelics", **kwargs)
+    opens = np.array([s.text[0] == IMAGE_TOKEN for s in samples])
+    words = np.array([(s.text != IMAGE_TOKEN).sum() for s in samples])
+    assert [m.loss_tokens for m in metas] == (words - ~opens).tolist()
+    expected = sum(len(s.images) / w for s, w in zip(samples, words))
+    assert opens.sum() > 0 and abs(opens.sum() - expected) < 4 * np.sqrt(expected) + 1
 
 
 def test_text_only_has_no_images():

@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_dip.data.packing import pack_microbatches
 from megatron_dip.data.sample import IMAGE_TOKEN, Sample
+from megatron_dip.data.synthetic import generate_meta, generate_samples, get_mixture
 from megatron_dip.models import ModelConfig, cross_module_dependencies, message_tensors
 from megatron_dip.models.chunk import ModelGroups, build_module_chunks
 from megatron_dip.models.init import global_param_name
 from megatron_dip.models.inputs import build_sub_batch, patchify_clip, unpatchify_clip
-from megatron_dip.models.layout import split_submicrobatches
+from megatron_dip.models.layout import loss_tokens_of, split_submicrobatches
 from megatron_dip.models.reference import (
     LocalPipeline,
     MessageMismatchError,
@@ -32,16 +35,6 @@ SEQ = 64
 CFG = ModelConfig(dtype="float64", adaln_zero=False, seed=7)
 VLM_RANGES = {"vit": [(0, 3), (3, 5), (5, 8)], "llm": [(0, 3), (3, 3), (3, 8)]}
 T2V_RANGES = {"text": [(0, 3), (3, 8)], "dit": [(0, 3), (3, 5), (5, 8)]}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and spinning OpenMP threads make them
-    10x slower when the two cores are shared with other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -159,6 +152,57 @@ def test_global_param_name_maps_local_layers(groups):
     )
     assert (fc1.tensor_model_parallel, fc1.partition_dim) == (True, 0)
     assert (proj.tensor_model_parallel, proj.partition_dim) == (True, 1)
+
+
+class _TensorParallelRank:
+    """Rank `rank` of a tensor-parallel group of `size` as the layers see it when built (they
+    only ask for size and rank then): shards are built without starting `size` processes."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _params(model, groups, tp):
+    chunks = [
+        c
+        for m in model.modules
+        for c in build_module_chunks(
+            model, m.name, [(0, 3), (3, m.num_layers)], config=CFG, groups=replace(groups, tp=tp)
+        )
+    ]
+    return {global_param_name(c, n): p for c in chunks for n, p in c.named_parameters()}
+
+
+@pytest.mark.parametrize("make_model", [tiny_vlm, tiny_t2v], ids=["vlm", "t2v"])
+def test_tensor_parallel_shards_are_cut_from_the_tp1_weights(groups, make_model):
+    """TP=2 starts from the TP=1 weights: every Column/RowParallelLinear and VocabParallel-
+    Embedding parameter is marked tensor-parallel and holds its slice of the full draw."""
+    model = make_model()
+    full = _params(model, groups, groups.tp)
+    shards = [_params(model, groups, _TensorParallelRank(r, 2)) for r in range(2)]
+    split = 0
+    for name, whole in full.items():
+        parts = [s[name] for s in shards]
+        if parts[0].shape == whole.shape:
+            assert all(torch.equal(p, whole) for p in parts), name
+            continue
+        split += 1
+        dim = parts[0].partition_dim
+        assert all(p.tensor_model_parallel and p.partition_dim == dim for p in parts), name
+        if model.module(name.split(".")[0]).layer.gated_mlp and "linear_fc1." in name:
+            # Megatron's gated fc1 holds [gate shard; up shard] on each rank.
+            halves = [torch.chunk(p, 2, dim=dim) for p in parts]
+            rebuilt = torch.cat([halves[0][0], halves[1][0], halves[0][1], halves[1][1]], dim)
+        else:
+            rebuilt = torch.cat(parts, dim=dim)
+        torch.testing.assert_close(rebuilt, whole, rtol=0, atol=0, msg=name)
+    assert split > 20
 
 
 def _vlm_chunks(groups):
@@ -361,3 +405,37 @@ def test_sub_batch_refuses_token_counts_of_other_data():
         build_sub_batch(
             model, samples, SubMicrobatch("vit", 0, 0, 0, 3, 99, 99), seq_length=SEQ, seed=0
         )
+
+
+def test_tests_run_on_one_torch_thread():
+    """conftest.py pins one intra-op thread (contention on shared cores made tests 30x slower)."""
+    assert torch.get_num_threads() == 1
+
+
+_T2V = get_mixture("t2v")
+SHORT_T2V = replace(_T2V, sources=tuple(replace(s, seconds=(0.2, 0.6)) for s in _T2V.sources))
+
+
+@pytest.mark.parametrize(
+    ("make_model", "mixture", "sizes"),
+    [(tiny_vlm, "mixed", {"vit": 2}), (tiny_t2v, SHORT_T2V, {"text": 2, "dit": 2})],
+    ids=["vlm", "t2v"],
+)
+def test_metadata_loss_tokens_are_what_the_loss_chunk_counts(groups, make_model, mixture, sizes):
+    """SampleMeta.loss_tokens summed over a microbatch == the loss chunk's "num_tokens"."""
+    model, seq = make_model(), 256
+    kwargs = {"model": model, "num_samples": 12, "seed": 4, "scale": 1 / 32}
+    samples = {s.sample_id: s for s in generate_samples(mixture, **kwargs)}
+    metas = generate_meta(mixture, **kwargs)
+    packing = pack_microbatches(metas, seq_length=seq, max_instances_per_microbatch=8)
+    pipe = LocalPipeline.build(model, config=CFG, groups=groups, seq_length=seq, seed=0)
+    lost = 0
+    with torch.no_grad():
+        for i, mb in enumerate(packing):
+            batch = [samples[m.sample_id] for m in mb.samples]
+            _, _, num_tokens = pipe.forward(batch, microbatch=i, sizes=sizes)
+            assert int(num_tokens) == sum(m.loss_tokens for m in mb.samples)
+            assert int(num_tokens) == loss_tokens_of(model, batch)
+            lost += sum(m.text_tokens - sum(m.llm_tokens) - m.loss_tokens for m in mb.samples)
+    if mixture == "mixed":  # the old estimate (text minus placeholders) was off
+        assert lost > 0

@@ -20,7 +20,7 @@ from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.executor import Executor, ExecutorConfig, check_handlers
 from megatron_dip.runtime.gradsync import grad_sync_points
 from megatron_dip.runtime.loss import LossConfig, loss_weight
-from megatron_dip.runtime.p2p import MessageError, PipelineP2P, check_channel_order
+from megatron_dip.runtime.p2p import MessageError, PipelineP2P
 from megatron_dip.runtime.recompute import run_chunk
 from megatron_dip.runtime.stock import pack_message, unpack_message
 from megatron_dip.schedule import (
@@ -34,7 +34,6 @@ from megatron_dip.schedule import (
     PlanError,
     Program,
     Recompute,
-    Recv,
     Send,
     StageId,
     TensorSpec,
@@ -43,15 +42,6 @@ from megatron_dip.schedule import (
 )
 
 SIZES = {"vlm": {"vit": 2}, "t2v": {"text": 2, "dit": 2}}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny fp64 ops: OpenMP threads only contend (100x slower when another process runs).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +135,25 @@ def _key(kind: MessageKind, chunk: int, mb: int) -> MessageKey:
     return MessageKey(kind, StageId("m", chunk, mb), StageId("m", chunk + 1, mb))
 
 
-def test_channel_order_must_agree_on_both_ends():
-    a, b = _key(MessageKind.ACTIVATION, 0, 0), _key(MessageKind.GRADIENT, 0, 1)
-    spec = (TensorSpec("hidden", (2,)),)
-    sender = Program(0, (Send(a, 1, spec), Send(b, 1, spec), Wait((a, b))))
-    check_channel_order([sender, Program(1, (Recv(a, 0, spec), Recv(b, 0, spec), Wait((a, b))))])
-    swapped = Program(1, (Recv(b, 0, spec), Wait((b,)), Recv(a, 0, spec), Wait((a,))))
-    with pytest.raises(MessageError, match=r"rank 0 -> rank 1: message 0 sent is act:m0\[mb0.0\]"):
-        check_channel_order([sender, swapped])
+def test_runtime_refuses_crossed_channel_order_even_without_validation():
+    """The runtime's pre-run checks use `schedule.validate.check_channel_order` (no own copy)."""
+    from test_validate import crossed_sends_plan
+
+    from megatron_dip.runtime.checks import check_before_run
+
+    plan = crossed_sends_plan()
+    chunk = torch.nn.Module()
+    chunk.chunk = plan.placement.chunks_on_rank(1)[0]
+    with pytest.raises(PlanError, match=r"channel rank 0 -> rank 1: message 0 .* act:model0\[mb0"):
+        check_before_run(
+            plan=plan,
+            placement=plan.placement,
+            rank=1,
+            num_ranks=2,
+            chunks={("model", 1): chunk},
+            tensor_fn=None,
+            validate=False,
+        )
 
 
 def test_outgoing_tensors_are_checked_before_anything_is_posted(groups):

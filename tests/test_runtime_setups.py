@@ -21,7 +21,6 @@ from megatron_dip.data.synthetic import MixtureSpec, SourceSpec, generate_sample
 from megatron_dip.models import ModelConfig, cross_module_dependencies, message_tensors
 from megatron_dip.models.layout import split_submicrobatches
 from megatron_dip.modelspec import MultimodalSpec, tiny_t2v, tiny_vlm
-from megatron_dip.runtime.data import loss_tokens_of
 from megatron_dip.schedule import (
     BatchTotals,
     ChunkSpec,
@@ -102,14 +101,8 @@ def _tensors(model, table, key):
 
 
 def loss_tokens(model: MultimodalSpec, microbatches: Sequence[Sequence[Sample]]) -> int:
-    from megatron_dip.models.inputs import build_sub_batch
-
-    total = 0
-    for i, mb in enumerate(microbatches):
-        for sub in split_submicrobatches(model, mb, microbatch=i, seq_length=SEQ):
-            if sub.module == model.loss_module.name:
-                total += loss_tokens_of(build_sub_batch(model, mb, sub, seq_length=SEQ, seed=SEED))
-    return total
+    """From the metadata, as the planner counts (the executor checks each chunk's count)."""
+    return sum(sample_meta(model, s).loss_tokens for mb in microbatches for s in mb)
 
 
 def make_batch(

@@ -67,37 +67,9 @@ def pick(groups: Sequence[dist.ProcessGroup | None]) -> dist.ProcessGroup:
     return next(g for g in groups if g is not None)
 
 
-def mark_tensor_parallel(chunk: torch.nn.Module) -> int:
-    """Work-around (reported to the models package): with `perform_initialization=False`
-    Megatron never sets the tensor-parallel attributes of Column/RowParallelLinear and
-    VocabParallelEmbedding weights, so `init_chunk_parameters` drew TP shards as if they were
-    whole tensors. Mark them and initialise again; returns how many weights were marked."""
-    from megatron.core.tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    from megatron_dip.models.init import init_chunk_parameters
-
-    dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
-    marked = 0
-    for module in chunk.modules():
-        weight = getattr(module, "weight", None)
-        dim = next((d for cls, d in dims if isinstance(module, cls)), None)
-        if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
-            continue
-        set_tensor_model_parallel_attributes(weight, True, dim, 1)
-        marked += 1
-    if marked:
-        init_chunk_parameters(chunk)
-    return marked
-
-
 def build_chunks(batch: st.Batch, placement: Placement, groups: Groups) -> list[torch.nn.Module]:
     seed_model_parallel_rng(st.CFG.seed, tp_rank=groups.tp.rank())
-    chunks = [
+    return [
         build_chunk(
             batch.model,
             c,
@@ -107,10 +79,6 @@ def build_chunks(batch: st.Batch, placement: Placement, groups: Groups) -> list[
         )
         for c in placement.chunks_on_rank(groups.pp.rank())
     ]
-    if groups.tp.size() > 1:
-        for c in chunks:
-            mark_tensor_parallel(c)
-    return chunks
 
 
 def grads_of(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:

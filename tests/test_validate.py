@@ -30,7 +30,9 @@ from megatron_dip.schedule import (
     WorkId,
     build_1f1b_plan,
     build_segment_plan,
+    check_channel_order,
     check_plan_matches,
+    execute_programs,
     validate_plan,
 )
 
@@ -395,6 +397,56 @@ def test_hand_built_deadlock_names_ranks_and_instructions():
     # Rank 1's batch at instruction 4 (send grad 0, receive act 1) cannot start either.
     assert "waits for rank 1's batch at instruction 4" in text
     assert "waits for rank 0's batch at instruction 4" in text
+
+
+def crossed_sends_plan(*, crossed: bool = True):
+    """1F1B-like P=2, M=2 by hand: rank 0 posts act 0 then act 1 to rank 1 in one batch; rank 1
+    receives them in the opposite order (`crossed`) or in the same order. The engine matches by
+    message, so it runs either way; NCCL and gloo match by order and would swap the tensors."""
+    r0 = [
+        Forward(st(0, 0)),
+        Forward(st(0, 1)),
+        Send(act(0), 1, HIDDEN),
+        Send(act(1), 1, HIDDEN),
+        Recv(grad(0), 1, HIDDEN),
+        Recv(grad(1), 1, HIDDEN),
+        Wait((act(0), act(1), grad(0), grad(1))),
+        Backward(st(0, 0)),
+        Backward(st(0, 1)),
+    ]
+    first, second = (act(1), act(0)) if crossed else (act(0), act(1))
+    r1 = [
+        Recv(first, 0, HIDDEN),
+        Recv(second, 0, HIDDEN),
+        Wait((act(0), act(1))),
+        Forward(st(1, 0)),
+        Backward(st(1, 0)),
+        Forward(st(1, 1)),
+        Backward(st(1, 1)),
+        Send(grad(0), 0, HIDDEN),
+        Send(grad(1), 0, HIDDEN),
+        Wait((grad(0), grad(1))),
+    ]
+    return replace(base(), programs=(Program(0, tuple(r0)), Program(1, tuple(r1))))
+
+
+def test_channel_order_must_agree_on_both_ends():
+    validate_plan(crossed_sends_plan(crossed=False))
+    plan = crossed_sends_plan()
+    execute_programs(plan.programs)  # no deadlock: only the order check can catch it
+    expected = (
+        "channel rank 0 -> rank 1: message 0 that rank 0 sends is "
+        "act:model0[mb0.0]->model1[mb0.0] (rank 0 instruction 2), but message 0 that rank 1 "
+        "receives is act:model0[mb1.0]->model1[mb1.0] (rank 1 instruction 0)"
+    )
+    with pytest.raises(PlanError, match=re.escape(expected)):
+        validate_plan(plan)
+    with pytest.raises(PlanError, match=re.escape(expected)):
+        check_channel_order(plan.programs)
+    # A channel whose receiving end lacks messages names "nothing" on that side.
+    short = (plan.programs[0], Program(1, ()))
+    with pytest.raises(PlanError, match="message 0 that rank 1 receives is nothing"):
+        check_channel_order(short)
 
 
 def test_check_plan_matches():

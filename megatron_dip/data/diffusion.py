@@ -118,7 +118,8 @@ class LatentDataset(RecordReader):
             raise BadSampleError(f"latent must be floating point, got {dtype}")
         t, _, h, w = shape
         tokens = clip_tokens(frames=t, height=h, width=w, dit=self._dit)
-        return SampleMeta(index, int(self._caption(index).size), (tokens,), (0,), (t,))
+        text = int(self._caption(index).size)
+        return SampleMeta(index, text, (tokens,), (0,), (t,), loss_tokens=tokens)
 
     def _read_sample(self, index: int) -> Sample:
         try:

@@ -29,7 +29,7 @@ from PIL import Image
 
 from megatron_dip.data.meta import image_tokens, model_kind, text_module, vision_module
 from megatron_dip.data.records import BadSampleError, OnBadSample, RecordReader, load_json_list
-from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta
+from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta, loss_targets
 from megatron_dip.data.tokenizer import ByteTokenizer
 from megatron_dip.modelspec import MultimodalSpec
 
@@ -131,8 +131,9 @@ class LlavaDataset(RecordReader):
         counts = [image_tokens(height=h, width=w, vit=self._vit) for h, w in sizes]
         patches = tuple(p for p, _ in counts)
         llm = tuple(t for _, t in counts)
-        text, _ = self._encode(index, list(llm))
-        return SampleMeta(index, int(text.size), patches, llm)
+        text, mask = self._encode(index, list(llm))
+        loss = int(loss_targets(text, mask).sum())
+        return SampleMeta(index, int(text.size), patches, llm, loss_tokens=loss)
 
     def _read_sample(self, index: int) -> Sample:
         sizes = self._sizes(index)

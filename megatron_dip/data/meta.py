@@ -5,6 +5,8 @@ The token arithmetic lives here once, so that generators, readers and the planne
 * VLM image [C, H, W]: ViT patches = (H / patch) * (W / patch); LLM tokens = patches / merge^2
   (H and W must be multiples of patch * merge, so the merge is exact).
 * Diffusion clip [T, C, h, w] (latent): DiT tokens = T * (h / patch) * (w / patch).
+* Loss tokens (`SampleMeta.loss_tokens`): VLM, the next-token targets of `sample.loss_targets`;
+  diffusion, the clip's DiT tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta
+from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta, loss_targets
 from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
 
 ModelKind = Literal["vlm", "diffusion"]
@@ -118,7 +120,10 @@ def _vlm_meta(sample: Sample, text: np.ndarray, vit: ModuleSpec) -> SampleMeta:
         np.asarray(sample.labels_mask)[text == IMAGE_TOKEN]
     ):
         raise ValueError("labels_mask marks image placeholder tokens as loss tokens")
-    return SampleMeta(sample.sample_id, int(text.size), tuple(patches), tuple(llm))
+    loss = int(loss_targets(text, sample.labels_mask).sum())
+    return SampleMeta(
+        sample.sample_id, int(text.size), tuple(patches), tuple(llm), loss_tokens=loss
+    )
 
 
 def _check_placeholders(text: np.ndarray, llm_tokens: list[int]) -> None:
@@ -164,4 +169,6 @@ def _diffusion_meta(sample: Sample, text: np.ndarray, dit: ModuleSpec) -> Sample
         raise ValueError("a caption must not contain IMAGE_TOKEN")
     t, _, h, w = clip.shape
     tokens = clip_tokens(frames=t, height=h, width=w, dit=dit)
-    return SampleMeta(sample.sample_id, int(text.size), (tokens,), (0,), (int(t),))
+    return SampleMeta(
+        sample.sample_id, int(text.size), (tokens,), (0,), (int(t),), loss_tokens=tokens
+    )

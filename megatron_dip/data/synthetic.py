@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Literal
 
@@ -163,9 +163,18 @@ class _Structure:
     instances: np.ndarray
     frames: np.ndarray  # latent frames per clip (diffusion), 1 for still images
     grid: np.ndarray  # index into frame_grids (diffusion)
+    lead: np.ndarray  # VLM: the sample starts with an image (its first token is no target)
 
     def __len__(self) -> int:
         return len(self.source)
+
+    def columns(self) -> list[np.ndarray]:
+        """The arrays, in field order (views, not copies)."""
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def part(self, lo: int, hi: int) -> _Structure:
+        """Samples [lo, hi) of this range."""
+        return _Structure(*(a[lo:hi] for a in self.columns()))
 
 
 def _log_uniform(u: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -192,7 +201,11 @@ def _draw_block(mixture: MixtureSpec, seed: int, block: int) -> _Structure:
     raw_frames = np.maximum(1, np.rint(seconds * mixture.fps)).astype(np.int64)
     frames = np.where(video, 1 + (raw_frames - 1) // mixture.temporal_compression, 1)
     grid = np.floor(rng.random(BLOCK) * len(mixture.frame_grids)).astype(np.int64)
-    return _Structure(source, text, instances, frames, grid)
+    # Whether an interleaved document opens with an image: position 0 is among the n distinct
+    # image positions in [0, text) with probability n / text (drawn last: earlier draws keep).
+    opens = rng.random(BLOCK) * text < instances
+    lead = (instances > 0) & (~interleaved | opens)
+    return _Structure(source, text, instances, frames, grid, lead)
 
 
 def _structure(mixture: MixtureSpec, seed: int, start: int, stop: int) -> _Structure:
@@ -203,11 +216,11 @@ def _structure(mixture: MixtureSpec, seed: int, start: int, stop: int) -> _Struc
     for block in range(start // BLOCK, (stop - 1) // BLOCK + 1 if stop > start else 0):
         lo = max(start, block * BLOCK) - block * BLOCK
         hi = min(stop, (block + 1) * BLOCK) - block * BLOCK
-        b = _draw_block(mixture, seed, block)
-        parts.append([a[lo:hi] for a in (b.source, b.text, b.instances, b.frames, b.grid)])
+        parts.append(_draw_block(mixture, seed, block).part(lo, hi))
     if not parts:
-        return _Structure(*(np.zeros(0, dtype=np.int64) for _ in range(5)))
-    return _Structure(*(np.concatenate(cols) for cols in zip(*parts)))
+        empty = [np.zeros(0, dtype=np.int64)] * 5
+        return _Structure(*empty, np.zeros(0, dtype=bool))
+    return _Structure(*(np.concatenate(cols) for cols in zip(*(p.columns() for p in parts))))
 
 
 @dataclass(frozen=True)
@@ -252,16 +265,19 @@ def _exact(pixels: int, unit: int, what: str) -> int:
 def _metas(st: _Structure, sz: _Sizes, start: int) -> list[SampleMeta]:
     if sz.kind == "vlm":
         text = (st.text + st.instances * sz.llm).tolist()
+        # Every word is a target except a first token that is a word (`_sample`'s labels_mask).
+        loss = (st.text - ~st.lead).tolist()
         inst = st.instances.tolist()
         return [
-            SampleMeta(start + k, text[k], (sz.patches,) * n, (sz.llm,) * n)
+            SampleMeta(start + k, text[k], (sz.patches,) * n, (sz.llm,) * n, loss_tokens=loss[k])
             for k, n in enumerate(inst)
         ]
     per_frame = np.array([h * w for h, w in sz.grids], dtype=np.int64)[st.grid]
     tokens = (st.frames * per_frame).tolist()
     text, frames = st.text.tolist(), st.frames.tolist()
     return [
-        SampleMeta(start + k, text[k], (tokens[k],), (0,), (frames[k],)) for k in range(len(st))
+        SampleMeta(start + k, text[k], (tokens[k],), (0,), (frames[k],), loss_tokens=tokens[k])
+        for k in range(len(st))
     ]
 
 
@@ -316,7 +332,11 @@ def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, se
         return Sample(index, words, [rng.standard_normal(shape, dtype=np.float32)])
     n = int(st.instances[k])
     if mix.sources[int(st.source[k])].layout == "interleaved":
-        cuts = np.sort(rng.choice(words.size, size=n, replace=False))
+        # n distinct image positions in [0, words): whether 0 is one was drawn with the
+        # structure (`lead`), the others are uniform in [1, words).
+        lead = int(st.lead[k])
+        rest = 1 + rng.choice(words.size - 1, size=n - lead, replace=False)
+        cuts = np.sort(np.concatenate([np.zeros(lead, dtype=np.int64), rest]))
     else:
         cuts = np.zeros(n, dtype=np.int64)
     run = np.full(sz.llm, IMAGE_TOKEN, dtype=np.int64)
@@ -371,9 +391,7 @@ class SyntheticSource:
             ):
                 end += 1
             b, lo = self._block(first // BLOCK), first % BLOCK
-            j = slice(lo, lo + end - k)
-            part = _Structure(b.source[j], b.text[j], b.instances[j], b.frames[j], b.grid[j])
-            out.extend(_metas(part, self._sizes, first))
+            out.extend(_metas(b.part(lo, lo + end - k), self._sizes, first))
             k = end
         return out
 

@@ -13,14 +13,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Before any submodule imports megatron.core: installs the triton stand-in megatron-core 0.19
-# needs without triton. Torch-free.
-from megatron_dip import megatron_compat  # noqa: F401
-
 from .config import ModelConfig
 from .layout import (
     cross_module_dependencies,
     instance_tokens,
+    loss_tokens_of,
     message_tensors,
     split_submicrobatches,
 )
@@ -46,6 +43,7 @@ __all__ = [
     "ModelConfig",
     "cross_module_dependencies",
     "instance_tokens",
+    "loss_tokens_of",
     "message_tensors",
     "model_preset",
     "preset_names",

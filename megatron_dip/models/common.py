@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional
 
-from megatron_dip import megatron_compat  # noqa: F401  (before megatron.core: triton stand-in)
 from megatron_dip.modelspec import ModuleKind, ModuleSpec
 
 from .config import ModelConfig
@@ -155,11 +154,14 @@ def build_norm(backend, tconfig, hidden: int):
 
 
 def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
-    """Set Megatron's tensor-parallel attributes on local parallel layers' weights.
+    """Set Megatron's tensor-parallel attributes on the parallel layers' parameters.
 
-    Megatron sets `tensor_model_parallel` / `partition_dim` on these weights only inside its own
-    initialisation, which `perform_initialization=False` skips (biases get them anyway); DDP,
-    gradient clipping and `init.py` rely on them.
+    Megatron sets `tensor_model_parallel` / `partition_dim` on Column/RowParallelLinear and
+    VocabParallelEmbedding weights only inside its own initialisation, which
+    `perform_initialization=False` skips; `init.py` (which draws the full tensor and cuts this
+    rank's shard), DDP and gradient clipping rely on them. Weights split along dim 0
+    (column-parallel, vocab-parallel) or 1 (row-parallel); column-parallel biases along dim 0
+    (Megatron marks those itself). Raises if a parameter already says otherwise.
     """
     from megatron.core.tensor_parallel import (
         ColumnParallelLinear,
@@ -168,13 +170,26 @@ def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
     )
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    dims = ((ColumnParallelLinear, 0), (RowParallelLinear, 1), (VocabParallelEmbedding, 0))
-    for sub in module.modules():
-        for cls, dim in dims:
-            weight = getattr(sub, "weight", None)
-            unmarked = weight is not None and not hasattr(weight, "tensor_model_parallel")
-            if isinstance(sub, cls) and unmarked:
-                set_tensor_model_parallel_attributes(weight, True, dim, 1)
+    splits = (
+        (ColumnParallelLinear, {"weight": 0, "bias": 0}),
+        (RowParallelLinear, {"weight": 1}),
+        (VocabParallelEmbedding, {"weight": 0}),
+    )
+    for name, sub in module.named_modules():
+        for cls, dims in splits:
+            if not isinstance(sub, cls):
+                continue
+            for attr, dim in dims.items():
+                param = getattr(sub, attr, None)
+                if param is None:
+                    continue
+                if not hasattr(param, "tensor_model_parallel"):
+                    set_tensor_model_parallel_attributes(param, True, dim, 1)
+                elif not param.tensor_model_parallel or param.partition_dim != dim:
+                    raise RuntimeError(
+                        f"{name}.{attr}: tensor_model_parallel={param.tensor_model_parallel}, "
+                        f"partition_dim={param.partition_dim}; {cls.__name__} splits dim {dim}"
+                    )
 
 
 def segment_mask(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
-from megatron_dip.data.sample import IMAGE_TOKEN, PAD_TOKEN, Sample
+from megatron_dip.data.sample import IMAGE_TOKEN, PAD_TOKEN, Sample, loss_targets
 from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
@@ -172,13 +172,12 @@ def _vit_batch(module: ModuleSpec, samples: Sequence[Sample], sub: SubMicrobatch
 
 
 def _loss_mask(sample: Sample) -> np.ndarray:
-    """Loss of position j (predicting token j+1): labels_mask[j+1], never an image placeholder."""
-    text = np.asarray(sample.text, dtype=np.int64)
-    carries = np.ones(len(text), dtype=np.float32)
-    if sample.labels_mask is not None:
-        carries = np.asarray(sample.labels_mask, dtype=np.float32)
-    carries = carries * (text != IMAGE_TOKEN)
-    return np.concatenate([carries[1:], np.zeros(min(1, len(text)), dtype=np.float32)])
+    """Loss of position j (predicting token j+1): whether token j+1 is a target.
+
+    `data.sample.loss_targets` decides; the mask's sum is `layout.loss_tokens_of` of the sample.
+    """
+    targets = loss_targets(sample.text, sample.labels_mask).astype(np.float32)
+    return np.concatenate([targets[1:], np.zeros(min(1, len(targets)), dtype=np.float32)])
 
 
 def _llm_batch(

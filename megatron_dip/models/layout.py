@@ -31,7 +31,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from megatron_dip.data.sample import Sample
+from megatron_dip.data.sample import Sample, loss_targets
 from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import (
     Dependency,
@@ -64,6 +64,29 @@ def instance_tokens(module: ModuleSpec, samples: Sequence[Sample]) -> list[int]:
         frames, _, h, w = s.images[0].shape
         counts.append(frames * (h // p) * (w // p))
     return counts
+
+
+def loss_tokens_of(
+    model: MultimodalSpec, samples: Sequence[Sample], sub: SubMicrobatch | None = None
+) -> int:
+    """Tokens of `samples` (one microbatch, in order) that carry a loss: exactly the
+    "num_tokens" the loss module's last chunk reports for them (torch-free).
+
+    LLM: the next-token targets (`data.sample.loss_targets`: labelled, no image placeholder, not
+    a sample's first token); DiT: every latent token of the clips (the flow-matching loss is
+    summed over them). With `sub`, a sub-microbatch of the loss module, only its instances count
+    (an LLM sub-microbatch is the whole microbatch). Equals the sum of the samples'
+    `SampleMeta.loss_tokens`.
+    """
+    module = model.loss_module
+    if sub is not None:
+        if sub.module != module.name:
+            raise ValueError(f"{sub.work} is not a sub-microbatch of loss module {module.name}")
+        if module.kind is not ModuleKind.LLM:
+            samples = samples[sub.instance_start : sub.instance_end]
+    if module.kind is ModuleKind.LLM:
+        return sum(int(loss_targets(s.text, s.labels_mask).sum()) for s in samples)
+    return sum(instance_tokens(module, samples))
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -44,16 +44,25 @@ class RecomputeChoice:
 
 def _alive_sets(
     order: Sequence[Forward | Backward], keeps: Callable[[StageId], bool]
-) -> list[list[StageId]]:
-    alive: dict[StageId, None] = {}
-    peaks: list[list[StageId]] = []
+) -> tuple[list[StageId], list[np.ndarray]]:
+    """The rank's stages holding activations (indexed) and the maximal alive-sets: the stages
+    alive right before each backward that follows a forward (only those can be peaks)."""
+    index: dict[StageId, int] = {}
+    alive: dict[int, None] = {}
+    peaks: list[np.ndarray] = []
+    grew = False
     for ins in order:
         if isinstance(ins, Forward) and keeps(ins.stage):
-            alive[ins.stage] = None
-            peaks.append(list(alive))
-        elif isinstance(ins, Backward):
-            alive.pop(ins.stage, None)
-    return peaks
+            alive[index.setdefault(ins.stage, len(index))] = None
+            grew = True
+        elif isinstance(ins, Backward) and ins.stage in index:
+            if grew:
+                peaks.append(np.fromiter(alive, dtype=np.int64, count=len(alive)))
+                grew = False
+            alive.pop(index[ins.stage], None)
+    if grew:
+        peaks.append(np.fromiter(alive, dtype=np.int64, count=len(alive)))
+    return list(index), peaks
 
 
 def choose_recompute(
@@ -81,94 +90,86 @@ MILP_TIME_LIMIT_S = 0.5
 
 @dataclass
 class _RankProblem:
-    stages: list[StageId]  # stages alive in at least one over-limit set
-    cost: dict[tuple[StageId, Recompute], tuple[float, int]]  # (time, bytes)
-    sets: list[list[StageId]]  # alive-sets that exceed the limit with no recomputation
+    """Stage i's time and bytes under mode j are time[i, j], nbytes[i, j] (j indexes MODES)."""
+
+    stages: list[StageId]
+    time: np.ndarray
+    nbytes: np.ndarray
+    sets: list[np.ndarray]  # alive-sets (stage indices) over the limit with no recomputation
     limit: float
 
 
 def _problem(rank: int, order, mode_cost: ModeCost, keeps, limit: float) -> _RankProblem | None:
-    peaks = _dedupe(_alive_sets(order, keeps))
-    cost: dict[tuple[StageId, Recompute], tuple[float, int]] = {}
-    for alive in peaks:
-        for st in alive:
-            if (st, Recompute.NONE) not in cost:
-                for m in MODES:
-                    cost[(st, m)] = mode_cost(st, m)
-    over = [a for a in peaks if sum(cost[(st, Recompute.NONE)][1] for st in a) > limit]
+    stages, peaks = _alive_sets(order, keeps)
+    if not stages:
+        return None
+    costs = [[mode_cost(st, m) for m in MODES] for st in stages]
+    time = np.array([[c[0] for c in row] for row in costs], dtype=float)
+    nbytes = np.array([[c[1] for c in row] for row in costs], dtype=float)
+    over = [a for a in peaks if nbytes[a, 0].sum() > limit]
     if not over:
         return None
     for alive in over:
-        need = sum(cost[(st, Recompute.FULL)][1] for st in alive)
+        need = nbytes[alive, -1].sum()
         if need > limit:
             raise MemoryLimitError(
                 f"rank {rank}: activation-memory limit {limit / 2**30:.2f} GiB is below what this "
                 f"schedule needs even with full recomputation ({need / 2**30:.2f} GiB); raise "
                 "--dip-memory-limit-gb or use smaller sub-microbatches"
             )
-    stages = sorted({st for a in over for st in a})
-    return _RankProblem(stages, cost, over, limit)
+    return _RankProblem(stages, time, nbytes, over, limit)
 
 
-def _greedy(pb: _RankProblem) -> dict[StageId, Recompute]:
-    """Repeatedly relieve the most over-full set by the cheapest bytes-per-second upgrade."""
-    mode = {st: Recompute.NONE for st in pb.stages}
-    member: dict[StageId, list[int]] = {st: [] for st in pb.stages}
+def _greedy(pb: _RankProblem) -> np.ndarray:
+    """Mode index per stage: repeatedly relieve the most over-full set by the upgrade that saves
+    the most bytes per second of added time."""
+    n = len(pb.stages)
+    mode = np.zeros(n, dtype=np.int64)
+    member = np.zeros((len(pb.sets), n), dtype=bool)
     for i, alive in enumerate(pb.sets):
-        for st in alive:
-            member[st].append(i)
-    used = [sum(pb.cost[(st, Recompute.NONE)][1] for st in a) for a in pb.sets]
+        member[i, alive] = True
+    used = member @ pb.nbytes[:, 0]
     while True:
-        worst = max(range(len(used)), key=used.__getitem__)
+        worst = int(np.argmax(used))
         if used[worst] <= pb.limit:
             return mode
-        best = None
-        for st in pb.sets[worst]:
-            t0, b0 = pb.cost[(st, mode[st])]
-            for m in MODES:
-                t1, b1 = pb.cost[(st, m)]
-                if b1 < b0:
-                    ratio = (b0 - b1) / max(t1 - t0, 1e-12)
-                    if best is None or ratio > best[0]:
-                        best = (ratio, st, m)
-        _, st, m = best  # a full-recompute solution exists (checked), so an upgrade exists
-        saved = pb.cost[(st, mode[st])][1] - pb.cost[(st, m)][1]
-        for i in member[st]:
-            used[i] -= saved
+        cand = pb.sets[worst]
+        saved = pb.nbytes[cand, mode[cand], None] - pb.nbytes[cand]  # [stages, modes]
+        added = np.maximum(pb.time[cand] - pb.time[cand, mode[cand], None], 1e-12)
+        ratio = np.where(saved > 0, saved / added, -np.inf)
+        k, m = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+        st = cand[k]
+        used -= member[:, st] * saved[k, m]
         mode[st] = m
 
 
-def _exact(pb: _RankProblem) -> dict[StageId, Recompute] | None:
-    """The MILP over the undecided stages (HiGHS), or None when too big or not solved in time."""
-    if len(pb.stages) > MILP_MAX_STAGES:
+def _exact(pb: _RankProblem) -> np.ndarray | None:
+    """The MILP over the stages of the over-limit sets (HiGHS); None when too big or unsolved."""
+    involved = np.unique(np.concatenate(pb.sets))
+    if len(involved) > MILP_MAX_STAGES:
         return None
-    col = {
-        (st, m): i * len(MODES) + j for i, st in enumerate(pb.stages) for j, m in enumerate(MODES)
-    }
-    n = len(col)
-    objective = np.zeros(n)
-    for (st, m), i in col.items():
-        objective[i] = pb.cost[(st, m)][0] - pb.cost[(st, Recompute.NONE)][0]
-    rows = np.zeros((len(pb.sets), n))
+    k = len(MODES)
+    local = {int(st): i for i, st in enumerate(involved)}
+    objective = (pb.time[involved] - pb.time[involved, :1]).ravel()
+    rows = np.zeros((len(pb.sets), len(involved) * k))
+    upper = np.full(len(pb.sets), pb.limit)
     for r, alive in enumerate(pb.sets):
         for st in alive:
-            for m in MODES:
-                rows[r, col[(st, m)]] += pb.cost[(st, m)][1]
-    one_mode = np.kron(np.eye(len(pb.stages)), np.ones(len(MODES)))
+            i = local[int(st)]
+            rows[r, i * k : (i + 1) * k] = pb.nbytes[st]
+    one_mode = np.kron(np.eye(len(involved)), np.ones(k))
     result = milp(
         objective,
-        integrality=np.ones(n),
+        integrality=np.ones(len(objective)),
         bounds=Bounds(0, 1),
-        constraints=[
-            LinearConstraint(rows, -np.inf, np.full(len(pb.sets), pb.limit)),
-            LinearConstraint(one_mode, 1, 1),
-        ],
+        constraints=[LinearConstraint(rows, -np.inf, upper), LinearConstraint(one_mode, 1, 1)],
         options={"time_limit": MILP_TIME_LIMIT_S},
     )
     if result.x is None or result.status not in (0, 1):
         return None
-    x = np.round(result.x).astype(int)
-    return {st: m for (st, m), i in col.items() if x[i] == 1}
+    mode = np.zeros(len(pb.stages), dtype=np.int64)
+    mode[involved] = np.round(result.x).reshape(len(involved), k).argmax(axis=1)
+    return mode
 
 
 def _solve_rank(
@@ -181,26 +182,18 @@ def _solve_rank(
     pb = _problem(rank, order, mode_cost, keeps, limit)
     if pb is None:
         return {}, 0.0
+    rows = np.arange(len(pb.stages))
 
-    def added(mode: dict[StageId, Recompute]) -> float:
-        return sum(pb.cost[(st, m)][0] - pb.cost[(st, Recompute.NONE)][0] for st, m in mode.items())
+    def added(mode: np.ndarray) -> float:
+        return float((pb.time[rows, mode] - pb.time[:, 0]).sum())
 
-    def fits(mode: dict[StageId, Recompute]) -> bool:
-        return all(sum(pb.cost[(st, mode[st])][1] for st in a) <= limit for a in pb.sets)
+    def fits(mode: np.ndarray) -> bool:
+        held = pb.nbytes[rows, mode]
+        return all(held[a].sum() <= limit for a in pb.sets)
 
     best = _greedy(pb)
     exact = _exact(pb)
     if exact is not None and fits(exact) and added(exact) < added(best):
         best = exact
-    chosen = {st: m for st, m in best.items() if m is not Recompute.NONE}
+    chosen = {pb.stages[i]: MODES[m] for i, m in enumerate(best) if m != 0}
     return chosen, added(best)
-
-
-def _dedupe(peaks: list[list[StageId]]) -> list[list[StageId]]:
-    """Drop alive-sets contained in the next one (only maximal sets constrain)."""
-    out = []
-    for i, p in enumerate(peaks):
-        if i + 1 < len(peaks) and set(p) <= set(peaks[i + 1]):
-            continue
-        out.append(p)
-    return out

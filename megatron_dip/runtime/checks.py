@@ -24,9 +24,7 @@ from megatron_dip.schedule.ir import (
     Send,
     TensorSpec,
 )
-from megatron_dip.schedule.validate import check_plan_matches, validate_plan
-
-from .p2p import MessageError, check_channel_order
+from megatron_dip.schedule.validate import check_channel_order, check_plan_matches, validate_plan
 
 TensorFn = Callable[[MessageKey], Iterable[TensorSpec]]
 ChunkKey = tuple[str, int]
@@ -130,10 +128,7 @@ def check_before_run(
     check_chunks(chunks, placement=placement, rank=rank)
     if validate:
         validate_plan(plan)
-    try:
-        check_channel_order(plan.programs)
-    except MessageError as e:
-        raise PlanError(str(e)) from None
+    check_channel_order(plan.programs)  # also part of validate_plan; cheap, so always run
     if tensor_fn is not None:
         check_message_specs(plan, tensor_fn)
     return Dataflow(plan.placement, plan.submicrobatches, plan.dependencies)

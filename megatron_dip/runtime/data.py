@@ -29,19 +29,6 @@ class BatchSource(Protocol):
         """`work` is not used on this rank any more."""
 
 
-def loss_tokens_of(batch: Any) -> int:
-    """Loss-carrying tokens of a `models.inputs.SubBatch` of the loss module.
-
-    LLM: positions whose loss mask is set; DiT: every real latent token of the clips.
-    """
-    mask = getattr(batch, "loss_mask", None)
-    if mask is not None:
-        return int((mask > 0).sum())
-    if getattr(batch, "target", None) is not None:
-        return int(batch.sub.tokens)
-    raise ValueError(f"{batch.sub.work}: no loss mask or diffusion target, not a loss module")
-
-
 class SampleBatchSource:
     """Sub-batches built with `models.inputs.build_sub_batch` from each microbatch's samples.
 
@@ -91,11 +78,12 @@ class SampleBatchSource:
         return self._cache[work]
 
     def loss_tokens(self, work: WorkId) -> int:
-        cached = work in self._cache
-        tokens = loss_tokens_of(self.sub_batch(work))
-        if not cached:
-            self.release(work)  # asked ahead of use: do not keep it alive until then
-        return tokens
+        """From the samples alone (`models.layout.loss_tokens_of`): no sub-batch is built."""
+        from megatron_dip.models.layout import loss_tokens_of
+
+        return loss_tokens_of(
+            self.model, self.samples[work.microbatch], self.plan.submicrobatch(work)
+        )
 
     def release(self, work: WorkId) -> None:
         self._cache.pop(work, None)

@@ -10,10 +10,10 @@ between two ranks in the order they were issued, per direction; gloo matches by 
 order. So every operation is issued in *plan order* (the order of the instructions, then the
 order of a message's TensorSpecs), with tag 0 by default, and the runtime requires the plan to be
 *channel-consistent*: for every ordered pair of ranks (a, b), the sequence of messages rank a
-sends to b equals the sequence of messages rank b receives from a (`check_channel_order`, run
-before any communication). Then the k-th send from a to b always meets the k-th receive, even
-when the previous and the next pipeline rank are the same process (PP=2), where Megatron's own
-batched p2p swaps activations and gradients. Note that re-sorting a batch (e.g. by MessageKey)
+sends to b equals the sequence of messages rank b receives from a
+(`schedule.validate.check_channel_order`, run before any communication). Then the k-th send
+from a to b always meets the k-th receive, even when the previous and the next pipeline rank are
+the same process (PP=2), where Megatron's own batched p2p swaps activations and gradients. Note that re-sorting a batch (e.g. by MessageKey)
 would be wrong: the two ends of a message may sit in differently composed batches.
 `P2PConfig.use_tags` additionally gives every tensor a tag derived from its message (gloo and
 MPI honour it; NCCL ignores it, so it is a second line of defence only).
@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_dip.schedule.ir import MessageKey, Program, Recv, Send, TensorSpec
+from megatron_dip.schedule.ir import MessageKey, Recv, Send, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -106,34 +105,6 @@ def check_message(
         )
     for spec in specs:
         check_tensor(tensors[spec.name], spec, where=where, key=key)
-
-
-def check_channel_order(programs: Sequence[Program]) -> None:
-    """Raise `MessageError` unless every channel a -> b carries its messages in one order.
-
-    The sends of rank a to rank b, in program order, must be the receives of rank b from rank a,
-    in program order (see the module docstring: NCCL matches by order).
-    """
-    sent: dict[tuple[int, int], list[MessageKey]] = defaultdict(list)
-    received: dict[tuple[int, int], list[MessageKey]] = defaultdict(list)
-    for program in programs:
-        for ins in program.instructions:
-            if isinstance(ins, Send):
-                sent[(program.rank, ins.peer)].append(ins.key)
-            elif isinstance(ins, Recv):
-                received[(ins.peer, program.rank)].append(ins.key)
-    for channel in sorted(set(sent) | set(received)):
-        a, b = sent.get(channel, []), received.get(channel, [])
-        if a != b:
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            got_s = str(a[first]) if first < len(a) else "nothing"
-            got_r = str(b[first]) if first < len(b) else "nothing"
-            raise MessageError(
-                f"channel rank {channel[0]} -> rank {channel[1]}: message {first} sent is "
-                f"{got_s} but message {first} received is {got_r}; the two ends must post "
-                "their messages in the same order (NCCL matches point-to-point operations "
-                "by order)"
-            )
 
 
 _WARM_GROUPS: set[int] = set()

@@ -38,7 +38,7 @@ from .passes import TensorFn, add_communication, ideal_timing
 from .printout import format_plan
 from .segments import build_segment_plan
 from .serialize import plan_from_bytes, plan_to_bytes
-from .validate import check_plan_matches, validate_plan
+from .validate import check_channel_order, check_plan_matches, validate_plan
 
 __all__ = [
     "FORMAT_VERSION",
@@ -74,6 +74,7 @@ __all__ = [
     "build_interleaved_plan",
     "build_megatron_plan",
     "build_segment_plan",
+    "check_channel_order",
     "check_plan_matches",
     "dataflow_of",
     "execute_programs",

@@ -2,12 +2,15 @@
 
 `validate_plan` raises `engine.PlanError` (or its subclass `DeadlockError`) whose message names
 the rank, the instruction index and the instruction at fault, or the table row for errors in the
-sub-microbatch table. `check_plan_matches` catches plans meant for another job or iteration.
+sub-microbatch table. `check_channel_order` (part of `validate_plan`, and run by the runtime on
+every plan) checks that both ends of each rank-to-rank channel post its messages in one order.
+`check_plan_matches` catches plans meant for another job or iteration.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .engine import PlanError, execute_programs
@@ -21,6 +24,7 @@ from .ir import (
     MessageKind,
     Placement,
     Plan,
+    Program,
     Recv,
     Send,
     StageId,
@@ -290,6 +294,48 @@ def _check_messages(scan: _Scan) -> None:
             )
 
 
+def check_channel_order(programs: Sequence[Program]) -> None:
+    """Raise `PlanError` unless every channel a -> b carries its messages in one order.
+
+    For every ordered pair of ranks (a, b), the messages rank a sends to b, in program order,
+    must be the messages rank b receives from a, in program order: NCCL and gloo match the
+    point-to-point operations between two ranks in the order they are issued, not by message,
+    so the k-th send of a channel always meets its k-th receive. The error names both ranks, the
+    position of the first message that differs and the instruction holding it on each end.
+    """
+    ends: dict[bool, dict[tuple[int, int], list[tuple[MessageKey, int]]]] = {
+        True: defaultdict(list),
+        False: defaultdict(list),
+    }
+    for program in programs:
+        for i, ins in enumerate(program.instructions):
+            if isinstance(ins, Send):
+                ends[True][(program.rank, ins.peer)].append((ins.key, i))
+            elif isinstance(ins, Recv):
+                ends[False][(ins.peer, program.rank)].append((ins.key, i))
+    for a, b in sorted(set(ends[True]) | set(ends[False])):
+        sent, received = ends[True].get((a, b), []), ends[False].get((a, b), [])
+        if [k for k, _ in sent] == [k for k, _ in received]:
+            continue
+        first = next(
+            (n for n, (x, y) in enumerate(zip(sent, received)) if x[0] != y[0]),
+            min(len(sent), len(received)),
+        )
+        raise PlanError(
+            f"channel rank {a} -> rank {b}: message {first} that rank {a} sends is "
+            f"{_channel_end(sent, first, a)}, but message {first} that rank {b} receives is "
+            f"{_channel_end(received, first, b)}; both ends must post a channel's messages in "
+            "the same order (NCCL and gloo match point-to-point operations by order)"
+        )
+
+
+def _channel_end(ops: list[tuple[MessageKey, int]], n: int, rank: int) -> str:
+    if n >= len(ops):
+        return "nothing"
+    key, index = ops[n]
+    return f"{key} (rank {rank} instruction {index})"
+
+
 def validate_plan(plan: Plan) -> None:
     """Check that `plan` is complete, consistent and executable; raise `PlanError` if not.
 
@@ -297,8 +343,9 @@ def validate_plan(plan: Plan) -> None:
     on the rank owning its chunk, with its inputs produced earlier on the rank or received and
     waited for; exactly one Forward per stage and exactly one Backward iff the module needs one
     and the plan is not forward-only; every send after its producing compute; every cross-rank
-    message with exactly one Send and one Recv, correct peers and equal tensor specs; finally
-    that the programs run to completion under the semantics of `engine.py` (no deadlock).
+    message with exactly one Send and one Recv, correct peers and equal tensor specs; that the
+    programs run to completion under the semantics of `engine.py` (no deadlock); finally that
+    every rank-to-rank channel carries its messages in one order (`check_channel_order`).
     """
     if plan.version != FORMAT_VERSION:
         raise PlanError(
@@ -312,6 +359,7 @@ def validate_plan(plan: Plan) -> None:
     _check_coverage(plan, df, scan)
     _check_messages(scan)
     execute_programs(plan.programs)
+    check_channel_order(plan.programs)
 
 
 def check_plan_matches(
