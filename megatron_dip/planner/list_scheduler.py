@@ -122,89 +122,118 @@ def list_schedule(
     segment order, the ablation baseline without dual-queue interleaving): a ready forward waits
     while a higher-priority forward of the same rank is not ready.
     """
-    n_ranks = graph.num_ranks
-    limit = list(memory_limit) if memory_limit is not None else [float("inf")] * n_ranks
-    ranks = [_RankState() for _ in range(n_ranks)]
-    if not fill_bubbles:
-        for r, st in enumerate(ranks):
-            st.fixed = sorted(
-                (priority[k], 2 * k) for k in range(len(graph.stages)) if graph.rank[k] == r
-            )
-    ready_time = [0.0] * graph.num_nodes
-    npred = list(graph.npred)
-    for k in range(len(graph.stages)):
-        if npred[2 * k] == 0:
-            ranks[graph.rank[k]].ready_f.append((priority[k], 0.0, 2 * k))
-    orders: list[list[Forward | Backward]] = [[] for _ in range(n_ranks)]
-    durations: dict[Forward | Backward, float] = {}
-    peak = [0] * n_ranks
-    remaining = sum(1 + h for h in graph.has_backward)
-    overcommitted = False
-    finish = 0.0
-    while remaining:
-        choice = _pick(graph, ranks, limit, strict=True) or _pick(graph, ranks, limit, strict=False)
-        if choice is None:
+    return _ListScheduler(graph, priority, memory_limit, recompute, fill_bubbles).run()
+
+
+class _ListScheduler:
+    def __init__(self, graph, priority, memory_limit, recompute, fill_bubbles) -> None:
+        self.graph = graph
+        self.priority = priority
+        self.recompute = recompute
+        n = graph.num_ranks
+        self.limit = list(memory_limit) if memory_limit is not None else [float("inf")] * n
+        self.ranks = [_RankState() for _ in range(n)]
+        if not fill_bubbles:
+            for r, st in enumerate(self.ranks):
+                st.fixed = sorted(
+                    (priority[k], 2 * k) for k in range(len(graph.stages)) if graph.rank[k] == r
+                )
+        self.ready_time = [0.0] * graph.num_nodes
+        self.npred = list(graph.npred)
+        for k in range(len(graph.stages)):
+            if self.npred[2 * k] == 0:
+                self.ranks[graph.rank[k]].ready_f.append((priority[k], 0.0, 2 * k))
+        self.orders: list[list[Forward | Backward]] = [[] for _ in range(n)]
+        self.durations: dict[Forward | Backward, float] = {}
+        self.peak = [0] * n
+        self.overcommitted = False
+        # Each rank's best next step only changes when the rank runs something or receives
+        # newly ready work, so it is cached and recomputed for those ranks alone.
+        self.cached: list[tuple[float, tuple] | None] = [None] * n
+        self.dirty = set(range(n))
+
+    def run(self) -> ListSchedule:
+        finish = 0.0
+        for _ in range(sum(1 + h for h in self.graph.has_backward)):
+            start, r, entry = self._next()
+            finish = max(finish, self._execute(r, entry, start))
+        return ListSchedule(
+            tuple(tuple(o) for o in self.orders),
+            finish,
+            tuple(self.peak),
+            self.overcommitted,
+            self.durations,
+        )
+
+    def _next(self) -> tuple[float, int, tuple]:
+        for r in self.dirty:
+            self.cached[r] = _rank_choice(self.graph, self.ranks[r], self.limit[r], strict=True)
+        self.dirty.clear()
+        options = [(c[0], r, c[1]) for r, c in enumerate(self.cached) if c is not None]
+        if not options:  # every rank is stuck at its memory limit: overcommit the earliest
+            for r, st in enumerate(self.ranks):
+                c = _rank_choice(self.graph, st, self.limit[r], strict=False)
+                if c is not None:
+                    options.append((c[0], r, c[1]))
+        if not options:
             raise RuntimeError("list scheduler stalled: the stage graph has a cycle")
-        r, entry, start = choice
-        st = ranks[r]
+        return min(options, key=lambda o: (o[0], o[1]))
+
+    def _execute(self, r: int, entry: tuple, start: float) -> float:
+        g, st = self.graph, self.ranks[r]
+        self.dirty.add(r)
         node = entry[2]
         k, is_fwd = node // 2, node % 2 == 0
         (st.ready_f if is_fwd else st.ready_b).remove(entry)
         if is_fwd and st.fixed is not None:
             st.next_fixed += 1
-        end = start + (graph.fwd_time[k] if is_fwd else graph.bwd_time[k])
+        end = start + (g.fwd_time[k] if is_fwd else g.bwd_time[k])
         st.free_at, st.last_fwd = end, is_fwd
         if is_fwd:
-            if graph.has_backward[k]:
-                st.mem += graph.act_bytes[k]
-                overcommitted |= st.mem > limit[r]
-                peak[r] = max(peak[r], st.mem)
-            ins: Forward | Backward = Forward(graph.stages[k], recompute(graph.stages[k]))
+            if g.has_backward[k]:
+                st.mem += g.act_bytes[k]
+                self.overcommitted |= st.mem > self.limit[r]
+                self.peak[r] = max(self.peak[r], st.mem)
+            ins: Forward | Backward = Forward(g.stages[k], self.recompute(g.stages[k]))
         else:
-            st.mem -= graph.act_bytes[k]
-            ins = Backward(graph.stages[k])
-        orders[r].append(ins)
-        durations[ins] = max(end - start, 1e-12)  # the communication pass needs positive times
-        finish = max(finish, end)
-        remaining -= 1
-        for nxt, delay in graph.succ[node]:
-            ready_time[nxt] = max(ready_time[nxt], end + delay)
-            npred[nxt] -= 1
-            if npred[nxt] == 0:
+            st.mem -= g.act_bytes[k]
+            ins = Backward(g.stages[k])
+        self.orders[r].append(ins)
+        self.durations[ins] = max(end - start, 1e-12)  # the communication pass needs > 0
+        self._release(node, end)
+        return end
+
+    def _release(self, node: int, end: float) -> None:
+        g = self.graph
+        for nxt, delay in g.succ[node]:
+            self.ready_time[nxt] = max(self.ready_time[nxt], end + delay)
+            self.npred[nxt] -= 1
+            if self.npred[nxt] == 0:
                 kk = nxt // 2
-                target = ranks[graph.rank[kk]]
+                target = self.ranks[g.rank[kk]]
+                self.dirty.add(g.rank[kk])
                 queue = target.ready_f if nxt % 2 == 0 else target.ready_b
-                queue.append((priority[kk], ready_time[nxt], nxt))
-    return ListSchedule(
-        tuple(tuple(o) for o in orders), finish, tuple(peak), overcommitted, durations
-    )
+                queue.append((self.priority[kk], self.ready_time[nxt], nxt))
 
 
-def _pick(
-    graph: StageGraph, ranks: list[_RankState], limit: list[float], *, strict: bool
-) -> tuple[int, tuple, float] | None:
-    """The (rank, queue entry, start time) to schedule next, or None if nothing is allowed."""
-    best = None
-    for r, st in enumerate(ranks):
-        fwd = [
-            e for e in st.ready_f if not strict or st.mem + graph.act_bytes[e[2] // 2] <= limit[r]
-        ]
-        if st.fixed is not None:
-            nxt = st.fixed[st.next_fixed][1] if st.next_fixed < len(st.fixed) else -1
-            fwd = [e for e in fwd if e[2] == nxt]
-        if not fwd and not st.ready_b:
-            continue
-        t0 = max(st.free_at, min(e[1] for e in (*fwd, *st.ready_b)))
-        if best is not None and t0 >= best[2]:
-            continue
-        avail_f = [e for e in fwd if e[1] <= t0]
-        avail_b = [e for e in st.ready_b if e[1] <= t0]
-        if avail_f and avail_b:
-            queue = avail_b if st.last_fwd else avail_f
-        else:
-            queue = avail_f or avail_b
-        best = (r, min(queue), t0)
-    return best
+def _rank_choice(
+    graph: StageGraph, st: _RankState, limit: float, *, strict: bool
+) -> tuple[float, tuple] | None:
+    """(start time, queue entry) of the rank's next node, or None if nothing is allowed."""
+    fwd = [e for e in st.ready_f if not strict or st.mem + graph.act_bytes[e[2] // 2] <= limit]
+    if st.fixed is not None:
+        nxt = st.fixed[st.next_fixed][1] if st.next_fixed < len(st.fixed) else -1
+        fwd = [e for e in fwd if e[2] == nxt]
+    if not fwd and not st.ready_b:
+        return None
+    t0 = max(st.free_at, min(e[1] for e in (*fwd, *st.ready_b)))
+    avail_f = [e for e in fwd if e[1] <= t0]
+    avail_b = [e for e in st.ready_b if e[1] <= t0]
+    if avail_f and avail_b:
+        queue = avail_b if st.last_fwd else avail_f
+    else:
+        queue = avail_f or avail_b
+    return t0, min(queue)
 
 
 def priorities_from_units(
