@@ -63,7 +63,8 @@ def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     guarded(f"{tag}t2v_seg_v2_rc", out, lambda: run_executor(t2v, tpl, tplan, g, config=cfg))
     dpl = st.dip_placement(vlm.model, p, {"vit": 1, "llm": 2})
     dplan = broadcast_plan(lambda: st.dip_plan(vlm, dpl, memory_limit=DIP_MEMORY[p]), g.pp)
-    guarded(f"{tag}vlm_dip", out, lambda: run_executor(vlm, dpl, dplan, g))
+    # DIP's runtime default on GPUs: one communicator per (sender, receiver) pair.
+    guarded(f"{tag}vlm_dip", out, lambda: run_executor(vlm, dpl, dplan, g, channels=True))
     tdpl = st.dip_placement(t2v.model, p, {"text": 1, "dit": 2})
     tdplan = broadcast_plan(lambda: st.dip_plan(t2v, tdpl, memory_limit=DIP_MEMORY[p]), g.pp)
     guarded(f"{tag}t2v_dip", out, lambda: run_executor(t2v, tdpl, tdplan, g))

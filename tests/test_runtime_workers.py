@@ -19,6 +19,7 @@ from megatron_dip.runtime.checks import unwrap_chunk
 from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.ddp import DataParallelGroups, main_grads, wrap_chunks_ddp
 from megatron_dip.runtime.executor import Executor, ExecutorConfig
+from megatron_dip.runtime.p2p import ChannelGroups
 from megatron_dip.runtime.stock import StockPipeline
 from megatron_dip.schedule import (
     Forward,
@@ -129,6 +130,7 @@ def run_executor(
     *,
     config: ExecutorConfig | None = None,
     ddp: bool = False,
+    channels: bool = False,
 ) -> dict[str, Any]:
     chunks = build_chunks(batch, placement, groups)
     if ddp:
@@ -147,6 +149,7 @@ def run_executor(
         batches=source,
         tensor_fn=batch.tensor_fn(),
         config=config or ExecutorConfig(),
+        channels=ChannelGroups(groups.pp) if channels else None,
     )
     result = executor.run()
     return {

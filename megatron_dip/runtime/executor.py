@@ -49,7 +49,7 @@ from .checks import TensorFn, check_before_run, index_chunks, unwrap_chunk
 from .data import BatchSource
 from .gradsync import grad_sync_points
 from .loss import LossConfig, LossTracker, reduction_averages
-from .p2p import MessageError, P2PConfig, PipelineP2P, check_message
+from .p2p import ChannelGroups, MessageError, P2PConfig, PipelineP2P, check_message
 from .recompute import run_chunk
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class Executor:
         batches: BatchSource,
         tensor_fn: TensorFn | None = None,
         config: ExecutorConfig = ExecutorConfig(),
+        channels: ChannelGroups | None = None,
     ) -> None:
         check_handlers()
         self.plan = plan
@@ -160,7 +161,7 @@ class Executor:
         self.tensor_fn = tensor_fn
         first = next(iter(self.chunks.values()), None)
         device = _device_of(first) if first is not None else torch.device("cpu")
-        self.p2p = PipelineP2P(group=pp_group, device=device, config=config.p2p)
+        self.p2p = PipelineP2P(group=pp_group, device=device, config=config.p2p, channels=channels)
         self._ddp = {k: c for k, c in self.chunks.items() if _is_ddp(c)}
         self.losses = LossTracker(
             plan=plan,

@@ -18,6 +18,13 @@ would be wrong: the two ends of a message may sit in differently composed batche
 `P2PConfig.use_tags` additionally gives every tensor a tag derived from its message (gloo and
 MPI honour it; NCCL ignores it, so it is a second line of defence only).
 
+Channels. By default every message of a rank travels over the one pipeline group, i.e. on one
+ordered NCCL stream: a batch whose send waits for a slow receiver holds up every later batch of
+the rank, receives from other peers included (`schedule.engine.single_channel`). With
+`ChannelGroups`, each ordered (sender, receiver) pair of pipeline ranks gets its own 2-rank group,
+so a batch is posted as one `batch_isend_irecv` per channel and only messages between the same
+two ranks stay ordered (`schedule.engine.per_peer_channel`, what the planner simulates).
+
 Every outgoing tensor is checked against the plan's TensorSpec (shape and dtype) before it is
 posted: NCCL does not check sizes, a mismatch would corrupt memory or hang. Receive buffers are
 allocated from the Recv's TensorSpecs. Tensors with no elements are not transferred at all
@@ -110,6 +117,38 @@ def check_message(
 _WARM_GROUPS: set[int] = set()
 
 
+class ChannelGroups:
+    """One 2-rank process group per ordered (sender, receiver) pair of a pipeline group.
+
+    Created once per training run. Group creation is collective over the whole world, so every
+    rank must construct this with the same `pipelines`: the global ranks of every pipeline group
+    of the job, in the same order (default: the pipeline group is the whole world). Each rank
+    keeps the groups of its own pipeline; with P pipeline ranks it belongs to 2 (P - 1) of them.
+    """
+
+    def __init__(
+        self, pp_group: dist.ProcessGroup, *, pipelines: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        self.pp_group = pp_group
+        mine = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
+        pipelines = [list(p) for p in (pipelines or [mine])]
+        if mine not in pipelines:
+            raise ValueError(f"pipeline {mine} of this rank is not among {pipelines}")
+        self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        for ranks in pipelines:
+            for a, ga in enumerate(ranks):
+                for b, gb in enumerate(ranks):
+                    if a == b:
+                        continue
+                    group = dist.new_group(sorted((ga, gb)))
+                    if ranks == mine:
+                        self._groups[(a, b)] = group
+
+    def group(self, sender: int, receiver: int) -> dist.ProcessGroup:
+        """The group carrying messages from pipeline rank `sender` to `receiver`."""
+        return self._groups[(sender, receiver)]
+
+
 class _Batch:
     """The posted operations of one batch: their `Work` handles, completed together."""
 
@@ -140,8 +179,10 @@ class PipelineP2P:
         group: dist.ProcessGroup,
         device: torch.device,
         config: P2PConfig = P2PConfig(),
+        channels: ChannelGroups | None = None,
     ) -> None:
         self.group = group
+        self.channels = channels
         self.rank = group.rank()
         self.device = torch.device(device)
         self.config = config
@@ -168,23 +209,42 @@ class PipelineP2P:
         first (nothing is posted when one does not match) and kept alive until waited for.
         """
         self._check_batch(ops, outgoing)
-        p2p_ops: list[dist.P2POp] = []
-        for _, op in ops:
-            if isinstance(op, Send):
-                tensors = outgoing[op.key]
-                self._sending[op.key] = tensors
-                p2p_ops += self._ops(dist.isend, op, [tensors[s.name] for s in op.tensors])
-            else:
-                buffers = {
-                    s.name: torch.empty(s.shape, dtype=torch_dtype_of(s), device=self.device)
-                    for s in op.tensors
-                }
-                self._received[op.key] = buffers
-                p2p_ops += self._ops(dist.irecv, op, [buffers[s.name] for s in op.tensors])
-        batch = _Batch(ops[0][0] if ops else -1, self._start(p2p_ops))
-        for _, op in ops:
-            self._batch_of[(isinstance(op, Send), op.key)] = batch
+        by_group: dict[int, tuple[dist.ProcessGroup, list[tuple[int, Send | Recv]]]] = {}
+        for item in ops:
+            group = self._group_of(item[1])
+            by_group.setdefault(id(group), (group, []))[1].append(item)
+        for group, items in by_group.values():
+            p2p_ops: list[dist.P2POp] = []
+            for _, op in items:
+                p2p_ops += self._post_op(op, outgoing, group)
+            batch = _Batch(items[0][0], self._start(p2p_ops))
+            for _, op in items:
+                self._batch_of[(isinstance(op, Send), op.key)] = batch
         self.messages_posted += len(ops)
+
+    def _group_of(self, op: Send | Recv) -> dist.ProcessGroup:
+        if self.channels is None:
+            return self.group
+        if isinstance(op, Send):
+            return self.channels.group(self.rank, op.peer)
+        return self.channels.group(op.peer, self.rank)
+
+    def _post_op(
+        self,
+        op: Send | Recv,
+        outgoing: Mapping[MessageKey, Mapping[str, torch.Tensor]],
+        group: dist.ProcessGroup,
+    ) -> list[dist.P2POp]:
+        if isinstance(op, Send):
+            tensors = outgoing[op.key]
+            self._sending[op.key] = tensors
+            return self._ops(dist.isend, op, [tensors[s.name] for s in op.tensors], group)
+        buffers = {
+            s.name: torch.empty(s.shape, dtype=torch_dtype_of(s), device=self.device)
+            for s in op.tensors
+        }
+        self._received[op.key] = buffers
+        return self._ops(dist.irecv, op, [buffers[s.name] for s in op.tensors], group)
 
     def _check_batch(
         self,
@@ -202,7 +262,9 @@ class PipelineP2P:
                     raise MessageError(f"{where}: message {op.key} has not been produced")
                 check_message(outgoing[op.key], op.tensors, where=where, key=op.key)
 
-    def _ops(self, fn, op: Send | Recv, tensors: list[torch.Tensor]) -> list[dist.P2POp]:
+    def _ops(
+        self, fn, op: Send | Recv, tensors: list[torch.Tensor], group: dist.ProcessGroup
+    ) -> list[dist.P2POp]:
         out = []
         for i, (tensor, spec) in enumerate(zip(tensors, op.tensors)):
             if spec.numel == 0:
@@ -213,7 +275,7 @@ class PipelineP2P:
                 )
             tag = message_tag(op.key, i) if self.config.use_tags else 0
             peer = dist.get_global_rank(self.group, op.peer)
-            out.append(dist.P2POp(fn, tensor, peer, self.group, tag))
+            out.append(dist.P2POp(fn, tensor, peer, group, tag))
         return out
 
     def _start(self, p2p_ops: list[dist.P2POp]) -> list:
