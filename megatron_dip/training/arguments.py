@@ -1,0 +1,378 @@
+"""Command-line flags, defined once: config dataclasses whose fields carry flag, type, default, help.
+
+Each section (`ParallelArgs`, `ModelArgs`, ...) is a frozen dataclass; a field's metadata holds its
+flag name, help text, choices and whether Megatron-LM defines the flag too (`megatron=True`).
+The argparse parser is generated from these fields (`build_parser`), and the same fields turn an
+argparse namespace into a `TrainConfig` (`TrainConfig.from_namespace`), so a flag can never be
+parsed one way and read another. Argument destinations are Megatron-LM's (`--lr` -> `args.lr`), so
+`extra_args_provider` can add only our own flags (the `--dip-*` ones and `--model`) to Megatron-LM's
+parser and `TrainConfig.from_namespace(megatron_args)` reads the whole run from Megatron's namespace.
+
+Fields whose default is None and whose help says "preset" are filled from the `--model` run preset
+(`presets.py`) when not given; `validate.py` checks the combination before any process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PRESET = " (default: from the --model preset)"
+
+
+def arg(
+    flag: str,
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    megatron: bool = True,
+) -> Any:
+    """A dataclass field that is also a command-line flag."""
+    meta = {"flag": flag, "help": help, "choices": choices, "megatron": megatron}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """Parallel sizes and data-parallel options (Megatron-LM's names)."""
+
+    tensor_model_parallel_size: int | None = arg(
+        "--tensor-model-parallel-size", None, "tensor-parallel size (TP)" + PRESET
+    )
+    pipeline_model_parallel_size: int | None = arg(
+        "--pipeline-model-parallel-size", None, "pipeline-parallel size (PP)" + PRESET
+    )
+    sequence_parallel: bool = arg(
+        "--sequence-parallel",
+        False,
+        "Megatron sequence parallelism (not implemented in the chunks)",
+    )
+    use_distributed_optimizer: bool = arg(
+        "--use-distributed-optimizer", False, "shard optimizer state over data parallelism (GPU)"
+    )
+    overlap_grad_reduce: bool = arg(
+        "--overlap-grad-reduce",
+        False,
+        "overlap the data-parallel gradient reduction with backward (DIP always starts each "
+        "chunk's reduction at its last backward; stock runs reduce after the schedule)",
+    )
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Which model, its precision and its activation recomputation."""
+
+    model: str | None = arg(
+        "--model",
+        None,
+        "run preset: model, global batch, sequence length, data mixture and parallel sizes "
+        "(tiny-vlm, tiny-t2v, vlm-s, vlm-m, vlm-l, t2v-s, t2v-l)",
+        megatron=False,
+    )
+    num_layers: int | None = arg(
+        "--num-layers", None, "layers of the loss module (LLM or DiT)" + PRESET
+    )
+    encoder_num_layers: int | None = arg(
+        "--encoder-num-layers", None, "layers of the encoder (ViT or text encoder)" + PRESET
+    )
+    vocab_size: int | None = arg("--vocab-size", None, "text vocabulary size" + PRESET)
+    bf16: bool = arg("--bf16", False, "bfloat16 weights and activations (needs CUDA)")
+    init_method_std: float = arg("--init-method-std", 0.02, "std of the normal weight init")
+    recompute_granularity: str | None = arg(
+        "--recompute-granularity",
+        None,
+        "recompute every chunk ('full') or attention only ('selective'); DIP adds per-chunk "
+        "recomputation on top where --dip-memory-limit-gb needs it",
+        choices=("full", "selective"),
+    )
+    recompute_method: str | None = arg(
+        "--recompute-method",
+        None,
+        "accepted for compatibility; DIP recomputes whole chunks (its unit of work)",
+        choices=("uniform", "block"),
+    )
+    calculate_per_token_loss: bool = arg(
+        "--calculate-per-token-loss",
+        False,
+        "normalise the loss by all loss tokens of the global batch instead of per microbatch",
+    )
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """Batch, optimizer and learning-rate schedule (Megatron-LM's names and defaults)."""
+
+    micro_batch_size: int = arg(
+        "--micro-batch-size",
+        1,
+        "samples are packed into sequences: a microbatch is ONE packed sequence, so this must be 1",
+    )
+    global_batch_size: int | None = arg(
+        "--global-batch-size", None, "packed microbatches per iteration (all replicas)" + PRESET
+    )
+    seq_length: int | None = arg(
+        "--seq-length", None, "tokens of a packed LLM sequence / caption budget" + PRESET
+    )
+    train_iters: int | None = arg("--train-iters", None, "iterations to train (required)")
+    lr: float | None = arg("--lr", None, "peak learning rate (required)")
+    min_lr: float = arg("--min-lr", 0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = arg(
+        "--lr-decay-style",
+        "linear",
+        "learning-rate decay",
+        choices=("constant", "linear", "cosine", "inverse-square-root"),
+    )
+    lr_warmup_iters: int = arg("--lr-warmup-iters", 0, "linear warm-up iterations")
+    lr_decay_iters: int | None = arg(
+        "--lr-decay-iters", None, "iterations of decay (default: --train-iters)"
+    )
+    weight_decay: float = arg("--weight-decay", 0.01, "AdamW weight decay")
+    clip_grad: float = arg("--clip-grad", 1.0, "gradient-norm clipping (0: off)")
+    adam_beta1: float = arg("--adam-beta1", 0.9, "AdamW beta1")
+    adam_beta2: float = arg("--adam-beta2", 0.999, "AdamW beta2")
+    adam_eps: float = arg("--adam-eps", 1e-8, "AdamW epsilon")
+    seed: int = arg("--seed", 1234, "seed of weights, data order and diffusion noise")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """Where checkpoints go and when."""
+
+    save: str | None = arg("--save", None, "directory to save checkpoints into")
+    load: str | None = arg("--load", None, "directory to resume from (its latest checkpoint)")
+    save_interval: int | None = arg("--save-interval", None, "save every N iterations")
+    ckpt_step: int | None = arg(
+        "--ckpt-step", None, "with --load: this iteration's checkpoint instead of the latest"
+    )
+    no_load_optim: bool = arg("--no-load-optim", False, "do not load optimizer state")
+    no_load_rng: bool = arg("--no-load-rng", False, "do not load RNG state")
+
+
+@dataclass(frozen=True)
+class LoggingArgs:
+    """Log lines, evaluation and TensorBoard."""
+
+    log_interval: int = arg("--log-interval", 100, "iterations between log lines")
+    eval_interval: int | None = arg("--eval-interval", None, "iterations between evaluations")
+    eval_iters: int = arg("--eval-iters", 100, "batches per evaluation (forward-only plans)")
+    tensorboard_dir: str | None = arg(
+        "--tensorboard-dir", None, "write TensorBoard scalars here (needs tensorboard)"
+    )
+
+
+@dataclass(frozen=True)
+class DipArgs:
+    """DIP's own flags."""
+
+    dip_schedule: str = arg(
+        "--dip-schedule",
+        "dip",
+        "dip: planned per batch; 1f1b / interleaved: Megatron-Core's own schedules, encoder on "
+        "the first stage (the baseline, same model and data)",
+        choices=("dip", "1f1b", "interleaved"),
+        megatron=False,
+    )
+    dip_segments: str | None = arg(
+        "--dip-segments",
+        None,
+        "pipeline segments per module, e.g. vit=1,llm=2 (default: from the cost model)",
+        megatron=False,
+    )
+    dip_sub_microbatch_size: str | None = arg(
+        "--dip-sub-microbatch-size",
+        None,
+        "instances per sub-microbatch: N for every encoder module or vit=12,text=4 "
+        "(default: smallest size at 95%% of peak efficiency)" + PRESET,
+        megatron=False,
+    )
+    dip_search_time_ms: float = arg(
+        "--dip-search-time-ms",
+        2000.0,
+        "schedule-search budget per batch (0: greedy plans only)",
+        megatron=False,
+    )
+    dip_planner_workers: int = arg(
+        "--dip-planner-workers", 1, "search processes (at most half the CPU cores)", megatron=False
+    )
+    dip_lookahead: int = arg(
+        "--dip-lookahead",
+        2,
+        "batches planned ahead by the planner process (0: no planner process, plan inline)",
+        megatron=False,
+    )
+    dip_memory_limit_gb: float | None = arg(
+        "--dip-memory-limit-gb",
+        None,
+        "activation memory per pipeline rank the plans must respect, GiB "
+        "(default: GPU memory minus weights and optimizer state; none on CPU)",
+        megatron=False,
+    )
+    dip_cost_profile: str | None = arg(
+        "--dip-cost-profile",
+        None,
+        "measured per-layer profile JSON (megatron-dip-profile/1) for the cost model",
+        megatron=False,
+    )
+    dip_device: str = arg(
+        "--dip-device",
+        "auto",
+        "accelerator the cost model prices on (auto: the CUDA device's name, else H100)",
+        choices=("auto", "H100", "H200", "H800"),
+        megatron=False,
+    )
+    dip_trace_dir: str | None = arg(
+        "--dip-trace-dir",
+        None,
+        "write Chrome/Perfetto traces of planned vs measured iterations here",
+        megatron=False,
+    )
+    dip_trace_interval: int = arg(
+        "--dip-trace-interval", 1, "iterations between traces", megatron=False
+    )
+    dip_data: str | None = arg(
+        "--dip-data",
+        None,
+        "synthetic-MIXTURE (mixed, laion, obelics, text-only, t2v, t2i), llava:JSON or "
+        "latents:DIR" + PRESET,
+        megatron=False,
+    )
+    dip_data_scale: float | None = arg(
+        "--dip-data-scale",
+        None,
+        "shrink synthetic text and image sizes by this factor" + PRESET,
+        megatron=False,
+    )
+    dip_image_size: int | None = arg(
+        "--dip-image-size",
+        None,
+        "image side in pixels (synthetic) / largest image side (llava)" + PRESET,
+        megatron=False,
+    )
+
+
+SECTIONS: tuple[tuple[str, type], ...] = (
+    ("parallel", ParallelArgs),
+    ("model", ModelArgs),
+    ("train", TrainArgs),
+    ("checkpoint", CheckpointArgs),
+    ("logging", LoggingArgs),
+    ("dip", DipArgs),
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every flag of a run, by section."""
+
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    dip: DipArgs = field(default_factory=DipArgs)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> TrainConfig:
+        """Read every field from `ns` (ours or Megatron-LM's parsed arguments)."""
+        sections = {}
+        for name, section in SECTIONS:
+            values = {f.name: getattr(ns, f.name, f.default) for f in dataclasses.fields(section)}
+            sections[name] = section(**values)
+        return cls(**sections)
+
+    def replace(self, **flat: Any) -> TrainConfig:
+        """A copy with fields changed by their flat (argparse destination) names."""
+        changed = {}
+        for name, section in SECTIONS:
+            current = getattr(self, name)
+            mine = {k: v for k, v in flat.items() if k in _field_names(section)}
+            if mine:
+                changed[name] = dataclasses.replace(current, **mine)
+        unknown = set(flat) - {f for _, s in SECTIONS for f in _field_names(s)}
+        if unknown:
+            raise KeyError(f"unknown config fields {sorted(unknown)}")
+        return dataclasses.replace(self, **changed)
+
+    def flat(self) -> dict[str, Any]:
+        """All fields by their argparse destination names."""
+        return {
+            k: v for name, _ in SECTIONS for k, v in dataclasses.asdict(getattr(self, name)).items()
+        }
+
+
+def _field_names(section: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(section)}
+
+
+def _scalar_type(annotation: Any) -> type:
+    """int / float / str / bool from an annotation such as `int | None`."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return inner[0]
+    return annotation
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, *, include_megatron: bool = True
+) -> argparse.ArgumentParser:
+    """Add the flags of every section to `parser` (only ours when `include_megatron` is False)."""
+    for name, section in SECTIONS:
+        hints = typing.get_type_hints(section)
+        fields = [
+            f for f in dataclasses.fields(section) if include_megatron or not f.metadata["megatron"]
+        ]
+        if not fields:
+            continue
+        group = parser.add_argument_group(name, section.__doc__)
+        for f in fields:
+            meta = f.metadata
+            kind = _scalar_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(meta["flag"], action="store_true", help=meta["help"])
+                continue
+            text = meta["help"]
+            if "(default" not in text:
+                text += f" (default: {f.default})"
+            group.add_argument(
+                meta["flag"],
+                type=kind,
+                default=f.default,
+                choices=meta["choices"],
+                help=text,
+                metavar=None if meta["choices"] else kind.__name__.upper(),
+            )
+    return parser
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's `extra_args_provider`: adds the flags Megatron-LM does not define."""
+    return add_arguments(parser, include_megatron=False)
+
+
+def build_parser(
+    *, description: str = "", default_model: str | None = None
+) -> argparse.ArgumentParser:
+    """The full parser of our entry points (Megatron-LM's flag names plus ours)."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_arguments(parser)
+    if default_model is not None:
+        parser.set_defaults(model=default_model)
+    return parser
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, *, default_model: str | None = None
+) -> TrainConfig:
+    """Parse `argv` into a `TrainConfig` (presets are applied by `validate.resolve`)."""
+    ns = build_parser(default_model=default_model).parse_args(argv)
+    return TrainConfig.from_namespace(ns)

@@ -1,0 +1,113 @@
+"""This rank's model chunks, built from the placement and wrapped in Megatron-Core's DDP.
+
+Every rank builds exactly the chunks the placement puts on its pipeline rank (`build_chunk`, with
+weights drawn from global parameter names, so every layout and schedule starts identical). Chunks
+with trainable parameters get one Megatron-Core `DistributedDataParallel` wrapper each (the DIP
+executor starts each chunk's reduction at its own last backward); frozen chunks stay unwrapped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dip.models.chunk import ModelGroups, build_chunk
+from megatron_dip.models.config import ModelConfig
+from megatron_dip.models.init import global_param_name
+from megatron_dip.runtime.checks import unwrap_chunk
+from megatron_dip.runtime.ddp import DataParallelGroups, wrap_chunks_ddp
+
+from .setup import ParallelContext
+from .validate import RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalModel:
+    """This rank's chunks: as the schedules run them (`chunks`, DDP-wrapped where trainable)."""
+
+    chunks: list[torch.nn.Module]
+
+    @property
+    def inner(self) -> list[torch.nn.Module]:
+        """The unwrapped `ModelChunk`s."""
+        return [unwrap_chunk(c) for c in self.chunks]
+
+    @property
+    def ddp(self) -> list[torch.nn.Module]:
+        return [c for c in self.chunks if hasattr(c, "zero_grad_buffer")]
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(global name, parameter) of every parameter on this rank (trainable or not)."""
+        out = []
+        for chunk in self.inner:
+            for local, p in chunk.named_parameters():
+                out.append((global_param_name(chunk, local), p))
+        return out
+
+    def zero_grad(self) -> None:
+        for c in self.ddp:
+            c.zero_grad_buffer()
+        for chunk in self.inner:
+            for p in chunk.parameters():
+                p.grad = None
+
+
+def model_config(spec: RunSpec) -> ModelConfig:
+    """Build-time options of the chunks from the flags."""
+    return ModelConfig(
+        seed=spec.config.train.seed,
+        dtype=spec.dtype,
+        init_std=spec.config.model.init_method_std,
+    )
+
+
+def ddp_config(spec: RunSpec):
+    """Megatron-Core DDP settings: asynchronous reductions started by the schedule."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=spec.config.parallel.use_distributed_optimizer,
+        bucket_size=None,
+        grad_reduce_in_fp32=spec.dtype != "float32",
+    )
+
+
+def build_model(spec: RunSpec, ctx: ParallelContext) -> LocalModel:
+    """Build, initialise and wrap this rank's chunks (see the module docstring)."""
+    config = model_config(spec)
+    groups = ModelGroups(tp=ctx.tp, cp=ctx.single)
+    chunks = []
+    for c in spec.placement.chunks_on_rank(ctx.pp_rank):
+        chunk = build_chunk(
+            spec.model,
+            c,
+            num_chunks=spec.placement.module(c.module).num_chunks,
+            config=config,
+            groups=groups,
+        )
+        chunk.config.calculate_per_token_loss = spec.config.model.calculate_per_token_loss
+        chunks.append(chunk)
+    trainable = [c for c in chunks if any(p.requires_grad for p in c.parameters())]
+    dp_groups = DataParallelGroups(dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, single=ctx.single)
+    wrapped = dict(
+        zip(
+            map(id, trainable),
+            wrap_chunks_ddp(trainable, groups=dp_groups, ddp_config=ddp_config(spec)),
+        )
+    )
+    local = LocalModel([wrapped.get(id(c), c) for c in chunks])
+    count = sum(p.numel() for _, p in local.named_parameters())
+    logger.info(
+        "rank %d (pp %d): %d chunk(s) %s, %.2f M parameters",
+        ctx.rank,
+        ctx.pp_rank,
+        len(chunks),
+        [f"{c.chunk.module}{c.chunk.index}" for c in chunks],
+        count / 1e6,
+    )
+    return local

@@ -1,0 +1,91 @@
+"""The entry points' body: parse -> validate (before any process group) -> initialise -> train.
+
+`main(argv, default_model=...)` is what `pretrain_vlm_dip.py` and `pretrain_diffusion_dip.py` call.
+A bad flag ends the process with exit status 2 and one line naming the flag, before
+torch.distributed is initialised (so a job launched with bad flags fails fast on every rank
+instead of hanging in a collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+
+from .arguments import TrainConfig, parse_config
+from .validate import ConfigError, RunSpec, resolve
+
+logger = logging.getLogger("megatron_dip.training")
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0 (the log lines), warnings only elsewhere; Megatron-Core's own INFO
+    messages (bucket listings) and its CPU fallback warnings are left out."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    if rank != 0:  # the log line counts inline plans; one warning per iteration is enough
+        logging.getLogger("megatron_dip.planner.service").setLevel(logging.ERROR)
+    for text in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        warnings.filterwarnings("ignore", message=f".*{text}.*")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="[%(asctime)s rank " + str(rank) + "] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def world_size_from_env() -> int:
+    """The launcher's world size (torchrun/SLURM), or the live process group's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validated(config: TrainConfig, *, world_size: int) -> RunSpec:
+    """`resolve` with the machine's CUDA availability."""
+    import torch
+
+    return resolve(config, world_size=world_size, cuda=torch.cuda.is_available())
+
+
+def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:
+    """Run a training job; returns the process exit status."""
+    setup_logging(int(os.environ.get("RANK", "0")))
+    config = parse_config(argv, default_model=default_model)
+    try:
+        spec = validated(config, world_size=world_size_from_env())
+    except ConfigError as e:
+        logger.error("error: %s", e)
+        return 2
+    train(spec)
+    return 0
+
+
+def train(spec: RunSpec):
+    """Train a validated run on this process (process groups are created here)."""
+    from .loop import pretrain
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info(
+            "run %s: %s | TP %d PP %d DP %d | schedule %s | placement %s",
+            spec.preset.name, spec.model.name, spec.tensor_parallel, spec.pipeline_parallel,
+            spec.data_parallel, spec.schedule, _placement_text(spec),
+        )  # fmt: skip
+    result = pretrain(spec)
+    if result.losses and int(os.environ.get("RANK", "0")) == 0:
+        first, last = min(result.losses), max(result.losses)
+        logger.info(
+            "done: lm loss %.4f (iteration %d) -> %.4f (iteration %d)",
+            result.losses[first], first, result.losses[last], last,
+        )  # fmt: skip
+    return result
+
+
+def _placement_text(spec: RunSpec) -> str:
+    parts = []
+    for m in spec.placement.modules:
+        layers = ",".join(str(c.num_layers) for c in m.chunks)
+        parts.append(f"{m.name}: {m.num_chunks} chunks [{layers}] layers")
+    return "; ".join(parts)

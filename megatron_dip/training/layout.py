@@ -1,0 +1,233 @@
+"""Sizing a run from its data: sub-microbatch sizes, the placement and the memory limit.
+
+Torch-free, run by `validate.resolve` on every rank before any process group exists. A few
+calibration batches of the run's own data stream (metadata only) give each module's average
+work per microbatch; from it the cost model chooses the sub-microbatch sizes (the smallest size
+keeping 95% of peak efficiency) and DIP's placement (segments per module, layers per chunk), or the
+stock Megatron placement for `--dip-schedule 1f1b|interleaved` (encoder whole on the first stage,
+the loss module's layers split for the average batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megatron_dip.data.packing import PackingLimits, oversize_reason, pack_microbatches
+from megatron_dip.data.sample import SampleMeta
+from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.planner.compare import activation_limits, average_workload
+from megatron_dip.planner.placement import (
+    build_dip_placement,
+    parse_segments,
+    segments_per_module,
+)
+from megatron_dip.planner.static_baselines import stock_pipeline
+from megatron_dip.planner.submicrobatch import MicrobatchWork, choose_sub_size, split_microbatch
+from megatron_dip.schedule.ir import Placement, Recompute
+
+from .arguments import TrainConfig
+from .data_source import DataSpec, make_stream
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_BATCHES = 4
+PROBE_SAMPLES = 256
+_WHOLE = 10**9  # "one sub-microbatch per module"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What `build_layout` decides."""
+
+    sub_sizes: dict[str, int]
+    placement: Placement
+    stage_units: list | None
+    segments: dict[str, int]
+    memory_limit: list[float] | None
+
+
+def _fail(flag: str, message: str) -> ValueError:
+    from .validate import ConfigError
+
+    return ConfigError(f"{flag}: {message}")
+
+
+def calibration_microbatches(
+    config: TrainConfig, model: MultimodalSpec, data: DataSpec, limits: PackingLimits
+) -> list[list[SampleMeta]]:
+    """The samples of each packed microbatch of the first calibration batches (metadata)."""
+    t = config.train
+    stream = make_stream(
+        data, model, seed=t.seed, global_batch_size=t.global_batch_size, limits=limits
+    )
+    if stream.source.num_samples is None:  # unbounded: the stream would skip forever
+        probe = [m for m in stream.source.metas(range(PROBE_SAMPLES)) if m is not None]
+        if all(oversize_reason(m, limits) for m in probe):
+            raise _fail(
+                "--seq-length",
+                f"none of the first {PROBE_SAMPLES} samples of --dip-data {config.dip.dip_data} "
+                f"fits a microbatch ({oversize_reason(probe[0], limits)})",
+            )
+    try:
+        batches = stream.peek(CALIBRATION_BATCHES)
+    except ValueError as e:
+        raise _fail("--dip-data", f"cannot form a batch: {e}") from None
+    out = []
+    for batch in batches:
+        by_id = {s.sample_id: s for s in batch.samples}
+        for mb in pack_microbatches(list(batch.samples), limits=limits):
+            out.append([by_id[x] for x in mb.sample_ids])
+    return out
+
+
+def split_all(
+    model: MultimodalSpec, microbatches, *, seq_length: int, sizes: Mapping[str, int]
+) -> list[MicrobatchWork]:
+    """Every microbatch cut into sub-microbatches of `sizes` (`--seq-length` checked)."""
+    try:
+        return [
+            split_microbatch(model, samples, index=i, seq_length=seq_length, sub_sizes=sizes)
+            for i, samples in enumerate(microbatches)
+        ]
+    except ValueError as e:
+        raise _fail("--seq-length", str(e)) from None
+
+
+def choose_sub_sizes(
+    model: MultimodalSpec, cost_model, workload, given: Mapping[str, int] | None
+) -> dict[str, int]:
+    """Given sizes, completed by the cost model's choice for the modules not named."""
+    sizes = dict(given or {})
+    for m in model.modules:
+        if m.kind is ModuleKind.LLM or m.name in sizes:
+            continue
+        per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
+        sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
+    return sizes
+
+
+def automatic_segments(model: MultimodalSpec, cost_model, workload, pp: int) -> dict[str, int]:
+    """K_i = floor(T_i / T_min) per module (the paper's rule), capped so that each of the
+    P * K_i chunks keeps at least one layer (logged when the cap applies)."""
+    per_sample = {
+        m.name: cost_model.module_time(
+            m.name, instances=workload[m.name].instances, tokens=workload[m.name].tokens
+        )
+        / max(1, workload[m.name].instances)
+        for m in model.modules
+    }
+    wanted = segments_per_module(model, per_sample)
+    capped = {m.name: max(1, min(wanted[m.name], m.num_layers // pp)) for m in model.modules}
+    if capped != wanted:
+        logger.info(
+            "segments per module %s capped to %s: %d pipeline ranks need a layer per chunk",
+            wanted,
+            capped,
+            pp,
+        )
+    return capped
+
+
+def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
+    schedule = config.dip.dip_schedule
+    if config.dip.dip_segments is not None:
+        raise _fail("--dip-segments", f"applies to --dip-schedule dip, not {schedule}")
+    vp = 2 if schedule == "interleaved" else 1
+    if vp > 1 and pp < 2:
+        raise _fail("--pipeline-model-parallel-size", "--dip-schedule interleaved needs PP >= 2")
+    loss = model.loss_module
+    if loss.num_layers < pp * vp:
+        raise _fail(
+            "--pipeline-model-parallel-size",
+            f"--dip-schedule {schedule} cuts the {loss.num_layers} layers of {loss.name!r} into "
+            f"PP x V = {pp} x {vp} stages; lower PP or add layers (--num-layers)",
+        )
+    pipe = stock_pipeline(model, cost_model, num_ranks=pp, num_model_chunks=vp, workload=workload)
+    return pipe.placement, pipe.stage_units
+
+
+def activation_need(
+    placement: Placement, cost_model, works: list[MicrobatchWork], model: MultimodalSpec
+) -> tuple[float, str]:
+    """Bytes the largest stage holds even under full recomputation: no plan needs less on its
+    rank. Returns (bytes, which stage)."""
+    best, where = 0.0, ""
+    trainable = {m.name for m in model.modules if m.trainable}
+    for layout in placement.modules:
+        if layout.name not in trainable:
+            continue
+        subs = [s for w in works for s in w.submicrobatches if s.module == layout.name]
+        for chunk in layout.chunks:
+            for sub in subs:
+                need = cost_model.chunk_activation_bytes(chunk, sub, Recompute.FULL)
+                if need > best:
+                    best, where = need, f"{layout.name} chunk {chunk.index} on rank {chunk.rank}"
+    return best, where
+
+
+def _memory_limit(config, placement, cost_model, works, model, *, tp: int, device):
+    from .validate import gib
+
+    need, where = activation_need(placement, cost_model, works, model)
+    given = config.dip.dip_memory_limit_gb
+    if given is not None:
+        limit = [given * 2**30] * placement.num_ranks
+        if given * 2**30 < need:
+            raise _fail(
+                "--dip-memory-limit-gb",
+                f"{given} GiB is below the {gib(need)} that {where} holds even with full "
+                "recomputation; no plan fits",
+            )
+        return limit
+    if device is None:
+        return None  # CPU: no activation limit
+    limit = activation_limits(placement, cost_model, device=device, tensor_parallel=tp)
+    if min(limit) < need:
+        raise _fail(
+            "--pipeline-model-parallel-size/--tensor-model-parallel-size",
+            f"weights and optimizer state leave {gib(min(limit))} for activations on some rank, "
+            f"below the {gib(need)} that {where} needs; use more model parallelism",
+        )
+    return limit
+
+
+def build_layout(
+    config: TrainConfig,
+    model: MultimodalSpec,
+    cost_model,
+    *,
+    data: DataSpec,
+    limits: PackingLimits,
+    tp: int,
+    pp: int,
+    dtype: str,
+    sub_sizes: Mapping[str, int] | None,
+    device,
+) -> Layout:
+    """Sub-microbatch sizes, placement (DIP or stock) and per-rank activation limit."""
+    del dtype  # the cost model already prices the run's dtype
+    seq = config.train.seq_length
+    microbatches = calibration_microbatches(config, model, data, limits)
+    whole = {m.name: _WHOLE for m in model.modules}
+    workload = average_workload(model, split_all(model, microbatches, seq_length=seq, sizes=whole))
+    sizes = choose_sub_sizes(model, cost_model, workload, sub_sizes)
+    if config.dip.dip_schedule != "dip":
+        placement, units = _stock(config, model, cost_model, workload, pp)
+        return Layout(sizes, placement, units, {}, None)
+    try:
+        override = parse_segments(config.dip.dip_segments or "")
+        segments = override or automatic_segments(model, cost_model, workload, pp)
+        placement, report = build_dip_placement(
+            model, cost_model, num_ranks=pp, workload=workload, segments=segments
+        )
+    except ValueError as e:
+        text = str(e)
+        if text.startswith("--"):  # the planner already names the flag
+            flag, _, rest = text.partition(" ")
+            raise _fail(flag.rstrip(":"), rest) from None
+        raise _fail("--pipeline-model-parallel-size", text) from None
+    split = split_all(model, microbatches, seq_length=seq, sizes=sizes)
+    limit = _memory_limit(config, placement, cost_model, split, model, tp=tp, device=device)
+    return Layout(sizes, placement, None, dict(report.segments), limit)

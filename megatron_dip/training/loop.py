@@ -1,0 +1,264 @@
+"""The training loop: plan, run, step, log, evaluate, checkpoint.
+
+Per iteration, on every rank: rank 0 hands the next --dip-lookahead batches to the planner process;
+the batch is taken from the `BatchStream`; its plan comes from the planner (or inline, counted);
+the rank loads only the samples of its replica's microbatches, runs its program on the executor
+(or Megatron-Core's stock schedule for --dip-schedule 1f1b|interleaved), gathers the global loss and
+timings, steps the optimizer and the LR schedule. Before the first iteration every pipeline
+communication path is warmed up once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megatron_dip.planner.simulator import simulate
+
+from . import checkpoint
+from .build import LocalModel, build_model
+from .data_source import make_stream
+from .log import IntervalLog, IterationRecord, write_trace
+from .metrics import Calibration, batch_tokens, gather_stats, model_flops, predicted_ops
+from .optim import build_optimizer, build_scheduler
+from .planning import DipPlans, stock_plan
+from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
+from .step import StepResult, run_dip, run_stock, samples_by_microbatch, scale_gradients
+from .validate import RunSpec
+
+logger = logging.getLogger("megatron_dip.training")
+
+
+@dataclass
+class TrainResult:
+    """What a run returns on every rank (tests and tools read it)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # completed iteration -> lm loss
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+    planned: dict[int, float] = field(default_factory=dict)  # rank 0, logged iterations
+    bound_efficiency: dict[int, float] = field(default_factory=dict)
+    variants: Counter = field(default_factory=Counter)
+    first_iteration: int = 0
+    last_iteration: int = 0
+    checkpoints: list[str] = field(default_factory=list)
+
+
+class Trainer:
+    """One run on this rank (module docstring)."""
+
+    def __init__(self, spec: RunSpec, ctx: ParallelContext) -> None:
+        self.spec, self.ctx = spec, ctx
+        cfg = spec.config
+        # The planner process starts first: it imports and plans while the model is built.
+        self.plans = DipPlans(spec, ctx) if not spec.is_stock else None
+        self.model: LocalModel = build_model(spec, ctx)
+        self.optimizer = build_optimizer(self.model, spec=spec, ctx=ctx)
+        self.scheduler = build_scheduler(self.optimizer, spec=spec)
+        self.stream = self._stream(evaluation=False)
+        self.eval_stream = None
+        self.calibration = Calibration()
+        self.iteration = 0
+        self.consumed = 0
+        self.result = TrainResult()
+        self.modules = [m.name for m in spec.model.modules]
+        self.log = IntervalLog(
+            train_iters=cfg.train.train_iters,
+            world_size=ctx.world_size,
+            global_batch=cfg.train.global_batch_size,
+            tensorboard_dir=cfg.logging.tensorboard_dir if ctx.is_logging_rank else None,
+        )
+
+    def _stream(self, *, evaluation: bool):
+        t = self.spec.config.train
+        return make_stream(
+            self.spec.data, self.spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
+            limits=self.spec.limits, evaluation=evaluation,
+        )  # fmt: skip
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def load(self) -> None:
+        c = self.spec.config.checkpoint
+        if c.ckpt_step is None and not checkpoint.has_checkpoint(c.load):
+            # Megatron-LM's behaviour: --load of an empty directory starts from scratch.
+            logger.warning("--load %s: no checkpoint there yet, training from scratch", c.load)
+            return
+        path = checkpoint.find(c.load, c.ckpt_step)
+        restored = checkpoint.load(
+            path, spec=self.spec, ctx=self.ctx, model=self.model,
+            optimizer=self.optimizer, scheduler=self.scheduler,
+        )  # fmt: skip
+        self.iteration = restored.iteration
+        self.consumed = restored.consumed_samples
+        self.stream.load_state_dict(restored.stream)
+        self.calibration.load_state_dict(restored.calibration)
+
+    def save(self) -> None:
+        path = checkpoint.save(
+            self.spec.config.checkpoint.save, iteration=self.iteration, spec=self.spec,
+            ctx=self.ctx, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            stream_state=self.stream.state_dict(), calibration=self.calibration.state_dict(),
+            consumed_samples=self.consumed,
+        )  # fmt: skip
+        self.result.checkpoints.append(str(path))
+
+    # -- one iteration --------------------------------------------------------------------
+
+    def _forward_backward(self, stream, *, evaluation: bool) -> tuple:
+        spec, ctx = self.spec, self.ctx
+        if self.plans is not None and not evaluation:
+            self.plans.ahead(stream)
+        batch = next(stream)
+        if self.plans is None:
+            plan, variant = stock_plan(spec, batch, ctx.dp_rank), spec.schedule
+        elif evaluation:
+            plan, variant = self.plans.eval_plan(batch), "eval"
+        else:
+            plan, variant = self.plans.plan(batch)
+        samples = samples_by_microbatch(stream, batch, plan)
+        if self.plans is None:
+            result = run_stock(spec, ctx, self.model, plan, samples, forward_only=evaluation)
+        else:
+            result = run_dip(spec, ctx, self.model, plan, samples)
+        predicted = predicted_ops(plan, spec.cost_model, result.ops)
+        stats = gather_stats(ctx, result, modules=self.modules, predicted=predicted)
+        return batch, plan, variant, result, stats
+
+    def train_step(self) -> None:
+        started = time.time()
+        self.model.zero_grad()
+        self.optimizer.zero_grad()
+        batch, plan, variant, result, stats = self._forward_backward(self.stream, evaluation=False)
+        if self.spec.is_stock and self.spec.config.model.calculate_per_token_loss:
+            scale_gradients(self.model, 1.0 / max(stats.loss_tokens, 1.0))
+        ok, norm, _ = self.optimizer.step()
+        self.scheduler.step(1)
+        self.calibration.update(stats.measured, stats.predicted)
+        self.iteration += 1
+        self.consumed += batch.num_samples
+        seconds = time.time() - started
+        it = self.iteration
+        r = self.result
+        r.losses[it], r.seconds[it] = stats.loss, seconds
+        r.variants[variant] += 1
+        bound = stats.max_busy / max(stats.max_duration, 1e-9)
+        r.bound_efficiency[it] = bound
+        if not ok:
+            logger.warning("iteration %d: update skipped (gradient norm %s)", it, norm)
+        self._report(batch, plan, variant, result, stats, seconds, norm, bound)
+
+    def _planned(self, plan):
+        """Simulated time of `plan` with the calibrated cost model (None while uncalibrated
+        on CPU, where the data-sheet cost model says nothing about this machine)."""
+        if not (self.spec.cuda or self.calibration.covers(self.spec.model)):
+            return None
+        return simulate(plan, self.calibration.apply(self.spec.cost_model))
+
+    def _report(self, batch, plan, variant, result: StepResult, stats, seconds, norm, bound):
+        it, cfg = self.iteration, self.spec.config
+        logging_now = it % cfg.logging.log_interval == 0 or it == cfg.train.train_iters
+        tracing = cfg.dip.dip_trace_dir is not None and it % cfg.dip.dip_trace_interval == 0
+        spans = self._gather_spans(result) if tracing else None
+        if not self.ctx.is_logging_rank:
+            return
+        sim = self._planned(plan) if logging_now or tracing else None
+        if sim is not None:
+            self.result.planned[it] = sim.iteration_time
+        self.log.restarts = self.plans.restarts if self.plans is not None else 0
+        self.log.add(
+            IterationRecord(
+                iteration=it, loss=stats.loss, lr=float(self.optimizer.param_groups[0]["lr"]),
+                grad_norm=None if norm is None else float(norm), seconds=seconds,
+                schedule_seconds=stats.max_duration, samples=batch.num_samples,
+                tokens=batch_tokens(self.spec.model, batch)[self.spec.model.loss_module.name],
+                flops=model_flops(self.spec.model, self.spec.cost_model, batch),
+                bound_efficiency=bound, variant=variant,
+                planned_seconds=None if sim is None else sim.iteration_time,
+                skipped=self.stream.skipped,
+            )
+        )  # fmt: skip
+        if logging_now:
+            logger.info(self.log.line())
+        if spans is not None:
+            planned = sim or simulate(plan, self.spec.cost_model)
+            write_trace(cfg.dip.dip_trace_dir, it, planned, spans)
+
+    def _gather_spans(self, result: StepResult) -> list | None:
+        """Measured spans of replica 0's pipeline ranks, by pipeline rank, on rank 0."""
+        ctx = self.ctx
+        mine = (ctx.dp_rank, ctx.tp_rank, ctx.pp_rank, result.spans)
+        out = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(mine, out, dst=0)
+        if ctx.rank != 0:
+            return None
+        rows = sorted((pp, spans) for dp, tp, pp, spans in out if dp == 0 and tp == 0)
+        return [spans for _, spans in rows]
+
+    # -- evaluation -----------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """Loss over --eval-iters batches of the evaluation stream, forward-only plans."""
+        if self.eval_stream is None:
+            self.eval_stream = self._stream(evaluation=True)
+        loss = tokens = 0.0
+        n = self.spec.config.logging.eval_iters
+        for _ in range(n):
+            *_, stats = self._forward_backward(self.eval_stream, evaluation=True)
+            loss += stats.loss * stats.loss_tokens
+            tokens += stats.loss_tokens
+        value = loss / max(tokens, 1.0)
+        self.result.eval_losses[self.iteration] = value
+        if self.ctx.is_logging_rank:
+            logger.info(self.log.eval_line(self.iteration, value, n))
+        return value
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        cfg = self.spec.config
+        if cfg.checkpoint.load is not None:
+            self.load()
+        if self.plans is not None:
+            self.plans.ahead(self.stream)  # the first batches, before the warm-up
+        warm_up_pipeline(self.ctx, pipeline_peers(self.spec.placement, self.ctx.pp_rank))
+        self.result.first_iteration = self.iteration
+        saved_at = None
+        while self.iteration < cfg.train.train_iters:
+            self.train_step()
+            it = self.iteration
+            if (
+                cfg.checkpoint.save
+                and cfg.checkpoint.save_interval
+                and it % cfg.checkpoint.save_interval == 0
+            ):
+                self.save()
+                saved_at = it
+            if cfg.logging.eval_interval and it % cfg.logging.eval_interval == 0:
+                self.evaluate()
+        if cfg.checkpoint.save and saved_at != self.iteration:
+            self.save()
+        self.result.last_iteration = self.iteration
+        return self.result
+
+    def close(self) -> None:
+        if self.plans is not None:
+            self.plans.close()
+        self.log.close()
+
+
+def pretrain(spec: RunSpec) -> TrainResult:
+    """Initialise the process groups, train, and tear down (every rank calls this)."""
+    ctx = initialize(spec)
+    trainer = None
+    try:
+        trainer = Trainer(spec, ctx)
+        return trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        ctx.destroy()

@@ -1,0 +1,141 @@
+"""Per-iteration numbers: global loss, busy time, cost-model calibration, model FLOPs.
+
+`gather_stats` is the one collective per iteration that brings every rank's numbers to every rank
+(loss sums and tokens as Megatron reports them: summed over all microbatches of the global batch,
+then divided, so the loss does not depend on packing or layout; measured busy time; measured and
+predicted compute time per module for the calibration).
+
+`Calibration` keeps one factor per module, measured / predicted compute time of the plans that
+ran (exponential moving average), identical on every rank, saved in checkpoints. The calibrated
+cost model predicts this machine's iteration time ("planned") next to the measured one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_dip.data.sample import BatchMeta
+from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.schedule.ir import ChunkSpec, Forward, Plan, Recompute
+
+from .setup import ParallelContext
+from .step import StepResult
+
+ALPHA = 0.3  # weight of the newest iteration in the calibration average
+
+
+@dataclass
+class Calibration:
+    """Measured / predicted compute time per module (module docstring)."""
+
+    scales: dict[str, float] = field(default_factory=dict)
+
+    def update(self, measured: Mapping[str, float], predicted: Mapping[str, float]) -> None:
+        for module, seconds in measured.items():
+            p = predicted.get(module, 0.0)
+            if p <= 0 or seconds <= 0:
+                continue
+            ratio = seconds / p
+            old = self.scales.get(module)
+            self.scales[module] = ratio if old is None else (1 - ALPHA) * old + ALPHA * ratio
+
+    def covers(self, model: MultimodalSpec) -> bool:
+        return all(m.name in self.scales for m in model.modules)
+
+    def apply(self, cost_model):
+        return cost_model.calibrated(self.scales) if self.scales else cost_model
+
+    def state_dict(self) -> dict:
+        return {"scales": dict(self.scales)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.scales = {str(k): float(v) for k, v in state.get("scales", {}).items()}
+
+
+def predicted_ops(plan: Plan, cost_model, ops) -> dict[str, float]:
+    """Cost-model seconds of the executed compute instructions, by module."""
+    out: dict[str, float] = {}
+    recompute = {}
+    for ins, _ in ops:
+        if isinstance(ins, Forward):
+            recompute[ins.stage] = ins.recompute
+    for ins, _ in ops:
+        s = ins.stage
+        chunk: ChunkSpec = plan.placement.module(s.module).chunks[s.chunk]
+        c = cost_model.stage_cost(
+            chunk, plan.submicrobatch(s.work), recompute.get(s, Recompute.NONE)
+        )
+        out[s.module] = out.get(s.module, 0.0) + (
+            c.forward if isinstance(ins, Forward) else c.backward
+        )
+    return out
+
+
+def measured_ops(ops) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for ins, seconds in ops:
+        out[ins.stage.module] = out.get(ins.stage.module, 0.0) + seconds
+    return out
+
+
+@dataclass(frozen=True)
+class GlobalStats:
+    """One iteration's numbers, identical on every rank."""
+
+    loss: float
+    loss_tokens: float
+    max_busy: float
+    max_duration: float  # the slowest rank's schedule time
+    measured: dict[str, float]
+    predicted: dict[str, float]
+
+
+def gather_stats(
+    ctx: ParallelContext, result: StepResult, *, modules: list[str], predicted: Mapping[str, float]
+) -> GlobalStats:
+    """All-gather every rank's loss sums, busy time and per-module times (module docstring)."""
+    loss, tokens = result.loss_totals() if ctx.tp_rank == 0 else (0.0, 0.0)
+    measured = measured_ops(result.ops)
+    row = [loss, tokens, result.busy, result.ended - result.started]
+    row += [measured.get(m, 0.0) for m in modules] + [predicted.get(m, 0.0) for m in modules]
+    mine = torch.tensor(row, dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(rows, mine)
+    table = torch.stack(rows)
+    n = len(modules)
+    total_tokens = float(table[:, 1].sum())
+    return GlobalStats(
+        loss=float(table[:, 0].sum()) / max(total_tokens, 1.0),
+        loss_tokens=total_tokens,
+        max_busy=float(table[:, 2].max()),
+        max_duration=float(table[:, 3].max()),
+        measured={m: float(table[:, 4 + i].sum()) for i, m in enumerate(modules)},
+        predicted={m: float(table[:, 4 + n + i].sum()) for i, m in enumerate(modules)},
+    )
+
+
+def batch_tokens(model: MultimodalSpec, batch: BatchMeta) -> dict[str, int]:
+    """Tokens each module processes for `batch` (text for LLM / text encoder, vision tokens for
+    the ViT / DiT)."""
+    out = {}
+    for m in model.modules:
+        if m.kind in (ModuleKind.LLM, ModuleKind.TEXT_ENCODER):
+            out[m.name] = sum(s.text_tokens for s in batch.samples)
+        else:
+            out[m.name] = sum(sum(s.vision_tokens) for s in batch.samples)
+    return out
+
+
+def model_flops(model: MultimodalSpec, cost_model, batch: BatchMeta) -> float:
+    """6 * params * tokens per trained module (2 * for frozen ones); attention's quadratic part
+    is left out, so TFLOP/s from it is an underestimate."""
+    tokens = batch_tokens(model, batch)
+    total = 0.0
+    for m in model.modules:
+        params = cost_model.chunk_params(ChunkSpec(m.name, 0, 0, 0, m.num_layers))
+        total += (6 if m.trainable else 2) * params * tokens[m.name]
+    return total

@@ -1,0 +1,210 @@
+"""Where each iteration's plan comes from.
+
+DIP (`DipPlans`): rank 0 runs the planner service (a separate process planning the next
+--dip-lookahead batches from `BatchStream.peek`, greedy first, then searched), delivering through a
+TCPStore that rank 0 hosts; every rank asks `PlanClient.fetch` for its replica's plan; when nothing
+is ready, all ranks compute the same greedy plan inline (counted). With --dip-lookahead 0 there is
+no planner process and every plan is computed inline.
+
+Stock (`stock_plan`): Megatron's order on the stock placement, in the plan format, so that the same
+`SampleBatchSource` feeds Megatron's own schedule functions and the simulator can predict them.
+The global batch is packed once and split into equal contiguous shares, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+from collections import Counter
+
+import numpy as np
+import torch.distributed as dist
+
+from megatron_dip.data.packing import pack_microbatches
+from megatron_dip.data.sample import BatchMeta
+from megatron_dip.data.stream import BatchStream
+from megatron_dip.models.layout import message_tensors
+from megatron_dip.planner.dip import DipPlanner, ReplicaPlan, sample_loss_tokens
+from megatron_dip.planner.service import INLINE, PlanClient, PlannerService, StoreAddress
+from megatron_dip.planner.submicrobatch import split_microbatch
+from megatron_dip.schedule.baselines import build_megatron_plan
+from megatron_dip.schedule.ir import BatchTotals, Plan
+
+from .setup import ParallelContext
+from .validate import RunSpec
+
+logger = logging.getLogger(__name__)
+
+_WHOLE = 10**9
+
+
+def make_planner(spec: RunSpec) -> DipPlanner:
+    return DipPlanner(spec.model, spec.cost_model, spec.placement, spec.planner)
+
+
+def batch_totals(planner: DipPlanner, batch: BatchMeta, num_microbatches: int) -> BatchTotals:
+    return BatchTotals(
+        num_microbatches=num_microbatches,
+        num_samples=batch.num_samples,
+        num_loss_tokens=sum(sample_loss_tokens(s, planner.model) for s in batch.samples),
+        data_parallel_size=planner.config.data_parallel,
+    )
+
+
+def replica_plan(
+    planner: DipPlanner,
+    batch: BatchMeta,
+    replica: int,
+    *,
+    search: bool = False,
+    forward_only: bool = False,
+) -> ReplicaPlan:
+    """The plan of one replica, identical to `planner.plan_batch(batch)[replica]`."""
+    works = [planner.microbatches(s) for s in planner.replica_samples(batch)]
+    totals = batch_totals(planner, batch, sum(len(w) for w in works))
+    return planner.plan_replica(
+        works[replica],
+        iteration=batch.iteration,
+        replica=replica,
+        totals=totals,
+        forward_only=forward_only,
+        search=search,
+    )
+
+
+def tensor_fn(spec: RunSpec, plan: Plan):
+    """The built model's message shapes for the sub-microbatches of `plan`."""
+
+    def tensors(key):
+        return message_tensors(
+            spec.model, key=key, sub_lookup=plan.submicrobatch, dtype=spec.dtype,
+            tensor_parallel=spec.tensor_parallel,
+        )  # fmt: skip
+
+    return tensors
+
+
+def _share_store(ctx: ParallelContext, timeout_s: float = 300.0):
+    """A TCPStore hosted by rank 0 for plan delivery: (store, address for rank 0's planner
+    process) on every rank. The server listens on all interfaces; the other ranks reach it by
+    rank 0's host name (rank 0 need not be the rendezvous host)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    box: list = [None, None]
+    store = None
+    if ctx.rank == 0:
+        store = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        box = [socket.gethostname(), store.port]
+    dist.broadcast_object_list(box, src=0)
+    host, port = box
+    if store is None:
+        store = StoreAddress(host, int(port), timeout_s).connect()
+    return store, StoreAddress("127.0.0.1", int(port), timeout_s)
+
+
+class DipPlans:
+    """Plans of this rank's replica (module docstring)."""
+
+    def __init__(self, spec: RunSpec, ctx: ParallelContext) -> None:
+        self.spec, self.ctx = spec, ctx
+        self.planner = make_planner(spec)
+        self.lookahead = spec.config.dip.dip_lookahead
+        self.variants: Counter[str] = Counter()
+        self.service: PlannerService | None = None
+        self.client: PlanClient | None = None
+        self._submitted = -1
+        if self.lookahead > 0:
+            store, address = _share_store(ctx)
+            self.client = PlanClient(store, replica=ctx.dp_rank)
+            if ctx.rank == 0:
+                factory = functools.partial(
+                    DipPlanner, spec.model, spec.cost_model, spec.placement, spec.planner
+                )
+                self.service = PlannerService(factory, address, lookahead=self.lookahead)
+                self.service.start()
+
+    def ahead(self, stream: BatchStream) -> None:
+        """Rank 0 hands the next --dip-lookahead batches' metadata to the planner process."""
+        if self.service is None:
+            return
+        for batch in stream.peek(self.lookahead):
+            if batch.iteration > self._submitted:
+                self.service.submit(batch)
+                self._submitted = batch.iteration
+
+    def plan(self, batch: BatchMeta) -> tuple[Plan, str]:
+        """This replica's plan of `batch` and where it came from (searched/greedy/inline)."""
+
+        def inline() -> Plan:
+            return replica_plan(self.planner, batch, self.ctx.dp_rank).plan
+
+        if self.client is None:
+            plan, variant = inline(), INLINE
+        else:
+            plan, variant = self.client.fetch(batch.iteration, inline)
+            if self.ctx.rank == 0 and batch.iteration > 0:
+                # Every rank fetched the previous iteration's plan: it ran with all of them.
+                self.client.cleanup(batch.iteration - 1, num_replicas=self.spec.data_parallel)
+        self.variants[variant] += 1
+        return plan, variant
+
+    def eval_plan(self, batch: BatchMeta) -> Plan:
+        """A forward-only greedy plan (evaluation)."""
+        return replica_plan(self.planner, batch, self.ctx.dp_rank, forward_only=True).plan
+
+    @property
+    def restarts(self) -> int:
+        return self.service.restarts if self.service is not None else 0
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+            self.service = None
+
+
+def stock_plan(
+    spec: RunSpec, batch: BatchMeta, replica: int, *, forward_only: bool = False
+) -> Plan:
+    """Megatron's schedule for this replica's equal share of the packed global batch."""
+    model, seq = spec.model, spec.config.train.seq_length
+    by_id = {s.sample_id: s for s in batch.samples}
+    packed = pack_microbatches(list(batch.samples), limits=spec.limits)
+    shares = np.array_split(np.arange(len(packed)), spec.data_parallel)
+    mine = [packed[int(i)] for i in shares[replica]]
+    works = [
+        split_microbatch(
+            model,
+            [by_id[x] for x in mb.sample_ids],
+            index=i,
+            seq_length=seq,
+            sub_sizes={m.name: _WHOLE for m in model.modules},
+        )
+        for i, mb in enumerate(mine)
+    ]
+    totals = BatchTotals(
+        num_microbatches=len(packed),
+        num_samples=batch.num_samples,
+        num_loss_tokens=sum(sample_loss_tokens(s, model) for s in batch.samples),
+        data_parallel_size=spec.data_parallel,
+    )
+    sub_of = {s.work: s for w in works for s in w.submicrobatches}
+    return build_megatron_plan(
+        placement=spec.placement,
+        stage_units=spec.stage_units,
+        submicrobatches=list(sub_of.values()),
+        dependencies=[d for w in works for d in w.dependencies],
+        microbatches=[w.info for w in works],
+        totals=totals,
+        num_model_chunks=len(spec.stage_units[0]),
+        tensors=lambda key: message_tensors(
+            model, key=key, sub_lookup=sub_of.__getitem__, dtype=spec.dtype,
+            tensor_parallel=spec.tensor_parallel,
+        ),
+        iteration=batch.iteration,
+    )  # fmt: skip

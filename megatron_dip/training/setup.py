@@ -1,0 +1,160 @@
+"""Process groups of a run, created explicitly (Megatron's `parallel_state` is never initialised).
+
+Rank order is Megatron-LM's default "tp-dp-pp": global rank = tp_rank + TP * (dp_rank + DP *
+pp_rank), so tensor-parallel peers are neighbours (one node) and pipeline stages are furthest
+apart. The backend is chosen by the machine: NCCL when CUDA is available, gloo otherwise (then the
+Megatron-Core CPU fixes are applied, through `cpu_support` only). A process group that already
+exists (a launcher that initialised torch.distributed) is reused. Groups are created on every
+rank in the same order, and only the ones a rank belongs to are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_dip.cpu_support import seed_model_parallel_rng
+
+from .validate import RunSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelContext:
+    """This rank's coordinates and process groups."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    mp: dist.ProcessGroup  # pipeline x tensor ranks of one replica (gradient norm)
+    single: dist.ProcessGroup
+    device: torch.device
+    created: list = field(default_factory=list, repr=False)
+    owns_world: bool = False
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+    def destroy(self) -> None:
+        """Destroy the groups this run created (and the world group if it created it)."""
+        for g in self.created:
+            dist.destroy_process_group(g)
+        self.created.clear()
+        if self.owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def coordinates(rank: int, *, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank in tp-dp-pp order."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def global_rank(*, tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def init_distributed(*, cuda: bool, timeout_s: float = 600.0) -> bool:
+    """Initialise torch.distributed from torchrun's environment unless already done; returns
+    whether this call created the world group."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    logger.info("initialised torch.distributed (%s, world %d)", backend, dist.get_world_size())
+    return True
+
+
+def _layouts(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Rank lists of every tensor-, data-, pipeline- and model-parallel group."""
+
+    def rank(t: int, d: int, p: int) -> int:
+        return global_rank(tp_rank=t, dp_rank=d, pp_rank=p, tp=tp, dp=dp)
+
+    return {
+        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "mp": [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
+    }
+
+
+def _new_groups(layouts: list[list[int]], me: int, created: list) -> dist.ProcessGroup:
+    mine = None
+    for ranks in layouts:
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = group
+            created.append(group)
+    return mine
+
+
+def initialize(spec: RunSpec) -> ParallelContext:
+    """Process groups, device and seeded RNG for `spec` (call once per run on every rank)."""
+    owns = init_distributed(cuda=spec.cuda)
+    world = dist.get_world_size()
+    if world != spec.world_size:
+        raise RuntimeError(f"the run was validated for {spec.world_size} processes, found {world}")
+    tp, dp, pp = spec.tensor_parallel, spec.data_parallel, spec.pipeline_parallel
+    me = dist.get_rank()
+    tp_rank, dp_rank, pp_rank = coordinates(me, tp=tp, dp=dp)
+    layouts = _layouts(tp, dp, pp)
+    created: list = []
+    single = _new_groups([[r] for r in range(world)], me, created)
+    groups = {name: _new_groups(layouts[name], me, created) for name in ("tp", "dp", "pp", "mp")}
+    device = torch.device("cuda", torch.cuda.current_device()) if spec.cuda else torch.device("cpu")
+    # Seeds torch and Megatron's RNG tracker; on CPU applies the Megatron-Core CPU fixes.
+    seed_model_parallel_rng(spec.config.train.seed, tp_rank=tp_rank)
+    ctx = ParallelContext(
+        rank=me, world_size=world, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
+        single=single, device=device, created=created, owns_world=owns, **groups,
+    )  # fmt: skip
+    logger.debug("rank %d: tp %d dp %d pp %d", me, tp_rank, dp_rank, pp_rank)
+    return ctx
+
+
+def warm_up_pipeline(ctx: ParallelContext, peers: set[int]) -> None:
+    """Exchange one small tensor with every pipeline peer in a single batched send/receive on
+    every rank of the pipeline group (NCCL creates its communicators on the first batched call
+    and wants every rank of the group in it), then touch the data- and tensor-parallel groups."""
+    ops = []
+    for peer in sorted(peers):
+        dst = dist.get_global_rank(ctx.pp, peer)
+        ops.append(dist.P2POp(dist.isend, torch.ones(1, device=ctx.device), dst, group=ctx.pp))
+        ops.append(dist.P2POp(dist.irecv, torch.empty(1, device=ctx.device), dst, group=ctx.pp))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for group in (ctx.dp, ctx.tp, ctx.mp):
+        if group.size() > 1:
+            dist.all_reduce(torch.zeros(1, device=ctx.device), group=group)
+    dist.barrier()
+
+
+def pipeline_peers(placement, rank: int) -> set[int]:
+    """Pipeline ranks `rank` exchanges messages with under `placement`: neighbouring chunks of a
+    module, and each producer module's last chunk with its consumer's first chunk."""
+    peers: set[int] = set()
+    modules = {m.name: m for m in placement.modules}
+    pairs = [(a.rank, b.rank) for m in placement.modules for a, b in zip(m.chunks, m.chunks[1:])]
+    for m in placement.modules:
+        for other in modules.values():
+            if other is not m:
+                pairs.append((m.chunks[-1].rank, other.chunks[0].rank))
+    for a, b in pairs:
+        if a != b and rank in (a, b):
+            peers.add(b if a == rank else a)
+    return peers

@@ -1,0 +1,394 @@
+"""From parsed flags to a checked `RunSpec`, before any process group exists (torch-free).
+
+`resolve(config, world_size=..., cuda=...)` fills the `--model` preset's defaults, checks every
+flag and every combination that can be checked without communicating (sizes, divisibility, the
+placement, the memory limit, the cost profile, the data), and builds what every rank needs
+identically: the model spec, the cost model, the placement, the planner's configuration. Each
+problem is a `ConfigError` whose message starts with the flag to change. Every rank runs the same
+deterministic resolution, so no rank starts while another refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+from megatron_dip.data.packing import PackingLimits
+from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.planner.cost_model import CostModel
+from megatron_dip.planner.devices import DeviceSpec, get_device, load_profile
+from megatron_dip.planner.dip import PlannerConfig
+from megatron_dip.planner.search import SearchConfig
+from megatron_dip.schedule.ir import Placement, Recompute
+
+from .arguments import TrainConfig
+from .data_source import DataSpec, packing_limits
+from .presets import RunPreset, get_run_preset
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+class ConfigError(ValueError):
+    """A flag or combination of flags that cannot run; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs to build its part of the run (identical on every rank)."""
+
+    config: TrainConfig
+    preset: RunPreset
+    model: MultimodalSpec
+    world_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    cuda: bool
+    dtype: str
+    data: DataSpec
+    limits: PackingLimits
+    sub_sizes: dict[str, int]
+    device: DeviceSpec
+    cost_model: CostModel
+    placement: Placement
+    stage_units: list | None  # stock schedules: [rank][virtual stage] -> units
+    planner: PlannerConfig
+    memory_limit_bytes: list[float] | None
+    segments: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def schedule(self) -> str:
+        return self.config.dip.dip_schedule
+
+    @property
+    def is_stock(self) -> bool:
+        return self.schedule != "dip"
+
+
+def _fail(flag: str, message: str) -> ConfigError:
+    return ConfigError(f"{flag}: {message}")
+
+
+def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
+    """Fill the fields left unset from the `--model` preset."""
+    name = config.model.model
+    if name is None:
+        raise _fail("--model", "choose a run preset (tiny-vlm, tiny-t2v, vlm-s, ..., t2v-l)")
+    try:
+        preset = get_run_preset(name)
+    except KeyError as e:
+        raise _fail("--model", str(e.args[0])) from None
+    defaults = {
+        "tensor_model_parallel_size": preset.tensor_parallel,
+        "pipeline_model_parallel_size": preset.pipeline_parallel,
+        "global_batch_size": preset.global_batch_size,
+        "seq_length": preset.seq_length,
+        "dip_data": preset.data,
+        "dip_data_scale": preset.data_scale,
+        "dip_image_size": preset.image_size,
+        "dip_sub_microbatch_size": preset.sub_microbatch_size,
+    }
+    if config.dip.dip_schedule == "dip":
+        defaults["dip_segments"] = preset.segments
+    flat = config.flat()
+    missing = {k: v for k, v in defaults.items() if flat[k] is None}
+    return config.replace(**missing), preset
+
+
+def _model_spec(config: TrainConfig, preset: RunPreset) -> MultimodalSpec:
+    m = config.model
+    model = preset.model()
+    loss = model.loss_module.name
+    changed = []
+    for spec in model.modules:
+        updates = {}
+        layers = m.num_layers if spec.name == loss else m.encoder_num_layers
+        if layers is not None:
+            if layers < 1:
+                flag = "--num-layers" if spec.name == loss else "--encoder-num-layers"
+                raise _fail(flag, f"must be >= 1, got {layers}")
+            updates["num_layers"] = layers
+        if m.vocab_size is not None and spec.vocab_size > 0:
+            if m.vocab_size < 3:
+                raise _fail(
+                    "--vocab-size", f"must be >= 3 (PAD, IMAGE and text), got {m.vocab_size}"
+                )
+            updates["vocab_size"] = m.vocab_size
+        changed.append(dataclasses.replace(spec, **updates) if updates else spec)
+    return dataclasses.replace(model, modules=tuple(changed))
+
+
+def _check_sizes(config: TrainConfig, world_size: int) -> tuple[int, int, int]:
+    p, t = config.parallel, config.train
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp < 1:
+        raise _fail("--tensor-model-parallel-size", f"must be >= 1, got {tp}")
+    if pp < 1:
+        raise _fail("--pipeline-model-parallel-size", f"must be >= 1, got {pp}")
+    if world_size % (tp * pp):
+        raise _fail(
+            "--tensor-model-parallel-size/--pipeline-model-parallel-size",
+            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}",
+        )
+    dp = world_size // (tp * pp)
+    if t.micro_batch_size != 1:
+        raise _fail(
+            "--micro-batch-size",
+            f"must be 1: samples are packed, a microbatch is one packed sequence of "
+            f"--seq-length tokens (got {t.micro_batch_size}); size the batch with "
+            "--global-batch-size (packed microbatches per iteration)",
+        )
+    if t.global_batch_size < dp:
+        raise _fail(
+            "--global-batch-size",
+            f"{t.global_batch_size} packed microbatches cannot feed {dp} data-parallel replicas",
+        )
+    if t.seq_length < 1:
+        raise _fail("--seq-length", f"must be >= 1, got {t.seq_length}")
+    _check_stock_batch(config, dp=dp, pp=pp)
+    return tp, pp, dp
+
+
+def _check_stock_batch(config: TrainConfig, *, dp: int, pp: int) -> None:
+    """Megatron's schedules give every replica the same number of microbatches, and the
+    interleaved one a multiple of PP per replica."""
+    schedule, g = config.dip.dip_schedule, config.train.global_batch_size
+    if schedule == "dip":
+        return
+    if g % dp:
+        raise _fail(
+            "--global-batch-size",
+            f"--dip-schedule {schedule} gives every replica G/DP microbatches: G={g} is not "
+            f"divisible by DP={dp}",
+        )
+    if schedule == "interleaved" and (g // dp) % pp:
+        raise _fail(
+            "--global-batch-size",
+            f"Megatron's interleaved schedule needs the microbatches per replica (G/DP = "
+            f"{g // dp}) to be a multiple of PP={pp}",
+        )
+
+
+def _check_training(config: TrainConfig) -> None:
+    t, c, lg = config.train, config.checkpoint, config.logging
+    if t.train_iters is None or t.train_iters < 1:
+        raise _fail("--train-iters", f"set the number of iterations (>= 1), got {t.train_iters}")
+    if t.lr is None or not t.lr > 0:
+        raise _fail("--lr", f"set a positive peak learning rate, got {t.lr}")
+    if not 0 <= t.min_lr <= t.lr:
+        raise _fail("--min-lr", f"must lie in [0, --lr={t.lr}], got {t.min_lr}")
+    if t.lr_warmup_iters < 0:
+        raise _fail("--lr-warmup-iters", f"must be >= 0, got {t.lr_warmup_iters}")
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+    if decay < 1 or t.lr_warmup_iters >= decay:
+        raise _fail("--lr-decay-iters", f"{decay} must be >= 1 and > --lr-warmup-iters")
+    if t.clip_grad < 0 or t.weight_decay < 0:
+        raise _fail("--clip-grad/--weight-decay", "must be >= 0")
+    if c.save_interval is not None and (c.save_interval < 1 or c.save is None):
+        raise _fail("--save-interval", "needs --save and a value >= 1")
+    if lg.log_interval < 1:
+        raise _fail("--log-interval", f"must be >= 1, got {lg.log_interval}")
+    if lg.eval_interval is not None and (lg.eval_interval < 1 or lg.eval_iters < 1):
+        raise _fail("--eval-interval/--eval-iters", "must be >= 1")
+    if config.dip.dip_trace_interval < 1:
+        raise _fail("--dip-trace-interval", "must be >= 1")
+
+
+def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
+    p, m = config.parallel, config.model
+    if p.sequence_parallel:
+        raise _fail(
+            "--sequence-parallel",
+            "not implemented in the model chunks yet (needs Transformer Engine norms)",
+        )
+    if m.bf16 and not cuda:
+        raise _fail("--bf16", "needs CUDA; CPU runs train in float32 (drop the flag)")
+    if p.use_distributed_optimizer and not cuda:
+        raise _fail(
+            "--use-distributed-optimizer",
+            "needs CUDA (Megatron's distributed optimizer checks for CUDA tensors)",
+        )
+    if p.use_distributed_optimizer and (config.checkpoint.save or config.checkpoint.load):
+        raise _fail(
+            "--use-distributed-optimizer",
+            "layout-portable checkpoints (--save/--load) of the sharded optimizer state are not "
+            "implemented yet",
+        )
+    if m.recompute_method is not None:
+        logger.warning("--recompute-method is ignored: DIP recomputes whole chunks")
+    if config.dip.dip_schedule != "dip" and m.recompute_granularity is not None:
+        raise _fail(
+            "--recompute-granularity",
+            f"the stock baseline (--dip-schedule {config.dip.dip_schedule}) runs its chunks "
+            "without recomputation; only DIP plans apply it",
+        )
+
+
+def _check_dip(config: TrainConfig) -> None:
+    d = config.dip
+    if d.dip_search_time_ms < 0:
+        raise _fail("--dip-search-time-ms", f"must be >= 0, got {d.dip_search_time_ms}")
+    if d.dip_lookahead < 0:
+        raise _fail("--dip-lookahead", f"must be >= 0, got {d.dip_lookahead}")
+    half = max(1, (os.cpu_count() or 2) // 2)
+    if not 1 <= d.dip_planner_workers <= half:
+        raise _fail(
+            "--dip-planner-workers",
+            f"must lie in [1, {half}] (half of this machine's {os.cpu_count()} cores: the rest "
+            f"feed the accelerators), got {d.dip_planner_workers}",
+        )
+    if d.dip_memory_limit_gb is not None and not d.dip_memory_limit_gb > 0:
+        raise _fail("--dip-memory-limit-gb", f"must be > 0, got {d.dip_memory_limit_gb}")
+    if d.dip_data_scale is not None and not d.dip_data_scale > 0:
+        raise _fail("--dip-data-scale", f"must be > 0, got {d.dip_data_scale}")
+
+
+def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] | None:
+    """`--dip-sub-microbatch-size`: "N" for every encoder module, or "vit=12,text=4"."""
+    if text is None:
+        return None
+    encoders = [m.name for m in model.modules if m.kind is not ModuleKind.LLM]
+    flag = "--dip-sub-microbatch-size"
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.rpartition("=") if "=" in part else ("", "", part)
+        try:
+            size = int(value)
+        except ValueError:
+            raise _fail(flag, f"{part!r} is not N or MODULE=N") from None
+        if size < 1:
+            raise _fail(flag, f"sub-microbatch sizes must be >= 1, got {size} in {part!r}")
+        targets = [name.strip()] if sep else encoders
+        for t in targets:
+            if t not in encoders:
+                raise _fail(
+                    flag,
+                    f"module {t!r} is not split into sub-microbatches; choose among {encoders} "
+                    "(an LLM microbatch is one packed sequence)",
+                )
+            sizes[t] = size
+    return sizes
+
+
+def _device(config: TrainConfig, *, cuda: bool) -> DeviceSpec:
+    name = config.dip.dip_device
+    if name == "auto":
+        name = "H100"
+        if cuda:
+            import torch
+
+            found = torch.cuda.get_device_name()
+            name = next((d for d in ("H200", "H800", "H100") if d in found), "H100")
+    return get_device(name)
+
+
+def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> CostModel:
+    profile = None
+    if config.dip.dip_cost_profile is not None:
+        try:
+            profile = load_profile(config.dip.dip_cost_profile)
+            profile.check_compatible(tensor_parallel=tp)
+        except ValueError as e:
+            raise _fail("--dip-cost-profile", str(e)) from None
+        unknown = (
+            set(profile.modules)
+            - {m.name for m in model.modules}
+            - {m.kind.value for m in model.modules}
+        )
+        if unknown:
+            raise _fail(
+                "--dip-cost-profile",
+                f"profile covers modules {sorted(unknown)} the model does not have",
+            )
+    return CostModel(
+        model,
+        device,
+        tensor_parallel=tp,
+        dtype_bytes=2 if dtype == "bfloat16" else 4,
+        profile=profile,
+    )
+
+
+def _check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
+    for m in model.modules:
+        lay = m.layer
+        for what, value in (("heads", lay.heads), ("kv groups", lay.kv_groups), ("FFN", lay.ffn)):
+            if value % tp:
+                raise _fail(
+                    "--tensor-model-parallel-size",
+                    f"TP={tp} does not divide the {what} ({value}) of module {m.name!r}",
+                )
+        if m.vocab_size and m.vocab_size % tp:
+            raise _fail(
+                "--tensor-model-parallel-size",
+                f"TP={tp} does not divide the vocabulary ({m.vocab_size}) of module {m.name!r}",
+            )
+
+
+def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
+    """Check `config` for a world of `world_size` processes and build the `RunSpec`."""
+    from .layout import build_layout  # the placement and sizing step
+
+    config, preset = apply_preset(config)
+    model = _model_spec(config, preset)
+    tp, pp, dp = _check_sizes(config, world_size)
+    _check_training(config)
+    _check_platform(config, cuda=cuda)
+    _check_dip(config)
+    _check_tensor_parallel(model, tp)
+    try:
+        data = DataSpec.parse(
+            config.dip.dip_data,
+            scale=config.dip.dip_data_scale,
+            image_size=config.dip.dip_image_size,
+        )
+        data.check_model(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    dtype = "bfloat16" if config.model.bf16 else "float32"
+    device = _device(config, cuda=cuda)
+    cost = _cost_model(config, model, device, tp=tp, dtype=dtype)
+    limits = packing_limits(model, config.train.seq_length)
+    layout = build_layout(
+        config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dtype=dtype,
+        sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
+        device=device if cuda else None,
+    )  # fmt: skip
+    d = config.dip
+    search = SearchConfig(
+        time_budget_s=d.dip_search_time_ms / 1e3,
+        workers=d.dip_planner_workers,
+        seed=config.train.seed,
+    )
+    recompute = config.model.recompute_granularity
+    planner = PlannerConfig(
+        seq_length=config.train.seq_length,
+        data_parallel=dp,
+        sub_sizes=layout.sub_sizes,
+        search=search,
+        memory_limit_bytes=layout.memory_limit,
+        tensor_parallel=tp,
+        dtype=dtype,
+        use_search=d.dip_search_time_ms > 0,
+        uniform_recompute=Recompute(recompute) if recompute else None,
+        packing=limits,
+    )
+    return RunSpec(
+        config=config, preset=preset, model=model, world_size=world_size, tensor_parallel=tp,
+        pipeline_parallel=pp, data_parallel=dp, cuda=cuda, dtype=dtype, data=data,
+        limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
+        placement=layout.placement, stage_units=layout.stage_units, planner=planner,
+        memory_limit_bytes=layout.memory_limit, segments=layout.segments,
+    )  # fmt: skip
+
+
+def gib(nbytes: float) -> str:
+    """`nbytes` as GiB text with enough digits for tiny models."""
+    value = nbytes / GIB
+    digits = max(2, 1 - math.floor(math.log10(value))) if value > 0 else 2
+    return f"{value:.{min(digits, 9)}f} GiB"

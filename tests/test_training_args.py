@@ -1,0 +1,288 @@
+"""Flags: generated from the config dataclasses, filled from presets, and every bad value or
+combination refused with a message naming the flag BEFORE any process group exists (in-process,
+no torch.distributed)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch.distributed as dist
+
+from megatron_dip.training import arguments as args_module
+from megatron_dip.training.arguments import TrainConfig, build_parser, parse_config
+from megatron_dip.training.validate import ConfigError, resolve
+
+BASE = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3"]
+
+
+def _resolve(extra, *, world_size=1, base=BASE):
+    return resolve(parse_config([*base, *extra]), world_size=world_size, cuda=False)
+
+
+def _profile(tmp_path, **changes):
+    data = {
+        "format": "megatron-dip-profile/1",
+        "device": "H100",
+        "software": {"torch": "2.6"},
+        "attention": "flash",
+        "tensor_parallel": 1,
+        "modules": {"vit": [{"tokens": 16, "instances": 2, "forward_ms": 1.0, "backward_ms": 2.0}]},
+    }
+    data.update(changes)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+BAD = [
+    # (extra flags, world size, flag named in the message, words in the message)
+    (
+        ["--pipeline-model-parallel-size", "4"],
+        6,
+        "--tensor-model-parallel-size/--pipeline-model-parallel-size",
+        "not divisible",
+    ),
+    (["--pipeline-model-parallel-size", "16"], 16, "--pipeline-model-parallel-size", "layers"),
+    (["--dip-sub-microbatch-size", "0"], 1, "--dip-sub-microbatch-size", ">= 1"),
+    (["--dip-sub-microbatch-size", "vit=0"], 1, "--dip-sub-microbatch-size", ">= 1"),
+    (["--dip-sub-microbatch-size", "llm=2"], 1, "--dip-sub-microbatch-size", "packed sequence"),
+    (["--dip-sub-microbatch-size", "x"], 1, "--dip-sub-microbatch-size", "MODULE=N"),
+    (["--model", "nope"], 1, "--model", "unknown preset"),
+    (["--micro-batch-size", "2"], 1, "--micro-batch-size", "must be 1"),
+    (["--dip-planner-workers", "64"], 1, "--dip-planner-workers", "half"),
+    (["--dip-planner-workers", "0"], 1, "--dip-planner-workers", "must lie"),
+    (["--dip-lookahead", "-1"], 1, "--dip-lookahead", ">= 0"),
+    (["--dip-search-time-ms", "-5"], 1, "--dip-search-time-ms", ">= 0"),
+    (["--dip-segments", "vit=0"], 1, "--dip-segments", "MODULE=N"),
+    (["--dip-segments", "foo=1"], 1, "--dip-segments", "unknown module"),
+    (["--dip-memory-limit-gb", "1e-9"], 1, "--dip-memory-limit-gb", "no plan fits"),
+    (["--dip-memory-limit-gb", "0"], 1, "--dip-memory-limit-gb", "> 0"),
+    (["--dip-data", "synthetic-nope"], 1, "--dip-data", "unknown synthetic mixture"),
+    (["--dip-data", "synthetic-t2v"], 1, "--dip-data", "diffusion"),
+    (["--dip-data", "llava:/does/not/exist.json"], 1, "--dip-data", "does not exist"),
+    (["--dip-data", "webdataset:/x"], 1, "--dip-data", "is not synthetic-MIXTURE"),
+    (["--bf16"], 1, "--bf16", "needs CUDA"),
+    (["--use-distributed-optimizer"], 1, "--use-distributed-optimizer", "needs CUDA"),
+    (["--sequence-parallel"], 1, "--sequence-parallel", "not implemented"),
+    (["--global-batch-size", "1"], 2, "--global-batch-size", "2 data-parallel replicas"),
+    (["--dip-schedule", "interleaved"], 1, "--pipeline-model-parallel-size", "PP >= 2"),
+    (
+        ["--dip-schedule", "1f1b", "--pipeline-model-parallel-size", "16"],
+        16,
+        "--pipeline-model-parallel-size",
+        "stages",
+    ),
+    (["--dip-schedule", "1f1b", "--global-batch-size", "3"], 2, "--global-batch-size", "DP=2"),
+    (
+        ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "4"]
+        + ["--global-batch-size", "4"],
+        8,
+        "--global-batch-size",
+        "multiple of PP=4",
+    ),
+    (
+        ["--dip-schedule", "1f1b", "--recompute-granularity", "full"],
+        1,
+        "--recompute-granularity",
+        "stock baseline",
+    ),
+    (["--dip-schedule", "1f1b", "--dip-segments", "vit=1"], 1, "--dip-segments", "dip"),
+    (["--save-interval", "5"], 1, "--save-interval", "needs --save"),
+    (["--tensor-model-parallel-size", "3"], 3, "--tensor-model-parallel-size", "heads"),
+    (["--tensor-model-parallel-size", "0"], 1, "--tensor-model-parallel-size", ">= 1"),
+    (["--lr-warmup-iters", "2"], 1, "--lr-decay-iters", "--lr-warmup-iters"),
+    (["--min-lr", "1"], 1, "--min-lr", "[0, --lr"),
+    (["--seq-length", "2"], 1, "--seq-length", "fits a microbatch"),
+    (["--num-layers", "0"], 1, "--num-layers", ">= 1"),
+    (["--vocab-size", "2"], 1, "--vocab-size", ">= 3"),
+    (["--log-interval", "0"], 1, "--log-interval", ">= 1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "world", "flag", "words"), BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)]
+)
+def test_bad_flags_are_refused_before_any_process_group(extra, world, flag, words):
+    with pytest.raises(ConfigError) as info:
+        _resolve(extra, world_size=world)
+    message = str(info.value)
+    assert message.startswith(flag + ":"), message
+    assert words in message, message
+    assert not dist.is_initialized()
+
+
+def test_missing_required_flags():
+    for missing, flag in (("--train-iters", "--train-iters"), ("--lr", "--lr")):
+        base = [a for i, a in enumerate(BASE) if missing not in BASE[max(0, i - 1) : i + 1]]
+        with pytest.raises(ConfigError, match=f"^{flag}:"):
+            _resolve([], base=base)
+
+
+def test_cost_profile_that_does_not_parse_or_fit(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="^--dip-cost-profile: profile .*cannot read JSON"):
+        _resolve(["--dip-cost-profile", str(bad)])
+    with pytest.raises(ConfigError, match="^--dip-cost-profile: .*tensor_parallel"):
+        _resolve(["--dip-cost-profile", _profile(tmp_path, tensor_parallel=2)])
+    with pytest.raises(ConfigError, match="^--dip-cost-profile: .*'format'"):
+        _resolve(["--dip-cost-profile", _profile(tmp_path, format="v0")])
+    with pytest.raises(ConfigError, match="^--dip-cost-profile: .*modules .*'dit'"):
+        _resolve(["--dip-cost-profile", _profile(tmp_path, modules={"dit": [
+            {"tokens": 4, "instances": 1, "forward_ms": 1.0, "backward_ms": 2.0}]})])  # fmt: skip
+    spec = _resolve(["--dip-cost-profile", _profile(tmp_path)])
+    assert spec.cost_model.profile is not None
+
+
+def test_presets_fill_unset_flags_and_flags_win():
+    spec = _resolve(
+        [], world_size=4, base=["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1"]
+    )
+    assert (spec.pipeline_parallel, spec.data_parallel) == (1, 4)
+    assert spec.config.train.global_batch_size == 8 and spec.config.train.seq_length == 128
+    assert spec.sub_sizes == {"vit": 2} and spec.segments == {"vit": 1, "llm": 2}
+    spec = _resolve(
+        ["--global-batch-size", "6", "--pipeline-model-parallel-size", "2", "--dip-segments",
+         "vit=2,llm=2", "--dip-sub-microbatch-size", "3", "--num-layers", "12"],
+        world_size=2,
+    )  # fmt: skip
+    assert spec.config.train.global_batch_size == 6 and spec.sub_sizes == {"vit": 3}
+    assert spec.model.module("llm").num_layers == 12
+    assert [m.num_chunks for m in spec.placement.modules] == [4, 4]
+    paper = _resolve(
+        [], world_size=16, base=["--model", "vlm-s", "--train-iters", "2", "--lr", "1"]
+    )
+    assert (paper.tensor_parallel, paper.pipeline_parallel) == (4, 4)
+    assert paper.config.train.seq_length == 8192 and paper.config.dip.dip_data == "synthetic-mixed"
+
+
+def test_stock_schedules_get_megatrons_placement():
+    spec = _resolve(
+        ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"], world_size=2
+    )
+    assert spec.is_stock and len(spec.stage_units[0]) == 2
+    vit = spec.placement.module("vit")
+    assert vit.num_chunks == 1 and vit.chunks[0].rank == 0  # the whole encoder on stage 0
+
+
+def test_every_field_is_a_flag_with_help_and_unique_names():
+    flags, names = set(), set()
+    for _, section in args_module.SECTIONS:
+        for f in dataclasses.fields(section):
+            meta = f.metadata
+            assert meta["flag"].startswith("--") and meta["help"], f.name
+            assert meta["flag"][2:].replace("-", "_") == f.name  # Megatron-LM's destinations
+            flags.add(meta["flag"])
+            names.add(f.name)
+            if f.name.startswith("dip_"):
+                assert not meta["megatron"]
+    assert (
+        len(flags) == len(names) == sum(len(dataclasses.fields(s)) for _, s in args_module.SECTIONS)
+    )
+    help_text = build_parser().format_help()
+    assert "--dip-sub-microbatch-size" in help_text and "--tensor-model-parallel-size" in help_text
+
+
+def test_extra_args_provider_extends_a_megatron_parser():
+    """Megatron-LM defines its own flags; the provider adds only ours, and the whole run reads
+    back from Megatron's namespace."""
+    megatron = argparse.ArgumentParser()
+    args_module.add_arguments(megatron)  # stands in for Megatron-LM's own definitions ...
+    for action in list(megatron._actions):
+        if any(o.startswith("--dip-") or o == "--model" for o in action.option_strings):
+            megatron._remove_action(action)
+            for o in action.option_strings:
+                megatron._option_string_actions.pop(o)
+    args_module.extra_args_provider(megatron)  # ... no conflicting flag definitions
+    ns = megatron.parse_args([*BASE, "--dip-schedule", "1f1b", "--tensor-model-parallel-size", "1"])
+    config = TrainConfig.from_namespace(ns)
+    assert config.dip.dip_schedule == "1f1b" and config.train.lr == 1e-3
+    assert config.replace(lr=2.0).train.lr == 2.0
+    with pytest.raises(KeyError):
+        config.replace(no_such_flag=1)
+
+
+def test_entry_point_exits_2_on_a_bad_flag_without_initialising(monkeypatch, caplog):
+    from megatron_dip.training.entry import main
+
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level(logging.ERROR):
+        status = main([*BASE, "--pipeline-model-parallel-size", "4"], default_model="tiny-vlm")
+    assert status == 2
+    assert "world size 6 is not divisible" in caplog.text
+    assert not dist.is_initialized()
+
+
+def test_checkpoint_lookup_ignores_incomplete_saves(tmp_path):
+    from megatron_dip.training import checkpoint
+
+    with pytest.raises(FileNotFoundError, match="nothing saved"):
+        checkpoint.find(tmp_path)
+    assert not checkpoint.has_checkpoint(tmp_path)
+    done = checkpoint.iteration_dir(tmp_path, 3)
+    done.mkdir()
+    (done / "metadata.json").write_text("{}")
+    (tmp_path / checkpoint.TRACKER).write_text("3")
+    # a crash while saving iteration 6 leaves only its .tmp directory behind
+    crashed = checkpoint.iteration_dir(tmp_path, 6).with_name("iter_0000006.tmp")
+    crashed.mkdir()
+    assert checkpoint.find(tmp_path) == done and checkpoint.has_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="iteration 6"):
+        checkpoint.find(tmp_path, 6)
+
+
+def test_log_line_has_megatrons_fields_and_ours():
+    from megatron_dip.training.log import IntervalLog, IterationRecord
+
+    log = IntervalLog(train_iters=10, world_size=4, global_batch=8)
+    for it, variant in ((1, "inline"), (2, "searched")):
+        log.add(IterationRecord(
+            iteration=it, loss=4.0 + it, lr=1e-3, grad_norm=0.5, seconds=0.5,
+            schedule_seconds=0.4, samples=10, tokens=1000, flops=2e12, bound_efficiency=0.8,
+            variant=variant, planned_seconds=0.38,
+        ))  # fmt: skip
+    line = log.line()
+    for text in ("iteration      2/    10", "consumed samples:         20",
+                 "elapsed time per iteration (ms): 500.0", "lm loss: 5.500000E+00",
+                 "grad norm: 0.500", "tokens/s: 2000", "TFLOP/s/GPU: 1",
+                 "planned/measured (ms): 380.0/400.0", "bound efficiency: 80.0%",
+                 "plans searched/greedy/inline: 1/0/1"):  # fmt: skip
+        assert text in line, line
+
+
+def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from megatron_dip.training.log import IntervalLog, IterationRecord
+
+    written = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, name, value, step):
+            written.append((name, step))
+
+        def close(self):
+            written.append(("closed", -1))
+
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer)
+    )
+    log = IntervalLog(train_iters=1, world_size=1, global_batch=1, tensorboard_dir=str(tmp_path))
+    log.add(IterationRecord(
+        iteration=1, loss=1.0, lr=0.1, grad_norm=0.2, seconds=1.0, schedule_seconds=0.9,
+        samples=1, tokens=1, flops=1.0, bound_efficiency=0.5, variant="inline",
+        planned_seconds=0.8,
+    ))  # fmt: skip
+    log.close()
+    names = {n for n, _ in written}
+    assert {"lm loss", "learning-rate", "grad-norm", "dip/bound-efficiency"} <= names
+    assert {"dip/planned-iteration-time", "closed"} <= names
