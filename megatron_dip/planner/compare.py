@@ -72,7 +72,12 @@ def activation_limits(
 
 
 def one_sub_per_module(
-    model: MultimodalSpec, works: Sequence[MicrobatchWork], samples_by_id: dict, *, seq_length: int
+    model: MultimodalSpec,
+    works: Sequence[MicrobatchWork],
+    samples_by_id: dict,
+    *,
+    seq_length: int,
+    pad_multiple: int = 1,
 ) -> list[MicrobatchWork]:
     """The same microbatches with each module's instances in one sub-microbatch (Megatron)."""
     big = {m.name: 10**9 for m in model.modules}
@@ -83,6 +88,7 @@ def one_sub_per_module(
             index=w.info.index,
             seq_length=seq_length,
             sub_sizes=big,
+            pad_multiple=pad_multiple,
         )
         for w in works
     ]
@@ -258,7 +264,13 @@ class Comparison:
         model = self.setup.model
         by_id = {s.sample_id: s for s in samples}
         totals = _totals(model, batch, works, self.setup.data_parallel)
-        whole = one_sub_per_module(model, works, by_id, seq_length=self.setup.seq_length)
+        whole = one_sub_per_module(
+            model,
+            works,
+            by_id,
+            seq_length=self.setup.seq_length,
+            pad_multiple=self.setup.tensor_parallel,  # sequence parallelism shards by TP
+        )
         out = [self._static(pipe, whole, totals, batch.iteration) for pipe in self.static]
         steps = [
             ("dip: separated", dict(fill_bubbles=False, use_search=False, optimize_memory=False)),

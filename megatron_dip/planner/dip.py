@@ -236,6 +236,9 @@ class DipPlanner:
         forwards at the limit would cost; several factors, because the right amount of extra
         in-flight work depends on the batch."""
         free = self._graph(dataflow, sub_of, self._uniform_choice(), forward_only=False)
+        unbounded = self._list_schedule(free, order, None, self._uniform_choice())
+        if all(p <= lim for p, lim in zip(unbounded.peak_memory, limits)):
+            return []  # memory does not bind: nothing to trade
         out = []
         for factor in RELAXATION_FACTORS:
             relaxed = [x * factor for x in limits]
