@@ -77,10 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def mixtures_for(setup_name: str, arg: str) -> list[str]:
-    if arg != "auto":
-        return arg.split(",")
+    """The mixtures of `arg` that fit the setup's model kind (VLM or text-to-video)."""
     is_t2v = PAPER_SETUPS[setup_name].model.loss_module.kind is ModuleKind.DIT
-    return list(T2V_MIXTURES if is_t2v else VLM_MIXTURES)
+    fitting = T2V_MIXTURES if is_t2v else VLM_MIXTURES
+    return list(fitting) if arg == "auto" else [m for m in arg.split(",") if m in fitting]
 
 
 def run(setup_name: str, mixture: str, args: argparse.Namespace) -> dict:
