@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from ..schedule.serialize import plan_from_bytes, plan_to_bytes
 logger = logging.getLogger(__name__)
 
 GREEDY, SEARCHED, INLINE = "greedy", "searched", "inline"
+IDLE_POLL_S = 1.0  # how often an idle planner checks that its parent is alive
 
 
 def _key(iteration: int, *parts: object) -> str:
@@ -79,11 +81,14 @@ def planner_loop(
     earliest undecided one. Ends on a None sentinel."""
     planner = make_planner()
     store = address.connect()
+    parent = os.getppid()
     pending: list[BatchMeta] = []
     searched: set[int] = set()
     while True:
+        if os.getppid() != parent:
+            return  # the training process is gone: do not outlive it
         try:
-            item = batches.get(timeout=poll_s if pending else None)
+            item = batches.get(timeout=poll_s if pending else IDLE_POLL_S)
             if item is None:
                 return
             pending.append(item)
@@ -95,10 +100,10 @@ def planner_loop(
             if not _has(store, _key(batch.iteration, "ready")):
                 publish(store, [p.plan for p in planner.plan_batch(batch, search=False)], GREEDY)
         todo = [b for b in pending if b.iteration not in searched]
-        if todo:
+        if todo and planner.config.use_search:
             batch = todo[0]
             searched.add(batch.iteration)
-            plans = [p.plan for p in planner.plan_batch(batch, search=True)]
+            plans = [p.plan for p in planner.plan_batch(batch)]  # the configured search
             if not _has(store, _key(batch.iteration, "decision")):
                 publish(store, plans, SEARCHED)
 
