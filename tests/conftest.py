@@ -7,6 +7,7 @@ runs stay fast); whoever imports it, every test starts with `torch.set_num_threa
 
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -32,3 +33,18 @@ def pytest_runtest_setup(item):
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def single_rank_world(tmp_path_factory):
+    """A one-rank gloo world for in-process tests of distributed code. Torn down after the module,
+    so tests that check that nothing initialised a process group see none."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()

@@ -18,12 +18,9 @@ needs_cpu_only = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="session")
-def world(tmp_path_factory) -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    return dist.group.WORLD
+@pytest.fixture(scope="module")
+def world(single_rank_world) -> dist.ProcessGroup:
+    return single_rank_world
 
 
 @needs_cpu_only

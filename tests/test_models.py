@@ -12,7 +12,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_dip.data.packing import pack_microbatches
 from megatron_dip.data.sample import IMAGE_TOKEN, Sample
@@ -37,12 +36,9 @@ VLM_RANGES = {"vit": [(0, 3), (3, 5), (5, 8)], "llm": [(0, 3), (3, 3), (3, 8)]}
 T2V_RANGES = {"text": [(0, 3), (3, 8)], "dit": [(0, 3), (3, 5), (5, 8)]}
 
 
-@pytest.fixture(scope="session")
-def groups(tmp_path_factory) -> ModelGroups:
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    world = dist.group.WORLD
+@pytest.fixture(scope="module")
+def groups(single_rank_world) -> ModelGroups:
+    world = single_rank_world
     return ModelGroups(tp=world, cp=world, embedding=world)
 
 

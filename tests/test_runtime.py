@@ -45,11 +45,8 @@ SIZES = {"vlm": {"vit": 2}, "t2v": {"text": 2, "dit": 2}}
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory) -> ModelGroups:
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    world = dist.group.WORLD
+def groups(single_rank_world) -> ModelGroups:
+    world = single_rank_world
     from megatron_dip.cpu_support import seed_model_parallel_rng
 
     seed_model_parallel_rng(st.CFG.seed)

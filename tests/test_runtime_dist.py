@@ -173,12 +173,22 @@ def test_pp4_megatron_orders_match_megatron_and_reference(world4, ours, stock):
     np.testing.assert_allclose(reports(world4, ours), reports(world4, stock), rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["tp2_vlm", "tp2_t2v"])
+@pytest.mark.parametrize("name", ["tp2_vlm", "tp2_t2v", "tp2sp_vlm", "tp2sp_t2v"])
 def test_pp2_tp2_shards_match_reference(world4, name):
-    """Tensor-parallel shards (column, row, vocabulary, gated fc1) of every parameter."""
+    """Tensor-parallel shards (column, row, vocabulary, gated fc1) of every parameter; "tp2sp_":
+    with sequence parallelism (activations sharded along the sequence, sequence-parallel norm
+    and row-bias gradients summed over the TP group by the runtime)."""
     check_grads(world4, name)
     check_loss(world4, name, ranks=[0, 2])  # the TP rank 0 of each pipeline rank
     check_clean(world4, name)
+    marked = [res[name]["sequence_parallel_params"] for res in world4]
+    if name.startswith("tp2sp_"):
+        assert all(n > 0 for n in marked)  # norms (and row-parallel biases) of every rank
+        sp_rows = {r for res in world4 for r in res[name]["hidden_rows"]}
+        full_rows = {r for res in world4 for r in res[name.replace("sp", "")]["hidden_rows"]}
+        assert sp_rows and max(sp_rows) * 2 == max(full_rows)  # sharded along the sequence
+    else:
+        assert not any(marked)
 
 
 @pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v"])

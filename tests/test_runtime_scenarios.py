@@ -178,7 +178,8 @@ def world4(*, rank: int, world_size: int, parts: tuple = ("pp", "tp", "dp")) -> 
 
 
 def _tensor_parallel(out: dict, gtp: Groups) -> None:
-    """PP=2 x TP=2, two chunks per rank per module, with recompute."""
+    """PP=2 x TP=2, two chunks per rank per module, with recompute; without and with sequence
+    parallelism."""
     vlm = st.make_batch("vlm", vlm_microbatches(), sizes=VLM_SIZES)
     pl = st.dip_placement(vlm.model, 2, {"vit": 2, "llm": 2})
     plan = st.with_recompute(st.segment_plan(vlm, pl), st.cycle_recompute)
@@ -187,3 +188,12 @@ def _tensor_parallel(out: dict, gtp: Groups) -> None:
     tpl = st.dip_placement(t2v.model, 2, {"text": 2, "dit": 2})
     tplan = st.with_recompute(st.segment_plan(t2v, tpl), st.cycle_recompute)
     guarded("tp2_t2v", out, lambda: run_executor(t2v, tpl, tplan, gtp))
+    # The same with sequence parallelism: sub-microbatches padded to a multiple of TP, hidden
+    # states between chunks [padded_tokens / 2, 1, hidden], norm gradients summed over TP.
+    sp = replace(st.CFG, sequence_parallel=True)
+    vlm = st.make_batch("vlm", vlm_microbatches(), sizes=VLM_SIZES, sequence_parallel=2)
+    plan = st.with_recompute(st.segment_plan(vlm, pl), st.cycle_recompute)
+    guarded("tp2sp_vlm", out, lambda: run_executor(vlm, pl, plan, gtp, model_config=sp))
+    t2v = st.make_batch("t2v", t2v_microbatches(), sizes=T2V_SIZES, sequence_parallel=2)
+    tplan = st.with_recompute(st.segment_plan(t2v, tpl), st.cycle_recompute)
+    guarded("tp2sp_t2v", out, lambda: run_executor(t2v, tpl, tplan, gtp, model_config=sp))

@@ -87,17 +87,27 @@ class Batch:
     subs: tuple
     deps: tuple
     totals: BatchTotals
+    sequence_parallel: int = 0  # the TP size activations are divided by (0: no SP)
 
     @property
     def by_index(self) -> dict[int, list[Sample]]:
         return {i.index: list(mb) for i, mb in zip(self.infos, self.microbatches)}
 
     def tensor_fn(self) -> Callable:
-        return functools.partial(_tensors, self.model, {s.work: s for s in self.subs})
+        return functools.partial(
+            _tensors, self.model, {s.work: s for s in self.subs}, self.sequence_parallel
+        )
 
 
-def _tensors(model, table, key):
-    return message_tensors(model, key=key, sub_lookup=table.__getitem__, dtype=CFG.dtype)
+def _tensors(model, table, sp_tp, key):
+    return message_tensors(
+        model,
+        key=key,
+        sub_lookup=table.__getitem__,
+        dtype=CFG.dtype,
+        tensor_parallel=max(sp_tp, 1),
+        sequence_parallel=sp_tp > 1,
+    )
 
 
 def loss_tokens(model: MultimodalSpec, microbatches: Sequence[Sequence[Sample]]) -> int:
@@ -112,14 +122,24 @@ def make_batch(
     sizes: Mapping[str, int] | None = None,
     all_microbatches: Sequence[Sequence[Sample]] | None = None,
     data_parallel: int = 1,
+    sequence_parallel: int = 0,
 ) -> Batch:
-    """This replica's `microbatches`; totals over `all_microbatches` (default: these)."""
+    """This replica's `microbatches`; totals over `all_microbatches` (default: these).
+    `sequence_parallel`: the TP size under sequence parallelism (sub-microbatches padded to a
+    multiple of it, message shapes divided by it); 0 without."""
     model = model_of(kind)
     everything = list(all_microbatches or microbatches)
     subs = tuple(
         s
         for i, mb in enumerate(microbatches)
-        for s in split_submicrobatches(model, mb, microbatch=i, seq_length=SEQ, sizes=sizes)
+        for s in split_submicrobatches(
+            model,
+            mb,
+            microbatch=i,
+            seq_length=SEQ,
+            sizes=sizes,
+            pad_multiple=max(sequence_parallel, 1),
+        )
     )
     infos = tuple(
         MicrobatchInfo(i, tuple(s.sample_id for s in mb), SEQ) for i, mb in enumerate(microbatches)
@@ -138,6 +158,7 @@ def make_batch(
         subs,
         cross_module_dependencies(model, subs),
         totals,
+        sequence_parallel,
     )
 
 

@@ -68,14 +68,16 @@ def pick(groups: Sequence[dist.ProcessGroup | None]) -> dist.ProcessGroup:
     return next(g for g in groups if g is not None)
 
 
-def build_chunks(batch: st.Batch, placement: Placement, groups: Groups) -> list[torch.nn.Module]:
+def build_chunks(
+    batch: st.Batch, placement: Placement, groups: Groups, *, config=None
+) -> list[torch.nn.Module]:
     seed_model_parallel_rng(st.CFG.seed, tp_rank=groups.tp.rank())
     return [
         build_chunk(
             batch.model,
             c,
             num_chunks=placement.module(c.module).num_chunks,
-            config=st.CFG,
+            config=config or st.CFG,
             groups=groups.model_groups(),
         )
         for c in placement.chunks_on_rank(groups.pp.rank())
@@ -131,8 +133,9 @@ def run_executor(
     config: ExecutorConfig | None = None,
     ddp: bool = False,
     channels: bool = False,
+    model_config=None,
 ) -> dict[str, Any]:
-    chunks = build_chunks(batch, placement, groups)
+    chunks = build_chunks(batch, placement, groups, config=model_config)
     if ddp:
         dpg = DataParallelGroups(dp=groups.dp, tp=groups.tp, pp=groups.pp, single=groups.single)
         chunks = wrap_chunks_ddp(chunks, groups=dpg)
@@ -162,6 +165,20 @@ def run_executor(
         "grad_sync": result.grad_sync_started,
         "last_backward": last_backwards(plan, groups.pp.rank()),
         "length": len(plan.program(groups.pp.rank())),
+        "sequence_parallel_params": sum(
+            bool(getattr(p, "sequence_parallel", False))
+            for c in chunks
+            for p in unwrap_chunk(c).parameters()
+        ),
+        "hidden_rows": sorted(
+            {
+                t.shape[0]
+                for ins in plan.program(groups.pp.rank()).instructions
+                if hasattr(ins, "tensors") and ins.key.producer.module == ins.key.consumer.module
+                for t in ins.tensors
+                if t.name == "hidden"
+            }
+        ),
     }
 
 

@@ -67,7 +67,13 @@ BAD = [
     (["--dip-data", "webdataset:/x"], 1, "--dip-data", "is not synthetic-MIXTURE"),
     (["--bf16"], 1, "--bf16", "needs CUDA"),
     (["--use-distributed-optimizer"], 1, "--use-distributed-optimizer", "needs CUDA"),
-    (["--sequence-parallel"], 1, "--sequence-parallel", "not implemented"),
+    (["--sequence-parallel"], 1, "--sequence-parallel", "needs tensor parallelism"),
+    (
+        ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "63"],
+        2,
+        "--sequence-parallel",
+        "multiple of TP=2",
+    ),
     (["--global-batch-size", "1"], 2, "--global-batch-size", "2 data-parallel replicas"),
     (["--dip-schedule", "interleaved"], 1, "--pipeline-model-parallel-size", "PP >= 2"),
     (
@@ -158,6 +164,15 @@ def test_presets_fill_unset_flags_and_flags_win():
     )
     assert (paper.tensor_parallel, paper.pipeline_parallel) == (4, 4)
     assert paper.config.train.seq_length == 8192 and paper.config.dip.dip_data == "synthetic-mixed"
+
+
+def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():
+    from megatron_dip.training.build import model_config
+
+    spec = _resolve(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
+    assert spec.sequence_parallel and spec.planner.sequence_parallel
+    assert model_config(spec).sequence_parallel
+    assert not _resolve(["--tensor-model-parallel-size", "2"], world_size=2).sequence_parallel
 
 
 def test_stock_schedules_get_megatrons_placement():

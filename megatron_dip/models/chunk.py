@@ -18,6 +18,19 @@ module's `TransformerConfig`. Forward contract, for one sub-microbatch:
   producer module the tensors handed to its consumer (ViT "embeddings"; text "cond",
   "cond_index").
 
+Sequence parallelism (`ModelConfig.sequence_parallel` with TP > 1): the hidden states inside
+and between the chunks of a module are this rank's contiguous shard of the sequence,
+[padded_tokens / TP, 1, hidden] (`layout.message_tensors`); chunk 0 scatters its embeddings
+(Megatron's `scatter_to_sequence_parallel_region`), the last chunk gathers the sequence after
+its final norm for the loss or the hand-over, and Megatron's layers all-gather / reduce-scatter
+around attention and MLP. Masks and rotary tables stay full-length (attention runs on the
+gathered sequence). Everything else — hand-overs, DiT "temb" / "cond" / "cond_index" — is
+replicated across the tensor-parallel ranks with complete, identical gradients. Parameters that
+see only a shard (norms, row-parallel biases) carry `sequence_parallel = True`; their gradients
+are summed over the TP group once per iteration by the runtime
+(`runtime.ddp.reduce_sequence_parallel_grads`). Sequence lengths must divide by TP (the planner
+pads sub-microbatches to a multiple of it; the LLM's seq_length must be one).
+
 Backward is plain autograd: the runtime calls `torch.autograd.backward` on the returned
 floating-point tensors with the gradient message (same names), and reads `.grad` of the
 received input tensors it marked `requires_grad`.
@@ -37,7 +50,15 @@ from megatron_dip.cpu_support import apply_cpu_fixes
 from megatron_dip.modelspec import ModuleKind, MultimodalSpec
 from megatron_dip.schedule.ir import ChunkSpec
 
-from .common import ModelGroups, mark_tensor_parallel_weights, torch_dtype, transformer_config
+from .common import (
+    ModelGroups,
+    gather_sequence,
+    mark_tensor_parallel_weights,
+    scatter_sequence,
+    sequence_parallel_backend,
+    torch_dtype,
+    transformer_config,
+)
 from .config import ModelConfig
 from .init import init_chunk_parameters
 from .inputs import SubBatch
@@ -77,7 +98,10 @@ class ModelChunk(MegatronModule):
         self.num_chunks = num_chunks
         self.model_config = config
         self.groups = groups
-        self.backend = megatron_compat.layer_backend(megatron_compat.resolve_use_te(config.use_te))
+        self.backend = sequence_parallel_backend(
+            megatron_compat.layer_backend(megatron_compat.resolve_use_te(config.use_te)),
+            self.config,
+        )
         self.global_aliases: dict[str, str] = {}
         self.layers = self._build_layers()
         self.pre = self._build_pre() if self.is_first else None
@@ -112,6 +136,19 @@ class ModelChunk(MegatronModule):
 
     def _build_layers(self) -> torch.nn.ModuleList:
         raise NotImplementedError
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether activations are sharded along the sequence over the tensor-parallel group."""
+        return bool(self.config.sequence_parallel)
+
+    def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Chunk 0: this rank's sequence shard of the embeddings (identity without SP)."""
+        return scatter_sequence(x, self.config, self.groups)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Last chunk: the full sequence for the loss / hand-over (identity without SP)."""
+        return gather_sequence(x, self.config, self.groups)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(
@@ -189,10 +226,6 @@ def build_chunk(
         raise ValueError(
             f"chunk {chunk.module}{chunk.index} layers [{chunk.layer_start}, {chunk.layer_end}) "
             f"outside the module's {module_spec.num_layers} layers"
-        )
-    if config.sequence_parallel:
-        raise NotImplementedError(
-            "sequence parallelism inside chunks is not implemented (needs TE norms; untested)"
         )
     apply_cpu_fixes()
     megatron_compat.ensure_global_memory_buffer()

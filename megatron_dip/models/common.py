@@ -80,7 +80,8 @@ def is_text(module: ModuleSpec) -> bool:
 def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int):
     """Megatron `TransformerConfig` of one module's layers (pipeline size 1, no dropout).
 
-    Dropout is off because a random mask would differ between layouts; Megatron's own weight
+    `sequence_parallel` applies only when `tp_size` > 1. Dropout is off because a random mask
+    would differ between layouts; Megatron's own weight
     initialisation is skipped (`perform_initialization=False`): `init.py` initialises every
     parameter from its global name.
     """
@@ -112,7 +113,8 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int)
         fp16=dtype is torch.float16,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=1,
-        sequence_parallel=config.sequence_parallel,
+        # Sequence parallelism needs tensor parallelism (Megatron refuses it at TP=1).
+        sequence_parallel=config.sequence_parallel and tp_size > 1,
         perform_initialization=False,
         use_cpu_initialization=False,
         init_method_std=config.init_std,
@@ -123,7 +125,10 @@ def gpt_layer_spec(module: ModuleSpec, backend):
     """Megatron's GPT layer spec with an arbitrary-mask self-attention.
 
     The stock spec's causal mask type would let the fused softmax kernel ignore our
-    causal + document mask; "arbitrary" always applies the mask we pass.
+    causal + document mask; "arbitrary" always applies the mask we pass. When the backend's
+    norm is `SequenceParallelNorm` (local layers under sequence parallelism), the spec's
+    unfused norms (Megatron's `WrappedTorchNorm`, which refuses sequence parallelism) are
+    replaced by it.
     """
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -132,7 +137,111 @@ def gpt_layer_spec(module: ModuleSpec, backend):
     )
     attention = spec.submodules.self_attention
     attention.params = {**(attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary}
+    if backend.norm is SequenceParallelNorm:
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        for name in ("input_layernorm", "pre_cross_attn_layernorm", "pre_mlp_layernorm"):
+            if getattr(spec.submodules, name, IdentityOp) is not IdentityOp:
+                setattr(spec.submodules, name, SequenceParallelNorm)
     return spec
+
+
+class SequenceParallelNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm (as `config.normalization` says) with Megatron's norm signature.
+
+    A plain torch norm usable under sequence parallelism on CPU and GPU (Megatron's
+    `WrappedTorchNorm` refuses it; Transformer Engine's `TENorm` is used instead when TE is
+    the backend). Parameter names and maths are those of `torch.nn.LayerNorm` / `RMSNorm`.
+    Under sequence parallelism a norm sees only this rank's sequence shard, so its weight
+    (and bias) carry Megatron's `sequence_parallel = True`: their gradients must be summed
+    over the tensor-parallel group after the backward (`runtime.ddp.reduce_sequence_parallel_grads`,
+    Megatron's `_allreduce_layernorm_grads`).
+    """
+
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str | None = None,
+    ) -> None:
+        super().__init__()
+        del persist_layer_norm, zero_centered_gamma
+        self.kind = normalization or config.normalization
+        if self.kind not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"SequenceParallelNorm: unsupported normalization {self.kind!r}")
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        if self.kind == "LayerNorm":
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        else:
+            self.register_parameter("bias", None)
+        for p in self.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (self.hidden_size,)
+        if self.kind == "LayerNorm":
+            return functional.layer_norm(x, shape, self.weight, self.bias, self.eps)
+        return functional.rms_norm(x, shape, self.weight, self.eps)
+
+
+def sequence_parallel_backend(backend, tconfig):
+    """`backend` with `SequenceParallelNorm` as its norm when the local (non-TE) layers run
+    under sequence parallelism; unchanged otherwise (TE's norms handle it themselves)."""
+    if not tconfig.sequence_parallel or backend.use_te:
+        return backend
+    import dataclasses
+
+    return dataclasses.replace(backend, norm=SequenceParallelNorm)
+
+
+def without_sequence_parallel(tconfig):
+    """A copy of a `TransformerConfig` with sequence parallelism off (for layers whose input is
+    replicated across tensor-parallel ranks, e.g. the DiT's cross-attention key/value
+    projection of "cond" and the ViT merger); `tconfig` itself when it is already off."""
+    if not tconfig.sequence_parallel:
+        return tconfig
+    out = copy.copy(tconfig)
+    out.sequence_parallel = False
+    return out
+
+
+def scatter_sequence(x: torch.Tensor, tconfig, groups: ModelGroups) -> torch.Tensor:
+    """Under sequence parallelism, this rank's shard of `x` along dim 0 (Megatron's
+    `scatter_to_sequence_parallel_region`: backward all-gathers); `x` otherwise."""
+    if not tconfig.sequence_parallel or groups.tp_size == 1:
+        return x
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.scatter_to_sequence_parallel_region(x, group=groups.tp)
+
+
+def gather_sequence(x: torch.Tensor, tconfig, groups: ModelGroups) -> torch.Tensor:
+    """Under sequence parallelism, the whole sequence from every rank's shard along dim 0;
+    `x` otherwise. For outputs whose consumers are replicated across the tensor-parallel
+    ranks (every rank computes the same loss / hand-over from the full sequence, so the
+    incoming gradient is complete and identical on every rank): the backward keeps this rank's
+    slice of it (`tensor_parallel_output_grad=False`), not a reduce-scatter."""
+    if not tconfig.sequence_parallel or groups.tp_size == 1:
+        return x
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_sequence_parallel_region(
+        x, tensor_parallel_output_grad=False, group=groups.tp
+    )
+
+
+def sequence_slice(x: torch.Tensor, tconfig, groups: ModelGroups) -> torch.Tensor:
+    """This rank's slice along dim 0 of a per-token tensor that is not differentiated (e.g. the
+    token -> clip index), matching `scatter_sequence`; `x` otherwise."""
+    if not tconfig.sequence_parallel or groups.tp_size == 1:
+        return x
+    part = x.shape[0] // groups.tp_size
+    return x[groups.tp_rank * part : (groups.tp_rank + 1) * part]
 
 
 def build_transformer_layers(

@@ -7,6 +7,10 @@ frame, row, column), cross-attention of every clip token to its own caption's to
 The conditioning travels with the activations: chunk 0 computes "temb" (per clip) and "cond"
 (projected text encoding, padding removed) and every chunk passes them on, so their gradients
 reach chunk 0's embedders and, through "cond", a trainable text encoder.
+Under sequence parallelism only "hidden" is sharded along the sequence; "temb", "cond" and
+"cond_index" stay replicated across the tensor-parallel ranks (each rank indexes the modulation
+with its own tokens' clips; the cross-attention key/value projection of "cond" runs without
+sequence parallelism), and every message gradient of them is complete on every rank.
 Loss: rectified flow — the model predicts the velocity noise - x0 from x_t = (1-t) x0 + t noise;
 per latent token the mean squared error over its p*p*C values, summed over real tokens.
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.attention import (
     CrossAttention,
     CrossAttentionSubmodules,
@@ -39,7 +44,9 @@ from .common import (
     cached,
     rotary_table,
     segment_mask,
+    sequence_slice,
     sinusoidal_embedding,
+    without_sequence_parallel,
 )
 from .inputs import SubBatch
 from .llm import Parts
@@ -59,9 +66,14 @@ def dit_layer_specs(backend, *, tp_group: torch.distributed.ProcessGroup) -> Dit
 
     Megatron's CrossAttention builds linear_q/linear_kv without a tensor-parallel group (they
     would fall back to `parallel_state`'s), so the group is bound into their builders here.
+    Under sequence parallelism linear_kv is built without it: its input "cond" is replicated
+    across the tensor-parallel ranks, not a sequence shard.
     """
     arbitrary = {"attn_mask_type": AttnMaskType.arbitrary}
     column_in_group = functools.partial(backend.column_linear, tp_group=tp_group)
+    kv_in_group = functools.partial(
+        _column_without_sequence_parallel, column=backend.column_linear, tp_group=tp_group
+    )
     return DitLayerSpecs(
         self_attention=ModuleSpec(
             module=SelfAttention,
@@ -79,7 +91,7 @@ def dit_layer_specs(backend, *, tp_group: torch.distributed.ProcessGroup) -> Dit
             params=arbitrary,
             submodules=CrossAttentionSubmodules(
                 linear_q=column_in_group,
-                linear_kv=column_in_group,
+                linear_kv=kv_in_group,
                 core_attention=backend.core_attention,
                 linear_proj=backend.row_linear,
             ),
@@ -91,6 +103,10 @@ def dit_layer_specs(backend, *, tp_group: torch.distributed.ProcessGroup) -> Dit
             ),
         ),
     )
+
+
+def _column_without_sequence_parallel(*args, column, tp_group, config, **kwargs):
+    return column(*args, config=without_sequence_parallel(config), tp_group=tp_group, **kwargs)
 
 
 def _with_bias(output_and_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
@@ -126,6 +142,8 @@ class DitLayer(MegatronModule):
         self.mlp = build_module(specs.mlp, config=config, tp_group=groups.tp)
         # Replicated across tensor-parallel ranks: its input (the clip's temb) is not sharded.
         self.modulation = torch.nn.Linear(hidden, 6 * hidden)
+        self.tp_group = groups.tp
+        self.sequence_parallel = bool(config.sequence_parallel) and groups.tp_size > 1
 
     def forward(
         self,
@@ -138,8 +156,17 @@ class DitLayer(MegatronModule):
         cross_mask: torch.Tensor,
         rotary: torch.Tensor,
     ) -> torch.Tensor:
-        """hidden [P, 1, H], temb [clips, H], token_clip [P], cond [C, 1, H] -> [P, 1, H]."""
-        mod = self.modulation(functional.silu(temb))[token_clip][:, None, :]
+        """hidden [P, 1, H], temb [clips, H], token_clip [P], cond [C, 1, H] -> [P, 1, H].
+
+        Under sequence parallelism hidden and token_clip are this rank's shard (P / TP tokens);
+        temb and cond are replicated. The modulation then sees only this shard's tokens: its
+        output's gradient is summed over the tensor-parallel group (forward identity), so the
+        modulation weights and temb get the complete gradient on every rank.
+        """
+        mod = self.modulation(functional.silu(temb))
+        if self.sequence_parallel:
+            mod = tensor_parallel.copy_to_tensor_model_parallel_region(mod, group=self.tp_group)
+        mod = mod[token_clip][:, None, :]
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
         x = self.norm1(hidden) * (1 + scale1) + shift1
         x = _with_bias(self.self_attention(x, attention_mask=self_mask, rotary_pos_emb=rotary))
@@ -215,7 +242,7 @@ class DitChunk(ModelChunk):
         self, inputs: Sequence[Mapping[str, torch.Tensor]], batch: SubBatch
     ) -> dict[str, torch.Tensor]:
         pre = self.pre
-        hidden = pre.x_embed(batch.noisy.to(self.dtype))[:, None, :]
+        hidden = self.scatter_sequence(pre.x_embed(batch.noisy.to(self.dtype))[:, None, :])
         freq = sinusoidal_embedding(batch.timesteps * 1000.0, self.model_config.timestep_embed_dim)
         temb = pre.t_fc2(functional.silu(pre.t_fc1(freq.to(self.dtype))))
         cond, cond_index = self._gather_cond(inputs, batch)
@@ -250,7 +277,7 @@ class DitChunk(ModelChunk):
             ("cross", tuple(cond_index.tolist())),
             lambda: self._cross_mask(cond_index, batch),
         )
-        token_clip = batch.segments.clamp(min=0)
+        token_clip = sequence_slice(batch.segments.clamp(min=0), self.config, self.groups)
         hidden = state["hidden"]
         for layer in self.layers:
             hidden = layer(
@@ -270,7 +297,8 @@ class DitChunk(ModelChunk):
         shift, scale = post.final_modulation(functional.silu(state["temb"]))[token_clip].chunk(
             2, dim=-1
         )
-        x = post.final_norm(state["hidden"][:, 0, :]) * (1 + scale) + shift
+        # The final norm has no weights: gather the sequence, then finish on every TP rank.
+        x = self.gather_sequence(post.final_norm(state["hidden"]))[:, 0, :] * (1 + scale) + shift
         prediction = post.final_linear(x)[: batch.num_real]
         # The loss is summed over many tokens: accumulate it in at least fp32.
         prediction = prediction.to(torch.promote_types(prediction.dtype, torch.float32))

@@ -163,7 +163,7 @@ class LlmChunk(ModelChunk):
             hidden = hidden.index_put((where, torch.zeros_like(where)), images)
         elif batch.image_positions is not None and batch.image_positions.numel():
             raise ValueError(f"{batch.sub.work}: image placeholders but no ViT inputs")
-        return {"hidden": hidden}
+        return {"hidden": self.scatter_sequence(hidden)}
 
     def run_layers(self, state: dict[str, torch.Tensor], batch: SubBatch) -> torch.Tensor:
         shape = self.module_spec.layer
@@ -188,7 +188,9 @@ class LlmChunk(ModelChunk):
     def finish(self, state: dict[str, torch.Tensor], batch: SubBatch) -> dict[str, torch.Tensor]:
         hidden = self.post.final_norm(state["hidden"])
         if not self.has_head:
-            return {"cond": hidden, "cond_index": batch.caption_index}
+            return {"cond": self.gather_sequence(hidden), "cond_index": batch.caption_index}
+        # Under sequence parallelism the column-parallel head all-gathers the sequence itself
+        # (and reduce-scatters the gradient): logits cover the full sequence.
         weight = None
         if self.tied:
             weight = (

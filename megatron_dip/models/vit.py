@@ -23,6 +23,7 @@ from .common import (
     gpt_layer_spec,
     rotary_table,
     segment_mask,
+    without_sequence_parallel,
 )
 from .inputs import SubBatch
 from .llm import Parts
@@ -46,10 +47,12 @@ class VitChunk(ModelChunk):
     def _build_post(self) -> torch.nn.Module:
         m = self.module_spec
         merged = m.layer.hidden * m.merge * m.merge
+        # The merger runs on the gathered sequence: no sequence parallelism inside it.
+        config = without_sequence_parallel(self.config)
         fc1 = tensor_parallel.ColumnParallelLinear(
             merged,
             merged,
-            config=self.config,
+            config=config,
             init_method=self.config.init_method,
             bias=True,
             gather_output=False,
@@ -58,7 +61,7 @@ class VitChunk(ModelChunk):
         fc2 = tensor_parallel.RowParallelLinear(
             merged,
             m.out_hidden,
-            config=self.config,
+            config=config,
             init_method=self.config.init_method,
             bias=True,
             input_is_parallel=True,
@@ -74,7 +77,7 @@ class VitChunk(ModelChunk):
         if inputs:
             raise ValueError(f"{self.chunk.module} takes no producer inputs")
         hidden = self.pre.patch_embed(batch.patches.to(self.dtype))
-        return {"hidden": hidden[:, None, :]}
+        return {"hidden": self.scatter_sequence(hidden[:, None, :])}
 
     def run_layers(self, state: dict[str, torch.Tensor], batch: SubBatch) -> torch.Tensor:
         head_dim = self.module_spec.layer.head_dim
@@ -92,7 +95,7 @@ class VitChunk(ModelChunk):
 
     def finish(self, state: dict[str, torch.Tensor], batch: SubBatch) -> dict[str, torch.Tensor]:
         m = self.module_spec
-        hidden = self.post.final_norm(state["hidden"])[: batch.num_real]
+        hidden = self.gather_sequence(self.post.final_norm(state["hidden"]))[: batch.num_real]
         merged = hidden.reshape(-1, 1, m.layer.hidden * m.merge * m.merge)
         hidden, _ = self.post.merger_fc1(merged)
         hidden, _ = self.post.merger_fc2(functional.gelu(hidden))

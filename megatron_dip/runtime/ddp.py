@@ -94,3 +94,41 @@ def main_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
         out[name] = g
     return out
+
+
+def reduce_sequence_parallel_grads(chunks: Sequence[torch.nn.Module]) -> int:
+    """Sum over the tensor-parallel group the gradients of parameters marked `sequence_parallel`.
+
+    Under sequence parallelism such parameters (norm weights and biases, row-parallel biases)
+    see only this rank's sequence shard, so each rank holds a partial gradient; Megatron sums
+    them in `finalize_model_grads` (`_allreduce_layernorm_grads`). Call once per iteration on
+    every rank of each chunk's TP group (`chunk.groups.tp`, the explicit group), after the
+    backward and the data-parallel reduction, before the optimizer step; the TP ranks of one
+    pipeline rank hold the same chunks in the same order. Uses `main_grad` under DDP. One
+    coalesced all-reduce per group; returns the number of gradients reduced.
+    """
+    pending: dict[int, tuple[torch.distributed.ProcessGroup, list[torch.Tensor]]] = {}
+    for chunk in chunks:
+        inner = unwrap_chunk(chunk)
+        groups = getattr(inner, "groups", None)
+        if groups is None or groups.tp_size == 1:
+            continue
+        for p in inner.parameters():
+            if not p.requires_grad or not getattr(p, "sequence_parallel", False):
+                continue
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = p.grad
+            pending.setdefault(id(groups.tp), (groups.tp, []))[1].append(g)
+    count = 0
+    for group, grads in pending.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=group)
+        at = 0
+        for g in grads:
+            g.copy_(flat[at : at + g.numel()].view_as(g))
+            at += g.numel()
+        count += len(grads)
+    return count

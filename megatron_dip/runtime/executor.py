@@ -14,7 +14,10 @@ Forward calls the chunk with `inputs=` (one dict per producer message, in produc
 `torch.autograd.backward` on the chunk's outputs with the received output gradients (summed over
 consumers), or on the weighted loss for the loss module's last chunk, and turns the inputs'
 `.grad` into the gradient messages for the producers. Loss weights: `loss.py`. Recompute:
-`recompute.py`. Data-parallel reduction points: `gradsync.py`.
+`recompute.py`. Data-parallel reduction points: `gradsync.py`. After the program (and the
+data-parallel reductions) the gradients of `sequence_parallel` parameters are summed over each
+chunk's tensor-parallel group (`ddp.reduce_sequence_parallel_grads`; no-op without sequence
+parallelism).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from megatron_dip.schedule.ir import (
 
 from .checks import TensorFn, check_before_run, index_chunks, unwrap_chunk
 from .data import BatchSource
+from .ddp import reduce_sequence_parallel_grads
 from .gradsync import grad_sync_points
 from .loss import LossConfig, LossTracker, reduction_averages
 from .p2p import ChannelGroups, MessageError, P2PConfig, PipelineP2P, check_message
@@ -195,6 +199,9 @@ class Executor:
         self.p2p.finish()
         for chunk in self._ddp.values():
             chunk.finish_grad_sync()
+        if not self.plan.forward_only:
+            # Sequence-parallel parameters (norms) saw one sequence shard per TP rank.
+            reduce_sequence_parallel_grads([self.chunks[k] for k in sorted(self.chunks)])
         left = self.leftovers()
         if any(left.values()):
             raise MessageError(f"rank {self.rank}: buffers left at the end of the program: {left}")

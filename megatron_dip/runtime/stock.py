@@ -234,9 +234,11 @@ class StockPipeline:
         report_name: str = "lm loss",
     ) -> None:
         by_unit = {}
+        self._chunks = {}
         for c in chunks:
             spec = unwrap_chunk(c).chunk
             by_unit[(spec.module, spec.index)] = c
+            self._chunks[(spec.module, spec.index)] = c
         rank, self.pp_size = pp_group.rank(), pp_group.size()
         units = all_stage_units[rank]
         self.vp_size = len(units) if len(units) > 1 else None
@@ -277,7 +279,8 @@ class StockPipeline:
         return pgs
 
     def run(self, *, forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
-        """One iteration of the stock schedule; returns Megatron's loss reports."""
+        """One iteration of the stock schedule; returns Megatron's loss reports. Gradients of
+        sequence-parallel parameters are then summed over the TP group (as the executor does)."""
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         func = megatron_compat.get_forward_backward_func(pp_size=self.pp_size, vp_size=self.vp_size)
@@ -287,7 +290,7 @@ class StockPipeline:
         iters = [iter(self.microbatches) for _ in self.stages]
         model: Any = self.stages if self.vp_size else self.stages[0]
         data: Any = iters if self.vp_size else iters[0]
-        return func(
+        reports = func(
             forward_step_func=functools.partial(_forward_step, self.report_name),
             data_iterator=data,
             model=model,
@@ -297,6 +300,11 @@ class StockPipeline:
             forward_only=forward_only,
             **kwargs,
         )
+        if not forward_only:
+            from .ddp import reduce_sequence_parallel_grads
+
+            reduce_sequence_parallel_grads([self._chunks[k] for k in sorted(self._chunks)])
+        return reports
 
 
 __all__: list[str] = [

@@ -62,6 +62,7 @@ def model_config(spec: RunSpec) -> ModelConfig:
         seed=spec.config.train.seed,
         dtype=spec.dtype,
         init_std=spec.config.model.init_method_std,
+        sequence_parallel=spec.sequence_parallel,
     )
 
 

@@ -79,7 +79,7 @@ def tensor_fn(spec: RunSpec, plan: Plan):
     def tensors(key):
         return message_tensors(
             spec.model, key=key, sub_lookup=plan.submicrobatch, dtype=spec.dtype,
-            tensor_parallel=spec.tensor_parallel,
+            tensor_parallel=spec.tensor_parallel, sequence_parallel=spec.sequence_parallel,
         )  # fmt: skip
 
     return tensors
@@ -184,6 +184,7 @@ def stock_plan(
             index=i,
             seq_length=seq,
             sub_sizes={m.name: _WHOLE for m in model.modules},
+            pad_multiple=spec.tensor_parallel if spec.sequence_parallel else 1,
         )
         for i, mb in enumerate(mine)
     ]
@@ -204,7 +205,7 @@ def stock_plan(
         num_model_chunks=len(spec.stage_units[0]),
         tensors=lambda key: message_tensors(
             model, key=key, sub_lookup=sub_of.__getitem__, dtype=spec.dtype,
-            tensor_parallel=spec.tensor_parallel,
+            tensor_parallel=spec.tensor_parallel, sequence_parallel=spec.sequence_parallel,
         ),
         iteration=batch.iteration,
     )  # fmt: skip

@@ -69,6 +69,11 @@ class RunSpec:
     def is_stock(self) -> bool:
         return self.schedule != "dip"
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Activations sharded along the sequence over TP (--sequence-parallel, TP > 1)."""
+        return self.config.parallel.sequence_parallel and self.tensor_parallel > 1
+
 
 def _fail(flag: str, message: str) -> ConfigError:
     return ConfigError(f"{flag}: {message}")
@@ -201,11 +206,6 @@ def _check_training(config: TrainConfig) -> None:
 
 def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
     p, m = config.parallel, config.model
-    if p.sequence_parallel:
-        raise _fail(
-            "--sequence-parallel",
-            "not implemented in the model chunks yet (needs Transformer Engine norms)",
-        )
     if m.bf16 and not cuda:
         raise _fail("--bf16", "needs CUDA; CPU runs train in float32 (drop the flag)")
     if p.use_distributed_optimizer and not cuda:
@@ -288,6 +288,7 @@ def _device(config: TrainConfig, *, cuda: bool) -> DeviceSpec:
 
 
 def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> CostModel:
+    sp = config.parallel.sequence_parallel and tp > 1
     profile = None
     if config.dip.dip_cost_profile is not None:
         try:
@@ -309,9 +310,23 @@ def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> C
         model,
         device,
         tensor_parallel=tp,
+        sequence_parallel=sp,
         dtype_bytes=2 if dtype == "bfloat16" else 4,
         profile=profile,
     )
+
+
+def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
+    if not config.parallel.sequence_parallel:
+        return
+    if tp == 1:
+        raise _fail("--sequence-parallel", "needs tensor parallelism (TP > 1)")
+    if config.train.seq_length % tp:
+        raise _fail(
+            "--sequence-parallel",
+            f"--seq-length {config.train.seq_length} must be a multiple of TP={tp} "
+            "(the sequence is split over the tensor-parallel ranks)",
+        )
 
 
 def _check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
@@ -341,6 +356,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     _check_platform(config, cuda=cuda)
     _check_dip(config)
     _check_tensor_parallel(model, tp)
+    _check_sequence_parallel(config, tp)
     try:
         data = DataSpec.parse(
             config.dip.dip_data,
@@ -373,6 +389,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         search=search,
         memory_limit_bytes=layout.memory_limit,
         tensor_parallel=tp,
+        sequence_parallel=config.parallel.sequence_parallel and tp > 1,
         dtype=dtype,
         use_search=d.dip_search_time_ms > 0,
         uniform_recompute=Recompute(recompute) if recompute else None,
