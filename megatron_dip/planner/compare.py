@@ -32,6 +32,7 @@ from .submicrobatch import MicrobatchWork, choose_sub_size, split_microbatch
 
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 BYTES_PER_PARAM = 18  # bf16 weight + fp32 grad + fp32 master + two fp32 Adam moments
+FROZEN_BYTES_PER_PARAM = 2  # a frozen module keeps its bf16 weights only
 
 
 def packing_limits(model: MultimodalSpec, seq_length: int) -> PackingLimits:
@@ -66,8 +67,9 @@ def activation_limits(
     """Per-rank activation budget: device memory minus weights/grads/optimizer and a reserve."""
     static = [0.0] * placement.num_ranks
     for m in placement.modules:
+        per_param = BYTES_PER_PARAM if m.trainable else FROZEN_BYTES_PER_PARAM
         for c in m.chunks:
-            static[c.rank] += cost_model.chunk_params(c) / tensor_parallel * BYTES_PER_PARAM
+            static[c.rank] += cost_model.chunk_params(c) / tensor_parallel * per_param
     return [device.memory_bytes * (1 - reserve) - s for s in static]
 
 
