@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,11 +122,16 @@ class Outcome:
     plan_seconds: float = 0.0
 
 
-def best_uniform_recompute(name: str, plan: Plan, cost_model, limits: Sequence[float]) -> Outcome:
-    """Simulate `plan` under every uniform recompute mode; the fastest that fits wins."""
+def best_uniform_recompute(
+    name: str,
+    plan_for: Callable[[Recompute], Plan],
+    cost_model,
+    limits: Sequence[float],
+) -> Outcome:
+    """Simulate `plan_for(mode)` for every uniform recompute mode; the fastest that fits wins."""
     results = []
     for mode in MODES:
-        sim = simulate(with_recompute(plan, mode), cost_model)
+        sim = simulate(plan_for(mode), cost_model)
         fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
         results.append(Outcome(name, sim, fits, mode.value))
     fitting = [r for r in results if r.fits]
@@ -299,28 +304,43 @@ class Comparison:
         return out
 
     def _static(self, pipe: StaticPipeline, works, totals, iteration: int) -> Outcome:
+        """Megatron's order on a static placement, for each uniform recompute mode, with messages
+        placed by the stage durations of that mode; the fastest that fits wins."""
         sub_of = {s.work: s for w in works for s in w.submicrobatches}
-        plan = build_megatron_plan(
-            placement=pipe.placement,
-            stage_units=pipe.stage_units,
-            submicrobatches=[s for w in works for s in w.submicrobatches],
-            dependencies=[d for w in works for d in w.dependencies],
-            microbatches=[w.info for w in works],
-            totals=totals,
-            num_model_chunks=pipe.num_model_chunks,
-            tensors=lambda key: message_tensors(
+        name = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
+
+        def tensors(key):
+            return message_tensors(
                 self.setup.model,
                 key=key,
                 sub_lookup=sub_of.__getitem__,
                 dtype="bfloat16",
                 tensor_parallel=self.setup.tensor_parallel,
                 sequence_parallel=self.setup.tensor_parallel > 1,
-            ),
-            iteration=iteration,
-        )
-        schedule = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
+            )
+
+        def duration(mode: Recompute, rank: int, ins) -> float:
+            chunk = pipe.placement.module(ins.stage.module).chunks[ins.stage.chunk]
+            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work], mode)
+            return max(c.forward if isinstance(ins, Forward) else c.backward, 1e-12)
+
+        def plan_for(mode: Recompute) -> Plan:
+            plan = build_megatron_plan(
+                placement=pipe.placement,
+                stage_units=pipe.stage_units,
+                submicrobatches=[s for w in works for s in w.submicrobatches],
+                dependencies=[d for w in works for d in w.dependencies],
+                microbatches=[w.info for w in works],
+                totals=totals,
+                num_model_chunks=pipe.num_model_chunks,
+                tensors=tensors,
+                iteration=iteration,
+                compute_time=functools.partial(duration, mode),
+            )
+            return with_recompute(plan, mode)
+
         return best_uniform_recompute(
-            f"megatron {schedule} ({pipe.name})", plan, self.cost_model, self.memory(pipe.placement)
+            f"megatron {name} ({pipe.name})", plan_for, self.cost_model, self.memory(pipe.placement)
         )
 
     def _dip(

@@ -30,7 +30,7 @@ from .ir import (
     SubMicrobatch,
     TensorSpec,
 )
-from .passes import TensorFn, add_communication
+from .passes import ComputeTimeFn, TensorFn, add_communication
 
 OrderEntry = tuple[bool, int, int]
 """(is_forward, local model chunk, microbatch): one step of a Megatron schedule on one rank."""
@@ -235,8 +235,13 @@ def build_megatron_plan(
     iteration: int = 0,
     forward_only: bool = False,
     name: str | None = None,
+    compute_time: ComputeTimeFn | None = None,
 ) -> Plan:
     """A plan running Megatron's stock schedule on a (possibly multi-module) placement.
+
+    `compute_time` (rank, instruction) -> seconds lets the communication pass place messages by
+    the real stage durations (as for DIP plans), so a simulated baseline is not slowed by
+    messages placed for unit durations.
 
     `stage_units[r][j]` lists the (module, chunk) units virtual stage j of rank r runs back to
     back in forward (reversed in backward), e.g. stock Megatron LLaVA puts the whole ViT and
@@ -267,7 +272,9 @@ def build_megatron_plan(
                 microbatch_group_size=microbatch_group_size,
             )
         compute.append(_expand(steps, stage_units[r], mbs, df, forward_only))
-    programs = add_communication(compute, df, tensors=tensors or default_tensors)
+    programs = add_communication(
+        compute, df, tensors=tensors or default_tensors, compute_time=compute_time
+    )
     return Plan(
         iteration=iteration,
         placement=placement,
