@@ -141,12 +141,16 @@ class ChannelGroups:
                     if a == b:
                         continue
                     group = dist.new_group(sorted((ga, gb)))
-                    if ranks == mine:
+                    if ranks == mine and pp_group.rank() in (a, b):
                         self._groups[(a, b)] = group
 
     def group(self, sender: int, receiver: int) -> dist.ProcessGroup:
         """The group carrying messages from pipeline rank `sender` to `receiver`."""
         return self._groups[(sender, receiver)]
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """The (sender, receiver) pipeline-rank pairs this rank belongs to, sorted."""
+        return sorted(self._groups)
 
 
 class _Batch:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dip.cpu_support import seed_model_parallel_rng
+from megatron_dip.runtime.p2p import ChannelGroups
 
 from .validate import RunSpec
 
@@ -42,6 +43,9 @@ class ParallelContext:
     device: torch.device
     created: list = field(default_factory=list, repr=False)
     owns_world: bool = False
+    # One communicator per (sender, receiver) pair of the pipeline (runtime.ChannelGroups): a
+    # slow receiver then holds up only the messages between those two ranks.
+    channels: ChannelGroups | None = None
 
     @property
     def is_logging_rank(self) -> bool:
@@ -115,12 +119,14 @@ def initialize(spec: RunSpec) -> ParallelContext:
     created: list = []
     single = _new_groups([[r] for r in range(world)], me, created)
     groups = {name: _new_groups(layouts[name], me, created) for name in ("tp", "dp", "pp", "mp")}
+    channels = ChannelGroups(groups["pp"], pipelines=layouts["pp"]) if pp > 1 else None
     device = torch.device("cuda", torch.cuda.current_device()) if spec.cuda else torch.device("cpu")
     # Seeds torch and Megatron's RNG tracker; on CPU applies the Megatron-Core CPU fixes.
     seed_model_parallel_rng(spec.config.train.seed, tp_rank=tp_rank)
     ctx = ParallelContext(
         rank=me, world_size=world, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
-        single=single, device=device, created=created, owns_world=owns, **groups,
+        single=single, device=device, created=created, owns_world=owns, channels=channels,
+        **groups,
     )  # fmt: skip
     logger.debug("rank %d: tp %d dp %d pp %d", me, tp_rank, dp_rank, pp_rank)
     return ctx
@@ -138,6 +144,26 @@ def warm_up_pipeline(ctx: ParallelContext, peers: set[int]) -> None:
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    works = []
+    for sender, receiver in ctx.channels.pairs() if ctx.channels is not None else ():
+        group = ctx.channels.group(sender, receiver)
+        if ctx.pp_rank == sender:
+            op = dist.P2POp(
+                dist.isend,
+                torch.ones(1, device=ctx.device),
+                dist.get_global_rank(ctx.pp, receiver),
+                group=group,
+            )
+        else:
+            op = dist.P2POp(
+                dist.irecv,
+                torch.empty(1, device=ctx.device),
+                dist.get_global_rank(ctx.pp, sender),
+                group=group,
+            )
+        works += dist.batch_isend_irecv([op])
+    for work in works:
+        work.wait()
     for group in (ctx.dp, ctx.tp, ctx.mp):
         if group.size() > 1:
             dist.all_reduce(torch.zeros(1, device=ctx.device), group=group)

@@ -115,6 +115,7 @@ def run_dip(
         batches=_sources(spec, plan, samples, ctx.device),
         tensor_fn=tensor_fn(spec, plan),
         config=ExecutorConfig(loss=loss, validate=False),
+        channels=ctx.channels,
     )
     started = time.time()
     result = executor.run()
