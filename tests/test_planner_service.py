@@ -210,3 +210,32 @@ def test_killed_planner_is_restarted_and_replans_what_is_ahead(store_address):
         assert variant == SEARCHED and plan.iteration == 1
     finally:
         service.close()
+
+
+def test_planner_never_loses_to_megatron_order_on_its_placement():
+    """Text-only batches leave nothing to balance: the chosen plan simulates no slower than
+    Megatron's interleaved order on the same placement (which the planner also builds)."""
+    from megatron_dip.planner.candidates import megatron_order_plan, merge_submicrobatches
+    from megatron_dip.schedule.engine import per_peer_channel
+
+    planner = make_planner(rollouts=4)
+    metas = generate_meta("text-only", model=tiny_vlm(), num_samples=48, seed=5, scale=0.05)
+    chosen = planner.plan_batch(BatchMeta(0, tuple(metas)))[0]
+    works = merge_submicrobatches(planner.microbatches(metas))
+    sub_of = {s.work: s for w in works for s in w.submicrobatches}
+    alt = megatron_order_plan(
+        planner.model,
+        planner.placement,
+        works,
+        totals=chosen.plan.totals,
+        iteration=0,
+        replica=0,
+        tensors=functools.partial(planner._tensors, sub_of),
+        compute_time=lambda r, i: 1e-3,
+    )
+    assert alt is not None
+    validate_plan(alt)
+    cost = planner.cost_model
+    ours = simulate(chosen.plan, cost, channel=per_peer_channel).iteration_time
+    assert ours <= simulate(alt, cost, channel=per_peer_channel).iteration_time + 1e-12
+    assert chosen.simulated_time == pytest.approx(ours)

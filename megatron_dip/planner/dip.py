@@ -20,13 +20,16 @@ from ..data.packing import PackingLimits, pack_microbatches, split_replicas
 from ..data.sample import BatchMeta, SampleMeta
 from ..models.layout import message_tensors
 from ..modelspec import ModuleKind, MultimodalSpec
+from ..schedule.engine import per_peer_channel
 from ..schedule.graph import Dataflow
-from ..schedule.ir import BatchTotals, MessageKey, Placement, Plan, Recompute, StageId
+from ..schedule.ir import BatchTotals, Forward, MessageKey, Placement, Plan, Recompute, StageId
 from ..schedule.passes import add_communication
 from ..schedule.validate import validate_plan
+from .candidates import megatron_order_plan, merge_submicrobatches
 from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, priorities_from_units
 from .memory import MemoryLimitError, RecomputeChoice, choose_recompute
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
+from .simulator import simulate
 from .submicrobatch import MicrobatchWork, split_microbatch
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class PlannerConfig:
     use_search: bool = True
     optimize_memory: bool = True
     uniform_recompute: Recompute | None = None  # start from this mode on every chunk
+    megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     packing: PackingLimits | None = None  # default: PackingLimits.vlm(seq_length=seq_length)
 
 
@@ -67,6 +71,7 @@ class ReplicaPlan:
     rollouts: int
     recompute_added: float
     planning_seconds: float
+    simulated_time: float | None = None  # of the chosen plan, when candidates were compared
 
 
 def sample_loss_tokens(meta: SampleMeta, model: MultimodalSpec) -> int:
@@ -194,6 +199,9 @@ class DipPlanner:
             name="dip",
         )
         validate_plan(plan)
+        simulated = None
+        if self.config.megatron_candidate and not forward_only:
+            plan, simulated = self._best_of(plan, works, totals=totals, replica=replica)
         return ReplicaPlan(
             plan,
             result.greedy_makespan,
@@ -201,7 +209,42 @@ class DipPlanner:
             result.rollouts,
             choice.added_time,
             time.perf_counter() - started,
+            simulated,
         )
+
+    def _best_of(
+        self, plan: Plan, works: Sequence[MicrobatchWork], *, totals: BatchTotals, replica: int
+    ) -> tuple[Plan, float]:
+        """`plan` or Megatron's order on the same placement, whichever simulates faster within
+        the memory limit (per-peer channels: the runtime's communicators)."""
+        merged = merge_submicrobatches(works)
+        sub_of = {s.work: s for w in merged for s in w.submicrobatches}
+
+        def duration(rank: int, ins) -> float:
+            chunk = self.placement.module(ins.stage.module).chunks[ins.stage.chunk]
+            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work])
+            return max(c.forward if isinstance(ins, Forward) else c.backward, 1e-12)
+
+        alt = megatron_order_plan(
+            self.model,
+            self.placement,
+            merged,
+            totals=totals,
+            iteration=plan.iteration,
+            replica=replica,
+            tensors=functools.partial(self._tensors, sub_of),
+            compute_time=duration,
+        )
+        ours = simulate(plan, self.cost_model, channel=per_peer_channel)
+        if alt is None:
+            return plan, ours.iteration_time
+        theirs = simulate(alt, self.cost_model, channel=per_peer_channel)
+        limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
+        fits = all(p <= lim for p, lim in zip(theirs.peak_activation_bytes, limits))
+        if fits and theirs.iteration_time < ours.iteration_time:
+            validate_plan(alt)
+            return alt, theirs.iteration_time
+        return plan, ours.iteration_time
 
     def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
         return message_tensors(
