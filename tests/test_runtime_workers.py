@@ -150,7 +150,7 @@ def run_executor(
         placement=placement,
         pp_group=groups.pp,
         batches=source,
-        tensor_fn=batch.tensor_fn(),
+        tensor_fn=batch.tensor_fn(plan),
         config=config or ExecutorConfig(),
         channels=ChannelGroups(groups.pp) if channels else None,
     )
