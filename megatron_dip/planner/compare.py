@@ -280,10 +280,21 @@ class Comparison:
         )
         out = [self._static(pipe, whole, totals, batch.iteration) for pipe in self.static]
         steps = [
-            ("dip: separated", dict(fill_bubbles=False, use_search=False, optimize_memory=False)),
-            ("dip: +interleave", dict(use_search=False, optimize_memory=False)),
-            ("dip: +mcts", dict(optimize_memory=False)),
-            ("dip: +memory", {}),
+            (
+                "dip: separated",
+                dict(
+                    fill_bubbles=False,
+                    use_search=False,
+                    optimize_memory=False,
+                    megatron_candidate=False,
+                ),
+            ),
+            (
+                "dip: +interleave",
+                dict(use_search=False, optimize_memory=False, megatron_candidate=False),
+            ),
+            ("dip: +mcts", dict(optimize_memory=False, megatron_candidate=False)),
+            ("dip: +memory (full DIP)", {}),  # also tries Megatron's order on its placement
         ]
         limits = self.memory(self.dip_placement)
         previous: Outcome | None = None
