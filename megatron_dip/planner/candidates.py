@@ -41,12 +41,16 @@ def megatron_order_plan(
     """Megatron's interleaved (or 1F1B) order over `placement` for `works`, whose modules hold
     at most one sub-microbatch per microbatch; None where Megatron's order does not apply
     (e.g. fewer microbatches than pipeline ranks)."""
-    if any(m.num_chunks % placement.num_ranks for m in placement.modules):
+    # Modules without work in this batch (a ViT on text-only data) get no virtual stages:
+    # Megatron's order over the busy modules alone, the plan still on the full placement.
+    busy = {s.module for w in works for s in w.submicrobatches}
+    active = Placement(placement.num_ranks, tuple(m for m in placement.modules if m.name in busy))
+    if not active.modules or any(m.num_chunks % placement.num_ranks for m in active.modules):
         return None
-    units = megatron_stage_units(placement)
+    units = megatron_stage_units(active)
     try:
         plan = build_megatron_plan(
-            placement=placement,
+            placement=active,
             stage_units=units,
             submicrobatches=[s for w in works for s in w.submicrobatches],
             dependencies=[d for w in works for d in w.dependencies],
@@ -62,7 +66,7 @@ def megatron_order_plan(
         return None
     return Plan(
         iteration=plan.iteration,
-        placement=plan.placement,
+        placement=placement,
         microbatches=plan.microbatches,
         submicrobatches=plan.submicrobatches,
         dependencies=plan.dependencies,
