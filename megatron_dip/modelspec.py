@@ -154,6 +154,7 @@ def _t2v(
     vocab: int,
     *,
     train_text: bool,
+    latent_channels: int = 16,
 ) -> MultimodalSpec:
     return MultimodalSpec(
         name,
@@ -173,7 +174,7 @@ def _t2v(
                 dit_layers,
                 dit,
                 patch_size=2,
-                in_channels=16,
+                in_channels=latent_channels,
                 cond_hidden=te.hidden,
             ),
         ),
@@ -257,26 +258,13 @@ def tiny_t2v(
     """A text-to-video model small enough for CPU tests (trainable text encoder by default)."""
     te = LayerShape(hidden, 2 * hidden, 4, 2, gated_mlp=True)
     dit = LayerShape(hidden, 2 * hidden, 4, 4)
-    return MultimodalSpec(
+    return _t2v(
         "tiny-t2v",
-        (
-            ModuleSpec(
-                "text",
-                ModuleKind.TEXT_ENCODER,
-                text_layers,
-                te,
-                trainable=train_text,
-                feeds="dit",
-                vocab_size=vocab,
-            ),
-            ModuleSpec(
-                "dit",
-                ModuleKind.DIT,
-                dit_layers,
-                dit,
-                patch_size=2,
-                in_channels=4,
-                cond_hidden=hidden,
-            ),
-        ),
+        te,
+        text_layers,
+        dit,
+        dit_layers,
+        vocab,
+        train_text=train_text,
+        latent_channels=4,
     )

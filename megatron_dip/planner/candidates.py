@@ -64,18 +64,7 @@ def megatron_order_plan(
         )
     except ValueError:
         return None
-    return Plan(
-        iteration=plan.iteration,
-        placement=placement,
-        microbatches=plan.microbatches,
-        submicrobatches=plan.submicrobatches,
-        dependencies=plan.dependencies,
-        totals=plan.totals,
-        programs=plan.programs,
-        replica=replica,
-        forward_only=plan.forward_only,
-        name=plan.name,
-    )
+    return replace(plan, placement=placement, replica=replica)
 
 
 def merge_submicrobatches(works: Sequence[MicrobatchWork]) -> list[MicrobatchWork]:
