@@ -40,16 +40,38 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+def _tensor_type(func, args: tuple, kwargs: dict) -> Any:
+    """`Tensor.type()` naming a CPU tensor as its CUDA type ("torch.cuda.FloatTensor");
+    `Tensor.type("torch.cuda.X")` converting to "torch.X" (the CPU type)."""
+    if len(args) == 1 and not kwargs:
+        name = func(*args)
+        if name.startswith("torch.") and not name.startswith(("torch.cuda.", "torch.sparse.")):
+            return "torch.cuda." + name[len("torch.") :]
+        return name
+    target = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if isinstance(target, str) and target.startswith("torch.cuda."):
+        target = "torch." + target[len("torch.cuda.") :]
+        if len(args) > 1:
+            args = (args[0], target, *args[2:])
+        else:
+            kwargs["dtype"] = target
+    return func(*args, **kwargs)
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Maps CUDA devices to the CPU in every torch call; `Tensor.cuda()` returns the tensor.
 
-    Needed because the stock schedules create `torch.zeros([], device="cuda")` directly.
+    Needed because the stock schedules create `torch.zeros([], device="cuda")` directly, and
+    Megatron's optimizers accept only parameters whose `Tensor.type()` is a CUDA type
+    ("torch.cuda.FloatTensor"): a CPU tensor reports its CUDA type name here.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type:
+            return _tensor_type(func, args, kwargs)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
@@ -124,7 +146,9 @@ def apply_cpu_fixes() -> bool:
     * `torch.cuda.current_device()` returns "cpu" (P2PCommunicator's receive buffers, Megatron's
       global scratch buffer, parameters allocated by Megatron's linear layers);
     * `torch.cuda.synchronize()` is a no-op (called after batched p2p);
-    * `torch.cuda.current_stream/default_stream/Stream/stream/Event` return dummies (DDP wrapper).
+    * `torch.cuda.current_stream/default_stream/Stream/stream/Event` return dummies (DDP wrapper);
+    * `Tensor.type()` names CPU tensors by their CUDA type (Megatron's optimizers, distributed
+      optimizer and gradient clipping check for "torch.cuda.FloatTensor").
 
     Torch-function modes are per thread: call this from the thread that runs the schedule.
     With CUDA available nothing is changed and False is returned. Calling it again is harmless.

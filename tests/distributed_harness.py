@@ -7,6 +7,10 @@ numpy arrays) come back as a list indexed by rank. A rank that raises sends its 
 parent then kills the other ranks (which would otherwise wait for it forever) and raises
 `WorkerError` with that traceback. A run exceeding `timeout` seconds is killed and reported as
 `WorkerError` naming the ranks that had not finished. Every process is joined or killed.
+
+Workers are daemonic by default, and a daemonic process may not start children of its own;
+`daemon=False` makes them ordinary processes, for targets that start one (the trainer's planner
+service). They are still joined or killed here like the others.
 """
 
 from __future__ import annotations
@@ -53,9 +57,15 @@ def _child(rank: int, world_size: int, store: str, target: str, kwargs: dict, ou
 
 
 def run_world(
-    *, world_size: int, target: str, kwargs: dict | None = None, timeout: float = 240.0
+    *,
+    world_size: int,
+    target: str,
+    kwargs: dict | None = None,
+    timeout: float = 240.0,
+    daemon: bool = True,
 ) -> list[Any]:
-    """Run `target` on `world_size` gloo ranks; return the per-rank results (module docstring)."""
+    """Run `target` on `world_size` gloo ranks; return the per-rank results (module docstring).
+    `daemon=False` lets the target start child processes."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,7 +74,7 @@ def run_world(
             ctx.Process(
                 target=_child,
                 args=(r, world_size, store, target, kwargs or {}, out),
-                daemon=True,
+                daemon=daemon,
             )
             for r in range(world_size)
         ]

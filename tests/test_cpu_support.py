@@ -212,3 +212,78 @@ def test_triton_stand_in_only_when_triton_is_missing(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="triton"):
         stand_in.paged_stash_copy_kernel[(1,)]
     monkeypatch.delitem(sys.modules, name)
+
+
+@needs_cpu_only
+def test_cpu_tensors_report_their_cuda_type():
+    """Megatron's optimizers accept only "torch.cuda.*Tensor" parameters."""
+    apply_cpu_fixes()
+    x = torch.zeros(2)
+    assert x.type() == "torch.cuda.FloatTensor"
+    assert x.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+    y = x.type("torch.cuda.DoubleTensor")
+    assert y.dtype == torch.float64 and y.device.type == "cpu"
+    assert x.type(torch.float64).dtype == torch.float64
+
+
+def _distributed_optimizer(world, module):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = ProcessGroupCollection()
+    for name in ("dp", "dp_cp", "tp", "pp", "mp", "ep", "expt_dp", "tp_ep_pp", "intra_dist_opt"):
+        setattr(pgs, name, world)
+    ddp = DistributedDataParallel(
+        config=module.config,
+        ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=True, use_distributed_optimizer=True
+        ),
+        module=module,
+        pg_collection=pgs,
+    )
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, clip_grad=1.0, use_distributed_optimizer=True
+    )
+    return ddp, get_megatron_optimizer(
+        config, [ddp], use_gloo_process_groups=False, pg_collection=pgs
+    )
+
+
+@needs_cpu_only
+def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_moves_by_name(world):
+    """With the fixes Megatron's DistributedOptimizer (and its gradient clipping) runs on CPU;
+    its state goes out as full tensors by name and into a fresh optimizer unchanged."""
+    from megatron_dip.training.optim import gather_named_state, load_named_state
+
+    apply_cpu_fixes()
+    seed_model_parallel_rng(3)
+    model = _tiny_megatron_module()
+    ddp, optimizer = _distributed_optimizer(world, model)
+    before = model.linear.weight.detach().clone()
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        with ddp.no_sync():  # the reduction is started below, as the executor does
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+        ddp.start_grad_sync()
+        ddp.finish_grad_sync()
+        ok, norm, _ = optimizer.step()
+        assert ok and norm > 0
+    assert not torch.equal(model.linear.weight, before)
+    named = [(n, p) for n, p in model.named_parameters()]
+    state = gather_named_state(optimizer, named, dp_group=world)
+    assert set(state) == {"linear.weight", "linear.bias"}
+    w = state["linear.weight"]
+    assert w["exp_avg"].shape == model.linear.weight.shape and float(w["step"]) == 2.0
+    assert w["exp_avg_sq"].min() > 0
+
+    other = _tiny_megatron_module()
+    other.load_state_dict(model.state_dict())
+    _, fresh = _distributed_optimizer(world, other)
+    names = {id(p): n for n, p in other.named_parameters()}
+    assert load_named_state(fresh, names, state) == 2
+    again = gather_named_state(fresh, list(other.named_parameters()), dp_group=world)
+    for key, saved in state.items():
+        for k, v in saved.items():
+            torch.testing.assert_close(again[key][k], v, rtol=0, atol=0)

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_dip.data.meta import sample_meta
 from megatron_dip.data.packing import PackingLimits, pack_microbatches, split_replicas
-from megatron_dip.data.stream import BatchStream, StreamConfig
+from megatron_dip.data.stream import BatchStream, StreamConfig, StreamError
 from megatron_dip.data.synthetic import SyntheticSource, generate_meta
 from megatron_dip.modelspec import tiny_vlm
 
@@ -146,3 +146,86 @@ def test_changed_sample_is_caught_before_training():
     batch = next(stream)
     with pytest.raises(ValueError, match="changed after planning"):
         stream.samples(batch)
+
+
+def test_unbounded_source_of_only_oversize_samples_stops_at_the_bound():
+    """Regression: skipping every sample of an unbounded source used to read forever."""
+    nothing_fits = PackingLimits.vlm(seq_length=1)
+    config = StreamConfig(
+        batch_microbatches=2, limits=nothing_fits, on_oversize="skip", max_consecutive_skips=300
+    )
+    stream = BatchStream(_synthetic(), config=config)
+    with pytest.raises(StreamError, match="no usable sample in 300 consecutive .*"
+                       "max_consecutive_skips=300.*more than a microbatch holds") as info:  # fmt: skip
+        next(stream)
+    assert info.value.oversize and info.value.position is None
+
+
+def test_unusable_batch_fails_when_consumed_so_every_rank_stops_at_the_same_iteration():
+    """Only the planner's rank peeks ahead: a bad sample two batches ahead must not stop it
+    before the other ranks (which never peek) reach that batch."""
+
+    class Refusing(_ListSource):
+        def metas(self, indices):
+            if 7 in indices:
+                raise ValueError("record 7 (id 'x', image 'a.png'): cannot read image a.png")
+            return super().metas(indices)
+
+    def stream():
+        return BatchStream(Refusing(20), config=StreamConfig(batch_samples=3, shuffle=False))
+
+    planner_rank, other_rank = stream(), stream()
+    ahead = planner_rank.peek(4)  # batches 0 and 1 only: batch 2 holds position 7
+    assert [b.iteration for b in ahead] == [0, 1]
+    for _ in range(2):
+        assert next(planner_rank) == next(other_rank)
+    for s in (planner_rank, other_rank):
+        with pytest.raises(StreamError, match="stream position 7: record 7 .*a.png") as info:
+            next(s)
+        assert info.value.position == 7 and not info.value.oversize
+        with pytest.raises(StreamError, match="position 7"):
+            s.peek(1)  # the very next batch cannot be formed: peek says so too
+        assert s.state_dict()["position"] == 6  # nothing of the bad batch was consumed
+
+
+def test_oversize_error_names_the_record_and_skips_are_logged_once(caplog):
+    metas = generate_meta("mixed", model=MODEL, num_samples=60, seed=3, scale=1 / 16)
+    tight = PackingLimits.vlm(seq_length=max(m.text_tokens for m in metas) - 1)
+    big = [i for i, m in enumerate(metas) if m.text_tokens > tight.seq_length]
+
+    class Described(_ListSource):
+        def describe(self, index):
+            return f"record {index} (id 'r{index}')"
+
+    config = StreamConfig(batch_samples=59, limits=tight, shuffle=False)
+    with pytest.raises(StreamError, match=rf"stream position {big[0]} \(record {big[0]} "
+                       rf"\(id 'r{big[0]}'\)\): .*more than a microbatch holds"):  # fmt: skip
+        next(BatchStream(Described(60), config=config))
+    stream = BatchStream(Described(60), config=replace(config, on_oversize="skip"))
+    with caplog.at_level("WARNING", logger="megatron_dip.data.stream"):
+        stream.peek(1)
+        batch = next(stream)
+    assert stream.skipped == len(big) and batch.num_samples == 59
+    assert caplog.text.count("skipping stream position") == len(big)  # peek + next: once
+    assert f"(id 'r{big[0]}')): sample {big[0]} has" in caplog.text
+
+
+def test_empty_source_is_a_clear_error_not_a_hang():
+    with pytest.raises(StreamError, match="no samples"):
+        next(BatchStream(_ListSource(0), config=StreamConfig(batch_samples=2)))
+
+
+def test_a_refused_record_read_ahead_in_a_chunk_spares_the_batches_before_it():
+    class Refusing(_ListSource):
+        def metas(self, indices):
+            if 40 in indices:
+                raise ValueError("record 40 is broken")
+            return super().metas(indices)
+
+    config = StreamConfig(batch_microbatches=1, limits=LIMITS, shuffle=False)
+    stream = BatchStream(Refusing(64), config=config)
+    first = next(stream)  # its chunked read reached position 40; the batch ended before it
+    assert max(m.sample_id for m in first.samples) < 40
+    with pytest.raises(StreamError, match="stream position 40: record 40 is broken"):
+        for _ in range(64):
+            next(stream)

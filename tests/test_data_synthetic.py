@@ -139,3 +139,17 @@ def test_mismatched_model_and_bad_sizes_are_rejected():
         get_mixture("webvid")
     metas = generate_meta("laion", model=PAPER_VLM, num_samples=3, seed=0, image_size=448)
     assert metas[0].llm_tokens == (64,)
+
+
+@pytest.mark.parametrize("name", ["t2v", "t2i"])
+def test_image_size_overrides_every_frame_grid_of_a_diffusion_mixture(name):
+    """Regression: the per-sample grid draw indexed a one-entry tuple (IndexError)."""
+    model = tiny_t2v()
+    kwargs = {"model": model, "num_samples": 40, "seed": 0, "scale": 1 / 64}
+    plain = generate_meta(name, **kwargs)
+    sized = generate_meta(name, image_size=16, **kwargs)
+    assert len({m.vision_tokens[0] // m.frames[0] for m in sized}) == 1
+    assert [m.frames for m in sized] == [m.frames for m in plain]  # same draws otherwise
+    samples = generate_samples(name, image_size=16, **{**kwargs, "num_samples": 6})
+    assert [sample_meta(s, model=model) for s in samples] == sized[:6]
+    assert {s.images[0].shape[2:] for s in samples} == {(2, 2)}

@@ -5,7 +5,9 @@ of its world size in sequence (`test_runtime_scenarios.py`) and returns per-rank
 gradient of every parameter by global name, loss reports, the normalised objective, buffers left
 over, recompute counts and data-parallel reduction points. Rank 0 also returns the single-process,
 non-pipelined reference (`models.reference`). Models are tiny and fp64, so "close" means
-rtol 1e-9 plus an atol of 1e-11 times the parameter gradient's largest magnitude.
+rtol 1e-9 plus an atol of 1e-11 times the parameter gradient's largest magnitude. The PP=2 launch
+ends with the failure scenarios (`test_runtime_faults.py`): a bad plan on one rank, plans of
+different iterations, a stalled rank.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ RTOL, ATOL = 1e-9, 1e-11
 
 @pytest.fixture(scope="module")
 def world2() -> list[dict]:
-    return run_world(world_size=2, target="test_runtime_scenarios:world2", timeout=240)
+    return run_world(world_size=2, target="test_runtime_faults:world2", timeout=270)
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +227,55 @@ def test_each_chunk_reduction_starts_at_its_own_last_backward(world4, name):
             assert index == bound  # right after its last backward (or its predecessor's start)
             overlapped += index < res[name]["length"] - 1
     assert overlapped > 0  # reductions overlap the rest of the schedule
+
+
+# -- failures: agreed verdicts, timeouts (PP=2, after everything else) ----------------------------
+
+
+def test_one_bad_rank_makes_every_rank_refuse_the_plan_before_communicating(world2):
+    """Rank 1 alone holds a plan whose messages its model cannot produce; rank 0's plan is fine.
+    Both refuse (rank 0 naming rank 1 and its reason). Plans of different iterations, each valid
+    on its own, are refused by both. Neither sent anything: the next exchange on the pipeline
+    group receives exactly the peer's tensor."""
+    own, other = world2[1]["fault_one_bad_rank"], world2[0]["fault_one_bad_rank"]
+    assert own["error"] == "PlanError" and "float32" in own["message"]
+    assert other["error"] == "PlanRejectedError"
+    assert "rank 1 rejected the plan" in other["message"] and "float32" in other["message"]
+    for res in world2:
+        stale = res["fault_other_iteration"]
+        assert stale["error"] == "PlanRejectedError", stale
+        assert "different plans" in stale["message"] and "iteration 1" in stale["message"]
+    assert world2[0]["fault_ping"] == [11.0] * 3 and world2[1]["fault_ping"] == [10.0] * 3
+
+
+def test_a_stalled_rank_makes_every_rank_fail_naming_instruction_peer_and_tensor(world2):
+    """Rank 0 sleeps 5 s in its first Forward, the timeout is 2 s: rank 1 times out waiting for
+    its activations (not for the stalled rank); rank 0, waking up, fails on its first send
+    (peer gone) or its next wait. Nobody hangs."""
+    import test_runtime_setups as st
+    from test_runtime_faults import STALL_S, STALL_TIMEOUT_S
+    from test_runtime_scenarios import vlm_microbatches
+
+    from megatron_dip.schedule import Recv, Send, Wait
+
+    vlm = st.make_batch("vlm", vlm_microbatches(), sizes={"vit": 2})
+    plan = st.segment_plan(vlm, st.dip_placement(vlm.model, 2, {"vit": 1, "llm": 1}))
+    waiting = world2[1]["fault_stall"]
+    assert waiting["error"] == "PipelineTimeoutError", waiting
+    assert (waiting["rank"], waiting["peer"], waiting["tensor"]) == (1, 0, "hidden")
+    wait = plan.program(1).instructions[waiting["index"]]
+    assert isinstance(wait, Wait) and waiting["key"] in [str(k) for k in wait.keys]
+    text = waiting["message"]
+    for part in (f"rank 1: instruction {waiting['index']}", "from peer rank 0", "'hidden'"):
+        assert part in text
+    assert waiting["key"] in text and f"timed out after {STALL_TIMEOUT_S:g} s" in text
+    assert STALL_TIMEOUT_S <= waiting["seconds"] < STALL_S
+    stalled = world2[0]["fault_stall"]
+    assert stalled["error"] in ("PipelineCommError", "PipelineTimeoutError"), stalled
+    assert (stalled["rank"], stalled["peer"]) == (0, 1) and stalled["tensor"] == "hidden"
+    program = plan.program(0).instructions
+    assert isinstance(program[stalled["index"]], Send | Recv | Wait)
+    posted = {str(i.key) for i in program if isinstance(i, Send | Recv) and i.peer == 1}
+    assert stalled["key"] in posted
+    assert f"rank 0: instruction {stalled['index']}" in stalled["message"]
+    assert stalled["seconds"] < STALL_S + 2 * STALL_TIMEOUT_S + 5

@@ -3,25 +3,30 @@ inside the same 4 gloo worker processes (targets of `distributed_harness.run_wor
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
-import multiprocessing
 import os
 from pathlib import Path
 
+SLOW_PLANNER_S = 5.0  # per plan: later than the iterations that need them
 COMMON = [
     "--model", "tiny-vlm", "--global-batch-size", "4", "--dip-image-size", "32",
     "--lr", "3e-3", "--lr-decay-iters", "20", "--log-interval", "5", "--seed", "7",
 ]  # fmt: skip
 
 
-def run(argv: list[str], *, world_size: int) -> dict:
-    """Parse, validate and train one run on this rank; the numbers the tests compare."""
+def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
+    """Parse, validate and train one run on this rank; the numbers the tests compare.
+    `planner_faults`: a `PlannerFaults` for the planner process (tests only, no flag)."""
     from megatron_dip.training.arguments import parse_config
     from megatron_dip.training.loop import pretrain
     from megatron_dip.training.validate import resolve
 
     spec = resolve(parse_config(argv), world_size=world_size, cuda=False)
+    if planner_faults is not None:
+        spec = dataclasses.replace(spec, planner_faults=planner_faults)
     result = pretrain(spec)
     return {
         "losses": dict(result.losses),
@@ -33,15 +38,17 @@ def run(argv: list[str], *, world_size: int) -> dict:
         "first": result.first_iteration,
         "last": result.last_iteration,
         "checkpoints": list(result.checkpoints),
+        "cost_error": dict(result.cost_error),
+        "cost_ratio": dict(result.cost_ratio),
+        "plan_calibration": dict(result.plan_calibration),
+        "calibration": dict(result.calibration),
     }
 
 
-def world4(*, rank: int, world_size: int, data: str, tmp: str) -> dict:
+def world4(*, rank: int, world_size: int, data: str, tmp: str, bad_data: str) -> dict:
     """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints, evaluation and
     traces; then resume at iteration 3 (same layout and at PP=4); then the stock schedules."""
-    # The harness's workers are daemonic, and daemonic processes may not start children; the
-    # trainer's planner service is one (closed by the trainer at the end of each run).
-    multiprocessing.current_process()._config["daemon"] = False
+    # The trainer's planner service is a child process: the fixture runs non-daemonic workers.
     logging.getLogger("megatron").setLevel(logging.ERROR)
     logging.getLogger("megatron_dip.planner.service").setLevel(logging.ERROR)
     ckpt, traces = os.path.join(tmp, "ckpt"), os.path.join(tmp, "traces")
@@ -52,14 +59,21 @@ def world4(*, rank: int, world_size: int, data: str, tmp: str) -> dict:
         base + [
             "--pipeline-model-parallel-size", "2", "--train-iters", "20",
             "--dip-lookahead", "2", "--dip-search-time-ms", "100",
-            "--save", ckpt, "--save-interval", "3", "--eval-interval", "10", "--eval-iters", "2",
+            "--save", ckpt, "--save-interval", "3", "--eval-interval", "2", "--eval-iters", "1",
             "--dip-trace-dir", traces, "--dip-trace-interval", "10",
         ],
         world_size=world_size,
     )  # fmt: skip
-    resume = ["--load", ckpt, "--ckpt-step", "3", "--dip-lookahead", "0"]
+    # Runs compared with "dip" freeze the calibration ("dip" itself first recalibrates at
+    # iteration 9: warm-up iteration 1, then the default window of 8; after all they compare).
+    resume = [
+        "--load", ckpt, "--ckpt-step", "3", "--dip-lookahead", "0", "--dip-calibration-frozen",
+    ]  # fmt: skip
     out["resume"] = run(
-        base + resume + ["--pipeline-model-parallel-size", "2", "--train-iters", "6"],
+        base
+        + resume
+        + ["--pipeline-model-parallel-size", "2", "--train-iters", "6"]
+        + ["--eval-interval", "2", "--eval-iters", "1"],  # the eval stream resumes too
         world_size=world_size,
     )
     out["relayout"] = run(
@@ -68,21 +82,27 @@ def world4(*, rank: int, world_size: int, data: str, tmp: str) -> dict:
     )
     out["1f1b"] = run(
         base
-        + ["--pipeline-model-parallel-size", "4", "--train-iters", "1", "--dip-schedule", "1f1b"],
+        + ["--pipeline-model-parallel-size", "4", "--train-iters", "2", "--dip-schedule", "1f1b"]
+        + ["--recompute-granularity", "selective"],
         world_size=world_size,
     )
     out["interleaved"] = run(
         base + [
-            "--pipeline-model-parallel-size", "2", "--train-iters", "1",
+            "--pipeline-model-parallel-size", "2", "--train-iters", "3",
             "--dip-schedule", "interleaved",
         ],
         world_size=world_size,
     )  # fmt: skip
+    out.update(planner_fault_runs(base, world_size=world_size))
+    out.update(optimizer_and_baseline_runs(base, tmp=tmp, world_size=world_size))
     out["t2v"] = run(
         ["--model", "tiny-t2v", "--pipeline-model-parallel-size", "2", "--train-iters", "2",
          "--lr", "1e-3", "--dip-lookahead", "0", "--global-batch-size", "2"],
         world_size=world_size,
     )  # fmt: skip
+    out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
+    out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
+    out["disagree"] = disagreeing_batch_error(rank)
     if rank == 0:
         out["trace_files"] = sorted(p.name for p in Path(traces).glob("*.json"))
         events = json.loads(Path(traces, out["trace_files"][-1]).read_text())["traceEvents"]
@@ -91,4 +111,139 @@ def world4(*, rank: int, world_size: int, data: str, tmp: str) -> dict:
         )
         out["trace_spans"] = sum(e.get("ph") == "X" for e in events)
         out["ckpt_dirs"] = sorted(p.name for p in Path(ckpt).iterdir())
+        meta = json.loads(Path(ckpt, "iter_0000003", "metadata.json").read_text())
+        out["ckpt3_calibration"] = meta["calibration"]
     return out
+
+
+@contextlib.contextmanager
+def _captured_log():
+    """The messages of our loggers while the block runs: planner warnings and log lines."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    loggers = [logging.getLogger(n) for n in ("megatron_dip.planner.service", "megatron_dip")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+    loggers[1].addHandler(handler)
+    try:
+        yield records
+    finally:
+        loggers[1].removeHandler(handler)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def planner_fault_runs(base: list[str], *, world_size: int) -> dict:
+    """Greedy plans only (no search), so a plan is the same whether the planner process made it
+    or the ranks inline: a run without a planner process, then runs whose planner is killed,
+    slow, or raises. Each returns its log messages."""
+    from megatron_dip.planner.service import PlannerFaults
+
+    flags = base + [
+        "--pipeline-model-parallel-size", "2", "--train-iters", "5",
+        "--dip-search-time-ms", "0", "--dip-calibration-frozen",
+    ]  # fmt: skip
+    out = {"undisturbed": run(flags + ["--dip-lookahead", "0"], world_size=world_size)}
+    faults = {
+        "killed": PlannerFaults(kill_at_iteration=2),
+        "slow": PlannerFaults(delay_s=SLOW_PLANNER_S),
+        "raises": PlannerFaults(raise_at_iteration=0),
+    }
+    for name, fault in faults.items():
+        with _captured_log() as messages:
+            out[name] = run(
+                flags + ["--dip-lookahead", "2"], world_size=world_size, planner_faults=fault
+            )
+        out[name]["log"] = list(messages)
+    return out
+
+
+def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -> dict:
+    """Per-token loss (an objective independent of how plans pack and place microbatches, so
+    runs of different layouts train identically): --use-distributed-optimizer at PP=2 x DP=2
+    for 5 iterations saving every 2; resumed from iteration 2; its iteration-2 checkpoint
+    stepped once by the plain optimizer at PP=1 x DP=4 and saved; that loaded with the
+    distributed optimizer for 2 more. PP=2 x TP=2 for 5 iterations, its iteration-3 checkpoint
+    continued at PP=2 x TP=1 x DP=2. Megatron's 1F1B at PP=2 x DP=2 with full recomputation
+    and the DP reduction overlapped through Megatron's DDP hooks."""
+    dist_ckpt, plain_ckpt, tp_ckpt = (os.path.join(tmp, d) for d in ("dopt", "plain", "tp2"))
+    flags = base + ["--dip-lookahead", "0", "--dip-calibration-frozen"]
+    flags += ["--calculate-per-token-loss"]
+    pp2 = flags + ["--pipeline-model-parallel-size", "2"]
+    distopt = pp2 + ["--use-distributed-optimizer"]
+    out = {}
+    for name, argv in {
+        "distopt": distopt + ["--train-iters", "5", "--save", dist_ckpt, "--save-interval", "2"],
+        "distopt_resume": distopt + ["--train-iters", "5", "--load", dist_ckpt, "--ckpt-step", "2"],
+        "distopt_to_plain": flags  # PP=1 x DP=4: torch's AdamW takes the gathered state
+        + ["--train-iters", "3", "--load", dist_ckpt, "--ckpt-step", "2", "--save", plain_ckpt],
+        "plain_to_distopt": distopt + ["--train-iters", "5", "--load", plain_ckpt],
+        "tp2": pp2
+        + ["--tensor-model-parallel-size", "2", "--train-iters", "5", "--save", tp_ckpt]
+        + ["--save-interval", "3"],
+        "tp2_to_tp1": pp2 + ["--train-iters", "5", "--load", tp_ckpt, "--ckpt-step", "3"],
+        "1f1b_overlap": base + [
+            "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--dip-schedule", "1f1b",
+            "--overlap-grad-reduce", "--recompute-granularity", "full",
+        ],
+    }.items():  # fmt: skip
+        out[name] = run(argv, world_size=world_size)
+    return out
+
+
+def decode_failure_run(flags: list[str], world_size: int) -> str | None:
+    """A run whose first batch holds an image that passed the metadata checks but cannot be
+    decoded: only the ranks of one replica load it. The error every rank raised (None: none)."""
+    from megatron_dip.data.records import BadSampleError
+
+    try:
+        run(
+            flags + ["--pipeline-model-parallel-size", "2", "--train-iters", "2",
+                     "--dip-lookahead", "0"],
+            world_size=world_size,
+        )  # fmt: skip
+    except BadSampleError as e:
+        return str(e)
+    return None
+
+
+def emulated_runs(*, tmp: str, world_size: int, rank: int) -> dict:
+    """--dip-emulate-compute at PP=4: DIP, and Megatron's interleaved schedule on the one-list
+    placement cut by cost (stages holding only ViT layers pass text-only microbatches on)."""
+    flags = [
+        "--dip-emulate-compute", "--dip-emulate-scale", "3000", "--model", "tiny-vlm",
+        "--global-batch-size", "4", "--pipeline-model-parallel-size", "4", "--lr", "1e-3",
+        "--train-iters", "2", "--dip-lookahead", "0", "--dip-calibration-frozen",
+    ]  # fmt: skip
+    out = {}
+    for name, extra in (
+        ("emulated_dip", ["--dip-schedule", "dip"]),
+        (
+            "emulated_interleaved",
+            ["--dip-schedule", "interleaved", "--dip-stock-placement", "cost"],
+        ),
+    ):
+        metrics = os.path.join(tmp, f"{name}.jsonl")
+        out[name] = run(flags + extra + ["--dip-metrics-json", metrics], world_size=world_size)
+        if rank == 0:
+            out[name]["metrics"] = [json.loads(x) for x in Path(metrics).read_text().splitlines()]
+    return out
+
+
+def disagreeing_batch_error(rank: int) -> str | None:
+    """Rank 3 formed another batch than the others (as if it read a record differently): the
+    error every rank raises when agreeing on the loaded samples (None: none)."""
+    import torch
+
+    from megatron_dip.data.records import BadSampleError
+    from megatron_dip.data.sample import BatchMeta, SampleMeta
+    from megatron_dip.training.data_source import load_agreed
+
+    batch = BatchMeta(0, (SampleMeta(0, 11 if rank == 3 else 10),))
+    try:
+        load_agreed(lambda: [], batch=batch, rank=rank, device=torch.device("cpu"))
+    except BadSampleError as e:
+        return str(e)
+    return None

@@ -107,7 +107,10 @@ class LlavaDataset(RecordReader):
 
     def describe(self, index: int) -> str:
         image = self._records[index].get("image")
-        return f"LLaVA record {index} (id {self.record_id(index)!r}, image {image!r})"
+        shown = repr(image)
+        if isinstance(image, list) and len(image) > 3:  # keep messages readable
+            shown = f"[{image[0]!r}, {image[1]!r}, ... {len(image)} images]"
+        return f"LLaVA record {index} (id {self.record_id(index)!r}, image {shown})"
 
     def _sizes(self, index: int) -> list[tuple[int, int]]:
         """Target (H, W) per image, from the headers; verifies each file is intact."""

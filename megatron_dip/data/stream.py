@@ -10,7 +10,16 @@ dataset repeats; position p maps to dataset index `permutation_e[p mod N]` of ep
 (a seeded permutation per epoch, or the identity with `shuffle=False`; unbounded sources such
 as the synthetic generator are read in order). Positions whose source metadata is None (a bad
 record the reader skipped) or that are oversize under `limits` with `on_oversize="skip"` are
-left out, deterministically.
+left out, deterministically, counted (`skipped`) and logged once each with the reason.
+
+Unusable samples. A batch that meets an oversize sample under `on_oversize="error"`, a record the
+source refuses (its `metas` raises ValueError, e.g. a reader's BadSampleError), or no usable
+sample within a bounded search (a whole pass over a finite source; `max_consecutive_skips`
+positions of an unbounded one) cannot be formed: its error names the position, the record and
+the reason. It is raised when that batch is CONSUMED by `next()` (or when it is the first batch
+`peek` is asked for), never earlier: `peek` returns only the batches before it. Every rank reads
+the same metadata, so every rank raises at the same iteration, before any of them runs it, even
+though only the planner's rank peeks ahead.
 
 Global batch size (exactly one of):
 
@@ -45,6 +54,7 @@ logger = logging.getLogger(__name__)
 _STATE_VERSION = 1
 _PERMUTATION = 2  # spawn-key tag, distinct from the synthetic generator's tags
 _READ_CHUNK = 64
+MAX_CONSECUTIVE_SKIPS = 4096  # unbounded sources: unusable positions in a row before giving up
 
 
 class SampleSource(Protocol):
@@ -73,6 +83,7 @@ class StreamConfig:
     on_oversize: OnOversize = "error"
     shuffle: bool = True
     check_meta: bool = True  # samples() verifies each sample against the planner's metadata
+    max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS  # unbounded sources only
 
     def __post_init__(self) -> None:
         if (self.batch_samples is None) == (self.batch_microbatches is None):
@@ -84,6 +95,10 @@ class StreamConfig:
             raise ValueError("batch_microbatches needs packing limits")
         if self.on_oversize not in ("error", "skip"):
             raise ValueError(f"on_oversize must be 'error' or 'skip', got {self.on_oversize!r}")
+        if self.max_consecutive_skips < 1:
+            raise ValueError(
+                f"max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}"
+            )
 
     def signature(self) -> str:
         """What must not change across a resume for the continuation to be identical."""
@@ -93,9 +108,24 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class _Built:
-    batch: BatchMeta
+    batch: BatchMeta | None  # None: the batch cannot be formed (`error`)
     end: int  # first position after the batch
     skipped: int
+    error: StreamError | None = None
+
+
+class StreamError(ValueError):
+    """A batch that cannot be formed; the message names the position, record and reason.
+
+    `oversize`: the cause is sample sizes against the packing limits (an oversize sample under
+    on_oversize="error", or a search that found only oversize samples), not a broken record.
+    `position`: the stream position of the one sample refused (None: no usable sample at all).
+    """
+
+    def __init__(self, message: str, *, oversize: bool = False, position: int | None = None):
+        super().__init__(message)
+        self.oversize = oversize
+        self.position = position
 
 
 class BatchStream(Iterator[BatchMeta]):
@@ -109,22 +139,34 @@ class BatchStream(Iterator[BatchMeta]):
         self._skipped = 0
         self._ahead: deque[_Built] = deque()
         self._perms: dict[int, np.ndarray] = {}
+        self._logged: set[int] = set()  # finite sources: dataset indices whose skip was logged
+        self._logged_upto = 0  # unbounded sources: skips at positions below this were logged
 
     # -- metadata ------------------------------------------------------------------------------
 
     def peek(self, n: int) -> list[BatchMeta]:
-        """The next `n` batches' metadata, without consuming them."""
-        while len(self._ahead) < n:
+        """The next `n` batches' metadata, without consuming them; fewer when a later one cannot
+        be formed (its error waits for `next()`). Raises if the very next one cannot be formed."""
+        while len(self._ahead) < n and (not self._ahead or self._ahead[-1].error is None):
             last = self._ahead[-1] if self._ahead else None
             start = last.end if last else self._position
             iteration = last.batch.iteration + 1 if last else self._iteration
             self._ahead.append(self._build(iteration, start))
-        return [b.batch for b in list(self._ahead)[:n]]
+        if n > 0 and self._ahead and self._ahead[0].error is not None:
+            raise self._ahead[0].error
+        good = []
+        for built in list(self._ahead)[:n]:
+            if built.error is not None:
+                break
+            good.append(built.batch)
+        return good
 
     def __next__(self) -> BatchMeta:
-        built = (
-            self._ahead.popleft() if self._ahead else self._build(self._iteration, self._position)
-        )
+        if not self._ahead:
+            self._ahead.append(self._build(self._iteration, self._position))
+        if self._ahead[0].error is not None:
+            raise self._ahead[0].error  # consumed nothing: the position stays before the batch
+        built = self._ahead.popleft()
         self._iteration = built.batch.iteration + 1
         self._position = built.end
         self._skipped += built.skipped
@@ -136,17 +178,26 @@ class BatchStream(Iterator[BatchMeta]):
         return self._skipped
 
     def _build(self, iteration: int, start: int) -> _Built:
+        """Batch `iteration` from position `start`, or why it cannot be formed."""
+        try:
+            return self._collect(iteration, start)
+        except StreamError as err:  # an unusable sample under "error", a starved search
+            return _Built(None, start, 0, error=err)
+
+    def _collect(self, iteration: int, start: int) -> _Built:
         cfg = self.config
         packer = FirstFitPacker(cfg.limits) if cfg.batch_microbatches is not None else None
         taken: list[SampleMeta] = []
-        position, skipped, misses = start, 0, 0
+        position, skipped, misses, reason = start, 0, 0, ""
         while True:
             chunk = _READ_CHUNK
             if cfg.batch_samples is not None:
                 chunk = min(chunk, cfg.batch_samples - len(taken))
-            metas = self.source.metas([self._index(p) for p in range(position, position + chunk)])
-            for raw in metas:
-                if raw is not None and not self._drop(raw, position):
+            for raw in self._metas(position, chunk):
+                if isinstance(raw, StreamError):
+                    raise raw  # a record the source refuses, reached in data order
+                why = "the source skipped the record" if raw is None else self._unusable(raw)
+                if why is None:
                     meta = replace(raw, sample_id=position)
                     if packer is not None and packer.place(meta) == cfg.batch_microbatches:
                         return _Built(BatchMeta(iteration, tuple(taken)), position, skipped)
@@ -155,36 +206,88 @@ class BatchStream(Iterator[BatchMeta]):
                     taken.append(meta)
                     misses = 0
                 else:
-                    skipped, misses = skipped + 1, misses + 1
-                    self._check_not_starved(misses)
+                    self._refuse_or_log(position, why, skip=raw is None)
+                    skipped, misses, reason = skipped + 1, misses + 1, why
+                    self._check_not_starved(position, misses, reason, oversize=raw is not None)
                 position += 1
                 if cfg.batch_samples is not None and len(taken) == cfg.batch_samples:
                     return _Built(BatchMeta(iteration, tuple(taken)), position, skipped)
 
-    def _drop(self, meta: SampleMeta, position: int) -> bool:
-        """Whether an oversize sample is skipped (raises under on_oversize="error")."""
-        if self.config.limits is None:
-            return False
-        reason = oversize_reason(meta, self.config.limits)
-        if reason is None:
-            return False
-        message = f"stream position {position} (dataset index {self._index(position)}): {reason}"
-        if self.config.on_oversize == "error":
-            raise ValueError(message)
-        logger.warning("skipping oversize sample at %s", message)
-        return True
+    def _metas(self, position: int, count: int) -> list[SampleMeta | None | StreamError]:
+        """Source metadata of `count` positions from `position`. A record the source refuses
+        ends the list as a StreamError: raised only if the batch reaches it (the read is
+        chunked, the batch may end before)."""
+        indices = [self._index(p) for p in range(position, position + count)]
+        try:
+            return list(self.source.metas(indices))
+        except ValueError:
+            pass
+        out: list[SampleMeta | None | StreamError] = []
+        for offset, index in enumerate(indices):
+            try:
+                out.extend(self.source.metas([index]))
+            except ValueError as err:
+                at = position + offset
+                out.append(StreamError(f"stream position {at}: {err}", position=at))
+                break
+        return out
 
-    def _check_not_starved(self, misses: int) -> None:
-        n = self.source.num_samples
+    def _unusable(self, meta: SampleMeta) -> str | None:
+        """Why `meta` fits in no microbatch, or None."""
+        return None if self.config.limits is None else oversize_reason(meta, self.config.limits)
+
+    def _where(self, position: int) -> str:
+        index = self._index(position)
+        describe = getattr(self.source, "describe", None)
+        record = describe(index) if describe is not None else f"dataset index {index}"
+        return f"stream position {position} ({record})"
+
+    def _refuse_or_log(self, position: int, reason: str, *, skip: bool) -> None:
+        """Raise for an oversize sample under on_oversize="error"; else log it once."""
+        if not skip and self.config.on_oversize == "error":
+            message = f"{self._where(position)}: {reason}"
+            raise StreamError(message, oversize=True, position=position)
+        if skip or not self._first_skip(position):
+            return  # the reader logged its own skips, with their reason, once
+        logger.warning("skipping %s: %s", self._where(position), reason)
+
+    def _first_skip(self, position: int) -> bool:
+        """Whether the sample at `position` is skipped for the first time: once per record of
+        a finite source (every epoch meets it again), once per position of an unbounded one
+        (batches are rebuilt after a resume)."""
+        if self.source.num_samples is None:
+            first = position >= self._logged_upto
+            self._logged_upto = max(self._logged_upto, position + 1)
+            return first
+        index = self._index(position)
+        first = index not in self._logged
+        self._logged.add(index)
+        return first
+
+    def _check_not_starved(self, position: int, misses: int, reason: str, *, oversize: bool):
+        """Bound the search: a whole pass of a finite source, `max_consecutive_skips` positions
+        of an unbounded one (which would otherwise be read forever)."""
+        n, limit = self.source.num_samples, self.config.max_consecutive_skips
         if n is not None and misses > n:
-            raise ValueError(f"no usable sample in a whole pass over the {n} records")
+            message = f"no usable sample in a whole pass over the {n} records (last: {reason})"
+            raise StreamError(message, oversize=oversize)
+        if n is None and misses >= limit:
+            raise StreamError(
+                f"no usable sample in {limit} consecutive stream positions up to {position} "
+                f"(max_consecutive_skips={limit}; last: {reason})",
+                oversize=oversize,
+            )
+
+    def dataset_index(self, position: int) -> int:
+        """The source index that stream position `position` reads (a sample id's record)."""
+        return self._index(position)
 
     def _index(self, position: int) -> int:
         n = self.source.num_samples
         if n is None:
             return position
         if n <= 0:
-            raise ValueError("the source has no samples")
+            raise StreamError("the source has no samples (an empty dataset)")
         epoch, offset = divmod(position, n)
         if not self.config.shuffle:
             return offset

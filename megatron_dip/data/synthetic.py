@@ -252,7 +252,9 @@ def _sizes(mixture: MixtureSpec, model: MultimodalSpec, image_size: int | None) 
     grids = mixture.frame_grids
     if image_size is not None:
         g = _exact(image_size, mixture.spatial_compression * vis.patch_size, "frame")
-        grids = ((g, g),)
+        # One square grid in every slot: the per-sample grid draws index `frame_grids`, so the
+        # stream's structure (and every other draw) stays that of the mixture.
+        grids = ((g, g),) * len(grids)
     return _Sizes(kind, vocab, vis.in_channels, vis.patch_size, 0, 0, 0, grids)
 
 

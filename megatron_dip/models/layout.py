@@ -20,21 +20,26 @@ Conventions (micro batch size 1, packed; Megatron's [seq, batch, hidden] layout)
   DiT "cond" [padded_tokens, 1, text hidden] and "cond_index" int64 [captions].
   A consumer chunk 0 receives one message per producer sub-microbatch, in producer order.
 * Gradient messages carry the floating-point tensors of the activation message, same shapes.
-* Dependencies (`cross_module_dependencies`): an LLM microbatch depends on every ViT
-  sub-microbatch of that microbatch; a DiT sub-microbatch on every text sub-microbatch whose
+* Sub-microbatches and dependencies are the planner's (`planner.submicrobatch`, pure functions
+  on metadata; re-exported here for the models and tests): an LLM microbatch depends on every
+  ViT sub-microbatch of that microbatch; a DiT sub-microbatch on every text sub-microbatch whose
   captions overlap its clips.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from megatron_dip.data.sample import Sample, loss_targets
+from megatron_dip.data.sample import Sample, SampleMeta, loss_targets
 from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
+from megatron_dip.planner.submicrobatch import (
+    cross_module_dependencies,  # noqa: F401 (re-export)
+    instances_overlap,
+    module_instances,
+    split_microbatch,
+)
 from megatron_dip.schedule.ir import (
-    Dependency,
     MessageKey,
     MessageKind,
     SubMicrobatch,
@@ -89,8 +94,11 @@ def loss_tokens_of(
     return sum(instance_tokens(module, samples))
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def _sample_meta(model: MultimodalSpec, sample: Sample) -> SampleMeta:
+    """The token counts of `sample` that the split needs (as `instance_tokens` counts them)."""
+    vision = next((m for m in model.modules if m.kind in (ModuleKind.VIT, ModuleKind.DIT)), None)
+    counts = () if vision is None else tuple(instance_tokens(vision, [sample]))
+    return SampleMeta(sample.sample_id, len(sample.text), counts)
 
 
 def split_submicrobatches(
@@ -102,53 +110,30 @@ def split_submicrobatches(
     sizes: Mapping[str, int] | None = None,
     pad_multiple: int = 1,
 ) -> tuple[SubMicrobatch, ...]:
-    """Sub-microbatches of every module for one microbatch.
+    """Sub-microbatches of every module for one microbatch: the planner's
+    `split_microbatch` on the samples' token counts, so reference runs split exactly as plans do.
 
-    `sizes[module]` instances per sub-microbatch (ceil split, the last one smaller; default:
-    all instances in one). The LLM always forms one sub-microbatch padded to `seq_length`;
-    other modules are padded to a multiple of `pad_multiple` (the tensor-parallel size under
-    sequence parallelism). A module without instances (no images) gets no sub-microbatch.
+    `sizes[module]` instances per sub-microbatch at most (balanced split; default: all instances
+    in one). The LLM always forms one sub-microbatch padded to `seq_length`; other modules are
+    padded to a multiple of `pad_multiple` (the tensor-parallel size under sequence
+    parallelism). A module without instances (no images) gets no sub-microbatch.
     """
-    sizes = dict(sizes or {})
-    subs: list[SubMicrobatch] = []
-    for module in model.modules:
-        counts = instance_tokens(module, samples)
-        if module.kind is ModuleKind.LLM:
-            if counts[0] > seq_length:
-                raise ValueError(f"microbatch {microbatch}: {counts[0]} tokens > {seq_length}")
-            docs = [len(s.text) for s in samples]
-            subs.append(
-                SubMicrobatch(
-                    module.name,
-                    microbatch,
-                    0,
-                    0,
-                    1,
-                    counts[0],
-                    seq_length,
-                    sum(d * d for d in docs),
-                )
-            )
-            continue
-        step = sizes.get(module.name, max(1, len(counts)))
-        if step <= 0:
-            raise ValueError(f"sizes[{module.name!r}] must be positive")
-        for index, start in enumerate(range(0, len(counts), step)):
-            part = counts[start : start + step]
-            tokens = sum(part)
-            subs.append(
-                SubMicrobatch(
-                    module.name,
-                    microbatch,
-                    index,
-                    start,
-                    start + len(part),
-                    tokens,
-                    _round_up(tokens, pad_multiple),
-                    sum(c * c for c in part),
-                )
-            )
-    return tuple(subs)
+    metas = [_sample_meta(model, s) for s in samples]
+    counts = {m.name: len(module_instances(m, metas, seq_length=seq_length)) for m in model.modules}
+    sub_sizes = {
+        name: (sizes or {}).get(name, max(1, n))
+        for name, n in counts.items()
+        if model.module(name).kind is not ModuleKind.LLM
+    }
+    work = split_microbatch(
+        model,
+        metas,
+        index=microbatch,
+        seq_length=seq_length,
+        sub_sizes=sub_sizes,
+        pad_multiple=pad_multiple,
+    )
+    return work.submicrobatches
 
 
 def _single_producer(model: MultimodalSpec, consumer: str) -> ModuleSpec:
@@ -159,31 +144,6 @@ def _single_producer(model: MultimodalSpec, consumer: str) -> ModuleSpec:
             f"has {[p.name for p in producers]}"
         )
     return producers[0]
-
-
-def _overlaps(a: SubMicrobatch, b: SubMicrobatch) -> bool:
-    return a.instance_start < b.instance_end and b.instance_start < a.instance_end
-
-
-def cross_module_dependencies(
-    model: MultimodalSpec, submicrobatches: Iterable[SubMicrobatch]
-) -> tuple[Dependency, ...]:
-    """The hand-over dependencies of these sub-microbatches, by the conventions above."""
-    by_key: dict[tuple[str, int], list[SubMicrobatch]] = defaultdict(list)
-    for s in submicrobatches:
-        by_key[(s.module, s.microbatch)].append(s)
-    deps: list[Dependency] = []
-    for (name, mb), consumers in sorted(by_key.items()):
-        producers_spec = model.producers_of(name)
-        if not producers_spec:
-            continue
-        producer = _single_producer(model, name)
-        produced = sorted(by_key.get((producer.name, mb), []), key=lambda s: s.index)
-        for c in sorted(consumers, key=lambda s: s.index):
-            for p in produced:
-                if producer.kind is ModuleKind.VIT or _overlaps(p, c):
-                    deps.append(Dependency(p.work, c.work))
-    return tuple(deps)
 
 
 def _seq(tokens: int, tensor_parallel: int, sequence_parallel: bool) -> int:
@@ -212,7 +172,7 @@ def dit_condition_producers(
             sub = sub_lookup(WorkId(text.name, dit_sub.microbatch, k))
         except KeyError:
             break
-        if _overlaps(sub, dit_sub):
+        if instances_overlap(sub, dit_sub):
             found.append(sub)
     covered = sum(
         min(s.instance_end, dit_sub.instance_end) - max(s.instance_start, dit_sub.instance_start)

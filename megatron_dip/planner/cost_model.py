@@ -348,8 +348,12 @@ class CostModel:
             times = self._analytic_layer(spec, w)
             measured = self._measured(spec, w)
             if measured is not None:
-                # Scale the analytic core by how far the measurement is from the analytic layer.
-                times = (measured[0], measured[1], times[2] * measured[0] / times[0])
+                # A profile of one TP rank's shard timed alone lacks the TP all-reduces: add
+                # the model's term. Scale the analytic core by how far the measurement is from
+                # the analytic layer.
+                comm = 0.0 if self.profile.tp_comm_included else self._tp_comm(spec, w.tokens)
+                fwd, bwd = measured[0] + comm, measured[1] + comm
+                times = (fwd, bwd, times[2] * fwd / times[0])
             _bounded_put(self._layer_cache, key, times)
         return times
 

@@ -112,12 +112,19 @@ class CostProfile:
          "device": "H100",                       # DeviceSpec name it was measured on
          "software": {"torch": "2.6.0", "megatron_core": "0.16.1", "cuda": "12.4"},
          "attention": "flash-attn 2.7.4",        # attention implementation
-         "tensor_parallel": 4,                   # TP size of the measurement (comm included)
+         "tensor_parallel": 4,                   # TP size of the measurement
          "modules": {                            # key: module name, or kind (vit, llm, ...)
-           "vit": [{"tokens": 1024, "instances": 8, "forward_ms": 1.9, "backward_ms": 3.9}]}}
+           "vit": [{"tokens": 1024, "instances": 8, "forward_ms": 1.9, "backward_ms": 3.9}]},
+         # optional (absent in older profiles; defaults shown):
+         "dtype": "",                            # e.g. "bfloat16"
+         "tp_comm_included": true,               # false: one TP rank's shard timed alone
+         "details": {}}                          # free-form provenance (grid, timing, shapes)
 
     Times are of one transformer layer (input/output layers excluded), forward and backward
-    without recomputation, tensor-parallel communication included.
+    without recomputation. `tp_comm_included` says whether they contain the layer's
+    tensor-parallel collectives: True for a profile taken on a real TP group, False for one
+    that timed a TP rank's shard of the layer on a single device (`tools/profile_costs.py`),
+    to which the TP communication term must still be added.
     """
 
     device: str
@@ -126,6 +133,9 @@ class CostProfile:
     tensor_parallel: int
     modules: dict = field(hash=False)  # str -> tuple[ProfilePoint, ...]
     source: str = ""
+    dtype: str = ""
+    tp_comm_included: bool = True
+    details: dict = field(default_factory=dict, hash=False, compare=False)
 
     def points_for(self, name: str, kind: str) -> tuple[ProfilePoint, ...] | None:
         """Measurements of module `name` (by name first, else by its kind), None if absent."""
@@ -207,7 +217,26 @@ def load_profile(path: str | Path) -> CostProfile:
         name: _read_points(entries, f"modules.{name}", bad) for name, entries in mods.items()
     }
     software = {str(k): str(v) for k, v in raw["software"].items()}
-    return CostProfile(raw["device"], software, raw["attention"], tp, modules, str(path))
+    dtype = raw.get("dtype", "")
+    if not isinstance(dtype, str):
+        raise bad("dtype", "must be a string")
+    comm = raw.get("tp_comm_included", True)
+    if not isinstance(comm, bool):
+        raise bad("tp_comm_included", f"must be true or false, got {comm!r}")
+    details = raw.get("details", {})
+    if not isinstance(details, dict):
+        raise bad("details", "must be an object")
+    return CostProfile(
+        raw["device"],
+        software,
+        raw["attention"],
+        tp,
+        modules,
+        str(path),
+        dtype=dtype,
+        tp_comm_included=comm,
+        details=details,
+    )
 
 
 def _read_points(

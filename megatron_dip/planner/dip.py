@@ -56,6 +56,9 @@ class PlannerConfig:
     fill_bubbles: bool = True  # dual-queue interleaving (False: fixed segment order)
     use_search: bool = True
     optimize_memory: bool = True
+    # No plan within memory_limit_bytes: raise MemoryLimitError (True), or return the best plan
+    # found marked `ReplicaPlan.overcommitted` (False: simulation studies that score such plans).
+    strict_memory: bool = True
     uniform_recompute: Recompute | None = None  # start from this mode on every chunk
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     packing: PackingLimits | None = None  # default: PackingLimits.vlm(seq_length=seq_length)
@@ -72,6 +75,9 @@ class ReplicaPlan:
     recompute_added: float
     planning_seconds: float
     simulated_time: float | None = None  # of the chosen plan, when candidates were compared
+    # The plan holds more activations than the limit on some rank; only with
+    # `strict_memory=False` (otherwise such a batch raises MemoryLimitError).
+    overcommitted: bool = False
 
 
 def sample_loss_tokens(meta: SampleMeta, model: MultimodalSpec) -> int:
@@ -179,7 +185,7 @@ class DipPlanner:
         dataflow = Dataflow(self.placement, subs, deps)
         sub_of = {s.work: s for s in subs}
         use_search = self.config.use_search if search is None else search
-        schedule, result, choice = self._schedule(
+        schedule, result, choice, errors = self._schedule(
             dataflow, sub_of, forward_only=forward_only, use_search=use_search
         )
         tensors = functools.partial(self._tensors, sub_of)
@@ -201,7 +207,12 @@ class DipPlanner:
         validate_plan(plan)
         simulated = None
         if self.config.megatron_candidate and not forward_only:
-            plan, simulated = self._best_of(plan, works, totals=totals, replica=replica)
+            plan, simulated = self._best_of(
+                plan, works, totals=totals, replica=replica, over=schedule.overcommitted
+            )
+        overcommitted = schedule.overcommitted and plan.name == "dip"
+        if overcommitted:
+            self._overcommitted(schedule, errors)
         return ReplicaPlan(
             plan,
             result.greedy_makespan,
@@ -210,13 +221,21 @@ class DipPlanner:
             choice.added_time,
             time.perf_counter() - started,
             simulated,
+            overcommitted=overcommitted,
         )
 
     def _best_of(
-        self, plan: Plan, works: Sequence[MicrobatchWork], *, totals: BatchTotals, replica: int
+        self,
+        plan: Plan,
+        works: Sequence[MicrobatchWork],
+        *,
+        totals: BatchTotals,
+        replica: int,
+        over: bool,
     ) -> tuple[Plan, float]:
         """`plan` or Megatron's order on the same placement, whichever simulates faster within
-        the memory limit (per-peer channels: the runtime's communicators)."""
+        the memory limit (per-peer channels: the runtime's communicators); Megatron's whenever
+        it fits and `plan` does not (`over`)."""
         merged = merge_submicrobatches(works)
         sub_of = {s.work: s for w in merged for s in w.submicrobatches}
 
@@ -241,7 +260,7 @@ class DipPlanner:
         theirs = simulate(alt, self.cost_model, channel=per_peer_channel)
         limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
         fits = all(p <= lim for p, lim in zip(theirs.peak_activation_bytes, limits))
-        if fits and theirs.iteration_time < ours.iteration_time:
+        if fits and (over or theirs.iteration_time < ours.iteration_time):
             validate_plan(alt)
             return alt, theirs.iteration_time
         return plan, ours.iteration_time
@@ -258,26 +277,58 @@ class DipPlanner:
 
     def _schedule(
         self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool, use_search: bool
-    ) -> tuple[ListSchedule, SearchResult, RecomputeChoice]:
+    ) -> tuple[ListSchedule, SearchResult, RecomputeChoice, list[MemoryLimitError]]:
+        """The list schedule of the searched order, with the recompute choice that fits the
+        memory limit best, and the memory pass's errors (for the caller's report)."""
         limits = self._memory_limits()
         choice = self._uniform_choice()
         graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
         search = self._search(graph, dataflow, limits, use_search=use_search)
         schedule = self._list_schedule(graph, search.order, limits, choice)
+        errors: list[MemoryLimitError] = []
         if self.config.optimize_memory and limits is not None and not forward_only:
-            for candidate in self._recompute_candidates(dataflow, sub_of, search.order, limits):
+            for candidate in self._recompute_candidates(
+                dataflow, sub_of, search.order, limits, errors=errors
+            ):
                 if schedule.overcommitted or candidate[0].makespan < schedule.makespan:
                     schedule, choice = candidate
-        return schedule, search, choice
+        return schedule, search, choice, errors
+
+    def _overcommitted(self, schedule: ListSchedule, errors: list[MemoryLimitError]) -> None:
+        """Raise `MemoryLimitError` for a schedule over the limit (the memory pass, if on, found
+        no recompute choice that fits); with `strict_memory=False` only warn: that caller
+        scores plans that do not fit itself (simulation studies, ablations)."""
+        over = "; ".join(
+            f"rank {r}: {p / 2**30:.4f} GiB > {lim / 2**30:.4f} GiB"
+            for r, (p, lim) in enumerate(zip(schedule.peak_memory, self._memory_limits() or []))
+            if p > lim
+        )
+        if not self.config.strict_memory:
+            logger.warning("plan overcommits activation memory: %s", over)
+            return
+        if errors:
+            raise errors[-1]
+        how = "even with recomputation" if self.config.optimize_memory else "without recomputation"
+        raise MemoryLimitError(
+            f"activation-memory limit cannot be met {how} ({over}); "
+            "raise --dip-memory-limit-gb or use smaller sub-microbatches"
+        )
 
     def _recompute_candidates(
-        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float]
+        self,
+        dataflow: Dataflow,
+        sub_of: Mapping,
+        order,
+        limits: list[float],
+        *,
+        errors: list[MemoryLimitError],
     ) -> list[tuple[ListSchedule, RecomputeChoice]]:
         """Schedule as if the memory limit were `factor` times larger, choose per-chunk
         recompute (MILP) so that schedule fits the real limit, then reschedule under the real
         limit with those costs. This trades recomputation for the bubbles that throttling
         forwards at the limit would cost; several factors, because the right amount of extra
-        in-flight work depends on the batch."""
+        in-flight work depends on the batch. Factors whose schedule cannot fit add their error
+        to `errors`."""
         free = self._graph(dataflow, sub_of, self._uniform_choice(), forward_only=False)
         unbounded = self._list_schedule(free, order, None, self._uniform_choice())
         if all(p <= lim for p, lim in zip(unbounded.peak_memory, limits)):
@@ -293,7 +344,8 @@ class DipPlanner:
                     keeps_activations=lambda s: dataflow.needs_backward(s.module),
                     memory_limit=limits,
                 )
-            except MemoryLimitError:
+            except MemoryLimitError as err:
+                errors.append(err)
                 continue
             graph = self._graph(dataflow, sub_of, choice, forward_only=False)
             out.append((self._list_schedule(graph, order, limits, choice), choice))

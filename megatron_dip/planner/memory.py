@@ -9,6 +9,7 @@ need recomputing. A 0/1 integer programme per rank, solved with HiGHS (scipy.opt
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..schedule.ir import Backward, Forward, Recompute, StageId
+
+logger = logging.getLogger(__name__)
 
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 ModeCost = Callable[[StageId, Recompute], "tuple[float, int]"]  # (fwd+bwd time, activation bytes)
@@ -83,9 +86,14 @@ def choose_recompute(
 
 
 # The exact MILP is solved only when this few stages need a decision (HiGHS slows down sharply
-# beyond); the greedy answer stands otherwise and is the fallback when the solver's time runs out.
+# beyond); the greedy answer stands otherwise and is the fallback when the solver finds nothing.
+# The solver's effort is bounded by branch-and-bound nodes, not wall time: every rank plans the
+# same batch (inline plans, restarted planners) and must get the same answer however loaded its
+# CPU is. A wall-clock limit made the chosen recompute modes, and so the plan bytes, depend on
+# timing. The time limit is only a guard against a pathological solve.
 MILP_MAX_STAGES = 120
-MILP_TIME_LIMIT_S = 0.5
+MILP_NODE_LIMIT = 200
+MILP_GUARD_TIME_S = 30.0
 
 
 @dataclass
@@ -163,8 +171,15 @@ def _exact(pb: _RankProblem) -> np.ndarray | None:
         integrality=np.ones(len(objective)),
         bounds=Bounds(0, 1),
         constraints=[LinearConstraint(rows, -np.inf, upper), LinearConstraint(one_mode, 1, 1)],
-        options={"time_limit": MILP_TIME_LIMIT_S},
+        options={"node_limit": MILP_NODE_LIMIT, "time_limit": MILP_GUARD_TIME_S},
     )
+    if "time limit" in str(result.message).lower():
+        logger.warning(
+            "recompute MILP hit its %.0f s guard (%d stages): this plan may differ between "
+            "runs; lower MILP_MAX_STAGES",
+            MILP_GUARD_TIME_S,
+            len(involved),
+        )
     if result.x is None or result.status not in (0, 1):
         return None
     mode = np.zeros(len(pb.stages), dtype=np.int64)

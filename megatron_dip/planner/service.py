@@ -6,25 +6,36 @@ data-parallel replica:
 
     dip/{it}/greedy/{replica}    the greedy plan, published as soon as it exists
     dip/{it}/searched/{replica}  the searched plan, published only while the iteration is ahead
+    dip/{it}/{variant}/calibration  the calibration version that variant was planned with
     dip/{it}/ready               "greedy" or "searched": which variant is complete for all replicas
     dip/{it}/decision            set ONCE by compare-and-set: the variant the iteration runs
+    dip/calibration              {"version": k, "scales": {module: factor}}: the newest in-run
+                                 calibration (rank 0 sets it; the planner reads it before planning)
 
 A training rank about to run iteration `it` calls `PlanClient.decide(it)`: the first rank's
 compare-and-set fixes the variant from what is ready at that moment ("inline" if nothing is), and
 every other rank reads the same decision, so all ranks run the same plan and nobody waits for the
 search. "inline" means the training loop computes the greedy plan itself (deterministic, so every
 rank computes the same one). The planner stops improving an iteration once it is decided.
+
+Calibration: before planning each batch the planner process applies the newest `dip/calibration`
+to its base cost model (`CostModel.calibrated`) and tags what it publishes with that version. A
+plan of version k that is fetched after the ranks moved to k+1 is still valid (it is one plan,
+decided once, for every rank), just planned with older numbers; a published variant is never
+re-planned, since replicas fetching at different moments must get plans of the same split.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import os
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..data.sample import BatchMeta
 from ..schedule.ir import Plan
@@ -33,7 +44,9 @@ from ..schedule.serialize import plan_from_bytes, plan_to_bytes
 logger = logging.getLogger(__name__)
 
 GREEDY, SEARCHED, INLINE = "greedy", "searched", "inline"
+CALIBRATION_KEY = "dip/calibration"
 IDLE_POLL_S = 1.0  # how often an idle planner checks that its parent is alive
+FAULTY_START_S = 120.0  # tests only: how long a service with PlannerFaults waits for its planner
 
 
 def _key(iteration: int, *parts: object) -> str:
@@ -62,12 +75,93 @@ class StoreAddress:
         )
 
 
-def publish(store, plans: list[Plan], variant: str) -> None:
-    """Publish one variant of an iteration's plans (all replicas), then mark it ready."""
+def publish(store, plans: list[Plan], variant: str, *, calibration_version: int = 0) -> None:
+    """Publish one variant of an iteration's plans (all replicas) and the calibration version
+    they were planned with, then mark it ready."""
     iteration = plans[0].iteration
     for plan in plans:
         store.set(_key(iteration, variant, plan.replica), plan_to_bytes(plan))
+    store.set(_key(iteration, variant, "calibration"), str(calibration_version))
     store.set(_key(iteration, "ready"), variant)
+
+
+def publish_calibration(store, *, version: int, scales: Mapping[str, float]) -> None:
+    """Make calibration `version` (per-module scale factors) the one the planner plans with.
+    One key, one set: the planner never sees a version without its scales."""
+    store.set(CALIBRATION_KEY, json.dumps({"version": int(version), "scales": dict(scales)}))
+
+
+def read_calibration(store) -> tuple[int, dict[str, float]] | None:
+    """The newest published (version, scales), or None if none was published."""
+    if not _has(store, CALIBRATION_KEY):
+        return None
+    data = json.loads(store.get(CALIBRATION_KEY))
+    return int(data["version"]), {str(k): float(v) for k, v in data["scales"].items()}
+
+
+class _Calibrated:
+    """The planner process's view of the calibration: re-points `planner.cost_model` at the
+    base cost model scaled by the newest published factors."""
+
+    def __init__(self, planner, store) -> None:
+        self.planner, self.store = planner, store
+        self.base = planner.cost_model
+        self.version = 0
+
+    def refresh(self) -> int:
+        """Apply the newest calibration if it changed; the version now in force."""
+        found = read_calibration(self.store)
+        if found is not None and found[0] != self.version:
+            version, scales = found
+            self.planner.cost_model = self.base.calibrated(scales) if scales else self.base
+            self.version = version
+            logger.info("planner: cost-model calibration version %d", version)
+        return self.version
+
+
+@dataclass(frozen=True)
+class PlannerFaults:
+    """Fault injection, for tests only (no flag reaches it): how the FIRST planner process of a
+    `PlannerService` misbehaves. A restarted planner runs without faults, as a real one would
+    after a crash. With faults the service waits for that first process to be up before going
+    on (training never waits for a planner otherwise), so the faults hit a running planner
+    whatever the machine's speed.
+
+    `delay_s`: stall this long before each greedy plan (a slow planner; batches still arrive).
+    `raise_at_iteration`: raise on receiving this iteration's batch (the process dies of it).
+    `kill_at_iteration`: the service SIGKILLs the process as it submits this iteration (the
+    system's OOM killer, an operator).
+    """
+
+    delay_s: float = 0.0
+    raise_at_iteration: int | None = None
+    kill_at_iteration: int | None = None
+
+
+class InjectedFaultError(RuntimeError):
+    """What a planner process raises under `PlannerFaults.raise_at_iteration`."""
+
+
+def _receive(item: BatchMeta, pending: list, faults: PlannerFaults | None) -> None:
+    """Queue a received batch for planning (raising under the test-only `faults`)."""
+    if faults is not None and faults.raise_at_iteration == item.iteration:
+        raise InjectedFaultError(f"injected planner fault at iteration {item.iteration}")
+    pending.append(item)
+
+
+def _stall(faults: PlannerFaults, batches: mp.Queue, pending: list) -> bool:
+    """The test-only delay before a plan; True when told to stop meanwhile. It keeps receiving
+    batches (into `pending`), so it delays plans, not shutdown."""
+    deadline = time.monotonic() + faults.delay_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            item = batches.get(timeout=left)
+        except queue.Empty:
+            break
+        if item is None:
+            return True
+        _receive(item, pending, faults)
+    return False
 
 
 def planner_loop(
@@ -76,11 +170,17 @@ def planner_loop(
     batches: mp.Queue,
     *,
     poll_s: float = 0.05,
+    faults: PlannerFaults | None = None,
+    up: Any = None,
 ) -> None:
     """Body of the planner process: greedy plans first for every pending batch, then search the
-    earliest undecided one. Ends on a None sentinel."""
+    earliest undecided one. Ends on a None sentinel. `faults`: test-only misbehaviour; `up`: an
+    event set once the planner is ready to plan."""
     planner = make_planner()
     store = address.connect()
+    calibration = _Calibrated(planner, store)
+    if up is not None:
+        up.set()
     parent = os.getppid()
     pending: list[BatchMeta] = []
     searched: set[int] = set()
@@ -91,21 +191,35 @@ def planner_loop(
             item = batches.get(timeout=poll_s if pending else IDLE_POLL_S)
             if item is None:
                 return
-            pending.append(item)
+            _receive(item, pending, faults)
             continue  # drain the queue before planning
         except queue.Empty:
             pass
         pending = [b for b in pending if not _has(store, _key(b.iteration, "decision"))]
-        for batch in pending:
+        for batch in list(pending):
+            if faults is not None and faults.delay_s and _stall(faults, batches, pending):
+                return
             if not _has(store, _key(batch.iteration, "ready")):
-                publish(store, [p.plan for p in planner.plan_batch(batch, search=False)], GREEDY)
+                version = calibration.refresh()
+                plans = [p.plan for p in planner.plan_batch(batch, search=False)]
+                publish(store, plans, GREEDY, calibration_version=version)
         todo = [b for b in pending if b.iteration not in searched]
         if todo and planner.config.use_search:
             batch = todo[0]
             searched.add(batch.iteration)
+            version = calibration.refresh()
             plans = [p.plan for p in planner.plan_batch(batch)]  # the configured search
             if not _has(store, _key(batch.iteration, "decision")):
-                publish(store, plans, SEARCHED)
+                publish(store, plans, SEARCHED, calibration_version=version)
+
+
+def _exit_reason(code: int | None) -> str:
+    """How a planner process ended, from its exit code, for the log."""
+    if code is not None and code < 0:
+        return f"was killed by signal {-code}"
+    if code:
+        return f"failed with exit code {code} (its traceback is on stderr)"
+    return f"exited (code {code})"
 
 
 class PlannerService:
@@ -117,12 +231,14 @@ class PlannerService:
         address: StoreAddress,
         *,
         lookahead: int = 2,
+        faults: PlannerFaults | None = None,
     ) -> None:
         if lookahead < 0:
             raise ValueError(f"--dip-lookahead must be >= 0, got {lookahead}")
         self.make_planner = make_planner
         self.address = address
         self.lookahead = lookahead
+        self.faults = faults  # tests only: misbehaviour of the first planner process
         self._ctx = mp.get_context("spawn")
         self._queue: mp.Queue | None = None
         self._process: mp.process.BaseProcess | None = None
@@ -131,18 +247,28 @@ class PlannerService:
 
     def start(self) -> None:
         self._queue = self._ctx.Queue()
+        faults = self.faults if self.restarts == 0 else None
+        up = self._ctx.Event() if faults is not None else None
         self._process = self._ctx.Process(
             target=planner_loop,
             args=(self.make_planner, self.address, self._queue),
+            kwargs={"faults": faults, "up": up},
             name="dip-planner",
             daemon=True,
         )
         self._process.start()
+        if up is not None and not up.wait(timeout=FAULTY_START_S):  # tests only: see PlannerFaults
+            logger.warning("the fault-injected planner was not up within %.0f s", FAULTY_START_S)
         for batch in self._submitted:  # a restarted planner re-plans what is still ahead
             self._queue.put(batch)
 
     def submit(self, batch: BatchMeta) -> None:
         """Hand the metadata of an upcoming batch to the planner."""
+        kill = self.faults.kill_at_iteration if self.faults is not None else None
+        if kill == batch.iteration and self.restarts == 0 and self._process is not None:
+            logger.warning("injected fault: killing the planner process (iteration %d)", kill)
+            self._process.kill()
+            self._process.join(timeout=5)
         self.ensure_alive()
         self._submitted = [*self._submitted[-self.lookahead :], batch]
         self._queue.put(batch)
@@ -154,8 +280,9 @@ class PlannerService:
         if self._process is not None:
             self.restarts += 1
             logger.warning(
-                "planner process exited (code %s); restarting it (restart %d)",
-                self._process.exitcode,
+                "planner process %s; restarting it (restart %d); iterations without a plan "
+                "ready meanwhile are planned inline",
+                _exit_reason(self._process.exitcode),
                 self.restarts,
             )
         self.start()
@@ -183,6 +310,8 @@ class PlanClient:
         self.store = store
         self.replica = replica
         self.inline_count = 0
+        # Calibration version of the last fetched plan (None: planned inline by the caller).
+        self.plan_calibration: int | None = None
 
     def decide(self, iteration: int) -> str:
         """Fix (once, for all ranks) and return the plan variant iteration `iteration` runs."""
@@ -195,6 +324,7 @@ class PlanClient:
         """The plan this rank's replica runs at `iteration` and its variant. `inline` computes
         the greedy plan when the planner had nothing ready (counted and logged)."""
         variant = self.decide(iteration)
+        self.plan_calibration = None
         if variant == INLINE:
             self.inline_count += 1
             logger.warning(
@@ -209,6 +339,9 @@ class PlanClient:
                 f"store returned the plan of iteration {plan.iteration} replica {plan.replica} "
                 f"for iteration {iteration} replica {self.replica}"
             )
+        tag = _key(iteration, variant, "calibration")
+        if _has(self.store, tag):
+            self.plan_calibration = int(self.store.get(tag))
         logger.debug(
             "iteration %d: fetched %s plan in %.1f ms",
             iteration,
@@ -222,5 +355,6 @@ class PlanClient:
         for variant in (GREEDY, SEARCHED):
             for r in range(num_replicas):
                 self.store.delete_key(_key(iteration, variant, r))
+            self.store.delete_key(_key(iteration, variant, "calibration"))
         self.store.delete_key(_key(iteration, "ready"))
         self.store.delete_key(_key(iteration, "decision"))

@@ -4,18 +4,22 @@ A microbatch holding N_i instances of modality i (images, clips, captions, seque
 into M_i = ceil(N_i / B_i) sub-microbatches of consecutive instances, sizes differing by at most
 one (a balanced ceil split). Dependencies: every ViT sub-microbatch of a microbatch feeds that
 microbatch's LLM sequence; a DiT sub-microbatch needs the text-encoder sub-microbatches holding the
-captions of its clips.
+captions of its clips (clip i of a microbatch is conditioned on caption i: one clip per sample).
+
+These pure functions on metadata are the one definition of the split: `models.layout` applies
+them to samples with arrays, so the planner, the runtime and the reference models agree.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..data.sample import SampleMeta
 from ..modelspec import ModuleKind, ModuleSpec, MultimodalSpec
-from ..schedule.ir import Dependency, MicrobatchInfo, SubMicrobatch, WorkId
+from ..schedule.ir import Dependency, MicrobatchInfo, SubMicrobatch
 
 
 @dataclass(frozen=True)
@@ -83,20 +87,19 @@ def split_microbatch(
     sub_sizes: Mapping[str, int],
     pad_multiple: int = 1,
 ) -> MicrobatchWork:
-    """Sub-microbatches of every module for microbatch `index` and their dependencies."""
-    text = sum(s.text_tokens for s in samples)
-    if model.loss_module.kind is ModuleKind.LLM and text > seq_length:
-        raise ValueError(
-            f"microbatch {index}: {text} text tokens exceed --seq-length {seq_length} "
-            f"(samples {[s.sample_id for s in samples]})"
-        )
+    """Sub-microbatches of every module for microbatch `index` and their dependencies.
+
+    `sub_sizes[module]`: at most this many instances per sub-microbatch of each non-LLM module
+    (balanced split). The LLM forms one sub-microbatch padded to `seq_length`; other modules are
+    padded to a multiple of `pad_multiple` (the tensor-parallel size under sequence
+    parallelism). A module without instances (no images) gets no sub-microbatch.
+    """
+    _check_microbatch(model, samples, index=index, seq_length=seq_length, pad=pad_multiple)
     subs: list[SubMicrobatch] = []
-    owner: dict[str, list[list[int]]] = {}  # module -> per sub, sample indices it covers
     for module in model.modules:
         items = module_instances(module, samples, seq_length=seq_length)
         size = 1 if module.kind is ModuleKind.LLM else sub_sizes[module.name]
         start = 0
-        owner[module.name] = []
         for k, n in enumerate(split_sizes(len(items), size)):
             part = items[start : start + n]
             tokens = sum(i.tokens for i in part)
@@ -113,32 +116,71 @@ def split_microbatch(
                     _attention_pairs(module, samples, part, seq_length),
                 )
             )
-            owner[module.name].append(sorted({i.sample_index for i in part}))
             start += n
-    deps = _dependencies(model, index, owner)
+    deps = cross_module_dependencies(model, subs)
     info = MicrobatchInfo(index, tuple(s.sample_id for s in samples), seq_length)
-    return MicrobatchWork(info, tuple(subs), tuple(deps))
+    return MicrobatchWork(info, tuple(subs), deps)
 
 
-def _dependencies(
-    model: MultimodalSpec, index: int, owner: Mapping[str, list[list[int]]]
-) -> list[Dependency]:
-    deps = []
-    for producer in model.modules:
-        if producer.feeds is None:
+def _check_microbatch(
+    model: MultimodalSpec, samples: Sequence[SampleMeta], *, index: int, seq_length: int, pad: int
+) -> None:
+    """Clear errors for microbatches the split cannot represent."""
+    ids = [s.sample_id for s in samples]
+    if model.loss_module.kind is ModuleKind.LLM:
+        text = sum(s.text_tokens for s in samples)
+        if text > seq_length:
+            raise ValueError(
+                f"microbatch {index}: {text} text tokens exceed --seq-length {seq_length} "
+                f"(samples {ids})"
+            )
+        if seq_length % pad:
+            # The LLM sequence is split over the tensor-parallel ranks; padding it beyond
+            # seq_length would feed the model more positions than it was built for.
+            raise ValueError(
+                f"--seq-length {seq_length} must be a multiple of the tensor-parallel size {pad} "
+                "under sequence parallelism"
+            )
+    if model.loss_module.kind is ModuleKind.DIT:
+        # Clip i is conditioned on caption i (see models.layout), so one clip per sample.
+        bad = [s.sample_id for s in samples if s.num_instances != 1]
+        if bad:
+            raise ValueError(
+                f"microbatch {index}: text-to-video samples {bad} do not hold exactly one clip"
+            )
+
+
+def instances_overlap(a: SubMicrobatch, b: SubMicrobatch) -> bool:
+    """Whether two sub-microbatches of one microbatch share an instance index."""
+    return a.instance_start < b.instance_end and b.instance_start < a.instance_end
+
+
+def cross_module_dependencies(
+    model: MultimodalSpec, submicrobatches: Iterable[SubMicrobatch]
+) -> tuple[Dependency, ...]:
+    """The hand-over dependencies of these sub-microbatches: an LLM microbatch depends on every
+    ViT sub-microbatch of that microbatch; a DiT sub-microbatch on every text sub-microbatch whose
+    captions overlap its clips (instance ranges; clip i belongs to caption i)."""
+    by_key: dict[tuple[str, int], list[SubMicrobatch]] = defaultdict(list)
+    for s in submicrobatches:
+        by_key[(s.module, s.microbatch)].append(s)
+    deps: list[Dependency] = []
+    for (name, mb), consumers in sorted(by_key.items()):
+        producers = model.producers_of(name)
+        if not producers:
             continue
-        consumer = model.module(producer.feeds)
-        for cs, c_samples in enumerate(owner[consumer.name]):
-            for ps, p_samples in enumerate(owner[producer.name]):
-                # An LLM sequence (sample index -1) takes every vision sub-microbatch; otherwise
-                # a consumer needs the producer sub-microbatches of the same samples.
-                if c_samples == [-1] or set(c_samples) & set(p_samples):
-                    deps.append(
-                        Dependency(
-                            WorkId(producer.name, index, ps), WorkId(consumer.name, index, cs)
-                        )
-                    )
-    return deps
+        if len(producers) != 1:
+            raise ValueError(
+                f"model {model.name!r}: module {name!r} needs exactly one producer module, "
+                f"has {[p.name for p in producers]}"
+            )
+        producer = producers[0]
+        produced = sorted(by_key.get((producer.name, mb), []), key=lambda s: s.index)
+        for c in sorted(consumers, key=lambda s: s.index):
+            for p in produced:
+                if producer.kind is ModuleKind.VIT or instances_overlap(p, c):
+                    deps.append(Dependency(p.work, c.work))
+    return tuple(deps)
 
 
 def choose_sub_size(

@@ -18,6 +18,13 @@ consumers), or on the weighted loss for the loss module's last chunk, and turns 
 data-parallel reductions) the gradients of `sequence_parallel` parameters are summed over each
 chunk's tensor-parallel group (`ddp.reduce_sequence_parallel_grads`; no-op without sequence
 parallelism).
+
+Reliability. Before any message, this rank's checks (`checks.check_before_run`) are *agreed* with
+the pipeline group (and the tensor-parallel and replica groups when given): if any rank rejected
+its plan, or the ranks hold different plans, every rank raises and none communicates
+(`checks.agree_on_plan`). Every blocking wait has a timeout (`P2PConfig.timeout_s`; see p2p.py for
+NCCL) and fails with an error naming the rank, the instruction, the peer, the message and the
+tensor. `on_instruction` is the public per-instruction timing hook (`timing.py`).
 """
 
 from __future__ import annotations
@@ -48,13 +55,23 @@ from megatron_dip.schedule.ir import (
     WorkId,
 )
 
-from .checks import TensorFn, check_before_run, index_chunks, unwrap_chunk
+from .checks import (
+    TensorFn,
+    VerdictGroup,
+    agree_on_plan,
+    check_before_run,
+    index_chunks,
+    plan_identity,
+    unwrap_chunk,
+)
 from .data import BatchSource
 from .ddp import reduce_sequence_parallel_grads
+from .errors import MessageError
 from .gradsync import grad_sync_points
 from .loss import LossConfig, LossTracker, reduction_averages
-from .p2p import ChannelGroups, MessageError, P2PConfig, PipelineP2P, check_message
+from .p2p import ChannelGroups, P2PConfig, PipelineP2P, check_message
 from .recompute import run_chunk
+from .timing import InstructionClock, InstructionHook
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +149,10 @@ class Executor:
     pipeline rank `pp_group.rank()`. `placement`: the placement the chunks were built from.
     `tensor_fn`: what the built model sends for a message (`models.layout.message_tensors`
     bound to the model); when given, a plan with other shapes is refused before communicating.
+    `tp_group` / `replica_group`: this rank's tensor-parallel group (same plan) and data-parallel
+    group (each replica its own plan); when given, the plan verdict is agreed over them too, so
+    every rank of the job must then construct its Executor for the step. `on_instruction`: the
+    timing hook `(index, instruction, start, end)` (`timing.py`), called at the end of `run()`.
     """
 
     def __init__(
@@ -145,27 +166,34 @@ class Executor:
         tensor_fn: TensorFn | None = None,
         config: ExecutorConfig = ExecutorConfig(),
         channels: ChannelGroups | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        replica_group: torch.distributed.ProcessGroup | None = None,
+        on_instruction: InstructionHook | None = None,
     ) -> None:
         check_handlers()
         self.plan = plan
         self.config = config
         self.rank = pp_group.rank()
-        self.chunks = index_chunks(chunks)
-        self.df = check_before_run(
-            plan=plan,
+        self.on_instruction = on_instruction
+        first = next(iter(chunks), None)
+        self.device = _device_of(first) if first is not None else torch.device("cpu")
+        self.chunks, self.df = self._checked_and_agreed(
+            chunks,
             placement=placement,
-            rank=self.rank,
             num_ranks=pp_group.size(),
-            chunks=self.chunks,
             tensor_fn=tensor_fn,
-            validate=config.validate,
+            groups=[
+                ("pipeline", pp_group, True),
+                ("tensor-parallel", tp_group, True),
+                ("data-parallel", replica_group, False),
+            ],
         )
         self.program = plan.program(self.rank)
         self.batches = batches
         self.tensor_fn = tensor_fn
-        first = next(iter(self.chunks.values()), None)
-        device = _device_of(first) if first is not None else torch.device("cpu")
-        self.p2p = PipelineP2P(group=pp_group, device=device, config=config.p2p, channels=channels)
+        self.p2p = PipelineP2P(
+            group=pp_group, device=self.device, config=config.p2p, channels=channels
+        )
         self._ddp = {k: c for k, c in self.chunks.items() if _is_ddp(c)}
         self.losses = LossTracker(
             plan=plan,
@@ -181,18 +209,60 @@ class Executor:
         self._saved: dict[StageId, _Saved] = {}
         self._sync_log: list[tuple[int, tuple[str, int]]] = []
 
+    def _checked_and_agreed(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        *,
+        placement: Placement,
+        num_ranks: int,
+        tensor_fn: TensorFn | None,
+        groups: Sequence[VerdictGroup],
+    ):
+        """This rank's checks, then the verdict agreed over `groups` (raises on every rank if
+        any rank rejected its plan). Returns (chunks by key, data flow)."""
+        error, identity = None, ""
+        try:
+            indexed = index_chunks(chunks)
+            df = check_before_run(
+                plan=self.plan,
+                placement=placement,
+                rank=self.rank,
+                num_ranks=num_ranks,
+                chunks=indexed,
+                tensor_fn=tensor_fn,
+                validate=self.config.validate,
+            )
+            identity = plan_identity(self.plan)
+        except Exception as e:  # agreed first, then re-raised (by agree_on_plan)
+            error = e
+        agree_on_plan(
+            error=error,
+            identity=identity,
+            rank=self.rank,
+            groups=groups,
+            device=self.device,
+            timeout_s=self.config.p2p.timeout_s,
+        )
+        return indexed, df
+
     # -- running ---------------------------------------------------------------------------
 
     def run(self) -> IterationResult:
         """Execute the program; returns the loss reports. Call once per Executor."""
         started = time.perf_counter()
         instrs = self.program.instructions
+        clock = None
+        if self.on_instruction is not None:
+            clock = InstructionClock(self.on_instruction, device=self.device)
         self._start_syncs(-1)
         i = 0
         while i < len(instrs):
             ins = instrs[i]
             with self._traced(i, ins):
+                mark = clock.mark() if clock is not None else None
                 consumed = getattr(self, _HANDLERS[type(ins)])(i, ins)
+                if clock is not None:
+                    clock.span(mark, [(k, instrs[k]) for k in range(i, i + consumed)])
             for k in range(i, i + consumed):
                 self._after(k, instrs[k])
             i += consumed
@@ -205,6 +275,8 @@ class Executor:
         left = self.leftovers()
         if any(left.values()):
             raise MessageError(f"rank {self.rank}: buffers left at the end of the program: {left}")
+        if clock is not None:
+            clock.flush()
         return IterationResult(
             reports=self.losses.reports(),
             objective=self.losses.objective,
@@ -270,11 +342,13 @@ class Executor:
         }
         self.p2p.post(indexed, outgoing)
         if self.config.debug:
-            self.p2p.wait([op.key for _, op in indexed], where=f"instruction {first} (debug)")
+            keys = [op.key for _, op in indexed]
+            self.p2p.wait(keys, where=f"instruction {first} (debug wait)", index=first)
         return end - first
 
     def _wait(self, index: int, ins: Wait) -> int:
-        self.p2p.wait(ins.keys, where=f"instruction {index}")
+        where = f"instruction {index} (Wait for {len(ins.keys)} message(s))"
+        self.p2p.wait(ins.keys, where=where, index=index)
         return 1
 
     def _take(self, key: MessageKey, index: int) -> dict[str, torch.Tensor]:

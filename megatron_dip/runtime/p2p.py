@@ -29,19 +29,35 @@ Every outgoing tensor is checked against the plan's TensorSpec (shape and dtype)
 posted: NCCL does not check sizes, a mismatch would corrupt memory or hang. Receive buffers are
 allocated from the Recv's TensorSpecs. Tensors with no elements are not transferred at all
 (both ends skip them, so the order stays consistent).
+
+Timeouts. A wait that blocks the CPU (gloo: one `Work` per tensor) is given
+`P2PConfig.timeout_s`; past it, or when the operation fails (gloo: the peer closed its
+connection, typically because it failed and exited), `PipelineTimeoutError` /
+`PipelineCommError` names this rank, the waiting instruction, the peer, the message and the
+tensor. Posting to a peer whose connection is gone fails the same way. NCCL is different: its
+`Work.wait()` only makes the current CUDA stream wait (the CPU runs ahead), and a `wait` given a
+timeout would block the CPU until the GPU finished, serialising the schedule, so on CUDA the wait
+is left untimed and a stalled operation is caught by the process group's own timeout (the NCCL
+watchdog aborts the communicators and ends the process after `init_process_group(timeout=...)`,
+which the training sets from `--dip-comm-timeout-s`, like every other collective's).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_dip.schedule.ir import MessageKey, Recv, Send, TensorSpec
+
+from .errors import MessageError, PipelineCommError, PipelineTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +76,6 @@ def torch_dtype_of(spec: TensorSpec) -> torch.dtype:
     return _TORCH_DTYPES[spec.dtype]
 
 
-class MessageError(RuntimeError):
-    """A tensor does not match the plan, or a message is used in a way the plan does not allow.
-
-    The message names the rank, the instruction index, the message and the tensor.
-    """
-
-
 @dataclass(frozen=True)
 class P2PConfig:
     """How batches of messages are posted.
@@ -74,11 +83,18 @@ class P2PConfig:
     `batched`: one `batch_isend_irecv` per batch (Megatron's `batch_p2p_comm`); False posts
     one `isend`/`irecv` per tensor (same order). `use_tags`: a per-tensor tag derived from the
     message key (see the module docstring); off by default so that gloo runs exercise exactly
-    the order-based matching NCCL relies on.
+    the order-based matching NCCL relies on. `timeout_s`: how long one blocking wait may take
+    before `PipelineTimeoutError` (see "Timeouts" in the module docstring); None leaves it to
+    the process group's timeout.
     """
 
     batched: bool = True
     use_tags: bool = False
+    timeout_s: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"P2PConfig.timeout_s must be > 0 or None, got {self.timeout_s}")
 
 
 def message_tag(key: MessageKey, tensor_index: int) -> int:
@@ -124,10 +140,16 @@ class ChannelGroups:
     rank must construct this with the same `pipelines`: the global ranks of every pipeline group
     of the job, in the same order (default: the pipeline group is the whole world). Each rank
     keeps the groups of its own pipeline; with P pipeline ranks it belongs to 2 (P - 1) of them.
+    `timeout`: the groups' timeout (new groups do not inherit the world group's; None: torch's
+    default).
     """
 
     def __init__(
-        self, pp_group: dist.ProcessGroup, *, pipelines: Sequence[Sequence[int]] | None = None
+        self,
+        pp_group: dist.ProcessGroup,
+        *,
+        pipelines: Sequence[Sequence[int]] | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.pp_group = pp_group
         mine = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
@@ -140,7 +162,7 @@ class ChannelGroups:
                 for b, gb in enumerate(ranks):
                     if a == b:
                         continue
-                    group = dist.new_group(sorted((ga, gb)))
+                    group = dist.new_group(sorted((ga, gb)), timeout=timeout)
                     if ranks == mine and pp_group.rank() in (a, b):
                         self._groups[(a, b)] = group
 
@@ -153,21 +175,29 @@ class ChannelGroups:
         return sorted(self._groups)
 
 
+class _OpInfo(NamedTuple):
+    """One posted tensor: the Send/Recv instruction (and its index) it belongs to."""
+
+    index: int
+    op: Send | Recv
+    tensor: str
+
+
 class _Batch:
-    """The posted operations of one batch: their `Work` handles, completed together."""
+    """The posted operations of one batch: their `Work` handles, completed together.
 
-    __slots__ = ("done", "first", "works")
+    `infos[i]`: the tensors work `i` completes (gloo gives one work per tensor; a coalesced
+    NCCL batch gives one work for all of them). `next`: works before it have completed.
+    """
 
-    def __init__(self, first: int, works: list) -> None:
+    __slots__ = ("done", "first", "infos", "next", "works")
+
+    def __init__(self, first: int, works: list, infos: list[_OpInfo]) -> None:
         self.first = first
         self.works = works
+        self.infos = [[i] for i in infos] if len(works) == len(infos) else [infos] * len(works)
+        self.next = 0
         self.done = False
-
-    def wait(self) -> None:
-        if not self.done:
-            for work in self.works:
-                work.wait()
-            self.done = True
 
 
 class PipelineP2P:
@@ -190,6 +220,8 @@ class PipelineP2P:
         self.rank = group.rank()
         self.device = torch.device(device)
         self.config = config
+        # NCCL: a timed Work.wait would block the CPU until the GPU finished (module docstring).
+        self.timeout_s = None if self.device.type == "cuda" else config.timeout_s
         self._batch_of: dict[tuple[bool, MessageKey], _Batch] = {}
         self._received: dict[MessageKey, dict[str, torch.Tensor]] = {}
         self._sending: dict[MessageKey, Mapping[str, torch.Tensor]] = {}
@@ -218,10 +250,11 @@ class PipelineP2P:
             group = self._group_of(item[1])
             by_group.setdefault(id(group), (group, []))[1].append(item)
         for group, items in by_group.values():
-            p2p_ops: list[dist.P2POp] = []
-            for _, op in items:
-                p2p_ops += self._post_op(op, outgoing, group)
-            batch = _Batch(items[0][0], self._start(p2p_ops))
+            posted: list[tuple[dist.P2POp, _OpInfo]] = []
+            for index, op in items:
+                posted += self._post_op(index, op, outgoing, group)
+            infos = [info for _, info in posted]
+            batch = _Batch(items[0][0], self._start([p for p, _ in posted], infos), infos)
             for _, op in items:
                 self._batch_of[(isinstance(op, Send), op.key)] = batch
         self.messages_posted += len(ops)
@@ -235,20 +268,21 @@ class PipelineP2P:
 
     def _post_op(
         self,
+        index: int,
         op: Send | Recv,
         outgoing: Mapping[MessageKey, Mapping[str, torch.Tensor]],
         group: dist.ProcessGroup,
-    ) -> list[dist.P2POp]:
+    ) -> list[tuple[dist.P2POp, _OpInfo]]:
         if isinstance(op, Send):
             tensors = outgoing[op.key]
             self._sending[op.key] = tensors
-            return self._ops(dist.isend, op, [tensors[s.name] for s in op.tensors], group)
+            return self._ops(dist.isend, index, op, [tensors[s.name] for s in op.tensors], group)
         buffers = {
             s.name: torch.empty(s.shape, dtype=torch_dtype_of(s), device=self.device)
             for s in op.tensors
         }
         self._received[op.key] = buffers
-        return self._ops(dist.irecv, op, [buffers[s.name] for s in op.tensors], group)
+        return self._ops(dist.irecv, index, op, [buffers[s.name] for s in op.tensors], group)
 
     def _check_batch(
         self,
@@ -267,8 +301,13 @@ class PipelineP2P:
                 check_message(outgoing[op.key], op.tensors, where=where, key=op.key)
 
     def _ops(
-        self, fn, op: Send | Recv, tensors: list[torch.Tensor], group: dist.ProcessGroup
-    ) -> list[dist.P2POp]:
+        self,
+        fn,
+        index: int,
+        op: Send | Recv,
+        tensors: list[torch.Tensor],
+        group: dist.ProcessGroup,
+    ) -> list[tuple[dist.P2POp, _OpInfo]]:
         out = []
         for i, (tensor, spec) in enumerate(zip(tensors, op.tensors)):
             if spec.numel == 0:
@@ -279,31 +318,92 @@ class PipelineP2P:
                 )
             tag = message_tag(op.key, i) if self.config.use_tags else 0
             peer = dist.get_global_rank(self.group, op.peer)
-            out.append(dist.P2POp(fn, tensor, peer, group, tag))
+            out.append((dist.P2POp(fn, tensor, peer, group, tag), _OpInfo(index, op, spec.name)))
         return out
 
-    def _start(self, p2p_ops: list[dist.P2POp]) -> list:
+    def _start(self, p2p_ops: list[dist.P2POp], infos: list[_OpInfo]) -> list:
         if not p2p_ops:
             return []
-        if self.config.batched:
-            return list(dist.batch_isend_irecv(p2p_ops))
-        works = []
-        for op in p2p_ops:
-            work = op.op(op.tensor, op.peer, op.group, op.tag)
-            if work is not None:
-                works.append(work)
-        return works
+        try:
+            if self.config.batched:
+                return list(dist.batch_isend_irecv(p2p_ops))
+            works = []
+            for op in p2p_ops:
+                work = op.op(op.tensor, op.peer, op.group, op.tag)
+                if work is not None:
+                    works.append(work)
+            return works
+        except Exception as e:  # gloo: the peer's connection is gone (it failed or exited)
+            where = f"instruction {infos[0].index} (posting a batch)"
+            raise self._error(where, infos[0].index, infos, e, "posting") from e
 
     # -- completion ------------------------------------------------------------------------
 
-    def wait(self, keys: Iterable[MessageKey], *, where: str = "") -> None:
-        """Block until the posted operations of `keys` (and their batches) completed."""
+    def wait(
+        self, keys: Iterable[MessageKey], *, where: str = "", index: int | None = None
+    ) -> None:
+        """Block until the posted operations of `keys` (and their batches) completed.
+
+        `where` describes the waiting instruction, `index` is its index (both for errors).
+        Raises `PipelineTimeoutError` when one operation takes longer than the timeout, and
+        `PipelineCommError` when it fails (e.g. the peer's process is gone).
+        """
         for key in keys:
             batch = self._batch_of.get((True, key)) or self._batch_of.get((False, key))
             if batch is None:
                 raise MessageError(f"rank {self.rank}: {where} waits for {key}, never posted")
-            batch.wait()
+            self._complete(batch, where, index)
             self._sending.pop(key, None)
+
+    def _complete(self, batch: _Batch, where: str, index: int | None) -> None:
+        timeout = self.timeout_s
+        while batch.next < len(batch.works):
+            work, infos = batch.works[batch.next], batch.infos[batch.next]
+            started = time.monotonic()
+            try:
+                done = work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
+            except Exception as e:  # re-raised naming the rank, instruction, peer and tensor
+                late = timeout is not None and time.monotonic() - started >= timeout
+                what = "timeout" if late or "timed out" in str(e).lower() else "waiting for"
+                raise self._error(where, index, infos, e, what) from e
+            if done is False:  # a backend that reports a timeout instead of raising
+                raise self._error(where, index, infos, None, "timeout")
+            batch.next += 1
+        batch.done = True
+
+    def _error(
+        self,
+        where: str,
+        index: int | None,
+        infos: list[_OpInfo],
+        cause: BaseException | None,
+        what: str,
+    ) -> PipelineCommError:
+        """The error for an operation that failed (`what`: "posting", "waiting for") or timed
+        out (`what`: "timeout")."""
+        ops = "; ".join(_describe(info) for info in infos[:4])
+        if len(infos) > 4:
+            ops += f"; and {len(infos) - 4} more tensors of the batch"
+        if what == "timeout":
+            text = (
+                f"timed out after {self.timeout_s:g} s waiting for {ops}; the peer is stalled, "
+                "has failed, or never posts the matching operation"
+            )
+            kind: type[PipelineCommError] = PipelineTimeoutError
+        else:
+            text = f"{what} {ops} failed; the peer has probably failed or exited (see its error)"
+            kind = PipelineCommError
+        if cause is not None:
+            text += f" [{type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}]"
+        first = infos[0]
+        return kind(
+            f"rank {self.rank}: {where}: {text}",
+            rank=self.rank,
+            index=index,
+            peer=first.op.peer,
+            key=first.op.key,
+            tensor=first.tensor,
+        )
 
     def take(self, key: MessageKey) -> dict[str, torch.Tensor]:
         """The tensors of received message `key` (which must have been waited for)."""
@@ -317,7 +417,7 @@ class PipelineP2P:
     def finish(self) -> None:
         """Wait for everything still outstanding (the implicit wait at the end of a program)."""
         for batch in {id(b): b for b in self._batch_of.values()}.values():
-            batch.wait()
+            self._complete(batch, "end of the program (implicit wait)", None)
         self._sending.clear()
 
     def pending(self) -> dict[str, list[str]]:
@@ -326,3 +426,14 @@ class PipelineP2P:
             "received": [str(k) for k in self._received],
             "sending": [str(k) for k in self._sending],
         }
+
+
+def _describe(info: _OpInfo) -> str:
+    if isinstance(info.op, Send):
+        what, peer = "send", f"to peer rank {info.op.peer}"
+    else:
+        what, peer = "recv", f"from peer rank {info.op.peer}"
+    return (
+        f"the {what} of message {info.op.key}, tensor {info.tensor!r}, {peer} "
+        f"(posted by instruction {info.index})"
+    )

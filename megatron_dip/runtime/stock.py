@@ -16,24 +16,35 @@ TensorSpec order and cast to the pipeline dtype, are concatenated and zero-padde
 concatenation, the index tensor travels as exact small floats). The adapter's config sets
 `hidden_size=1`, so `seq_length` is the packed length (`boundary_length`). Within a stage the
 units are chained without detaching: one autograd graph per stage, as in Megatron.
+
+What a Megatron user gets, the baseline gets too: `recompute` runs every unit under the same
+activation recomputation the DIP runtime applies (`runtime.recompute.run_chunk`: "full" keeps
+each unit's input and recomputes it in backward, "selective" recomputes the attention cores), and
+`overlap_grad_reduce` hands the schedule Megatron-LM's DDP hooks (`no_sync_func` and
+`grad_sync_func` per virtual stage, over the DDP-wrapped units of the stage, and a
+`finalize_model_grads_func` that waits for the reductions), so the data-parallel reduction of a
+stage overlaps the rest of the backward exactly where Megatron's schedules put it. Without it the
+caller reduces after the schedule (Megatron without --overlap-grad-reduce).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from megatron_dip import megatron_compat
 from megatron_dip.schedule.graph import Dataflow
-from megatron_dip.schedule.ir import MessageKey, StageId, TensorSpec, WorkId
+from megatron_dip.schedule.ir import MessageKey, Recompute, StageId, TensorSpec, WorkId
 
 from .checks import TensorFn, unwrap_chunk
 from .data import BatchSource
 from .p2p import torch_dtype_of
+from .recompute import run_chunk
 
 Unit = tuple[str, int]
 
@@ -76,6 +87,7 @@ class StockStage(torch.nn.Module):
         tensor_fn: TensorFn,
         config: Any,
         length: int,
+        recompute: Recompute = Recompute.NONE,
     ) -> None:
         super().__init__()
         self.units = list(units)
@@ -86,7 +98,27 @@ class StockStage(torch.nn.Module):
 
         self.model_type = ModelType.encoder_or_decoder
         self.length = length
+        self.recompute = recompute
         self._input: torch.Tensor | None = None
+        self._input_used = False
+
+    @property
+    def ddp_units(self) -> list[torch.nn.Module]:
+        """The stage's units wrapped in Megatron's DDP (frozen units are not)."""
+        return [p for p in self.parts if hasattr(p, "start_grad_sync")]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Megatron's `no_sync_func` for this stage: no DDP unit reduces while inside."""
+        with contextlib.ExitStack() as stack:
+            for unit in self.ddp_units:
+                stack.enter_context(unit.no_sync())
+            yield
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Megatron's `grad_sync_func` for this stage: start every DDP unit's reduction."""
+        for unit in self.ddp_units:
+            unit.start_grad_sync()
 
     def set_input_tensor(self, tensors: list[torch.Tensor | None] | torch.Tensor | None) -> None:
         """Megatron's hook: the tensor received from the previous stage (None on the first)."""
@@ -99,12 +131,16 @@ class StockStage(torch.nn.Module):
         """Run every unit on every sub-microbatch of `microbatch`; pack what leaves the stage."""
         values: dict[StageId, dict[str, torch.Tensor]] = {}
         order: list[StageId] = []
+        self._input_used = False
         for (module, chunk), part in zip(self.units, self.parts):
             for work in self._works(module, microbatch):
                 stage = StageId(module, chunk, work.microbatch, work.sub)
                 inputs = [self._input_of(key, values) for key in self.df.forward_inputs(stage)]
-                values[stage] = part(inputs=inputs, batch=self.batches.sub_batch(work))
+                batch = self.batches.sub_batch(work)
+                values[stage] = run_chunk(unwrap_chunk(part), self.recompute, part, inputs, batch)
                 order.append(stage)
+        if not order:  # no unit has work in this microbatch (e.g. a ViT-only stage, no images)
+            return self._pass_through()
         leaving = [
             key
             for stage in order
@@ -113,25 +149,43 @@ class StockStage(torch.nn.Module):
         ]
         last = values[order[-1]]
         if "loss" in last:
-            return last
+            return {**last, "loss": self._connected(last["loss"])}
         if len(leaving) != 1:
             raise ValueError(
                 f"a stock pipeline stage must hand exactly one message to the next, this one "
                 f"hands {[str(k) for k in leaving]}"
             )
         key = leaving[0]
-        return pack_message(
+        packed = pack_message(
             values[key.producer],
             tuple(self.tensor_fn(key)),
             length=self.length,
             dtype=self.config.pipeline_dtype,
         )
+        return self._connected(packed)
+
+    def _pass_through(self) -> torch.Tensor:
+        """What a stage without work in a microbatch hands on: the message it received (the
+        next stages may need it) or, on the first stage, zeros. Megatron's schedules still send
+        and receive one tensor per stage and microbatch, and the backward hands the gradient on."""
+        if self._input is not None:
+            self._input_used = True
+            return self._input.clone()
+        return torch.zeros(self.length, 1, 1, dtype=self.config.pipeline_dtype, requires_grad=True)
+
+    def _connected(self, out: torch.Tensor) -> torch.Tensor:
+        """`out`, made to depend on a received input the stage did not use (with a zero
+        coefficient), so Megatron's backward sends the previous stage the (zero) gradient
+        it waits for."""
+        unused = self._input is not None and self._input.requires_grad and not self._input_used
+        return out + 0.0 * self._input.sum().to(out.dtype) if unused else out
 
     def _input_of(self, key: MessageKey, values: Mapping[StageId, dict]) -> dict:
         if key.producer in values:
             return values[key.producer]
         if self._input is None:
             raise ValueError(f"{key.consumer} needs {key.producer}, which is not in this stage")
+        self._input_used = True
         return unpack_message(self._input, tuple(self.tensor_fn(key)))
 
 
@@ -168,8 +222,8 @@ def stock_config(
     """A copy of a chunk's TransformerConfig set up for the stock schedules and packed p2p.
 
     The DDP hooks (`no_sync_func`, `grad_sync_func`, `param_sync_func`,
-    `finalize_model_grads_func`) are cleared: the stages are not DDP modules, so data-parallel
-    reduction after the schedule is the caller's. `grad_scale_func` (loss scaling) is kept.
+    `finalize_model_grads_func`) are cleared: the stages are not DDP modules; `StockPipeline`
+    sets the stages' own hooks when it overlaps the reduction. `grad_scale_func` is kept.
     """
     config = copy.copy(template)
     config.hidden_size = 1
@@ -194,6 +248,22 @@ def stock_config(
     return config
 
 
+def _finish_grad_sync(units: Sequence[torch.nn.Module], model: Any, num_tokens: Any, **_: Any):
+    """`finalize_model_grads_func`: wait for the reductions the hooks started (per-token loss
+    scaling and the sequence-parallel sums stay with the caller, as without overlap).
+
+    Megatron's DDP starts a bucket from its backward hooks only when the last microbatch gave
+    every parameter the gradients the first iteration's did; a unit that did not run in this
+    iteration's last microbatch (an encoder on a text-only microbatch) never started: start it.
+    """
+    del model, num_tokens
+    for unit in units:
+        for group in unit.bucket_groups + unit.expert_parallel_bucket_groups:
+            if group.grad_reduce_handle is None and not group.is_first_batch:
+                group.start_grad_sync()
+        unit.finish_grad_sync()
+
+
 def _loss_func(num_tokens: torch.Tensor, name: str, output: torch.Tensor):
     report = torch.stack([output.detach().double(), num_tokens.double()])
     return output, num_tokens.to(torch.int), {name: report}
@@ -215,7 +285,8 @@ class StockPipeline:
     sub-microbatches. `single_group`: a group of this rank only, standing in for the tensor-,
     context- and data-parallel groups of the schedule's process-group collection.
     `batch_p2p`: Megatron's `batch_p2p_comm` (leave it off for interleaving at PP=2, where it
-    swaps messages).
+    swaps messages). `recompute`: activation recomputation of every unit. `overlap_grad_reduce`:
+    install Megatron's DDP hooks (module docstring); otherwise the caller reduces after `run`.
     """
 
     def __init__(
@@ -232,6 +303,8 @@ class StockPipeline:
         batch_p2p: bool = True,
         per_token: bool = False,
         report_name: str = "lm loss",
+        recompute: Recompute = Recompute.NONE,
+        overlap_grad_reduce: bool = False,
     ) -> None:
         by_unit = {}
         self._chunks = {}
@@ -263,12 +336,26 @@ class StockPipeline:
                 tensor_fn=tensor_fn,
                 config=self.config,
                 length=self.length,
+                recompute=recompute,
             )
             for u in units
         ]
+        if overlap_grad_reduce:
+            self._install_grad_sync_hooks()
         self.microbatches = list(microbatches)
         self.pp_group, self.single = pp_group, single_group
         self.report_name = report_name
+
+    def _install_grad_sync_hooks(self) -> None:
+        """Megatron-LM's `--overlap-grad-reduce` set-up, one hook per virtual stage."""
+        no_sync: list[Callable] = [s.no_sync for s in self.stages]
+        grad_sync: list[Callable] = [s.start_grad_sync for s in self.stages]
+        one = self.vp_size is None
+        self.config.no_sync_func = no_sync[0] if one else no_sync
+        self.config.grad_sync_func = grad_sync[0] if one else grad_sync
+        self.config.finalize_model_grads_func = functools.partial(
+            _finish_grad_sync, [u for s in self.stages for u in s.ddp_units]
+        )
 
     def _collection(self):
         from megatron.core.process_groups_config import ProcessGroupCollection

@@ -54,13 +54,14 @@ class ParallelArgs:
         "Megatron sequence parallelism (not implemented in the chunks)",
     )
     use_distributed_optimizer: bool = arg(
-        "--use-distributed-optimizer", False, "shard optimizer state over data parallelism (GPU)"
+        "--use-distributed-optimizer", False, "shard optimizer state over data parallelism"
     )
     overlap_grad_reduce: bool = arg(
         "--overlap-grad-reduce",
         False,
         "overlap the data-parallel gradient reduction with backward (DIP always starts each "
-        "chunk's reduction at its last backward; stock runs reduce after the schedule)",
+        "chunk's reduction at its last backward; the stock schedules get Megatron's DDP hooks, "
+        "without the flag they reduce after the schedule)",
     )
 
 
@@ -252,6 +253,63 @@ class DipArgs:
         "--dip-image-size",
         None,
         "image side in pixels (synthetic) / largest image side (llava)" + PRESET,
+        megatron=False,
+    )
+
+    dip_stock_placement: str = arg(
+        "--dip-stock-placement",
+        "llava",
+        "placement of the stock baselines: llava (encoder on the first stage, LLM split for the "
+        "average batch), params (one layer list cut by parameters), cost (cut by cost)",
+        choices=("llava", "params", "cost"),
+        megatron=False,
+    )
+    dip_emulate_compute: bool = arg(
+        "--dip-emulate-compute",
+        False,
+        "emulated cluster: chunks sleep the cost model's time for their real input at the "
+        "preset's (paper) scale instead of computing; messages are tiny but take the cost "
+        "model's transfer time (benchmarking on CPU, see tools/bench_schedules.py)",
+        megatron=False,
+    )
+    dip_emulate_scale: float = arg(
+        "--dip-emulate-scale",
+        1.0,
+        "with --dip-emulate-compute: multiply every emulated duration by this factor",
+        megatron=False,
+    )
+    dip_comm_timeout_s: float = arg(
+        "--dip-comm-timeout-s",
+        600.0,
+        "seconds any blocking pipeline wait may take before every rank stops with an error "
+        "naming the rank, instruction, peer and tensor",
+        megatron=False,
+    )
+    dip_calibration_window: int = arg(
+        "--dip-calibration-window",
+        8,
+        "iterations of measured instruction times aggregated per cost-model calibration update",
+        megatron=False,
+    )
+    dip_calibration_frozen: bool = arg(
+        "--dip-calibration-frozen",
+        False,
+        "never recalibrate the cost model from measurements (plans depend only on seed, batch "
+        "and the loaded cost model)",
+        megatron=False,
+    )
+    dip_bad_samples: str = arg(
+        "--dip-bad-samples",
+        "error",
+        "a sample that cannot be used (too many images, missing or corrupt image, caption "
+        "longer than the sequence): error stops the run naming it; skip drops, counts and logs it",
+        choices=("error", "skip"),
+        megatron=False,
+    )
+    dip_metrics_json: str | None = arg(
+        "--dip-metrics-json",
+        None,
+        "write per-iteration metrics (times, planned vs measured, plan variants) as JSON lines",
         megatron=False,
     )
 

@@ -78,21 +78,33 @@ def ddp_config(spec: RunSpec):
     )
 
 
+def _build_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module]:
+    """This rank's chunks: Megatron-Core layers, or sleeping ones under --dip-emulate-compute."""
+    if spec.emulate_scale is not None:
+        from megatron_dip.emulation import build_emulated_chunks
+
+        chunks = build_emulated_chunks(spec.model, spec.placement, rank=ctx.pp_rank)
+    else:
+        config = model_config(spec)
+        groups = ModelGroups(tp=ctx.tp, cp=ctx.single)
+        chunks = [
+            build_chunk(
+                spec.model,
+                c,
+                num_chunks=spec.placement.module(c.module).num_chunks,
+                config=config,
+                groups=groups,
+            )
+            for c in spec.placement.chunks_on_rank(ctx.pp_rank)
+        ]
+    for chunk in chunks:
+        chunk.config.calculate_per_token_loss = spec.config.model.calculate_per_token_loss
+    return chunks
+
+
 def build_model(spec: RunSpec, ctx: ParallelContext) -> LocalModel:
     """Build, initialise and wrap this rank's chunks (see the module docstring)."""
-    config = model_config(spec)
-    groups = ModelGroups(tp=ctx.tp, cp=ctx.single)
-    chunks = []
-    for c in spec.placement.chunks_on_rank(ctx.pp_rank):
-        chunk = build_chunk(
-            spec.model,
-            c,
-            num_chunks=spec.placement.module(c.module).num_chunks,
-            config=config,
-            groups=groups,
-        )
-        chunk.config.calculate_per_token_loss = spec.config.model.calculate_per_token_loss
-        chunks.append(chunk)
+    chunks = _build_chunks(spec, ctx)
     trainable = [c for c in chunks if any(p.requires_grad for p in c.parameters())]
     dp_groups = DataParallelGroups(dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, single=ctx.single)
     wrapped = dict(

@@ -1,22 +1,31 @@
-"""Checkpoints keyed by GLOBAL parameter name: they load under any pipeline layout and schedule.
+"""Checkpoints keyed by GLOBAL parameter name, of FULL tensors: they load under any layout.
 
 Layout of `--save DIR` (plain per-rank `torch.save` of global-name dictionaries; chosen over
-torch.distributed.checkpoint because the mapping between layouts is a rename, not a resharding):
+torch.distributed.checkpoint because the mapping between layouts is a rename plus Megatron's
+own tensor-parallel cut, not a general resharding):
 
     DIR/latest_checkpointed_iteration.txt     the newest complete checkpoint (Megatron-LM's name)
     DIR/iter_0000100/metadata.json            rank 0: format, iteration, sizes, model, LR scheduler,
-                                              data position (BatchStream.state_dict), cost-model
-                                              calibration, consumed samples, flags, and the index
+                                              data positions (BatchStream.state_dict of the
+                                              training and evaluation streams), cost-model
+                                              calibration (scales, version, partial window sums:
+                                              a resumed run recalibrates at the same iterations),
+                                              consumed samples, flags, and the index
                                               {parameter key: file holding it}
-    DIR/iter_0000100/model_rank_00003.pt      every rank of data-parallel replica 0: {"model":
+    DIR/iter_0000100/model_rank_00003.pt      TP rank 0 of data-parallel replica 0: {"model":
                                               {key: tensor}, "optimizer": {key: {exp_avg,
-                                              exp_avg_sq, step[, master]}}} of its chunks
+                                              exp_avg_sq, step[, master]}}} of its chunks, full
+                                              tensors (the distributed optimizer's shards are
+                                              gathered over data parallelism, TP shards over
+                                              the TP group; both cut again on load)
     DIR/iter_0000100/rng_rank_00003.pt        every rank: python, numpy, torch (and CUDA) RNG
 
 A key is the global parameter name (`models.init.global_param_name`: module, global layer index,
-local path), suffixed "#tpR" when tensor parallelism shards it. Loading finds each local
-parameter's key in the index, so PP, DP and --dip-schedule may differ between save and load; TP
-must match (shards are not re-cut). RNG states are restored only under the same world layout.
+local path). Loading finds each local parameter's key in the index and cuts this rank's
+tensor-parallel shard with Megatron's partition metadata (`partition_dim`; a gated MLP's fc1 cuts
+its gate and up halves separately: `models.init.shard_for_rank`, the rule the weights were
+initialised by), so PP, TP, DP, --dip-schedule and --use-distributed-optimizer may all differ
+between save and load. RNG states are restored only under the same world layout.
 
 Atomic: every rank writes into `iter_N.tmp`; after a barrier rank 0 renames it to `iter_N`
 (moving an older copy aside first) and only then rewrites the tracker file (write + rename), so a
@@ -39,14 +48,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dip.models.init import shard_for_rank
+
 from .build import LocalModel
-from .optim import load_named_state, named_state
+from .optim import gather_named_state, load_named_state
 from .setup import ParallelContext
 from .validate import RunSpec
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "megatron-dip-checkpoint/1"
+FORMAT = "megatron-dip-checkpoint/2"
+# Format 1 keyed tensor-parallel shards "NAME#tpR"; at TP=1 it is format 2.
+_READABLE = {FORMAT: None, "megatron-dip-checkpoint/1": 1}
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -58,14 +71,62 @@ class Restored:
     consumed_samples: int
     stream: dict
     calibration: dict
+    eval_stream: dict | None = None  # None: no evaluation had run before the save
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def _key(name: str, ctx: ParallelContext, tp: int) -> str:
-    return name if tp == 1 else f"{name}#tp{ctx.tp_rank}"
+def _glu_params(model: LocalModel) -> set[int]:
+    """ids of gated-MLP fc1 parameters: Megatron keeps [gate; up] per TP rank, so their halves
+    are split separately (as `models.init` initialises them)."""
+    return {
+        id(p)
+        for chunk in model.inner
+        if chunk.module_spec.layer.gated_mlp
+        for local, p in chunk.named_parameters()
+        if "linear_fc1." in local
+    }
+
+
+def _tp_sharded(p: torch.Tensor, ctx: ParallelContext) -> bool:
+    return ctx.tp.size() > 1 and getattr(p, "tensor_model_parallel", False)
+
+
+def _gather_tp(t: torch.Tensor, p: torch.Tensor, ctx: ParallelContext, glu: bool) -> torch.Tensor:
+    """The full tensor of which `t` is this TP rank's shard (inverse of `shard_for_rank`);
+    collective over the TP group. Tensors of unsharded parameters come back as they are."""
+    if not _tp_sharded(p, ctx) or t.shape != p.shape:
+        return t
+    # NCCL gathers device tensors; the result is kept on the CPU.
+    parts = [torch.empty_like(t, device=p.device) for _ in range(ctx.tp.size())]
+    dist.all_gather(parts, t.to(p.device).contiguous(), group=ctx.tp)
+    dim = p.partition_dim
+    if glu:
+        halves = [torch.chunk(x, 2, dim=dim) for x in parts]
+        parts = [h[0] for h in halves] + [h[1] for h in halves]
+    return torch.cat(parts, dim=dim).cpu()
+
+
+def _full_payload(model: LocalModel, optimizer_state: dict, ctx: ParallelContext) -> dict:
+    """{"model": {name: full tensor}, "optimizer": {name: {key: full tensor}}} of this rank's
+    parameters, tensor-parallel shards gathered (collective over the TP group)."""
+    glu = _glu_params(model)
+    params, states = {}, {}
+    for name, p in model.named_parameters():
+        cut = id(p) in glu
+        params[name] = _gather_tp(p.detach().cpu().clone(), p, ctx, cut)
+        if name in optimizer_state:
+            states[name] = {k: _gather_tp(v, p, ctx, cut) for k, v in optimizer_state[name].items()}
+    return {"model": params, "optimizer": states}
+
+
+def _shard(t: torch.Tensor, p: torch.Tensor, ctx: ParallelContext, glu: bool) -> torch.Tensor:
+    """This TP rank's shard of the full tensor `t` of parameter `p` (scalars pass)."""
+    if not _tp_sharded(p, ctx) or t.dim() == 0:
+        return t
+    return shard_for_rank(t, p, tp_rank=ctx.tp_rank, tp_size=ctx.tp.size(), glu=glu)
 
 
 def _rng_state() -> dict:
@@ -120,6 +181,7 @@ def save(
     stream_state: dict,
     calibration: dict,
     consumed_samples: int,
+    eval_stream_state: dict | None = None,
 ) -> Path:
     """Write the checkpoint of `iteration` (call on every rank; see the module docstring)."""
     final = iteration_dir(root, iteration)
@@ -129,15 +191,13 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     keys: list[str] = []
+    # Collective under --use-distributed-optimizer: every rank holds shards of the state.
+    optimizer_state = gather_named_state(optimizer, model.named_parameters(), dp_group=ctx.dp)
     if ctx.dp_rank == 0:
-        named = model.named_parameters()
-        names = {id(p): _key(n, ctx, spec.tensor_parallel) for n, p in named}
-        payload = {
-            "model": {names[id(p)]: p.detach().cpu().clone() for _, p in named},
-            "optimizer": named_state(optimizer, names),
-        }
-        torch.save(payload, tmp / f"model_rank_{ctx.rank:05d}.pt")
-        keys = list(payload["model"])
+        payload = _full_payload(model, optimizer_state, ctx)  # collective over TP
+        if ctx.tp_rank == 0:
+            torch.save(payload, tmp / f"model_rank_{ctx.rank:05d}.pt")
+            keys = list(payload["model"])
     torch.save(_rng_state(), tmp / f"rng_rank_{ctx.rank:05d}.pt")
     gathered: list = [None] * ctx.world_size
     dist.all_gather_object(gathered, keys)
@@ -152,6 +212,7 @@ def save(
             "pipeline_parallel": spec.pipeline_parallel, "data_parallel": spec.data_parallel,
             "schedule": spec.schedule, "model": _model_signature(spec),
             "scheduler": scheduler.state_dict(), "stream": stream_state,
+            "eval_stream": eval_stream_state,
             "calibration": calibration, "index": index, "flags": spec.config.flat(),
         }  # fmt: skip
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -189,16 +250,17 @@ def find(root: str | Path, step: int | None = None) -> Path:
 
 
 def _check_compatible(meta: Mapping, spec: RunSpec, path: Path) -> None:
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    fmt = meta.get("format")
+    if fmt not in _READABLE:
+        raise ValueError(f"{path}: format {fmt!r}, expected {FORMAT!r}")
+    if _READABLE[fmt] is not None and meta["tensor_parallel"] != _READABLE[fmt]:
+        raise ValueError(
+            f"{path}: format {fmt!r} saved at TP={meta['tensor_parallel']} keeps per-rank "
+            "tensor-parallel shards this version does not read; re-save it at TP=1"
+        )
     if meta["model"] != _model_signature(spec):
         raise ValueError(
             f"{path}: saved from model {meta['model']}, this run builds {_model_signature(spec)}"
-        )
-    if meta["tensor_parallel"] != spec.tensor_parallel:
-        raise ValueError(
-            f"{path}: saved at TP={meta['tensor_parallel']}, loading at TP={spec.tensor_parallel} "
-            "(tensor-parallel shards are not re-cut; PP, DP and the schedule may change)"
         )
 
 
@@ -231,16 +293,20 @@ def load(
     meta = json.loads((path / "metadata.json").read_text())
     _check_compatible(meta, spec, path)
     named = model.named_parameters()
-    names = {id(p): _key(n, ctx, spec.tensor_parallel) for n, p in named}
-    params, states = _load_tensors(path, meta, [names[id(p)] for _, p in named])
+    names = {id(p): n for n, p in named}
+    params, states = _load_tensors(path, meta, list(names.values()))
+    glu = _glu_params(model)
     with torch.no_grad():
-        for _, p in named:
-            saved = params[names[id(p)]]
+        for name, p in named:
+            saved = _shard(params[name], p, ctx, id(p) in glu)
             if saved.shape != p.shape:
                 raise ValueError(
-                    f"{path}: {names[id(p)]} has shape {tuple(saved.shape)}, here {tuple(p.shape)}"
+                    f"{path}: {name} has shape {tuple(saved.shape)} here (TP rank {ctx.tp_rank} "
+                    f"of {ctx.tp.size()}), the model {tuple(p.shape)}"
                 )
             p.copy_(saved)
+            if name in states:
+                states[name] = {k: _shard(v, p, ctx, id(p) in glu) for k, v in states[name].items()}
     if hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # Megatron: fp32 master copies from the loaded weights
     c = spec.config.checkpoint
@@ -258,5 +324,6 @@ def load(
         meta["iteration"], path, meta["pipeline_parallel"], meta["data_parallel"], meta["schedule"],
     )  # fmt: skip
     return Restored(
-        meta["iteration"], meta["consumed_samples"], meta["stream"], meta["calibration"]
-    )
+        meta["iteration"], meta["consumed_samples"], meta["stream"], meta["calibration"],
+        eval_stream=meta.get("eval_stream"),
+    )  # fmt: skip

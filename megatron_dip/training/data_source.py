@@ -10,16 +10,29 @@
 
 Evaluation reads the same source through a stream with another seed: the synthetic generator
 with a different seed (unseen samples), a dataset in another order (no held-out split).
-Bad or oversize records are skipped, logged and counted (never a crash inside the pipeline).
+
+Bad samples (--dip-bad-samples). A record the reader cannot use (missing or corrupt image or
+latent file: every file is opened and verified when its metadata is read, malformed record) and
+a sample that fits in no microbatch (more images than fit in the sequence, a caption longer than
+it) either stop the run with an error naming the sample ("error") or are left out, counted in the
+log line and logged once with the reason ("skip"). Both decisions come from metadata, which every
+rank reads identically, and are taken when the batch is formed, so every rank stops at the same
+iteration before running it (`BatchStream`). Pixels are decoded later, only by the ranks that need
+them; `load_agreed` makes a failure there stop every rank together, naming the rank and sample.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from megatron_dip.data.packing import PackingLimits
+from megatron_dip.data.records import BadSampleError
+from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream, SampleSource, StreamConfig
 from megatron_dip.data.synthetic import MIXTURES
 from megatron_dip.modelspec import ModuleKind, MultimodalSpec
@@ -27,6 +40,8 @@ from megatron_dip.modelspec import ModuleKind, MultimodalSpec
 logger = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003
+BAD_SAMPLES = ("error", "skip")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,10 +52,15 @@ class DataSpec:
     value: str  # mixture name or path
     scale: float = 1.0
     image_size: int | None = None
+    bad_samples: str = "error"  # --dip-bad-samples: "error" or "skip"
 
     @classmethod
-    def parse(cls, text: str, *, scale: float, image_size: int | None) -> DataSpec:
+    def parse(
+        cls, text: str, *, scale: float, image_size: int | None, bad_samples: str = "error"
+    ) -> DataSpec:
         """Parse and check a `--dip-data` value; ValueError naming the flag otherwise."""
+        if bad_samples not in BAD_SAMPLES:
+            raise ValueError(f"--dip-bad-samples: choose error or skip, got {bad_samples!r}")
         if text.startswith("synthetic-"):
             mixture = text.removeprefix("synthetic-")
             if mixture not in MIXTURES:
@@ -48,7 +68,7 @@ class DataSpec:
                     f"--dip-data: unknown synthetic mixture {mixture!r}; known: "
                     + ", ".join(f"synthetic-{m}" for m in MIXTURES)
                 )
-            return cls("synthetic", mixture, scale, image_size)
+            return cls("synthetic", mixture, scale, image_size, bad_samples)
         kind, sep, path = text.partition(":")
         if not sep or kind not in ("llava", "latents") or not path:
             raise ValueError(
@@ -56,7 +76,7 @@ class DataSpec:
             )
         if not Path(path).exists():
             raise ValueError(f"--dip-data: {path} does not exist")
-        return cls(kind, path, scale, image_size)
+        return cls(kind, path, scale, image_size, bad_samples)
 
     def check_model(self, model: MultimodalSpec) -> None:
         """ValueError unless the data suits the model (VLM data for a VLM, latents for a DiT)."""
@@ -82,13 +102,14 @@ class DataSpec:
         if self.kind == "llava":
             from megatron_dip.data.llava import LlavaConfig, LlavaDataset
 
-            config = LlavaConfig(on_bad_sample="skip")
+            config = LlavaConfig(on_bad_sample=self.bad_samples)
             if self.image_size is not None:
-                config = LlavaConfig(max_side=self.image_size, on_bad_sample="skip")
+                config = LlavaConfig(max_side=self.image_size, on_bad_sample=self.bad_samples)
             return LlavaDataset(self.value, model=model, config=config)
         from megatron_dip.data.diffusion import LatentConfig, LatentDataset
 
-        return LatentDataset(self.value, model=model, config=LatentConfig(on_bad_sample="skip"))
+        config = LatentConfig(on_bad_sample=self.bad_samples)
+        return LatentDataset(self.value, model=model, config=config)
 
 
 def packing_limits(model: MultimodalSpec, seq_length: int) -> PackingLimits:
@@ -117,6 +138,49 @@ def make_stream(
             seed=stream_seed,
             batch_microbatches=global_batch_size,
             limits=limits,
-            on_oversize="skip",
+            on_oversize=spec.bad_samples,
         ),
+    )
+
+
+def batch_fingerprint(batch: BatchMeta) -> int:
+    """A checksum of a batch's metadata, equal on ranks that formed the same batch."""
+    return zlib.crc32(repr((batch.iteration, batch.samples)).encode()) & 0x7FFFFFFF
+
+
+def load_agreed(load: Callable[[], T], *, batch: BatchMeta, rank: int, device, group=None) -> T:
+    """`load()` (this rank's samples of `batch`), with the outcome agreed by every rank of
+    `group` (default: the world) before any of them goes on into the pipeline.
+
+    A rank whose load fails (a file deleted or corrupted after its metadata was read) would
+    otherwise leave its peers waiting for it forever, and a rank that formed another batch (its
+    metadata read differently, e.g. a file readable on some ranks only) would train on other
+    data. One small all-gather per iteration; on either, every rank raises the same error,
+    naming the ranks at fault and their reasons.
+    """
+    import torch
+    import torch.distributed as dist
+
+    try:
+        result, error = load(), None
+    except Exception as err:  # any failure to build a sample's arrays stops every rank
+        result, error = None, f"rank {rank}: {err}"
+    mine = torch.tensor(
+        [0 if error is None else 1, batch_fingerprint(batch)], dtype=torch.int64, device=device
+    )
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    prints = [int(row[1]) for row in rows]
+    if len(set(prints)) > 1:
+        raise BadSampleError(
+            f"batch {batch.iteration}: the ranks formed different batches (metadata read "
+            f"differently; checksums by rank {prints}), every rank stops"
+        )
+    if not any(int(row[0]) for row in rows):
+        return result
+    errors: list = [None] * len(rows)
+    dist.all_gather_object(errors, error, group=group)
+    reasons = "; ".join(e for e in errors if e is not None)
+    raise BadSampleError(
+        f"batch {batch.iteration}: samples failed to load, every rank stops: {reasons}"
     )

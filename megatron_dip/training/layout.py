@@ -14,8 +14,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_dip.data.packing import PackingLimits, oversize_reason, pack_microbatches
+from megatron_dip.data.packing import PackingLimits, pack_microbatches
 from megatron_dip.data.sample import SampleMeta
+from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import ModuleKind, MultimodalSpec
 from megatron_dip.planner.compare import activation_limits, average_workload
 from megatron_dip.planner.placement import (
@@ -23,7 +24,7 @@ from megatron_dip.planner.placement import (
     parse_segments,
     segments_per_module,
 )
-from megatron_dip.planner.static_baselines import stock_pipeline
+from megatron_dip.planner.static_baselines import one_list_pipeline, stock_pipeline
 from megatron_dip.planner.submicrobatch import MicrobatchWork, choose_sub_size, split_microbatch
 from megatron_dip.schedule.ir import Placement, Recompute
 
@@ -33,7 +34,6 @@ from .data_source import DataSpec, make_stream
 logger = logging.getLogger(__name__)
 
 CALIBRATION_BATCHES = 4
-PROBE_SAMPLES = 256
 _WHOLE = 10**9  # "one sub-microbatch per module"
 
 
@@ -62,18 +62,17 @@ def calibration_microbatches(
     stream = make_stream(
         data, model, seed=t.seed, global_batch_size=t.global_batch_size, limits=limits
     )
-    if stream.source.num_samples is None:  # unbounded: the stream would skip forever
-        probe = [m for m in stream.source.metas(range(PROBE_SAMPLES)) if m is not None]
-        if all(oversize_reason(m, limits) for m in probe):
+    try:  # the stream bounds its search for usable samples, so this cannot spin
+        batches = stream.peek(CALIBRATION_BATCHES)
+    except StreamError as e:
+        hint = " (or skip such samples: --dip-bad-samples skip)"
+        hint = hint if config.dip.dip_bad_samples == "error" and e.position is not None else ""
+        if e.oversize:
             raise _fail(
                 "--seq-length",
-                f"none of the first {PROBE_SAMPLES} samples of --dip-data {config.dip.dip_data} "
-                f"fits a microbatch ({oversize_reason(probe[0], limits)})",
-            )
-    try:
-        batches = stream.peek(CALIBRATION_BATCHES)
-    except ValueError as e:
-        raise _fail("--dip-data", f"cannot form a batch: {e}") from None
+                f"a sample of --dip-data {config.dip.dip_data} fits in no microbatch: {e}{hint}",
+            ) from None
+        raise _fail("--dip-data", f"cannot form a batch: {e}{hint}") from None
     out = []
     for batch in batches:
         by_id = {s.sample_id: s for s in batch.samples}
@@ -144,7 +143,15 @@ def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
             f"--dip-schedule {schedule} cuts the {loss.num_layers} layers of {loss.name!r} into "
             f"PP x V = {pp} x {vp} stages; lower PP or add layers (--num-layers)",
         )
-    pipe = stock_pipeline(model, cost_model, num_ranks=pp, num_model_chunks=vp, workload=workload)
+    if config.dip.dip_stock_placement == "llava":
+        pipe = stock_pipeline(
+            model, cost_model, num_ranks=pp, num_model_chunks=vp, workload=workload
+        )
+    else:  # encoder and LLM layers as one list, cut by parameters or by cost
+        pipe = one_list_pipeline(
+            model, cost_model, num_ranks=pp, num_model_chunks=vp, workload=workload,
+            by=config.dip.dip_stock_placement,
+        )  # fmt: skip
     return pipe.placement, pipe.stage_units
 
 

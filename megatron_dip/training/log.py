@@ -5,11 +5,15 @@ Rank 0 writes one line per --log-interval, Megatron-LM style (averages over the 
     iteration 20/100 | consumed samples 640 | elapsed time per iteration (ms): 412.3 |
     learning rate: 9.0E-04 | global batch size: 8 | lm loss: 4.7812E+00 | grad norm: 0.812 |
     tokens/s: 2483 | TFLOP/s/GPU: 0.01 | planned/measured (ms): 398.0/405.1 |
-    bound efficiency: 87.3% | plans searched/greedy/inline: 12/6/2 | planner restarts: 0
+    cost-model error: 6.2% (calibration v2) | bound efficiency: 87.3% |
+    plans searched/greedy/inline: 12/6/2 | planner restarts: 0
 
 "planned" is the simulator's iteration time of the last iteration's plan under the calibrated
-cost model; "measured" that iteration's wall time on rank 0 (schedule only); "bound efficiency" is
-the busiest rank's measured compute time over the measured iteration time (1.0 = no bubbles).
+cost model; "measured" that iteration's wall time on rank 0 (schedule only); "cost-model error" is
+the calibrated cost model's miss on the measured compute time of the instructions that ran
+(sum over modules of |predicted - measured| / measured, averaged over the interval; it falls once
+the first calibration window is in), with the calibration version now in force; "bound efficiency"
+is the busiest rank's measured compute time over the measured iteration time (1.0 = no bubbles).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class IterationRecord:
     variant: str
     planned_seconds: float | None = None
     skipped: int = 0
+    cost_error: float | None = None  # calibrated cost model vs measured compute, relative
+    calibration_version: int = 0
 
 
 @dataclass
@@ -81,6 +87,8 @@ class IntervalLog:
             w.add_scalar("grad-norm", r.grad_norm, it)
         w.add_scalar("iteration-time", r.seconds, it)
         w.add_scalar("dip/bound-efficiency", r.bound_efficiency, it)
+        if r.cost_error is not None:
+            w.add_scalar("dip/cost-model-error", r.cost_error, it)
         if r.planned_seconds is not None:
             w.add_scalar("dip/planned-iteration-time", r.planned_seconds, it)
             w.add_scalar("dip/measured-schedule-time", r.schedule_seconds, it)
@@ -96,6 +104,8 @@ class IntervalLog:
         tflops = sum(r.flops for r in rs) / max(sum(r.seconds for r in rs), 1e-9)
         tflops /= self.world_size * 1e12
         planned = "n/a" if last.planned_seconds is None else f"{1e3 * last.planned_seconds:.1f}"
+        errors = [r.cost_error for r in rs if r.cost_error is not None]
+        error = f"{100 * sum(errors) / len(errors):.1f}%" if errors else "n/a"
         v = self.variants
         parts = [
             f"iteration {last.iteration:>6d}/{self.train_iters:>6d}",
@@ -108,6 +118,7 @@ class IntervalLog:
             f"tokens/s: {tokens:.0f}",
             f"TFLOP/s/GPU: {tflops:.3g}",
             f"planned/measured (ms): {planned}/{1e3 * last.schedule_seconds:.1f}",
+            f"cost-model error: {error} (calibration v{last.calibration_version})",
             f"bound efficiency: {100 * sum(r.bound_efficiency for r in rs) / n:.1f}%",
             f"plans searched/greedy/inline: {v['searched']}/{v['greedy']}/{v['inline']}",
             f"planner restarts: {self.restarts}",

@@ -6,6 +6,12 @@ the rank loads only the samples of its replica's microbatches, runs its program 
 (or Megatron-Core's stock schedule for --dip-schedule 1f1b|interleaved), gathers the global loss and
 timings, steps the optimizer and the LR schedule. Before the first iteration every pipeline
 communication path is warmed up once.
+
+Calibration: each iteration's gathered per-module measured and predicted compute times feed
+`planner.calibration.Calibration` (all but the process's first, warm-up iteration); at the end of
+every --dip-calibration-window iterations the new
+scale factors go to the planners (`DipPlans.calibrate`) unless --dip-calibration-frozen. The log
+shows the cost model's error on the iterations it predicted.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from megatron_dip.planner.calibration import Calibration
 from megatron_dip.planner.simulator import simulate
 
 from . import checkpoint
 from .build import LocalModel, build_model
-from .data_source import make_stream
+from .data_source import load_agreed, make_stream
 from .log import IntervalLog, IterationRecord, write_trace
-from .metrics import Calibration, batch_tokens, gather_stats, model_flops, predicted_ops
+from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
+from .metrics_file import append_record, emulated_simulation
 from .optim import build_optimizer, build_scheduler
 from .planning import DipPlans, stock_plan
 from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
@@ -46,6 +54,10 @@ class TrainResult:
     first_iteration: int = 0
     last_iteration: int = 0
     checkpoints: list[str] = field(default_factory=list)
+    cost_error: dict[int, float] = field(default_factory=dict)  # calibrated model vs measured
+    cost_ratio: dict[int, float] = field(default_factory=dict)  # calibrated predicted / measured
+    plan_calibration: dict[int, int] = field(default_factory=dict)  # version each plan used
+    calibration: dict = field(default_factory=dict)  # state at the end of the run
 
 
 class Trainer:
@@ -61,7 +73,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, spec=spec)
         self.stream = self._stream(evaluation=False)
         self.eval_stream = None
-        self.calibration = Calibration()
+        self.calibration = Calibration(
+            window=cfg.dip.dip_calibration_window, frozen=cfg.dip.dip_calibration_frozen
+        )
         self.iteration = 0
         self.consumed = 0
         self.result = TrainResult()
@@ -96,7 +110,13 @@ class Trainer:
         self.iteration = restored.iteration
         self.consumed = restored.consumed_samples
         self.stream.load_state_dict(restored.stream)
+        if restored.eval_stream is not None:  # evaluation continues where it stopped
+            self.eval_stream = self._stream(evaluation=True)
+            self.eval_stream.load_state_dict(restored.eval_stream)
         self.calibration.load_state_dict(restored.calibration)
+        if self.plans is not None:  # frozen or not, plan with the restored factors
+            c = self.calibration
+            self.plans.calibrate(version=c.version, scales=c.scales)
 
     def save(self) -> None:
         path = checkpoint.save(
@@ -104,6 +124,7 @@ class Trainer:
             ctx=self.ctx, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             stream_state=self.stream.state_dict(), calibration=self.calibration.state_dict(),
             consumed_samples=self.consumed,
+            eval_stream_state=None if self.eval_stream is None else self.eval_stream.state_dict(),
         )  # fmt: skip
         self.result.checkpoints.append(str(path))
 
@@ -120,7 +141,13 @@ class Trainer:
             plan, variant = self.plans.eval_plan(batch), "eval"
         else:
             plan, variant = self.plans.plan(batch)
-        samples = samples_by_microbatch(stream, batch, plan)
+        # Every rank agrees that its samples loaded before any of them enters the pipeline.
+        samples = load_agreed(
+            lambda: samples_by_microbatch(
+                stream, batch, plan, metadata_only=spec.emulate_scale is not None
+            ),
+            batch=batch, rank=ctx.rank, device=ctx.device,
+        )  # fmt: skip
         if self.plans is None:
             result = run_stock(spec, ctx, self.model, plan, samples, forward_only=evaluation)
         else:
@@ -138,7 +165,7 @@ class Trainer:
             scale_gradients(self.model, 1.0 / max(stats.loss_tokens, 1.0))
         ok, norm, _ = self.optimizer.step()
         self.scheduler.step(1)
-        self.calibration.update(stats.measured, stats.predicted)
+        self._calibrate(stats)
         self.iteration += 1
         self.consumed += batch.num_samples
         seconds = time.time() - started
@@ -152,9 +179,32 @@ class Trainer:
             logger.warning("iteration %d: update skipped (gradient norm %s)", it, norm)
         self._report(batch, plan, variant, result, stats, seconds, norm, bound)
 
+    def _calibrate(self, stats) -> None:
+        """Record the cost model's error on this iteration, then feed the calibration window
+        (identical numbers on every rank, so every rank updates identically). The first
+        iteration this process runs is left out: it pays for allocation, lazy initialisation
+        and autotuning, and would skew the whole first window."""
+        it, c = self.iteration + 1, self.calibration
+        error = c.error(stats.measured, stats.predicted)
+        if error is not None:
+            self.result.cost_error[it] = error
+            self.result.cost_ratio[it] = c.ratio(stats.measured, stats.predicted)
+        if self.plans is not None:
+            self.result.plan_calibration[it] = self.plans.plan_calibration
+        if self.iteration == self.result.first_iteration:
+            return
+        if c.observe(stats.measured, stats.predicted) and self.plans is not None:
+            self.plans.calibrate(version=c.version, scales=c.scales)
+            logger.debug(
+                "iteration %d: cost-model calibration version %d %s", it, c.version, c.scales
+            )
+
     def _planned(self, plan):
         """Simulated time of `plan` with the calibrated cost model (None while uncalibrated
-        on CPU, where the data-sheet cost model says nothing about this machine)."""
+        on CPU, where the data-sheet cost model says nothing about this machine). An emulated
+        run takes the cost model's times by construction: its prediction needs no calibration."""
+        if self.spec.emulate_scale is not None:
+            return emulated_simulation(self.spec, plan)
         if not (self.spec.cuda or self.calibration.covers(self.spec.model)):
             return None
         return simulate(plan, self.calibration.apply(self.spec.cost_model))
@@ -179,14 +229,30 @@ class Trainer:
                 flops=model_flops(self.spec.model, self.spec.cost_model, batch),
                 bound_efficiency=bound, variant=variant,
                 planned_seconds=None if sim is None else sim.iteration_time,
+                cost_error=self.result.cost_error.get(it),
+                calibration_version=self.calibration.version,
                 skipped=self.stream.skipped,
             )
         )  # fmt: skip
         if logging_now:
             logger.info(self.log.line())
+        if cfg.dip.dip_metrics_json:
+            self._write_metrics(plan, variant, stats, seconds, sim)
         if spans is not None:
             planned = sim or simulate(plan, self.spec.cost_model)
             write_trace(cfg.dip.dip_trace_dir, it, planned, spans)
+
+    def _write_metrics(self, plan, variant: str, stats, seconds: float, sim) -> None:
+        """One line of --dip-metrics-json (see `metrics_file`)."""
+        record = {
+            "iteration": self.iteration, "schedule": self.spec.schedule, "variant": variant,
+            "loss": stats.loss, "seconds": seconds, "schedule_seconds": stats.max_duration,
+            "busy_seconds": stats.max_busy, "emulate_scale": self.spec.emulate_scale,
+        }  # fmt: skip
+        if self.spec.emulate_scale is not None:
+            sim = sim or emulated_simulation(self.spec, plan)
+            record.update(predicted_s=sim.iteration_time, bound_s=sim.lower_bound)
+        append_record(self.spec.config.dip.dip_metrics_json, record)
 
     def _gather_spans(self, result: StepResult) -> list | None:
         """Measured spans of replica 0's pipeline ranks, by pipeline rank, on rank 0."""
@@ -243,6 +309,7 @@ class Trainer:
         if cfg.checkpoint.save and saved_at != self.iteration:
             self.save()
         self.result.last_iteration = self.iteration
+        self.result.calibration = self.calibration.state_dict()
         return self.result
 
     def close(self) -> None:

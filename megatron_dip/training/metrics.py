@@ -1,84 +1,68 @@
-"""Per-iteration numbers: global loss, busy time, cost-model calibration, model FLOPs.
+"""Per-iteration numbers: global loss, busy time, per-module compute times, model FLOPs.
 
 `gather_stats` is the one collective per iteration that brings every rank's numbers to every rank
 (loss sums and tokens as Megatron reports them: summed over all microbatches of the global batch,
 then divided, so the loss does not depend on packing or layout; measured busy time; measured and
-predicted compute time per module for the calibration).
+predicted compute time per module for the cost-model calibration, `planner.calibration`).
 
-`Calibration` keeps one factor per module, measured / predicted compute time of the plans that
-ran (exponential moving average), identical on every rank, saved in checkpoints. The calibrated
-cost model predicts this machine's iteration time ("planned") next to the measured one.
+Predicted times are the *uncalibrated* cost model's, so the calibration's scale factors stay
+measured / predicted of the loaded cost model, whatever scales were in force when planning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.modelspec import ModuleKind, MultimodalSpec
-from megatron_dip.schedule.ir import ChunkSpec, Forward, Plan, Recompute
+from megatron_dip.schedule.ir import Backward, ChunkSpec, Forward, Plan, Recompute, StageId
 
 from .setup import ParallelContext
 from .step import StepResult
 
-ALPHA = 0.3  # weight of the newest iteration in the calibration average
+
+def _op_parts(op: tuple) -> tuple[StageId, bool, float]:
+    """(stage, is_forward, measured seconds) of one `StepResult.ops` entry: either
+    (instruction, seconds) or (module, is_forward, seconds, stage)."""
+    if len(op) == 2 and isinstance(op[0], (Forward, Backward)):
+        ins, seconds = op
+        return ins.stage, isinstance(ins, Forward), float(seconds)
+    if len(op) == 4:
+        _, forward, seconds, stage = op
+        return stage, bool(forward), float(seconds)
+    raise ValueError(f"unrecognised executor timing record {op!r}")
 
 
-@dataclass
-class Calibration:
-    """Measured / predicted compute time per module (module docstring)."""
-
-    scales: dict[str, float] = field(default_factory=dict)
-
-    def update(self, measured: Mapping[str, float], predicted: Mapping[str, float]) -> None:
-        for module, seconds in measured.items():
-            p = predicted.get(module, 0.0)
-            if p <= 0 or seconds <= 0:
-                continue
-            ratio = seconds / p
-            old = self.scales.get(module)
-            self.scales[module] = ratio if old is None else (1 - ALPHA) * old + ALPHA * ratio
-
-    def covers(self, model: MultimodalSpec) -> bool:
-        return all(m.name in self.scales for m in model.modules)
-
-    def apply(self, cost_model):
-        return cost_model.calibrated(self.scales) if self.scales else cost_model
-
-    def state_dict(self) -> dict:
-        return {"scales": dict(self.scales)}
-
-    def load_state_dict(self, state: Mapping) -> None:
-        self.scales = {str(k): float(v) for k, v in state.get("scales", {}).items()}
-
-
-def predicted_ops(plan: Plan, cost_model, ops) -> dict[str, float]:
-    """Cost-model seconds of the executed compute instructions, by module."""
+def predicted_ops(plan: Plan, cost_model, ops: Iterable[tuple]) -> dict[str, float]:
+    """Cost-model seconds of the executed compute instructions, by module (the recompute mode
+    of a backward is its forward's, read from the plan)."""
+    recompute = {
+        ins.stage: ins.recompute
+        for program in plan.programs
+        for ins in program.instructions
+        if isinstance(ins, Forward)
+    }
     out: dict[str, float] = {}
-    recompute = {}
-    for ins, _ in ops:
-        if isinstance(ins, Forward):
-            recompute[ins.stage] = ins.recompute
-    for ins, _ in ops:
-        s = ins.stage
+    for op in ops:
+        s, forward, _ = _op_parts(op)
         chunk: ChunkSpec = plan.placement.module(s.module).chunks[s.chunk]
         c = cost_model.stage_cost(
             chunk, plan.submicrobatch(s.work), recompute.get(s, Recompute.NONE)
         )
-        out[s.module] = out.get(s.module, 0.0) + (
-            c.forward if isinstance(ins, Forward) else c.backward
-        )
+        out[s.module] = out.get(s.module, 0.0) + (c.forward if forward else c.backward)
     return out
 
 
-def measured_ops(ops) -> dict[str, float]:
+def measured_ops(ops: Iterable[tuple]) -> dict[str, float]:
+    """Measured seconds of the executed compute instructions, by module."""
     out: dict[str, float] = {}
-    for ins, seconds in ops:
-        out[ins.stage.module] = out.get(ins.stage.module, 0.0) + seconds
+    for op in ops:
+        s, _, seconds = _op_parts(op)
+        out[s.module] = out.get(s.module, 0.0) + seconds
     return out
 
 

@@ -6,6 +6,12 @@ TCPStore that rank 0 hosts; every rank asks `PlanClient.fetch` for its replica's
 is ready, all ranks compute the same greedy plan inline (counted). With --dip-lookahead 0 there is
 no planner process and every plan is computed inline.
 
+Calibration (`DipPlans.calibrate`): every rank applies the same per-module scale factors, at the
+same iteration, to its inline planner's cost model; rank 0 also publishes them (versioned) to the
+store, where the planner process picks them up before planning its next batch. A fetched plan
+carries the calibration version it was planned with (`plan_calibration`): possibly older than the
+ranks' current one, still the one plan every rank runs.
+
 Stock (`stock_plan`): Megatron's order on the stock placement, in the plan format, so that the same
 `SampleBatchSource` feeds Megatron's own schedule functions and the simulator can predict them.
 The global batch is packed once and split into equal contiguous shares, as Megatron does.
@@ -25,11 +31,18 @@ from megatron_dip.data.packing import pack_microbatches
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream
 from megatron_dip.models.layout import message_tensors
+from megatron_dip.planner.compare import with_recompute
 from megatron_dip.planner.dip import DipPlanner, ReplicaPlan, sample_loss_tokens
-from megatron_dip.planner.service import INLINE, PlanClient, PlannerService, StoreAddress
+from megatron_dip.planner.service import (
+    INLINE,
+    PlanClient,
+    PlannerService,
+    StoreAddress,
+    publish_calibration,
+)
 from megatron_dip.planner.submicrobatch import split_microbatch
 from megatron_dip.schedule.baselines import build_megatron_plan
-from megatron_dip.schedule.ir import BatchTotals, Plan
+from megatron_dip.schedule.ir import BatchTotals, Plan, Recompute
 
 from .setup import ParallelContext
 from .validate import RunSpec
@@ -114,6 +127,8 @@ class DipPlans:
     def __init__(self, spec: RunSpec, ctx: ParallelContext) -> None:
         self.spec, self.ctx = spec, ctx
         self.planner = make_planner(spec)
+        self.calibration_version = 0
+        self.plan_calibration = 0  # calibration version of the last plan handed out
         self.lookahead = spec.config.dip.dip_lookahead
         self.variants: Counter[str] = Counter()
         self.service: PlannerService | None = None
@@ -126,8 +141,19 @@ class DipPlans:
                 factory = functools.partial(
                     DipPlanner, spec.model, spec.cost_model, spec.placement, spec.planner
                 )
-                self.service = PlannerService(factory, address, lookahead=self.lookahead)
+                self.service = PlannerService(
+                    factory, address, lookahead=self.lookahead, faults=spec.planner_faults
+                )
                 self.service.start()
+
+    def calibrate(self, *, version: int, scales: dict[str, float]) -> None:
+        """Plan from now on with the loaded cost model scaled by `scales` (calibration
+        `version`). Call on every rank with the same arguments at the same iteration."""
+        base = self.spec.cost_model
+        self.planner.cost_model = base.calibrated(scales) if scales else base
+        self.calibration_version = version
+        if self.client is not None and self.ctx.rank == 0:
+            publish_calibration(self.client.store, version=version, scales=scales)
 
     def ahead(self, stream: BatchStream) -> None:
         """Rank 0 hands the next --dip-lookahead batches' metadata to the planner process."""
@@ -144,10 +170,13 @@ class DipPlans:
         def inline() -> Plan:
             return replica_plan(self.planner, batch, self.ctx.dp_rank).plan
 
+        self.plan_calibration = self.calibration_version  # inline plans use the current one
         if self.client is None:
             plan, variant = inline(), INLINE
         else:
             plan, variant = self.client.fetch(batch.iteration, inline)
+            if self.client.plan_calibration is not None:
+                self.plan_calibration = self.client.plan_calibration
             if self.ctx.rank == 0 and batch.iteration > 0:
                 # Every rank fetched the previous iteration's plan: it ran with all of them.
                 self.client.cleanup(batch.iteration - 1, num_replicas=self.spec.data_parallel)
@@ -173,6 +202,8 @@ def stock_plan(
 ) -> Plan:
     """Megatron's schedule for this replica's equal share of the packed global batch."""
     model, seq = spec.model, spec.config.train.seq_length
+    # Shapes as the planner sees the run (under --dip-emulate-compute: the emulated TP and dtype).
+    cfg = spec.planner
     by_id = {s.sample_id: s for s in batch.samples}
     packed = pack_microbatches(list(batch.samples), limits=spec.limits)
     shares = np.array_split(np.arange(len(packed)), spec.data_parallel)
@@ -184,7 +215,7 @@ def stock_plan(
             index=i,
             seq_length=seq,
             sub_sizes={m.name: _WHOLE for m in model.modules},
-            pad_multiple=spec.tensor_parallel if spec.sequence_parallel else 1,
+            pad_multiple=cfg.tensor_parallel if cfg.sequence_parallel else 1,
         )
         for i, mb in enumerate(mine)
     ]
@@ -195,7 +226,7 @@ def stock_plan(
         data_parallel_size=spec.data_parallel,
     )
     sub_of = {s.work: s for w in works for s in w.submicrobatches}
-    return build_megatron_plan(
+    plan = build_megatron_plan(
         placement=spec.placement,
         stage_units=spec.stage_units,
         submicrobatches=list(sub_of.values()),
@@ -204,8 +235,12 @@ def stock_plan(
         totals=totals,
         num_model_chunks=len(spec.stage_units[0]),
         tensors=lambda key: message_tensors(
-            model, key=key, sub_lookup=sub_of.__getitem__, dtype=spec.dtype,
-            tensor_parallel=spec.tensor_parallel, sequence_parallel=spec.sequence_parallel,
+            model, key=key, sub_lookup=sub_of.__getitem__, dtype=cfg.dtype,
+            tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
         ),
         iteration=batch.iteration,
+        forward_only=forward_only,
     )  # fmt: skip
+    # Megatron's --recompute-granularity applies to every stage alike.
+    mode = spec.config.model.recompute_granularity
+    return with_recompute(plan, Recompute(mode)) if mode and not forward_only else plan

@@ -96,10 +96,12 @@ def _layouts(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
     }
 
 
-def _new_groups(layouts: list[list[int]], me: int, created: list) -> dist.ProcessGroup:
+def _new_groups(
+    layouts: list[list[int]], me: int, created: list, timeout: timedelta
+) -> dist.ProcessGroup:
     mine = None
     for ranks in layouts:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if me in ranks:
             mine = group
             created.append(group)
@@ -108,7 +110,12 @@ def _new_groups(layouts: list[list[int]], me: int, created: list) -> dist.Proces
 
 def initialize(spec: RunSpec) -> ParallelContext:
     """Process groups, device and seeded RNG for `spec` (call once per run on every rank)."""
-    owns = init_distributed(cuda=spec.cuda)
+    # Every blocking wait, collectives included, is bounded by --dip-comm-timeout-s: new groups
+    # do not inherit the world group's timeout, so each one is given it (NCCL's watchdog enforces
+    # it on CUDA, where the runtime's own waits do not block; see runtime/p2p.py).
+    timeout_s = spec.config.dip.dip_comm_timeout_s
+    timeout = timedelta(seconds=timeout_s)
+    owns = init_distributed(cuda=spec.cuda, timeout_s=timeout_s)
     world = dist.get_world_size()
     if world != spec.world_size:
         raise RuntimeError(f"the run was validated for {spec.world_size} processes, found {world}")
@@ -117,9 +124,13 @@ def initialize(spec: RunSpec) -> ParallelContext:
     tp_rank, dp_rank, pp_rank = coordinates(me, tp=tp, dp=dp)
     layouts = _layouts(tp, dp, pp)
     created: list = []
-    single = _new_groups([[r] for r in range(world)], me, created)
-    groups = {name: _new_groups(layouts[name], me, created) for name in ("tp", "dp", "pp", "mp")}
-    channels = ChannelGroups(groups["pp"], pipelines=layouts["pp"]) if pp > 1 else None
+    single = _new_groups([[r] for r in range(world)], me, created, timeout)
+    groups = {
+        name: _new_groups(layouts[name], me, created, timeout) for name in ("tp", "dp", "pp", "mp")
+    }
+    channels = None
+    if pp > 1:
+        channels = ChannelGroups(groups["pp"], pipelines=layouts["pp"], timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if spec.cuda else torch.device("cpu")
     # Seeds torch and Megatron's RNG tracker; on CPU applies the Megatron-Core CPU fixes.
     seed_model_parallel_rng(spec.config.train.seed, tp_rank=tp_rank)

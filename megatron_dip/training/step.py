@@ -19,9 +19,10 @@ import torch
 from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.executor import Executor, ExecutorConfig
 from megatron_dip.runtime.loss import LossConfig
+from megatron_dip.runtime.p2p import P2PConfig
 from megatron_dip.runtime.stock import StockPipeline, StockStage
 from megatron_dip.schedule.graph import Dataflow
-from megatron_dip.schedule.ir import Backward, Forward, Plan
+from megatron_dip.schedule.ir import Backward, Forward, Instruction, Plan, Recompute
 
 from .build import LocalModel
 from .planning import tensor_fn
@@ -57,23 +58,17 @@ class StepResult:
 
 
 class TimedExecutor(Executor):
-    """The runtime's executor, recording the wall-clock span of each Forward/Backward."""
+    """The runtime's executor, recording the span of each Forward/Backward through its public
+    per-instruction hook (`on_instruction`: wall-clock seconds; GPU time on CUDA)."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
         self.spans: list[Span] = []
         self.ops: list[tuple] = []
+        super().__init__(on_instruction=self._record, **kwargs)
 
-    @contextlib.contextmanager
-    def _traced(self, index: int, ins) -> Iterator[None]:
+    def _record(self, index: int, ins: Instruction, start: float, end: float) -> None:
         if not isinstance(ins, (Forward, Backward)):
-            with super()._traced(index, ins):
-                yield
             return
-        start = time.time()
-        with super()._traced(index, ins):
-            yield
-        end = time.time()
         fwd = isinstance(ins, Forward)
         s = ins.stage
         label = f"{'F' if fwd else 'B'} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
@@ -81,7 +76,18 @@ class TimedExecutor(Executor):
         self.ops.append((ins, end - start))
 
 
-def _sources(spec: RunSpec, plan: Plan, samples: dict[int, list], device) -> SampleBatchSource:
+def _sources(spec: RunSpec, plan: Plan, samples: dict[int, list], device):
+    """Where the chunks get their inputs: the samples' tensors, or under --dip-emulate-compute
+    the durations the cost model gives the plan's sub-microbatches (`samples` are metadata)."""
+    if spec.emulate_scale is not None:
+        from megatron_dip.emulation import EmulatedBatchSource, EmulationConfig
+
+        return EmulatedBatchSource(
+            plan=plan,
+            cost_model=spec.cost_model,
+            config=EmulationConfig(scale=spec.emulate_scale),
+            loss_tokens={mb: [s.loss_tokens for s in metas] for mb, metas in samples.items()},
+        )
     return SampleBatchSource(
         model=spec.model,
         plan=plan,
@@ -90,6 +96,25 @@ def _sources(spec: RunSpec, plan: Plan, samples: dict[int, list], device) -> Sam
         seed=spec.config.train.seed,
         device=device,
     )
+
+
+def _tensor_fn(spec: RunSpec, plan: Plan):
+    """What the built chunks send for each message of `plan`."""
+    if spec.emulate_scale is not None:
+        from megatron_dip.emulation import emulated_tensor_fn
+
+        return emulated_tensor_fn
+    return tensor_fn(spec, plan)
+
+
+def _executed(spec: RunSpec, plan: Plan) -> Plan:
+    """The plan as the executor runs it: emulated chunks exchange tiny stand-in messages (the
+    original plan keeps the real sizes, which the emulated transfers take the time of)."""
+    if spec.emulate_scale is not None:
+        from megatron_dip.emulation import emulated_plan
+
+        return emulated_plan(plan)
+    return plan
 
 
 def run_dip(
@@ -108,14 +133,22 @@ def run_dip(
         chunks = model.chunks
         loss = LossConfig(per_token=per_token)
     executor = TimedExecutor(
-        plan=plan,
+        plan=_executed(spec, plan),
         chunks=chunks,
         placement=spec.placement,
         pp_group=ctx.pp,
         batches=_sources(spec, plan, samples, ctx.device),
-        tensor_fn=tensor_fn(spec, plan),
-        config=ExecutorConfig(loss=loss, validate=False),
+        tensor_fn=_tensor_fn(spec, plan),
+        # Every blocking pipeline wait is bounded by --dip-comm-timeout-s (so are the process
+        # groups, setup.init_distributed).
+        config=ExecutorConfig(
+            loss=loss, validate=False, p2p=P2PConfig(timeout_s=spec.config.dip.dip_comm_timeout_s)
+        ),
         channels=ctx.channels,
+        # The plan verdict is agreed over tensor-parallel peers and replicas too (every rank of
+        # the job runs this step).
+        tp_group=ctx.tp,
+        replica_group=ctx.dp,
     )
     started = time.time()
     result = executor.run()
@@ -159,29 +192,36 @@ def run_stock(
     *,
     forward_only: bool = False,
 ) -> StepResult:
-    """Megatron-Core's own 1F1B / interleaved schedule on this rank's stock chunks; gradients
-    are reduced over data parallelism after the schedule (the stages are not DDP modules)."""
+    """Megatron-Core's own 1F1B / interleaved schedule on this rank's stock chunks, with
+    Megatron's activation recomputation (--recompute-granularity) inside the stages. With
+    --overlap-grad-reduce the schedule drives the data-parallel reduction through Megatron-LM's
+    DDP hooks (overlapped with the backward); otherwise it runs after the schedule."""
+    recompute = spec.config.model.recompute_granularity
+    overlap = spec.config.parallel.overlap_grad_reduce and not forward_only
     pipe = StockPipeline(
         chunks=model.chunks,
         all_stage_units=spec.stage_units,
         dataflow=Dataflow(plan.placement, plan.submicrobatches, plan.dependencies),
         microbatches=[m.index for m in plan.microbatches],
         batches=_sources(spec, plan, samples, ctx.device),
-        tensor_fn=tensor_fn(spec, plan),
+        tensor_fn=_tensor_fn(spec, plan),
         pp_group=ctx.pp,
         single_group=ctx.single,
         # PP=2 interleaved + batched p2p swaps activations and gradients (MEGATRON-ON-CPU.md).
         batch_p2p=not (len(spec.stage_units[0]) > 1 and spec.pipeline_parallel == 2),
         per_token=spec.config.model.calculate_per_token_loss,
+        recompute=Recompute(recompute) if recompute else Recompute.NONE,
+        overlap_grad_reduce=overlap,
     )
     spans: list[Span] = []
     started = time.time()
     with contextlib.ExitStack() as stack:
-        for c in model.ddp:
-            stack.enter_context(c.no_sync())
+        if not overlap:
+            for c in model.ddp:
+                stack.enter_context(c.no_sync())
         stack.enter_context(_timed_megatron_steps(spans))
         reports = pipe.run(forward_only=forward_only)
-    if not forward_only:
+    if not forward_only and not overlap:
         for c in model.ddp:
             c.start_grad_sync()
         for c in model.ddp:
@@ -195,8 +235,14 @@ def scale_gradients(model: LocalModel, factor: float) -> None:
         c.scale_gradients(factor)
 
 
-def samples_by_microbatch(stream, batch, plan: Plan) -> dict[int, Sequence]:
-    """The samples of each of `plan`'s microbatches (only this replica's are loaded)."""
+def samples_by_microbatch(
+    stream, batch, plan: Plan, *, metadata_only: bool = False
+) -> dict[int, Sequence]:
+    """The samples of each of `plan`'s microbatches (only this replica's are loaded); with
+    `metadata_only` (emulated compute) their `SampleMeta`s, nothing is loaded."""
     ids = [i for m in plan.microbatches for i in m.sample_ids]
-    loaded = {s.sample_id: s for s in stream.samples(batch, ids)}
+    if metadata_only:
+        loaded = {s.sample_id: s for s in batch.samples}
+    else:
+        loaded = {s.sample_id: s for s in stream.samples(batch, ids)}
     return {m.index: [loaded[i] for i in m.sample_ids] for m in plan.microbatches}

@@ -22,6 +22,7 @@ from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec, get_device, load_profile
 from megatron_dip.planner.dip import PlannerConfig
 from megatron_dip.planner.search import SearchConfig
+from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.schedule.ir import Placement, Recompute
 
 from .arguments import TrainConfig
@@ -60,6 +61,10 @@ class RunSpec:
     planner: PlannerConfig
     memory_limit_bytes: list[float] | None
     segments: dict[str, int] = field(default_factory=dict)
+    # Tests only, set with dataclasses.replace (no flag): misbehaviour of the planner process.
+    planner_faults: PlannerFaults | None = None
+    # --dip-emulate-compute: the duration scale of the sleeping chunks (None: real compute).
+    emulate_scale: float | None = None
 
     @property
     def schedule(self) -> str:
@@ -205,27 +210,24 @@ def _check_training(config: TrainConfig) -> None:
 
 
 def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
-    p, m = config.parallel, config.model
+    m = config.model
     if m.bf16 and not cuda:
         raise _fail("--bf16", "needs CUDA; CPU runs train in float32 (drop the flag)")
-    if p.use_distributed_optimizer and not cuda:
-        raise _fail(
-            "--use-distributed-optimizer",
-            "needs CUDA (Megatron's distributed optimizer checks for CUDA tensors)",
-        )
-    if p.use_distributed_optimizer and (config.checkpoint.save or config.checkpoint.load):
-        raise _fail(
-            "--use-distributed-optimizer",
-            "layout-portable checkpoints (--save/--load) of the sharded optimizer state are not "
-            "implemented yet",
-        )
     if m.recompute_method is not None:
         logger.warning("--recompute-method is ignored: DIP recomputes whole chunks")
-    if config.dip.dip_schedule != "dip" and m.recompute_granularity is not None:
+
+
+def _check_emulation(config: TrainConfig) -> None:
+    d = config.dip
+    if not (d.dip_emulate_scale >= 0 and math.isfinite(d.dip_emulate_scale)):
         raise _fail(
-            "--recompute-granularity",
-            f"the stock baseline (--dip-schedule {config.dip.dip_schedule}) runs its chunks "
-            "without recomputation; only DIP plans apply it",
+            "--dip-emulate-scale", f"must be a finite number >= 0, got {d.dip_emulate_scale}"
+        )
+    if config.parallel.use_distributed_optimizer or config.model.bf16:
+        raise _fail(
+            "--dip-emulate-compute",
+            "emulated chunks have one float32 parameter each: drop --bf16 and "
+            "--use-distributed-optimizer (the cost model already prices the bf16 run)",
         )
 
 
@@ -235,6 +237,12 @@ def _check_dip(config: TrainConfig) -> None:
         raise _fail("--dip-search-time-ms", f"must be >= 0, got {d.dip_search_time_ms}")
     if d.dip_lookahead < 0:
         raise _fail("--dip-lookahead", f"must be >= 0, got {d.dip_lookahead}")
+    if not d.dip_comm_timeout_s > 0:  # also refuses NaN
+        raise _fail(
+            "--dip-comm-timeout-s",
+            f"must be > 0 seconds (how long a blocking pipeline wait may take), "
+            f"got {d.dip_comm_timeout_s}",
+        )
     half = max(1, (os.cpu_count() or 2) // 2)
     if not 1 <= d.dip_planner_workers <= half:
         raise _fail(
@@ -351,7 +359,15 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
 
     config, preset = apply_preset(config)
     model = _model_spec(config, preset)
-    tp, pp, dp = _check_sizes(config, world_size)
+    emulate = config.dip.dip_emulate_compute
+    if emulate:
+        # Emulated cluster: one process per pipeline rank (and replica); TP is folded into the
+        # cost model, which prices each stage as a TP rank of the real run would compute it.
+        _check_emulation(config)
+        tp = config.parallel.tensor_model_parallel_size
+        _, pp, dp = _check_sizes(config.replace(tensor_model_parallel_size=1), world_size)
+    else:
+        tp, pp, dp = _check_sizes(config, world_size)
     _check_training(config)
     _check_platform(config, cuda=cuda)
     _check_dip(config)
@@ -362,18 +378,21 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
             config.dip.dip_data,
             scale=config.dip.dip_data_scale,
             image_size=config.dip.dip_image_size,
+            bad_samples=config.dip.dip_bad_samples,
         )
         data.check_model(model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     dtype = "bfloat16" if config.model.bf16 else "float32"
+    # An emulated run prices and shapes messages as the real (bf16, GPU) run it stands for.
+    plan_dtype = "bfloat16" if emulate else dtype
     device = _device(config, cuda=cuda)
-    cost = _cost_model(config, model, device, tp=tp, dtype=dtype)
+    cost = _cost_model(config, model, device, tp=tp, dtype=plan_dtype)
     limits = packing_limits(model, config.train.seq_length)
     layout = build_layout(
-        config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dtype=dtype,
+        config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dtype=plan_dtype,
         sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
-        device=device if cuda else None,
+        device=device if cuda or emulate else None,
     )  # fmt: skip
     d = config.dip
     search = SearchConfig(
@@ -390,13 +409,15 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         memory_limit_bytes=layout.memory_limit,
         tensor_parallel=tp,
         sequence_parallel=config.parallel.sequence_parallel and tp > 1,
-        dtype=dtype,
+        dtype=plan_dtype,
         use_search=d.dip_search_time_ms > 0,
         uniform_recompute=Recompute(recompute) if recompute else None,
         packing=limits,
     )
     return RunSpec(
-        config=config, preset=preset, model=model, world_size=world_size, tensor_parallel=tp,
+        config=config, preset=preset, model=model, world_size=world_size,
+        tensor_parallel=1 if emulate else tp,
+        emulate_scale=config.dip.dip_emulate_scale if emulate else None,
         pipeline_parallel=pp, data_parallel=dp, cuda=cuda, dtype=dtype, data=data,
         limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
         placement=layout.placement, stage_units=layout.stage_units, planner=planner,

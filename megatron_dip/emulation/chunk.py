@@ -1,0 +1,207 @@
+"""A model chunk that sleeps the cost model's time instead of computing (see `timing.py`).
+
+`EmulatedChunk` keeps the `ModelChunk` contract the runtime and Megatron's stock schedules rely on
+(`chunk(inputs=[...], batch=...)`, a `ChunkSpec` in `.chunk`, a Megatron `TransformerConfig` in
+`.config`, one real parameter so Megatron's DDP, optimizer and gradient reductions run) and real
+autograd: its forward and backward are one `torch.autograd.Function` that sleeps.
+
+Message tensor (`timing.message_spec`): element 0 is a payload that carries the autograd value
+(out = w * (1 + sum of inputs)), then (coarse, fine) stamp pairs. Forward: the producer stamps
+slot 0 when its output exists; the consumer sleeps until every remote input's stamp + transfer
+time, then its compute time. Backward: each consumer stamps its own slot of the gradient it sends
+(so the executor's sum over consumers keeps every stamp); the producer waits for each remote
+consumer's stamp + transfer time, then sleeps its backward time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.schedule.ir import ChunkSpec, Placement, Recompute
+
+from .timing import (
+    MESSAGE_NAME,
+    STAMP_SLOTS,
+    STAMP_WIDTH,
+    EmulationConfig,
+    Link,
+    StageTiming,
+    SubWork,
+    decode_stamp,
+    encode_stamp,
+    sleep_until,
+)
+
+_WIDTH = 1 + STAMP_WIDTH * STAMP_SLOTS
+
+
+def _stamp(message: torch.Tensor, slot: int, seconds: float) -> None:
+    at = 1 + STAMP_WIDTH * slot
+    message[at : at + STAMP_WIDTH] = torch.tensor(encode_stamp(seconds), dtype=message.dtype)
+
+
+def _read(message: torch.Tensor, slot: int) -> float | None:
+    at = 1 + STAMP_WIDTH * slot
+    parts = message[at : at + STAMP_WIDTH].tolist()
+    return None if parts[0] == 0.0 else decode_stamp(parts)
+
+
+def _ready_at(
+    messages: Sequence[torch.Tensor], links: Sequence[Link], slots: Sequence[int]
+) -> float:
+    """Latest arrival over the remote messages: stamp + transfer time."""
+    ready = 0.0
+    for message, link, slot in zip(messages, links, slots):
+        stamp = _read(message, slot)
+        if link.remote and stamp is not None:
+            ready = max(ready, stamp + link.transfer_s)
+    return ready
+
+
+class _Sleep(torch.autograd.Function):
+    """out = w * (1 + sum(payloads)); sleeps the emulated forward / backward times."""
+
+    @staticmethod
+    def forward(ctx, weight, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
+        sleep_until(_ready_at(inputs, timing.inputs, [0] * len(inputs)), clock)
+        sleep_until(clock.now() + timing.forward_s, clock)
+        ctx.timing, ctx.clock, ctx.backward_s = timing, clock, backward_s
+        ctx.num_inputs = len(inputs)
+        total = sum((x[0] for x in inputs), torch.zeros((), dtype=weight.dtype))
+        ctx.save_for_backward(weight, total)
+        out = torch.zeros(_WIDTH, dtype=weight.dtype, device=weight.device)
+        out[0] = weight[0] * (1 + total)
+        _stamp(out, 0, clock.now())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, total = ctx.saved_tensors
+        timing, clock = ctx.timing, ctx.clock
+        outs = timing.outputs
+        sleep_until(_ready_at([grad_out] * len(outs), outs, range(1, 1 + len(outs))), clock)
+        sleep_until(clock.now() + ctx.backward_s, clock)
+        grad_weight = (grad_out[0] * (1 + total)).reshape(1)
+        done = clock.now()
+        grads = []
+        for link in timing.inputs:
+            g = torch.zeros(_WIDTH, dtype=grad_out.dtype, device=grad_out.device)
+            g[0] = grad_out[0] * weight[0]
+            _stamp(g, link.slot, done)
+            grads.append(g)
+        return (grad_weight, None, None, None, *grads)
+
+
+class _SleepLoss(torch.autograd.Function):
+    """loss = w * tokens (+ 0 * inputs, so the inputs get their stamped gradients)."""
+
+    @staticmethod
+    def forward(ctx, weight, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
+        sleep_until(_ready_at(inputs, timing.inputs, [0] * len(inputs)), clock)
+        sleep_until(clock.now() + timing.forward_s, clock)
+        ctx.timing, ctx.clock, ctx.backward_s = timing, clock, backward_s
+        return weight[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        sleep_until(ctx.clock.now() + ctx.backward_s, ctx.clock)
+        done = ctx.clock.now()
+        grads = []
+        for link in ctx.timing.inputs:
+            g = torch.zeros(_WIDTH, dtype=grad_out.dtype, device=grad_out.device)
+            _stamp(g, link.slot, done)
+            grads.append(g)
+        return (grad_out.reshape(1), None, None, None, *grads)
+
+
+class EmulatedChunk(MegatronModule):
+    """Layers [chunk.layer_start, chunk.layer_end) of one module, emulated (module docstring)."""
+
+    def __init__(
+        self, *, chunk: ChunkSpec, model: MultimodalSpec, num_chunks: int, config, trainable: bool
+    ) -> None:
+        super().__init__(config=config)
+        self.chunk, self.num_chunks = chunk, num_chunks
+        self.module_spec = model.module(chunk.module)
+        self.is_loss_stage = (
+            chunk.module == model.loss_module.name
+            and chunk.layer_end == self.module_spec.num_layers
+        )
+        self.weight = torch.nn.Parameter(torch.ones(1, dtype=config.params_dtype))
+        self.weight.requires_grad_(trainable)
+        self._recompute = Recompute.NONE
+        # Checkpoints name parameters globally; one emulated weight per chunk's layer range.
+        self.global_aliases = {
+            "weight": f"{chunk.module}.emulated.{chunk.layer_start}-{chunk.layer_end}"
+        }
+
+    @contextlib.contextmanager
+    def recompute_context(self, mode: Recompute) -> Iterator[None]:
+        """Selective recompute: the backward sleeps the cost model's selective backward."""
+        previous, self._recompute = self._recompute, mode
+        try:
+            yield
+        finally:
+            self._recompute = previous
+
+    def forward(self, *, inputs: Sequence[dict[str, torch.Tensor]], batch: SubWork):
+        timing = batch.timing(self.chunk.module, self.chunk.index)
+        tensors = [m[MESSAGE_NAME] for m in inputs]
+        backward_s = timing.backward_for(self._recompute)
+        if self.is_loss_stage:
+            loss = _SleepLoss.apply(self.weight, timing, batch.config, backward_s, *tensors)
+            tokens = batch.loss_tokens
+            return {
+                "loss": loss * tokens,
+                "num_tokens": torch.tensor(tokens, dtype=torch.int64),
+            }
+        out = _Sleep.apply(self.weight, timing, batch.config, backward_s, *tensors)
+        return {MESSAGE_NAME: out}
+
+    def set_input_tensor(self, tensor) -> None:  # Megatron's hook; inputs come via `inputs=`
+        del tensor
+
+
+def emulated_config(*, dtype: torch.dtype = torch.float32):
+    """A minimal Megatron `TransformerConfig` for emulated chunks (DDP and stock schedules read
+    it; nothing computes with it)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        perform_initialization=False,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_emulated_chunks(
+    model: MultimodalSpec, placement: Placement, *, rank: int
+) -> list[EmulatedChunk]:
+    """The emulated chunks `placement` puts on pipeline rank `rank`, in placement order."""
+    from megatron_dip.cpu_support import apply_cpu_fixes
+
+    if not torch.cuda.is_available():
+        apply_cpu_fixes()
+    chunks = []
+    for c in placement.chunks_on_rank(rank):
+        module = model.module(c.module)
+        chunks.append(
+            EmulatedChunk(
+                chunk=c,
+                model=model,
+                num_chunks=placement.module(c.module).num_chunks,
+                config=emulated_config(),
+                trainable=module.trainable,
+            )
+        )
+    return chunks

@@ -1,0 +1,539 @@
+"""Measure per-layer times of a model's modules into the cost model's profile format.
+
+For each module, a stack of its Megatron-Core transformer layers (the layer specs the model
+chunks use: Megatron's GPT layer for ViT, LLM and text encoder, our `DitLayer` for the DiT) is
+built at the shapes one tensor-parallel rank holds, with a single-rank process group: heads,
+key/value groups and FFN divided by TP, hidden size unchanged. The layers are then timed forward
+and backward on a grid of (instances per sub-microbatch, tokens per instance), with the inputs
+the chunks give them: instances packed along the sequence, a segment (and, for text, causal)
+mask, rotary tables, and for the DiT its timestep embedding and caption encoding. Because the
+shard runs alone, the tensor-parallel collectives are NOT in the times: the profile says so
+(`tp_comm_included: false`) and the cost model adds its own TP communication term.
+
+On a GPU the times come from CUDA events after warm-up iterations; on the CPU from
+`time.perf_counter` (slow, but the same code path, which is what the tests run). The result
+is a `megatron-dip-profile/1` document (`planner.devices.load_profile`), written with the
+device, software versions, dtype and attention implementation it was measured with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dip import megatron_compat
+from megatron_dip.cpu_support import apply_cpu_fixes, seed_model_parallel_rng
+from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
+from megatron_dip.planner.devices import DEVICES, PROFILE_FORMAT, load_profile
+
+from .models.common import (
+    ModelGroups,
+    build_transformer_layers,
+    gpt_layer_spec,
+    rotary_table,
+    segment_mask,
+    torch_dtype,
+    transformer_config,
+)
+from .models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_CHOICES = ("auto", "te", "local", "sdpa")
+_ROTARY_AXES = {ModuleKind.VIT: 2, ModuleKind.DIT: 3}  # text modules: 1
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Token counts per instance x instance counts per sub-microbatch to time a module on."""
+
+    tokens: tuple[int, ...]
+    instances: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name, values in (("tokens", self.tokens), ("instances", self.instances)):
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"grid {name} must be positive integers, got {values!r}")
+
+    def points(self, max_tokens: int | None = None) -> list[tuple[int, int]]:
+        """(tokens, instances) pairs, smallest sub-microbatch first, within `max_tokens`."""
+        pairs = sorted(
+            {(t, n) for t in self.tokens for n in self.instances}, key=lambda p: (p[0] * p[1], p)
+        )
+        return [p for p in pairs if max_tokens is None or p[0] * p[1] <= max_tokens]
+
+
+def parse_grid(text: str) -> ProfileGrid:
+    """`"256,1024@1,2,4"` -> tokens (256, 1024) x instances (1, 2, 4); ValueError otherwise."""
+    tokens, sep, instances = text.partition("@")
+    if not sep:
+        raise ValueError(f"grid {text!r}: expected TOKENS@INSTANCES, e.g. 256,1024@1,2,4")
+    try:
+        return ProfileGrid(
+            tuple(int(v) for v in tokens.split(",")), tuple(int(v) for v in instances.split(","))
+        )
+    except ValueError as exc:
+        raise ValueError(f"grid {text!r}: {exc}") from None
+
+
+def default_grid(module: ModuleSpec) -> ProfileGrid:
+    """A grid covering what the planner asks about each module kind."""
+    if module.kind is ModuleKind.LLM:  # one packed sequence per sub-microbatch
+        return ProfileGrid((1024, 2048, 4096, 8192), (1,))
+    if module.kind is ModuleKind.TEXT_ENCODER:  # captions
+        return ProfileGrid((64, 128, 256), (1, 4, 16))
+    return ProfileGrid((256, 1024, 2704, 4096), (1, 2, 4, 8, 12, 16))
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """How to profile. `tensor_parallel`: TP size whose per-rank shard is timed. `layers`:
+    layers in the timed stack (times are divided by it). `dtype`: "auto" is bfloat16 on a GPU,
+    float32 on the CPU. `attention`: "auto" (Transformer Engine when it imports, else the local
+    spec), "te", "local" (Megatron's unfused DotProductAttention) or "sdpa" (the local spec with
+    torch's scaled_dot_product_attention as core attention). `max_tokens`: skip grid points
+    whose sub-microbatch holds more tokens. `time_budget_s`: skip the remaining points once
+    profiling has run this long. `caption_tokens`: text tokens each DiT clip cross-attends to.
+    """
+
+    tensor_parallel: int = 1
+    layers: int = 1
+    dtype: str = "auto"
+    attention: str = "auto"
+    warmup: int = 2
+    iters: int = 5
+    max_tokens: int | None = None
+    time_budget_s: float | None = None
+    caption_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1 or self.layers < 1 or self.iters < 1 or self.warmup < 0:
+            raise ValueError("tensor_parallel, layers and iters must be >= 1, warmup >= 0")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(
+                f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}"
+            )
+        if self.dtype not in ("auto", "float32", "float64", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, float64, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.caption_tokens < 1 or (self.max_tokens is not None and self.max_tokens < 1):
+            raise ValueError("caption_tokens and max_tokens must be >= 1")
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention implementations
+
+
+class SdpaAttention(torch.nn.Module):
+    """Core attention by `torch.nn.functional.scaled_dot_product_attention`, with the signature
+    of Megatron's `DotProductAttention` (q [sq, b, np, hn], k/v [sk, b, ng, hn], a boolean
+    mask with True = masked -> [sq, b, np * hn]). No dropout: the models use none."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, **_) -> None:
+        super().__init__()
+        del layer_number, attn_mask_type, attention_type
+        self.scale = config.softmax_scale
+
+    def forward(self, query, key, value, attention_mask, **_) -> torch.Tensor:
+        sq, b, heads, dim = query.shape
+        groups = key.shape[2]
+        if heads != groups:  # grouped-query attention: repeat the key/value heads
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        mask = None if attention_mask is None else ~attention_mask
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale
+        )
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+def resolve_attention(name: str) -> tuple[bool, bool, str]:
+    """(use Transformer Engine, use SDPA, label naming the implementation) of an `attention`."""
+    if name == "auto":
+        name = "te" if megatron_compat.transformer_engine_available() else "local"
+    if name == "te":
+        megatron_compat.resolve_use_te(True)  # RuntimeError when TE does not import
+        import transformer_engine
+
+        te = f"Transformer Engine {transformer_engine.__version__} (TEDotProductAttention)"
+        return True, False, te
+    if name == "sdpa":
+        return (
+            False,
+            True,
+            f"PyTorch SDPA (scaled_dot_product_attention, torch {torch.__version__})",
+        )
+    return False, False, "Megatron-Core DotProductAttention (local spec: unfused, masked softmax)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Building one TP rank's layers
+
+
+def sharded_transformer_config(module: ModuleSpec, cfg: ProfileConfig, *, dtype: str):
+    """`TransformerConfig` of one TP rank's shard of `module`'s layers, built at TP size 1."""
+    lay, tp = module.layer, cfg.tensor_parallel
+    for what, value in (("heads", lay.heads), ("kv_groups", lay.kv_groups), ("ffn", lay.ffn)):
+        if value % tp:
+            raise ValueError(
+                f"module {module.name!r}: {what} {value} does not divide by tensor_parallel {tp}"
+            )
+    base = transformer_config(module, ModelConfig(dtype=dtype), tp_size=1)
+    return dataclasses.replace(
+        base,
+        num_layers=cfg.layers,
+        num_attention_heads=lay.heads // tp,
+        num_query_groups=lay.kv_groups // tp,
+        ffn_hidden_size=lay.ffn // tp,
+        kv_channels=lay.head_dim,  # per-head size is unchanged by sharding over heads
+    )
+
+
+def build_layer_stack(
+    module: ModuleSpec, tconfig, *, use_te: bool, sdpa: bool, groups: ModelGroups
+) -> torch.nn.ModuleList:
+    """`tconfig.num_layers` layers of `module`'s kind, as the model chunks build them."""
+    backend = megatron_compat.layer_backend(use_te)
+    if sdpa:
+        backend = dataclasses.replace(backend, core_attention=SdpaAttention)
+    if module.kind is ModuleKind.DIT:
+        from .models.dit import DitLayer, dit_layer_specs
+
+        specs = dit_layer_specs(backend, tp_group=groups.tp)
+        return torch.nn.ModuleList(
+            DitLayer(
+                config=tconfig, backend=backend, specs=specs, layer_number=i + 1, groups=groups
+            )
+            for i in range(tconfig.num_layers)
+        )
+    spec = gpt_layer_spec(module, backend)
+    if sdpa:
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return build_transformer_layers(
+        spec=spec, config=tconfig, groups=groups, start=0, end=tconfig.num_layers
+    )
+
+
+def _init_parameters(stack: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
+    """Finite, realistic weights (the layers are built uninitialised): matrices N(0, std),
+    norm weights 1, biases 0. Garbage memory could hold NaNs or denormals that skew timing."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and timing
+
+
+def _layer_runner(
+    module: ModuleSpec, stack: torch.nn.ModuleList, *, tokens: int, instances: int, cfg, device
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    """(run: hidden -> hidden through the stack, input hidden [S, 1, H]) for one grid point,
+    with the masks and side inputs the chunks give these layers (built once, outside timing)."""
+    dtype = next(stack.parameters()).dtype
+    hidden_size, seq = module.layer.hidden, tokens * instances
+    segments = torch.arange(instances, device=device).repeat_interleave(tokens)
+    local = torch.arange(tokens, device=device).repeat(instances)
+    axes = _ROTARY_AXES.get(module.kind, 1)
+    width = max(1, math.isqrt(tokens - 1) + 1)  # a square patch grid holding `tokens`
+    row, col = local // width, local % width
+    columns = {1: [local], 2: [row, col], 3: [0 * local, row, col]}  # 3-D: (frame, row, col)
+    positions = torch.stack(columns[axes], dim=1)
+    rotary = rotary_table(positions, head_dim=module.layer.head_dim, base=10000.0, dtype=dtype)
+    causal = module.kind in (ModuleKind.LLM, ModuleKind.TEXT_ENCODER)
+    mask = segment_mask(segments, causal=causal)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    hidden = torch.randn(seq, 1, hidden_size, generator=gen).to(device=device, dtype=dtype)
+    if module.kind is not ModuleKind.DIT:
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for layer in stack:
+                x, _ = layer(x, attention_mask=mask, rotary_pos_emb=rotary)
+            return x
+
+        return run, hidden
+    caption = cfg.caption_tokens
+    # Conditioning that comes from chunk 0's embedders: its gradient is computed, as in a chunk.
+    temb = torch.randn(instances, hidden_size, generator=gen)
+    cond = torch.randn(instances * caption, 1, hidden_size, generator=gen)
+    rows = torch.arange(instances, device=device).repeat_interleave(caption)
+    side = {
+        "temb": temb.to(device=device, dtype=dtype).requires_grad_(True),
+        "cond": cond.to(device=device, dtype=dtype).requires_grad_(True),
+        "token_clip": segments,
+        "self_mask": mask,
+        "cross_mask": (segments[:, None] != rows[None, :])[None, None],
+        "rotary": rotary,
+    }
+
+    def run_dit(x: torch.Tensor) -> torch.Tensor:
+        for layer in stack:
+            x = layer(x, **side)
+        return x
+
+    return run_dit, hidden
+
+
+def time_forward_backward(
+    run: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    *,
+    warmup: int,
+    iters: int,
+) -> tuple[float, float]:
+    """Median (forward, backward) milliseconds of `run(hidden)` and its backward: CUDA events
+    on a GPU (after `warmup` untimed iterations), `time.perf_counter` on the CPU."""
+    cuda = hidden.is_cuda
+    grad = torch.randn_like(hidden)
+    fwd, bwd = [], []
+    for i in range(warmup + iters):
+        x = hidden.detach().requires_grad_(True)  # a non-first chunk: input gradient computed
+        for p in params:
+            p.grad = None
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+            out = run(x)
+            events[1].record()
+            out.backward(grad)
+            events[2].record()
+            torch.cuda.synchronize()
+            f, b = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
+        else:
+            t0 = time.perf_counter()
+            out = run(x)
+            t1 = time.perf_counter()
+            out.backward(grad)
+            t2 = time.perf_counter()
+            f, b = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        if i >= warmup:
+            fwd.append(f)
+            bwd.append(b)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiling modules and writing the profile
+
+
+@dataclass
+class _Run:
+    """State shared by the modules of one profiling run."""
+
+    cfg: ProfileConfig
+    groups: ModelGroups
+    device: torch.device
+    use_te: bool
+    sdpa: bool
+    skipped: list
+    deadline: float = math.inf  # time.monotonic() after which points are skipped
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+
+def _profile_module(module: ModuleSpec, grid: ProfileGrid, run: _Run) -> list[dict]:
+    """Per-layer times of `module` at every grid point that fits the run's limits."""
+    cfg = run.cfg
+    tconfig = sharded_transformer_config(module, cfg, dtype=cfg.resolved_dtype)
+    stack = build_layer_stack(module, tconfig, use_te=run.use_te, sdpa=run.sdpa, groups=run.groups)
+    stack.to(device=run.device, dtype=torch_dtype(cfg.resolved_dtype))
+    _init_parameters(stack, seed=cfg.seed)
+    stack.train()
+    params = [p for p in stack.parameters() if p.requires_grad]
+    fitting = grid.points(cfg.max_tokens)
+    for tokens, instances in grid.points():
+        if (tokens, instances) not in fitting:
+            run.skipped.append(_skip(module, tokens, instances, f"> max_tokens {cfg.max_tokens}"))
+    points = []
+    for tokens, instances in fitting:
+        if run.out_of_time():
+            run.skipped.append(_skip(module, tokens, instances, "time budget spent"))
+            continue
+        times = _time_point(module, stack, params, tokens=tokens, instances=instances, run=run)
+        if times is None:
+            continue
+        fwd, bwd = (t / cfg.layers for t in times)
+        point = {"tokens": tokens, "instances": instances, "forward_ms": fwd, "backward_ms": bwd}
+        logger.info("%s: %s (per layer)", module.name, point)
+        points.append(point)
+    del stack
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return points
+
+
+def _time_point(module, stack, params, *, tokens: int, instances: int, run: _Run):
+    """(forward, backward) ms of the whole stack at one grid point; None (and the point listed
+    as skipped) when it does not fit in GPU memory."""
+    try:
+        fn, hidden = _layer_runner(
+            module, stack, tokens=tokens, instances=instances, cfg=run.cfg, device=run.device
+        )
+        return time_forward_backward(fn, hidden, params, warmup=run.cfg.warmup, iters=run.cfg.iters)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    # Outside the handler, so that the traceback no longer holds the point's tensors. Larger
+    # points will not fit either, but smaller instance counts of larger tokens may: go on.
+    torch.cuda.empty_cache()
+    run.skipped.append(_skip(module, tokens, instances, "out of GPU memory"))
+    logger.warning("%s: %d x %d tokens: out of memory, skipped", module.name, instances, tokens)
+    return None
+
+
+def _skip(module: ModuleSpec, tokens: int, instances: int, why: str) -> dict:
+    return {"module": module.name, "tokens": tokens, "instances": instances, "reason": why}
+
+
+def software_versions() -> dict[str, str]:
+    """Versions of what the times depend on (absent parts are left out)."""
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron_core": ".".join(map(str, megatron_compat.megatron_core_version())),
+    }
+    if torch.version.cuda:
+        versions["cuda"] = torch.version.cuda
+    if torch.cuda.is_available() and torch.backends.cudnn.is_available():
+        versions["cudnn"] = str(torch.backends.cudnn.version())
+    if megatron_compat.transformer_engine_available():
+        import transformer_engine
+
+        versions["transformer_engine"] = transformer_engine.__version__
+    return versions
+
+
+def device_names() -> tuple[str, str]:
+    """(short name: a `DeviceSpec` preset when one matches, full device name)."""
+    if not torch.cuda.is_available():
+        return "cpu", platform.processor() or platform.machine() or "cpu"
+    full = torch.cuda.get_device_name()
+    return next((d for d in DEVICES if d in full), full), full
+
+
+def _single_rank_group() -> tuple[dist.ProcessGroup, bool]:
+    """A one-rank group for the layers (no collective runs at TP size 1); True if created here."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError("profile in a single process: the layers run at TP size 1")
+        return dist.group.WORLD, False
+    import tempfile
+
+    store = dist.FileStore(str(Path(tempfile.mkdtemp(prefix="megatron-dip-profile-")) / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist.group.WORLD, True
+
+
+def profile_model(
+    model: MultimodalSpec,
+    grids: Mapping[str, ProfileGrid],
+    cfg: ProfileConfig,
+    *,
+    details: Mapping[str, object] | None = None,
+) -> dict:
+    """Profile the modules named in `grids`; the `megatron-dip-profile/1` document (a dict).
+
+    Modules none of whose points could be timed are left out (and listed under
+    details.skipped); RuntimeError when that leaves no module at all.
+    """
+    modules = [model.module(name) for name in grids]  # KeyError names an unknown module
+    use_te, sdpa, attention = resolve_attention(cfg.attention)
+    on_cpu = apply_cpu_fixes()
+    megatron_compat.ensure_global_memory_buffer()
+    seed_model_parallel_rng(cfg.seed)
+    world, created = _single_rank_group()
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    run = _Run(cfg, ModelGroups(tp=world, cp=world), device, use_te, sdpa, [])
+    # Each module's share of the time budget is proportional to its grid points; time a
+    # module leaves unused passes to the next ones.
+    sizes = [len(grids[m.name].points(cfg.max_tokens)) or 1 for m in modules]
+    start, measured = time.monotonic(), {}
+    try:
+        for i, m in enumerate(modules):
+            if cfg.time_budget_s is not None:
+                run.deadline = start + cfg.time_budget_s * sum(sizes[: i + 1]) / sum(sizes)
+            measured[m.name] = _profile_module(m, grids[m.name], run)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    measured = {name: pts for name, pts in measured.items() if pts}
+    if not measured:
+        raise RuntimeError(f"no grid point could be timed: {run.skipped}")
+    return _document(model, modules, run, attention, measured, details or {})
+
+
+def _document(model, modules, run: _Run, attention: str, measured: dict, details) -> dict:
+    cfg, (short, full), tp = run.cfg, device_names(), run.cfg.tensor_parallel
+    return {
+        "format": PROFILE_FORMAT,
+        "device": short,
+        "software": software_versions(),
+        "attention": attention,
+        "tensor_parallel": tp,
+        "dtype": cfg.resolved_dtype,
+        "tp_comm_included": tp == 1,  # a shard timed alone has no collectives
+        "details": {
+            "device_name": full,
+            "model": model.name,
+            "timing": "cuda events" if run.device.type == "cuda" else "time.perf_counter",
+            "warmup": cfg.warmup,
+            "iters": cfg.iters,
+            "statistic": "median",
+            "layers_timed": cfg.layers,
+            "per_rank_shapes": {m.name: _shard_shape(m, tp) for m in modules},
+            "caption_tokens": cfg.caption_tokens,
+            "sequence_parallel": False,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "skipped": run.skipped,
+            **dict(details),
+        },
+        "modules": measured,
+    }
+
+
+def _shard_shape(module: ModuleSpec, tp: int) -> dict[str, int]:
+    lay = module.layer
+    return {
+        "hidden": lay.hidden,
+        "heads": lay.heads // tp,
+        "kv_groups": lay.kv_groups // tp,
+        "head_dim": lay.head_dim,
+        "ffn": lay.ffn // tp,
+    }
+
+
+def write_profile(document: Mapping, path: str | Path) -> Path:
+    """Write `document` as JSON to `path` and read it back with `load_profile` (raises if the
+    result is not a valid profile)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    load_profile(path)
+    return path

@@ -1,0 +1,194 @@
+"""Emulated compute (megatron_dip.emulation) and the benchmark's in-process steps.
+
+The emulated chunks' sleeps are checked as lower bounds (a sleep never ends early), so the tests
+hold on a loaded machine; what is compared exactly is where the durations come from.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_dip.emulation import (
+    EmulatedBatchSource,
+    EmulationConfig,
+    build_emulated_chunks,
+    emulated_plan,
+    message_bytes,
+    message_spec,
+)
+from megatron_dip.emulation.bench import (
+    auto_scale,
+    best_stock_placements,
+    instruction_seconds,
+    resolve_run,
+    summarize,
+)
+from megatron_dip.emulation.timing import ScaledCostModel, decode_stamp, encode_stamp
+from megatron_dip.planner.simulator import simulate
+from megatron_dip.schedule.ir import Forward, MessageKind, Recompute, Recv, Send
+from megatron_dip.schedule.validate import validate_plan
+
+FLAGS = [
+    "--dip-emulate-compute", "--model", "tiny-vlm", "--pipeline-model-parallel-size", "2",
+    "--global-batch-size", "4", "--train-iters", "1", "--lr", "1e-3",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dip():
+    """A tiny VLM DIP run emulated on 2 ranks: its spec and the plan of its first batch."""
+    from megatron_dip.emulation.bench import first_batches
+    from megatron_dip.training.planning import make_planner, replica_plan
+
+    spec = resolve_run([*FLAGS, "--dip-schedule", "dip"], world_size=2)
+    batch = first_batches(spec, 1)[0]
+    return spec, batch, replica_plan(make_planner(spec), batch, 0).plan
+
+
+def _source(spec, batch, plan, scale: float) -> EmulatedBatchSource:
+    metas = {s.sample_id: s for s in batch.samples}
+    return EmulatedBatchSource(
+        plan=plan,
+        cost_model=spec.cost_model,
+        config=EmulationConfig(scale=scale),
+        loss_tokens={
+            m.index: [metas[i].loss_tokens for i in m.sample_ids] for m in plan.microbatches
+        },
+    )
+
+
+def test_stamps_survive_float32_messages() -> None:
+    now = time.time()
+    parts = torch.tensor(encode_stamp(now), dtype=torch.float32).tolist()
+    assert decode_stamp(parts) == pytest.approx(now, abs=1e-6)
+
+
+def test_emulated_spec_folds_tensor_parallelism_into_the_cost_model() -> None:
+    spec = resolve_run(
+        ["--dip-emulate-compute", "--model", "vlm-s", "--tensor-model-parallel-size", "4",
+         "--pipeline-model-parallel-size", "4", "--sequence-parallel", "--train-iters", "1", "--lr", "1",
+         "--dip-segments", "vit=1,llm=1", "--dip-sub-microbatch-size", "vit=32"],
+        world_size=4,
+    )  # fmt: skip
+    assert spec.tensor_parallel == 1 and spec.emulate_scale == 1.0  # one process per PP rank
+    assert spec.planner.tensor_parallel == 4 and spec.planner.sequence_parallel
+    assert spec.planner.dtype == "bfloat16" and spec.dtype == "float32"
+    assert spec.memory_limit_bytes is not None  # the emulated GPU's memory binds the plans
+
+
+def test_durations_and_links_come_from_the_cost_model_and_the_plan(dip) -> None:
+    spec, batch, plan = dip
+    source = _source(spec, batch, plan, scale=7.0)
+    sizes = message_bytes(plan)
+    df = source.df
+    for stage in df.stages():
+        timing = source.timing(stage)
+        chunk = plan.placement.module(stage.module).chunks[stage.chunk]
+        cost = spec.cost_model.stage_cost(chunk, plan.submicrobatch(stage.work))
+        assert timing.forward_s == pytest.approx(7.0 * cost.forward)
+        assert timing.backward_for(Recompute.NONE) == pytest.approx(7.0 * cost.backward)
+        selective = spec.cost_model.stage_cost(
+            chunk, plan.submicrobatch(stage.work), Recompute.SELECTIVE
+        )
+        assert timing.backward_for(Recompute.SELECTIVE) == pytest.approx(7.0 * selective.backward)
+        for key, link in zip(df.forward_inputs(stage), timing.inputs):
+            remote = df.sender_of(key) != df.receiver_of(key)
+            assert link.remote == remote
+            expected = spec.cost_model.transfer_time(sizes[key]) * 7.0 if remote else 0.0
+            assert link.transfer_s == pytest.approx(expected)
+            # The consumer's gradient stamp slot is its place among the producer's consumers.
+            assert link.slot == 1 + df.consumers(key.producer).index(stage)
+        assert len(timing.outputs) == len(df.consumers(stage))
+
+
+def test_emulated_plan_keeps_the_program_with_tiny_messages(dip) -> None:
+    _, _, plan = dip
+    tiny = emulated_plan(plan)
+    validate_plan(tiny)
+    assert any(isinstance(i, Send) for p in plan.programs for i in p.instructions)
+    for before, after in zip(plan.programs, tiny.programs):
+        assert len(before.instructions) == len(after.instructions)
+        for a, b in zip(before.instructions, after.instructions):
+            if isinstance(a, (Send, Recv)):
+                assert b.tensors == (message_spec(),) and b.key == a.key and b.peer == a.peer
+            else:
+                assert a == b
+
+
+def test_scaled_cost_model_scales_the_whole_simulation(dip) -> None:
+    spec, _, plan = dip
+    one = simulate(plan, spec.cost_model).iteration_time
+    three = simulate(plan, ScaledCostModel(spec.cost_model, 3.0)).iteration_time
+    assert three == pytest.approx(3.0 * one, rel=1e-9)
+
+
+def _run_stage(chunks, source, stage, inputs):
+    chunk = next(
+        c for c in chunks if (c.chunk.module, c.chunk.index) == (stage.module, stage.chunk)
+    )
+    timing = source.timing(stage)
+    return chunk, timing, chunk(inputs=inputs, batch=source.sub_batch(stage.work))
+
+
+def test_chunks_sleep_at_least_the_cost_model_time_and_wait_for_remote_stamps(
+    dip, single_rank_world
+) -> None:
+    spec, batch, plan = dip
+    source = _source(spec, batch, plan, scale=1.0)
+    llm = [s for s in source.df.stages() if s.module == "llm" and s.chunk == 0]
+    stage = llm[0]
+    # Durations big enough to measure, from a scaled source.
+    source = _source(spec, batch, plan, scale=0.02 / source.timing(stage).forward_s)
+    chunks = build_emulated_chunks(spec.model, plan.placement, rank=source.df.rank_of(stage))
+    inputs = []
+    for _key in source.df.forward_inputs(stage):  # each producer's message, stamped 50 ms ahead
+        message = torch.zeros(message_spec().shape)
+        message[1:4] = torch.tensor(encode_stamp(time.time() + 0.05))
+        inputs.append({"emulated": message.requires_grad_(True)})
+    started = time.time()
+    chunk, timing, out = _run_stage(chunks, source, stage, inputs)
+    elapsed = time.time() - started
+    remote = [link for link in timing.inputs if link.remote]
+    assert elapsed >= timing.forward_s + (0.05 if remote else 0.0) - 1e-3
+    stamp = decode_stamp(out["emulated"][1:4].tolist())
+    assert started <= stamp <= time.time()
+    # Backward: sleeps its time and stamps each producer's gradient in the consumer's slot.
+    grad = torch.zeros(message_spec().shape)
+    grad[0] = 1.0
+    started = time.time()
+    out["emulated"].backward(grad)
+    assert time.time() - started >= timing.backward_for(Recompute.NONE) - 1e-3
+    for message, link in zip(inputs, timing.inputs):
+        at = 1 + 3 * link.slot
+        assert started <= decode_stamp(message["emulated"].grad[at : at + 3].tolist())
+    assert chunk.weight.grad is not None
+
+
+def test_summary_and_stock_choices(dip) -> None:
+    records = [
+        {"iteration": i, "schedule_seconds": t, "predicted_s": 1.0, "bound_s": 0.5, "variant": v}
+        for i, (t, v) in enumerate([(9.0, "inline"), (1.0, "inline"), (2.0, "searched"),
+                                    (3.0, "searched")], start=1)
+    ]  # fmt: skip
+    s = summarize("dip", records, warmup=1)
+    assert (s.median_s, s.p90_s, s.inline_plans, s.iterations) == (2.0, 3.0, 1, 3)
+    with pytest.raises(ValueError, match="no iteration after"):
+        summarize("dip", records, warmup=4)
+    choices = best_stock_placements(FLAGS, world_size=2, batches=1, schedules=["1f1b"])
+    (choice,) = choices
+    fitting = {k: v for k, v in choice.simulated_s.items() if v is not None}
+    best = f"{choice.placement}/{choice.recompute or 'none'}"
+    assert fitting[best] == min(fitting.values())
+    assert choice.flags()[:2] == ["--dip-schedule", "1f1b"]
+
+
+def test_auto_scale_makes_the_shortest_dip_instruction_the_target(dip) -> None:
+    spec, _, plan = dip
+    scale = auto_scale(FLAGS, world_size=2, batches=1, min_op_s=0.05)
+    shortest = min(s for s in instruction_seconds(plan, spec.cost_model) if s > 0)
+    assert shortest * scale == pytest.approx(0.05, rel=1e-9)
+    assert any(isinstance(i, Forward) for i in plan.programs[0].instructions)
+    assert MessageKind.ACTIVATION.value == "act"

@@ -1,0 +1,227 @@
+"""Benchmark DIP against Megatron-Core's own stock schedules, measured in one run.
+
+    python tools/bench_schedules.py --preset vlm-s --mixture mixed --iterations 4 --out bench/
+
+For a preset (`megatron_dip.emulation.bench.BENCH_PRESETS`: VLM-S and T2V-S at PP=4, VLM-L at
+PP=8), launches the training entry point with torchrun (gloo) once per schedule on the same seeded
+stream of synthetic batches:
+
+* Megatron-Core's stock 1F1B and interleaved 1F1B, each on the static placement and uniform
+  recompute a Megatron user would choose (the fastest by simulation among LLaVA-style / one layer
+  list cut by parameters / by cost, x none / selective / full recompute, whose activations fit);
+* DIP (planner process with lookahead, searched plans, calibration frozen).
+
+By default the cluster is emulated (`--dip-emulate-compute`): chunks sleep the cost model's time
+for their real input at the paper's scale, messages take the cost model's transfer time, and
+the scale is chosen so that DIP's shortest instruction lasts --min-op-ms. Each schedule also runs
+once with zero sleep: the overhead floor of the machine. Prints one table (median / p90 measured
+iteration, speedup over stock 1F1B and over the strongest stock schedule, the simulator's
+prediction and its error, the bubble-free bound, inline fallbacks), and writes `results.json`
+and `bench.png` (bar chart, and the measured DIP timeline of the last iteration) under --out.
+
+With --real the same comparison runs real compute (GPUs; add launcher flags with
+--torchrun-args, e.g. "--nnodes 4 --rdzv-backend c10d --rdzv-endpoint host:29500").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_dip.emulation.bench import (
+    BENCH_PRESETS,
+    BenchPreset,
+    RunSummary,
+    auto_scale,
+    best_stock_placements,
+    summarize,
+)
+
+logger = logging.getLogger("bench_schedules")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="vlm-s", choices=sorted(BENCH_PRESETS))
+    p.add_argument("--mixture", default=None, help="synthetic mixture (default: the preset's)")
+    p.add_argument("--iterations", type=int, default=4, help="measured iterations per schedule")
+    p.add_argument("--warmup", type=int, default=1, help="iterations left out of the statistics")
+    p.add_argument("--schedules", default="1f1b,interleaved,dip")
+    p.add_argument("--scale", type=float, default=None, help="emulation scale (default: auto)")
+    p.add_argument("--min-op-ms", type=float, default=50.0, help="auto scale: shortest DIP op")
+    p.add_argument("--no-floor", action="store_true", help="skip the zero-sleep floor runs")
+    p.add_argument("--search-time-ms", type=float, default=2000.0)
+    p.add_argument("--calibration-batches", type=int, default=2, help="batches sizing choices")
+    p.add_argument("--real", action="store_true", help="real compute instead of emulation")
+    p.add_argument("--torchrun-args", default="--standalone", help="launcher flags")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="per launched run")
+    p.add_argument("--out", type=Path, default=Path("bench"))
+    args = p.parse_args(argv)
+    if args.iterations < 1 or args.warmup < 0:
+        p.error("--iterations must be >= 1 and --warmup >= 0")
+    unknown = set(args.schedules.split(",")) - {"1f1b", "interleaved", "dip"}
+    if unknown:
+        p.error(f"--schedules: unknown {sorted(unknown)}; use 1f1b, interleaved, dip")
+    if args.scale is not None and not args.scale >= 0:
+        p.error("--scale must be >= 0")
+    return args
+
+
+def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict], float | None]:
+    """(label, flags) of every schedule's run, and the emulation scale (None: --real)."""
+    emulate = not args.real
+    flags = preset.base_flags(args.mixture, emulate=emulate)
+    world = preset.world_size(emulate=emulate)
+    stock = [s for s in args.schedules.split(",") if s != "dip"]
+    runs = []
+    for choice in best_stock_placements(
+        flags, world_size=world, batches=args.calibration_batches, schedules=stock
+    ):
+        label = f"megatron-{choice.schedule} ({choice.placement}, recompute {choice.recompute})"
+        runs.append(
+            {"label": label, "flags": flags + choice.flags(), "simulated": choice.simulated_s}
+        )
+    if "dip" in args.schedules.split(","):
+        dip = [*preset.dip_flags, "--dip-schedule", "dip"]
+        dip += ["--dip-search-time-ms", str(args.search_time_ms), "--dip-calibration-frozen"]
+        runs.append({"label": "dip", "flags": flags + dip, "simulated": None})
+    scale = None
+    if emulate:
+        scale = args.scale
+        if scale is None:
+            scale = auto_scale(
+                flags + list(preset.dip_flags), world_size=world,
+                batches=args.calibration_batches, min_op_s=args.min_op_ms / 1e3,
+            )  # fmt: skip
+    return runs, scale
+
+
+def launch(
+    args: argparse.Namespace, preset: BenchPreset, run: dict, *, scale: float | None, tag: str
+) -> list[dict]:
+    """One torchrun launch of the entry point; returns its per-iteration metrics lines."""
+    out = args.out / f"{tag}.jsonl"
+    out.unlink(missing_ok=True)
+    total = args.warmup + args.iterations
+    flags = [*run["flags"], "--train-iters", str(total), "--log-interval", "1"]
+    flags += ["--dip-metrics-json", str(out)]
+    if scale is not None:
+        flags += ["--dip-emulate-scale", repr(scale)]
+    if run["label"] == "dip" and not tag.endswith("floor"):
+        flags += [
+            "--dip-trace-dir",
+            str(args.out / "trace_dip"),
+            "--dip-trace-interval",
+            str(total),
+        ]
+    nproc = preset.world_size(emulate=not args.real)
+    command = ["torchrun", *shlex.split(args.torchrun_args), "--nproc-per-node", str(nproc)]
+    command += [str(ROOT / preset.script), *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logger.info("launching %s: %s", tag, shlex.join(command))
+    started = time.time()
+    with (args.out / f"{tag}.log").open("w") as log:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            timeout=args.timeout_s, check=False,
+        )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{tag} failed (exit {done.returncode}); see {args.out / f'{tag}.log'}")
+    logger.info("%s done in %.0f s", tag, time.time() - started)
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The comparison table (times in seconds)."""
+    base = next((r["summary"] for r in rows if r["label"].startswith("megatron-1f1b")), None)
+    stock = [r["summary"].median_s for r in rows if r["label"].startswith("megatron")]
+    strongest = min(stock) if stock else None
+    head = (
+        f"{'schedule':44} {'median':>8} {'p90':>8} {'vs 1F1B':>8} {'vs best':>8} "
+        f"{'sim':>8} {'err':>7} {'bound':>8} {'b.eff':>6} {'floor':>7} {'inline':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        s: RunSummary = r["summary"]
+        err = f"{s.median_s / s.predicted_s - 1:+.1%}" if s.predicted_s else "n/a"
+        eff = f"{s.bound_s / s.median_s:.1%}" if s.bound_s else "n/a"
+        floor = f"{r['floor'].median_s:.3f}" if r.get("floor") else "n/a"
+        lines.append(
+            f"{r['label'][:44]:44} {s.median_s:8.3f} {s.p90_s:8.3f} "
+            f"{_ratio(base.median_s if base else None, s.median_s):>8} "
+            f"{_ratio(strongest, s.median_s):>8} "
+            f"{(s.predicted_s or float('nan')):8.3f} {err:>7} {(s.bound_s or float('nan')):8.3f} "
+            f"{eff:>6} {floor:>7} {s.inline_plans:>3}/{s.iterations:<2}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    preset = BENCH_PRESETS[args.preset]
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs, scale = plan_runs(args, preset)
+    if scale is not None:
+        logger.info(
+            "emulation scale %.4g (shortest DIP instruction %.0f ms)", scale, args.min_op_ms
+        )
+    rows = []
+    for i, run in enumerate(runs):
+        tag = f"run{i}_{run['label'].split(' ')[0]}"
+        row = {"label": run["label"], "flags": run["flags"], "simulated_choices": run["simulated"]}
+        row["summary"] = summarize(run["label"], launch(args, preset, run, scale=scale, tag=tag),
+                                   warmup=args.warmup)  # fmt: skip
+        if scale is not None and not args.no_floor:
+            floor = launch(args, preset, run, scale=0.0, tag=f"{tag}_floor")
+            row["floor"] = summarize(run["label"], floor, warmup=args.warmup)
+        rows.append(row)
+    table = format_table(rows)
+    sys.stdout.write(f"{preset.description}; mixture {args.mixture or preset.mixture}; "
+                     f"scale {scale}\n{table}\n")  # fmt: skip
+    write_outputs(args, preset, rows, scale, table)
+    return 0
+
+
+def write_outputs(args, preset: BenchPreset, rows: list[dict], scale, table: str) -> None:
+    """results.json and bench.png under --out."""
+    from dataclasses import asdict
+
+    from megatron_dip.emulation.plots import draw_bench
+
+    result = {
+        "preset": preset.name, "mixture": args.mixture or preset.mixture, "scale": scale,
+        "emulated": not args.real, "warmup": args.warmup, "iterations": args.iterations,
+        "table": table,
+        "rows": [
+            {k: (asdict(v) if k in ("summary", "floor") else v) for k, v in r.items()}
+            for r in rows
+        ],
+    }  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps(result, indent=2))
+    traces = sorted((args.out / "trace_dip").glob("iteration_*.json"))
+    draw_bench(
+        rows, traces[-1] if traces else None, args.out / "bench.png", title=preset.description
+    )
+    logger.info("wrote %s and %s", args.out / "results.json", args.out / "bench.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
