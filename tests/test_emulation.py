@@ -192,3 +192,14 @@ def test_auto_scale_makes_the_shortest_dip_instruction_the_target(dip) -> None:
     assert shortest * scale == pytest.approx(0.05, rel=1e-9)
     assert any(isinstance(i, Forward) for i in plan.programs[0].instructions)
     assert MessageKind.ACTIVATION.value == "act"
+
+
+def test_shortest_kept_leaves_out_only_a_small_share_of_compute() -> None:
+    from megatron_dip.emulation.bench import shortest_kept
+
+    durations = [0.001] * 10 + [0.05] * 20 + [0.2] * 5  # sum 2.01 s; the 1 ms ones hold 0.5%
+    assert shortest_kept(durations, share=0.0) == 0.001
+    assert shortest_kept(durations, share=0.05) == 0.05  # 10 ms of 100 ms allowed: 1 ms ones go
+    assert shortest_kept(durations, share=0.004) == 0.001  # 10 ms is more than 8 ms allowed
+    with pytest.raises(ValueError, match="no instruction"):
+        shortest_kept([0.0], share=0.0)

@@ -82,7 +82,7 @@ def _chunks(batch, placement, groups):
     ]
 
 
-def _run(batch, placement, plan, chunks, *, config=None):
+def _run(batch, placement, plan, chunks, *, config=None, **executor_options):
     source = SampleBatchSource(
         model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
     )
@@ -94,6 +94,7 @@ def _run(batch, placement, plan, chunks, *, config=None):
         batches=source,
         tensor_fn=batch.tensor_fn(),
         config=config or ExecutorConfig(),
+        **executor_options,
     )
     return ex, ex.run()
 

@@ -12,17 +12,15 @@ import pytest
 import test_runtime_setups as st
 import torch
 import torch.distributed as dist
-from test_runtime import _chunks, _key, _setup
+from test_runtime import _chunks, _key, _run, _setup
 
 from megatron_dip.models.chunk import ModelGroups
-from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.errors import (
     MessageError,
     PipelineCommError,
     PipelineTimeoutError,
     PlanRejectedError,
 )
-from megatron_dip.runtime.executor import Executor
 from megatron_dip.runtime.p2p import P2PConfig, PipelineP2P
 from megatron_dip.schedule import MessageKey, MessageKind, PlanError, Recv, Send, TensorSpec
 
@@ -159,20 +157,11 @@ def test_timing_hook_reports_every_instruction_once_in_order(groups):
     batch, placement, plan = _setup("vlm")
     chunks = _chunks(batch, placement, groups)
     seen: list[tuple] = []
-    source = SampleBatchSource(
-        model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
-    )
-    ex = Executor(
-        plan=plan,
-        chunks=chunks,
-        placement=placement,
-        pp_group=dist.group.WORLD,
-        batches=source,
-        tensor_fn=batch.tensor_fn(),
-        on_instruction=lambda i, ins, start, end: seen.append((i, ins, start, end)),
-    )
     before = time.time()
-    ex.run()
+    _run(
+        batch, placement, plan, chunks,
+        on_instruction=lambda i, ins, start, end: seen.append((i, ins, start, end)),
+    )  # fmt: skip
     after = time.time()
     program = plan.program(0).instructions
     assert [i for i, *_ in seen] == list(range(len(program)))

@@ -105,6 +105,7 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
             scale = auto_scale(
                 flags + list(preset.dip_flags), world_size=world,
                 batches=args.calibration_batches, min_op_s=args.min_op_ms / 1e3,
+                share=preset.short_op_share,
             )  # fmt: skip
     return runs, scale
 
@@ -180,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs, scale = plan_runs(args, preset)
     if scale is not None:
-        logger.info(
-            "emulation scale %.4g (shortest DIP instruction %.0f ms)", scale, args.min_op_ms
+        why = (
+            "given" if args.scale is not None else f"shortest DIP instruction {args.min_op_ms:g} ms"
         )
+        if args.scale is None and preset.short_op_share:
+            why += f", leaving out the shortest holding {preset.short_op_share:.0%} of compute"
+        logger.info("emulation scale %.4g (%s)", scale, why)
     rows = []
     for i, run in enumerate(runs):
         tag = f"run{i}_{run['label'].split(' ')[0]}"

@@ -63,15 +63,31 @@ def _ready_at(
     return ready
 
 
+def _emulate_forward(ctx, timing: StageTiming, clock: EmulationConfig, backward_s, inputs) -> None:
+    """Wait for the remote inputs' arrival, sleep the forward; keep what the backward needs."""
+    sleep_until(_ready_at(inputs, timing.inputs, [0] * len(inputs)), clock)
+    sleep_until(clock.now() + timing.forward_s, clock)
+    ctx.timing, ctx.clock, ctx.backward_s = timing, clock, backward_s
+
+
+def _stamped_input_grads(timing: StageTiming, grad_out: torch.Tensor, payload) -> list:
+    """One gradient per input: `payload` in element 0, this stage's stamp in its slot."""
+    done = EmulationConfig.now()
+    grads = []
+    for link in timing.inputs:
+        g = torch.zeros(_WIDTH, dtype=grad_out.dtype, device=grad_out.device)
+        g[0] = payload
+        _stamp(g, link.slot, done)
+        grads.append(g)
+    return grads
+
+
 class _Sleep(torch.autograd.Function):
     """out = w * (1 + sum(payloads)); sleeps the emulated forward / backward times."""
 
     @staticmethod
     def forward(ctx, weight, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
-        sleep_until(_ready_at(inputs, timing.inputs, [0] * len(inputs)), clock)
-        sleep_until(clock.now() + timing.forward_s, clock)
-        ctx.timing, ctx.clock, ctx.backward_s = timing, clock, backward_s
-        ctx.num_inputs = len(inputs)
+        _emulate_forward(ctx, timing, clock, backward_s, inputs)
         total = sum((x[0] for x in inputs), torch.zeros((), dtype=weight.dtype))
         ctx.save_for_backward(weight, total)
         out = torch.zeros(_WIDTH, dtype=weight.dtype, device=weight.device)
@@ -87,13 +103,7 @@ class _Sleep(torch.autograd.Function):
         sleep_until(_ready_at([grad_out] * len(outs), outs, range(1, 1 + len(outs))), clock)
         sleep_until(clock.now() + ctx.backward_s, clock)
         grad_weight = (grad_out[0] * (1 + total)).reshape(1)
-        done = clock.now()
-        grads = []
-        for link in timing.inputs:
-            g = torch.zeros(_WIDTH, dtype=grad_out.dtype, device=grad_out.device)
-            g[0] = grad_out[0] * weight[0]
-            _stamp(g, link.slot, done)
-            grads.append(g)
+        grads = _stamped_input_grads(timing, grad_out, grad_out[0] * weight[0])
         return (grad_weight, None, None, None, *grads)
 
 
@@ -102,20 +112,13 @@ class _SleepLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
-        sleep_until(_ready_at(inputs, timing.inputs, [0] * len(inputs)), clock)
-        sleep_until(clock.now() + timing.forward_s, clock)
-        ctx.timing, ctx.clock, ctx.backward_s = timing, clock, backward_s
+        _emulate_forward(ctx, timing, clock, backward_s, inputs)
         return weight[0].clone()
 
     @staticmethod
     def backward(ctx, grad_out):
         sleep_until(ctx.clock.now() + ctx.backward_s, ctx.clock)
-        done = ctx.clock.now()
-        grads = []
-        for link in ctx.timing.inputs:
-            g = torch.zeros(_WIDTH, dtype=grad_out.dtype, device=grad_out.device)
-            _stamp(g, link.slot, done)
-            grads.append(g)
+        grads = _stamped_input_grads(ctx.timing, grad_out, 0.0)
         return (grad_out.reshape(1), None, None, None, *grads)
 
 
