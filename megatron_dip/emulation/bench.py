@@ -17,8 +17,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from megatron_dip.planner.simulator import stage_costs
 from megatron_dip.schedule.engine import single_channel
-from megatron_dip.schedule.ir import Backward, Forward, Plan, Recompute
+from megatron_dip.schedule.ir import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -181,22 +182,8 @@ def best_stock_placements(
 
 def instruction_seconds(plan: Plan, cost_model) -> list[float]:
     """Cost-model seconds of every compute instruction of `plan` (recompute as planned)."""
-    recompute = {}
-    out = []
-    for program in plan.programs:
-        for ins in program.instructions:
-            if isinstance(ins, Forward):
-                recompute[ins.stage] = ins.recompute
-    for program in plan.programs:
-        for ins in program.instructions:
-            if not isinstance(ins, (Forward, Backward)):
-                continue
-            chunk = plan.placement.module(ins.stage.module).chunks[ins.stage.chunk]
-            cost = cost_model.stage_cost(
-                chunk, plan.submicrobatch(ins.stage.work), recompute.get(ins.stage, Recompute.NONE)
-            )
-            out.append(cost.forward if isinstance(ins, Forward) else cost.backward)
-    return out
+    costs, has_backward = stage_costs(plan, cost_model)
+    return [c.forward for c in costs.values()] + [costs[s].backward for s in has_backward]
 
 
 def shortest_kept(durations: Sequence[float], *, share: float) -> float:

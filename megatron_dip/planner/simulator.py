@@ -36,7 +36,7 @@ from ..schedule.ir import (
 from .cost_model import StageCost
 from .trace import Span, chrome_trace_events, plan_timeline
 
-__all__ = ["SimResult", "StageCostModel", "UniformCost", "simulate"]
+__all__ = ["SimResult", "StageCostModel", "UniformCost", "simulate", "stage_costs"]
 
 
 class StageCostModel(Protocol):
@@ -126,7 +126,7 @@ class SimResult:
         )
 
 
-def _stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[StageId]]:
+def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[StageId]]:
     """(stage -> StageCost with its forward's recompute, stages that run a backward)."""
     recompute: dict[StageId, Recompute] = {}
     has_backward: set[StageId] = set()
@@ -183,7 +183,7 @@ def simulate(
     batch of sends/receives (both seconds). Raises `schedule.DeadlockError` / `PlanError` for a
     plan that cannot run.
     """
-    costs, has_backward = _stage_costs(plan, cost_model)
+    costs, has_backward = stage_costs(plan, cost_model)
 
     def compute_time(rank: int, ins: Instruction) -> float:
         c = costs[ins.stage]
