@@ -1,22 +1,20 @@
 """Shapes of multimodal models: the vocabulary shared by the planner, the models and the tools.
 
-Pure data, no torch: the planner sizes and costs modules from these specs, `megatron_dip.models`
-builds Megatron-Core layers from the same specs, so a preset means the same shapes everywhere.
+Pure data, no torch, and nothing else of megatron_dip: the planner sizes and costs modules from
+these specs, the modality files (`megatron_dip.modalities`) build Megatron-Core layers from the
+same specs, so a preset means the same shapes everywhere. A module's `kind` names its modality
+("vit", "llm", "text_encoder", "dit", "audio", ...); what a kind means — its token arithmetic,
+messages, costs, chunk and loss — lives in that modality's own file, found through the registry
+(`megatron_dip.modalities.modality_of`), which also checks the kind-specific fields
+(`modalities.check_model`).
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-
-class ModuleKind(str, enum.Enum):
-    """The modality modules DIP knows how to place, cost and build."""
-
-    VIT = "vit"  # vision encoder: patch embedding, encoder layers, projector into the LLM
-    LLM = "llm"  # decoder-only language model with output head and loss
-    TEXT_ENCODER = "text_encoder"  # an LLM without head; conditions a DiT
-    DIT = "dit"  # diffusion transformer: adaLN, self- and cross-attention, diffusion loss
+PAD_TOKEN = 0  # padding id of the packed text sequences (the tiny tokenizer reserves it)
+IMAGE_TOKEN = 1  # default placeholder id of a vision encoder's instances in the LLM sequence
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,7 @@ class LayerShape:
     ffn: int
     heads: int
     kv_groups: int
-    gated_mlp: bool = False  # SwiGLU (LLMs) vs. GELU (ViT, DiT)
+    gated_mlp: bool = False  # SwiGLU (LLMs) vs. GELU (ViT, DiT, audio encoder)
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.ffn, self.heads, self.kv_groups) <= 0:
@@ -47,37 +45,39 @@ class LayerShape:
 class ModuleSpec:
     """One modality module of a multimodal model.
 
-    `feeds` names the module that consumes this one's output: a ViT feeds the LLM (its projected
-    embeddings replace the image placeholder tokens), a text encoder feeds the DiT (every DiT
-    layer cross-attends to it). The module that feeds nobody computes the loss.
+    `feeds` names the module that consumes this one's output: a ViT or an audio encoder feeds the
+    LLM (its projected embeddings replace its placeholder tokens, `placeholder_id`), a text
+    encoder feeds the DiT (every DiT layer cross-attends to it). The module that feeds nobody
+    computes the loss. A consumer may have several producers.
+
+    Fields a kind does not use keep their defaults; each modality checks its own
+    (`modalities.check_model`): `vocab_size` (llm, text_encoder), `patch_size` (vit: pixels per
+    patch side; dit: latent patch side; audio: stride of the convolutional subsampling),
+    `in_channels` (vit: image channels; dit: latent channels; audio: mel bins), `merge` (vit:
+    patches merged per side into one LLM token, 52x52 -> 13x13 = 169; audio: encoder tokens
+    pooled into one LLM token), `out_hidden` (producers: the consumer's hidden size),
+    `cond_hidden` (dit: hidden size of the conditioning text encoding).
     """
 
     name: str
-    kind: ModuleKind
+    kind: str
     num_layers: int
     layer: LayerShape
     trainable: bool = True
     feeds: str | None = None
-    vocab_size: int = 0  # llm, text_encoder
-    patch_size: int = 14  # vit: pixels per patch side; dit: latent patch side
-    in_channels: int = 3  # vit: image channels; dit: latent channels
-    merge: int = 4  # vit: patches merged per side into one LLM token (52x52 -> 13x13 = 169)
-    out_hidden: int = 0  # vit: projector output (the LLM hidden); dit: 0
-    cond_hidden: int = 0  # dit: hidden size of the conditioning text encoding
+    vocab_size: int = 0
+    patch_size: int = 14
+    in_channels: int = 3
+    merge: int = 4
+    out_hidden: int = 0
+    cond_hidden: int = 0
+    placeholder_id: int | None = None
 
     def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"a module needs a name and a kind, got {self.name!r}/{self.kind!r}")
         if self.num_layers <= 0:
             raise ValueError(f"module {self.name!r}: num_layers must be positive")
-        if self.kind in (ModuleKind.LLM, ModuleKind.TEXT_ENCODER) and self.vocab_size <= 0:
-            raise ValueError(f"module {self.name!r}: a {self.kind.value} needs vocab_size")
-        if self.kind is ModuleKind.VIT and self.out_hidden <= 0:
-            raise ValueError(f"module {self.name!r}: a vit needs out_hidden (the LLM's hidden)")
-        if self.kind is ModuleKind.DIT and self.cond_hidden <= 0:
-            raise ValueError(f"module {self.name!r}: a dit needs cond_hidden")
-
-    def llm_tokens_per_image(self, patches: int) -> int:
-        """Tokens one image of `patches` ViT patches becomes in the LLM after the merge."""
-        return max(1, patches // (self.merge * self.merge))
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,12 @@ class MultimodalSpec:
         return next(m for m in self.modules if m.feeds is None)
 
     def producers_of(self, name: str) -> list[ModuleSpec]:
+        """The modules feeding `name`, in model order."""
         return [m for m in self.modules if m.feeds == name]
+
+    def modules_of_kind(self, kind: str) -> list[ModuleSpec]:
+        """The modules of one kind, in model order."""
+        return [m for m in self.modules if m.kind == kind]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,9 +133,17 @@ QWEN2_32B = LayerShape(5120, 27648, 40, 8, gated_mlp=True)
 QWEN2_72B = LayerShape(8192, 29568, 64, 8, gated_mlp=True)
 DIT_5B = LayerShape(3584, 10240, 28, 28)
 DIT_30B = LayerShape(6144, 24576, 48, 48)
+WHISPER_LARGE = LayerShape(1280, 5120, 20, 20)  # 32 layers; 128 mel bins (large-v3)
 
 _LLAMA_VOCAB = 128256
 _QWEN_VOCAB = 152064
+
+
+def _vit(layers: int, shape: LayerShape, llm: LayerShape, **extra) -> ModuleSpec:
+    return ModuleSpec(
+        "vit", "vit", layers, shape, feeds="llm", out_hidden=llm.hidden,
+        placeholder_id=IMAGE_TOKEN, **extra,
+    )  # fmt: skip
 
 
 def _vlm(
@@ -139,10 +152,37 @@ def _vlm(
     return MultimodalSpec(
         name,
         (
-            ModuleSpec("vit", ModuleKind.VIT, vit_layers, vit, feeds="llm", out_hidden=llm.hidden),
-            ModuleSpec("llm", ModuleKind.LLM, llm_layers, llm, vocab_size=vocab),
+            _vit(vit_layers, vit, llm),
+            ModuleSpec("llm", "llm", llm_layers, llm, vocab_size=vocab),
         ),
     )
+
+
+def _omni(
+    name: str,
+    *,
+    vit: tuple[LayerShape, int],
+    audio: tuple[LayerShape, int],
+    llm: tuple[LayerShape, int],
+    vocab: int,
+    mel_bins: int,
+    audio_token: int,
+    **vit_extra,
+) -> MultimodalSpec:
+    """ViT + audio encoder (Whisper-style: conv subsampling by 2, tokens pooled by 2) + LLM."""
+    llm_shape, llm_layers = llm
+    return MultimodalSpec(
+        name,
+        (
+            _vit(vit[1], vit[0], llm_shape, **vit_extra),
+            ModuleSpec(
+                "audio", "audio", audio[1], audio[0], feeds="llm", patch_size=2,
+                in_channels=mel_bins, merge=2, out_hidden=llm_shape.hidden,
+                placeholder_id=audio_token,
+            ),
+            ModuleSpec("llm", "llm", llm_layers, llm_shape, vocab_size=vocab),
+        ),
+    )  # fmt: skip
 
 
 def _t2v(
@@ -161,7 +201,7 @@ def _t2v(
         (
             ModuleSpec(
                 "text",
-                ModuleKind.TEXT_ENCODER,
+                "text_encoder",
                 te_layers,
                 te,
                 trainable=train_text,
@@ -170,7 +210,7 @@ def _t2v(
             ),
             ModuleSpec(
                 "dit",
-                ModuleKind.DIT,
+                "dit",
                 dit_layers,
                 dit,
                 patch_size=2,
@@ -219,6 +259,22 @@ PAPER_SETUPS: dict[str, Setup] = {
             8,
             64,
         ),
+        # Not in the paper: VLM-S with a Whisper-large-sized audio encoder (the third modality).
+        Setup(
+            "omni-s",
+            _omni(
+                "ViT5B+Whisper-large+Llama3-8B",
+                vit=(VIT_5B, 63),
+                audio=(WHISPER_LARGE, 32),
+                llm=(LLAMA3_8B, 32),
+                vocab=_LLAMA_VOCAB,
+                mel_bins=128,
+                audio_token=_LLAMA_VOCAB - 1,
+            ),
+            4,
+            4,
+            16,
+        ),
     )
 }
 
@@ -232,18 +288,36 @@ def tiny_vlm(
     return MultimodalSpec(
         "tiny-vlm",
         (
-            ModuleSpec(
-                "vit",
-                ModuleKind.VIT,
-                vit_layers,
-                vit,
-                feeds="llm",
-                patch_size=8,
-                merge=2,
-                out_hidden=hidden,
-            ),
-            ModuleSpec("llm", ModuleKind.LLM, llm_layers, llm, vocab_size=vocab),
+            _vit(vit_layers, vit, llm, patch_size=8, merge=2),
+            ModuleSpec("llm", "llm", llm_layers, llm, vocab_size=vocab),
         ),
+    )
+
+
+def tiny_omni(
+    *,
+    vit_layers: int = 4,
+    audio_layers: int = 4,
+    llm_layers: int = 8,
+    hidden: int = 32,
+    vocab: int = 128,
+    mel_bins: int = 8,
+) -> MultimodalSpec:
+    """ViT + audio encoder + LLM small enough for CPU tests (the audio placeholder is the last
+    vocabulary id, outside the tiny tokenizer's ids)."""
+    vit = LayerShape(hidden, 2 * hidden, 4, 4)
+    audio = LayerShape(hidden, 2 * hidden, 4, 4)
+    llm = LayerShape(hidden, 2 * hidden, 4, 2, gated_mlp=True)
+    return _omni(
+        "tiny-omni",
+        vit=(vit, vit_layers),
+        audio=(audio, audio_layers),
+        llm=(llm, llm_layers),
+        vocab=vocab,
+        mel_bins=mel_bins,
+        audio_token=vocab - 1,
+        patch_size=8,
+        merge=2,
     )
 
 

@@ -1,12 +1,13 @@
 """Measure per-layer times of a model's modules into the cost model's profile format.
 
-For each module, a stack of its Megatron-Core transformer layers (the layer specs the model
-chunks use: Megatron's GPT layer for ViT, LLM and text encoder, our `DitLayer` for the DiT) is
-built at the shapes one tensor-parallel rank holds, with a single-rank process group: heads,
-key/value groups and FFN divided by TP, hidden size unchanged. The layers are then timed forward
-and backward on a grid of (instances per sub-microbatch, tokens per instance), with the inputs
-the chunks give them: instances packed along the sequence, a segment (and, for text, causal)
-mask, rotary tables, and for the DiT its timestep embedding and caption encoding. Because the
+For each module, a stack of its Megatron-Core transformer layers (the layers its modality builds
+for the chunks, `Modality.layer_stack`: Megatron's GPT layer for ViT, LLM, text encoder and audio
+encoder, our `DitLayer` for the DiT) is built at the shapes one tensor-parallel rank holds, with a
+single-rank process group: heads, key/value groups and FFN divided by TP, hidden size unchanged.
+The layers are then timed forward and backward on a grid of (instances per sub-microbatch,
+tokens per instance) through the modality's own `run_stack`, with the inputs the chunks give
+them (`Modality.profile_batch`: instances packed along the sequence, segment masks, rotary
+tables, and for the DiT its timestep embedding and caption encoding). Because the
 shard runs alone, the tensor-parallel collectives are NOT in the times: the profile says so
 (`tp_comm_included: false`) and the cost model adds its own TP communication term.
 
@@ -35,24 +36,16 @@ import torch.distributed as dist
 
 from megatron_dip import megatron_compat
 from megatron_dip.cpu_support import apply_cpu_fixes, seed_model_parallel_rng
-from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
+from megatron_dip.modalities import modality_of
+from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.planner.devices import DEVICES, PROFILE_FORMAT, load_profile
 
-from .models.common import (
-    ModelGroups,
-    build_transformer_layers,
-    gpt_layer_spec,
-    rotary_table,
-    segment_mask,
-    torch_dtype,
-    transformer_config,
-)
+from .models.common import ModelGroups, torch_dtype, transformer_config
 from .models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_CHOICES = ("auto", "te", "local", "sdpa")
-_ROTARY_AXES = {ModuleKind.VIT: 2, ModuleKind.DIT: 3}  # text modules: 1
 
 
 @dataclass(frozen=True)
@@ -89,12 +82,8 @@ def parse_grid(text: str) -> ProfileGrid:
 
 
 def default_grid(module: ModuleSpec) -> ProfileGrid:
-    """A grid covering what the planner asks about each module kind."""
-    if module.kind is ModuleKind.LLM:  # one packed sequence per sub-microbatch
-        return ProfileGrid((1024, 2048, 4096, 8192), (1,))
-    if module.kind is ModuleKind.TEXT_ENCODER:  # captions
-        return ProfileGrid((64, 128, 256), (1, 4, 16))
-    return ProfileGrid((256, 1024, 2704, 4096), (1, 2, 4, 8, 12, 16))
+    """A grid covering what the planner asks about the module (its modality's choice)."""
+    return ProfileGrid(*modality_of(module).profile_grid(module))
 
 
 @dataclass(frozen=True)
@@ -199,7 +188,8 @@ def sharded_transformer_config(module: ModuleSpec, cfg: ProfileConfig, *, dtype:
             raise ValueError(
                 f"module {module.name!r}: {what} {value} does not divide by tensor_parallel {tp}"
             )
-    base = transformer_config(module, ModelConfig(dtype=dtype), tp_size=1)
+    style = modality_of(module).layer_style(module)
+    base = transformer_config(module, ModelConfig(dtype=dtype), tp_size=1, style=style)
     return dataclasses.replace(
         base,
         num_layers=cfg.layers,
@@ -217,21 +207,8 @@ def build_layer_stack(
     backend = megatron_compat.layer_backend(use_te)
     if sdpa:
         backend = dataclasses.replace(backend, core_attention=SdpaAttention)
-    if module.kind is ModuleKind.DIT:
-        from .models.dit import DitLayer, dit_layer_specs
-
-        specs = dit_layer_specs(backend, tp_group=groups.tp)
-        return torch.nn.ModuleList(
-            DitLayer(
-                config=tconfig, backend=backend, specs=specs, layer_number=i + 1, groups=groups
-            )
-            for i in range(tconfig.num_layers)
-        )
-    spec = gpt_layer_spec(module, backend)
-    if sdpa:
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
-    return build_transformer_layers(
-        spec=spec, config=tconfig, groups=groups, start=0, end=tconfig.num_layers
+    return modality_of(module).layer_stack(
+        module, tconfig=tconfig, backend=backend, groups=groups, start=0, end=tconfig.num_layers
     )
 
 
@@ -256,48 +233,35 @@ def _layer_runner(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     """(run: hidden -> hidden through the stack, input hidden [S, 1, H]) for one grid point,
     with the masks and side inputs the chunks give these layers (built once, outside timing)."""
+    modality = modality_of(module)
     dtype = next(stack.parameters()).dtype
-    hidden_size, seq = module.layer.hidden, tokens * instances
-    segments = torch.arange(instances, device=device).repeat_interleave(tokens)
-    local = torch.arange(tokens, device=device).repeat(instances)
-    axes = _ROTARY_AXES.get(module.kind, 1)
-    width = max(1, math.isqrt(tokens - 1) + 1)  # a square patch grid holding `tokens`
-    row, col = local // width, local % width
-    columns = {1: [local], 2: [row, col], 3: [0 * local, row, col]}  # 3-D: (frame, row, col)
-    positions = torch.stack(columns[axes], dim=1)
-    rotary = rotary_table(positions, head_dim=module.layer.head_dim, base=10000.0, dtype=dtype)
-    causal = module.kind in (ModuleKind.LLM, ModuleKind.TEXT_ENCODER)
-    mask = segment_mask(segments, causal=causal)
+    batch, extra = modality.profile_batch(
+        module, tokens=tokens, instances=instances, caption=cfg.caption_tokens
+    )
+    batch = batch.to(device)
+    state = {name: _side_input(value, device, dtype) for name, value in extra.items()}
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    hidden = torch.randn(seq, 1, hidden_size, generator=gen).to(device=device, dtype=dtype)
-    if module.kind is not ModuleKind.DIT:
+    hidden = torch.randn(tokens * instances, 1, module.layer.hidden, generator=gen)
+    hidden = hidden.to(device=device, dtype=dtype)
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            for layer in stack:
-                x, _ = layer(x, attention_mask=mask, rotary_pos_emb=rotary)
-            return x
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return modality.run_stack(
+            module,
+            stack,
+            {**state, "hidden": x},
+            batch,
+            rotary_base=10000.0,
+            causal=modality.causal,
+        )
 
-        return run, hidden
-    caption = cfg.caption_tokens
-    # Conditioning that comes from chunk 0's embedders: its gradient is computed, as in a chunk.
-    temb = torch.randn(instances, hidden_size, generator=gen)
-    cond = torch.randn(instances * caption, 1, hidden_size, generator=gen)
-    rows = torch.arange(instances, device=device).repeat_interleave(caption)
-    side = {
-        "temb": temb.to(device=device, dtype=dtype).requires_grad_(True),
-        "cond": cond.to(device=device, dtype=dtype).requires_grad_(True),
-        "token_clip": segments,
-        "self_mask": mask,
-        "cross_mask": (segments[:, None] != rows[None, :])[None, None],
-        "rotary": rotary,
-    }
+    return run, hidden
 
-    def run_dit(x: torch.Tensor) -> torch.Tensor:
-        for layer in stack:
-            x = layer(x, **side)
-        return x
 
-    return run_dit, hidden
+def _side_input(value: torch.Tensor, device, dtype) -> torch.Tensor:
+    """A side input on `device`; floating-point ones (conditioning from chunk 0's embedders)
+    get a gradient, as in a chunk."""
+    moved = value.detach().to(device)
+    return moved.to(dtype).requires_grad_(True) if moved.is_floating_point() else moved
 
 
 def time_forward_backward(

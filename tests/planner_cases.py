@@ -13,10 +13,11 @@ import hashlib
 from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
+from metas import t2v_meta, vlm_meta
 
 from megatron_dip.data.packing import PackingLimits
 from megatron_dip.data.sample import BatchMeta, SampleMeta
-from megatron_dip.modelspec import LayerShape, ModuleKind, ModuleSpec, MultimodalSpec
+from megatron_dip.modelspec import LayerShape, ModuleSpec, MultimodalSpec
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import get_device
 from megatron_dip.planner.dip import DipPlanner, PlannerConfig
@@ -57,7 +58,7 @@ def models(draw, *, pipeline: int) -> MultimodalSpec:
     if draw(st.sampled_from(["vlm", "t2v"])) == "vlm":
         encoder = ModuleSpec(
             "vit",
-            ModuleKind.VIT,
+            "vit",
             draw(layers),
             layer_shape(enc_size, gated=False),
             trainable=trainable,
@@ -66,7 +67,7 @@ def models(draw, *, pipeline: int) -> MultimodalSpec:
             merge=MERGE,
             out_hidden=main.hidden,
         )
-        head = ModuleSpec("llm", ModuleKind.LLM, draw(layers), main, vocab_size=128)
+        head = ModuleSpec("llm", "llm", draw(layers), main, vocab_size=128)
         return MultimodalSpec("fuzz-vlm", (encoder, head))
     encoder = t2v_encoder(draw(layers), enc_size, trainable=trainable)
     dit = dit_module(draw(layers), main_size, cond_hidden=encoder.layer.hidden)
@@ -78,7 +79,7 @@ def t2v_encoder(
 ) -> ModuleSpec:
     return ModuleSpec(
         "text",
-        ModuleKind.TEXT_ENCODER,
+        "text_encoder",
         layers,
         layer_shape(size, gated=True),
         trainable=trainable,
@@ -92,7 +93,7 @@ def dit_module(
 ) -> ModuleSpec:
     return ModuleSpec(
         "dit",
-        ModuleKind.DIT,
+        "dit",
         layers,
         layer_shape(size, gated=False),
         patch_size=2,
@@ -110,12 +111,7 @@ def vlm_sample(draw, sample_id: int, *, kind: str) -> SampleMeta:
     grids = draw(st.lists(st.integers(1, 5), max_size=max_images))
     llm = tuple(g * g for g in grids)
     text = draw(st.integers(1, 120))
-    return SampleMeta(
-        sample_id,
-        text + sum(llm),
-        tuple((g * MERGE) ** 2 for g in grids),
-        llm,
-    )
+    return vlm_meta(sample_id, text + sum(llm), tuple((g * MERGE) ** 2 for g in grids), llm)
 
 
 @st.composite
@@ -123,7 +119,7 @@ def t2v_sample(draw, sample_id: int, *, kind: str) -> SampleMeta:
     frames = draw(st.integers(1, 4 if kind != "image-heavy" else 8))
     rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     tokens = frames * rows * cols
-    return SampleMeta(sample_id, draw(st.integers(1, 60)), (tokens,), (0,), (frames,))
+    return t2v_meta(sample_id, draw(st.integers(1, 60)), tokens, frames)
 
 
 @st.composite
@@ -132,7 +128,7 @@ def batches(draw, model: MultimodalSpec, *, min_samples: int) -> BatchMeta:
     sample up, with uneven instance counts."""
     kind = draw(st.sampled_from(["text-only", "image-heavy", "mixed"]))
     n = draw(st.integers(min_samples, 8))
-    make = vlm_sample if model.loss_module.kind is ModuleKind.LLM else t2v_sample
+    make = vlm_sample if model.loss_module.kind == "llm" else t2v_sample
     samples = tuple(draw(make(i, kind=kind)) for i in range(n))
     return BatchMeta(draw(st.integers(0, 3)), samples)
 
@@ -172,21 +168,21 @@ class Case:
         )
 
     def packing(self) -> PackingLimits:
-        if self.model.loss_module.kind is ModuleKind.LLM:
+        if self.model.loss_module.kind == "llm":
             return PackingLimits.vlm(seq_length=SEQ, max_images=8)
         return PackingLimits.t2v(max_clips=4, max_frames=10)
 
     def workload(self) -> dict[str, ModuleWorkload]:
         out = {}
         for m in self.model.modules:
-            if m.kind is ModuleKind.LLM:
+            if m.kind == "llm":
                 out[m.name] = ModuleWorkload(1, SEQ)
-            elif m.kind is ModuleKind.TEXT_ENCODER:
+            elif m.kind == "text_encoder":
                 out[m.name] = ModuleWorkload(4, sum(s.text_tokens for s in self.batch.samples))
             else:
                 inst = sum(s.num_instances for s in self.batch.samples)
                 out[m.name] = ModuleWorkload(
-                    inst, sum(sum(s.vision_tokens) for s in self.batch.samples)
+                    inst, sum(s.instance_tokens for s in self.batch.samples)
                 )
         return out
 
@@ -240,7 +236,7 @@ def cases(draw) -> Case:
     tp = draw(st.sampled_from([1, 2, 4]))
     encoder = model.modules[0]
     sub_sizes = [(encoder.name, draw(st.integers(1, 6)))]
-    if model.loss_module.kind is ModuleKind.DIT:
+    if model.loss_module.kind == "dit":
         sub_sizes.append(("dit", draw(st.integers(1, 4))))
     return Case(
         model=model,
@@ -329,7 +325,7 @@ def tiny_case(**overrides) -> Case:
         (
             ModuleSpec(
                 "vit",
-                ModuleKind.VIT,
+                "vit",
                 4,
                 layer_shape(SMALL, gated=False),
                 feeds="llm",
@@ -337,12 +333,12 @@ def tiny_case(**overrides) -> Case:
                 merge=MERGE,
                 out_hidden=SMALL[0],
             ),
-            ModuleSpec("llm", ModuleKind.LLM, 6, layer_shape(SMALL, gated=True), vocab_size=128),
+            ModuleSpec("llm", "llm", 6, layer_shape(SMALL, gated=True), vocab_size=128),
         ),
     )
     grids = [(), (2, 3), (1,), (), (4, 4, 1), (3,), (), (2,)]
     samples = tuple(
-        SampleMeta(
+        vlm_meta(
             i,
             50 + 7 * i + sum(g * g for g in gs),
             tuple((g * MERGE) ** 2 for g in gs),
@@ -375,9 +371,7 @@ def tiny_case(**overrides) -> Case:
 def fixed_cases() -> list[Case]:
     """A few cases covering search, a binding memory limit, data parallelism and T2V."""
     t2v = MultimodalSpec("fixed-t2v", (t2v_encoder(), dit_module()))
-    clips = tuple(
-        SampleMeta(i, 5 + 3 * i, (f * 6,), (0,), (f,)) for i, f in enumerate([1, 3, 2, 4, 1, 2])
-    )
+    clips = tuple(t2v_meta(i, 5 + 3 * i, f * 6, f) for i, f in enumerate([1, 3, 2, 4, 1, 2]))
     return [
         tiny_case(),
         tiny_case(memory_fraction=0.5, data_parallel=2, pipeline=3, seed=2),

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from metas import t2v_meta
 
 from megatron_dip.data.diffusion import (
     LatentConfig,
@@ -13,7 +14,6 @@ from megatron_dip.data.diffusion import (
 )
 from megatron_dip.data.meta import sample_meta
 from megatron_dip.data.records import BadSampleError
-from megatron_dip.data.sample import SampleMeta
 from megatron_dip.data.stream import BatchStream, StreamConfig
 from megatron_dip.data.synthetic import generate_samples
 from megatron_dip.data.tokenizer import ByteTokenizer
@@ -29,7 +29,7 @@ def test_round_trip_of_synthetic_clips(tmp_path):
     write_latent_dataset(
         tmp_path,
         [
-            (f"c{i}", c, s.images[0].astype(np.float16))
+            (f"c{i}", c, s.media["dit"][0].astype(np.float16))
             for i, (c, s) in enumerate(zip(captions, clips))
         ],
     )
@@ -40,11 +40,11 @@ def test_round_trip_of_synthetic_clips(tmp_path):
         assert (
             TOK.decode(s.text) == caption and s.text[0] == TOK.bos_id and s.text[-1] == TOK.eos_id
         )
-        np.testing.assert_allclose(s.images[0], clip.images[0], atol=2e-3, rtol=1e-3)
-        assert s.images[0].dtype == np.float32 and s.labels_mask is None
-        t = clip.images[0].shape[0]
-        tokens = sample_meta(clip, model=MODEL).vision_tokens
-        expected = SampleMeta(i, len(caption) + 2, tokens, (0,), (t,), loss_tokens=tokens[0])
+        np.testing.assert_allclose(s.media["dit"][0], clip.media["dit"][0], atol=2e-3, rtol=1e-3)
+        assert s.media["dit"][0].dtype == np.float32 and s.labels_mask is None
+        t = clip.media["dit"][0].shape[0]
+        (tokens,) = sample_meta(clip, model=MODEL).instances_of("dit").tokens
+        expected = t2v_meta(i, len(caption) + 2, tokens, t, loss_tokens=tokens)
         assert ds.meta(i) == expected
         assert ds.record_id(i) == f"c{i}"
 

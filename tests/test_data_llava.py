@@ -66,7 +66,7 @@ def test_tiny_sample_round_trips(tiny):
         assert TOK.decode(s.text[s.labels_mask == 1]) == caption
         assert s.text[s.labels_mask == 1][-1] == TOK.eos_id
         assert ds.meta(i).loss_tokens == len(TOK.encode(caption)) + 1  # the caption and EOS
-        (image,) = s.images
+        (image,) = s.media["vit"]
         with Image.open(tiny.parent / record["image"]) as im:
             w, h = im.size
         assert image.shape == (3, *grid_size(height=h, width=w, unit=16, max_side=64))
@@ -91,7 +91,7 @@ def test_image_pixels_survive_resizing(tmp_path):
     (tmp_path / "d.json").write_text(
         json.dumps([{"id": "x", "image": "x.png", "conversations": conv}])
     )
-    (image,) = LlavaDataset(tmp_path / "d.json", model=MODEL).sample(0).images
+    (image,) = LlavaDataset(tmp_path / "d.json", model=MODEL).sample(0).media["vit"]
     assert image.shape == (3, 32, 48)
     assert np.allclose(image[:, :, :20], 1.0) and np.allclose(image[:, :, 28:], -1.0)
 
@@ -152,7 +152,7 @@ def test_bad_records_are_counted_logged_and_skipped_by_the_stream(mixed_quality,
     assert [m.sample_id for m in batch.samples] == [0, 4]
     assert ds.skipped == 3 and "id 'broken'" in caplog.text
     text_only = ds.sample(4)
-    assert text_only.images == [] and TOK.decode(text_only.text) == "hello\na cat"
+    assert text_only.media.get("vit") == [] and TOK.decode(text_only.text) == "hello\na cat"
     with pytest.raises(BadSampleError, match="skipped as bad"):
         ds.sample(1)
 

@@ -10,15 +10,15 @@ from megatron_dip.data.packing import (
     pack_microbatches,
     split_replicas,
 )
-from megatron_dip.data.sample import SampleMeta
+from megatron_dip.data.sample import InstanceCounts, SampleMeta
 
 
 def _vlm(sid, text, images=0, llm=10):
-    return SampleMeta(sid, text, (4 * llm,) * images, (llm,) * images)
+    return SampleMeta(sid, text, {"vit": InstanceCounts((4 * llm,) * images, (llm,) * images)})
 
 
 def _clip(sid, frames, per_frame=16):
-    return SampleMeta(sid, 20, (frames * per_frame,), (0,), (frames,))
+    return SampleMeta(sid, 20, {"dit": InstanceCounts((frames * per_frame,), (), (frames,))})
 
 
 def test_first_fit_hand_case_keeps_data_order_inside_microbatches():
@@ -27,7 +27,7 @@ def test_first_fit_hand_case_keeps_data_order_inside_microbatches():
     # 0 -> mb0 (6), 1 -> mb1 (6), 2 -> mb0 (9), 3 -> mb1 (10), 4 -> mb0 (10)
     assert [mb.sample_ids for mb in packing] == [(0, 2, 4), (1, 3)]
     assert [mb.text_tokens for mb in packing] == [10, 10]
-    assert packing[0].vision_tokens == (40,) and packing[0].llm_tokens == (10,)
+    assert packing[0].instances_of("vit") == InstanceCounts((40,), (10,))
     assert packing[0].instances_per_sample == (0, 1, 0)
     assert packing[0].sample_text_tokens == (6, 3, 1)
     assert [mb.index for mb in packing] == [0, 1]
@@ -58,7 +58,7 @@ def test_instance_cap_and_t2v_frame_budget():
     ]
     packing = pack_microbatches(clips, limits=PackingLimits.t2v())
     for mb in packing:
-        assert mb.num_instances <= 8 and sum(mb.frames) <= 64
+        assert mb.num_instances <= 8 and mb.frames <= 64
     assert packing[0].sample_ids == (0,)
     assert packing[1].sample_ids == (1, 2, 4, 5, 6, 7, 8, 9)  # clip cap reached at 8
     assert packing[2].sample_ids == (3, 10, 11, 12)
@@ -106,11 +106,11 @@ metas_strategy = st.lists(
 @given(metas_strategy, st.sampled_from(["first_fit", "first_fit_decreasing"]))
 def test_packing_properties(rows, policy):
     metas = [
-        SampleMeta(i, t + 9 * k, (f * 3,) * k, (9,) * k, (f,) * k)
+        SampleMeta(i, t + 9 * k, {"dit": InstanceCounts((f * 3,) * k, (9,) * k, (f,) * k)})
         for i, (t, k, f) in enumerate(rows)
     ]
     limits = PackingLimits(seq_length=80, max_instances=6, max_frames=50)
-    if all(sum(m.frames) > 50 for m in metas):
+    if all(m.frames > 50 for m in metas):
         with pytest.raises(ValueError, match="oversize"):
             pack_microbatches(metas, limits=limits, on_oversize="skip")
         return
@@ -119,7 +119,7 @@ def test_packing_properties(rows, policy):
     assert sorted(placed + list(packing.skipped)) == list(range(len(metas)))
     for mb in packing:
         assert list(mb.sample_ids) == sorted(mb.sample_ids)  # data order inside
-        assert mb.text_tokens <= 80 and mb.num_instances <= 6 and sum(mb.frames) <= 50
+        assert mb.text_tokens <= 80 and mb.num_instances <= 6 and mb.frames <= 50
     firsts = [mb.sample_ids[0] for mb in packing]
     assert firsts == sorted(firsts)
     if policy == "first_fit":  # the batch packing equals the online packer sample by sample

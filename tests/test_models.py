@@ -13,21 +13,27 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_dip.batching import (
+    cross_module_dependencies,
+    loss_tokens_of,
+    message_tensors,
+    split_samples,
+)
 from megatron_dip.data.packing import pack_microbatches
 from megatron_dip.data.sample import IMAGE_TOKEN, Sample
 from megatron_dip.data.synthetic import generate_meta, generate_samples, get_mixture
-from megatron_dip.models import ModelConfig, cross_module_dependencies, message_tensors
-from megatron_dip.models.chunk import ModelGroups, build_module_chunks
+from megatron_dip.modalities import build_module_chunks, build_sub_batch
+from megatron_dip.modalities.dit import patchify_clip, unpatchify_clip
+from megatron_dip.models import ModelConfig
+from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
-from megatron_dip.models.inputs import build_sub_batch, patchify_clip, unpatchify_clip
-from megatron_dip.models.layout import loss_tokens_of, split_submicrobatches
-from megatron_dip.models.reference import (
+from megatron_dip.modelspec import tiny_t2v, tiny_vlm
+from megatron_dip.reference import (
     LocalPipeline,
     MessageMismatchError,
     check_message,
     reference_loss_and_grads,
 )
-from megatron_dip.modelspec import tiny_t2v, tiny_vlm
 from megatron_dip.schedule.ir import MessageKey, MessageKind, StageId, SubMicrobatch
 
 SEQ = 64
@@ -48,7 +54,7 @@ def _vlm_sample(rng, sample_id: int, sizes: list[tuple[int, int]], tail: int = 5
         images.append(rng.standard_normal((3, h, w)).astype(np.float32))
         parts += [rng.integers(2, 128, size=3), np.full((h // 16) * (w // 16), IMAGE_TOKEN)]
     parts.append(rng.integers(2, 128, size=tail))
-    return Sample(sample_id, np.concatenate(parts).astype(np.int64), images)
+    return Sample(sample_id, np.concatenate(parts).astype(np.int64), {"vit": images})
 
 
 def _vlm_batch(seed: int = 0) -> list[list[Sample]]:
@@ -66,7 +72,8 @@ def _vlm_batch(seed: int = 0) -> list[list[Sample]]:
 def _t2v_sample(rng, sample_id: int) -> Sample:
     caption = rng.integers(2, 128, size=int(rng.integers(3, 9)))
     frames = int(rng.integers(1, 3))
-    return Sample(sample_id, caption, [rng.standard_normal((frames, 4, 4, 4)).astype(np.float32)])
+    clip = rng.standard_normal((frames, 4, 4, 4)).astype(np.float32)
+    return Sample(sample_id, caption, {"dit": [clip]})
 
 
 def _t2v_batch(seed: int = 0) -> list[list[Sample]]:
@@ -80,9 +87,10 @@ def _assert_same_grads(a: dict, b: dict) -> None:
         torch.testing.assert_close(value, b[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_models_package_imports_without_torch():
-    code = "import sys, megatron_dip.models; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+def test_models_and_modalities_packages_import_without_torch():
+    for package in ("megatron_dip.models", "megatron_dip.modalities", "megatron_dip.batching"):
+        code = f"import sys, {package}; assert 'torch' not in sys.modules, 'torch imported'"
+        subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize(
@@ -210,9 +218,7 @@ def _vlm_chunks(groups):
 
 def _run_vit(model, vit, samples):
     sub = [
-        s
-        for s in split_submicrobatches(model, samples, microbatch=0, seq_length=SEQ)
-        if s.module == "vit"
+        s for s in split_samples(model, samples, microbatch=0, seq_length=SEQ) if s.module == "vit"
     ][0]
     return vit(inputs=[], batch=build_sub_batch(model, samples, sub, seq_length=SEQ, seed=0))
 
@@ -220,30 +226,30 @@ def _run_vit(model, vit, samples):
 def test_image_embeddings_replace_placeholders(groups):
     model, vit, llm = _vlm_chunks(groups)
     samples = _vlm_batch()[0]
-    embeddings = _run_vit(model, vit, samples)["embeddings"]
+    embeddings = _run_vit(model, vit, samples)["vit.embeddings"]
     sub = [
-        s
-        for s in split_submicrobatches(model, samples, microbatch=0, seq_length=SEQ)
-        if s.module == "llm"
+        s for s in split_samples(model, samples, microbatch=0, seq_length=SEQ) if s.module == "llm"
     ][0]
     batch = build_sub_batch(model, samples, sub, seq_length=SEQ, seed=0)
-    hidden = llm.embed([{"embeddings": embeddings}], batch)["hidden"][:, 0]
-    where = batch.image_positions
+    hidden = llm.parts.embed(llm, [{"vit.embeddings": embeddings}], batch)["hidden"][:, 0]
+    where = batch.tensors["vit.positions"]
     assert where.numel() == embeddings.shape[0] == 5
     torch.testing.assert_close(hidden[where], embeddings)
     text = torch.ones(SEQ, dtype=torch.bool)
     text[where] = False
     torch.testing.assert_close(hidden[text], llm.pre.word_embeddings.weight[batch.token_ids[text]])
-    with pytest.raises(ValueError, match="IMAGE_TOKEN positions"):
-        llm.embed([{"embeddings": embeddings[:-1]}], batch)
+    with pytest.raises(ValueError, match="vit embeddings for 5 placeholder positions"):
+        llm.parts.embed(llm, [{"vit.embeddings": embeddings[:-1]}], batch)
 
 
 def test_vit_attends_within_each_image_only(groups):
     model, vit, _ = _vlm_chunks(groups)
     samples = _vlm_batch()[0]
-    base = _run_vit(model, vit, samples)["embeddings"]
-    samples[2].images[0] = samples[2].images[0] + 1.0  # the third image: LLM rows 3 and 4
-    changed = _run_vit(model, vit, samples)["embeddings"]
+    base = _run_vit(model, vit, samples)["vit.embeddings"]
+    samples[2].media["vit"][0] = (
+        samples[2].media["vit"][0] + 1.0
+    )  # the third image: LLM rows 3 and 4
+    changed = _run_vit(model, vit, samples)["vit.embeddings"]
     torch.testing.assert_close(changed[:3], base[:3], rtol=0, atol=0)
     assert not torch.allclose(changed[3:], base[3:])
 
@@ -253,9 +259,7 @@ def test_documents_and_causality_mask_llm_attention(groups):
     rng = np.random.default_rng(1)
     samples = [_vlm_sample(rng, 0, []), _vlm_sample(rng, 1, [], tail=10)]  # 5 + 10 tokens
     sub = [
-        s
-        for s in split_submicrobatches(model, samples, microbatch=0, seq_length=SEQ)
-        if s.module == "llm"
+        s for s in split_samples(model, samples, microbatch=0, seq_length=SEQ) if s.module == "llm"
     ][0]
 
     def hidden():
@@ -272,8 +276,8 @@ def test_documents_and_causality_mask_llm_attention(groups):
 
 def test_dit_noise_is_drawn_from_sample_ids_not_global_rng():
     model, samples = tiny_t2v(), _t2v_batch()[0]
-    subs = split_submicrobatches(model, samples, microbatch=0, seq_length=SEQ, sizes={"dit": 2})
-    whole = split_submicrobatches(model, samples, microbatch=0, seq_length=SEQ)
+    subs = split_samples(model, samples, microbatch=0, seq_length=SEQ, sizes={"dit": 2})
+    whole = split_samples(model, samples, microbatch=0, seq_length=SEQ)
     dit_whole = [s for s in whole if s.module == "dit"][0]
     torch.manual_seed(0)
     a = build_sub_batch(model, samples, dit_whole, seq_length=SEQ, seed=5)
@@ -344,7 +348,7 @@ def test_loss_normalisation_modes(groups):
 def test_message_tensors_match_chunk_outputs_and_reject_others(groups):
     model, samples = tiny_t2v(), _t2v_batch()[0]
     sizes = {"text": 2, "dit": 1}
-    subs = split_submicrobatches(model, samples, microbatch=0, seq_length=SEQ, sizes=sizes)
+    subs = split_samples(model, samples, microbatch=0, seq_length=SEQ, sizes=sizes)
     lookup = {s.work: s for s in subs}.__getitem__
     deps = cross_module_dependencies(model, subs)
     assert [(d.producer.sub, d.consumer.sub) for d in deps] == [(0, 0), (0, 1), (1, 2)]
@@ -432,6 +436,6 @@ def test_metadata_loss_tokens_are_what_the_loss_chunk_counts(groups, make_model,
             _, _, num_tokens = pipe.forward(batch, microbatch=i, sizes=sizes)
             assert int(num_tokens) == sum(m.loss_tokens for m in mb.samples)
             assert int(num_tokens) == loss_tokens_of(model, batch)
-            lost += sum(m.text_tokens - sum(m.llm_tokens) - m.loss_tokens for m in mb.samples)
+            lost += sum(m.text_tokens - m.placeholder_tokens - m.loss_tokens for m in mb.samples)
     if mixture == "mixed":  # the old estimate (text minus placeholders) was off
         assert lost > 0

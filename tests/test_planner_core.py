@@ -2,8 +2,9 @@
 on small hand-checkable cases with a toy cost model."""
 
 import pytest
+from metas import t2v_meta, vlm_meta
 
-from megatron_dip.data.sample import SampleMeta
+from megatron_dip.batching import split_microbatch, split_sizes
 from megatron_dip.modelspec import tiny_t2v, tiny_vlm
 from megatron_dip.planner.list_scheduler import (
     build_stage_graph,
@@ -17,7 +18,6 @@ from megatron_dip.planner.placement import (
     segments_per_module,
 )
 from megatron_dip.planner.search import SearchConfig, mcts_order, unit_constraints
-from megatron_dip.planner.submicrobatch import split_microbatch, split_sizes
 from megatron_dip.schedule.graph import Dataflow
 from megatron_dip.schedule.ir import (
     Backward,
@@ -96,9 +96,9 @@ def test_split_sizes_balanced_ceil():
 def test_vlm_microbatch_subs_and_dependencies():
     model = tiny_vlm()
     samples = [
-        SampleMeta(0, 40, (64, 64), (16, 16)),
-        SampleMeta(1, 20),
-        SampleMeta(2, 30, (64, 64, 64), (16, 16, 16)),
+        vlm_meta(0, 40, (64, 64), (16, 16)),
+        vlm_meta(1, 20),
+        vlm_meta(2, 30, (64, 64, 64), (16, 16, 16)),
     ]
     work = split_microbatch(model, samples, index=3, seq_length=128, sub_sizes={"vit": 2})
     vit = [s for s in work.submicrobatches if s.module == "vit"]
@@ -116,7 +116,7 @@ def test_vlm_microbatch_subs_and_dependencies():
 
 def test_t2v_dit_needs_captions_of_its_clips():
     model = tiny_t2v()
-    samples = [SampleMeta(i, 10 + i, (32,)) for i in range(5)]
+    samples = [t2v_meta(i, 10 + i, 32) for i in range(5)]
     work = split_microbatch(
         model, samples, index=0, seq_length=256, sub_sizes={"text": 3, "dit": 2}
     )
@@ -128,7 +128,7 @@ def test_t2v_dit_needs_captions_of_its_clips():
 def test_text_longer_than_sequence_is_rejected_naming_samples():
     with pytest.raises(ValueError, match=r"samples \[7\]"):
         split_microbatch(
-            tiny_vlm(), [SampleMeta(7, 300)], index=0, seq_length=128, sub_sizes={"vit": 1}
+            tiny_vlm(), [vlm_meta(7, 300)], index=0, seq_length=128, sub_sizes={"vit": 1}
         )
 
 

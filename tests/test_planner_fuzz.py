@@ -17,6 +17,7 @@ import sys
 
 import pytest
 from hypothesis import example, given, settings
+from metas import t2v_meta, vlm_meta
 from planner_cases import (
     LARGE,
     MERGE,
@@ -34,13 +35,13 @@ from planner_cases import (
     tiny_case,
 )
 
-from megatron_dip.data.sample import BatchMeta, SampleMeta
-from megatron_dip.modelspec import ModuleKind, ModuleSpec, MultimodalSpec
+from megatron_dip.batching import split_microbatch
+from megatron_dip.data.sample import BatchMeta, InstanceCounts, SampleMeta
+from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import get_device
 from megatron_dip.planner.memory import MemoryLimitError
 from megatron_dip.planner.search import SearchConfig
-from megatron_dip.planner.submicrobatch import split_microbatch
 from megatron_dip.schedule.ir import Forward, Recompute
 from megatron_dip.schedule.serialize import plan_to_bytes
 
@@ -57,7 +58,7 @@ def _found_silent_overcommit() -> Case:
     recomputation needs; the planner returned an overcommitted plan without a word."""
     vit = ModuleSpec(
         "vit",
-        ModuleKind.VIT,
+        "vit",
         1,
         layer_shape(SMALL, gated=False),
         trainable=False,
@@ -66,10 +67,10 @@ def _found_silent_overcommit() -> Case:
         merge=MERGE,
         out_hidden=SMALL[0],
     )
-    llm = ModuleSpec("llm", ModuleKind.LLM, 1, layer_shape(SMALL, gated=True), vocab_size=128)
+    llm = ModuleSpec("llm", "llm", 1, layer_shape(SMALL, gated=True), vocab_size=128)
     return tiny_case(
         model=MultimodalSpec("fuzz-vlm", (vit, llm)),
-        batch=BatchMeta(0, (SampleMeta(0, 1),)),
+        batch=BatchMeta(0, (vlm_meta(0, 1),)),
         pipeline=1,
         sub_sizes=(("vit", 1),),
         search=False,
@@ -86,7 +87,7 @@ def _found_timing_dependent_milp() -> Case:
         (t2v_encoder(9, LARGE, trainable=False), dit_module(8, LARGE, cond_hidden=LARGE[0])),
     )
     clips = [(50, 12, 3), (21, 7, 7), (38, 12, 6), (54, 4, 1), (21, 7, 7), (6, 24, 2), (27, 18, 3)]
-    samples = tuple(SampleMeta(i, t, (v,), (0,), (f,)) for i, (t, v, f) in enumerate(clips))
+    samples = tuple(t2v_meta(i, t, v, f) for i, (t, v, f) in enumerate(clips))
     return tiny_case(
         model=model,
         batch=BatchMeta(2, samples),
@@ -184,7 +185,7 @@ def test_text_to_video_sample_needs_exactly_one_clip() -> None:
     # The runtime conditions clip i on caption i; a sample with two clips used to get
     # dependencies the runtime's messages could not satisfy.
     model = MultimodalSpec("t2v", (t2v_encoder(), dit_module()))
-    bad = SampleMeta(3, 10, (8, 8), (0, 0), (1, 1))
+    bad = SampleMeta(3, 10, {"dit": InstanceCounts((8, 8), (), (1, 1))})
     with pytest.raises(ValueError, match=r"samples \[3\] do not hold exactly one clip"):
         split_microbatch(model, [bad], index=0, seq_length=SEQ, sub_sizes={"text": 1, "dit": 1})
 
@@ -195,7 +196,7 @@ def test_sequence_parallel_needs_seq_length_divisible_by_tp() -> None:
     with pytest.raises(ValueError, match="multiple of the tensor-parallel size 4"):
         split_microbatch(
             model,
-            [SampleMeta(0, 10)],
+            [vlm_meta(0, 10)],
             index=0,
             seq_length=50,
             sub_sizes={"vit": 1},
@@ -205,11 +206,11 @@ def test_sequence_parallel_needs_seq_length_divisible_by_tp() -> None:
 
 @pytest.mark.parametrize("kind", ["vlm", "t2v"])
 def test_layout_split_is_the_planners_split(kind: str) -> None:
-    """`models.layout` splits samples with arrays exactly as the planner splits their metadata
+    """`batching.split_samples` splits samples with arrays exactly as the planner splits their metadata
     (one definition of sub-microbatches and dependencies)."""
+    from megatron_dip.batching import cross_module_dependencies, split_samples
     from megatron_dip.data.meta import sample_meta
     from megatron_dip.data.synthetic import generate_samples
-    from megatron_dip.models.layout import cross_module_dependencies, split_submicrobatches
     from megatron_dip.modelspec import tiny_t2v, tiny_vlm
 
     model = tiny_vlm() if kind == "vlm" else tiny_t2v()
@@ -218,8 +219,8 @@ def test_layout_split_is_the_planners_split(kind: str) -> None:
     metas = [sample_meta(s, model=model) for s in samples]
     seq = 64 * -(-sum(m.text_tokens for m in metas) // 64)
     for size in (1, 2, 3):
-        sizes = {m.name: size for m in model.modules if m.kind is not ModuleKind.LLM}
-        subs = split_submicrobatches(
+        sizes = {m.name: size for m in model.modules if m.kind != "llm"}
+        subs = split_samples(
             model, samples, microbatch=2, seq_length=seq, sizes=sizes, pad_multiple=2
         )
         work = split_microbatch(
@@ -227,7 +228,7 @@ def test_layout_split_is_the_planners_split(kind: str) -> None:
         )
         assert subs == work.submicrobatches
         assert cross_module_dependencies(model, subs) == work.dependencies
-    whole = split_submicrobatches(model, samples, microbatch=0, seq_length=seq)
+    whole = split_samples(model, samples, microbatch=0, seq_length=seq)
     assert [s.index for s in whole] == [0] * len(model.modules)  # default: one per module
 
 

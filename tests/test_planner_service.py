@@ -220,8 +220,9 @@ def test_planner_never_loses_to_megatron_order_on_its_placement():
 
     planner = make_planner(rollouts=4)
     metas = generate_meta("text-only", model=tiny_vlm(), num_samples=48, seed=5, scale=0.05)
-    chosen = planner.plan_batch(BatchMeta(0, tuple(metas)))[0]
-    works = merge_submicrobatches(planner.microbatches(metas))
+    batch = BatchMeta(0, tuple(metas))
+    chosen = planner.plan_batch(batch)[0]
+    works = merge_submicrobatches(planner.layout(batch).replicas[0].works)
     sub_of = {s.work: s for w in works for s in w.submicrobatches}
     alt = megatron_order_plan(
         planner.model,

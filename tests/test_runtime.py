@@ -12,9 +12,10 @@ import test_runtime_setups as st
 import torch
 import torch.distributed as dist
 
-from megatron_dip.models.chunk import ModelGroups, build_chunk
+from megatron_dip.modalities import build_chunk
+from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
-from megatron_dip.models.reference import reference_loss_and_grads
+from megatron_dip.reference import reference_loss_and_grads
 from megatron_dip.runtime import executor as executor_mod
 from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.executor import Executor, ExecutorConfig, check_handlers
@@ -251,7 +252,7 @@ def test_recompute_keeps_less_and_gives_the_same_gradients(groups, mode):
     )
     sub = next(s for s in batch.subs if s.module == "llm" and s.microbatch == 0)
     images = sum(1 for s in batch.subs if s.module == "vit" and s.microbatch == 0)
-    rows = source.sub_batch(sub.work).image_positions.numel()
+    rows = source.sub_batch(sub.work).tensors["vit.positions"].numel()
     gen = torch.Generator().manual_seed(0)
     emb = torch.randn(rows, 32, generator=gen, dtype=torch.float64)
     assert images > 0 and rows > 0
@@ -267,13 +268,13 @@ def test_recompute_keeps_less_and_gives_the_same_gradients(groups, mode):
             saved[0] += t.numel() * t.element_size()
             return t
 
-        inp = [{"embeddings": emb.clone().requires_grad_(True)}]
+        inp = [{"vit.embeddings": emb.clone().requires_grad_(True)}]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run_chunk(chunk, m, chunk, inp, source.sub_batch(sub.work))
         out["loss"].backward()
         hook.remove()
         grads = {n: p.grad.clone() for n, p in chunk.named_parameters()}
-        return saved[0], calls[0], grads, inp[0]["embeddings"].grad
+        return saved[0], calls[0], grads, inp[0]["vit.embeddings"].grad
 
     base = once(Recompute.NONE)
     got = once(mode)
@@ -362,7 +363,7 @@ def test_microbatch_without_images_and_frozen_text_encoder(groups):
     text-to-video model whose frozen text encoder runs forward only."""
     vlm = st.samples("vlm", 10, start=10)
     no_images = [vlm[2], vlm[7]]  # samples 12 and 17
-    assert not any(s.images for s in no_images)
+    assert not any(s.media.get("vit") for s in no_images)
     cases = [
         st.make_batch("vlm", [no_images, list(vlm[:2])], sizes=SIZES["vlm"]),
         st.make_batch(

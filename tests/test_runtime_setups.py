@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from megatron_dip.batching import cross_module_dependencies, message_tensors, split_samples
 from megatron_dip.data.sample import Sample, SampleMeta
 from megatron_dip.data.synthetic import MixtureSpec, SourceSpec, generate_samples
-from megatron_dip.models import ModelConfig, cross_module_dependencies, message_tensors
-from megatron_dip.models.layout import split_submicrobatches
-from megatron_dip.modelspec import MultimodalSpec, tiny_t2v, tiny_vlm
+from megatron_dip.models import ModelConfig
+from megatron_dip.modelspec import MultimodalSpec, tiny_omni, tiny_t2v, tiny_vlm
 from megatron_dip.schedule import (
     BatchTotals,
     ChunkSpec,
@@ -50,18 +50,34 @@ T2V_MIX = MixtureSpec(
     (SourceSpec("clips", 1.0, (2, 9), (1, 1), seconds=(0.05, 0.6)),),
     frame_grids=((2, 2), (2, 3)),
 )
+# Omni samples: 0-2 images and 0-2 audio segments of 4-20 mel frames (1-5 LLM tokens each) in
+# 2-10 text tokens: some with images, some with audio, some with both, some with neither.
+OMNI_MIX = MixtureSpec(
+    "test-omni",
+    "vlm",
+    (
+        SourceSpec(
+            "av", 1.0, (2, 10), (0, 2), "interleaved", audio=(0, 2), audio_seconds=(0.04, 0.2)
+        ),
+    ),
+    image_grid=1,
+)
+MIXES = {"vlm": VLM_MIX, "omni": OMNI_MIX}
 
 
 def model_of(kind: str) -> MultimodalSpec:
-    """ "vlm", "t2v" (trainable text encoder) or "t2v-frozen"."""
+    """ "vlm", "omni" (ViT + audio encoder + LLM), "t2v" (trainable text encoder) or
+    "t2v-frozen"."""
     if kind == "vlm":
         return tiny_vlm()
+    if kind == "omni":
+        return tiny_omni()
     return tiny_t2v(train_text=kind != "t2v-frozen")
 
 
 @functools.cache
 def samples(kind: str, count: int, start: int = 0) -> tuple[Sample, ...]:
-    mix = VLM_MIX if kind == "vlm" else T2V_MIX
+    mix = MIXES.get(kind, T2V_MIX)
     return tuple(
         generate_samples(mix, model=model_of(kind), num_samples=count, seed=SEED, start=start)
     )
@@ -135,7 +151,7 @@ def make_batch(
     subs = tuple(
         s
         for i, mb in enumerate(microbatches)
-        for s in split_submicrobatches(
+        for s in split_samples(
             model,
             mb,
             microbatch=i,
@@ -184,16 +200,17 @@ def dip_placement(model: MultimodalSpec, num_ranks: int, segments: Mapping[str, 
 
 
 def stock_placement(model: MultimodalSpec, num_ranks: int, vp: int) -> tuple[Placement, list]:
-    """Megatron LLaVA-style: producers whole on rank 0 (one chunk), the loss module cut into
-    P*vp chunks (chunk c on rank c mod P); returns the placement and the stage units."""
-    producer, loss = model.modules[0], model.loss_module
+    """Megatron LLaVA-style: producers whole on rank 0 (one chunk each), the loss module cut
+    into P*vp chunks (chunk c on rank c mod P); returns the placement and the stage units."""
+    loss = model.loss_module
+    producers = [m for m in model.modules if m is not loss]
     n = num_ranks * vp
     layouts = [
-        ModuleLayout(
-            producer.name,
-            producer.num_layers,
-            producer.trainable,
-            (ChunkSpec(producer.name, 0, 0, 0, producer.num_layers),),
+        *(
+            ModuleLayout(
+                p.name, p.num_layers, p.trainable, (ChunkSpec(p.name, 0, 0, 0, p.num_layers),)
+            )
+            for p in producers
         ),
         ModuleLayout(
             loss.name,
@@ -207,7 +224,8 @@ def stock_placement(model: MultimodalSpec, num_ranks: int, vp: int) -> tuple[Pla
     ]
     units = [
         [
-            ([(producer.name, 0)] if r == 0 and j == 0 else []) + [(loss.name, j * num_ranks + r)]
+            ([(p.name, 0) for p in producers] if r == 0 and j == 0 else [])
+            + [(loss.name, j * num_ranks + r)]
             for j in range(vp)
         ]
         for r in range(num_ranks)
@@ -267,15 +285,15 @@ def sample_meta(model: MultimodalSpec, sample: Sample) -> SampleMeta:
 
 def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) -> Plan:
     """A searched DIP plan for `batch` (sub-microbatch sizes 2; recompute under the limit)."""
+    from megatron_dip.batching import split_microbatch
     from megatron_dip.planner.cost_model import CostModel
     from megatron_dip.planner.devices import get_device
     from megatron_dip.planner.dip import DipPlanner, PlannerConfig
     from megatron_dip.planner.search import SearchConfig
-    from megatron_dip.planner.submicrobatch import split_microbatch
 
     model = batch.model
     cost = CostModel(model, get_device("h100"), dtype_bytes=8)
-    sizes = {m.name: 2 for m in model.modules if m.name != "llm"}
+    sizes = {m.name: 2 for m in model.modules}
     config = PlannerConfig(
         seq_length=SEQ,
         sub_sizes=sizes,

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dip.cpu_support import seed_model_parallel_rng
-from megatron_dip.models.chunk import ModelGroups, build_chunk
+from megatron_dip.modalities import build_chunk
+from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
 from megatron_dip.runtime.checks import unwrap_chunk
 from megatron_dip.runtime.data import SampleBatchSource
@@ -229,7 +230,7 @@ def expect_rejection(run: Callable[[], Any]) -> dict[str, Any]:
 
 
 def reference(batch_all: Sequence[Sequence], kind: str, single: dist.ProcessGroup) -> dict:
-    from megatron_dip.models.reference import reference_loss_and_grads
+    from megatron_dip.reference import reference_loss_and_grads
 
     loss, grads = reference_loss_and_grads(
         st.model_of(kind),

@@ -37,9 +37,10 @@ def _with_undecodable_first_sample(directory) -> str:
     """A tiny LLaVA dataset whose first training sample's image is damaged past its header."""
     from test_training_faults import corrupt_png_pixels
 
+    from megatron_dip.batching import packing_limits
     from megatron_dip.data.tiny_llava import make_tiny_llava_sample
     from megatron_dip.modelspec import tiny_vlm
-    from megatron_dip.training.data_source import DataSpec, make_stream, packing_limits
+    from megatron_dip.training.data_source import DataSpec, make_stream
 
     path = make_tiny_llava_sample(directory, num_samples=16, seed=1)
     model = tiny_vlm()

@@ -81,8 +81,9 @@ def _resolve(base: list[str], data: str, *extra: str):
 
 def _stream(data: str, bad_samples: str):
     """The training stream of `data` for the tiny VLM (no `resolve`: the stream is the point)."""
+    from megatron_dip.batching import packing_limits
     from megatron_dip.modelspec import tiny_vlm
-    from megatron_dip.training.data_source import DataSpec, make_stream, packing_limits
+    from megatron_dip.training.data_source import DataSpec, make_stream
 
     spec = DataSpec.parse(data, scale=1.0, image_size=32, bad_samples=bad_samples)
     model = tiny_vlm()

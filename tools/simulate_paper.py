@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dip.data.stream import BatchStream, StreamConfig
 from megatron_dip.data.synthetic import MIXTURES, SyntheticSource
-from megatron_dip.modelspec import PAPER_SETUPS, ModuleKind
+from megatron_dip.modelspec import PAPER_SETUPS
 from megatron_dip.planner.compare import (
     Comparison,
     model_flops,
@@ -36,8 +36,7 @@ from megatron_dip.planner.search import SearchConfig
 
 logger = logging.getLogger("simulate_paper")
 
-VLM_MIXTURES = ("mixed", "laion", "obelics", "text-only")
-T2V_MIXTURES = ("t2v", "t2i")
+AUTO_MIXTURES = ("mixed", "laion", "obelics", "text-only", "omni", "t2v", "t2i")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,9 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def mixtures_for(setup_name: str, arg: str) -> list[str]:
-    """The mixtures of `arg` that fit the setup's model kind (VLM or text-to-video)."""
-    is_t2v = PAPER_SETUPS[setup_name].model.loss_module.kind is ModuleKind.DIT
-    fitting = T2V_MIXTURES if is_t2v else VLM_MIXTURES
+    """The mixtures of `arg` that fit the setup's model ("auto": the presets that do)."""
+    model = PAPER_SETUPS[setup_name].model
+    fitting = [m for m in AUTO_MIXTURES if MIXTURES[m].suits(model)]
     return list(fitting) if arg == "auto" else [m for m in arg.split(",") if m in fitting]
 
 
@@ -108,7 +107,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> dict:
     rows: dict[str, dict[str, list]] = {}
     for _ in range(args.batches):
         batch = next(stream)
-        works = cmp.planner().microbatches(list(batch.samples))
+        works = [w for r in cmp.planner().layout(batch).replicas for w in r.works]
         flops = model_flops(setup.model, cost, works)
         for o in cmp.run_batch(batch):
             row = rows.setdefault(

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_dip.data.meta import clip_tokens, model_kind, text_module, vision_module
 from megatron_dip.data.records import BadSampleError, OnBadSample, RecordReader, load_json_list
-from megatron_dip.data.sample import Sample, SampleMeta
+from megatron_dip.data.sample import InstanceCounts, Sample, SampleMeta
 from megatron_dip.data.tokenizer import ByteTokenizer
+from megatron_dip.modalities import text_module
+from megatron_dip.modalities.dit import clip_tokens
 from megatron_dip.modelspec import MultimodalSpec
 
 CAPTIONS_FILE = "captions.json"
@@ -73,7 +74,8 @@ class LatentDataset(RecordReader):
     def __init__(
         self, root: str | Path, *, model: MultimodalSpec, config: LatentConfig = LatentConfig()
     ) -> None:
-        if model_kind(model) != "diffusion":
+        dits = model.modules_of_kind("dit")
+        if not dits:
             raise ValueError(f"model {model.name!r} is not a text-to-video/image diffusion model")
         self.root = Path(root)
         self.config = config
@@ -83,7 +85,7 @@ class LatentDataset(RecordReader):
             raise ValueError(
                 f"the text encoder's vocabulary ({vocab}) is smaller than the tokenizer's"
             )
-        self._dit = vision_module(model)
+        self._dit = dits[0]
         self._records = load_json_list(self.root / CAPTIONS_FILE)
         super().__init__(
             model=model, num_samples=len(self._records), on_bad_sample=config.on_bad_sample
@@ -119,7 +121,8 @@ class LatentDataset(RecordReader):
         t, _, h, w = shape
         tokens = clip_tokens(frames=t, height=h, width=w, dit=self._dit)
         text = int(self._caption(index).size)
-        return SampleMeta(index, text, (tokens,), (0,), (t,), loss_tokens=tokens)
+        instances = {self._dit.name: InstanceCounts((tokens,), (), (t,))}
+        return SampleMeta(index, text, instances, loss_tokens=tokens)
 
     def _read_sample(self, index: int) -> Sample:
         try:
@@ -127,7 +130,7 @@ class LatentDataset(RecordReader):
                 latent = np.asarray(archive[LATENT_KEY], dtype=np.float32)
         except (zipfile.BadZipFile, KeyError, EOFError) as err:  # np.load's other failure types
             raise BadSampleError(f"cannot read the latent: {err!r}") from err
-        return Sample(index, self._caption(index), [latent])
+        return Sample(index, self._caption(index), {self._dit.name: [latent]})
 
 
 def write_latent_dataset(root: str | Path, records: Iterable[tuple[str, str, np.ndarray]]) -> Path:

@@ -8,10 +8,11 @@ Input: a JSON list of records
 
 `image` is a path relative to the image root (a list of paths for several images; absent for a
 text-only record). Each "<image>" tag in the conversation takes the next image, in order.
+The images feed the model's "vit" module; their placeholder id is that module's.
 
 Output (`sample.py` conventions): sample_id = the record's index in the list (the JSON id is
 kept for messages, `record_id`). Text = BOS, then every turn: its text with each "<image>"
-replaced by a run of IMAGE_TOKEN as long as the image's LLM tokens; a human turn ends with a
+replaced by a run of the ViT's placeholder id as long as the image's LLM tokens; a human turn ends with a
 newline, a gpt turn with EOS. labels_mask is 1 exactly on gpt-turn text and its EOS. Images are
 converted to RGB, resized to the model's patch grid (`grid_size`: sides multiples of
 patch * merge, the longer side at most `max_side`, aspect ratio kept as far as the grid allows)
@@ -27,10 +28,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from megatron_dip.data.meta import image_tokens, model_kind, text_module, vision_module
 from megatron_dip.data.records import BadSampleError, OnBadSample, RecordReader, load_json_list
-from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta, loss_targets
+from megatron_dip.data.sample import InstanceCounts, Sample, SampleMeta
 from megatron_dip.data.tokenizer import ByteTokenizer
+from megatron_dip.modalities import modality_of, text_module
+from megatron_dip.modalities.llm import loss_targets, placeholder_ids
+from megatron_dip.modalities.vit import image_tokens
 from megatron_dip.modelspec import MultimodalSpec
 
 IMAGE_TAG = "<image>"
@@ -76,7 +79,8 @@ class LlavaDataset(RecordReader):
         image_root: str | Path | None = None,
         config: LlavaConfig = LlavaConfig(),
     ) -> None:
-        if model_kind(model) != "vlm":
+        vits = model.modules_of_kind("vit")
+        if not vits or text_module(model).kind != "llm":
             raise ValueError(f"model {model.name!r} is not a vision-language model")
         self.json_path = Path(json_path)
         self.image_root = Path(image_root) if image_root is not None else self.json_path.parent
@@ -85,7 +89,9 @@ class LlavaDataset(RecordReader):
         vocab = text_module(model).vocab_size
         if vocab < self.tokenizer.vocab_size:
             raise ValueError(f"the LLM vocabulary ({vocab}) is smaller than the tokenizer's")
-        self._vit = vision_module(model)
+        self._vit = vits[0]
+        self._image_token = modality_of(self._vit).placeholder_id(self._vit)
+        self._placeholders = placeholder_ids(model, self._vit.feeds)
         self._unit = self._vit.patch_size * self._vit.merge
         grid_size(height=1, width=1, unit=self._unit, max_side=config.max_side)  # validates
         self._records = load_json_list(self.json_path)
@@ -135,26 +141,28 @@ class LlavaDataset(RecordReader):
         patches = tuple(p for p, _ in counts)
         llm = tuple(t for _, t in counts)
         text, mask = self._encode(index, list(llm))
-        loss = int(loss_targets(text, mask).sum())
-        return SampleMeta(index, int(text.size), patches, llm, loss_tokens=loss)
+        loss = int(loss_targets(text, mask, placeholders=self._placeholders).sum())
+        instances = {self._vit.name: InstanceCounts(patches, llm)}
+        return SampleMeta(index, int(text.size), instances, loss_tokens=loss)
 
     def _read_sample(self, index: int) -> Sample:
         sizes = self._sizes(index)
         images = [_load_image(p, size) for p, size in zip(self.image_paths(index), sizes)]
         llm = [image_tokens(height=h, width=w, vit=self._vit)[1] for h, w in sizes]
         text, mask = self._encode(index, llm)
-        return Sample(index, text, images, mask)
+        return Sample(index, text, {self._vit.name: images}, mask)
 
     def _encode(self, index: int, llm_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         return encode_conversation(
             self._records[index].get("conversations"),
             llm_tokens=llm_tokens,
             tokenizer=self.tokenizer,
+            image_token=self._image_token,
         )
 
 
 def encode_conversation(
-    conversations: Any, *, llm_tokens: list[int], tokenizer: ByteTokenizer
+    conversations: Any, *, llm_tokens: list[int], tokenizer: ByteTokenizer, image_token: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, labels_mask) of a LLaVA conversation; see the module docstring for layout.
 
@@ -176,7 +184,7 @@ def encode_conversation(
             if j:
                 if image >= len(llm_tokens):
                     raise BadSampleError(f"more {IMAGE_TAG} tags than the {len(llm_tokens)} images")
-                ids.append(np.full(llm_tokens[image], IMAGE_TOKEN, dtype=np.int64))
+                ids.append(np.full(llm_tokens[image], image_token, dtype=np.int64))
                 mask.append(np.zeros(llm_tokens[image], dtype=np.uint8))
                 image += 1
             enc = tokenizer.encode(part)

@@ -4,11 +4,13 @@ This is THE packing: the data side builds its tensors with it and the planner fo
 microbatches with it, from metadata alone, so both always agree on which samples share a
 microbatch and in which order their instances appear.
 
-Capacity is a `PackingLimits`: any of text tokens (a VLM's packed sequence length, image
-placeholders included), instances (images/clips), vision tokens (ViT patches / DiT latent
-tokens) and latent frames (clip duration). A VLM packs to `seq_length` text tokens; a
-text-to-video model, as in the paper, groups up to 8 clips per microbatch while their total
-duration stays within 16 s (64 latent frames at 16 FPS with a 4x causal VAE).
+Capacity is a `PackingLimits`: any of text tokens (a VLM's packed sequence length, placeholders
+included), instances (images, clips, audio segments of every media module), instance tokens
+(ViT patches, DiT latent tokens, audio encoder tokens) and frames (clip duration). What a
+model's microbatch holds is its loss module's modality's choice (`Modality.packing_caps`,
+`batching.packing_limits`): a VLM packs to `seq_length` text tokens; a text-to-video model, as
+in the paper, groups up to 8 clips per microbatch while their total duration stays within 16 s
+(64 latent frames at 16 FPS with a 4x causal VAE).
 
 Policies (both deterministic):
 
@@ -33,7 +35,7 @@ from typing import Literal, overload
 
 import numpy as np
 
-from megatron_dip.data.sample import SampleMeta
+from megatron_dip.data.sample import InstanceCounts, SampleMeta
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +48,16 @@ _UNBOUNDED = np.iinfo(np.int64).max
 class PackingLimits:
     """Capacity of one microbatch; None means unbounded. At least one limit must be set.
 
-    `seq_length`: text tokens per microbatch (a VLM's packed LLM sequence, image placeholders
-    included; for text-to-video all captions together). `max_instances`: images or clips.
-    `max_vision_tokens`: ViT patches / DiT latent tokens. `max_frames`: latent frames of all
-    clips (the clip-duration budget of text-to-video).
+    `seq_length`: text tokens per microbatch (a VLM's packed LLM sequence, placeholders
+    included; for text-to-video all captions together). `max_instances`: media instances
+    (images, clips, audio segments). `max_instance_tokens`: their tokens inside their modules
+    (ViT patches, DiT latent tokens, ...). `max_frames`: frames of all instances (the
+    clip-duration budget of text-to-video).
     """
 
     seq_length: int | None = None
     max_instances: int | None = None
-    max_vision_tokens: int | None = None
+    max_instance_tokens: int | None = None
     max_frames: int | None = None
 
     def __post_init__(self) -> None:
@@ -80,11 +83,11 @@ class PackingLimits:
         """Text-to-video microbatches: at most `max_clips` clips, `max_frames` latent frames in
         total (64 = 16 s at 16 FPS through a 4x causal VAE) and `max_latent_tokens`."""
         return cls(
-            max_instances=max_clips, max_vision_tokens=max_latent_tokens, max_frames=max_frames
+            max_instances=max_clips, max_instance_tokens=max_latent_tokens, max_frames=max_frames
         )
 
     def _values(self) -> tuple[int | None, ...]:
-        return (self.seq_length, self.max_instances, self.max_vision_tokens, self.max_frames)
+        return (self.seq_length, self.max_instances, self.max_instance_tokens, self.max_frames)
 
     def as_array(self) -> np.ndarray:
         """The limits in `demand`'s order as int64, unbounded ones as int64 max."""
@@ -92,16 +95,17 @@ class PackingLimits:
 
 
 def demand(meta: SampleMeta) -> np.ndarray:
-    """What `meta` uses of each limit: int64 [text tokens, instances, vision tokens, frames]."""
-    return np.array(
-        [meta.text_tokens, meta.num_instances, sum(meta.vision_tokens), sum(meta.frames)],
-        dtype=np.int64,
-    )
+    """What `meta` uses of each limit: int64 [text tokens, instances, instance tokens, frames]."""
+    return np.array(_demand_row(meta), dtype=np.int64)
+
+
+def _demand_row(meta: SampleMeta) -> tuple[int, int, int, int]:
+    return (meta.text_tokens, meta.num_instances, meta.instance_tokens, meta.frames)
 
 
 def oversize_reason(meta: SampleMeta, limits: PackingLimits) -> str | None:
     """Why `meta` fits in no microbatch under `limits`, or None when it fits."""
-    names = ("text tokens", "instances", "vision tokens", "latent frames")
+    names = ("text tokens", "instances", "instance tokens", "frames")
     for name, need, cap in zip(names, demand(meta), limits.as_array()):
         if need > cap:
             return (
@@ -134,28 +138,27 @@ class PackedMicrobatch:
 
     @property
     def instances_per_sample(self) -> tuple[int, ...]:
-        """Images/clips of each sample, in data order."""
+        """Media instances of each sample, in data order."""
         return tuple(s.num_instances for s in self.samples)
 
     @property
     def num_instances(self) -> int:
-        """Images/clips in the microbatch."""
+        """Media instances in the microbatch."""
         return sum(s.num_instances for s in self.samples)
 
     @property
-    def vision_tokens(self) -> tuple[int, ...]:
-        """Vision tokens per instance, in data order (instance k is the k-th image/clip)."""
-        return tuple(t for s in self.samples for t in s.vision_tokens)
+    def frames(self) -> int:
+        """Frames of every instance in the microbatch (latent frames of clips)."""
+        return sum(s.frames for s in self.samples)
 
-    @property
-    def llm_tokens(self) -> tuple[int, ...]:
-        """LLM tokens per instance, in data order (0 for diffusion clips)."""
-        return tuple(t for s in self.samples for t in s.llm_tokens)
-
-    @property
-    def frames(self) -> tuple[int, ...]:
-        """Latent frames per clip, in data order (diffusion; empty for VLMs)."""
-        return tuple(f for s in self.samples for f in s.frames)
+    def instances_of(self, module: str) -> InstanceCounts:
+        """The instances of `module` in data order (instance k is the module's k-th)."""
+        counts = [s.instances_of(module) for s in self.samples]
+        return InstanceCounts(
+            tuple(t for c in counts for t in c.tokens),
+            tuple(t for c in counts for t in c.placeholders),
+            tuple(t for c in counts for t in c.frames),
+        )
 
 
 class Packing(Sequence[PackedMicrobatch]):
@@ -304,13 +307,7 @@ def _drop_oversize(
 
 def _demands(samples: Sequence[SampleMeta]) -> np.ndarray:
     """`demand` of every sample as one int64 [n, 4] array."""
-    return np.array(
-        [
-            (m.text_tokens, len(m.vision_tokens), sum(m.vision_tokens), sum(m.frames))
-            for m in samples
-        ],
-        dtype=np.int64,
-    ).reshape(len(samples), 4)
+    return np.array([_demand_row(m) for m in samples], dtype=np.int64).reshape(len(samples), 4)
 
 
 def split_replicas(

@@ -1,68 +1,139 @@
 """Multimodal samples and the metadata the planner sees of them.
 
-A `Sample` holds tensors (as numpy arrays, so the data side needs no torch); `SampleMeta` is what
-the planner may know before any tensor exists: token counts only.
+A `Sample` holds arrays (numpy, so the data side needs no torch); `SampleMeta` is what the planner
+may know before any array exists: token counts only.
 
-Conventions shared by the data side, the planner and the models:
+Conventions shared by the data side, the planner and the models (each modality's own file in
+`megatron_dip.modalities` states the details of its kind):
 
-* VLM sample: `text` holds the token ids of the whole sample, with one run of `IMAGE_TOKEN` per
-  image, as long as that image's LLM token count (ViT patches / merge^2). `images[i]` is a
-  float32 [C, H, W] array, H and W multiples of patch_size * merge. `labels_mask[j] = 1` means
-  token j is a next-token prediction TARGET: the loss sits at position j - 1, whose output
-  predicts token j. 0 marks tokens nobody is trained to predict (prompts); image placeholders
-  are never targets (must be 0), and neither is token 0 (nothing precedes it within the sample;
-  packed samples never predict across their boundaries). No labels_mask = every token a target.
-  `loss_targets` applies these rules.
-* Text-to-video sample: `text` is the caption, `images[0]` one latent clip float32 [T, C, h, w]
-  (h, w multiples of the DiT patch size). The diffusion loss covers the clip's latent tokens.
+* `text` holds the token ids of the whole sample: for a VLM (or any LLM with producers) the
+  sample's sequence, with one run of a producer's placeholder id per instance, as long as the
+  tokens that instance occupies in the LLM (`InstanceCounts.placeholders`); for text-to-video
+  the caption. `labels_mask[j] = 1` marks token j as a next-token prediction target (see
+  `modalities.llm.loss_targets`); no labels_mask = every token a target.
+* `media[module]` lists the arrays of that module's instances, in order: ViT images float32
+  [C, H, W], DiT latent clips float32 [T, C, h, w] (one per sample), audio log-mel segments
+  float32 [mel bins, frames].
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-IMAGE_TOKEN = 1  # placeholder id, reserved in every tokenizer we build
-PAD_TOKEN = 0
+from megatron_dip.modalities import InstanceCounts
+from megatron_dip.modalities.llm import loss_targets
+from megatron_dip.modelspec import IMAGE_TOKEN, PAD_TOKEN
+
+__all__ = [
+    "IMAGE_TOKEN",
+    "PAD_TOKEN",
+    "BatchMeta",
+    "InstanceCounts",
+    "ModuleInstances",
+    "Sample",
+    "SampleMeta",
+    "loss_targets",
+]
+
+_NONE = InstanceCounts()
+
+
+class ModuleInstances(Mapping[str, InstanceCounts]):
+    """An immutable, hashable mapping module name -> `InstanceCounts`, sorted by name (so equal
+    contents compare, hash and print equal however they were built); modules without instances
+    are left out."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, InstanceCounts] | None = None) -> None:
+        pairs = tuple(sorted((str(k), v) for k, v in (items or {}).items() if len(v)))
+        for name, counts in pairs:
+            if not isinstance(counts, InstanceCounts):
+                raise TypeError(f"instances of {name!r} must be InstanceCounts, got {counts!r}")
+        self._items = pairs
+
+    def __getitem__(self, name: str) -> InstanceCounts:
+        for key, value in self._items:
+            if key == name:
+                return value
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ModuleInstances):
+            return self._items == other._items
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"ModuleInstances({dict(self._items)!r})"
 
 
 @dataclass(frozen=True)
 class SampleMeta:
     """What the planner may see of one sample.
 
-    `vision_tokens[i]`: tokens of image/clip i inside its vision module (ViT patches, DiT latent
-    tokens); `llm_tokens[i]`: tokens it occupies in the LLM sequence (VLM only, else 0).
-    `text_tokens`: all tokens of the text sequence (image placeholders included for VLMs; the
-    caption for text-to-video). `frames[i]`: latent frames of clip i (diffusion only, else
-    empty); text-to-video packing budgets clip duration in these.
+    `text_tokens`: all tokens of the text sequence (placeholders included; the caption for
+    text-to-video). `instances[module]`: the `InstanceCounts` of each media module (tokens of
+    each instance inside its module, placeholder tokens it occupies in its consumer, frames);
+    a mapping is accepted and frozen.
 
     `loss_tokens`: the tokens of this sample that carry a loss, exactly as the models count them
-    for the loss normalisation ("num_tokens" of the loss chunk): VLM, the next-token targets
-    (`loss_targets`); text-to-video, every latent token of the clip (the DiT's flow-matching
-    loss is averaged over them). The data side always sets it; left out (None, hand-built
-    metadata), it is estimated as every non-placeholder text token but the first when `frames`
-    is empty, else `sum(vision_tokens)`, and is an int after construction.
+    for the loss normalisation ("num_tokens" of the loss chunk). The data side always sets it;
+    left out (None, hand-built metadata) it is estimated: the instance tokens of the modules
+    with frames when there are any (a diffusion loss over latent tokens), else every text token
+    but the first and the placeholders.
     """
 
     sample_id: int
     text_tokens: int
-    vision_tokens: tuple[int, ...] = ()
-    llm_tokens: tuple[int, ...] = ()
-    frames: tuple[int, ...] = ()
+    instances: ModuleInstances = field(default_factory=ModuleInstances)
     loss_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.instances, ModuleInstances):
+            object.__setattr__(self, "instances", ModuleInstances(self.instances))
         if self.loss_tokens is None:
-            if self.frames:
-                estimate = sum(self.vision_tokens)
+            timed = [c for c in self.instances.values() if c.frames]
+            if timed:
+                estimate = sum(sum(c.tokens) for c in timed)
             else:
-                estimate = max(0, self.text_tokens - sum(self.llm_tokens) - 1)
+                estimate = max(0, self.text_tokens - self.placeholder_tokens - 1)
             object.__setattr__(self, "loss_tokens", estimate)
+
+    def instances_of(self, module: str) -> InstanceCounts:
+        """The instances of `module` (empty when the sample has none)."""
+        return self.instances.get(module, _NONE)
 
     @property
     def num_instances(self) -> int:
-        return len(self.vision_tokens)
+        """Instances of every media module."""
+        return sum(len(c) for c in self.instances.values())
+
+    @property
+    def instance_tokens(self) -> int:
+        """Tokens of every media instance inside its module."""
+        return sum(sum(c.tokens) for c in self.instances.values())
+
+    @property
+    def placeholder_tokens(self) -> int:
+        """Text tokens that are producers' placeholders."""
+        return sum(sum(c.placeholders) for c in self.instances.values())
+
+    @property
+    def frames(self) -> int:
+        """Duration units of every instance (latent frames of clips)."""
+        return sum(sum(c.frames) for c in self.instances.values())
 
 
 @dataclass(frozen=True)
@@ -83,20 +154,5 @@ class Sample:
 
     sample_id: int
     text: np.ndarray
-    images: list[np.ndarray] = field(default_factory=list)
+    media: dict[str, list[np.ndarray]] = field(default_factory=dict)
     labels_mask: np.ndarray | None = None
-
-
-def loss_targets(text: np.ndarray, labels_mask: np.ndarray | None = None) -> np.ndarray:
-    """Boolean [len(text)]: whether token j is a next-token prediction target.
-
-    True where `labels_mask` is 1 (every token without a mask), except token 0 and image
-    placeholders (see the module docstring). Position j - 1 of the LLM carries the loss of
-    target j; the LLM's loss-token count of the sample is the number of True entries.
-    """
-    text = np.asarray(text)
-    targets = text != IMAGE_TOKEN
-    if labels_mask is not None:
-        targets &= np.asarray(labels_mask) != 0
-    targets[:1] = False
-    return targets

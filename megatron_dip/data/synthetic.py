@@ -19,10 +19,14 @@ samples is thus reproducible on its own, and `sample_meta(generate_samples(...)[
 
 Presets (`MIXTURES`): "laion" (one image, 5-60 caption tokens: a packed 8192 sequence holds up to
 ~47 images of 169 tokens), "obelics" (interleaved documents, 300-3000 text tokens, 0-6 images),
-"mixed" (both, half the samples each), "text-only"; for diffusion "t2v" (clips of 2-16 s at
-16 FPS, a causal VAE with 4x temporal and 8x spatial compression, 256p in three aspect ratios,
-captions of 20-200 tokens) and "t2i" (512p still images, one latent frame). Text lengths and
-durations are log-uniform: short items dominate, as in web data.
+"mixed" (both, half the samples each), "text-only"; "omni" (for an LLM fed by a ViT and an audio
+encoder: captioned images, speech of 2-30 s with its transcript, audio-visual questions with
+both, interleaved documents); for diffusion "t2v" (clips of 2-16 s at 16 FPS, a causal VAE with
+4x temporal and 8x spatial compression, 256p in three aspect ratios, captions of 20-200 tokens)
+and "t2i" (512p still images, one latent frame). Text lengths and durations are log-uniform:
+short items dominate, as in web data. A VLM mixture's instances are images of the model's "vit"
+module, a diffusion mixture's are clips of its "dit" module; audio segments go to its "audio"
+module, placed before everything else of their sample.
 """
 
 from __future__ import annotations
@@ -35,23 +39,28 @@ from typing import Literal
 
 import numpy as np
 
-from megatron_dip.data.meta import ModelKind, model_kind, text_module, vision_module
-from megatron_dip.data.sample import IMAGE_TOKEN, Sample, SampleMeta
-from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.data.sample import InstanceCounts, Sample, SampleMeta
+from megatron_dip.modalities import modality, text_module
+from megatron_dip.modalities.audio import frames_for_seconds
+from megatron_dip.modalities.llm import placeholder_ids
+from megatron_dip.modalities.vit import image_tokens
+from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 
 BLOCK = 1024
 _STRUCTURE, _CONTENT = 0, 1
 _FIRST_TEXT_ID = 2  # 0 = PAD and 1 = IMAGE_TOKEN never appear as text
+MixtureKind = Literal["vlm", "diffusion"]
 
 
 @dataclass(frozen=True)
 class SourceSpec:
     """One kind of sample in a mixture. Ranges are inclusive.
 
-    `layout`: "image_first" puts the images before the text (captioning data), "interleaved"
-    places them at random distinct positions inside the text (documents).
-    `seconds`: clip duration range for diffusion video; None makes still images (one latent
-    frame).
+    `instances`: images (VLM) or clips (diffusion) per sample. `layout`: "image_first" puts the
+    images before the text (captioning data), "interleaved" places them at random distinct
+    positions inside the text (documents). `seconds`: clip duration range for diffusion video;
+    None makes still images (one latent frame). `audio`: audio segments per sample (VLM
+    mixtures), each of `audio_seconds`.
     """
 
     name: str
@@ -60,20 +69,25 @@ class SourceSpec:
     instances: tuple[int, int] = (0, 0)
     layout: Literal["image_first", "interleaved"] = "image_first"
     seconds: tuple[float, float] | None = None
+    audio: tuple[int, int] = (0, 0)
+    audio_seconds: tuple[float, float] = (2.0, 30.0)
 
     def __post_init__(self) -> None:
         lo, hi = self.text_tokens
         if self.weight <= 0 or not 1 <= lo <= hi:
             raise ValueError(f"source {self.name!r}: need weight > 0 and 1 <= text range: {self}")
-        if not 0 <= self.instances[0] <= self.instances[1]:
-            raise ValueError(f"source {self.name!r}: bad instance range {self.instances}")
-        if self.seconds is not None and not 0 < self.seconds[0] <= self.seconds[1]:
-            raise ValueError(f"source {self.name!r}: bad duration range {self.seconds}")
+        for what, (a, b) in (("instance", self.instances), ("audio", self.audio)):
+            if not 0 <= a <= b:
+                raise ValueError(f"source {self.name!r}: bad {what} range {(a, b)}")
+        for what, r in (("duration", self.seconds), ("audio duration", self.audio_seconds)):
+            if r is not None and not 0 < r[0] <= r[1]:
+                raise ValueError(f"source {self.name!r}: bad {what} range {r}")
 
 
 @dataclass(frozen=True)
 class MixtureSpec:
-    """A weighted mixture of sources for one model kind ("vlm" or "diffusion").
+    """A weighted mixture of sources of one data kind: "vlm" (a text sequence with placeholders,
+    images for a ViT, audio for an audio encoder) or "diffusion" (captions and latent clips).
 
     `image_grid`: VLM images are square with image_grid^2 LLM tokens. `frame_grids`: diffusion
     latent frames of (rows, cols) DiT tokens, one drawn uniformly per sample. Video frames come
@@ -82,7 +96,7 @@ class MixtureSpec:
     """
 
     name: str
-    kind: ModelKind
+    kind: MixtureKind
     sources: tuple[SourceSpec, ...]
     image_grid: int = 13
     frame_grids: tuple[tuple[int, int], ...] = ((16, 16),)
@@ -96,11 +110,28 @@ class MixtureSpec:
         if self.image_grid < 1 or not self.frame_grids or min(min(g) for g in self.frame_grids) < 1:
             raise ValueError(f"mixture {self.name!r}: grids must be >= 1")
 
+    @property
+    def has_audio(self) -> bool:
+        """Whether some source draws audio segments."""
+        return any(s.audio[1] > 0 for s in self.sources)
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """The module kinds a model needs for this data: where its instances go."""
+        return frozenset(
+            {"vit" if self.kind == "vlm" else "dit"} | ({"audio"} if self.has_audio else set())
+        )
+
+    def suits(self, model: MultimodalSpec) -> bool:
+        """Whether `model` has modules for all of this mixture's instances."""
+        return self.needs <= {m.kind for m in model.modules}
+
     def scaled(self, factor: float) -> MixtureSpec:
         """A copy whose text lengths and per-image/per-frame token counts shrink by ~`factor`.
 
         Image and frame sides shrink by sqrt(factor) so their token areas follow the text and a
-        packed sequence keeps about as many images. Counts and durations stay as they are.
+        packed sequence keeps about as many images; audio durations shrink by `factor` (their
+        tokens are linear in time). Counts and clip durations stay as they are.
         """
         if factor <= 0:
             raise ValueError(f"scale factor must be positive, got {factor}")
@@ -114,7 +145,13 @@ class MixtureSpec:
             lo = max(1, round(r[0] * factor))
             return lo, max(lo, round(r[1] * factor))
 
-        sources = tuple(replace(s, text_tokens=text(s.text_tokens)) for s in self.sources)
+        def audio(r: tuple[float, float]) -> tuple[float, float]:
+            return r[0] * factor, r[1] * factor
+
+        sources = tuple(
+            replace(s, text_tokens=text(s.text_tokens), audio_seconds=audio(s.audio_seconds))
+            for s in self.sources
+        )
         grids = tuple((side(h), side(w)) for h, w in self.frame_grids)
         return replace(
             self,
@@ -128,6 +165,8 @@ class MixtureSpec:
 _LAION = SourceSpec("laion", 1.0, (5, 60), (1, 1), "image_first")
 _OBELICS = SourceSpec("obelics", 1.0, (300, 3000), (0, 6), "interleaved")
 _TEXT = SourceSpec("text", 1.0, (100, 4000))
+_SPEECH = SourceSpec("speech", 1.0, (10, 200), audio=(1, 1), audio_seconds=(2.0, 30.0))
+_AVQA = SourceSpec("av-qa", 0.5, (10, 120), (1, 1), audio=(1, 2), audio_seconds=(2.0, 15.0))
 _VIDEO = SourceSpec("video", 1.0, (20, 200), (1, 1), seconds=(2.0, 16.0))
 _STILL = SourceSpec("image", 1.0, (10, 120), (1, 1))
 _VIDEO_GRIDS = ((16, 16), (16, 28), (28, 16))  # 256x256, 256x448, 448x256 pixels at 8x and p=2
@@ -138,6 +177,7 @@ MIXTURES: MappingProxyType[str, MixtureSpec] = MappingProxyType(
         "obelics": MixtureSpec("obelics", "vlm", (_OBELICS,)),
         "mixed": MixtureSpec("mixed", "vlm", (_LAION, _OBELICS)),
         "text-only": MixtureSpec("text-only", "vlm", (_TEXT,)),
+        "omni": MixtureSpec("omni", "vlm", (_LAION, _SPEECH, _AVQA, _OBELICS)),
         "t2v": MixtureSpec("t2v", "diffusion", (_VIDEO,), frame_grids=_VIDEO_GRIDS),
         "t2i": MixtureSpec(
             "t2i", "diffusion", (_STILL,), frame_grids=((32, 32), (32, 56), (56, 32))
@@ -159,11 +199,13 @@ class _Structure:
     """Per-sample draws of a range of samples (arrays of equal length)."""
 
     source: np.ndarray
-    text: np.ndarray  # text tokens without image placeholders (VLM) / caption tokens
+    text: np.ndarray  # text tokens without placeholders (VLM) / caption tokens
     instances: np.ndarray
     frames: np.ndarray  # latent frames per clip (diffusion), 1 for still images
     grid: np.ndarray  # index into frame_grids (diffusion)
-    lead: np.ndarray  # VLM: the sample starts with an image (its first token is no target)
+    lead: np.ndarray  # VLM: the sample's images start with one (before any audio)
+    audio: np.ndarray  # audio segments (zeros when the mixture has no audio)
+    audio_seconds: np.ndarray  # [n, max segments] duration of each audio segment
 
     def __len__(self) -> int:
         return len(self.source)
@@ -183,20 +225,26 @@ def _log_uniform(u: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.clip(np.floor(x), lo, hi).astype(np.int64)
 
 
+def _per_source(src: Sequence[SourceSpec], source: np.ndarray, get) -> tuple[np.ndarray, ...]:
+    """Each sample's value of `get(s)` (a pair) for its source, as two arrays."""
+    pairs = [get(s) for s in src]
+    return tuple(np.array([p[k] for p in pairs])[source] for k in (0, 1))
+
+
 def _draw_block(mixture: MixtureSpec, seed: int, block: int) -> _Structure:
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_STRUCTURE, block)))
     src = mixture.sources
     weights = np.cumsum([s.weight for s in src]) / sum(s.weight for s in src)
     source = np.minimum(np.searchsorted(weights, rng.random(BLOCK), side="right"), len(src) - 1)
-    t_lo, t_hi = (np.array([s.text_tokens[k] for s in src])[source] for k in (0, 1))
+    t_lo, t_hi = _per_source(src, source, lambda s: s.text_tokens)
     text = _log_uniform(rng.random(BLOCK), t_lo.astype(float), t_hi.astype(float))
-    i_lo, i_hi = (np.array([s.instances[k] for s in src])[source] for k in (0, 1))
+    i_lo, i_hi = _per_source(src, source, lambda s: s.instances)
     instances = i_lo + np.floor(rng.random(BLOCK) * (i_hi - i_lo + 1)).astype(np.int64)
     # Interleaved images sit before distinct text positions, so there must be enough text.
     interleaved = np.array([s.layout == "interleaved" for s in src])[source]
     text = np.where(interleaved, np.maximum(text, instances), text)
     video = np.array([s.seconds is not None for s in src])[source]
-    s_lo, s_hi = (np.array([(s.seconds or (1.0, 1.0))[k] for s in src])[source] for k in (0, 1))
+    s_lo, s_hi = _per_source(src, source, lambda s: s.seconds or (1.0, 1.0))
     seconds = np.exp(np.log(s_lo) + rng.random(BLOCK) * (np.log(s_hi) - np.log(s_lo)))
     raw_frames = np.maximum(1, np.rint(seconds * mixture.fps)).astype(np.int64)
     frames = np.where(video, 1 + (raw_frames - 1) // mixture.temporal_compression, 1)
@@ -205,7 +253,23 @@ def _draw_block(mixture: MixtureSpec, seed: int, block: int) -> _Structure:
     # image positions in [0, text) with probability n / text (drawn last: earlier draws keep).
     opens = rng.random(BLOCK) * text < instances
     lead = (instances > 0) & (~interleaved | opens)
-    return _Structure(source, text, instances, frames, grid, lead)
+    audio, audio_seconds = _draw_audio(mixture, rng, source)
+    return _Structure(source, text, instances, frames, grid, lead, audio, audio_seconds)
+
+
+def _draw_audio(mixture: MixtureSpec, rng: np.random.Generator, source: np.ndarray):
+    """Audio segments per sample and their durations (log-uniform); drawn after every other
+    draw, and only for mixtures with audio, so the other mixtures' streams are unchanged."""
+    if not mixture.has_audio:
+        return np.zeros(BLOCK, dtype=np.int64), np.zeros((BLOCK, 0))
+    src = mixture.sources
+    a_lo, a_hi = _per_source(src, source, lambda s: s.audio)
+    audio = a_lo + np.floor(rng.random(BLOCK) * (a_hi - a_lo + 1)).astype(np.int64)
+    d_lo, d_hi = _per_source(src, source, lambda s: s.audio_seconds)
+    most = max(s.audio[1] for s in src)
+    u = rng.random((BLOCK, most))
+    seconds = np.exp(np.log(d_lo)[:, None] + u * (np.log(d_hi) - np.log(d_lo))[:, None])
+    return audio, seconds
 
 
 def _structure(mixture: MixtureSpec, seed: int, start: int, stop: int) -> _Structure:
@@ -219,7 +283,9 @@ def _structure(mixture: MixtureSpec, seed: int, start: int, stop: int) -> _Struc
         parts.append(_draw_block(mixture, seed, block).part(lo, hi))
     if not parts:
         empty = [np.zeros(0, dtype=np.int64)] * 5
-        return _Structure(*empty, np.zeros(0, dtype=bool))
+        return _Structure(
+            *empty, np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), np.zeros((0, 0))
+        )
     return _Structure(*(np.concatenate(cols) for cols in zip(*(p.columns() for p in parts))))
 
 
@@ -227,35 +293,47 @@ def _structure(mixture: MixtureSpec, seed: int, start: int, stop: int) -> _Struc
 class _Sizes:
     """What the model makes of the mixture's token units."""
 
-    kind: ModelKind
+    kind: MixtureKind
     vocab: int
-    channels: int
-    patch: int  # ViT pixels per patch side / DiT latent pixels per patch side
+    reserved: tuple[int, ...]  # placeholder ids >= _FIRST_TEXT_ID that text never uses
+    media: ModuleSpec | None  # the ViT (VLM) or the DiT (diffusion)
     image_side: int  # VLM image side in pixels
     patches: int  # VLM ViT patches per image
     llm: int  # VLM LLM tokens per image
     grids: tuple[tuple[int, int], ...]  # diffusion DiT tokens per latent frame side
+    audio: ModuleSpec | None  # the audio encoder, when the mixture has audio
+
+
+def _module_of_kind(model: MultimodalSpec, kind: str, mixture: MixtureSpec) -> ModuleSpec:
+    found = model.modules_of_kind(kind)
+    if not found:
+        raise ValueError(
+            f"mixture {mixture.name!r} needs a module of kind {kind!r}; model {model.name!r} "
+            f"has {[m.kind for m in model.modules]}"
+        )
+    return found[0]
 
 
 def _sizes(mixture: MixtureSpec, model: MultimodalSpec, image_size: int | None) -> _Sizes:
-    kind = model_kind(model)
-    if kind != mixture.kind:
-        raise ValueError(f"mixture {mixture.name!r} is for {mixture.kind}, model is {kind}")
-    vis, vocab = vision_module(model), text_module(model).vocab_size
-    if vocab <= _FIRST_TEXT_ID:
+    vocab = text_module(model).vocab_size
+    audio = _module_of_kind(model, "audio", mixture) if mixture.has_audio else None
+    reserved = tuple(sorted(set(placeholder_ids(model, text_module(model).name)) - {0, 1}))
+    if vocab - len(reserved) <= _FIRST_TEXT_ID:
         raise ValueError(f"vocabulary of {vocab} leaves no ids for text")
-    if kind == "vlm":
-        unit = vis.patch_size * vis.merge
+    if mixture.kind == "vlm":
+        vit = _module_of_kind(model, "vit", mixture)
+        unit = vit.patch_size * vit.merge
         g = mixture.image_grid if image_size is None else _exact(image_size, unit, "image")
-        return _Sizes(kind, vocab, vis.in_channels, vis.patch_size, g * unit,
-                      (g * vis.merge) ** 2, g * g, ())  # fmt: skip
+        patches, llm = image_tokens(height=g * unit, width=g * unit, vit=vit)
+        return _Sizes("vlm", vocab, reserved, vit, g * unit, patches, llm, (), audio)
+    dit = _module_of_kind(model, "dit", mixture)
     grids = mixture.frame_grids
     if image_size is not None:
-        g = _exact(image_size, mixture.spatial_compression * vis.patch_size, "frame")
+        g = _exact(image_size, mixture.spatial_compression * dit.patch_size, "frame")
         # One square grid in every slot: the per-sample grid draws index `frame_grids`, so the
         # stream's structure (and every other draw) stays that of the mixture.
         grids = ((g, g),) * len(grids)
-    return _Sizes(kind, vocab, vis.in_channels, vis.patch_size, 0, 0, 0, grids)
+    return _Sizes("diffusion", vocab, reserved, dit, 0, 0, 0, grids, audio)
 
 
 def _exact(pixels: int, unit: int, what: str) -> int:
@@ -264,21 +342,44 @@ def _exact(pixels: int, unit: int, what: str) -> int:
     return pixels // unit
 
 
+def _audio_frames(sz: _Sizes, st: _Structure, k: int) -> list[int]:
+    """Mel frames of each audio segment of sample k."""
+    n = int(st.audio[k])
+    return [frames_for_seconds(sz.audio, float(x)) for x in st.audio_seconds[k, :n]]
+
+
+def _audio_counts(sz: _Sizes, st: _Structure, k: int) -> InstanceCounts:
+    audio = modality(sz.audio.kind)
+    tokens = [f // sz.audio.patch_size for f in _audio_frames(sz, st, k)]
+    return InstanceCounts(tuple(tokens), tuple(audio.consumer_rows(sz.audio, t) for t in tokens))
+
+
 def _metas(st: _Structure, sz: _Sizes, start: int) -> list[SampleMeta]:
     if sz.kind == "vlm":
         text = (st.text + st.instances * sz.llm).tolist()
-        # Every word is a target except a first token that is a word (`_sample`'s labels_mask).
-        loss = (st.text - ~st.lead).tolist()
-        inst = st.instances.tolist()
-        return [
-            SampleMeta(start + k, text[k], (sz.patches,) * n, (sz.llm,) * n, loss_tokens=loss[k])
-            for k, n in enumerate(inst)
-        ]
+        # Every word is a target except a first token that is a word (`_sample`'s labels_mask);
+        # audio segments, when there are any, open the sample.
+        loss = (st.text - ~(st.lead | (st.audio > 0))).tolist()
+        out = []
+        for k, n in enumerate(st.instances.tolist()):
+            media = {sz.media.name: InstanceCounts((sz.patches,) * n, (sz.llm,) * n)}
+            if st.audio[k]:
+                counts = _audio_counts(sz, st, k)
+                media[sz.audio.name] = counts
+                text[k] += sum(counts.placeholders)
+            out.append(SampleMeta(start + k, text[k], media, loss_tokens=loss[k]))
+        return out
     per_frame = np.array([h * w for h, w in sz.grids], dtype=np.int64)[st.grid]
     tokens = (st.frames * per_frame).tolist()
     text, frames = st.text.tolist(), st.frames.tolist()
+    name = sz.media.name
     return [
-        SampleMeta(start + k, text[k], (tokens[k],), (0,), (frames[k],), loss_tokens=tokens[k])
+        SampleMeta(
+            start + k,
+            text[k],
+            {name: InstanceCounts((tokens[k],), (), (frames[k],))},
+            loss_tokens=tokens[k],
+        )  # fmt: skip
         for k in range(len(st))
     ]
 
@@ -315,7 +416,8 @@ def generate_samples(
 ) -> list[Sample]:
     """Samples [start, start + num_samples) with arrays; their metadata equals `generate_meta`'s.
 
-    VLM: token ids in [2, vocab) with one IMAGE_TOKEN run per image, float32 images [C, H, W],
+    VLM: token ids in [2, vocab) (placeholder ids excluded) with one placeholder run per image
+    (and per audio segment, first), float32 images [C, H, W] and mel segments [mels, frames],
     labels_mask 1 on text and 0 on placeholders. Diffusion: caption ids, one float32 latent clip
     [T, C, h, w], no labels_mask (the loss covers the latent tokens).
     """
@@ -325,13 +427,24 @@ def generate_samples(
     return [_sample(mix, sizes, st, k, start + k, seed) for k in range(len(st))]
 
 
+def _words(rng: np.random.Generator, n: int, sz: _Sizes) -> np.ndarray:
+    """`n` text ids in [2, vocab) that are no placeholder id (the reserved ones are skipped)."""
+    ids = rng.integers(_FIRST_TEXT_ID, sz.vocab - len(sz.reserved), size=n, dtype=np.int64)
+    for r in sz.reserved:  # ascending: shift every id at or above a reserved one past it
+        ids = ids + (ids >= r)
+    return ids
+
+
 def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, seed: int) -> Sample:
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_CONTENT, index)))
-    words = rng.integers(_FIRST_TEXT_ID, sz.vocab, size=int(st.text[k]), dtype=np.int64)
+    words = _words(rng, int(st.text[k]), sz)
+    media: dict[str, list[np.ndarray]] = {}
     if sz.kind == "diffusion":
         h, w = sz.grids[int(st.grid[k])]
-        shape = (int(st.frames[k]), sz.channels, h * sz.patch, w * sz.patch)
-        return Sample(index, words, [rng.standard_normal(shape, dtype=np.float32)])
+        p = sz.media.patch_size
+        shape = (int(st.frames[k]), sz.media.in_channels, h * p, w * p)
+        media[sz.media.name] = [rng.standard_normal(shape, dtype=np.float32)]
+        return Sample(index, words, media)
     n = int(st.instances[k])
     if mix.sources[int(st.source[k])].layout == "interleaved":
         # n distinct image positions in [0, words): whether 0 is one was drawn with the
@@ -341,12 +454,24 @@ def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, se
         cuts = np.sort(np.concatenate([np.zeros(lead, dtype=np.int64), rest]))
     else:
         cuts = np.zeros(n, dtype=np.int64)
-    run = np.full(sz.llm, IMAGE_TOKEN, dtype=np.int64)
+    run = np.full(sz.llm, _placeholder(sz.media), dtype=np.int64)
     pieces = np.split(words, cuts)
     text = np.concatenate([x for i, p in enumerate(pieces) for x in ((run, p) if i else (p,))])
-    shape = (sz.channels, sz.image_side, sz.image_side)
-    images = [rng.standard_normal(shape, dtype=np.float32) for _ in range(n)]
-    return Sample(index, text, images, (text != IMAGE_TOKEN).astype(np.uint8))
+    shape = (sz.media.in_channels, sz.image_side, sz.image_side)
+    media[sz.media.name] = [rng.standard_normal(shape, dtype=np.float32) for _ in range(n)]
+    if st.audio[k]:  # drawn after the images: the other draws stay those of the mixture
+        mels = [rng.standard_normal((sz.audio.in_channels, f), dtype=np.float32)
+                for f in _audio_frames(sz, st, k)]  # fmt: skip
+        media[sz.audio.name] = mels
+        rows = _audio_counts(sz, st, k).placeholders
+        runs = [np.full(r, _placeholder(sz.audio), dtype=np.int64) for r in rows]
+        text = np.concatenate([*runs, text])
+    labels = (~np.isin(text, [_placeholder(sz.media), *sz.reserved])).astype(np.uint8)
+    return Sample(index, text, media, labels)
+
+
+def _placeholder(spec: ModuleSpec) -> int:
+    return modality(spec.kind).placeholder_id(spec)
 
 
 class SyntheticSource:

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_dip.modelspec import ModuleKind
+from megatron_dip.modalities import modality_of
 from megatron_dip.schedule.graph import Dataflow
 from megatron_dip.schedule.ir import (
     MessageKey,
@@ -155,9 +155,9 @@ class EmulatedBatchSource:
     def loss_tokens(self, work: WorkId) -> int:
         sub = self.plan.submicrobatch(work)
         per_sample = self._loss_tokens[work.microbatch]
-        if self.cost_model.model.loss_module.kind is ModuleKind.LLM:
-            return int(sum(per_sample))  # an LLM sub-microbatch is the whole microbatch
-        return int(sum(per_sample[sub.instance_start : sub.instance_end]))  # one clip per sample
+        if modality_of(self.cost_model.model.loss_module).whole_microbatch:
+            return int(sum(per_sample))  # e.g. an LLM sub-microbatch is the whole microbatch
+        return int(sum(per_sample[sub.instance_start : sub.instance_end]))  # one per sample
 
     def release(self, work: WorkId) -> None:
         del work

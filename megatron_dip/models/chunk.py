@@ -1,26 +1,27 @@
-"""The chunk interface the runtime calls, and the factory that builds chunks from a placement.
+"""The chunk interface the runtime calls, and the factory that builds a chunk.
 
 A `ModelChunk` is layers [layer_start, layer_end) of one modality module, plus the module's
 input layers on chunk 0 and its output layers on the last chunk. It is a Megatron
 `MegatronModule` (so Megatron's DDP wrapper and optimizers accept it) whose `config` is the
-module's `TransformerConfig`. Forward contract, for one sub-microbatch:
+module's `TransformerConfig`. What the layers are and what the chunk computes comes from the
+module's modality (`parts`: a `megatron_dip.modalities.Modality`, found by
+`modalities.build_chunk`); this class only drives it. Forward contract, for one sub-microbatch:
 
     outputs = chunk(inputs=[...], batch=sub_batch)
 
 * `inputs`: chunk 0 — one dict per producer sub-microbatch message, in producer order
-  (ViT "embeddings" for the LLM, text "cond"/"cond_index" for the DiT; [] when the module has
-  no producer or the microbatch has no images); chunk > 0 — exactly one dict, the previous
-  chunk's message.
-* `batch`: the `SubBatch` of this sub-microbatch (`inputs.build_sub_batch`).
+  (a scatter producer's "<module>.embeddings" for the LLM, text "cond"/"cond_index" for the
+  DiT; [] when the module has no producer or the microbatch has none of its instances);
+  chunk > 0 — exactly one dict, the previous chunk's message.
+* `batch`: the `SubBatch` of this sub-microbatch (`Modality.build_sub_batch`).
 * returns: a non-last chunk its message for the next chunk (names and shapes of
-  `layout.message_tensors`); the last chunk of the loss module {"loss": summed loss over the
+  `batching.message_tensors`); the last chunk of the loss module {"loss": summed loss over the
   sub-microbatch's loss tokens (not averaged), "num_tokens": int64 count}; the last chunk of a
-  producer module the tensors handed to its consumer (ViT "embeddings"; text "cond",
-  "cond_index").
+  producer module the tensors handed to its consumer.
 
 Sequence parallelism (`ModelConfig.sequence_parallel` with TP > 1): the hidden states inside
 and between the chunks of a module are this rank's contiguous shard of the sequence,
-[padded_tokens / TP, 1, hidden] (`layout.message_tensors`); chunk 0 scatters its embeddings
+[padded_tokens / TP, 1, hidden] (`batching.message_tensors`); chunk 0 scatters its embeddings
 (Megatron's `scatter_to_sequence_parallel_region`), the last chunk gathers the sequence after
 its final norm for the loss or the hand-over, and Megatron's layers all-gather / reduce-scatter
 around attention and MLP. Masks and rotary tables stay full-length (attention runs on the
@@ -47,9 +48,10 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_dip import megatron_compat
 from megatron_dip.cpu_support import apply_cpu_fixes
-from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.schedule.ir import ChunkSpec
 
+from .batch import SubBatch
 from .common import (
     ModelGroups,
     gather_sequence,
@@ -61,7 +63,6 @@ from .common import (
 )
 from .config import ModelConfig
 from .init import init_chunk_parameters
-from .inputs import SubBatch
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +73,10 @@ class ModelChunk(MegatronModule):
     """Layers [chunk.layer_start, chunk.layer_end) of one module (see the module docstring).
 
     Attributes: `chunk` (ChunkSpec), `module_spec` (ModuleSpec), `model_spec`, `num_chunks`,
-    `model_config` (ModelConfig), `groups` (ModelGroups), `pre` / `layers` / `post` (input
-    layers, transformer layers, output layers; `pre` and `post` are None where absent).
-    Subclasses implement `_build_pre/_build_layers/_build_post`, `embed`, `run_layers`, `finish`.
+    `model_config` (ModelConfig), `groups` (ModelGroups), `parts` (the modality that builds and
+    runs it), `pre` / `layers` / `post` (input layers, transformer layers, output layers; `pre`
+    and `post` are None where absent).
     """
-
-    message_names: tuple[str, ...] = ("hidden",)
 
     def __init__(
         self,
@@ -87,9 +86,13 @@ class ModelChunk(MegatronModule):
         num_chunks: int,
         config: ModelConfig,
         groups: ModelGroups,
+        parts,
     ) -> None:
         module_spec = model.module(chunk.module)
-        super().__init__(config=transformer_config(module_spec, config, tp_size=groups.tp_size))
+        style = parts.layer_style(module_spec)
+        super().__init__(
+            config=transformer_config(module_spec, config, tp_size=groups.tp_size, style=style)
+        )
         # Megatron's stock schedules and DDP read model_type from every model chunk.
         self.model_type = ModelType.encoder_or_decoder
         self.model_spec = model
@@ -98,14 +101,16 @@ class ModelChunk(MegatronModule):
         self.num_chunks = num_chunks
         self.model_config = config
         self.groups = groups
+        self.parts = parts
+        self.message_names = parts.message_names
         self.backend = sequence_parallel_backend(
             megatron_compat.layer_backend(megatron_compat.resolve_use_te(config.use_te)),
             self.config,
         )
         self.global_aliases: dict[str, str] = {}
-        self.layers = self._build_layers()
-        self.pre = self._build_pre() if self.is_first else None
-        self.post = self._build_post() if self.is_last else None
+        self.layers = parts.build_layers(self)
+        self.pre = parts.build_pre(self) if self.is_first else None
+        self.post = parts.build_post(self) if self.is_last else None
 
     # -- structure -------------------------------------------------------------------------
     @property
@@ -126,16 +131,7 @@ class ModelChunk(MegatronModule):
 
     def zero_init_prefixes(self) -> tuple[str, ...]:
         """Local parameter-name prefixes initialised to zero (DiT adaLN-Zero)."""
-        return ()
-
-    def _build_pre(self) -> torch.nn.Module | None:
-        return None
-
-    def _build_post(self) -> torch.nn.Module | None:
-        return None
-
-    def _build_layers(self) -> torch.nn.ModuleList:
-        raise NotImplementedError
+        return self.parts.zero_init_prefixes(self)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -159,7 +155,7 @@ class ModelChunk(MegatronModule):
             raise ValueError(f"{self.chunk.module} chunk got a batch of {batch.sub.work}")
         batch = batch.to(self.device)
         if self.is_first:
-            state = self.embed(inputs, batch)
+            state = self.parts.embed(self, inputs, batch)
         else:
             if len(inputs) != 1:
                 raise ValueError(
@@ -167,42 +163,14 @@ class ModelChunk(MegatronModule):
                     f"got {len(inputs)}"
                 )
             state = dict(inputs[0])
-        state["hidden"] = self.run_layers(state, batch)
+        state["hidden"] = self.parts.run_layers(self, state, batch)
         if self.is_last:
-            return self.finish(state, batch)
+            return self.parts.finish(self, state, batch)
         return {name: state[name] for name in self.message_names}
-
-    def embed(
-        self, inputs: Sequence[Mapping[str, torch.Tensor]], batch: SubBatch
-    ) -> dict[str, torch.Tensor]:
-        """Chunk 0: the message state (at least "hidden") from the data and producer inputs."""
-        raise NotImplementedError
-
-    def run_layers(self, state: dict[str, torch.Tensor], batch: SubBatch) -> torch.Tensor:
-        """This chunk's transformer layers on state["hidden"]; returns the new hidden states."""
-        raise NotImplementedError
-
-    def finish(self, state: dict[str, torch.Tensor], batch: SubBatch) -> dict[str, torch.Tensor]:
-        """Last chunk: output layers; the loss or the hand-over to the consumer module."""
-        raise NotImplementedError
 
     def tied_embedding_weight(self) -> torch.nn.Parameter | None:
         """This chunk's copy of a tied LLM embedding that needs reducing (None otherwise)."""
-        return None
-
-
-def _chunk_class(kind: ModuleKind) -> type[ModelChunk]:
-    if kind is ModuleKind.VIT:
-        from .vit import VitChunk
-
-        return VitChunk
-    if kind is ModuleKind.DIT:
-        from .dit import DitChunk
-
-        return DitChunk
-    from .llm import LlmChunk
-
-    return LlmChunk
+        return self.parts.tied_embedding_weight(self)
 
 
 def build_chunk(
@@ -212,10 +180,12 @@ def build_chunk(
     num_chunks: int,
     config: ModelConfig,
     groups: ModelGroups,
+    parts,
 ) -> ModelChunk:
     """Build one chunk (call only on the rank that owns it) with deterministic weights.
 
-    `num_chunks` is the module's chunk count (the last chunk holds the output layers). Applies
+    `parts` is the module's modality (`modalities.build_chunk` passes it). `num_chunks` is the
+    module's chunk count (the last chunk holds the output layers). Applies
     the CPU fixes when CUDA is absent and creates Megatron's attention scratch buffer if
     `initialize_model_parallel` has not. A frozen module's parameters get requires_grad False.
     """
@@ -229,8 +199,9 @@ def build_chunk(
         )
     apply_cpu_fixes()
     megatron_compat.ensure_global_memory_buffer()
-    cls = _chunk_class(module_spec.kind)
-    built = cls(model=model, chunk=chunk, num_chunks=num_chunks, config=config, groups=groups)
+    built = ModelChunk(
+        model=model, chunk=chunk, num_chunks=num_chunks, config=config, groups=groups, parts=parts
+    )
     built.to(device=built.device, dtype=built.dtype)
     mark_tensor_parallel_weights(built)
     init_chunk_parameters(built)
@@ -253,6 +224,7 @@ def build_module_chunks(
     *,
     config: ModelConfig,
     groups: ModelGroups,
+    parts,
 ) -> list[ModelChunk]:
     """All chunks of one module in this process, cut at `ranges` ((start, end) per chunk)."""
     return [
@@ -262,6 +234,7 @@ def build_module_chunks(
             num_chunks=len(ranges),
             config=config,
             groups=groups,
+            parts=parts,
         )
         for i, (start, end) in enumerate(ranges)
     ]

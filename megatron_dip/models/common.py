@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional
 
-from megatron_dip.modelspec import ModuleKind, ModuleSpec
+from megatron_dip.modelspec import ModuleSpec
 
 from .config import ModelConfig
 
@@ -72,12 +72,36 @@ class ModelGroups:
         return ProcessGroupCollection(tp=self.tp, cp=self.cp, pp=None)
 
 
-def is_text(module: ModuleSpec) -> bool:
-    """LLMs and text encoders (RMSNorm, no biases, rotary over 1 axis)."""
-    return module.kind in (ModuleKind.LLM, ModuleKind.TEXT_ENCODER)
+@dataclass(frozen=True)
+class LayerStyle:
+    """How a module's transformer layers are built (its modality says): the norm, whether the
+    linear layers have biases, and the MLP activation ("gelu", "silu" for SwiGLU)."""
+
+    normalization: str = "LayerNorm"
+    bias: bool = True
+    activation: str = "gelu"
+
+    def __post_init__(self) -> None:
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"unsupported normalization {self.normalization!r}")
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.activation!r}")
 
 
-def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int):
+_ACTIVATIONS = {"gelu": functional.gelu, "silu": functional.silu}
+
+
+class Parts(torch.nn.Module):
+    """A named bag of submodules (the `pre` / `post` parts of a chunk)."""
+
+    def __init__(self, **modules: torch.nn.Module | None) -> None:
+        super().__init__()
+        for name, module in modules.items():
+            if module is not None:
+                self.add_module(name, module)
+
+
+def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int, style: LayerStyle):
     """Megatron `TransformerConfig` of one module's layers (pipeline size 1, no dropout).
 
     `sequence_parallel` applies only when `tp_size` > 1. Dropout is off because a random mask
@@ -96,11 +120,11 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int)
         num_attention_heads=shape.heads,
         num_query_groups=shape.kv_groups,
         kv_channels=shape.head_dim,
-        normalization="RMSNorm" if is_text(module) else "LayerNorm",
+        normalization=style.normalization,
         layernorm_epsilon=config.norm_eps,
         gated_linear_unit=shape.gated_mlp,
-        activation_func=functional.silu if shape.gated_mlp else functional.gelu,
-        add_bias_linear=not is_text(module),
+        activation_func=_ACTIVATIONS[style.activation],
+        add_bias_linear=style.bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -121,8 +145,8 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int)
     )
 
 
-def gpt_layer_spec(module: ModuleSpec, backend):
-    """Megatron's GPT layer spec with an arbitrary-mask self-attention.
+def gpt_layer_spec(normalization: str, backend):
+    """Megatron's GPT layer spec (with `normalization`) with an arbitrary-mask self-attention.
 
     The stock spec's causal mask type would let the fused softmax kernel ignore our
     causal + document mask; "arbitrary" always applies the mask we pass. When the backend's
@@ -132,11 +156,11 @@ def gpt_layer_spec(module: ModuleSpec, backend):
     """
     from megatron.core.transformer.enums import AttnMaskType
 
-    spec = copy.deepcopy(
-        backend.gpt_layer_spec(normalization="RMSNorm" if is_text(module) else "LayerNorm")
-    )
+    spec = copy.deepcopy(backend.gpt_layer_spec(normalization=normalization))
     attention = spec.submodules.self_attention
     attention.params = {**(attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary}
+    # The backend's core attention is the one the layers use (a replaced one, e.g. SDPA, too).
+    attention.submodules.core_attention = backend.core_attention
     if backend.norm is SequenceParallelNorm:
         from megatron.core.transformer.identity_op import IdentityOp
 
@@ -353,3 +377,61 @@ def sinusoidal_embedding(values: torch.Tensor, dim: int, *, max_period: float = 
     )
     args = values.to(torch.float64)[:, None] * freqs[None, :]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def build_merger(chunk, *, width: int, out: int):
+    """The two-layer projector of a scatter producer (merged tokens of `width` -> `out`): a
+    column-parallel fc1 (width -> width) and a row-parallel fc2 (width -> out). It runs on the
+    gathered sequence, so without sequence parallelism."""
+    from megatron.core import tensor_parallel
+
+    config = without_sequence_parallel(chunk.config)
+    fc1 = tensor_parallel.ColumnParallelLinear(
+        width,
+        width,
+        config=config,
+        init_method=chunk.config.init_method,
+        bias=True,
+        gather_output=False,
+        tp_group=chunk.groups.tp,
+    )
+    fc2 = tensor_parallel.RowParallelLinear(
+        width,
+        out,
+        config=config,
+        init_method=chunk.config.init_method,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        tp_group=chunk.groups.tp,
+    )
+    return fc1, fc2
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, *, group: torch.distributed.ProcessGroup
+) -> torch.Tensor:
+    """Per-token cross entropy of vocabulary-sharded logits [S, 1, V/tp] over `group`.
+
+    Megatron's own version reads the global tensor-parallel group; this one takes it
+    explicitly. Sums over the group are all-reduced forward and passed through unchanged
+    backward (every rank holds the same loss).
+    """
+    from megatron.core import tensor_parallel
+
+    logits = (
+        logits[:, 0].float() if logits.dtype in (torch.float16, torch.bfloat16) else logits[:, 0]
+    )
+    if group.size() == 1:
+        return functional.cross_entropy(logits, target, reduction="none")
+    with torch.no_grad():
+        top = logits.max(dim=-1).values
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = logits - top[:, None]
+    reduce = tensor_parallel.reduce_from_tensor_model_parallel_region
+    sum_exp = reduce(shifted.exp().sum(dim=-1), group=group)
+    part = logits.shape[-1]
+    local = target - group.rank() * part
+    inside = (local >= 0) & (local < part)
+    picked = shifted.gather(1, local.clamp(0, part - 1)[:, None])[:, 0] * inside
+    return torch.log(sum_exp) - reduce(picked, group=group)

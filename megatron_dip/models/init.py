@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from .inputs import mix_seed
+from .batch import mix_seed
 
 _WRAPPER_PREFIX = re.compile(r"^(module\.)+")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")

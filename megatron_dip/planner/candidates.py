@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ..batching import MicrobatchWork
 from ..modelspec import MultimodalSpec
 from ..schedule.baselines import build_megatron_plan
 from ..schedule.ir import BatchTotals, Dependency, Placement, Plan, WorkId
 from ..schedule.passes import ComputeTimeFn, TensorFn
-from .submicrobatch import MicrobatchWork
 
 
 def megatron_stage_units(placement: Placement) -> list[list[list[tuple[str, int]]]]:

@@ -1,8 +1,9 @@
 """Side-by-side planning of one batch under static Megatron pipelines and DIP (simulation).
 
 Used by `tools/simulate_paper.py` and the benchmark: every schedule sees the same microbatches,
-packing and data-parallel shards, and every static baseline gets its best uniform recompute
-setting (none / selective / full: the fastest whose activations fit).
+packing and data-parallel shards (`batching.layout_batch`, DIP's cost-balanced split), and every
+static baseline gets its best uniform recompute setting (none / selective / full: the fastest
+whose activations fit).
 """
 
 from __future__ import annotations
@@ -15,31 +16,34 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..batching import (
+    BatchLayout,
+    LayoutConfig,
+    MicrobatchWork,
+    ReplicaLayout,
+    packing_limits,
+    resplit,
+    split_microbatches,
+)
 from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
-from ..models.layout import message_tensors
-from ..modelspec import ModuleKind, MultimodalSpec, Setup
+from ..modelspec import MultimodalSpec, Setup
 from ..schedule.baselines import build_megatron_plan
 from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import ChunkSpec, Forward, Placement, Plan, Program, Recompute
 from .devices import DeviceSpec
-from .dip import DipPlanner, PlannerConfig, sample_loss_tokens
+from .dip import DipPlanner, PlannerConfig
 from .placement import ModuleWorkload, build_dip_placement, choose_dip_placement
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .static_baselines import StaticPipeline, one_list_pipeline, stock_pipeline
-from .submicrobatch import MicrobatchWork, choose_sub_size, split_microbatch
+from .submicrobatch import choose_sub_size, split_modules
+
+__all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
 
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 BYTES_PER_PARAM = 18  # bf16 weight + fp32 grad + fp32 master + two fp32 Adam moments
 FROZEN_BYTES_PER_PARAM = 2  # a frozen module keeps its bf16 weights only
-
-
-def packing_limits(model: MultimodalSpec, seq_length: int) -> PackingLimits:
-    """The packing the paper uses: 8192-token VLM sequences; <= 8 clips / 16 s for T2V."""
-    if model.loss_module.kind is ModuleKind.DIT:
-        return PackingLimits.t2v()
-    return PackingLimits.vlm(seq_length=seq_length)
 
 
 def average_workload(
@@ -71,29 +75,6 @@ def activation_limits(
         for c in m.chunks:
             static[c.rank] += cost_model.chunk_params(c) / tensor_parallel * per_param
     return [device.memory_bytes * (1 - reserve) - s for s in static]
-
-
-def one_sub_per_module(
-    model: MultimodalSpec,
-    works: Sequence[MicrobatchWork],
-    samples_by_id: dict,
-    *,
-    seq_length: int,
-    pad_multiple: int = 1,
-) -> list[MicrobatchWork]:
-    """The same microbatches with each module's instances in one sub-microbatch (Megatron)."""
-    big = {m.name: 10**9 for m in model.modules}
-    return [
-        split_microbatch(
-            model,
-            [samples_by_id[i] for i in w.info.sample_ids],
-            index=w.info.index,
-            seq_length=seq_length,
-            sub_sizes=big,
-            pad_multiple=pad_multiple,
-        )
-        for w in works
-    ]
 
 
 def with_recompute(plan: Plan, mode: Recompute) -> Plan:
@@ -168,23 +149,15 @@ class Comparison:
         """Size placements and sub-microbatch sizes from `calibration` batches (averages)."""
         model, p = setup.model, setup.pipeline_parallel
         limits = packing_limits(model, setup.seq_length)
-        probe = DipPlanner(
-            model,
-            cost_model,
-            _probe_placement(model, p),
-            PlannerConfig(
-                seq_length=setup.seq_length,
-                sub_sizes={m.name: 10**9 for m in model.modules},
-                packing=limits,
-            ),
-        )
-        works = [w for b in calibration for w in probe.microbatches(list(b.samples))]
+        whole = LayoutConfig(seq_length=setup.seq_length, packing=limits)
+        works = [
+            w for b in calibration for w in split_microbatches(model, pack_all(b, limits), whole)
+        ]
         workload = average_workload(model, works)
         sub_sizes = {}
-        for m in model.modules:
-            if m.kind is not ModuleKind.LLM:
-                per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
-                sub_sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
+        for m in split_modules(model):
+            per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
+            sub_sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
         rule, _ = build_dip_placement(
             model, cost_model, num_ranks=p, workload=workload, unit_instances=sub_sizes
         )
@@ -217,10 +190,7 @@ class Comparison:
         limits = trial.memory(placement)
         times = []
         for b in batches:
-            samples = planner.replica_samples(b)[0]
-            works = planner.microbatches(samples)
-            totals = _totals(self.setup.model, b, works, self.setup.data_parallel)
-            plan = planner.plan_replica(works, iteration=b.iteration, replica=0, totals=totals).plan
+            plan = planner.plan_layout(planner.layout(b), 0).plan
             sim = simulate(plan, self.cost_model, channel=self.dip_channel)
             fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
             times.append(sim.iteration_time * (1 if fits else 2))
@@ -260,26 +230,20 @@ class Comparison:
         """Baselines and DIP's ablation steps on the same replica shards and microbatches.
         With several replicas, the iteration time is the slowest replica's."""
         base = self.planner()
-        replicas = base.replica_samples(batch)
+        layout = base.layout(batch)
         outcomes: dict[str, list[Outcome]] = {}
-        for samples in replicas:
-            works = base.microbatches(samples)
-            for o in self._replica(batch, samples, works):
+        for replica in layout.replicas:
+            for o in self._replica(base, layout, replica):
                 outcomes.setdefault(o.name, []).append(o)
         return [max(os, key=lambda o: o.sim.iteration_time) for os in outcomes.values()]
 
-    def _replica(self, batch: BatchMeta, samples, works: list[MicrobatchWork]) -> list[Outcome]:
-        model = self.setup.model
-        by_id = {s.sample_id: s for s in samples}
-        totals = _totals(model, batch, works, self.setup.data_parallel)
-        whole = one_sub_per_module(
-            model,
-            works,
-            by_id,
-            seq_length=self.setup.seq_length,
-            pad_multiple=self.setup.tensor_parallel,  # sequence parallelism shards by TP
-        )
-        out = [self._static(pipe, whole, totals, batch.iteration) for pipe in self.static]
+    def _replica(
+        self, base: DipPlanner, layout: BatchLayout, replica: ReplicaLayout
+    ) -> list[Outcome]:
+        model, works, totals = self.setup.model, list(replica.works), layout.totals
+        # Megatron runs every module's share of a microbatch at once.
+        whole = resplit(model, replica, base.layout_config.with_whole_modules()).works
+        out = [self._static(pipe, whole, totals, layout.iteration) for pipe in self.static]
         steps = [
             (
                 "dip: separated",
@@ -300,7 +264,7 @@ class Comparison:
         limits = self.memory(self.dip_placement)
         previous: Outcome | None = None
         for name, overrides in steps:
-            outcome = self._dip(name, overrides, works, totals, batch.iteration, limits)
+            outcome = self._dip(name, overrides, works, totals, layout.iteration, limits)
             # The planner evaluates each step's candidate against the previous one and keeps the
             # faster (both are valid plans it has in hand), so a step never loses.
             if (
@@ -320,16 +284,7 @@ class Comparison:
         placed by the stage durations of that mode; the fastest that fits wins."""
         sub_of = {s.work: s for w in works for s in w.submicrobatches}
         name = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
-
-        def tensors(key):
-            return message_tensors(
-                self.setup.model,
-                key=key,
-                sub_lookup=sub_of.__getitem__,
-                dtype="bfloat16",
-                tensor_parallel=self.setup.tensor_parallel,
-                sequence_parallel=self.setup.tensor_parallel > 1,
-            )
+        tensors = self.planner().shapes.for_lookup(sub_of.__getitem__)
 
         def duration(mode: Recompute, rank: int, ins) -> float:
             chunk = pipe.placement.module(ins.stage.module).chunks[ins.stage.chunk]
@@ -376,29 +331,11 @@ class Comparison:
         return best
 
 
-def _probe_placement(model: MultimodalSpec, num_ranks: int) -> Placement:
-    from ..schedule.ir import ModuleLayout
+def pack_all(batch: BatchMeta, limits: PackingLimits) -> list[tuple]:
+    """The whole batch packed once (the calibration's microbatches)."""
+    from ..batching import pack
 
-    return Placement(
-        num_ranks,
-        tuple(
-            ModuleLayout(
-                m.name, m.num_layers, m.trainable, (ChunkSpec(m.name, 0, 0, 0, m.num_layers),)
-            )
-            for m in model.modules
-        ),
-    )
-
-
-def _totals(model: MultimodalSpec, batch: BatchMeta, works, data_parallel: int):
-    from ..schedule.ir import BatchTotals
-
-    return BatchTotals(
-        num_microbatches=len(works) * data_parallel,
-        num_samples=batch.num_samples,
-        num_loss_tokens=sum(sample_loss_tokens(s, model) for s in batch.samples),
-        data_parallel_size=data_parallel,
-    )
+    return pack(list(batch.samples), limits)
 
 
 def model_flops(model: MultimodalSpec, cost_model, works: Sequence[MicrobatchWork]) -> float:

@@ -16,10 +16,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..data.packing import PackingLimits, pack_microbatches, split_replicas
+from ..batching import BatchLayout, LayoutConfig, MessageShapes, MicrobatchWork, layout_batch
+from ..batching import packing_limits as default_packing
+from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta, SampleMeta
-from ..models.layout import message_tensors
-from ..modelspec import ModuleKind, MultimodalSpec
+from ..modalities import modality_of
+from ..modelspec import MultimodalSpec
 from ..schedule.engine import per_peer_channel
 from ..schedule.graph import Dataflow
 from ..schedule.ir import BatchTotals, Forward, MessageKey, Placement, Plan, Recompute, StageId
@@ -30,7 +32,7 @@ from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, prio
 from .memory import MemoryLimitError, RecomputeChoice, choose_recompute
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
 from .simulator import simulate
-from .submicrobatch import MicrobatchWork, split_microbatch
+from .submicrobatch import split_modules
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class PlannerConfig:
     strict_memory: bool = True
     uniform_recompute: Recompute | None = None  # start from this mode on every chunk
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
-    packing: PackingLimits | None = None  # default: PackingLimits.vlm(seq_length=seq_length)
+    packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,6 @@ class ReplicaPlan:
     overcommitted: bool = False
 
 
-def sample_loss_tokens(meta: SampleMeta, model: MultimodalSpec) -> int:
-    """Tokens of a sample that carry a loss, as the models count them: `meta.loss_tokens`.
-
-    The data side computes it (LLM next-token targets, DiT latent tokens); `model` is unused and
-    kept for the callers.
-    """
-    return meta.loss_tokens
-
-
 class DipPlanner:
     """Plans batches for a fixed model, placement and cost model."""
 
@@ -103,70 +96,69 @@ class DipPlanner:
         self.cost_model = cost_model
         self.placement = placement
         self.config = config
-        missing = [
-            m.name
-            for m in model.modules
-            if m.kind is not ModuleKind.LLM and m.name not in config.sub_sizes
-        ]
+        missing = [m.name for m in split_modules(model) if m.name not in config.sub_sizes]
         if missing:
             raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
+        self.shapes = MessageShapes(
+            model,
+            dtype=config.dtype,
+            tensor_parallel=config.tensor_parallel,
+            sequence_parallel=config.sequence_parallel,
+        )
 
     # -- data side ---------------------------------------------------------------------------
 
-    def replica_samples(self, batch: BatchMeta) -> list[list[SampleMeta]]:
-        """Split the global batch over data-parallel replicas, balanced by estimated cost."""
-        if not batch.samples:
-            raise ValueError(f"iteration {batch.iteration}: empty batch")
-        return split_replicas(
-            list(batch.samples), num_replicas=self.config.data_parallel, cost=self._sample_cost
+    @property
+    def layout_config(self) -> LayoutConfig:
+        """How this planner's runs cut batches (`batching.layout_batch`)."""
+        c = self.config
+        return LayoutConfig(
+            seq_length=c.seq_length,
+            packing=c.packing or default_packing(self.model, c.seq_length),
+            sub_sizes=c.sub_sizes,
+            pad_multiple=c.tensor_parallel if c.sequence_parallel else 1,
+            data_parallel=c.data_parallel,
         )
 
-    def _sample_cost(self, meta: SampleMeta) -> float:
+    def layout(self, batch: BatchMeta) -> BatchLayout:
+        """The global batch over the replicas: samples balanced by estimated cost, each
+        replica's share packed and cut into sub-microbatches."""
+        return layout_batch(self.model, batch, self.layout_config, cost=self.sample_cost)
+
+    def sample_cost(self, meta: SampleMeta) -> float:
+        """Estimated compute of one sample: every module's time on its share of the sample."""
         total = 0.0
         for m in self.model.modules:
-            if m.kind is ModuleKind.LLM or m.kind is ModuleKind.TEXT_ENCODER:
-                tokens, n = meta.text_tokens, 1
-            else:
-                tokens, n = sum(meta.vision_tokens), len(meta.vision_tokens)
+            tokens, n = modality_of(m).module_tokens(m, meta)
             if n and tokens:
                 total += self.cost_model.module_time(m.name, instances=n, tokens=tokens)
         return total
-
-    def microbatches(self, samples: Sequence[SampleMeta]) -> list[MicrobatchWork]:
-        """Pack a replica's samples and cut every microbatch into sub-microbatches."""
-        by_id = {s.sample_id: s for s in samples}
-        limits = self.config.packing or PackingLimits.vlm(seq_length=self.config.seq_length)
-        packed = pack_microbatches(samples, limits=limits)
-        pad = self.config.tensor_parallel if self.config.sequence_parallel else 1
-        return [
-            split_microbatch(
-                self.model,
-                [by_id[i] for i in mb.sample_ids],
-                index=i,
-                seq_length=self.config.seq_length,
-                sub_sizes=self.config.sub_sizes,
-                pad_multiple=pad,
-            )
-            for i, mb in enumerate(packed)
-        ]
 
     # -- planning ----------------------------------------------------------------------------
 
     def plan_batch(self, batch: BatchMeta, *, search: bool | None = None) -> list[ReplicaPlan]:
         """One plan per data-parallel replica for the global batch `batch`; `search` overrides
         `config.use_search` (False: the greedy plan only)."""
-        replicas = self.replica_samples(batch)
-        works = [self.microbatches(samples) for samples in replicas]
-        totals = BatchTotals(
-            num_microbatches=sum(len(w) for w in works),
-            num_samples=batch.num_samples,
-            num_loss_tokens=sum(sample_loss_tokens(s, self.model) for s in batch.samples),
-            data_parallel_size=self.config.data_parallel,
+        layout = self.layout(batch)
+        return [self.plan_layout(layout, r.replica, search=search) for r in layout.replicas]
+
+    def plan_layout(
+        self,
+        layout: BatchLayout,
+        replica: int,
+        *,
+        forward_only: bool = False,
+        search: bool | None = None,
+    ) -> ReplicaPlan:
+        """The plan of one replica of a laid-out batch."""
+        return self.plan_replica(
+            layout.replicas[replica].works,
+            iteration=layout.iteration,
+            replica=replica,
+            totals=layout.totals,
+            forward_only=forward_only,
+            search=search,
         )
-        return [
-            self.plan_replica(w, iteration=batch.iteration, replica=r, totals=totals, search=search)
-            for r, w in enumerate(works)
-        ]
 
     def plan_replica(
         self,
@@ -266,14 +258,7 @@ class DipPlanner:
         return plan, ours.iteration_time
 
     def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
-        return message_tensors(
-            self.model,
-            key=key,
-            sub_lookup=sub_of.__getitem__,
-            dtype=self.config.dtype,
-            tensor_parallel=self.config.tensor_parallel,
-            sequence_parallel=self.config.sequence_parallel,
-        )
+        return self.shapes.tensors(key, sub_of.__getitem__)
 
     def _schedule(
         self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool, use_search: bool

@@ -1,7 +1,8 @@
 """Where the executor gets each sub-microbatch's input data from.
 
 Data tensors never travel between pipeline ranks: every rank builds the inputs of the
-sub-microbatches its chunks compute on from the microbatch's samples (`models.inputs`). The
+sub-microbatches its chunks compute on from the microbatch's samples (each modality's
+`build_sub_batch`). The
 executor asks a `BatchSource` for them and tells it when a sub-microbatch is no longer needed on
 this rank, so cached masks and rotary tables are freed early.
 """
@@ -30,7 +31,7 @@ class BatchSource(Protocol):
 
 
 class SampleBatchSource:
-    """Sub-batches built with `models.inputs.build_sub_batch` from each microbatch's samples.
+    """Sub-batches built with `modalities.build_sub_batch` from each microbatch's samples.
 
     `samples[mb]` lists the samples of microbatch `mb` of `plan` in order; `seq_length` caps
     the LLM sequence; `seed` seeds diffusion noise with each sample's id.
@@ -65,7 +66,7 @@ class SampleBatchSource:
 
     def sub_batch(self, work: WorkId) -> Any:
         if work not in self._cache:
-            from megatron_dip.models.inputs import build_sub_batch
+            from megatron_dip.modalities import build_sub_batch
 
             batch = build_sub_batch(
                 self.model,
@@ -78,8 +79,8 @@ class SampleBatchSource:
         return self._cache[work]
 
     def loss_tokens(self, work: WorkId) -> int:
-        """From the samples alone (`models.layout.loss_tokens_of`): no sub-batch is built."""
-        from megatron_dip.models.layout import loss_tokens_of
+        """From the samples alone (`batching.loss_tokens_of`): no sub-batch is built."""
+        from megatron_dip.batching import loss_tokens_of
 
         return loss_tokens_of(
             self.model, self.samples[work.microbatch], self.plan.submicrobatch(work)

@@ -147,7 +147,7 @@ class Executor:
 
     `chunks`: this rank's model chunks (possibly DDP-wrapped), exactly those `placement` puts on
     pipeline rank `pp_group.rank()`. `placement`: the placement the chunks were built from.
-    `tensor_fn`: what the built model sends for a message (`models.layout.message_tensors`
+    `tensor_fn`: what the built model sends for a message (`batching.message_tensors`
     bound to the model); when given, a plan with other shapes is refused before communicating.
     `tp_group` / `replica_group`: this rank's tensor-parallel group (same plan) and data-parallel
     group (each replica its own plan); when given, the plan verdict is agreed over them too, so

@@ -54,7 +54,7 @@ class DipSchedule:
     `model`: the `MultimodalSpec` the chunks were built from; `placement`: their placement;
     `pp_group`: the pipeline group; `plan_provider`: returns the next iteration's plan (used
     when no `plan=` is passed); `tensor_fn`: the model's message shapes for a plan (default:
-    `models.layout.message_tensors` with `dtype`, `tensor_parallel`, `sequence_parallel`);
+    `batching.message_tensors` with `dtype`, `tensor_parallel`, `sequence_parallel`);
     `embedding_group`: group for tied LLM embeddings (None: untied).
     """
 
@@ -74,7 +74,7 @@ class DipSchedule:
         """The model's message shapes, for the sub-microbatches of `plan`."""
         if self.tensor_fn is not None:
             return self.tensor_fn(plan)
-        from megatron_dip.models.layout import message_tensors
+        from megatron_dip.batching import message_tensors
 
         return functools.partial(
             message_tensors,

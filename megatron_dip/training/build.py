@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dip.models.chunk import ModelGroups, build_chunk
+from megatron_dip.modalities import build_chunk
+from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.config import ModelConfig
 from megatron_dip.models.init import global_param_name
 from megatron_dip.runtime.checks import unwrap_chunk

@@ -152,7 +152,7 @@ def _model_signature(spec: RunSpec) -> list:
     return [
         [
             m.name,
-            m.kind.value,
+            m.kind,
             m.num_layers,
             m.layer.hidden,
             m.layer.ffn,

@@ -35,7 +35,7 @@ from megatron_dip.data.records import BadSampleError
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream, SampleSource, StreamConfig
 from megatron_dip.data.synthetic import MIXTURES
-from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.modelspec import MultimodalSpec
 
 logger = logging.getLogger(__name__)
 
@@ -79,17 +79,19 @@ class DataSpec:
         return cls(kind, path, scale, image_size, bad_samples)
 
     def check_model(self, model: MultimodalSpec) -> None:
-        """ValueError unless the data suits the model (VLM data for a VLM, latents for a DiT)."""
-        diffusion = model.loss_module.kind is ModuleKind.DIT
+        """ValueError unless the data suits the model: the modules its instances need exist
+        (images: a "vit"; latent clips: a "dit"; audio: an "audio" module)."""
+        needs = {"llava": {"vit"}, "latents": {"dit"}}.get(self.kind)
+        what = f"{self.kind} data"
         if self.kind == "synthetic":
-            wants = MIXTURES[self.value].kind
-            if (wants == "diffusion") != diffusion:
-                raise ValueError(
-                    f"--dip-data: mixture {self.value!r} is {wants} data, the model "
-                    f"{model.name!r} is {'a diffusion model' if diffusion else 'a VLM'}"
-                )
-        elif (self.kind == "latents") != diffusion:
-            raise ValueError(f"--dip-data: {self.kind} data does not suit model {model.name!r}")
+            mixture = MIXTURES[self.value]
+            needs, what = mixture.needs, f"mixture {self.value!r} ({mixture.kind} data)"
+        have = {m.kind for m in model.modules}
+        if not needs <= have:
+            raise ValueError(
+                f"--dip-data: {what} needs module kinds {sorted(needs)}, the model "
+                f"{model.name!r} has {sorted(have)}"
+            )
 
     def source(self, model: MultimodalSpec, *, seed: int) -> SampleSource:
         """The sample source (metadata is read lazily)."""
@@ -110,14 +112,6 @@ class DataSpec:
 
         config = LatentConfig(on_bad_sample=self.bad_samples)
         return LatentDataset(self.value, model=model, config=config)
-
-
-def packing_limits(model: MultimodalSpec, seq_length: int) -> PackingLimits:
-    """VLM: packed sequences of `seq_length`; diffusion: <= 8 clips / 64 latent frames, captions
-    within `seq_length` tokens."""
-    if model.loss_module.kind is ModuleKind.DIT:
-        return PackingLimits(seq_length=seq_length, max_instances=8, max_frames=64)
-    return PackingLimits.vlm(seq_length=seq_length)
 
 
 def make_stream(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from megatron_dip.data.packing import PackingLimits, pack_microbatches
+from megatron_dip.batching import LayoutConfig, MicrobatchWork, pack, split_microbatches
+from megatron_dip.data.packing import PackingLimits
 from megatron_dip.data.sample import SampleMeta
 from megatron_dip.data.stream import StreamError
-from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.compare import activation_limits, average_workload
 from megatron_dip.planner.placement import (
     build_dip_placement,
@@ -25,7 +26,7 @@ from megatron_dip.planner.placement import (
     segments_per_module,
 )
 from megatron_dip.planner.static_baselines import one_list_pipeline, stock_pipeline
-from megatron_dip.planner.submicrobatch import MicrobatchWork, choose_sub_size, split_microbatch
+from megatron_dip.planner.submicrobatch import choose_sub_size, split_modules
 from megatron_dip.schedule.ir import Placement, Recompute
 
 from .arguments import TrainConfig
@@ -34,7 +35,6 @@ from .data_source import DataSpec, make_stream
 logger = logging.getLogger(__name__)
 
 CALIBRATION_BATCHES = 4
-_WHOLE = 10**9  # "one sub-microbatch per module"
 
 
 @dataclass(frozen=True)
@@ -73,23 +73,13 @@ def calibration_microbatches(
                 f"a sample of --dip-data {config.dip.dip_data} fits in no microbatch: {e}{hint}",
             ) from None
         raise _fail("--dip-data", f"cannot form a batch: {e}{hint}") from None
-    out = []
-    for batch in batches:
-        by_id = {s.sample_id: s for s in batch.samples}
-        for mb in pack_microbatches(list(batch.samples), limits=limits):
-            out.append([by_id[x] for x in mb.sample_ids])
-    return out
+    return [list(mb) for batch in batches for mb in pack(list(batch.samples), limits)]
 
 
-def split_all(
-    model: MultimodalSpec, microbatches, *, seq_length: int, sizes: Mapping[str, int]
-) -> list[MicrobatchWork]:
-    """Every microbatch cut into sub-microbatches of `sizes` (`--seq-length` checked)."""
+def split_all(model: MultimodalSpec, microbatches, config: LayoutConfig) -> list[MicrobatchWork]:
+    """Every microbatch cut into sub-microbatches (`--seq-length` checked)."""
     try:
-        return [
-            split_microbatch(model, samples, index=i, seq_length=seq_length, sub_sizes=sizes)
-            for i, samples in enumerate(microbatches)
-        ]
+        return list(split_microbatches(model, microbatches, config))
     except ValueError as e:
         raise _fail("--seq-length", str(e)) from None
 
@@ -99,8 +89,8 @@ def choose_sub_sizes(
 ) -> dict[str, int]:
     """Given sizes, completed by the cost model's choice for the modules not named."""
     sizes = dict(given or {})
-    for m in model.modules:
-        if m.kind is ModuleKind.LLM or m.name in sizes:
+    for m in split_modules(model):
+        if m.name in sizes:
             continue
         per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
         sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
@@ -215,10 +205,9 @@ def build_layout(
 ) -> Layout:
     """Sub-microbatch sizes, placement (DIP or stock) and per-rank activation limit."""
     del dtype  # the cost model already prices the run's dtype
-    seq = config.train.seq_length
     microbatches = calibration_microbatches(config, model, data, limits)
-    whole = {m.name: _WHOLE for m in model.modules}
-    workload = average_workload(model, split_all(model, microbatches, seq_length=seq, sizes=whole))
+    whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)
+    workload = average_workload(model, split_all(model, microbatches, whole))
     sizes = choose_sub_sizes(model, cost_model, workload, sub_sizes)
     if config.dip.dip_schedule != "dip":
         placement, units = _stock(config, model, cost_model, workload, pp)
@@ -235,6 +224,6 @@ def build_layout(
             flag, _, rest = text.partition(" ")
             raise _fail(flag.rstrip(":"), rest) from None
         raise _fail("--pipeline-model-parallel-size", text) from None
-    split = split_all(model, microbatches, seq_length=seq, sizes=sizes)
+    split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
     limit = _memory_limit(config, placement, cost_model, split, model, tp=tp, device=device)
     return Layout(sizes, placement, None, dict(report.segments), limit)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dip.data.sample import BatchMeta
-from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.modalities import modality_of
+from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.schedule.ir import Backward, ChunkSpec, Forward, Plan, Recompute, StageId
 
 from .setup import ParallelContext
@@ -103,15 +104,12 @@ def gather_stats(
 
 
 def batch_tokens(model: MultimodalSpec, batch: BatchMeta) -> dict[str, int]:
-    """Tokens each module processes for `batch` (text for LLM / text encoder, vision tokens for
-    the ViT / DiT)."""
-    out = {}
-    for m in model.modules:
-        if m.kind in (ModuleKind.LLM, ModuleKind.TEXT_ENCODER):
-            out[m.name] = sum(s.text_tokens for s in batch.samples)
-        else:
-            out[m.name] = sum(sum(s.vision_tokens) for s in batch.samples)
-    return out
+    """Tokens each module processes for `batch` (text for the LLM / text encoder, instance
+    tokens for the media modules: `Modality.module_tokens`)."""
+    return {
+        m.name: sum(modality_of(m).module_tokens(m, s)[0] for s in batch.samples)
+        for m in model.modules
+    }
 
 
 def model_flops(model: MultimodalSpec, cost_model, batch: BatchMeta) -> float:

@@ -24,15 +24,13 @@ import logging
 import socket
 from collections import Counter
 
-import numpy as np
 import torch.distributed as dist
 
-from megatron_dip.data.packing import pack_microbatches
+from megatron_dip.batching import MessageShapes, layout_batch
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream
-from megatron_dip.models.layout import message_tensors
 from megatron_dip.planner.compare import with_recompute
-from megatron_dip.planner.dip import DipPlanner, ReplicaPlan, sample_loss_tokens
+from megatron_dip.planner.dip import DipPlanner, ReplicaPlan
 from megatron_dip.planner.service import (
     INLINE,
     PlanClient,
@@ -40,29 +38,17 @@ from megatron_dip.planner.service import (
     StoreAddress,
     publish_calibration,
 )
-from megatron_dip.planner.submicrobatch import split_microbatch
 from megatron_dip.schedule.baselines import build_megatron_plan
-from megatron_dip.schedule.ir import BatchTotals, Plan, Recompute
+from megatron_dip.schedule.ir import Plan, Recompute
 
 from .setup import ParallelContext
 from .validate import RunSpec
 
 logger = logging.getLogger(__name__)
 
-_WHOLE = 10**9
-
 
 def make_planner(spec: RunSpec) -> DipPlanner:
     return DipPlanner(spec.model, spec.cost_model, spec.placement, spec.planner)
-
-
-def batch_totals(planner: DipPlanner, batch: BatchMeta, num_microbatches: int) -> BatchTotals:
-    return BatchTotals(
-        num_microbatches=num_microbatches,
-        num_samples=batch.num_samples,
-        num_loss_tokens=sum(sample_loss_tokens(s, planner.model) for s in batch.samples),
-        data_parallel_size=planner.config.data_parallel,
-    )
 
 
 def replica_plan(
@@ -74,28 +60,20 @@ def replica_plan(
     forward_only: bool = False,
 ) -> ReplicaPlan:
     """The plan of one replica, identical to `planner.plan_batch(batch)[replica]`."""
-    works = [planner.microbatches(s) for s in planner.replica_samples(batch)]
-    totals = batch_totals(planner, batch, sum(len(w) for w in works))
-    return planner.plan_replica(
-        works[replica],
-        iteration=batch.iteration,
-        replica=replica,
-        totals=totals,
-        forward_only=forward_only,
-        search=search,
+    return planner.plan_layout(
+        planner.layout(batch), replica, forward_only=forward_only, search=search
     )
 
 
 def tensor_fn(spec: RunSpec, plan: Plan):
     """The built model's message shapes for the sub-microbatches of `plan`."""
-
-    def tensors(key):
-        return message_tensors(
-            spec.model, key=key, sub_lookup=plan.submicrobatch, dtype=spec.dtype,
-            tensor_parallel=spec.tensor_parallel, sequence_parallel=spec.sequence_parallel,
-        )  # fmt: skip
-
-    return tensors
+    shapes = MessageShapes(
+        spec.model,
+        dtype=spec.dtype,
+        tensor_parallel=spec.tensor_parallel,
+        sequence_parallel=spec.sequence_parallel,
+    )
+    return shapes.for_lookup(plan.submicrobatch)
 
 
 def _share_store(ctx: ParallelContext, timeout_s: float = 300.0):
@@ -201,46 +179,24 @@ def stock_plan(
     spec: RunSpec, batch: BatchMeta, replica: int, *, forward_only: bool = False
 ) -> Plan:
     """Megatron's schedule for this replica's equal share of the packed global batch."""
-    model, seq = spec.model, spec.config.train.seq_length
     # Shapes as the planner sees the run (under --dip-emulate-compute: the emulated TP and dtype).
-    cfg = spec.planner
-    by_id = {s.sample_id: s for s in batch.samples}
-    packed = pack_microbatches(list(batch.samples), limits=spec.limits)
-    shares = np.array_split(np.arange(len(packed)), spec.data_parallel)
-    mine = [packed[int(i)] for i in shares[replica]]
-    works = [
-        split_microbatch(
-            model,
-            [by_id[x] for x in mb.sample_ids],
-            index=i,
-            seq_length=seq,
-            sub_sizes={m.name: _WHOLE for m in model.modules},
-            pad_multiple=cfg.tensor_parallel if cfg.sequence_parallel else 1,
-        )
-        for i, mb in enumerate(mine)
-    ]
-    totals = BatchTotals(
-        num_microbatches=len(packed),
-        num_samples=batch.num_samples,
-        num_loss_tokens=sum(sample_loss_tokens(s, model) for s in batch.samples),
-        data_parallel_size=spec.data_parallel,
-    )
-    sub_of = {s.work: s for w in works for s in w.submicrobatches}
+    planner = make_planner(spec)
+    config = planner.layout_config.with_whole_modules()
+    layout = layout_batch(spec.model, batch, config)
+    mine = layout.replicas[replica]
+    sub_of = mine.sub_of()
     plan = build_megatron_plan(
         placement=spec.placement,
         stage_units=spec.stage_units,
-        submicrobatches=list(sub_of.values()),
-        dependencies=[d for w in works for d in w.dependencies],
-        microbatches=[w.info for w in works],
-        totals=totals,
+        submicrobatches=list(mine.submicrobatches),
+        dependencies=list(mine.dependencies),
+        microbatches=list(mine.infos),
+        totals=layout.totals,
         num_model_chunks=len(spec.stage_units[0]),
-        tensors=lambda key: message_tensors(
-            model, key=key, sub_lookup=sub_of.__getitem__, dtype=cfg.dtype,
-            tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
-        ),
+        tensors=planner.shapes.for_lookup(sub_of.__getitem__),
         iteration=batch.iteration,
         forward_only=forward_only,
-    )  # fmt: skip
+    )
     # Megatron's --recompute-granularity applies to every stage alike.
     mode = spec.config.model.recompute_granularity
     return with_recompute(plan, Recompute(mode)) if mode and not forward_only else plan

@@ -3,15 +3,17 @@
 A speedup only means something together with its batch, so `--model NAME` sets the global batch
 (packed microbatches), the sequence length, the data mixture and its scaling, the parallel sizes
 and the sub-microbatch sizes; every one of them can still be overridden by its own flag.
-The paper's setups (`modelspec.PAPER_SETUPS`, DESIGN.md section 3) are named like the paper;
-`tiny-vlm` / `tiny-t2v` are the CPU quick-start and test runs.
+The paper's setups (`modelspec.PAPER_SETUPS`, DESIGN.md section 3) are named like the paper
+(plus `omni-s`: VLM-S with a Whisper-large-sized audio encoder); `tiny-vlm` / `tiny-t2v` /
+`tiny-omni` are the CPU quick-start and test runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dip.modelspec import PAPER_SETUPS, MultimodalSpec, tiny_t2v, tiny_vlm
+from megatron_dip.models.presets import model_preset
+from megatron_dip.modelspec import PAPER_SETUPS, MultimodalSpec
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,6 @@ class RunPreset:
     """Defaults of one named run (see the module docstring)."""
 
     name: str
-    kind: str  # "vlm" or "diffusion"
     global_batch_size: int  # packed microbatches per iteration, all replicas
     seq_length: int
     data: str
@@ -33,22 +34,19 @@ class RunPreset:
 
     def model(self) -> MultimodalSpec:
         """The preset's model (before --num-layers / --encoder-num-layers / --vocab-size)."""
-        if self.name == "tiny-vlm":
-            return tiny_vlm()
-        if self.name == "tiny-t2v":
-            return tiny_t2v()
-        return PAPER_SETUPS[self.name].model
+        return model_preset(self.name)
+
+
+_PAPER_DATA = {"vlm": "synthetic-mixed", "t2v": "synthetic-t2v", "omni": "synthetic-omni"}
 
 
 def _paper(name: str) -> RunPreset:
     setup = PAPER_SETUPS[name]
-    kind = "vlm" if name.startswith("vlm") else "diffusion"
     return RunPreset(
         name=name,
-        kind=kind,
         global_batch_size=setup.global_batch_microbatches,
         seq_length=setup.seq_length,
-        data="synthetic-mixed" if kind == "vlm" else "synthetic-t2v",
+        data=_PAPER_DATA[name.split("-", maxsplit=1)[0]],
         tensor_parallel=setup.tensor_parallel,
         pipeline_parallel=setup.pipeline_parallel,
         description=f"{setup.model.name}, TP{setup.tensor_parallel} PP{setup.pipeline_parallel} "
@@ -59,7 +57,6 @@ def _paper(name: str) -> RunPreset:
 RUN_PRESETS: dict[str, RunPreset] = {
     "tiny-vlm": RunPreset(
         name="tiny-vlm",
-        kind="vlm",
         global_batch_size=8,
         seq_length=128,
         data="synthetic-mixed",
@@ -71,7 +68,6 @@ RUN_PRESETS: dict[str, RunPreset] = {
     ),
     "tiny-t2v": RunPreset(
         name="tiny-t2v",
-        kind="diffusion",
         global_batch_size=4,
         seq_length=64,
         data="synthetic-t2v",
@@ -79,6 +75,17 @@ RUN_PRESETS: dict[str, RunPreset] = {
         sub_microbatch_size="text=2,dit=2",
         segments="text=1,dit=2",
         description="8+8-layer text encoder + DiT, hidden 32: CPU tests",
+    ),
+    "tiny-omni": RunPreset(
+        name="tiny-omni",
+        global_batch_size=8,
+        seq_length=128,
+        data="synthetic-omni",
+        data_scale=1 / 32,
+        image_size=32,
+        sub_microbatch_size="vit=2,audio=2",
+        segments="vit=1,audio=1,llm=2",
+        description="4-layer ViT + 4-layer audio encoder + 8-layer LLM, hidden 32: CPU tests",
     ),
     **{name: _paper(name) for name in PAPER_SETUPS},
 }

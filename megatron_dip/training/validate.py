@@ -16,17 +16,20 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from megatron_dip.batching import packing_limits
 from megatron_dip.data.packing import PackingLimits
-from megatron_dip.modelspec import ModuleKind, MultimodalSpec
+from megatron_dip.modalities import check_model
+from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec, get_device, load_profile
 from megatron_dip.planner.dip import PlannerConfig
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.service import PlannerFaults
+from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import Placement, Recompute
 
 from .arguments import TrainConfig
-from .data_source import DataSpec, packing_limits
+from .data_source import DataSpec
 from .presets import RunPreset, get_run_preset
 
 logger = logging.getLogger(__name__)
@@ -130,7 +133,11 @@ def _model_spec(config: TrainConfig, preset: RunPreset) -> MultimodalSpec:
                 )
             updates["vocab_size"] = m.vocab_size
         changed.append(dataclasses.replace(spec, **updates) if updates else spec)
-    return dataclasses.replace(model, modules=tuple(changed))
+    model = dataclasses.replace(model, modules=tuple(changed))
+    try:
+        return check_model(model)
+    except ValueError as e:
+        raise _fail("--model", str(e)) from None
 
 
 def _check_sizes(config: TrainConfig, world_size: int) -> tuple[int, int, int]:
@@ -257,10 +264,11 @@ def _check_dip(config: TrainConfig) -> None:
 
 
 def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] | None:
-    """`--dip-sub-microbatch-size`: "N" for every encoder module, or "vit=12,text=4"."""
+    """`--dip-sub-microbatch-size`: "N" for every module split into sub-microbatches, or
+    "vit=12,text=4"."""
     if text is None:
         return None
-    encoders = [m.name for m in model.modules if m.kind is not ModuleKind.LLM]
+    encoders = [m.name for m in split_modules(model)]
     flag = "--dip-sub-microbatch-size"
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -305,9 +313,7 @@ def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> C
         except ValueError as e:
             raise _fail("--dip-cost-profile", str(e)) from None
         unknown = (
-            set(profile.modules)
-            - {m.name for m in model.modules}
-            - {m.kind.value for m in model.modules}
+            set(profile.modules) - {m.name for m in model.modules} - {m.kind for m in model.modules}
         )
         if unknown:
             raise _fail(

@@ -2,7 +2,7 @@
 
 `LocalPipeline` holds every chunk of every module in one process and runs them stage by stage
 the way the runtime does: each message crosses a detach boundary (checked against
-`layout.message_tensors`), and backward walks the stages in reverse, feeding each stage the
+`batching.message_tensors`), and backward walks the stages in reverse, feeding each stage the
 gradients its consumers computed for the message. `reference_loss_and_grads` is the
 non-pipelined reference: every module as one chunk (or any `ranges` you give).
 
@@ -20,16 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dip.batching import cross_module_dependencies, message_tensors, split_samples
 from megatron_dip.cpu_support import seed_model_parallel_rng
 from megatron_dip.data.sample import Sample
+from megatron_dip.modalities import build_module_chunks, build_sub_batch
+from megatron_dip.models.chunk import ModelChunk, ModelGroups, reduce_tied_embedding_grads
+from megatron_dip.models.config import ModelConfig
+from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.schedule.ir import MessageKey, MessageKind, StageId, SubMicrobatch, WorkId
-
-from .chunk import ModelChunk, ModelGroups, build_module_chunks, reduce_tied_embedding_grads
-from .config import ModelConfig
-from .init import global_param_name
-from .inputs import build_sub_batch
-from .layout import cross_module_dependencies, message_tensors, split_submicrobatches
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ _DTYPE_NAMES = {
 
 
 class MessageMismatchError(AssertionError):
-    """A chunk produced a message that differs from `layout.message_tensors`."""
+    """A chunk produced a message that differs from `batching.message_tensors`."""
 
 
 @dataclass
@@ -63,7 +62,7 @@ def check_message(
     lookup: Callable[[WorkId], SubMicrobatch],
     dtype: str,
 ) -> None:
-    """Raise `MessageMismatchError` unless `tensors` match `message_tensors` exactly."""
+    """Raise `MessageMismatchError` unless `tensors` match `batching.message_tensors` exactly."""
     expected = message_tensors(model, key=key, sub_lookup=lookup, dtype=dtype)
     got = [(n, tuple(t.shape), _DTYPE_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()]
     want = [(s.name, s.shape, s.dtype) for s in expected]
@@ -157,7 +156,7 @@ class LocalPipeline:
         self, samples: Sequence[Sample], *, microbatch: int, sizes: Mapping[str, int] | None
     ) -> tuple[list[_Stage], torch.Tensor, torch.Tensor]:
         """Forward of one microbatch; returns its stages, summed loss and loss-token count."""
-        subs = split_submicrobatches(
+        subs = split_samples(
             self.model, samples, microbatch=microbatch, seq_length=self.seq_length, sizes=sizes
         )
         lookup_table = {s.work: s for s in subs}

@@ -1,0 +1,565 @@
+"""The `Modality` protocol: everything that depends on the kind of a module, behind one class.
+
+A modality kind ("vit", "llm", "text_encoder", "dit", "audio", ...) is one file of this package
+holding one subclass of `Modality`, registered by kind (`registry.py`). The rest of the package
+asks the registry (`modality_of(spec)`) and calls these methods instead of branching on kinds:
+
+* metadata (torch-free, what the planner sees): what an instance is, the instances of a
+  microbatch (`microbatch_instances`), their padding and attention pairs, checks of a
+  microbatch, which producer sub-microbatches a consumer needs (`consumes`);
+* arrays (torch-free, the data side): the `InstanceCounts` of a sample's arrays and the checks
+  of its conventions;
+* messages (torch-free): the tensors between two chunks of the module (`chunk_message`) and the
+  hand-over to its consumer (`hand_over`);
+* loss (loss modules): packing caps, loss tokens of a sample and of a sub-microbatch;
+* costs (torch-free): the operators of one layer and of the input/output layers, stored
+  activations, parameter counts, the profile grid;
+* torch parts, imported lazily inside the methods: the chunk's layers and its forward
+  (`build_pre/build_layers/build_post`, `embed`, `run_layers`, `finish`, driven by the generic
+  `models.chunk.ModelChunk`), and the sub-batch builder (`build_sub_batch`).
+
+Conventions shared by every modality (micro batch size 1, packed; Megatron's [seq, batch,
+hidden]): instances of a module in a microbatch are listed sample by sample, in data order. A
+module whose instances are not text ("media": images, clips, audio segments) reads them from
+`SampleMeta.instances_of(module)`; the text modules read `SampleMeta.text_tokens`. A producer
+that scatters into its consumer's sequence ("scatter producer": ViT, audio encoder) owns a
+placeholder token id (`ModuleSpec.placeholder_id`): each of its instances occupies a run of
+placeholders as long as its `placeholders` count, and its hand-over is one tensor named
+`scatter_name(spec)` with one row per placeholder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
+from megatron_dip.schedule.ir import SubMicrobatch, TensorSpec, WorkId
+
+from .costs import CostContext, Op, Stored, Work, gemm, mem, mlp_ops, self_attention_ops
+from .costs import transformer_layer_stored as _standard_stored
+
+INDEX_DTYPE = "int64"
+
+
+@dataclass(frozen=True)
+class InstanceCounts:
+    """What the planner may see of one module's instances in one sample, in order.
+
+    `tokens[i]`: tokens of instance i inside its module (ViT patches, DiT latent tokens, audio
+    encoder tokens). `placeholders[i]`: tokens it occupies in its consumer's sequence (a scatter
+    producer's placeholder run; empty otherwise). `frames[i]`: its duration units (latent frames
+    of a clip, which text-to-video packing budgets; empty otherwise).
+    """
+
+    tokens: tuple[int, ...] = ()
+    placeholders: tuple[int, ...] = ()
+    frames: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "placeholders", "frames"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        for name in ("placeholders", "frames"):
+            values = getattr(self, name)
+            if values and len(values) != len(self.tokens):
+                raise ValueError(f"{len(values)} {name} for {len(self.tokens)} instances")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class SampleInfo(Protocol):
+    """What modalities read of a sample's metadata (`data.sample.SampleMeta`)."""
+
+    sample_id: int
+    text_tokens: int
+
+    def instances_of(self, module: str) -> InstanceCounts: ...
+
+
+class SampleArrays(Protocol):
+    """What modalities read of a sample with arrays (`data.sample.Sample`)."""
+
+    sample_id: int
+    text: np.ndarray
+    media: Mapping[str, Sequence[np.ndarray]]
+    labels_mask: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One instance of a module inside a microbatch: owning sample and token count."""
+
+    sample_index: int  # position of the sample inside the microbatch (-1: all of them)
+    tokens: int
+
+
+SubLookup = Callable[[WorkId], SubMicrobatch]
+
+
+def scatter_name(spec: ModuleSpec) -> str:
+    """Name of a scatter producer's hand-over tensor (one row per placeholder token)."""
+    return f"{spec.name}.embeddings"
+
+
+def instances_overlap(a: SubMicrobatch, b: SubMicrobatch) -> bool:
+    """Whether two sub-microbatches of one microbatch share an instance index."""
+    return a.instance_start < b.instance_end and b.instance_start < a.instance_end
+
+
+def placeholder_runs(text: np.ndarray, token: int) -> list[int]:
+    """Lengths of the maximal runs of `token` in `text`, in order."""
+    is_token = np.concatenate(([0], (np.asarray(text) == token).astype(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(is_token))
+    return (edges[1::2] - edges[::2]).tolist()
+
+
+class Modality:
+    """The behaviour of one module kind (module docstring). Subclasses set the class attributes
+    and override what differs from these defaults, which describe a bidirectional encoder over
+    media instances (LayerNorm, biases, GELU) that hands its output to a consumer."""
+
+    kind: ClassVar[str] = ""
+    instance: ClassVar[str] = "instance"  # what one instance is, for messages
+    reads_text: ClassVar[bool] = False  # instances come from the text (LLM, text encoder)
+    whole_microbatch: ClassVar[bool] = False  # one sub-microbatch per microbatch (LLM)
+    causal: ClassVar[bool] = False
+    rotary_axes: ClassVar[int] = 1
+    normalization: ClassVar[str] = "LayerNorm"
+    linear_bias: ClassVar[bool] = True
+    tp_blocks: ClassVar[int] = 2  # parallel blocks per layer (one TP all-reduce each)
+    message_names: ClassVar[tuple[str, ...]] = ("hidden",)
+
+    # -- the spec -------------------------------------------------------------------------
+
+    def check_spec(self, spec: ModuleSpec, model: MultimodalSpec) -> None:
+        """Raise ValueError naming the module when `spec` lacks what this kind needs."""
+        del spec, model
+
+    def activation(self, spec: ModuleSpec) -> str:
+        """The MLP activation: "silu" (SwiGLU) for gated MLPs, else "gelu"."""
+        return "silu" if spec.layer.gated_mlp else "gelu"
+
+    # -- metadata -------------------------------------------------------------------------
+
+    def sample_instances(self, spec: ModuleSpec, meta: SampleInfo) -> InstanceCounts:
+        """The module's instances in one sample's metadata."""
+        return meta.instances_of(spec.name)
+
+    def microbatch_instances(
+        self, spec: ModuleSpec, samples: Sequence[SampleInfo], *, seq_length: int
+    ) -> list[Instance]:
+        """The instances the module computes on for one microbatch, in data order."""
+        del seq_length
+        return [
+            Instance(i, t)
+            for i, s in enumerate(samples)
+            for t in self.sample_instances(spec, s).tokens
+        ]
+
+    def module_tokens(self, spec: ModuleSpec, meta: SampleInfo) -> tuple[int, int]:
+        """(tokens, instances) of one sample in this module (per-sample cost, throughput)."""
+        counts = self.sample_instances(spec, meta)
+        return sum(counts.tokens), len(counts)
+
+    def padded_tokens(self, spec: ModuleSpec, tokens: int, *, seq_length: int) -> int:
+        """Tokens the runtime computes on for a sub-microbatch of `tokens` real tokens, before
+        rounding to the sequence-parallel multiple."""
+        del spec, seq_length
+        return tokens
+
+    def attention_pairs(
+        self,
+        spec: ModuleSpec,
+        samples: Sequence[SampleInfo],
+        items: Sequence[Instance],
+        *,
+        seq_length: int,
+    ) -> int:
+        """Sum of squared attention segment lengths of a sub-microbatch holding `items`."""
+        del spec, samples, seq_length
+        return sum(i.tokens * i.tokens for i in items)
+
+    def check_microbatch(
+        self,
+        spec: ModuleSpec,
+        model: MultimodalSpec,
+        samples: Sequence[SampleInfo],
+        *,
+        index: int,
+        seq_length: int,
+        pad: int,
+    ) -> None:
+        """Raise ValueError for a microbatch this module cannot represent."""
+        del spec, model, samples, index, seq_length, pad
+
+    def consumes(self, producer: SubMicrobatch, consumer: SubMicrobatch) -> bool:
+        """Whether consumer sub-microbatch `consumer` (of this module) needs the output of
+        producer sub-microbatch `producer` (same microbatch). Default: all of them."""
+        del producer, consumer
+        return True
+
+    # -- arrays (the data side) ---------------------------------------------------------------
+
+    def instance_counts(
+        self, spec: ModuleSpec, model: MultimodalSpec, sample: SampleArrays
+    ) -> InstanceCounts | None:
+        """The `InstanceCounts` of `sample`'s arrays for a media module (None: text module).
+        Raises ValueError when the arrays break this modality's conventions."""
+        del spec, model, sample
+        return None
+
+    def check_sample(self, spec: ModuleSpec, model: MultimodalSpec, sample: SampleArrays) -> None:
+        """Raise ValueError when the sample's text breaks this modality's conventions."""
+        del spec, model, sample
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def chunk_message(
+        self,
+        spec: ModuleSpec,
+        model: MultimodalSpec,
+        sub: SubMicrobatch,
+        sub_lookup: SubLookup,
+        *,
+        dtype: str,
+        seq: Callable[[int], int],
+    ) -> list[TensorSpec]:
+        """The tensors between two consecutive chunks of the module for `sub` (`seq` divides a
+        token count by the tensor-parallel size under sequence parallelism)."""
+        del model, sub_lookup
+        return [TensorSpec("hidden", (seq(sub.padded_tokens), 1, spec.layer.hidden), dtype)]
+
+    def hand_over(self, spec: ModuleSpec, sub: SubMicrobatch, *, dtype: str) -> list[TensorSpec]:
+        """The tensors the module's last chunk hands to its consumer's first chunk."""
+        del sub, dtype
+        raise ValueError(f"module {spec.name!r} ({spec.kind}) hands nothing over")
+
+    # -- loss (the module that feeds nobody) ----------------------------------------------------
+
+    def packing_caps(self, spec: ModuleSpec, *, seq_length: int) -> dict[str, int | None]:
+        """`data.packing.PackingLimits` fields of a microbatch when this module computes the
+        loss."""
+        del spec
+        return {"seq_length": seq_length}
+
+    def sample_loss_tokens(
+        self, spec: ModuleSpec, model: MultimodalSpec, sample: SampleArrays
+    ) -> int:
+        """Tokens of `sample` that carry a loss, as the loss chunk counts them."""
+        raise ValueError(f"module {spec.name!r} ({spec.kind}) computes no loss")
+
+    def microbatch_loss_tokens(
+        self,
+        spec: ModuleSpec,
+        model: MultimodalSpec,
+        samples: Sequence[SampleArrays],
+        sub: SubMicrobatch,
+    ) -> int:
+        """Loss tokens of sub-microbatch `sub` of a microbatch made of `samples`."""
+        chosen = samples[sub.instance_start : sub.instance_end]
+        return sum(self.sample_loss_tokens(spec, model, s) for s in chosen)
+
+    # -- costs ----------------------------------------------------------------------------------
+
+    def layer_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
+        """Forward operators of one transformer layer on `w`."""
+        return self_attention_ops(spec.layer, w, c, causal=self.causal) + mlp_ops(spec.layer, w, c)
+
+    def layer_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> Stored:
+        """What one layer keeps for backward."""
+        return _standard_stored(spec.layer, w, c)
+
+    def input_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
+        """Forward operators of the input layers (charged to the first chunk)."""
+        del spec, w, c
+        return []
+
+    def output_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
+        """Forward operators of the output layers (charged to the last chunk)."""
+        del spec, w, c
+        return []
+
+    def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        """Bytes the output layers keep for backward: final-norm and head/projector inputs."""
+        return 2 * c.dt * w.tokens * spec.layer.hidden / c.rep
+
+    def full_recompute_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        """Bytes a chunk keeps under full recomputation: its input (and side inputs)."""
+        return c.dt * w.tokens * spec.layer.hidden / c.rep
+
+    def layer_params(self, spec: ModuleSpec) -> int:
+        """Parameters of one transformer layer (all TP ranks together)."""
+        lay = spec.layer
+        h, kv = lay.hidden, 2 * lay.kv_groups * lay.head_dim
+        return h * (h + kv) + h * h + h * lay.ffn * (3 if lay.gated_mlp else 2) + 2 * h
+
+    def input_params(self, spec: ModuleSpec) -> int:
+        """Parameters of the input layers."""
+        del spec
+        return 0
+
+    def output_params(self, spec: ModuleSpec) -> int:
+        """Parameters of the output layers (the final norm included)."""
+        return spec.layer.hidden
+
+    def profile_grid(self, spec: ModuleSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(tokens per instance, instances per sub-microbatch) worth profiling."""
+        del spec
+        return (256, 1024, 2704, 4096), (1, 2, 4, 8, 12, 16)
+
+    # -- torch parts (imported lazily; `chunk` is a `models.chunk.ModelChunk`) --------------------
+
+    def layer_style(self, spec: ModuleSpec):
+        """`models.common.LayerStyle` of the module's transformer layers."""
+        from megatron_dip.models.common import LayerStyle
+
+        return LayerStyle(
+            normalization=self.normalization,
+            bias=self.linear_bias,
+            activation=self.activation(spec),
+        )
+
+    def layer_stack(self, spec: ModuleSpec, *, tconfig, backend, groups, start: int, end: int):
+        """Megatron layers for global layers [start, end) (chunks and the profiler)."""
+        from megatron_dip.models.common import build_transformer_layers, gpt_layer_spec
+
+        layer_spec = gpt_layer_spec(self.normalization, backend)
+        return build_transformer_layers(
+            spec=layer_spec, config=tconfig, groups=groups, start=start, end=end
+        )
+
+    def run_stack(
+        self,
+        spec: ModuleSpec,
+        layers,
+        state: dict,
+        batch,
+        *,
+        rotary_base: float,
+        causal: bool,
+        groups=None,
+    ):
+        """`layers` on state["hidden"] with this modality's masks and rotary tables (cached in
+        the batch, shared by all chunks of the sub-microbatch). `groups`: the chunk's
+        `ModelGroups` (None: one rank, as the profiler runs)."""
+        from megatron_dip.models.common import cached, rotary_table, segment_mask
+
+        del groups
+        dtype = state["hidden"].dtype
+        head_dim = spec.layer.head_dim
+        mask = cached(batch, ("mask", causal), lambda: segment_mask(batch.segments, causal=causal))
+        rotary = cached(
+            batch,
+            ("rotary", head_dim, rotary_base, dtype),
+            lambda: rotary_table(batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype),
+        )
+        hidden = state["hidden"]
+        for layer in layers:
+            hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        return hidden
+
+    def build_layers(self, chunk):
+        """The chunk's transformer layers."""
+        c = chunk.chunk
+        return self.layer_stack(
+            chunk.module_spec, tconfig=chunk.config, backend=chunk.backend, groups=chunk.groups,
+            start=c.layer_start, end=c.layer_end,
+        )  # fmt: skip
+
+    def build_pre(self, chunk):
+        """Input layers of chunk 0 (None: none)."""
+        del chunk
+
+    def build_post(self, chunk):
+        """Output layers of the last chunk (None: none)."""
+        del chunk
+
+    def embed(self, chunk, inputs: Sequence[Mapping[str, Any]], batch) -> dict:
+        """Chunk 0: the message state (at least "hidden") from the data and producer inputs."""
+        raise NotImplementedError
+
+    def run_layers(self, chunk, state: dict, batch):
+        """The chunk's layers on state["hidden"]; returns the new hidden states."""
+        return self.run_stack(
+            chunk.module_spec, chunk.layers, state, batch,
+            rotary_base=chunk.model_config.rotary_base, causal=self.causal,
+        )  # fmt: skip
+
+    def finish(self, chunk, state: dict, batch) -> dict:
+        """Last chunk: output layers; the loss or the hand-over to the consumer."""
+        raise NotImplementedError
+
+    def zero_init_prefixes(self, chunk) -> tuple[str, ...]:
+        """Local parameter-name prefixes initialised to zero."""
+        del chunk
+        return ()
+
+    def tied_embedding_weight(self, chunk):
+        """This chunk's copy of a tied embedding that needs reducing (None otherwise)."""
+        del chunk
+
+    def build_sub_batch(
+        self,
+        spec: ModuleSpec,
+        model: MultimodalSpec,
+        samples: Sequence[SampleArrays],
+        sub: SubMicrobatch,
+        *,
+        seq_length: int,
+        seed: int,
+    ):
+        """The `models.batch.SubBatch` of `sub` from all samples of its microbatch, in order."""
+        raise NotImplementedError
+
+    def profile_batch(self, spec: ModuleSpec, *, tokens: int, instances: int, caption: int):
+        """(SubBatch, state extras) of a synthetic sub-microbatch of `instances` instances of
+        `tokens` tokens, for timing `run_stack` (the profiler)."""
+        import torch
+
+        from megatron_dip.models.batch import SubBatch
+
+        del caption
+        segments = torch.arange(instances).repeat_interleave(tokens)
+        local = torch.arange(tokens).repeat(instances)
+        width = max(1, math.isqrt(tokens - 1) + 1)  # a square grid holding `tokens`
+        row, col = local // width, local % width
+        columns = {1: [local], 2: [row, col], 3: [0 * local, row, col]}
+        positions = torch.stack(columns[self.rotary_axes], dim=1)
+        sub = SubMicrobatch(spec.name, 0, 0, 0, instances, tokens * instances, tokens * instances)
+        return SubBatch(sub=sub, kind=self.kind, segments=segments, positions=positions), {}
+
+
+class ScatterProducer(Modality):
+    """A media encoder whose outputs replace its placeholder tokens in the consumer's sequence
+    (ViT, audio encoder): one hand-over row per placeholder (`consumer_rows`)."""
+
+    default_placeholder: ClassVar[int | None] = None
+
+    def placeholder_id(self, spec: ModuleSpec) -> int:
+        """The token id of this module's placeholders in the consumer's text."""
+        token = spec.placeholder_id if spec.placeholder_id is not None else self.default_placeholder
+        if token is None:
+            raise ValueError(f"module {spec.name!r} ({spec.kind}) needs a placeholder_id")
+        return token
+
+    def pool(self, spec: ModuleSpec) -> int:
+        """Module tokens merged into one consumer token."""
+        raise NotImplementedError
+
+    def consumer_rows(self, spec: ModuleSpec, tokens: int) -> int:
+        """Consumer tokens of `tokens` module tokens (whole instances: exact)."""
+        return tokens // self.pool(spec)
+
+    def check_spec(self, spec: ModuleSpec, model: MultimodalSpec) -> None:
+        if spec.out_hidden <= 0:
+            raise ValueError(
+                f"module {spec.name!r}: a {spec.kind} needs out_hidden (its consumer's hidden)"
+            )
+        if spec.feeds is None:
+            raise ValueError(f"module {spec.name!r}: a {spec.kind} must feed a consumer")
+        vocab = model.module(spec.feeds).vocab_size
+        token = self.placeholder_id(spec)
+        if vocab and not 0 <= token < vocab:
+            raise ValueError(
+                f"module {spec.name!r}: placeholder id {token} outside the vocabulary of {vocab}"
+            )
+
+    def hand_over(self, spec: ModuleSpec, sub: SubMicrobatch, *, dtype: str) -> list[TensorSpec]:
+        rows = self.consumer_rows(spec, sub.tokens)
+        return [TensorSpec(scatter_name(spec), (rows, spec.out_hidden), dtype)]
+
+    def check_placeholders(self, spec: ModuleSpec, text: np.ndarray, counts: Sequence[int]) -> None:
+        """Each run of this module's placeholder id must hold whole instances, in order
+        (adjacent instances merge runs); raises ValueError naming what disagrees."""
+        what = f"{self.instance}s"
+        needed = sum(counts)
+        if needed > text.size:
+            raise ValueError(
+                f"its {len(counts)} {what} need {needed} LLM tokens but the sequence has "
+                f"only {text.size} tokens"
+            )
+        runs = placeholder_runs(text, self.placeholder_id(spec))
+        if sum(runs) != needed:
+            raise ValueError(
+                f"{sum(runs)} {self.instance} placeholder tokens in the text, but its "
+                f"{len(counts)} {what} need {needed}"
+            )
+        item = 0
+        for r, run in enumerate(runs):
+            covered = 0
+            while covered < run:
+                covered += counts[item]
+                item += 1
+            if covered != run:
+                raise ValueError(
+                    f"placeholder run {r} has {run} tokens, which does not match the sizes of "
+                    f"{what} up to {item - 1} ({self.instance} {item - 1} needs {counts[item - 1]})"
+                )
+
+    def media(self, spec: ModuleSpec, sample: SampleArrays) -> list[np.ndarray]:
+        """The sample's arrays of this module, in order."""
+        return list(sample.media.get(spec.name, ()))
+
+    def counts_of(self, spec: ModuleSpec, arrays: Sequence[np.ndarray]) -> list[int]:
+        """Module tokens of each array (raises ValueError on a malformed one)."""
+        raise NotImplementedError
+
+    def instance_counts(
+        self, spec: ModuleSpec, model: MultimodalSpec, sample: SampleArrays
+    ) -> InstanceCounts:
+        tokens = self.counts_of(spec, self.media(spec, sample))
+        rows = [self.consumer_rows(spec, t) for t in tokens]
+        self.check_placeholders(spec, np.asarray(sample.text), rows)
+        return InstanceCounts(tuple(tokens), tuple(rows))
+
+    def output_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
+        h, rows = spec.layer.hidden, self.consumer_rows(spec, w.tokens)
+        width = self.pool(spec) * h
+        return [
+            mem(w.tokens * h / c.rep, 2, c),  # final norm
+            gemm(rows, width, width, c, shard_in=False),  # merger fc1 (column-parallel)
+            gemm(rows, width, spec.out_hidden, c, shard_in=True),  # merger fc2 (row-parallel)
+        ]
+
+    def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        rows = self.consumer_rows(spec, w.tokens)
+        return super().output_stored(spec, w, c) + 2 * c.dt * rows * spec.out_hidden / c.tp
+
+    def output_params(self, spec: ModuleSpec) -> int:
+        h, width, out = spec.layer.hidden, self.pool(spec) * spec.layer.hidden, spec.out_hidden
+        return width * width + width + width * out + out + 2 * h  # merger and final LayerNorm
+
+    # -- torch parts --------------------------------------------------------------------------
+
+    def embed(self, chunk, inputs: Sequence[Mapping[str, Any]], batch) -> dict:
+        if inputs:
+            raise ValueError(f"{chunk.chunk.module} takes no producer inputs")
+        hidden = self.embed_media(chunk, batch)
+        return {"hidden": chunk.scatter_sequence(hidden[:, None, :])}
+
+    def embed_media(self, chunk, batch):
+        """[tokens, hidden] input embeddings of the sub-microbatch's instances."""
+        raise NotImplementedError
+
+    def finish(self, chunk, state: dict, batch) -> dict:
+        from torch.nn import functional
+
+        m = chunk.module_spec
+        hidden = chunk.gather_sequence(chunk.post.final_norm(state["hidden"]))[: batch.num_real]
+        merged = hidden.reshape(-1, 1, m.layer.hidden * self.pool(m))
+        hidden, _ = chunk.post.merger_fc1(merged)
+        hidden, _ = chunk.post.merger_fc2(functional.gelu(hidden))
+        return {scatter_name(m): hidden[:, 0, :]}
+
+    def build_post(self, chunk):
+        from megatron_dip.models.common import Parts, build_merger, build_norm
+
+        m = chunk.module_spec
+        fc1, fc2 = build_merger(chunk, width=m.layer.hidden * self.pool(m), out=m.out_hidden)
+        norm = build_norm(chunk.backend, chunk.config, m.layer.hidden)
+        return Parts(final_norm=norm, merger_fc1=fc1, merger_fc2=fc2)
