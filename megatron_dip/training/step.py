@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dip.runtime.data import SampleBatchSource
-from megatron_dip.runtime.executor import Executor, ExecutorConfig
+from megatron_dip.runtime.executor import ExecutorConfig
 from megatron_dip.runtime.loss import LossConfig
 from megatron_dip.runtime.p2p import P2PConfig
+from megatron_dip.runtime.rank import RankRuntime
 from megatron_dip.runtime.stock import StockPipeline, StockStage
+from megatron_dip.runtime.timing import Span, SpanRecorder
 from megatron_dip.schedule.graph import Dataflow
-from megatron_dip.schedule.ir import Backward, Forward, Instruction, Plan, Recompute
+from megatron_dip.schedule.ir import Plan, Recompute
 
 from .build import LocalModel
 from .planning import tensor_fn
 from .setup import ParallelContext
 from .validate import RunSpec
-
-Span = tuple[str, str, bool, float, float]
 
 
 @dataclass
@@ -55,25 +55,6 @@ class StepResult:
                 loss += float(value[0])
                 tokens += float(value[1])
         return loss, tokens
-
-
-class TimedExecutor(Executor):
-    """The runtime's executor, recording the span of each Forward/Backward through its public
-    per-instruction hook (`on_instruction`: wall-clock seconds; GPU time on CUDA)."""
-
-    def __init__(self, **kwargs) -> None:
-        self.spans: list[Span] = []
-        self.ops: list[tuple] = []
-        super().__init__(on_instruction=self._record, **kwargs)
-
-    def _record(self, index: int, ins: Instruction, start: float, end: float) -> None:
-        if not isinstance(ins, (Forward, Backward)):
-            return
-        fwd = isinstance(ins, Forward)
-        s = ins.stage
-        label = f"{'F' if fwd else 'B'} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
-        self.spans.append((label, s.module, fwd, start, end))
-        self.ops.append((ins, end - start))
 
 
 def _sources(spec: RunSpec, plan: Plan, samples: dict[int, list], device):
@@ -132,13 +113,14 @@ def run_dip(
     else:
         chunks = model.chunks
         loss = LossConfig(per_token=per_token)
-    executor = TimedExecutor(
-        plan=_executed(spec, plan),
-        chunks=chunks,
+    recorder, original = SpanRecorder(), plan
+    runtime = RankRuntime(
         placement=spec.placement,
         pp_group=ctx.pp,
-        batches=_sources(spec, plan, samples, ctx.device),
-        tensor_fn=_tensor_fn(spec, plan),
+        chunks=chunks,
+        # The sources read the plan as planned (under emulation: the real message sizes).
+        batches=lambda *, plan, samples, device: _sources(spec, original, samples, device),
+        tensor_fn_for=lambda _: _tensor_fn(spec, original),
         # Every blocking pipeline wait is bounded by --dip-comm-timeout-s (so are the process
         # groups, setup.init_distributed).
         config=ExecutorConfig(
@@ -149,10 +131,11 @@ def run_dip(
         # the job runs this step).
         tp_group=ctx.tp,
         replica_group=ctx.dp,
+        on_instruction=recorder,
     )
-    started = time.time()
-    result = executor.run()
-    return StepResult(result.reports, executor.spans, started, time.time(), executor.ops)
+    result = runtime.run(_executed(spec, plan), samples)
+    spans, ops = recorder.take()
+    return StepResult(result.reports, spans, result.started, result.ended, ops)
 
 
 @contextlib.contextmanager
