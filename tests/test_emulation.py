@@ -1,4 +1,4 @@
-"""Emulated compute (megatron_dip.emulation) and the benchmark's in-process steps.
+"""Emulated compute (megatron_dip.emulation) and the benchmark's in-process steps (megatron_dip.benchmark).
 
 The emulated chunks' sleeps are checked as lower bounds (a sleep never ends early), so the tests
 hold on a loaded machine; what is compared exactly is where the durations come from.
@@ -11,6 +11,13 @@ import time
 import pytest
 import torch
 
+from megatron_dip.benchmark.bench import (
+    auto_scale,
+    best_stock_placements,
+    instruction_seconds,
+    resolve_run,
+    summarize,
+)
 from megatron_dip.emulation import (
     EmulatedBatchSource,
     EmulatedTransport,
@@ -21,13 +28,6 @@ from megatron_dip.emulation import (
     emulated_tensor_fn,
     message_bytes,
     message_spec,
-)
-from megatron_dip.emulation.bench import (
-    auto_scale,
-    best_stock_placements,
-    instruction_seconds,
-    resolve_run,
-    summarize,
 )
 from megatron_dip.emulation.timing import ScaledCostModel, decode_stamp, encode_stamp
 from megatron_dip.planner.simulator import simulate
@@ -45,7 +45,7 @@ FLAGS = [
 @pytest.fixture(scope="module")
 def dip():
     """A tiny VLM DIP run emulated on 2 ranks: its spec and the plan of its first batch."""
-    from megatron_dip.emulation.bench import first_batches
+    from megatron_dip.benchmark.bench import first_batches
     from megatron_dip.training.planning import make_planner, replica_plan
 
     spec = resolve_run([*FLAGS, "--dip-schedule", "dip"], world_size=2)
@@ -200,7 +200,7 @@ def test_auto_scale_makes_the_shortest_dip_instruction_the_target(dip) -> None:
 
 
 def test_shortest_kept_leaves_out_only_a_small_share_of_compute() -> None:
-    from megatron_dip.emulation.bench import shortest_kept
+    from megatron_dip.benchmark.bench import shortest_kept
 
     durations = [0.001] * 10 + [0.05] * 20 + [0.2] * 5  # sum 2.01 s; the 1 ms ones hold 0.5%
     assert shortest_kept(durations, share=0.0) == 0.001
