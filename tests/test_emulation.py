@@ -1,4 +1,5 @@
-"""Emulated compute (megatron_dip.emulation) and the benchmark's in-process steps (megatron_dip.benchmark).
+"""Emulated compute (megatron_dip.emulation, and the training's emulated backend) and the
+benchmark's in-process steps (megatron_dip.benchmark).
 
 The emulated chunks' sleeps are checked as lower bounds (a sleep never ends early), so the tests
 hold on a loaded machine; what is compared exactly is where the durations come from.

@@ -6,8 +6,6 @@ is a local hand-over), fp64 tiny models; the multi-process behaviour is in test_
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import test_runtime_setups as st
@@ -23,7 +21,6 @@ from megatron_dip.runtime.executor import ExecutorConfig, check_handlers
 from megatron_dip.runtime.gradsync import grad_sync_points
 from megatron_dip.runtime.loss import LossConfig, loss_weight
 from megatron_dip.runtime.p2p import MessageError, PipelineP2P
-from megatron_dip.runtime.rank import RankRuntime
 from megatron_dip.runtime.recompute import run_chunk
 from megatron_dip.runtime.stock import pack_message, unpack_message
 from megatron_dip.schedule import (
@@ -85,22 +82,11 @@ def _chunks(batch, placement, groups):
     ]
 
 
-def _runtime(batch, placement, chunks, **runtime_options) -> RankRuntime:
-    """The one-rank runtime of `chunks` on the one-rank world, with the batch's samples."""
-    return RankRuntime(
-        placement=placement,
-        pp_group=dist.group.WORLD,
-        chunks=chunks,
-        batches=functools.partial(
-            SampleBatchSource, model=batch.model, seq_length=st.SEQ, seed=st.SEED
-        ),
-        tensor_fn_for=batch.tensor_fn,
-        **runtime_options,
-    )
-
-
 def _run(batch, placement, plan, chunks, **runtime_options):
-    return _runtime(batch, placement, chunks, **runtime_options).run(plan, batch.by_index)
+    runtime = st.rank_runtime(
+        batch, placement, chunks, pp_group=dist.group.WORLD, **runtime_options
+    )
+    return runtime.run(plan, batch.by_index)
 
 
 def _grads(chunks) -> dict[str, torch.Tensor]:

@@ -24,7 +24,6 @@ from test_runtime import _chunks, _grads, _reference, _setup
 from megatron_dip.models.chunk import ModelGroups, build_chunk
 from megatron_dip.runtime import checks
 from megatron_dip.runtime import executor as executor_mod
-from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.errors import MessageError, PipelineTimeoutError
 from megatron_dip.runtime.forward_backward import DipSchedule, dip_forward_backward
 from megatron_dip.runtime.p2p import ChannelGroups, PipelineP2P, check_message
@@ -46,9 +45,12 @@ def groups(single_rank_world) -> ModelGroups:
 class MemoryTransport:
     """A `Transport` between the threads of one process: one FIFO per (sender, receiver) pair
     of `wire`. A send completes at once (its tensors are copied); waiting for a receive takes
-    the pair's messages in order, each of which must be a receive this rank posted."""
+    the pair's messages in order, each of which must be a receive this rank posted. The class
+    (with `wire` and `rank` bound) is its own `TransportFactory`: the other fixed parts a
+    `RankRuntime` passes (group, device, config, channels) are of no use here."""
 
-    def __init__(self, wire: dict, *, rank: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, wire: dict, *, rank: int, timeout_s: float = 30.0, **unused) -> None:
+        del unused
         self.wire, self.rank, self.timeout_s = wire, rank, timeout_s
         self.messages_posted = 0
         self._posted: dict[MessageKey, Recv] = {}
@@ -105,8 +107,9 @@ class MemoryTransport:
         return {"received": [str(k) for k in self._received], "sending": []}
 
 
-class _ThreadRank:
-    """The pipeline group as one thread's rank sees it (only its rank and size are read)."""
+class _Group:
+    """A stand-in process group (the runtime reads only its rank and size): the pipeline group
+    as one thread sees it, or a one-rank group (whose verdict exchange is skipped)."""
 
     def __init__(self, rank: int, size: int) -> None:
         self._rank, self._size = rank, size
@@ -159,15 +162,9 @@ def test_another_transport_is_one_class_and_runs_a_pipeline_exactly(groups, monk
     }
 
     def rank(r: int):
-        runtime = RankRuntime(
-            placement=placement,
-            pp_group=_ThreadRank(r, 2),
-            chunks=chunks[r],
-            batches=functools.partial(
-                SampleBatchSource, model=batch.model, seq_length=st.SEQ, seed=st.SEED
-            ),
-            tensor_fn_for=batch.tensor_fn,
-            transport=lambda **_: MemoryTransport(wire, rank=r),
+        transport = functools.partial(MemoryTransport, wire, rank=r)
+        runtime = st.rank_runtime(
+            batch, placement, chunks[r], pp_group=_Group(r, 2), transport=transport
         )
         return runtime.run(plan, batch.by_index)
 
@@ -195,13 +192,6 @@ def test_pipeline_p2p_is_a_transport_whose_channel_model_follows_its_channels(gr
     assert paired.channel is per_peer_channel
 
 
-class _OneRank:
-    """A stand-in tensor-parallel / replica group of one rank (its verdict exchange is skipped)."""
-
-    def size(self) -> int:
-        return 1
-
-
 def test_drop_in_runs_on_one_rank_runtime_with_agreement_channels_and_timing(groups, monkeypatch):
     """Every call of `dip_forward_backward` with the same model runs the schedule's one
     `RankRuntime`: the plan verdict agreed over the schedule's tensor-parallel and replica
@@ -209,7 +199,7 @@ def test_drop_in_runs_on_one_rank_runtime_with_agreement_channels_and_timing(gro
     batch, placement, plan = _setup("vlm")
     _, _, evaluation = _setup("vlm", forward_only=True)
     chunks = _chunks(batch, placement, groups)
-    world, tp, replica = dist.group.WORLD, _OneRank(), _OneRank()
+    world, tp, replica = dist.group.WORLD, _Group(0, 1), _Group(0, 1)
     agreed, ran, built = [], [], []
     agree, run = executor_mod.agree_on_plan, RankRuntime.run
     monkeypatch.setattr(

@@ -21,15 +21,7 @@ import test_runtime_scenarios as sc
 import test_runtime_setups as st
 import torch
 import torch.distributed as dist
-from test_runtime_workers import (
-    Groups,
-    build_chunks,
-    make_groups,
-    pick,
-    rank_runtime,
-    run_executor,
-    singles,
-)
+from test_runtime_workers import Groups, build_chunks, make_groups, pick, run_executor, singles
 
 from megatron_dip.runtime.errors import PipelineCommError
 from megatron_dip.runtime.executor import ExecutorConfig
@@ -117,4 +109,4 @@ def _stalled_run(vlm: st.Batch, pl, plan, g: Groups) -> None:
 
         chunk.forward = sleepy
     config = ExecutorConfig(p2p=P2PConfig(timeout_s=STALL_TIMEOUT_S))
-    rank_runtime(vlm, pl, chunks, g, config=config).run(plan, vlm.by_index)
+    st.rank_runtime(vlm, pl, chunks, pp_group=g.pp, config=config).run(plan, vlm.by_index)

@@ -3,7 +3,6 @@ inside the worker processes of `distributed_harness.run_world`."""
 
 from __future__ import annotations
 
-import functools
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,6 @@ from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.ddp import DataParallelGroups, main_grads, wrap_chunks_ddp
 from megatron_dip.runtime.executor import ExecutorConfig
 from megatron_dip.runtime.p2p import ChannelGroups
-from megatron_dip.runtime.rank import RankRuntime
 from megatron_dip.runtime.stock import StockPipeline
 from megatron_dip.schedule import (
     Backward,
@@ -125,26 +123,6 @@ def count_recompute(plan: Plan, rank: int) -> dict[str, int]:
     return modes
 
 
-def rank_runtime(
-    batch: st.Batch,
-    placement: Placement,
-    chunks: Sequence[torch.nn.Module],
-    groups: Groups,
-    **options: Any,
-) -> RankRuntime:
-    """The runtime of `chunks` on this rank's pipeline group, fed with the batch's samples."""
-    return RankRuntime(
-        placement=placement,
-        pp_group=groups.pp,
-        chunks=chunks,
-        batches=functools.partial(
-            SampleBatchSource, model=batch.model, seq_length=st.SEQ, seed=st.SEED
-        ),
-        tensor_fn_for=batch.tensor_fn,
-        **options,
-    )
-
-
 def _trained_chunks(
     batch: st.Batch, placement: Placement, groups: Groups, *, ddp: bool, model_config=None
 ) -> list[torch.nn.Module]:
@@ -229,11 +207,11 @@ def run_executor(
     model_config=None,
 ) -> dict[str, Any]:
     chunks = _trained_chunks(batch, placement, groups, ddp=ddp, model_config=model_config)
-    runtime = rank_runtime(
+    runtime = st.rank_runtime(
         batch,
         placement,
         chunks,
-        groups,
+        pp_group=groups.pp,
         config=config,
         channels=ChannelGroups(groups.pp) if channels else None,
     )

@@ -25,6 +25,7 @@ its plan, or the ranks hold different plans, every rank raises and none communic
 (`checks.agree_on_plan`). Every blocking wait has a timeout (`P2PConfig.timeout_s`; see p2p.py for
 NCCL) and fails with an error naming the rank, the instruction, the peer, the message and the
 tensor. `on_instruction` is the public per-instruction timing hook (`timing.py`).
+
 Messages travel over the injected `transport` (transport.py), one per iteration; `RankRuntime`
 (rank.py) assembles executor, transport and batch source for each iteration of a run.
 """
@@ -109,8 +110,8 @@ class ExecutorConfig:
     bounds the agreement on the plan). `loss`: the loss normalisation (`loss.py`). `debug`:
     synchronous mode, every batch of messages is waited for right after posting and every
     produced message is checked against the plan's shapes as it is produced; each instruction
-    is logged with its duration. `validate`: run `validate_plan` (deadlock check
-    included) before communicating. `nvtx`: NVTX range per instruction when CUDA is available.
+    is logged with its duration. `validate`: run `validate_plan` (deadlock check included)
+    before communicating. `nvtx`: NVTX range per instruction when CUDA is available.
     """
 
     p2p: P2PConfig = field(default_factory=P2PConfig)
@@ -136,10 +137,11 @@ class Executor:
     pipeline rank `pp_group.rank()`. `placement`: the placement the chunks were built from.
     `transport`: this iteration's `Transport` (a fresh one per Executor). `tensor_fn`: what the
     built model sends for a message (`models.layout.message_tensors` bound to the model); when
-    given, a plan with other shapes is refused before communicating. `tp_group` / `replica_group`: this rank's tensor-parallel group (same plan) and data-parallel
-    group (each replica its own plan); when given, the plan verdict is agreed over them too, so
-    every rank of the job must then construct its Executor for the step. `on_instruction`: the
-    timing hook `(index, instruction, start, end)` (`timing.py`), called at the end of `run()`.
+    given, a plan with other shapes is refused before communicating. `tp_group` /
+    `replica_group`: this rank's tensor-parallel group (same plan) and data-parallel group (each
+    replica its own plan); when given, the plan verdict is agreed over them too, so every rank
+    of the job must then construct its Executor for the step. `on_instruction`: the timing hook
+    `(index, instruction, start, end)` (`timing.py`), called at the end of `run()`.
     """
 
     def __init__(

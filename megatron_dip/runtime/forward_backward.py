@@ -92,7 +92,7 @@ class DipSchedule:
 
     def runtime(self, *, chunks: Sequence[torch.nn.Module], seq_length: int) -> RankRuntime:
         """The `RankRuntime` of `chunks` (Megatron passes the same model list every iteration)
-        with samples cut to `seq_length`, built on first use."""
+        with samples cut to `seq_length`, built on first use from this schedule's fields."""
         key = (tuple(map(id, chunks)), seq_length)
         if key not in self._runtimes:
             self._runtimes[key] = RankRuntime(

@@ -19,7 +19,7 @@ loop call it and never ask which one runs:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +28,7 @@ from megatron_dip.planner.simulator import SimResult, simulate
 from megatron_dip.runtime.checks import TensorFn
 from megatron_dip.runtime.data import BatchSource, SampleBatchSource
 from megatron_dip.runtime.p2p import PipelineP2P
+from megatron_dip.runtime.rank import Samples
 from megatron_dip.runtime.transport import TransportFactory
 from megatron_dip.schedule.engine import ChannelFn
 from megatron_dip.schedule.ir import Plan
@@ -36,8 +37,6 @@ from .build import megatron_chunks
 from .planning import tensor_fn
 from .setup import ParallelContext
 from .validate import RunSpec
-
-Samples = Mapping[int, Sequence[Any]]
 
 
 class ComputeBackend(Protocol):
