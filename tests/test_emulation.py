@@ -1,4 +1,5 @@
-"""Emulated compute (megatron_dip.emulation) and the benchmark's in-process steps.
+"""Emulated compute (megatron_dip.emulation, and the training's emulated backend) and the
+benchmark's in-process steps (megatron_dip.benchmark).
 
 The emulated chunks' sleeps are checked as lower bounds (a sleep never ends early), so the tests
 hold on a loaded machine; what is compared exactly is where the durations come from.
@@ -11,23 +12,28 @@ import time
 import pytest
 import torch
 
-from megatron_dip.emulation import (
-    EmulatedBatchSource,
-    EmulationConfig,
-    build_emulated_chunks,
-    emulated_plan,
-    message_bytes,
-    message_spec,
-)
-from megatron_dip.emulation.bench import (
+from megatron_dip.benchmark.bench import (
     auto_scale,
     best_stock_placements,
     instruction_seconds,
     resolve_run,
     summarize,
 )
+from megatron_dip.emulation import (
+    EmulatedBatchSource,
+    EmulatedTransport,
+    EmulationConfig,
+    build_emulated_chunks,
+    emulated_p2p,
+    emulated_plan,
+    emulated_tensor_fn,
+    message_bytes,
+    message_spec,
+)
 from megatron_dip.emulation.timing import ScaledCostModel, decode_stamp, encode_stamp
 from megatron_dip.planner.simulator import simulate
+from megatron_dip.runtime.transport import Transport
+from megatron_dip.schedule.engine import per_peer_channel
 from megatron_dip.schedule.ir import Forward, MessageKind, Recompute, Recv, Send
 from megatron_dip.schedule.validate import validate_plan
 
@@ -40,7 +46,7 @@ FLAGS = [
 @pytest.fixture(scope="module")
 def dip():
     """A tiny VLM DIP run emulated on 2 ranks: its spec and the plan of its first batch."""
-    from megatron_dip.emulation.bench import first_batches
+    from megatron_dip.benchmark.bench import first_batches
     from megatron_dip.training.planning import make_planner, replica_plan
 
     spec = resolve_run([*FLAGS, "--dip-schedule", "dip"], world_size=2)
@@ -195,7 +201,7 @@ def test_auto_scale_makes_the_shortest_dip_instruction_the_target(dip) -> None:
 
 
 def test_shortest_kept_leaves_out_only_a_small_share_of_compute() -> None:
-    from megatron_dip.emulation.bench import shortest_kept
+    from megatron_dip.benchmark.bench import shortest_kept
 
     durations = [0.001] * 10 + [0.05] * 20 + [0.2] * 5  # sum 2.01 s; the 1 ms ones hold 0.5%
     assert shortest_kept(durations, share=0.0) == 0.001
@@ -203,3 +209,87 @@ def test_shortest_kept_leaves_out_only_a_small_share_of_compute() -> None:
     assert shortest_kept(durations, share=0.004) == 0.001  # 10 ms is more than 8 ms allowed
     with pytest.raises(ValueError, match="no instruction"):
         shortest_kept([0.0], share=0.0)
+
+
+class _Recorder:
+    """A stand-in inner transport: records what it is asked to do."""
+
+    def __init__(self) -> None:
+        self.posted, self.calls, self.messages_posted = [], [], 0
+
+    @property
+    def channel(self):
+        return per_peer_channel
+
+    def post(self, ops, outgoing) -> None:
+        self.posted.append((list(ops), outgoing))
+        self.messages_posted += len(ops)
+
+    def wait(self, keys, *, where="", index=None) -> None:
+        self.calls.append(("wait", list(keys), where, index))
+
+    def take(self, key):
+        self.calls.append(("take", key))
+        return {"emulated": torch.zeros(message_spec().shape)}
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
+
+    def pending(self):
+        return {"received": [], "sending": []}
+
+
+def test_emulated_transport_posts_the_real_plan_as_stand_ins(dip) -> None:
+    """The executor runs the plan as planned; the transport hands the real one each Send/Recv
+    with the stand-in tensor instead of the real model's (same key, peer and order)."""
+    _, _, plan = dip
+    program = next(p for p in plan.programs if any(isinstance(i, Send) for i in p.instructions))
+    ops = [(i, ins) for i, ins in enumerate(program.instructions) if isinstance(ins, (Send, Recv))]
+    assert any(ins.tensors != (message_spec(),) for _, ins in ops)  # real shapes in the plan
+    inner = _Recorder()
+    transport = EmulatedTransport(inner)
+    assert isinstance(transport, Transport) and transport.channel is per_peer_channel
+    outgoing = {ins.key: {"emulated": torch.zeros(message_spec().shape)} for _, ins in ops}
+    transport.post(ops, outgoing)
+    ((posted, given),) = inner.posted
+    assert given is outgoing and transport.messages_posted == len(ops)
+    assert [(i, type(o), o.key, o.peer) for i, o in posted] == [
+        (i, type(o), o.key, o.peer) for i, o in ops
+    ]
+    assert all(o.tensors == (message_spec(),) for _, o in posted)
+    key = ops[0][1].key
+    transport.wait([key], where="instruction 3", index=3)
+    assert set(transport.take(key)) == {"emulated"}
+    transport.finish()
+    assert inner.calls == [("wait", [key], "instruction 3", 3), ("take", key), ("finish",)]
+    assert transport.pending() == {"received": [], "sending": []}
+
+
+def test_the_backend_is_chosen_once_and_emulation_plugs_in_as_its_parts(dip) -> None:
+    """--dip-emulate-compute selects `EmulatedCompute`: metadata samples, the cost model's
+    batch source, stand-in messages (not held to the plan's real shapes), the emulated
+    transport, and the scaled simulation as its prediction; without it, `RealCompute`."""
+    from megatron_dip.runtime.p2p import PipelineP2P
+    from megatron_dip.training.backend import EmulatedCompute, RealCompute, select_backend
+
+    spec, batch, plan = dip
+    backend = select_backend(spec)
+    assert isinstance(backend, EmulatedCompute) and backend.transport is emulated_p2p
+    samples = backend.samples_for(None, batch, plan)  # metadata: no stream is read
+    assert {mb: [s.sample_id for s in metas] for mb, metas in samples.items()} == {
+        m.index: list(m.sample_ids) for m in plan.microbatches
+    }
+    source = backend.batch_source(plan=plan, samples=samples, device=torch.device("cpu"))
+    assert isinstance(source, EmulatedBatchSource) and source.config.scale == spec.emulate_scale
+    assert backend.checked_shapes(plan) is None
+    assert backend.tensor_fn(plan) is emulated_tensor_fn
+    want = simulate(plan, ScaledCostModel(spec.cost_model, 1.0), channel=per_peer_channel)
+    got = backend.metrics(plan, sim=None, channel=per_peer_channel)
+    assert got == {
+        "emulate_scale": 1.0,
+        "predicted_s": want.iteration_time,
+        "bound_s": want.lower_bound,
+    }
+    real = select_backend(resolve_run([*FLAGS[1:], "--dip-schedule", "dip"], world_size=2))
+    assert isinstance(real, RealCompute) and real.transport is PipelineP2P
+    assert real.metrics(plan, sim=None, channel=per_peer_channel) == {"emulate_scale": None}

@@ -18,7 +18,7 @@ from megatron_dip.models.init import global_param_name
 from megatron_dip.reference import reference_loss_and_grads
 from megatron_dip.runtime import executor as executor_mod
 from megatron_dip.runtime.data import SampleBatchSource
-from megatron_dip.runtime.executor import Executor, ExecutorConfig, check_handlers
+from megatron_dip.runtime.executor import ExecutorConfig, check_handlers
 from megatron_dip.runtime.gradsync import grad_sync_points
 from megatron_dip.runtime.loss import LossConfig, loss_weight
 from megatron_dip.runtime.p2p import MessageError, PipelineP2P
@@ -83,21 +83,11 @@ def _chunks(batch, placement, groups):
     ]
 
 
-def _run(batch, placement, plan, chunks, *, config=None, **executor_options):
-    source = SampleBatchSource(
-        model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
+def _run(batch, placement, plan, chunks, **runtime_options):
+    runtime = st.rank_runtime(
+        batch, placement, chunks, pp_group=dist.group.WORLD, **runtime_options
     )
-    ex = Executor(
-        plan=plan,
-        chunks=chunks,
-        placement=placement,
-        pp_group=dist.group.WORLD,
-        batches=source,
-        tensor_fn=batch.tensor_fn(),
-        config=config or ExecutorConfig(),
-        **executor_options,
-    )
-    return ex, ex.run()
+    return runtime.run(plan, batch.by_index)
 
 
 def _grads(chunks) -> dict[str, torch.Tensor]:
@@ -292,14 +282,14 @@ def test_per_token_loss_matches_reference(groups, kind):
     batch, placement, plan = _setup(kind)
     chunks = _chunks(batch, placement, groups)
     config = ExecutorConfig(loss=LossConfig(per_token=True), debug=True)
-    ex, result = _run(batch, placement, plan, chunks, config=config)
+    result = _run(batch, placement, plan, chunks, config=config)
     loss, ref = _reference(batch, groups, per_token_loss=True)
     assert result.objective == pytest.approx(loss, rel=1e-12)
     got = _grads(chunks)
     assert got.keys() == ref.keys()
     for name, g in ref.items():
         torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12 * float(g.abs().max()))
-    assert not any(ex.leftovers().values())
+    assert not any(result.leftovers.values())
     tokens = sum(float(r["lm loss"][1]) for r in result.reports)
     assert tokens == batch.totals.num_loss_tokens
 
@@ -307,12 +297,12 @@ def test_per_token_loss_matches_reference(groups, kind):
 def test_forward_only_plan_reports_losses_and_keeps_nothing(groups):
     batch, placement, plan = _setup("vlm", forward_only=True)
     chunks = _chunks(batch, placement, groups)
-    ex, result = _run(batch, placement, plan, chunks)
+    result = _run(batch, placement, plan, chunks)
     assert all(p.grad is None for c in chunks for p in c.parameters())
     loss, _ = _reference(batch, groups)
     assert result.objective == pytest.approx(loss, rel=1e-12)
     assert len(result.reports) == len(batch.infos)
-    assert not any(ex.leftovers().values())
+    assert not any(result.leftovers.values())
 
 
 def test_drop_in_installed_into_megatron_runs_the_plan(groups):
@@ -374,14 +364,14 @@ def test_microbatch_without_images_and_frozen_text_encoder(groups):
         placement = st.dip_placement(batch.model, 1, {m.name: 2 for m in batch.model.modules})
         plan = st.segment_plan(batch, placement)
         chunks = _chunks(batch, placement, groups)
-        ex, result = _run(batch, placement, plan, chunks)
+        result = _run(batch, placement, plan, chunks)
         loss, ref = _reference(batch, groups)
         assert result.objective == pytest.approx(loss, rel=1e-12)
         got = _grads(chunks)
         assert got.keys() == ref.keys()
         for name, g in ref.items():
             torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12 * float(g.abs().max()))
-        assert not any(ex.leftovers().values())
+        assert not any(result.leftovers.values())
     frozen = [c for c in chunks if c.chunk.module == "text"]
     assert frozen and all(p.grad is None for c in frozen for p in c.parameters())
 

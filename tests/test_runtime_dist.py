@@ -229,6 +229,28 @@ def test_each_chunk_reduction_starts_at_its_own_last_backward(world4, name):
     assert overlapped > 0  # reductions overlap the rest of the schedule
 
 
+def test_drop_in_runs_with_agreement_channels_and_timing(world4):
+    """Megatron's drop-in signature (`dip_forward_backward`) at PP=2 x DP=2 runs on the same
+    `RankRuntime` as the training loop: the reference gradients and the executor path's loss
+    reports; messages on per-pair channels; one timing span per compute instruction, in program
+    order; and a plan that only replica 1 rejects is refused by replica 0 as well (the verdict
+    is agreed over the replica group) before anything is sent."""
+    name = "dropin_dp2_vlm"
+    check_grads(world4, name)
+    for res in world4:
+        got = res[name]
+        assert got["timed"] == got["compute"] and len(got["spans"]) == len(got["compute"])
+        assert got["channels"] == ["per_peer_channel"] and got["messages"][0] > 0
+    ours = [res[name]["reports"] for res in world4 if res[name]["reports"]]
+    theirs = [res["dp2_vlm"]["reports"] for res in world4 if res["dp2_vlm"]["reports"]]
+    assert len(ours) == 2  # one loss rank per replica
+    np.testing.assert_allclose(np.concatenate(ours), np.concatenate(theirs), rtol=1e-12)
+    rejected = [res[f"{name}_reject"] for res in world4]  # rank = 2 * replica + pp_rank
+    assert [r["rejected"] for r in rejected] == ["PlanRejectedError"] * 2 + ["PlanError"] * 2
+    for r, glob in zip(rejected[:2], (2, 3)):
+        assert f"(global rank {glob})" in r["message"] and "float32" in r["message"]
+
+
 # -- failures: agreed verdicts, timeouts (PP=2, after everything else) ----------------------------
 
 

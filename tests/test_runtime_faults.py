@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 from test_runtime_workers import Groups, build_chunks, make_groups, pick, run_executor, singles
 
-from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.errors import PipelineCommError
-from megatron_dip.runtime.executor import Executor, ExecutorConfig
+from megatron_dip.runtime.executor import ExecutorConfig
 from megatron_dip.runtime.p2p import P2PConfig
 from megatron_dip.schedule.engine import PlanError
 
@@ -109,15 +108,5 @@ def _stalled_run(vlm: st.Batch, pl, plan, g: Groups) -> None:
             return forward(*args, **kwargs)
 
         chunk.forward = sleepy
-    source = SampleBatchSource(
-        model=vlm.model, plan=plan, samples=vlm.by_index, seq_length=st.SEQ, seed=st.SEED
-    )
-    Executor(
-        plan=plan,
-        chunks=chunks,
-        placement=pl,
-        pp_group=g.pp,
-        batches=source,
-        tensor_fn=vlm.tensor_fn(plan),
-        config=ExecutorConfig(p2p=P2PConfig(timeout_s=STALL_TIMEOUT_S)),
-    ).run()
+    config = ExecutorConfig(p2p=P2PConfig(timeout_s=STALL_TIMEOUT_S))
+    st.rank_runtime(vlm, pl, chunks, pp_group=g.pp, config=config).run(plan, vlm.by_index)

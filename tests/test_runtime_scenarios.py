@@ -19,6 +19,7 @@ from test_runtime_workers import (
     make_groups,
     pick,
     reference,
+    run_dropin,
     run_executor,
     run_stock,
     singles,
@@ -151,6 +152,28 @@ def _data_parallel(out: dict, g: Groups, replica: int) -> None:
         guarded(
             f"dp2_{kind}", out, lambda b=batch, p=pl, q=plan: run_executor(b, p, q, g, ddp=True)
         )
+        if kind == "vlm":
+            _drop_in(out, g, batch, pl, plan, replica)
+
+
+def _drop_in(out: dict, g: Groups, batch: st.Batch, pl, plan, replica: int) -> None:
+    """A PP=2 x DP=2 plan through Megatron's drop-in signature, with the replica group,
+    per-pair channels and timing; then replica 1 alone holds a plan its model cannot produce:
+    the drop-in agrees on the verdict over the replica group, so replica 0 refuses too."""
+    pipelines = [[0, 1], [2, 3]]
+    name = f"dropin_dp2_{batch.kind}"
+    guarded(name, out, lambda: run_dropin(batch, pl, plan, g, pipelines=pipelines))
+    bad = replace(
+        plan,
+        programs=tuple(
+            replace(prog, instructions=tuple(_as_float32(i) for i in prog.instructions))
+            for prog in plan.programs
+        ),
+    )
+    mine = bad if replica == 1 else plan
+    out[f"{name}_reject"] = expect_rejection(
+        lambda: run_dropin(batch, pl, mine, g, pipelines=pipelines)
+    )
 
 
 def world4(*, rank: int, world_size: int, parts: tuple = ("pp", "tp", "dp")) -> dict:

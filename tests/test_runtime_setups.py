@@ -233,6 +233,22 @@ def stock_placement(model: MultimodalSpec, num_ranks: int, vp: int) -> tuple[Pla
     return Placement(num_ranks, tuple(layouts)), units
 
 
+def rank_runtime(batch: Batch, placement: Placement, chunks, *, pp_group, **options):
+    """The `RankRuntime` of `chunks` on `pp_group`, fed with the batch's samples and holding
+    plans to the model's message shapes; `options`: the rest of its keywords."""
+    from megatron_dip.runtime.data import SampleBatchSource
+    from megatron_dip.runtime.rank import RankRuntime
+
+    return RankRuntime(
+        placement=placement,
+        pp_group=pp_group,
+        chunks=chunks,
+        batches=functools.partial(SampleBatchSource, model=batch.model, seq_length=SEQ, seed=SEED),
+        tensor_fn_for=batch.tensor_fn,
+        **options,
+    )
+
+
 def segment_plan(batch: Batch, placement: Placement) -> Plan:
     return build_segment_plan(
         placement=placement,

@@ -19,10 +19,11 @@ from megatron_dip.models.init import global_param_name
 from megatron_dip.runtime.checks import unwrap_chunk
 from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.ddp import DataParallelGroups, main_grads, wrap_chunks_ddp
-from megatron_dip.runtime.executor import Executor, ExecutorConfig
+from megatron_dip.runtime.executor import ExecutorConfig
 from megatron_dip.runtime.p2p import ChannelGroups
 from megatron_dip.runtime.stock import StockPipeline
 from megatron_dip.schedule import (
+    Backward,
     Forward,
     Placement,
     Plan,
@@ -108,8 +109,6 @@ def global_name(chunk, local: str) -> str:
 
 def last_backwards(plan: Plan, rank: int) -> dict[tuple[str, int], int]:
     """Index of each chunk's last Backward in this rank's program."""
-    from megatron_dip.schedule import Backward
-
     last = {}
     for i, ins in enumerate(plan.program(rank).instructions):
         if isinstance(ins, Backward):
@@ -125,6 +124,78 @@ def count_recompute(plan: Plan, rank: int) -> dict[str, int]:
     return modes
 
 
+def _trained_chunks(
+    batch: st.Batch, placement: Placement, groups: Groups, *, ddp: bool, model_config=None
+) -> list[torch.nn.Module]:
+    chunks = build_chunks(batch, placement, groups, config=model_config)
+    if ddp:
+        dpg = DataParallelGroups(dp=groups.dp, tp=groups.tp, pp=groups.pp, single=groups.single)
+        chunks = wrap_chunks_ddp(chunks, groups=dpg)
+        for c in chunks:
+            c.zero_grad_buffer()
+    return chunks
+
+
+def run_dropin(
+    batch: st.Batch,
+    placement: Placement,
+    plan: Plan,
+    groups: Groups,
+    *,
+    pipelines: Sequence[Sequence[int]],
+) -> dict[str, Any]:
+    """`plan` through Megatron's drop-in signature (`dip_forward_backward`) on DDP-wrapped
+    chunks, its `DipSchedule` naming the replica group (plan agreement), per-pair channels of
+    `pipelines` (every pipeline of the job) and a span recorder (timing)."""
+    from megatron_dip.runtime.forward_backward import DipSchedule, dip_forward_backward
+    from megatron_dip.runtime.p2p import PipelineP2P
+    from megatron_dip.runtime.timing import SpanRecorder
+
+    chunks = _trained_chunks(batch, placement, groups, ddp=True)
+    transports: list[PipelineP2P] = []
+    recorder = SpanRecorder()
+
+    def transport(**kwargs: Any) -> PipelineP2P:
+        transports.append(PipelineP2P(**kwargs))
+        return transports[-1]
+
+    schedule = DipSchedule(
+        model=batch.model,
+        placement=placement,
+        pp_group=groups.pp,
+        seed=st.SEED,
+        dtype=st.CFG.dtype,
+        tensor_fn=batch.tensor_fn,
+        tp_group=groups.tp,
+        replica_group=groups.dp,
+        channels=ChannelGroups(groups.pp, pipelines=pipelines),
+        on_instruction=recorder,
+        transport=transport,
+    )
+    reports = dip_forward_backward(
+        forward_step_func=None,
+        data_iterator=iter(batch.microbatches),
+        model=chunks,
+        num_microbatches=len(plan.microbatches),
+        seq_length=st.SEQ,
+        micro_batch_size=1,
+        schedule=schedule,
+        plan=plan,
+    )
+    spans, ops = recorder.take()
+    program = plan.program(groups.pp.rank()).instructions
+    return {
+        "grads": grads_of(chunks),
+        "reports": [r["lm loss"].numpy() for r in reports],
+        "objective": None,
+        "spans": [label for label, *_ in spans],
+        "compute": [str(i) for i in program if isinstance(i, (Forward, Backward))],
+        "timed": [str(ins) for ins, _ in ops],
+        "channels": [t.channel.__name__ for t in transports],
+        "messages": [t.messages_posted for t in transports],
+    }
+
+
 def run_executor(
     batch: st.Batch,
     placement: Placement,
@@ -136,31 +207,21 @@ def run_executor(
     channels: bool = False,
     model_config=None,
 ) -> dict[str, Any]:
-    chunks = build_chunks(batch, placement, groups, config=model_config)
-    if ddp:
-        dpg = DataParallelGroups(dp=groups.dp, tp=groups.tp, pp=groups.pp, single=groups.single)
-        chunks = wrap_chunks_ddp(chunks, groups=dpg)
-        for c in chunks:
-            c.zero_grad_buffer()
-    source = SampleBatchSource(
-        model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
-    )
-    executor = Executor(
-        plan=plan,
-        chunks=chunks,
-        placement=placement,
+    chunks = _trained_chunks(batch, placement, groups, ddp=ddp, model_config=model_config)
+    runtime = st.rank_runtime(
+        batch,
+        placement,
+        chunks,
         pp_group=groups.pp,
-        batches=source,
-        tensor_fn=batch.tensor_fn(plan),
-        config=config or ExecutorConfig(),
+        config=config,
         channels=ChannelGroups(groups.pp) if channels else None,
     )
-    result = executor.run()
+    result = runtime.run(plan, batch.by_index)
     return {
         "grads": grads_of(chunks),
         "reports": [r["lm loss"].numpy() for r in result.reports],
         "objective": result.objective,
-        "leftovers": executor.leftovers(),
+        "leftovers": result.leftovers,
         "messages": result.messages,
         "recompute": count_recompute(plan, groups.pp.rank()),
         "grad_sync": result.grad_sync_started,

@@ -2,7 +2,7 @@
 
     python tools/bench_schedules.py --preset vlm-s --mixture mixed --iterations 4 --out bench/
 
-For a preset (`megatron_dip.emulation.bench.BENCH_PRESETS`: VLM-S and T2V-S at PP=4, VLM-L at
+For a preset (`megatron_dip.benchmark.bench.BENCH_PRESETS`: VLM-S and T2V-S at PP=4, VLM-L at
 PP=8), launches the training entry point with torchrun (gloo) once per schedule on the same seeded
 stream of synthetic batches:
 
@@ -38,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_dip.emulation.bench import (
+from megatron_dip.benchmark.bench import (
     BENCH_PRESETS,
     BenchPreset,
     RunSummary,
@@ -208,7 +208,7 @@ def write_outputs(args, preset: BenchPreset, rows: list[dict], scale, table: str
     """results.json and bench.png under --out."""
     from dataclasses import asdict
 
-    from megatron_dip.emulation.plots import draw_bench
+    from megatron_dip.benchmark.plots import draw_bench
 
     result = {
         "preset": preset.name, "mixture": args.mixture or preset.mixture, "scale": scale,

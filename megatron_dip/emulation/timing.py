@@ -15,8 +15,10 @@ sub-microbatch at the preset's scale, times `EmulationConfig.scale`:
   consumers before its backward and a sum of stamps would mean nothing.
 
 `EmulatedBatchSource` is the runtime's `BatchSource` for emulated chunks: for each sub-microbatch
-it hands the chunks a `SubWork` that answers `timing(module, chunk)`. `emulated_plan` rewrites a
-plan's messages to the tiny emulated tensor (`message_spec`); the original plan keeps the bytes.
+it hands the chunks a `SubWork` that answers `timing(module, chunk)`. `stand_in` gives a Send or
+Recv the tiny emulated tensor (`message_spec`) instead of the plan's: the emulated transport
+(`transport.py`) posts every message so, while the executor runs the plan as planned (whose
+bytes the transfers take the time of); `emulated_plan` rewrites a whole plan that way.
 """
 
 from __future__ import annotations
@@ -226,14 +228,17 @@ class SubWork:
         return self.source.config
 
 
+def stand_in(op: Send | Recv) -> Send | Recv:
+    """`op` carrying the emulated `message_spec()` instead of the plan's tensors."""
+    return dataclasses.replace(op, tensors=(message_spec(),))
+
+
 def emulated_plan(plan: Plan) -> Plan:
     """`plan` with every message's tensors replaced by the emulated `message_spec()`."""
-    tiny = (message_spec(),)
     programs = []
     for program in plan.programs:
         instructions = tuple(
-            dataclasses.replace(ins, tensors=tiny) if isinstance(ins, (Send, Recv)) else ins
-            for ins in program.instructions
+            stand_in(ins) if isinstance(ins, (Send, Recv)) else ins for ins in program.instructions
         )
         programs.append(Program(program.rank, instructions))
     return dataclasses.replace(plan, programs=tuple(programs))

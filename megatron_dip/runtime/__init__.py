@@ -1,7 +1,11 @@
 """The runtime: executes plans on Megatron-Core model chunks (never plans anything itself).
 
+* `RankRuntime` (rank.py) is one rank's runtime for a run: each iteration it builds the
+  transport, the batch source and the `Executor`, runs the plan and finishes the gradients;
 * `Executor` (executor.py) runs one pipeline rank's program of a `Plan`;
-* `PipelineP2P` (p2p.py) posts its messages over an explicit pipeline process group;
+* `Transport` (transport.py) is what the executor sends and receives through; `PipelineP2P`
+  (p2p.py) implements it over an explicit torch.distributed pipeline process group;
+* `SpanRecorder` (timing.py) records the compute instructions' spans through the timing hook;
 * `dip_forward_backward` (forward_backward.py) has Megatron-Core's schedule signature, and
   `install` / `uninstall` switch Megatron's `get_forward_backward_func` to it and back;
 * `StockPipeline` (stock.py) runs Megatron-Core's own schedules on the same chunks;
@@ -20,6 +24,10 @@ _LAZY = {
     "ExecutorConfig": "executor",
     "IterationResult": "executor",
     "run_program": "executor",
+    "RankRuntime": "rank",
+    "Transport": "transport",
+    "TransportFactory": "transport",
+    "SpanRecorder": "timing",
     "ChannelGroups": "p2p",
     "P2PConfig": "p2p",
     "PipelineP2P": "p2p",
@@ -45,6 +53,10 @@ __all__ = [
     "ExecutorConfig",
     "IterationResult",
     "run_program",
+    "RankRuntime",
+    "Transport",
+    "TransportFactory",
+    "SpanRecorder",
     "ChannelGroups",
     "P2PConfig",
     "PipelineP2P",

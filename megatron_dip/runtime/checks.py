@@ -55,6 +55,15 @@ def unwrap_chunk(module: torch.nn.Module) -> torch.nn.Module:
     return seen
 
 
+def chunks_device(chunks: Iterable[torch.nn.Module]) -> torch.device:
+    """Where a rank's chunks run: the first chunk's first parameter's device (CPU without)."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            return p.device
+        break  # the chunks of a rank share one device
+    return torch.device("cpu")
+
+
 def index_chunks(chunks: Iterable[torch.nn.Module]) -> dict[ChunkKey, torch.nn.Module]:
     """The given (possibly wrapped) chunks by (module, chunk index); duplicates are refused."""
     found: dict[ChunkKey, torch.nn.Module] = {}

@@ -25,6 +25,9 @@ its plan, or the ranks hold different plans, every rank raises and none communic
 (`checks.agree_on_plan`). Every blocking wait has a timeout (`P2PConfig.timeout_s`; see p2p.py for
 NCCL) and fails with an error naming the rank, the instruction, the peer, the message and the
 tensor. `on_instruction` is the public per-instruction timing hook (`timing.py`).
+
+Messages travel over the injected `transport` (transport.py), one per iteration; `RankRuntime`
+(rank.py) assembles executor, transport and batch source for each iteration of a run.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from .checks import (
     VerdictGroup,
     agree_on_plan,
     check_before_run,
+    chunks_device,
     index_chunks,
     plan_identity,
     unwrap_chunk,
@@ -68,10 +72,12 @@ from .data import BatchSource
 from .ddp import reduce_sequence_parallel_grads
 from .errors import MessageError
 from .gradsync import grad_sync_points
+from .iteration import IterationResult
 from .loss import LossConfig, LossTracker, reduction_averages
-from .p2p import ChannelGroups, P2PConfig, PipelineP2P, check_message
+from .p2p import P2PConfig, check_message
 from .recompute import run_chunk
 from .timing import InstructionClock, InstructionHook
+from .transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +106,12 @@ check_handlers()
 class ExecutorConfig:
     """Options of the executor.
 
-    `debug`: synchronous mode, every batch of messages is waited for right after posting and
-    every produced message is checked against the plan's shapes as it is produced; each
-    instruction is logged with its duration. `validate`: run `validate_plan` (deadlock check
-    included) before communicating. `nvtx`: NVTX range per instruction when CUDA is available.
+    `p2p`: options of the point-to-point transport `RankRuntime` builds (its `timeout_s` also
+    bounds the agreement on the plan). `loss`: the loss normalisation (`loss.py`). `debug`:
+    synchronous mode, every batch of messages is waited for right after posting and every
+    produced message is checked against the plan's shapes as it is produced; each instruction
+    is logged with its duration. `validate`: run `validate_plan` (deadlock check included)
+    before communicating. `nvtx`: NVTX range per instruction when CUDA is available.
     """
 
     p2p: P2PConfig = field(default_factory=P2PConfig)
@@ -111,26 +119,6 @@ class ExecutorConfig:
     debug: bool = False
     validate: bool = True
     nvtx: bool = True
-
-
-@dataclass
-class IterationResult:
-    """What one rank's program produced.
-
-    `reports`: on the rank holding the loss module's last chunk, one dict per microbatch (in
-    microbatch order) {report_name: tensor([loss_sum, num_tokens])}, as Megatron's loss
-    functions report; empty elsewhere. `objective`: this rank's share of the normalised loss
-    that was differentiated (sum of weight * loss_sum, weights of `loss.py` without the
-    data-parallel factor), so the replicas' objectives sum to the global loss. `messages`:
-    point-to-point messages posted. `grad_sync_started`: (instruction index after which it
-    started, chunk) for every data-parallel reduction, -1 meaning before the first.
-    """
-
-    reports: list[dict[str, torch.Tensor]]
-    objective: float
-    seconds: float
-    messages: int
-    grad_sync_started: list[tuple[int, tuple[str, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -147,12 +135,13 @@ class Executor:
 
     `chunks`: this rank's model chunks (possibly DDP-wrapped), exactly those `placement` puts on
     pipeline rank `pp_group.rank()`. `placement`: the placement the chunks were built from.
-    `tensor_fn`: what the built model sends for a message (`batching.message_tensors`
-    bound to the model); when given, a plan with other shapes is refused before communicating.
-    `tp_group` / `replica_group`: this rank's tensor-parallel group (same plan) and data-parallel
-    group (each replica its own plan); when given, the plan verdict is agreed over them too, so
-    every rank of the job must then construct its Executor for the step. `on_instruction`: the
-    timing hook `(index, instruction, start, end)` (`timing.py`), called at the end of `run()`.
+    `transport`: this iteration's `Transport` (a fresh one per Executor). `tensor_fn`: what the
+    built model sends for a message (`batching.message_tensors` bound to the model); when
+    given, a plan with other shapes is refused before communicating. `tp_group` /
+    `replica_group`: this rank's tensor-parallel group (same plan) and data-parallel group (each
+    replica its own plan); when given, the plan verdict is agreed over them too, so every rank
+    of the job must then construct its Executor for the step. `on_instruction`: the timing hook
+    `(index, instruction, start, end)` (`timing.py`), called at the end of `run()`.
     """
 
     def __init__(
@@ -163,9 +152,9 @@ class Executor:
         placement: Placement,
         pp_group: torch.distributed.ProcessGroup,
         batches: BatchSource,
+        transport: Transport,
         tensor_fn: TensorFn | None = None,
         config: ExecutorConfig = ExecutorConfig(),
-        channels: ChannelGroups | None = None,
         tp_group: torch.distributed.ProcessGroup | None = None,
         replica_group: torch.distributed.ProcessGroup | None = None,
         on_instruction: InstructionHook | None = None,
@@ -175,8 +164,7 @@ class Executor:
         self.config = config
         self.rank = pp_group.rank()
         self.on_instruction = on_instruction
-        first = next(iter(chunks), None)
-        self.device = _device_of(first) if first is not None else torch.device("cpu")
+        self.device = chunks_device(chunks)
         self.chunks, self.df = self._checked_and_agreed(
             chunks,
             placement=placement,
@@ -191,9 +179,7 @@ class Executor:
         self.program = plan.program(self.rank)
         self.batches = batches
         self.tensor_fn = tensor_fn
-        self.p2p = PipelineP2P(
-            group=pp_group, device=self.device, config=config.p2p, channels=channels
-        )
+        self.transport = transport
         self._ddp = {k: c for k, c in self.chunks.items() if _is_ddp(c)}
         self.losses = LossTracker(
             plan=plan,
@@ -249,7 +235,7 @@ class Executor:
 
     def run(self) -> IterationResult:
         """Execute the program; returns the loss reports. Call once per Executor."""
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         instrs = self.program.instructions
         clock = None
         if self.on_instruction is not None:
@@ -266,7 +252,7 @@ class Executor:
             for k in range(i, i + consumed):
                 self._after(k, instrs[k])
             i += consumed
-        self.p2p.finish()
+        self.transport.finish()
         for chunk in self._ddp.values():
             chunk.finish_grad_sync()
         if not self.plan.forward_only:
@@ -281,13 +267,17 @@ class Executor:
             reports=self.losses.reports(),
             objective=self.losses.objective,
             seconds=time.perf_counter() - started,
-            messages=self.p2p.messages_posted,
+            messages=self.transport.messages_posted,
             grad_sync_started=list(self._sync_log),
+            started=wall,
+            ended=time.time(),
+            leftovers=left,
+            channel=self.transport.channel,
         )
 
     def leftovers(self) -> dict[str, list[str]]:
         """Messages, saved activations and sub-batches still held (empty after a full run)."""
-        held = self.p2p.pending()
+        held = self.transport.pending()
         held["messages"] = [str(k) for k in self._messages]
         held["saved"] = [str(s) for s in self._saved]
         cached = getattr(self.batches, "cached", None)
@@ -340,15 +330,15 @@ class Executor:
             for _, op in indexed
             if isinstance(op, Send) and op.key in self._messages
         }
-        self.p2p.post(indexed, outgoing)
+        self.transport.post(indexed, outgoing)
         if self.config.debug:
             keys = [op.key for _, op in indexed]
-            self.p2p.wait(keys, where=f"instruction {first} (debug wait)", index=first)
+            self.transport.wait(keys, where=f"instruction {first} (debug wait)", index=first)
         return end - first
 
     def _wait(self, index: int, ins: Wait) -> int:
         where = f"instruction {index} (Wait for {len(ins.keys)} message(s))"
-        self.p2p.wait(ins.keys, where=where, index=index)
+        self.transport.wait(ins.keys, where=where, index=index)
         return 1
 
     def _take(self, key: MessageKey, index: int) -> dict[str, torch.Tensor]:
@@ -359,7 +349,7 @@ class Executor:
                     "which has not been produced"
                 )
             return self._messages.pop(key)
-        return self.p2p.take(key)
+        return self.transport.take(key)
 
     def _produce(self, index: int, key: MessageKey, tensors: dict[str, torch.Tensor]) -> None:
         if key in self._messages:
@@ -473,12 +463,6 @@ def _is_ddp(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("no_sync", "start_grad_sync", "finish_grad_sync"))
 
 
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def _last_use(program) -> dict[WorkId, int]:
     last: dict[WorkId, int] = {}
     for i, ins in enumerate(program.instructions):
@@ -495,7 +479,7 @@ def run_program(**kwargs: Any) -> IterationResult:
 __all__: Iterable[str] = [
     "Executor",
     "ExecutorConfig",
-    "IterationResult",
+    "IterationResult",  # defined in iteration.py
     "check_handlers",
     "run_program",
 ]

@@ -17,6 +17,11 @@ Differences from Megatron's functions, by design:
   `finalize_model_grads` would reduce the DDP buffers a second time and reads
   `parallel_state` / `model[0]`, `model[-1]`, which do not describe a DIP placement.
 
+The iteration runs on the schedule's `RankRuntime` (rank.py; one per chunk list and sequence
+length, built on first use), exactly as the training loop runs it: the plan verdict agreed over
+the pipeline group and, when the schedule names them, the tensor-parallel and replica groups;
+messages on per-pair channels when given; the schedule's timing hook per instruction.
+
 `install(schedule)` replaces `get_forward_backward_func` in `megatron.core.pipeline_parallel`,
 its `schedules` module and every already imported module holding a reference to it (e.g.
 `megatron.training.training`), so that the unmodified Megatron training loop runs DIP;
@@ -37,9 +42,13 @@ import torch
 
 from megatron_dip.schedule.ir import Placement, Plan
 
-from .checks import TensorFn, unwrap_chunk
+from .checks import TensorFn
 from .data import SampleBatchSource
-from .executor import Executor, ExecutorConfig, IterationResult
+from .executor import ExecutorConfig, IterationResult
+from .p2p import ChannelGroups, PipelineP2P
+from .rank import RankRuntime
+from .timing import InstructionHook
+from .transport import TransportFactory
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +64,12 @@ class DipSchedule:
     `pp_group`: the pipeline group; `plan_provider`: returns the next iteration's plan (used
     when no `plan=` is passed); `tensor_fn`: the model's message shapes for a plan (default:
     `batching.message_tensors` with `dtype`, `tensor_parallel`, `sequence_parallel`);
-    `embedding_group`: group for tied LLM embeddings (None: untied).
+    `embedding_group`: group for tied LLM embeddings (None: untied). `tp_group` /
+    `replica_group`: this rank's tensor-parallel and data-parallel groups, over which the plan
+    verdict is agreed too (None: the pipeline group only); `channels`: one communicator per
+    (sender, receiver) pair (None: the pipeline group carries every message); `on_instruction`:
+    the per-instruction timing hook (`timing.SpanRecorder`); `transport`: builds each
+    iteration's transport (`transport.TransportFactory`).
     """
 
     model: Any
@@ -69,6 +83,35 @@ class DipSchedule:
     sequence_parallel: bool = False
     tensor_fn: TensorFnFactory | None = None
     embedding_group: torch.distributed.ProcessGroup | None = None
+    tp_group: torch.distributed.ProcessGroup | None = None
+    replica_group: torch.distributed.ProcessGroup | None = None
+    channels: ChannelGroups | None = None
+    on_instruction: InstructionHook | None = None
+    transport: TransportFactory = PipelineP2P
+    _runtimes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def runtime(self, *, chunks: Sequence[torch.nn.Module], seq_length: int) -> RankRuntime:
+        """The `RankRuntime` of `chunks` (Megatron passes the same model list every iteration)
+        with samples cut to `seq_length`, built on first use from this schedule's fields."""
+        key = (tuple(map(id, chunks)), seq_length)
+        if key not in self._runtimes:
+            self._runtimes[key] = RankRuntime(
+                placement=self.placement,
+                pp_group=self.pp_group,
+                chunks=chunks,
+                batches=functools.partial(
+                    SampleBatchSource, model=self.model, seq_length=seq_length, seed=self.seed
+                ),
+                tensor_fn_for=self.tensors_for,
+                transport=self.transport,
+                config=self.executor,
+                channels=self.channels,
+                tp_group=self.tp_group,
+                replica_group=self.replica_group,
+                embedding_group=self.embedding_group,
+                on_instruction=self.on_instruction,
+            )
+        return self._runtimes[key]
 
     def tensors_for(self, plan: Plan) -> TensorFn:
         """The model's message shapes, for the sub-microbatches of `plan`."""
@@ -174,32 +217,10 @@ def run_iteration(
     seq_length: int,
 ) -> IterationResult:
     """Execute `plan` on this rank's `chunks` with the samples of each microbatch, then finish
-    the gradients (tied embeddings summed over the schedule's embedding group)."""
-    device = next(chunks[0].parameters()).device
-    batches = SampleBatchSource(
-        model=schedule.model,
-        plan=plan,
-        samples=samples,
-        seq_length=seq_length,
-        seed=schedule.seed,
-        device=device,
-    )
-    result = Executor(
-        plan=plan,
-        chunks=chunks,
-        placement=schedule.placement,
-        pp_group=schedule.pp_group,
-        batches=batches,
-        tensor_fn=schedule.tensors_for(plan),
-        config=schedule.executor,
-    ).run()
-    if schedule.embedding_group is not None and not plan.forward_only:
-        from megatron_dip.models.chunk import reduce_tied_embedding_grads
-
-        reduce_tied_embedding_grads(
-            [unwrap_chunk(c) for c in chunks], group=schedule.embedding_group
-        )
-    return result
+    the gradients (tied embeddings summed over the schedule's embedding group), on the
+    schedule's `RankRuntime` of these chunks."""
+    runtime = schedule.runtime(chunks=chunks, seq_length=seq_length)
+    return runtime.run(plan, samples)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Point-to-point messages between pipeline ranks, over one explicit process group.
 
+`PipelineP2P` is the torch.distributed (NCCL, gloo) implementation of the executor's
+`Transport` (transport.py); its channel model (`PipelineP2P.channel`) follows its `channels`.
+
 A *batch* is a maximal run of consecutive `Send`/`Recv` instructions of a program (see
 `schedule/ir.py`). `PipelineP2P.post` posts one batch without blocking, as ONE
 `torch.distributed.batch_isend_irecv` (or one `isend`/`irecv` per tensor when
@@ -55,6 +58,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron_dip.schedule.engine import ChannelFn, per_peer_channel, single_channel
 from megatron_dip.schedule.ir import MessageKey, Recv, Send, TensorSpec
 
 from .errors import MessageError, PipelineCommError, PipelineTimeoutError
@@ -231,6 +235,12 @@ class PipelineP2P:
             # involve every rank of the group (torch's documented caveat); one barrier first.
             dist.barrier(group=group)
             _WARM_GROUPS.add(id(group))
+
+    @property
+    def channel(self) -> ChannelFn:
+        """The simulator's model of these channels: `per_peer_channel` with `ChannelGroups`,
+        else `single_channel` (every message of the rank on the one pipeline group)."""
+        return single_channel if self.channels is None else per_peer_channel
 
     # -- posting ---------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ stream before and after its handler, and the events are resolved once, at the en
 iteration (no synchronisation per instruction, the CPU keeps running ahead). One reference event,
 synchronised when the clock starts, places the GPU times on the wall clock. Elsewhere the span is
 the handler's own wall-clock time.
+
+`SpanRecorder` is a reusable hook that keeps the spans of the compute instructions (what the
+training loop logs, traces and feeds the cost-model calibration with); `RankRuntime` takes it
+like any other hook.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from typing import Any
 
 import torch
 
-from megatron_dip.schedule.ir import Instruction
+from megatron_dip.schedule.ir import Backward, Forward, Instruction
 
 InstructionHook = Callable[[int, Instruction, float, float], None]
+# (label, module, is_forward, start, end): the shape `planner.trace.write_chrome_trace` takes.
+Span = tuple[str, str, bool, float, float]
 
 
 class InstructionClock:
@@ -65,4 +71,30 @@ class InstructionClock:
         return self._origin_wall + self._origin.elapsed_time(event) / 1e3
 
 
-__all__ = ["InstructionClock", "InstructionHook"]
+class SpanRecorder:
+    """An `on_instruction` hook recording every Forward/Backward: `spans` (`Span`, labelled
+    "F vit0 mb3.1") and `ops` ((instruction, measured seconds)). Send/Recv/Wait are left out.
+    Kept across iterations until `take()`, which returns and clears them."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.ops: list[tuple[Forward | Backward, float]] = []
+
+    def __call__(self, index: int, ins: Instruction, start: float, end: float) -> None:
+        del index
+        if not isinstance(ins, (Forward, Backward)):
+            return
+        fwd = isinstance(ins, Forward)
+        s = ins.stage
+        label = f"{'F' if fwd else 'B'} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
+        self.spans.append((label, s.module, fwd, start, end))
+        self.ops.append((ins, end - start))
+
+    def take(self) -> tuple[list[Span], list[tuple[Forward | Backward, float]]]:
+        """(spans, ops) recorded since the last call."""
+        out = (self.spans, self.ops)
+        self.spans, self.ops = [], []
+        return out
+
+
+__all__ = ["InstructionClock", "InstructionHook", "Span", "SpanRecorder"]

@@ -1,7 +1,8 @@
 """This rank's model chunks, built from the placement and wrapped in Megatron-Core's DDP.
 
-Every rank builds exactly the chunks the placement puts on its pipeline rank (`build_chunk`, with
-weights drawn from global parameter names, so every layout and schedule starts identical). Chunks
+Every rank builds exactly the chunks the placement puts on its pipeline rank, through the run's
+compute backend (`backend.py`: Megatron-Core layers from `build_chunk`, with weights drawn from
+global parameter names, so every layout and schedule starts identical; or emulated chunks). Chunks
 with trainable parameters get one Megatron-Core `DistributedDataParallel` wrapper each (the DIP
 executor starts each chunk's reduction at its own last backward); frozen chunks stay unwrapped.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +24,9 @@ from megatron_dip.runtime.ddp import DataParallelGroups, wrap_chunks_ddp
 
 from .setup import ParallelContext
 from .validate import RunSpec
+
+if TYPE_CHECKING:
+    from .backend import ComputeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -79,33 +84,27 @@ def ddp_config(spec: RunSpec):
     )
 
 
-def _build_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module]:
-    """This rank's chunks: Megatron-Core layers, or sleeping ones under --dip-emulate-compute."""
-    if spec.emulate_scale is not None:
-        from megatron_dip.emulation import build_emulated_chunks
+def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module]:
+    """This rank's chunks of Megatron-Core layers (the real compute backend's)."""
+    config = model_config(spec)
+    groups = ModelGroups(tp=ctx.tp, cp=ctx.single)
+    return [
+        build_chunk(
+            spec.model,
+            c,
+            num_chunks=spec.placement.module(c.module).num_chunks,
+            config=config,
+            groups=groups,
+        )
+        for c in spec.placement.chunks_on_rank(ctx.pp_rank)
+    ]
 
-        chunks = build_emulated_chunks(spec.model, spec.placement, rank=ctx.pp_rank)
-    else:
-        config = model_config(spec)
-        groups = ModelGroups(tp=ctx.tp, cp=ctx.single)
-        chunks = [
-            build_chunk(
-                spec.model,
-                c,
-                num_chunks=spec.placement.module(c.module).num_chunks,
-                config=config,
-                groups=groups,
-            )
-            for c in spec.placement.chunks_on_rank(ctx.pp_rank)
-        ]
+
+def build_model(spec: RunSpec, ctx: ParallelContext, *, backend: ComputeBackend) -> LocalModel:
+    """Build (with `backend`), initialise and wrap this rank's chunks (module docstring)."""
+    chunks = backend.build_chunks(ctx)
     for chunk in chunks:
         chunk.config.calculate_per_token_loss = spec.config.model.calculate_per_token_loss
-    return chunks
-
-
-def build_model(spec: RunSpec, ctx: ParallelContext) -> LocalModel:
-    """Build, initialise and wrap this rank's chunks (see the module docstring)."""
-    chunks = _build_chunks(spec, ctx)
     trainable = [c for c in chunks if any(p.requires_grad for p in c.parameters())]
     dp_groups = DataParallelGroups(dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, single=ctx.single)
     wrapped = dict(

@@ -27,15 +27,16 @@ from megatron_dip.planner.calibration import Calibration
 from megatron_dip.planner.simulator import simulate
 
 from . import checkpoint
+from .backend import select_backend
 from .build import LocalModel, build_model
 from .data_source import load_agreed, make_stream
 from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
-from .metrics_file import append_record, emulated_simulation
+from .metrics_file import append_record
 from .optim import build_optimizer, build_scheduler
 from .planning import DipPlans, stock_plan
 from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
-from .step import StepResult, run_dip, run_stock, samples_by_microbatch, scale_gradients
+from .step import DipStep, StepResult, run_stock, scale_gradients
 from .validate import RunSpec
 
 logger = logging.getLogger("megatron_dip.training")
@@ -68,7 +69,10 @@ class Trainer:
         cfg = spec.config
         # The planner process starts first: it imports and plans while the model is built.
         self.plans = DipPlans(spec, ctx) if not spec.is_stock else None
-        self.model: LocalModel = build_model(spec, ctx)
+        # Real or emulated compute (--dip-emulate-compute): chosen here, once.
+        self.backend = select_backend(spec)
+        self.model: LocalModel = build_model(spec, ctx, backend=self.backend)
+        self.dip = DipStep(spec, ctx, self.model, self.backend) if self.plans is not None else None
         self.optimizer = build_optimizer(self.model, spec=spec, ctx=ctx)
         self.scheduler = build_scheduler(self.optimizer, spec=spec)
         self.stream = self._stream(evaluation=False)
@@ -143,15 +147,15 @@ class Trainer:
             plan, variant = self.plans.plan(batch)
         # Every rank agrees that its samples loaded before any of them enters the pipeline.
         samples = load_agreed(
-            lambda: samples_by_microbatch(
-                stream, batch, plan, metadata_only=spec.emulate_scale is not None
-            ),
+            lambda: self.backend.samples_for(stream, batch, plan),
             batch=batch, rank=ctx.rank, device=ctx.device,
         )  # fmt: skip
-        if self.plans is None:
-            result = run_stock(spec, ctx, self.model, plan, samples, forward_only=evaluation)
+        if self.dip is None:
+            result = run_stock(
+                spec, ctx, self.model, self.backend, plan, samples, forward_only=evaluation
+            )
         else:
-            result = run_dip(spec, ctx, self.model, plan, samples)
+            result = self.dip.run(plan, samples)
         predicted = predicted_ops(plan, spec.cost_model, result.ops)
         stats = gather_stats(ctx, result, modules=self.modules, predicted=predicted)
         return batch, plan, variant, result, stats
@@ -199,15 +203,10 @@ class Trainer:
                 "iteration %d: cost-model calibration version %d %s", it, c.version, c.scales
             )
 
-    def _planned(self, plan):
-        """Simulated time of `plan` with the calibrated cost model (None while uncalibrated
-        on CPU, where the data-sheet cost model says nothing about this machine). An emulated
-        run takes the cost model's times by construction: its prediction needs no calibration."""
-        if self.spec.emulate_scale is not None:
-            return emulated_simulation(self.spec, plan)
-        if not (self.spec.cuda or self.calibration.covers(self.spec.model)):
-            return None
-        return simulate(plan, self.calibration.apply(self.spec.cost_model))
+    def _planned(self, plan, result: StepResult):
+        """The backend's prediction of `plan` on the channels `result` ran on (real compute:
+        the calibrated cost model, None while uncalibrated on CPU; emulated: its scaled one)."""
+        return self.backend.predicted(plan, channel=result.channel, calibration=self.calibration)
 
     def _report(self, batch, plan, variant, result: StepResult, stats, seconds, norm, bound):
         it, cfg = self.iteration, self.spec.config
@@ -216,7 +215,7 @@ class Trainer:
         spans = self._gather_spans(result) if tracing else None
         if not self.ctx.is_logging_rank:
             return
-        sim = self._planned(plan) if logging_now or tracing else None
+        sim = self._planned(plan, result) if logging_now or tracing else None
         if sim is not None:
             self.result.planned[it] = sim.iteration_time
         self.log.restarts = self.plans.restarts if self.plans is not None else 0
@@ -237,21 +236,19 @@ class Trainer:
         if logging_now:
             logger.info(self.log.line())
         if cfg.dip.dip_metrics_json:
-            self._write_metrics(plan, variant, stats, seconds, sim)
+            self._write_metrics(plan, variant, stats, seconds, sim, result)
         if spans is not None:
-            planned = sim or simulate(plan, self.spec.cost_model)
+            planned = sim or simulate(plan, self.spec.cost_model, channel=result.channel)
             write_trace(cfg.dip.dip_trace_dir, it, planned, spans)
 
-    def _write_metrics(self, plan, variant: str, stats, seconds: float, sim) -> None:
-        """One line of --dip-metrics-json (see `metrics_file`)."""
+    def _write_metrics(self, plan, variant: str, stats, seconds: float, sim, result) -> None:
+        """One line of --dip-metrics-json (see `metrics_file`); the backend adds its fields."""
         record = {
             "iteration": self.iteration, "schedule": self.spec.schedule, "variant": variant,
             "loss": stats.loss, "seconds": seconds, "schedule_seconds": stats.max_duration,
-            "busy_seconds": stats.max_busy, "emulate_scale": self.spec.emulate_scale,
+            "busy_seconds": stats.max_busy,
         }  # fmt: skip
-        if self.spec.emulate_scale is not None:
-            sim = sim or emulated_simulation(self.spec, plan)
-            record.update(predicted_s=sim.iteration_time, bound_s=sim.lower_bound)
+        record.update(self.backend.metrics(plan, sim=sim, channel=result.channel))
         append_record(self.spec.config.dip.dip_metrics_json, record)
 
     def _gather_spans(self, result: StepResult) -> list | None:

@@ -1,35 +1,36 @@
-"""One iteration's forward and backward on this rank: a DIP plan on the executor, or Megatron-Core's
-own schedule on the stock placement; both timed per compute operation.
+"""One iteration's forward and backward on this rank: a DIP plan on the runtime (`DipStep`), or
+Megatron-Core's own schedule on the stock placement (`run_stock`); both timed per compute
+operation, both on the run's compute backend (`backend.py`: chunks, inputs, message shapes).
 
 Measured spans are (label, module, is_forward, start, end) with wall-clock seconds (`time.time()`,
 comparable across the ranks of a node), the shape `planner.trace.write_chrome_trace` takes.
-DIP spans come from the executor's per-instruction hook; stock spans from timing Megatron-Core's
-`forward_step` / `backward_step` (the schedule functions themselves run unmodified).
+DIP spans come from the runtime's `SpanRecorder` (its per-instruction hook); stock spans from
+timing Megatron-Core's `forward_step` / `backward_step` (the schedule functions run unmodified).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dip.runtime.data import SampleBatchSource
-from megatron_dip.runtime.executor import Executor, ExecutorConfig
+from megatron_dip.runtime.executor import ExecutorConfig
 from megatron_dip.runtime.loss import LossConfig
 from megatron_dip.runtime.p2p import P2PConfig
+from megatron_dip.runtime.rank import RankRuntime
 from megatron_dip.runtime.stock import StockPipeline, StockStage
+from megatron_dip.runtime.timing import Span, SpanRecorder
+from megatron_dip.schedule.engine import ChannelFn, single_channel
 from megatron_dip.schedule.graph import Dataflow
-from megatron_dip.schedule.ir import Backward, Forward, Instruction, Plan, Recompute
+from megatron_dip.schedule.ir import Plan, Recompute
 
+from .backend import ComputeBackend
 from .build import LocalModel
-from .planning import tensor_fn
 from .setup import ParallelContext
 from .validate import RunSpec
-
-Span = tuple[str, str, bool, float, float]
 
 
 @dataclass
@@ -40,8 +41,11 @@ class StepResult:
     spans: list[Span]
     started: float
     ended: float
-    # (module, is_forward, measured seconds, stage) per DIP compute instruction
+    # (instruction, measured seconds) per DIP compute instruction
     ops: list[tuple] = field(default_factory=list)
+    # The channel model the messages travelled on (a simulation of the iteration uses it):
+    # DIP's transport names its own; Megatron's schedules use one communicator per pipeline.
+    channel: ChannelFn = single_channel
 
     @property
     def busy(self) -> float:
@@ -57,102 +61,62 @@ class StepResult:
         return loss, tokens
 
 
-class TimedExecutor(Executor):
-    """The runtime's executor, recording the span of each Forward/Backward through its public
-    per-instruction hook (`on_instruction`: wall-clock seconds; GPU time on CUDA)."""
+class DipStep:
+    """This rank's DIP step, assembled once per run: a `RankRuntime` for training plans on the
+    DDP-wrapped chunks and one for forward-only plans on the bare chunks (no gradients, so no
+    DDP), both on the compute backend's batch sources, message shapes and transport, the run's
+    channels and plan agreement, and one `SpanRecorder` timing every compute instruction."""
 
-    def __init__(self, **kwargs) -> None:
-        self.spans: list[Span] = []
-        self.ops: list[tuple] = []
-        super().__init__(on_instruction=self._record, **kwargs)
+    def __init__(
+        self, spec: RunSpec, ctx: ParallelContext, model: LocalModel, backend: ComputeBackend
+    ) -> None:
+        self.recorder = SpanRecorder()
+        per_token = spec.config.model.calculate_per_token_loss
+        self.runtimes = {
+            False: self._runtime(spec, ctx, backend, model.chunks, LossConfig(per_token=per_token)),
+            True: self._runtime(
+                spec, ctx, backend, model.inner,
+                LossConfig(per_token=per_token, reduction_averages=True),
+            ),
+        }  # fmt: skip
 
-    def _record(self, index: int, ins: Instruction, start: float, end: float) -> None:
-        if not isinstance(ins, (Forward, Backward)):
-            return
-        fwd = isinstance(ins, Forward)
-        s = ins.stage
-        label = f"{'F' if fwd else 'B'} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
-        self.spans.append((label, s.module, fwd, start, end))
-        self.ops.append((ins, end - start))
-
-
-def _sources(spec: RunSpec, plan: Plan, samples: dict[int, list], device):
-    """Where the chunks get their inputs: the samples' tensors, or under --dip-emulate-compute
-    the durations the cost model gives the plan's sub-microbatches (`samples` are metadata)."""
-    if spec.emulate_scale is not None:
-        from megatron_dip.emulation import EmulatedBatchSource, EmulationConfig
-
-        return EmulatedBatchSource(
-            plan=plan,
-            cost_model=spec.cost_model,
-            config=EmulationConfig(scale=spec.emulate_scale),
-            loss_tokens={mb: [s.loss_tokens for s in metas] for mb, metas in samples.items()},
+    def _runtime(
+        self,
+        spec: RunSpec,
+        ctx: ParallelContext,
+        backend: ComputeBackend,
+        chunks: list[torch.nn.Module],
+        loss: LossConfig,
+    ) -> RankRuntime:
+        return RankRuntime(
+            placement=spec.placement,
+            pp_group=ctx.pp,
+            chunks=chunks,
+            batches=backend.batch_source,
+            tensor_fn_for=backend.checked_shapes,
+            transport=backend.transport,
+            # Every blocking pipeline wait is bounded by --dip-comm-timeout-s (so are the
+            # process groups, setup.init_distributed).
+            config=ExecutorConfig(
+                loss=loss,
+                validate=False,
+                p2p=P2PConfig(timeout_s=spec.config.dip.dip_comm_timeout_s),
+            ),
+            channels=ctx.channels,
+            # The plan verdict is agreed over tensor-parallel peers and replicas too (every rank
+            # of the job runs this step).
+            tp_group=ctx.tp,
+            replica_group=ctx.dp,
+            on_instruction=self.recorder,
         )
-    return SampleBatchSource(
-        model=spec.model,
-        plan=plan,
-        samples=samples,
-        seq_length=spec.config.train.seq_length,
-        seed=spec.config.train.seed,
-        device=device,
-    )
 
-
-def _tensor_fn(spec: RunSpec, plan: Plan):
-    """What the built chunks send for each message of `plan`."""
-    if spec.emulate_scale is not None:
-        from megatron_dip.emulation import emulated_tensor_fn
-
-        return emulated_tensor_fn
-    return tensor_fn(spec, plan)
-
-
-def _executed(spec: RunSpec, plan: Plan) -> Plan:
-    """The plan as the executor runs it: emulated chunks exchange tiny stand-in messages (the
-    original plan keeps the real sizes, which the emulated transfers take the time of)."""
-    if spec.emulate_scale is not None:
-        from megatron_dip.emulation import emulated_plan
-
-        return emulated_plan(plan)
-    return plan
-
-
-def run_dip(
-    spec: RunSpec,
-    ctx: ParallelContext,
-    model: LocalModel,
-    plan: Plan,
-    samples: dict[int, list],
-) -> StepResult:
-    """Execute this rank's program of `plan` (training or, for a forward-only plan, evaluation)."""
-    per_token = spec.config.model.calculate_per_token_loss
-    if plan.forward_only:  # no gradients: run the bare chunks, no DDP
-        chunks = model.inner
-        loss = LossConfig(per_token=per_token, reduction_averages=True)
-    else:
-        chunks = model.chunks
-        loss = LossConfig(per_token=per_token)
-    executor = TimedExecutor(
-        plan=_executed(spec, plan),
-        chunks=chunks,
-        placement=spec.placement,
-        pp_group=ctx.pp,
-        batches=_sources(spec, plan, samples, ctx.device),
-        tensor_fn=_tensor_fn(spec, plan),
-        # Every blocking pipeline wait is bounded by --dip-comm-timeout-s (so are the process
-        # groups, setup.init_distributed).
-        config=ExecutorConfig(
-            loss=loss, validate=False, p2p=P2PConfig(timeout_s=spec.config.dip.dip_comm_timeout_s)
-        ),
-        channels=ctx.channels,
-        # The plan verdict is agreed over tensor-parallel peers and replicas too (every rank of
-        # the job runs this step).
-        tp_group=ctx.tp,
-        replica_group=ctx.dp,
-    )
-    started = time.time()
-    result = executor.run()
-    return StepResult(result.reports, executor.spans, started, time.time(), executor.ops)
+    def run(self, plan: Plan, samples: dict[int, list]) -> StepResult:
+        """Execute this rank's program of `plan` (training or, forward-only, evaluation)."""
+        result = self.runtimes[plan.forward_only].run(plan, samples)
+        spans, ops = self.recorder.take()
+        return StepResult(
+            result.reports, spans, result.started, result.ended, ops, channel=result.channel
+        )
 
 
 @contextlib.contextmanager
@@ -187,6 +151,7 @@ def run_stock(
     spec: RunSpec,
     ctx: ParallelContext,
     model: LocalModel,
+    backend: ComputeBackend,
     plan: Plan,
     samples: dict[int, list],
     *,
@@ -203,8 +168,8 @@ def run_stock(
         all_stage_units=spec.stage_units,
         dataflow=Dataflow(plan.placement, plan.submicrobatches, plan.dependencies),
         microbatches=[m.index for m in plan.microbatches],
-        batches=_sources(spec, plan, samples, ctx.device),
-        tensor_fn=_tensor_fn(spec, plan),
+        batches=backend.batch_source(plan=plan, samples=samples, device=ctx.device),
+        tensor_fn=backend.tensor_fn(plan),
         pp_group=ctx.pp,
         single_group=ctx.single,
         # PP=2 interleaved + batched p2p swaps activations and gradients (MEGATRON-ON-CPU.md).
@@ -233,16 +198,3 @@ def scale_gradients(model: LocalModel, factor: float) -> None:
     """Multiply every reduced gradient by `factor` (Megatron's per-token loss finalisation)."""
     for c in model.ddp:
         c.scale_gradients(factor)
-
-
-def samples_by_microbatch(
-    stream, batch, plan: Plan, *, metadata_only: bool = False
-) -> dict[int, Sequence]:
-    """The samples of each of `plan`'s microbatches (only this replica's are loaded); with
-    `metadata_only` (emulated compute) their `SampleMeta`s, nothing is loaded."""
-    ids = [i for m in plan.microbatches for i in m.sample_ids]
-    if metadata_only:
-        loaded = {s.sample_id: s for s in batch.samples}
-    else:
-        loaded = {s.sample_id: s for s in stream.samples(batch, ids)}
-    return {m.index: [loaded[i] for i in m.sample_ids] for m in plan.microbatches}
