@@ -2,7 +2,10 @@
 
 Data flows data -> planner -> schedule -> runtime; the runtime never plans, and knows nothing of
 the training or of how compute is emulated; emulation plugs into the runtime and knows nothing of
-the training; the benchmark sits above both, and nothing of ours imports it.
+the training; the benchmark sits above both, and nothing of ours imports it. The modalities sit
+below the data side, the batching layer, the planner and the runtime, above only the plan format,
+the model shapes and the torch building blocks (`models`), which know no modality. No two parts
+of the package (sub-packages and top-level modules) import each other in a cycle.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ def _imported(package: str) -> dict[str, set[str]]:
         ("runtime", {"planner", "training", "emulation", "benchmark"}),
         ("emulation", {"training", "benchmark"}),
         ("schedule", {"data", "planner", "runtime", "models", "training", "emulation"}),
+        ("planner", {"runtime", "models", "training", "emulation", "benchmark"}),
+        ("models", {"modalities", "batching", "planner", "data", "runtime", "training"}),
+        ("modalities", {"data", "batching", "planner", "runtime", "training", "emulation"}),
+        ("batching", {"planner", "runtime", "models", "training", "emulation"}),
+        ("data", {"batching", "planner", "runtime", "models", "training", "emulation"}),
     ],
 )
 def test_package_does_not_import(package: str, forbidden: set[str]) -> None:
@@ -57,3 +65,66 @@ def test_nothing_of_ours_imports_the_benchmark() -> None:
     ]
     assert users == []
     assert (PACKAGE / "benchmark" / "bench.py").exists()
+
+
+def _part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _part_graph() -> dict[str, set[str]]:
+    """Imports between the parts of megatron_dip: sub-packages and top-level modules."""
+    parts = {_part_of(p) for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {p: set() for p in parts}
+    for path in PACKAGE.rglob("*.py"):
+        me = _part_of(path)
+        if me == "__init__":
+            continue
+        here = ["megatron_dip", *path.relative_to(PACKAGE).with_suffix("").parts]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = here[: len(here) - node.level]
+                targets = [".".join([*base, node.module] if node.module else base)]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module]
+            for t in targets:
+                bits = t.split(".")
+                if bits[0] == "megatron_dip" and len(bits) > 1 and bits[1] in parts:
+                    graph[me].add(bits[1])
+        graph[me].discard(me)
+    return graph
+
+
+def _cycle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    path, seen = [start], set()
+
+    def walk(node: str) -> list[str] | None:
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                return [*path, start]
+            if nxt not in seen:
+                seen.add(nxt)
+                path.append(nxt)
+                found = walk(nxt)
+                if found:
+                    return found
+                path.pop()
+        return None
+
+    return walk(start)
+
+
+def test_no_part_of_the_package_imports_another_in_a_cycle() -> None:
+    graph = _part_graph()
+    assert {"modalities", "batching", "models", "planner", "runtime"} <= set(graph)
+    cycles = [c for p in sorted(graph) if (c := _cycle_through(graph, p))]
+    assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle_through(graph, "a") == ["a", "b", "c", "a"]
+    assert _cycle_through(graph, "d") is None

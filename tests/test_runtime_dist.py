@@ -48,8 +48,7 @@ def _expected_shard(full: np.ndarray, shard) -> np.ndarray:
 def check_grads(results: list[dict], name: str, ranks=None) -> float:
     """Assert every parameter's gradient (on every rank holding it) matches the reference;
     return the largest error relative to the parameter's largest reference gradient."""
-    kind = "vlm" if "vlm" in name else "t2v"
-    ref = results[0][f"ref:{kind}"]["grads"]
+    ref = results[0][f"ref:{_kind(name)}"]["grads"]
     seen, worst = set(), 0.0
     for r in ranks if ranks is not None else range(len(results)):
         for pname, (grad, shard) in results[r][name]["grads"].items():
@@ -67,9 +66,13 @@ def check_grads(results: list[dict], name: str, ranks=None) -> float:
 
 
 def check_loss(results: list[dict], name: str, ranks=None) -> None:
-    kind = "vlm" if "vlm" in name else "t2v"
     total = sum(results[r][name]["objective"] for r in ranks or range(len(results)))
-    assert total == pytest.approx(results[0][f"ref:{kind}"]["loss"], rel=1e-12)
+    assert total == pytest.approx(results[0][f"ref:{_kind(name)}"]["loss"], rel=1e-12)
+
+
+def _kind(name: str) -> str:
+    """The batch a scenario ran ("vlm", "omni" or "t2v"), from its name."""
+    return next(k for k in ("vlm", "omni") if k in name) if "t2v" not in name else "t2v"
 
 
 def check_clean(results: list[dict], name: str) -> None:
@@ -86,7 +89,15 @@ def reports(results: list[dict], name: str) -> np.ndarray:
 
 # -- PP=2 -----------------------------------------------------------------------------------------
 
-PIPELINE = ["vlm_seg_v1", "vlm_seg_v2_rc", "t2v_seg_v2_rc", "vlm_dip", "t2v_dip"]
+PIPELINE = [
+    "vlm_seg_v1",
+    "vlm_seg_v2_rc",
+    "t2v_seg_v2_rc",
+    "vlm_dip",
+    "t2v_dip",
+    "omni_seg_rc",
+    "omni_dip",
+]
 
 
 @pytest.mark.parametrize("name", PIPELINE)
@@ -100,7 +111,7 @@ def test_pp2_plans_give_reference_gradients(world2, name):
 
 def test_searched_plans_use_submicrobatches_and_recompute(world2, world4):
     for results, prefix in ((world2, ""), (world4, "pp4_")):
-        for kind in ("vlm", "t2v"):
+        for kind in ("vlm", "t2v", "omni"):
             counts = [res[f"{prefix}{kind}_dip"]["recompute"] for res in results]
             assert sum(c.get("full", 0) + c.get("selective", 0) for c in counts) > 0
             assert sum(c.get("none", 0) for c in counts) > 0
@@ -108,7 +119,11 @@ def test_searched_plans_use_submicrobatches_and_recompute(world2, world4):
 
 @pytest.mark.parametrize(
     ("ours", "stock"),
-    [("vlm_meg_interleaved", "vlm_stock_interleaved"), ("t2v_meg_1f1b", "t2v_stock_1f1b")],
+    [
+        ("vlm_meg_interleaved", "vlm_stock_interleaved"),
+        ("t2v_meg_1f1b", "t2v_stock_1f1b"),
+        ("omni_meg_1f1b", "omni_stock_1f1b"),
+    ],
 )
 def test_pp2_megatron_orders_match_megatron_and_reference(world2, ours, stock):
     """Megatron's orders as plans, on our executor, vs. Megatron-Core's own unmodified
@@ -167,6 +182,7 @@ def test_pp4_plans_give_reference_gradients(world4, name):
     [
         ("pp4_vlm_meg_interleaved", "pp4_vlm_stock_interleaved"),
         ("pp4_t2v_meg_1f1b", "pp4_t2v_stock_1f1b"),
+        ("pp4_omni_meg_1f1b", "pp4_omni_stock_1f1b"),
     ],
 )
 def test_pp4_megatron_orders_match_megatron_and_reference(world4, ours, stock):
@@ -193,7 +209,7 @@ def test_pp2_tp2_shards_match_reference(world4, name):
         assert not any(marked)
 
 
-@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v"])
+@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v", "dp2_omni"])
 def test_pp2_dp2_unequal_replicas_average_to_global_batch(world4, name):
     """Replica 0 holds 3 microbatches, replica 1 one (unequal tokens): after the DDP reduction
     every replica holds the single-process gradient of the whole global batch."""
@@ -202,7 +218,7 @@ def test_pp2_dp2_unequal_replicas_average_to_global_batch(world4, name):
     check_clean(world4, name)
 
 
-@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v"])
+@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v", "dp2_omni"])
 def test_each_chunk_reduction_starts_at_its_own_last_backward(world4, name):
     from megatron_dip.runtime.gradsync import canonical_reduction_order
     from megatron_dip.schedule import ChunkSpec, ModuleLayout, Placement
@@ -212,7 +228,8 @@ def test_each_chunk_reduction_starts_at_its_own_last_backward(world4, name):
         got = res[name]["grad_sync"]
         last = res[name]["last_backward"]
         assert {tuple(k) for _, k in got} == set(last)
-        modules = ("vit", "llm") if "vlm" in name else ("text", "dit")
+        modules = {"vlm": ("vit", "llm"), "omni": ("vit", "audio", "llm"), "t2v": ("text", "dit")}
+        modules = modules[_kind(name)]
         layouts = tuple(
             ModuleLayout(
                 m, 8, True, tuple(ChunkSpec(m, c, c % 2, 2 * c, 2 * c + 2) for c in range(4))

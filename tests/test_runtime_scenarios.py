@@ -30,6 +30,7 @@ from megatron_dip.runtime.p2p import P2PConfig
 
 VLM_SIZES = {"vit": 2}
 T2V_SIZES = {"text": 2, "dit": 2}
+OMNI_SIZES = {"vit": 2, "audio": 1}
 # Per-rank memory limits (bytes, by pipeline size) that make the planner recompute some stages.
 DIP_MEMORY = {2: 3.0e6, 4: 1.5e6}
 
@@ -43,9 +44,15 @@ def t2v_microbatches():
     return st.group_samples(st.samples("t2v", 10), [3, 2, 3, 2])
 
 
+def omni_microbatches():
+    # Samples 0-9: images only, audio only, both, neither; 4 to 18 tokens each.
+    return st.group_samples(st.samples("omni", 10), [3, 2, 3, 2])
+
+
 def _references(out: dict, single) -> None:
     out["ref:vlm"] = reference(vlm_microbatches(), "vlm", single)
     out["ref:t2v"] = reference(t2v_microbatches(), "t2v", single)
+    out["ref:omni"] = reference(omni_microbatches(), "omni", single)
 
 
 def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
@@ -69,6 +76,19 @@ def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     tdpl = st.dip_placement(t2v.model, p, {"text": 1, "dit": 2})
     tdplan = broadcast_plan(lambda: st.dip_plan(t2v, tdpl, memory_limit=DIP_MEMORY[p]), g.pp)
     guarded(f"{tag}t2v_dip", out, lambda: run_executor(t2v, tdpl, tdplan, g))
+    _omni_pipeline(out, g, p, tag)
+
+
+def _omni_pipeline(out: dict, g: Groups, p: int, tag: str) -> None:
+    """Two producers (ViT and audio encoder) feeding the LLM: a segment plan with recompute and
+    a searched DIP plan, each module on its own segments."""
+    omni = st.make_batch("omni", omni_microbatches(), sizes=OMNI_SIZES)
+    spl = st.dip_placement(omni.model, p, {"vit": 1, "audio": 1, "llm": 1})
+    splan = st.with_recompute(st.segment_plan(omni, spl), st.cycle_recompute)
+    guarded(f"{tag}omni_seg_rc", out, lambda: run_executor(omni, spl, splan, g))
+    opl = st.dip_placement(omni.model, p, {"vit": 1, "audio": 1, "llm": 2})
+    oplan = broadcast_plan(lambda: st.dip_plan(omni, opl, memory_limit=DIP_MEMORY[p]), g.pp)
+    guarded(f"{tag}omni_dip", out, lambda: run_executor(omni, opl, oplan, g, channels=True))
 
 
 def _stock_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
@@ -88,6 +108,12 @@ def _stock_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     tplan = st.megatron_plan(t2v, tpl, tunits, vp=1)
     guarded(f"{tag}t2v_meg_1f1b", out, lambda: run_executor(t2v, tpl, tplan, g))
     guarded(f"{tag}t2v_stock_1f1b", out, lambda: run_stock(t2v, tpl, tunits, g, batch_p2p=True))
+    # Both producers whole on the first stage, as Megatron's multimodal models put encoders.
+    omni = st.make_batch("omni", omni_microbatches())
+    opl, ounits = st.stock_placement(omni.model, p, vp=1)
+    oplan = st.megatron_plan(omni, opl, ounits, vp=1)
+    guarded(f"{tag}omni_meg_1f1b", out, lambda: run_executor(omni, opl, oplan, g))
+    guarded(f"{tag}omni_stock_1f1b", out, lambda: run_stock(omni, opl, ounits, g, batch_p2p=True))
 
 
 def _rejections(out: dict, g: Groups, p: int) -> None:
@@ -143,6 +169,7 @@ def _data_parallel(out: dict, g: Groups, replica: int) -> None:
     for kind, mbs, sizes in (
         ("vlm", vlm_microbatches(), VLM_SIZES),
         ("t2v", t2v_microbatches(), T2V_SIZES),
+        ("omni", omni_microbatches(), OMNI_SIZES),
     ):
         mine = mbs[:3] if replica == 0 else mbs[3:]
         batch = st.make_batch(kind, mine, sizes=sizes, all_microbatches=mbs, data_parallel=2)

@@ -151,6 +151,15 @@ def test_diffusion_model_trains(world):
     assert all(0.0 < v < 10.0 for v in losses.values())
 
 
+def test_three_modality_model_trains_with_falling_loss(world):
+    """tiny-omni (ViT and audio encoder feeding the LLM) at PP=2 x DP=2 under DIP plans: the
+    same loss on every rank, falling over 8 iterations (its synthetic words are learnable)."""
+    losses = world[0]["omni"]["losses"]
+    assert sorted(losses) == list(range(1, 9))
+    assert all(res["omni"]["losses"] == losses for res in world)
+    assert losses[8] < losses[1] - 0.2
+
+
 def test_an_undecodable_image_on_some_ranks_stops_every_rank_together(world):
     """Only one replica's ranks load the damaged image; without agreeing on the outcome the
     other replica's ranks would wait for them in the pipeline forever."""

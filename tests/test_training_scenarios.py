@@ -100,6 +100,12 @@ def world4(*, rank: int, world_size: int, data: str, tmp: str, bad_data: str) ->
          "--lr", "1e-3", "--dip-lookahead", "0", "--global-batch-size", "2"],
         world_size=world_size,
     )  # fmt: skip
+    # Three modalities (ViT and audio encoder feeding the LLM), each on its own segments.
+    out["omni"] = run(
+        ["--model", "tiny-omni", "--pipeline-model-parallel-size", "2", "--train-iters", "8",
+         "--lr", "3e-3", "--dip-lookahead", "0", "--global-batch-size", "4", "--seed", "7"],
+        world_size=world_size,
+    )  # fmt: skip
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)

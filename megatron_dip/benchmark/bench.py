@@ -82,6 +82,22 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
         description="T2V-S (T5 text encoder + DiT), TP4 x PP4 as 4 emulated ranks",
         short_op_share=0.05,
     ),
+    "omni-s": BenchPreset(
+        name="omni-s",
+        script="pretrain_vlm_dip.py",
+        pipeline_parallel=4,
+        tensor_parallel=4,
+        mixture="omni",
+        dip_flags=(
+            "--dip-segments",
+            "vit=2,audio=1,llm=2",
+            "--dip-sub-microbatch-size",
+            "vit=16,audio=8",
+        ),  # fmt: skip
+        shared_flags=("--sequence-parallel",),
+        description="ViT-5B + Whisper-large + Llama-3-8B, TP4 x PP4 as 4 emulated ranks",
+        short_op_share=0.05,
+    ),
     "vlm-l": BenchPreset(
         name="vlm-l",
         script="pretrain_vlm_dip.py",

@@ -92,7 +92,8 @@ class MixtureSpec:
     `image_grid`: VLM images are square with image_grid^2 LLM tokens. `frame_grids`: diffusion
     latent frames of (rows, cols) DiT tokens, one drawn uniformly per sample. Video frames come
     at `fps`; the VAE keeps 1 + (frames - 1) // temporal_compression latent frames and divides
-    each pixel side by `spatial_compression`.
+    each pixel side by `spatial_compression`. Word ids are uniform, or with `word_zipf` > 0
+    Zipf-distributed (rank r with probability ~ r^-word_zipf), which a tiny model can learn.
     """
 
     name: str
@@ -103,10 +104,13 @@ class MixtureSpec:
     fps: int = 16
     temporal_compression: int = 4
     spatial_compression: int = 8
+    word_zipf: float = 0.0  # > 0: word ids Zipf-distributed with this exponent (learnable)
 
     def __post_init__(self) -> None:
         if not self.sources:
             raise ValueError(f"mixture {self.name!r} has no sources")
+        if self.word_zipf < 0:
+            raise ValueError(f"mixture {self.name!r}: word_zipf must be >= 0")
         if self.image_grid < 1 or not self.frame_grids or min(min(g) for g in self.frame_grids) < 1:
             raise ValueError(f"mixture {self.name!r}: grids must be >= 1")
 
@@ -177,7 +181,7 @@ MIXTURES: MappingProxyType[str, MixtureSpec] = MappingProxyType(
         "obelics": MixtureSpec("obelics", "vlm", (_OBELICS,)),
         "mixed": MixtureSpec("mixed", "vlm", (_LAION, _OBELICS)),
         "text-only": MixtureSpec("text-only", "vlm", (_TEXT,)),
-        "omni": MixtureSpec("omni", "vlm", (_LAION, _SPEECH, _AVQA, _OBELICS)),
+        "omni": MixtureSpec("omni", "vlm", (_LAION, _SPEECH, _AVQA, _OBELICS), word_zipf=1.1),
         "t2v": MixtureSpec("t2v", "diffusion", (_VIDEO,), frame_grids=_VIDEO_GRIDS),
         "t2i": MixtureSpec(
             "t2i", "diffusion", (_STILL,), frame_grids=((32, 32), (32, 56), (56, 32))
@@ -427,9 +431,14 @@ def generate_samples(
     return [_sample(mix, sizes, st, k, start + k, seed) for k in range(len(st))]
 
 
-def _words(rng: np.random.Generator, n: int, sz: _Sizes) -> np.ndarray:
+def _words(rng: np.random.Generator, n: int, sz: _Sizes, zipf: float) -> np.ndarray:
     """`n` text ids in [2, vocab) that are no placeholder id (the reserved ones are skipped)."""
-    ids = rng.integers(_FIRST_TEXT_ID, sz.vocab - len(sz.reserved), size=n, dtype=np.int64)
+    high = sz.vocab - len(sz.reserved)
+    if zipf > 0:
+        weights = np.arange(1, high - _FIRST_TEXT_ID + 1, dtype=np.float64) ** -zipf
+        ids = _FIRST_TEXT_ID + rng.choice(weights.size, size=n, p=weights / weights.sum())
+    else:
+        ids = rng.integers(_FIRST_TEXT_ID, high, size=n, dtype=np.int64)
     for r in sz.reserved:  # ascending: shift every id at or above a reserved one past it
         ids = ids + (ids >= r)
     return ids
@@ -437,7 +446,7 @@ def _words(rng: np.random.Generator, n: int, sz: _Sizes) -> np.ndarray:
 
 def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, seed: int) -> Sample:
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_CONTENT, index)))
-    words = _words(rng, int(st.text[k]), sz)
+    words = _words(rng, int(st.text[k]), sz, mix.word_zipf)
     media: dict[str, list[np.ndarray]] = {}
     if sz.kind == "diffusion":
         h, w = sz.grids[int(st.grid[k])]
