@@ -24,7 +24,6 @@ from .base import (
     Modality,
     SampleArrays,
     SampleInfo,
-    ScatterProducer,
     instances_overlap,
     scatter_name,
 )
@@ -37,6 +36,7 @@ from .registry import (
     register,
     text_module,
 )
+from .scatter import ScatterProducer
 
 __all__ = [
     "InstanceCounts",

@@ -21,9 +21,10 @@ import numpy as np
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
-from .base import SampleArrays, ScatterProducer
+from .base import SampleArrays
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
+from .scatter import ScatterProducer
 
 MEL_FRAMES_PER_SECOND = 100  # Whisper's 10 ms hop
 KERNEL = 3

@@ -20,9 +20,10 @@ import numpy as np
 from megatron_dip.modelspec import IMAGE_TOKEN, PAD_TOKEN, ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
-from .base import Instance, Modality, SampleArrays, SampleInfo, ScatterProducer, scatter_name
+from .base import Instance, Modality, SampleArrays, SampleInfo, scatter_name
 from .costs import LOGIT_BYTES, CostContext, Op, OpKind, Work, gemm, mem
 from .registry import modality_of, register
+from .scatter import ScatterProducer
 
 
 def loss_targets(

@@ -19,9 +19,10 @@ import numpy as np
 from megatron_dip.modelspec import IMAGE_TOKEN, ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
-from .base import SampleArrays, ScatterProducer
+from .base import SampleArrays
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
+from .scatter import ScatterProducer
 
 
 def image_tokens(*, height: int, width: int, vit: ModuleSpec) -> tuple[int, int]:
