@@ -73,7 +73,8 @@ def test_attention_is_quadratic_in_segment_length() -> None:
 def test_recompute_trades_time_for_memory() -> None:
     cm = CostModel(VLM_S.model, H100, tensor_parallel=4, flash_attention=False)
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
-    none, sel, full = (cm.stage_cost(chunk, sub, r) for r in Recompute)
+    modes = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+    none, sel, full = (cm.stage_cost(chunk, sub, r) for r in modes)
     assert none.forward == sel.forward == full.forward
     assert none.backward < sel.backward < full.backward
     assert full.backward == pytest.approx(none.backward + none.forward)
@@ -239,3 +240,39 @@ def test_calibrated_copy_scales_one_module() -> None:
         cm.calibrated({"vit": 0.0})
     with pytest.raises(KeyError, match="nope"):
         cm.calibrated({"nope": 1.1})
+
+
+def test_block_and_uniform_recompute_follow_megatron_s_rules() -> None:
+    """Megatron's --recompute-method on one 8-layer stage (Korthikanti et al.): block N keeps
+    the 2sbh-byte input of its first N layers and every activation of the others, and
+    recomputes N layer forwards; uniform N keeps one input per group of N layers and recomputes
+    every layer."""
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, flash_attention=False)
+    chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
+    none = cm.stage_cost(chunk, sub)
+    layer_in = 8192 * 4096 * 2  # s * b * h * 2 bytes, replicated without sequence parallelism
+    per_layer = none.activation_bytes / 8  # a middle chunk: no output layers
+    layer_fwd = none.forward / 8
+    block3 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 3)
+    assert block3.activation_bytes == pytest.approx(3 * layer_in + 5 * per_layer, abs=8)
+    assert block3.backward == pytest.approx(none.backward + 3 * layer_fwd)
+    assert block3.forward == none.forward
+    uniform3 = cm.stage_cost(chunk, sub, Recompute.UNIFORM, 3)
+    assert uniform3.activation_bytes == 3 * layer_in  # ceil(8 / 3) groups
+    assert uniform3.backward == pytest.approx(none.backward + none.forward)
+    full = cm.stage_cost(chunk, sub, Recompute.FULL)
+    assert cm.stage_cost(chunk, sub, Recompute.UNIFORM, 8).activation_bytes == full.activation_bytes
+    assert cm.stage_cost(chunk, sub, Recompute.BLOCK, 8).activation_bytes == 8 * layer_in
+    # More recomputed layers hold less and take longer, between none and full.
+    blocks = [cm.stage_cost(chunk, sub, Recompute.BLOCK, n) for n in range(1, 9)]
+    assert all(a.activation_bytes > b.activation_bytes for a, b in zip(blocks, blocks[1:]))
+    assert all(a.backward < b.backward for a, b in zip(blocks, blocks[1:]))
+    assert (
+        none.activation_bytes > blocks[0].activation_bytes and blocks[-1].backward <= full.backward
+    )
+    # The last chunk keeps its head's logits under every method (Megatron recomputes layers only).
+    last = ChunkSpec("llm", 3, 3, 24, 32)
+    logits = cm.chunk_activation_bytes(last, sub) - 8 * cm.chunk_activation_bytes(
+        ChunkSpec("llm", 1, 1, 4, 5), sub
+    )
+    assert cm.stage_cost(last, sub, Recompute.UNIFORM, 8).activation_bytes == layer_in + logits

@@ -222,23 +222,26 @@ def test_memory_pass_picks_cheapest_mode_under_limit():
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
-    table = {Recompute.NONE: (3.0, 100), Recompute.SELECTIVE: (3.2, 60), Recompute.FULL: (4.0, 10)}
+    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
     choice = choose_recompute(
         orders,
         mode_cost=lambda s, m: table[m],
+        modes_of=lambda s: (none, sel, full),
         keeps_activations=lambda s: True,
         memory_limit=[250, 1000],
     )
     # Four activations alive at rank 0's peak: 4 x 60 <= 250 < 100 + 3 x 60, and mixing in
     # full recompute (100 + 10 + 2 x 60) costs more time (+1.4 against +0.8).
     modes = [choice.of(StageId("m", 0, mb)) for mb in range(4)]
-    assert all(m is Recompute.SELECTIVE for m in modes)
+    assert all(m == sel for m in modes)
     assert choice.added_time == pytest.approx(4 * 0.2)
-    assert all(choice.of(StageId("m", 1, mb)) is Recompute.NONE for mb in range(4))
+    assert all(choice.of(StageId("m", 1, mb)) == none for mb in range(4))
     with pytest.raises(MemoryLimitError, match="rank 0"):
         choose_recompute(
             orders,
             mode_cost=lambda s, m: table[m],
+            modes_of=lambda s: (none, sel, full),
             keeps_activations=lambda s: True,
             memory_limit=[30, 1000],
         )

@@ -273,13 +273,14 @@ def megatron_plan(batch: Batch, placement: Placement, units, *, vp: int) -> Plan
     )
 
 
-def with_recompute(plan: Plan, choose: Callable[[Forward], Recompute]) -> Plan:
-    """The same plan with each Forward's recompute mode set by `choose`."""
+def with_recompute(plan: Plan, choose: Callable[[Forward], tuple[Recompute, int]]) -> Plan:
+    """The same plan with each Forward's recompute mode ((method, N)) set by `choose`."""
     programs = tuple(
         Program(
             p.rank,
             tuple(
-                Forward(i.stage, choose(i)) if isinstance(i, Forward) else i for i in p.instructions
+                Forward(i.stage, *choose(i)) if isinstance(i, Forward) else i
+                for i in p.instructions
             ),
         )
         for p in plan.programs
@@ -287,10 +288,18 @@ def with_recompute(plan: Plan, choose: Callable[[Forward], Recompute]) -> Plan:
     return replace(plan, programs=programs, name=plan.name + "+recompute")
 
 
-def cycle_recompute(ins: Forward) -> Recompute:
-    modes = (Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE)
+def cycle_recompute(ins: Forward) -> tuple[Recompute, int]:
+    """Every recompute mode in turn: none, full, selective, Megatron's block (first layer) and
+    uniform (2-layer groups) methods."""
+    modes = (
+        (Recompute.NONE, 0),
+        (Recompute.FULL, 0),
+        (Recompute.SELECTIVE, 0),
+        (Recompute.BLOCK, 1),
+        (Recompute.UNIFORM, 2),
+    )
     s = ins.stage
-    return modes[(s.chunk + s.microbatch + s.sub) % 3]
+    return modes[(s.chunk + s.microbatch + s.sub) % len(modes)]
 
 
 def sample_meta(model: MultimodalSpec, sample: Sample) -> SampleMeta:

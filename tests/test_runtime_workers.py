@@ -27,7 +27,6 @@ from megatron_dip.schedule import (
     Forward,
     Placement,
     Plan,
-    Recompute,
     plan_from_bytes,
     plan_to_bytes,
 )
@@ -311,7 +310,3 @@ def guarded(name: str, results: dict, fn: Callable[[], Any]) -> None:
         results[name] = fn()
     except Exception as e:
         raise RuntimeError(f"scenario {name!r} failed: {e}\n{traceback.format_exc()}") from e
-
-
-def recompute_everywhere(mode: Recompute) -> Callable[[Forward], Recompute]:
-    return lambda ins: mode

@@ -65,7 +65,9 @@ def _instruction(draw, modules):
     )
     kind = draw(st.integers(0, 4))
     if kind == 0:
-        return Forward(draw(_stage(modules)), draw(st.sampled_from(list(Recompute))))
+        mode = draw(st.sampled_from(list(Recompute)))
+        layers = draw(st.integers(1, 40)) if mode.takes_layers else 0
+        return Forward(draw(_stage(modules)), mode, layers)
     if kind == 1:
         return Backward(draw(_stage(modules)))
     if kind == 4:

@@ -67,6 +67,20 @@ BAD = [
     (["--dip-data", "llava:/does/not/exist.json"], 1, "--dip-data", "does not exist"),
     (["--dip-data", "webdataset:/x"], 1, "--dip-data", "is not synthetic-MIXTURE"),
     (["--bf16"], 1, "--bf16", "needs CUDA"),
+    (
+        ["--recompute-method", "block"],
+        1,
+        "--recompute-method",
+        "needs --recompute-granularity full",
+    ),
+    (
+        ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        + ["--recompute-num-layers", "0"],
+        1,
+        "--recompute-num-layers",
+        ">= 1",
+    ),
+    (["--recompute-num-layers", "2"], 1, "--recompute-num-layers", "needs --recompute-method"),
     (["--sequence-parallel"], 1, "--sequence-parallel", "needs tensor parallelism"),
     (
         ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "63"],

@@ -172,8 +172,9 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
     for 5 iterations saving every 2; resumed from iteration 2; its iteration-2 checkpoint
     stepped once by the plain optimizer at PP=1 x DP=4 and saved; that loaded with the
     distributed optimizer for 2 more. PP=2 x TP=2 for 5 iterations, its iteration-3 checkpoint
-    continued at PP=2 x TP=1 x DP=2. Megatron's 1F1B at PP=2 x DP=2 with full recomputation
-    and the DP reduction overlapped through Megatron's DDP hooks."""
+    continued at PP=2 x TP=1 x DP=2. Megatron's 1F1B at PP=2 x DP=2 with Megatron's block
+    recomputation of 2 layers per stage and the DP reduction overlapped through Megatron's DDP
+    hooks."""
     dist_ckpt, plain_ckpt, tp_ckpt = (os.path.join(tmp, d) for d in ("dopt", "plain", "tp2"))
     flags = base + ["--dip-lookahead", "0", "--dip-calibration-frozen"]
     flags += ["--calculate-per-token-loss"]
@@ -193,6 +194,7 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
         "1f1b_overlap": base + [
             "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--dip-schedule", "1f1b",
             "--overlap-grad-reduce", "--recompute-granularity", "full",
+            "--recompute-method", "block", "--recompute-num-layers", "2",
         ],
     }.items():  # fmt: skip
         out[name] = run(argv, world_size=world_size)

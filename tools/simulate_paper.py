@@ -4,9 +4,13 @@
 
 For every setup (DESIGN.md section 3) and data mixture, draws seeded synthetic global batches,
 plans each one with every schedule on the same microbatches, packing and data-parallel shards,
-simulates the plans with the cost model, and prints one table per setup and mixture: median and
-p90 iteration time, speedup over the strongest baseline, bound efficiency (busiest-rank compute
-/ iteration time), estimated MFU, whether activations fit, and planner time per batch.
+simulates the plans with the cost model, and prints one table per setup and mixture. The stock
+rows are every static placement x schedule, each with its fastest Megatron recompute setting
+that fits on every batch (none, selective, full, block N, uniform N); the strongest of them is
+the baseline (marked *). Columns: median and p90 iteration time, speedup over the baseline,
+iteration / balanced bound (the batch's total compute without recompute / pipeline ranks),
+bound efficiency (the plan's busiest-rank compute / iteration time), whether activations fit,
+the recompute setting, and planner time per batch.
 Deterministic by seed (the search runs a fixed number of rollouts).
 """
 
@@ -24,19 +28,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_dip.data.stream import BatchStream, StreamConfig
 from megatron_dip.data.synthetic import MIXTURES, SyntheticSource
 from megatron_dip.modelspec import PAPER_SETUPS
-from megatron_dip.planner.compare import (
-    Comparison,
-    model_flops,
-    packing_limits,
-    summarize,
-)
+from megatron_dip.planner.compare import Comparison, packing_limits
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import get_device
 from megatron_dip.planner.search import SearchConfig
+from megatron_dip.planner.study import Study, format_table
 
 logger = logging.getLogger("simulate_paper")
 
-AUTO_MIXTURES = ("mixed", "laion", "obelics", "text-only", "omni", "t2v", "t2i")
+AUTO_MIXTURES = (
+    "mixed",
+    "mixed-blend",
+    "laion",
+    "obelics",
+    "text-only",
+    "omni",
+    "t2v",
+    "t2i",
+    "t2v-blend",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mixtures",
         default="auto",
-        help="comma list, or 'auto' (VLM: mixed,laion,obelics,text-only; T2V: t2v,t2i)",
+        help="comma list, or 'auto' (every preset the model suits but t2v-mixed)",
     )
     p.add_argument("--batches", type=int, default=50)
     p.add_argument(
@@ -82,8 +92,8 @@ def mixtures_for(setup_name: str, arg: str) -> list[str]:
     return list(fitting) if arg == "auto" else [m for m in arg.split(",") if m in fitting]
 
 
-def run(setup_name: str, mixture: str, args: argparse.Namespace) -> dict:
-    """Simulate `args.batches` batches of one setup and mixture; returns the result rows."""
+def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, Study]:
+    """Simulate `args.batches` batches of one setup and mixture; returns the summary and study."""
     setup = PAPER_SETUPS[setup_name]
     device = get_device(args.device)
     cost = CostModel(
@@ -104,52 +114,19 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> dict:
         max_rollouts=args.search_rollouts, time_budget_s=args.search_time_ms / 1e3, seed=args.seed
     )
     cmp = Comparison.create(setup, cost, device=device, calibration=calibration, search=search)
-    rows: dict[str, dict[str, list]] = {}
+    study = Study()
     for _ in range(args.batches):
-        batch = next(stream)
-        works = [w for r in cmp.planner().layout(batch).replicas for w in r.works]
-        flops = model_flops(setup.model, cost, works)
-        for o in cmp.run_batch(batch):
-            row = rows.setdefault(
-                o.name,
-                {"time": [], "bound": [], "fits": [], "plan_s": [], "recompute": [], "mfu": []},
-            )
-            row["time"].append(o.sim.iteration_time)
-            row["bound"].append(o.sim.lower_bound)
-            row["fits"].append(o.fits)
-            row["plan_s"].append(o.plan_seconds)
-            row["recompute"].append(o.recompute)
-            row["mfu"].append(flops / (setup.num_gpus * device.peak_flops * o.sim.iteration_time))
-    return {
+        study.add(cmp.run_batch(next(stream)))
+    summary = {
         "setup": setup_name,
         "mixture": mixture,
-        "segments": {
-            m.name: m.num_chunks // setup.pipeline_parallel for m in cmp.dip_placement.modules
-        },
+        "dip_placement": cmp.dip.name,
+        "placement_scores": cmp.placement_scores,
         "sub_sizes": cmp.sub_sizes,
-        "rows": rows,
+        **study.summary(),
+        "rows": [r.as_dict() for r in [*study.stock_rows(), *study.dip_rows()]],
     }
-
-
-def format_table(result: dict) -> str:
-    rows = result["rows"]
-    baselines = [n for n in rows if n.startswith("megatron")]
-    best_base = min(summarize(rows[n]["time"])[0] for n in baselines)
-    lines = [
-        f"== {result['setup']} / {result['mixture']}  (DIP segments {result['segments']}, sub-microbatch sizes {result['sub_sizes']})",
-        f"{'schedule':40s} {'median s':>9s} {'p90 s':>8s} {'speedup':>8s} {'bound eff':>9s} {'MFU':>6s} {'fits':>5s} {'recompute':>10s} {'plan s':>7s}",
-    ]
-    for name, r in rows.items():
-        med, p90 = summarize(r["time"])
-        eff = summarize([b / t for b, t in zip(r["bound"], r["time"])])[0]
-        mfu = summarize(r["mfu"])[0]
-        fits = f"{sum(r['fits'])}/{len(r['fits'])}"
-        rec = max(set(r["recompute"]), key=r["recompute"].count)
-        plan_s = summarize(r["plan_s"])[0]
-        lines.append(
-            f"{name:40s} {med:9.3f} {p90:8.3f} {best_base / med:7.2f}x {eff:9.1%} {mfu:6.1%} {fits:>5s} {rec:>10s} {plan_s:7.2f}"
-        )
-    return "\n".join(lines)
+    return summary, study
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     for setup_name in args.setups.split(","):
         for mixture in mixtures_for(setup_name, args.mixtures):
             started = time.perf_counter()
-            result = run(setup_name, mixture, args)
+            result, study = run(setup_name, mixture, args)
             result["wall_seconds"] = time.perf_counter() - started
             results.append(result)
-            print(format_table(result), flush=True)
+            title = (
+                f"== {setup_name} / {mixture}  (DIP placement {result['dip_placement']}, "
+                f"sub-microbatch sizes {result['sub_sizes']})"
+            )
+            print(format_table(title, study), flush=True)
             print(f"   ({args.batches} batches, {result['wall_seconds']:.0f} s)\n", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -42,7 +42,9 @@ def sample_meta(sample: Sample, *, model: MultimodalSpec) -> SampleMeta:
         tokens = modality_of(loss).sample_loss_tokens(loss, model, sample)
     except ValueError as err:
         raise ValueError(f"sample {sample.sample_id}: {err}") from None
-    return SampleMeta(sample.sample_id, int(text.size), instances, loss_tokens=tokens)
+    return SampleMeta(
+        sample.sample_id, int(text.size), instances, loss_tokens=tokens, source=sample.source
+    )
 
 
 def _check_text(sample: Sample, vocab_size: int) -> np.ndarray:

@@ -22,7 +22,9 @@ Policies (both deterministic):
   samples across the whole batch and needing the whole batch up front.
 
 Inside a microbatch samples, and so instances, are always listed in data order; microbatches are
-numbered by their first sample's data position.
+numbered by their first sample's data position. Samples of different sources
+(`SampleMeta.source`, set when sources are blended per packed sequence) never share a
+microbatch: a sample goes to the first microbatch of its own source with room.
 """
 
 from __future__ import annotations
@@ -186,13 +188,16 @@ class FirstFitPacker:
     """Online first-fit: samples are added in data order, each to the first bin with room.
 
     Remaining capacities live in one int64 array (grown by doubling), so finding the first bin
-    is one vectorised scan per sample; packing thousands of samples takes milliseconds.
+    is one vectorised scan per sample; packing thousands of samples takes milliseconds. A bin
+    holds samples of one `SampleMeta.source` only (its first sample's).
     """
 
     def __init__(self, limits: PackingLimits) -> None:
         self.limits = limits
         self._cap = limits.as_array()
         self._left = np.empty((16, len(self._cap)), dtype=np.int64)
+        self._source = np.empty(16, dtype=np.int64)  # each bin's source, as a code
+        self._codes: dict[str | None, int] = {}
         self._bins: list[list[SampleMeta]] = []
 
     @property
@@ -212,7 +217,9 @@ class FirstFitPacker:
         if b == len(self._bins):
             if b == len(self._left):
                 self._left = np.concatenate([self._left, np.empty_like(self._left)])
+                self._source = np.concatenate([self._source, np.empty_like(self._source)])
             self._left[b] = self._cap
+            self._source[b] = self._code(meta.source)
             self._bins.append([])
         self._left[b] -= need
         self._bins[b].append(meta)
@@ -221,8 +228,13 @@ class FirstFitPacker:
     def _place(self, meta: SampleMeta, need: np.ndarray) -> int:
         if (need > self._cap).any():
             raise ValueError(oversize_reason(meta, self.limits))
-        fits = np.flatnonzero((self._left[: len(self._bins)] >= need).all(axis=1))
-        return int(fits[0]) if fits.size else len(self._bins)
+        n = len(self._bins)
+        room = (self._left[:n] >= need).all(axis=1) & (self._source[:n] == self._code(meta.source))
+        fits = np.flatnonzero(room)
+        return int(fits[0]) if fits.size else n
+
+    def _code(self, source: str | None) -> int:
+        return self._codes.setdefault(source, len(self._codes))
 
     def bins(self) -> list[list[SampleMeta]]:
         """Each bin's samples, in the order they were added."""

@@ -93,12 +93,18 @@ class SampleMeta:
     left out (None, hand-built metadata) it is estimated: the instance tokens of the modules
     with frames when there are any (a diffusion loss over latent tokens), else every text token
     but the first and the placeholders.
+
+    `source`: the blended dataset the sample comes from when sources are blended per packed
+    sequence (Megatron's `BlendedDataset`, an Energon blend of packed datasets): the packing
+    puts only samples of the same source in one microbatch. None (mixed per sample) is a value
+    like any other.
     """
 
     sample_id: int
     text_tokens: int
     instances: ModuleInstances = field(default_factory=ModuleInstances)
     loss_tokens: int | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.instances, ModuleInstances):
@@ -156,3 +162,4 @@ class Sample:
     text: np.ndarray
     media: dict[str, list[np.ndarray]] = field(default_factory=dict)
     labels_mask: np.ndarray | None = None
+    source: str | None = None  # the blended dataset (see `SampleMeta.source`)

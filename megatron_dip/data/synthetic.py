@@ -1,11 +1,10 @@
 """Seeded synthetic multimodal data with paper-like distributions.
 
-A `MixtureSpec` describes data in token units, independent of the model: text lengths, images or
-clips per sample, image size as LLM tokens per side (13 x 13 = 169 tokens, as in the paper),
-video frames as DiT tokens per latent-frame side, clip durations in seconds. The model then fixes
-the pixel and latent sizes (patch size, merge, DiT patch), so one mixture serves the paper-scale
-simulation and the tiny CPU models alike; `MixtureSpec.scaled` shrinks all token counts by about
-a factor for tiny runs.
+A `MixtureSpec` (`data.mixtures`) describes data in token units, independent of the model. The
+model fixes the pixel and latent sizes (patch size, merge, DiT patch), so one mixture serves the
+paper-scale simulation and the tiny CPU models alike; `MixtureSpec.scaled` shrinks all token
+counts by about a factor for tiny runs. A mixture blended per sequence stamps each sample with
+its source's name (`SampleMeta.source`), which keeps packed sequences single-source.
 
 Two outputs come from ONE seeded stream:
 
@@ -19,11 +18,13 @@ samples is thus reproducible on its own, and `sample_meta(generate_samples(...)[
 
 Presets (`MIXTURES`): "laion" (one image, 5-60 caption tokens: a packed 8192 sequence holds up to
 ~47 images of 169 tokens), "obelics" (interleaved documents, 300-3000 text tokens, 0-6 images),
-"mixed" (both, half the samples each), "text-only"; "omni" (for an LLM fed by a ViT and an audio
+"mixed" (both, half the samples each), "mixed-blend" (both, half the packed sequences each, every
+sequence from one source), "text-only"; "omni" (for an LLM fed by a ViT and an audio
 encoder: captioned images, speech of 2-30 s with its transcript, audio-visual questions with
 both, interleaved documents); for diffusion "t2v" (clips of 2-16 s at 16 FPS, a causal VAE with
 4x temporal and 8x spatial compression, 256p in three aspect ratios, captions of 20-200 tokens)
-and "t2i" (512p still images, one latent frame). Text lengths and durations are log-uniform:
+and "t2i" (512p still images, one latent frame); "t2v-mixed" / "t2v-blend" blend the two per
+sample / per microbatch. Text lengths and durations are log-uniform:
 short items dominate, as in web data. A VLM mixture's instances are images of the model's "vit"
 module, a diffusion mixture's are clips of its "dit" module; audio segments go to its "audio"
 module, placed before everything else of their sample.
@@ -31,14 +32,18 @@ module, placed before everything else of their sample.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
-from types import MappingProxyType
-from typing import Literal
+from dataclasses import dataclass, fields
 
 import numpy as np
 
+from megatron_dip.data.mixtures import (
+    MIXTURES,
+    MixtureKind,
+    MixtureSpec,
+    SourceSpec,
+    get_mixture,
+)
 from megatron_dip.data.sample import InstanceCounts, Sample, SampleMeta
 from megatron_dip.modalities import modality, text_module
 from megatron_dip.modalities.audio import frames_for_seconds
@@ -49,153 +54,16 @@ from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 BLOCK = 1024
 _STRUCTURE, _CONTENT = 0, 1
 _FIRST_TEXT_ID = 2  # 0 = PAD and 1 = IMAGE_TOKEN never appear as text
-MixtureKind = Literal["vlm", "diffusion"]
 
-
-@dataclass(frozen=True)
-class SourceSpec:
-    """One kind of sample in a mixture. Ranges are inclusive.
-
-    `instances`: images (VLM) or clips (diffusion) per sample. `layout`: "image_first" puts the
-    images before the text (captioning data), "interleaved" places them at random distinct
-    positions inside the text (documents). `seconds`: clip duration range for diffusion video;
-    None makes still images (one latent frame). `audio`: audio segments per sample (VLM
-    mixtures), each of `audio_seconds`.
-    """
-
-    name: str
-    weight: float
-    text_tokens: tuple[int, int]
-    instances: tuple[int, int] = (0, 0)
-    layout: Literal["image_first", "interleaved"] = "image_first"
-    seconds: tuple[float, float] | None = None
-    audio: tuple[int, int] = (0, 0)
-    audio_seconds: tuple[float, float] = (2.0, 30.0)
-
-    def __post_init__(self) -> None:
-        lo, hi = self.text_tokens
-        if self.weight <= 0 or not 1 <= lo <= hi:
-            raise ValueError(f"source {self.name!r}: need weight > 0 and 1 <= text range: {self}")
-        for what, (a, b) in (("instance", self.instances), ("audio", self.audio)):
-            if not 0 <= a <= b:
-                raise ValueError(f"source {self.name!r}: bad {what} range {(a, b)}")
-        for what, r in (("duration", self.seconds), ("audio duration", self.audio_seconds)):
-            if r is not None and not 0 < r[0] <= r[1]:
-                raise ValueError(f"source {self.name!r}: bad {what} range {r}")
-
-
-@dataclass(frozen=True)
-class MixtureSpec:
-    """A weighted mixture of sources of one data kind: "vlm" (a text sequence with placeholders,
-    images for a ViT, audio for an audio encoder) or "diffusion" (captions and latent clips).
-
-    `image_grid`: VLM images are square with image_grid^2 LLM tokens. `frame_grids`: diffusion
-    latent frames of (rows, cols) DiT tokens, one drawn uniformly per sample. Video frames come
-    at `fps`; the VAE keeps 1 + (frames - 1) // temporal_compression latent frames and divides
-    each pixel side by `spatial_compression`. Word ids are uniform, or with `word_zipf` > 0
-    Zipf-distributed (rank r with probability ~ r^-word_zipf), which a tiny model can learn.
-    """
-
-    name: str
-    kind: MixtureKind
-    sources: tuple[SourceSpec, ...]
-    image_grid: int = 13
-    frame_grids: tuple[tuple[int, int], ...] = ((16, 16),)
-    fps: int = 16
-    temporal_compression: int = 4
-    spatial_compression: int = 8
-    word_zipf: float = 0.0  # > 0: word ids Zipf-distributed with this exponent (learnable)
-
-    def __post_init__(self) -> None:
-        if not self.sources:
-            raise ValueError(f"mixture {self.name!r} has no sources")
-        if self.word_zipf < 0:
-            raise ValueError(f"mixture {self.name!r}: word_zipf must be >= 0")
-        if self.image_grid < 1 or not self.frame_grids or min(min(g) for g in self.frame_grids) < 1:
-            raise ValueError(f"mixture {self.name!r}: grids must be >= 1")
-
-    @property
-    def has_audio(self) -> bool:
-        """Whether some source draws audio segments."""
-        return any(s.audio[1] > 0 for s in self.sources)
-
-    @property
-    def needs(self) -> frozenset[str]:
-        """The module kinds a model needs for this data: where its instances go."""
-        return frozenset(
-            {"vit" if self.kind == "vlm" else "dit"} | ({"audio"} if self.has_audio else set())
-        )
-
-    def suits(self, model: MultimodalSpec) -> bool:
-        """Whether `model` has modules for all of this mixture's instances."""
-        return self.needs <= {m.kind for m in model.modules}
-
-    def scaled(self, factor: float) -> MixtureSpec:
-        """A copy whose text lengths and per-image/per-frame token counts shrink by ~`factor`.
-
-        Image and frame sides shrink by sqrt(factor) so their token areas follow the text and a
-        packed sequence keeps about as many images; audio durations shrink by `factor` (their
-        tokens are linear in time). Counts and clip durations stay as they are.
-        """
-        if factor <= 0:
-            raise ValueError(f"scale factor must be positive, got {factor}")
-        if factor == 1:
-            return self
-
-        def side(g: int) -> int:
-            return max(1, round(g * math.sqrt(factor)))
-
-        def text(r: tuple[int, int]) -> tuple[int, int]:
-            lo = max(1, round(r[0] * factor))
-            return lo, max(lo, round(r[1] * factor))
-
-        def audio(r: tuple[float, float]) -> tuple[float, float]:
-            return r[0] * factor, r[1] * factor
-
-        sources = tuple(
-            replace(s, text_tokens=text(s.text_tokens), audio_seconds=audio(s.audio_seconds))
-            for s in self.sources
-        )
-        grids = tuple((side(h), side(w)) for h, w in self.frame_grids)
-        return replace(
-            self,
-            name=f"{self.name}@{factor:g}",
-            sources=sources,
-            image_grid=side(self.image_grid),
-            frame_grids=grids,
-        )
-
-
-_LAION = SourceSpec("laion", 1.0, (5, 60), (1, 1), "image_first")
-_OBELICS = SourceSpec("obelics", 1.0, (300, 3000), (0, 6), "interleaved")
-_TEXT = SourceSpec("text", 1.0, (100, 4000))
-_SPEECH = SourceSpec("speech", 1.0, (10, 200), audio=(1, 1), audio_seconds=(2.0, 30.0))
-_AVQA = SourceSpec("av-qa", 0.5, (10, 120), (1, 1), audio=(1, 2), audio_seconds=(2.0, 15.0))
-_VIDEO = SourceSpec("video", 1.0, (20, 200), (1, 1), seconds=(2.0, 16.0))
-_STILL = SourceSpec("image", 1.0, (10, 120), (1, 1))
-_VIDEO_GRIDS = ((16, 16), (16, 28), (28, 16))  # 256x256, 256x448, 448x256 pixels at 8x and p=2
-
-MIXTURES: MappingProxyType[str, MixtureSpec] = MappingProxyType(
-    {
-        "laion": MixtureSpec("laion", "vlm", (_LAION,)),
-        "obelics": MixtureSpec("obelics", "vlm", (_OBELICS,)),
-        "mixed": MixtureSpec("mixed", "vlm", (_LAION, _OBELICS)),
-        "text-only": MixtureSpec("text-only", "vlm", (_TEXT,)),
-        "omni": MixtureSpec("omni", "vlm", (_LAION, _SPEECH, _AVQA, _OBELICS), word_zipf=1.1),
-        "t2v": MixtureSpec("t2v", "diffusion", (_VIDEO,), frame_grids=_VIDEO_GRIDS),
-        "t2i": MixtureSpec(
-            "t2i", "diffusion", (_STILL,), frame_grids=((32, 32), (32, 56), (56, 32))
-        ),
-    }
-)
-
-
-def get_mixture(name: str) -> MixtureSpec:
-    """The preset mixture `name` (see `MIXTURES`); raises KeyError listing the presets."""
-    try:
-        return MIXTURES[name]
-    except KeyError:
-        raise KeyError(f"unknown mixture {name!r}; presets: {sorted(MIXTURES)}") from None
+__all__ = [
+    "MIXTURES",
+    "MixtureSpec",
+    "SourceSpec",
+    "SyntheticSource",
+    "generate_meta",
+    "generate_samples",
+    "get_mixture",
+]
 
 
 @dataclass(frozen=True)
@@ -206,7 +74,7 @@ class _Structure:
     text: np.ndarray  # text tokens without placeholders (VLM) / caption tokens
     instances: np.ndarray
     frames: np.ndarray  # latent frames per clip (diffusion), 1 for still images
-    grid: np.ndarray  # index into frame_grids (diffusion)
+    grid: np.ndarray  # index into its source's frame grids (diffusion)
     lead: np.ndarray  # VLM: the sample's images start with one (before any audio)
     audio: np.ndarray  # audio segments (zeros when the mixture has no audio)
     audio_seconds: np.ndarray  # [n, max segments] duration of each audio segment
@@ -238,7 +106,7 @@ def _per_source(src: Sequence[SourceSpec], source: np.ndarray, get) -> tuple[np.
 def _draw_block(mixture: MixtureSpec, seed: int, block: int) -> _Structure:
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_STRUCTURE, block)))
     src = mixture.sources
-    weights = np.cumsum([s.weight for s in src]) / sum(s.weight for s in src)
+    weights = np.cumsum(mixture.draw_weights())
     source = np.minimum(np.searchsorted(weights, rng.random(BLOCK), side="right"), len(src) - 1)
     t_lo, t_hi = _per_source(src, source, lambda s: s.text_tokens)
     text = _log_uniform(rng.random(BLOCK), t_lo.astype(float), t_hi.astype(float))
@@ -252,7 +120,8 @@ def _draw_block(mixture: MixtureSpec, seed: int, block: int) -> _Structure:
     seconds = np.exp(np.log(s_lo) + rng.random(BLOCK) * (np.log(s_hi) - np.log(s_lo)))
     raw_frames = np.maximum(1, np.rint(seconds * mixture.fps)).astype(np.int64)
     frames = np.where(video, 1 + (raw_frames - 1) // mixture.temporal_compression, 1)
-    grid = np.floor(rng.random(BLOCK) * len(mixture.frame_grids)).astype(np.int64)
+    sizes = np.array([len(mixture.grids_of(s)) for s in src])[source]
+    grid = np.floor(rng.random(BLOCK) * sizes).astype(np.int64)
     # Whether an interleaved document opens with an image: position 0 is among the n distinct
     # image positions in [0, text) with probability n / text (drawn last: earlier draws keep).
     opens = rng.random(BLOCK) * text < instances
@@ -304,8 +173,9 @@ class _Sizes:
     image_side: int  # VLM image side in pixels
     patches: int  # VLM ViT patches per image
     llm: int  # VLM LLM tokens per image
-    grids: tuple[tuple[int, int], ...]  # diffusion DiT tokens per latent frame side
+    grids: tuple[tuple[tuple[int, int], ...], ...]  # diffusion: per source, DiT tokens per side
     audio: ModuleSpec | None  # the audio encoder, when the mixture has audio
+    sources: tuple[str | None, ...]  # per source, what `SampleMeta.source` says
 
 
 def _module_of_kind(model: MultimodalSpec, kind: str, mixture: MixtureSpec) -> ModuleSpec:
@@ -322,6 +192,8 @@ def _sizes(mixture: MixtureSpec, model: MultimodalSpec, image_size: int | None) 
     vocab = text_module(model).vocab_size
     audio = _module_of_kind(model, "audio", mixture) if mixture.has_audio else None
     reserved = tuple(sorted(set(placeholder_ids(model, text_module(model).name)) - {0, 1}))
+    blended = mixture.blend == "sequence"
+    names = tuple(s.name if blended else None for s in mixture.sources)
     if vocab - len(reserved) <= _FIRST_TEXT_ID:
         raise ValueError(f"vocabulary of {vocab} leaves no ids for text")
     if mixture.kind == "vlm":
@@ -329,15 +201,15 @@ def _sizes(mixture: MixtureSpec, model: MultimodalSpec, image_size: int | None) 
         unit = vit.patch_size * vit.merge
         g = mixture.image_grid if image_size is None else _exact(image_size, unit, "image")
         patches, llm = image_tokens(height=g * unit, width=g * unit, vit=vit)
-        return _Sizes("vlm", vocab, reserved, vit, g * unit, patches, llm, (), audio)
+        return _Sizes("vlm", vocab, reserved, vit, g * unit, patches, llm, (), audio, names)
     dit = _module_of_kind(model, "dit", mixture)
-    grids = mixture.frame_grids
+    grids = tuple(mixture.grids_of(s) for s in mixture.sources)
     if image_size is not None:
         g = _exact(image_size, mixture.spatial_compression * dit.patch_size, "frame")
-        # One square grid in every slot: the per-sample grid draws index `frame_grids`, so the
-        # stream's structure (and every other draw) stays that of the mixture.
-        grids = ((g, g),) * len(grids)
-    return _Sizes("diffusion", vocab, reserved, dit, 0, 0, 0, grids, audio)
+        # One square grid in every slot: the per-sample grid draws index a source's grids, so
+        # the stream's structure (and every other draw) stays that of the mixture.
+        grids = tuple(((g, g),) * len(gs) for gs in grids)
+    return _Sizes("diffusion", vocab, reserved, dit, 0, 0, 0, grids, audio, names)
 
 
 def _exact(pixels: int, unit: int, what: str) -> int:
@@ -371,10 +243,11 @@ def _metas(st: _Structure, sz: _Sizes, start: int) -> list[SampleMeta]:
                 counts = _audio_counts(sz, st, k)
                 media[sz.audio.name] = counts
                 text[k] += sum(counts.placeholders)
-            out.append(SampleMeta(start + k, text[k], media, loss_tokens=loss[k]))
+            source = sz.sources[st.source[k]]
+            out.append(SampleMeta(start + k, text[k], media, loss_tokens=loss[k], source=source))
         return out
-    per_frame = np.array([h * w for h, w in sz.grids], dtype=np.int64)[st.grid]
-    tokens = (st.frames * per_frame).tolist()
+    per_frame = [sz.grids[s][g][0] * sz.grids[s][g][1] for s, g in zip(st.source, st.grid)]
+    tokens = (st.frames * np.array(per_frame, dtype=np.int64)).tolist()
     text, frames = st.text.tolist(), st.frames.tolist()
     name = sz.media.name
     return [
@@ -383,6 +256,7 @@ def _metas(st: _Structure, sz: _Sizes, start: int) -> list[SampleMeta]:
             text[k],
             {name: InstanceCounts((tokens[k],), (), (frames[k],))},
             loss_tokens=tokens[k],
+            source=sz.sources[st.source[k]],
         )  # fmt: skip
         for k in range(len(st))
     ]
@@ -448,12 +322,13 @@ def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, se
     rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_CONTENT, index)))
     words = _words(rng, int(st.text[k]), sz, mix.word_zipf)
     media: dict[str, list[np.ndarray]] = {}
+    source = sz.sources[int(st.source[k])]
     if sz.kind == "diffusion":
-        h, w = sz.grids[int(st.grid[k])]
+        h, w = sz.grids[int(st.source[k])][int(st.grid[k])]
         p = sz.media.patch_size
         shape = (int(st.frames[k]), sz.media.in_channels, h * p, w * p)
         media[sz.media.name] = [rng.standard_normal(shape, dtype=np.float32)]
-        return Sample(index, words, media)
+        return Sample(index, words, media, source=source)
     n = int(st.instances[k])
     if mix.sources[int(st.source[k])].layout == "interleaved":
         # n distinct image positions in [0, words): whether 0 is one was drawn with the
@@ -476,7 +351,7 @@ def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, se
         runs = [np.full(r, _placeholder(sz.audio), dtype=np.int64) for r in rows]
         text = np.concatenate([*runs, text])
     labels = (~np.isin(text, [_placeholder(sz.media), *sz.reserved])).astype(np.uint8)
-    return Sample(index, text, media, labels)
+    return Sample(index, text, media, labels, source=source)
 
 
 def _placeholder(spec: ModuleSpec) -> int:

@@ -137,16 +137,17 @@ class EmulatedChunk(MegatronModule):
         )
         self.weight = torch.nn.Parameter(torch.ones(1, dtype=config.params_dtype))
         self.weight.requires_grad_(trainable)
-        self._recompute = Recompute.NONE
+        self._recompute: tuple[Recompute, int] = (Recompute.NONE, 0)
         # Checkpoints name parameters globally; one emulated weight per chunk's layer range.
         self.global_aliases = {
             "weight": f"{chunk.module}.emulated.{chunk.layer_start}-{chunk.layer_end}"
         }
 
     @contextlib.contextmanager
-    def recompute_context(self, mode: Recompute) -> Iterator[None]:
-        """Selective recompute: the backward sleeps the cost model's selective backward."""
-        previous, self._recompute = self._recompute, mode
+    def recompute_context(self, mode: Recompute, layers: int = 0) -> Iterator[None]:
+        """Selective, block and uniform recompute: the backward sleeps the cost model's backward
+        of that mode (recomputation included)."""
+        previous, self._recompute = self._recompute, (mode, layers)
         try:
             yield
         finally:
@@ -155,7 +156,7 @@ class EmulatedChunk(MegatronModule):
     def forward(self, *, inputs: Sequence[dict[str, torch.Tensor]], batch: SubWork):
         timing = batch.timing(self.chunk.module, self.chunk.index)
         tensors = [m[MESSAGE_NAME] for m in inputs]
-        backward_s = timing.backward_for(self._recompute)
+        backward_s = timing.backward_for(*self._recompute)
         if self.is_loss_stage:
             loss = _SleepLoss.apply(self.weight, timing, batch.config, backward_s, *tensors)
             tokens = batch.loss_tokens

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,12 +112,12 @@ class StageTiming:
     """Emulated durations of one stage (seconds, already scaled) and its messages."""
 
     forward_s: float
-    backward_s: dict[Recompute, float]
+    backward_s: Callable[[Recompute, int], float]  # (mode, N of block / uniform) -> seconds
     inputs: tuple[Link, ...]  # in the order of the chunk's `inputs=` (producer order)
     outputs: tuple[Link, ...]  # one per consumer, in `Dataflow.consumers` order
 
-    def backward_for(self, recompute: Recompute) -> float:
-        return self.backward_s[recompute]
+    def backward_for(self, recompute: Recompute, layers: int = 0) -> float:
+        return self.backward_s(recompute, layers)
 
 
 def message_bytes(plan: Plan) -> dict[MessageKey, int]:
@@ -176,19 +176,19 @@ class EmulatedBatchSource:
         chunk = self.plan.placement.module(stage.module).chunks[stage.chunk]
         sub = self.plan.submicrobatch(stage.work)
         scale = self.config.scale
-        costs = {r: self.cost_model.stage_cost(chunk, sub, r) for r in Recompute}
-        backward = {
-            Recompute.NONE: costs[Recompute.NONE].backward * scale,
-            Recompute.SELECTIVE: costs[Recompute.SELECTIVE].backward * scale,
-            # The runtime re-runs the (sleeping) forward itself before this backward.
-            Recompute.FULL: costs[Recompute.NONE].backward * scale,
-        }
+
+        def backward(mode: Recompute, layers: int) -> float:
+            # FULL: the runtime re-runs the (sleeping) forward itself before this backward.
+            mode, layers = (Recompute.NONE, 0) if mode is Recompute.FULL else (mode, layers)
+            return self.cost_model.stage_cost(chunk, sub, mode, layers).backward * scale
+
         inputs = tuple(self._link(key) for key in self.df.forward_inputs(stage))
         outputs = tuple(
             self._link(MessageKey(MessageKind.GRADIENT, stage, consumer))
             for consumer in self.df.consumers(stage)
         )
-        return StageTiming(costs[Recompute.NONE].forward * scale, backward, inputs, outputs)
+        forward = self.cost_model.stage_cost(chunk, sub).forward * scale
+        return StageTiming(forward, backward, inputs, outputs)
 
     def _link(self, key: MessageKey) -> Link:
         remote = self.df.sender_of(key) != self.df.receiver_of(key)
@@ -251,8 +251,10 @@ class ScaledCostModel:
     def __init__(self, cost_model: Any, scale: float) -> None:
         self.base, self.scale = cost_model, scale
 
-    def stage_cost(self, chunk: Any, sub: Any, recompute: Recompute = Recompute.NONE) -> Any:
-        cost = self.base.stage_cost(chunk, sub, recompute)
+    def stage_cost(
+        self, chunk: Any, sub: Any, recompute: Recompute = Recompute.NONE, layers: int = 0
+    ) -> Any:
+        cost = self.base.stage_cost(chunk, sub, recompute, layers)
         return dataclasses.replace(
             cost, forward=cost.forward * self.scale, backward=cost.backward * self.scale
         )

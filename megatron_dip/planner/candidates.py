@@ -37,17 +37,23 @@ def megatron_order_plan(
     replica: int,
     tensors: TensorFn,
     compute_time: ComputeTimeFn,
+    stage_units: list[list[list[tuple[str, int]]]] | None = None,
 ) -> Plan | None:
     """Megatron's interleaved (or 1F1B) order over `placement` for `works`, whose modules hold
     at most one sub-microbatch per microbatch; None where Megatron's order does not apply
-    (e.g. fewer microbatches than pipeline ranks)."""
-    # Modules without work in this batch (a ViT on text-only data) get no virtual stages:
-    # Megatron's order over the busy modules alone, the plan still on the full placement.
-    busy = {s.module for w in works for s in w.submicrobatches}
-    active = Placement(placement.num_ranks, tuple(m for m in placement.modules if m.name in busy))
-    if not active.modules or any(m.num_chunks % placement.num_ranks for m in active.modules):
-        return None
-    units = megatron_stage_units(active)
+    (e.g. fewer microbatches than pipeline ranks). `stage_units`: the placement's own virtual
+    stages when it is a static Megatron placement (default: `megatron_stage_units`)."""
+    if stage_units is not None:
+        active, units = placement, stage_units
+    else:
+        # Modules without work in this batch (a ViT on text-only data) get no virtual stages:
+        # Megatron's order over the busy modules alone, the plan still on the full placement.
+        busy = {s.module for w in works for s in w.submicrobatches}
+        mods = tuple(m for m in placement.modules if m.name in busy)
+        active = Placement(placement.num_ranks, mods)
+        if not active.modules or any(m.num_chunks % placement.num_ranks for m in mods):
+            return None
+        units = megatron_stage_units(active)
     try:
         plan = build_megatron_plan(
             placement=active,

@@ -1,9 +1,11 @@
-"""Side-by-side planning of one batch under static Megatron pipelines and DIP (simulation).
+"""Side-by-side planning of one batch under static Megatron configurations and DIP (simulation).
 
 Used by `tools/simulate_paper.py` and the benchmark: every schedule sees the same microbatches,
-packing and data-parallel shards (`batching.layout_batch`, DIP's cost-balanced split), and every
-static baseline gets its best uniform recompute setting (none / selective / full: the fastest
-whose activations fit).
+packing and data-parallel shards (`batching.layout_batch`, DIP's cost-balanced split). Every
+static Megatron configuration a user could tune (`stock_configs`: placement x schedule x
+Megatron's recompute flags, partial recomputation included) is simulated on each batch, so the
+study can pick the strongest one that fits on every batch; DIP runs its ablation steps. Each
+batch also reports its balanced bound (`bounds.balanced_bound`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from ..batching import (
     BatchLayout,
@@ -28,20 +28,26 @@ from ..batching import (
 from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
-from ..schedule.baselines import build_megatron_plan
 from ..schedule.engine import ChannelFn, per_peer_channel
-from ..schedule.ir import ChunkSpec, Forward, Placement, Plan, Program, Recompute
+from ..schedule.ir import ChunkSpec, Placement, Recompute
+from .bounds import balanced_bound
 from .devices import DeviceSpec
 from .dip import DipPlanner, PlannerConfig
-from .placement import ModuleWorkload, build_dip_placement, choose_dip_placement
+from .placement import (
+    ModuleWorkload,
+    PlacementCandidate,
+    build_dip_placement,
+    choose_dip_placement,
+)
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .static_baselines import StaticPipeline, one_list_pipeline, stock_pipeline
+from .stock_configs import StockResult, StockWork, evaluate_stock, fits
 from .submicrobatch import choose_sub_size, split_modules
 
 __all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
 
-MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # the ablation steps' uniform modes
 BYTES_PER_PARAM = 18  # bf16 weight + fp32 grad + fp32 master + two fp32 Adam moments
 FROZEN_BYTES_PER_PARAM = 2  # a frozen module keeps its bf16 weights only
 
@@ -77,24 +83,9 @@ def activation_limits(
     return [device.memory_bytes * (1 - reserve) - s for s in static]
 
 
-def with_recompute(plan: Plan, mode: Recompute) -> Plan:
-    """`plan` with every forward using recompute `mode`."""
-    programs = tuple(
-        Program(
-            p.rank,
-            tuple(
-                dataclasses.replace(i, recompute=mode) if isinstance(i, Forward) else i
-                for i in p.instructions
-            ),
-        )
-        for p in plan.programs
-    )
-    return dataclasses.replace(plan, programs=programs)
-
-
 @dataclass(frozen=True)
 class Outcome:
-    """One schedule's simulated result on one batch."""
+    """One DIP schedule's simulated result on one batch."""
 
     name: str
     sim: SimResult
@@ -103,31 +94,41 @@ class Outcome:
     plan_seconds: float = 0.0
 
 
-def best_uniform_recompute(
-    name: str,
-    plan_for: Callable[[Recompute], Plan],
-    cost_model,
-    limits: Sequence[float],
-) -> Outcome:
-    """Simulate `plan_for(mode)` for every uniform recompute mode; the fastest that fits wins."""
-    results = []
-    for mode in MODES:
-        sim = simulate(plan_for(mode), cost_model)
-        fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
-        results.append(Outcome(name, sim, fits, mode.value))
-    fitting = [r for r in results if r.fits]
-    return min(fitting or results, key=lambda r: r.sim.iteration_time)
+@dataclass(frozen=True)
+class BatchResult:
+    """Everything simulated on one batch; with several replicas each result is the slowest
+    replica's and fits only where every replica fits."""
+
+    iteration: int
+    stock: tuple[StockResult, ...]  # every static configuration
+    dip: tuple[Outcome, ...]  # DIP's ablation steps, the full DIP last
+    balanced_bound: float  # the slowest replica's total compute without recompute / P
+
+
+def static_pipelines(model: MultimodalSpec, cost_model, *, num_ranks: int, workload) -> list:
+    """The static placements a Megatron user can build: encoder on the first stage (1F1B and
+    interleaved), one layer list cut by parameters or by cost (interleaved)."""
+    kwargs = {"num_ranks": num_ranks, "workload": workload}
+    return [
+        stock_pipeline(model, cost_model, num_model_chunks=1, **kwargs),
+        stock_pipeline(model, cost_model, num_model_chunks=2, **kwargs),
+        one_list_pipeline(model, cost_model, num_model_chunks=2, by="params", **kwargs),
+        one_list_pipeline(model, cost_model, num_model_chunks=2, by="cost", **kwargs),
+    ]
 
 
 @dataclass
 class Comparison:
-    """Everything fixed for one setup: model, cost model, placements, sub-microbatch sizes."""
+    """Everything fixed for one setup: model, cost model, placements, sub-microbatch sizes.
+
+    `dip` is the placement DIP's start-up search chose among its own segment counts and the
+    static placements (`stage_units` set when a static one won)."""
 
     setup: Setup
     cost_model: object
     device: DeviceSpec
     limits: PackingLimits
-    dip_placement: Placement
+    dip: PlacementCandidate
     sub_sizes: dict[str, int]
     static: list[StaticPipeline]
     search: SearchConfig
@@ -135,6 +136,10 @@ class Comparison:
     # schedules share one per pipeline group.
     dip_channel: ChannelFn = per_peer_channel
     placement_scores: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dip_placement(self) -> Placement:
+        return self.dip.placement
 
     @classmethod
     def create(
@@ -161,39 +166,33 @@ class Comparison:
         rule, _ = build_dip_placement(
             model, cost_model, num_ranks=p, workload=workload, unit_instances=sub_sizes
         )
-        static = [
-            stock_pipeline(model, cost_model, num_ranks=p, num_model_chunks=1, workload=workload),
-            stock_pipeline(model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload),
-            one_list_pipeline(
-                model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload, by="params"
-            ),
-            one_list_pipeline(
-                model, cost_model, num_ranks=p, num_model_chunks=2, workload=workload, by="cost"
-            ),
-        ]
-        cmp = cls(setup, cost_model, device, limits, rule, sub_sizes, static, search)
-        cmp.dip_placement, _, cmp.placement_scores = choose_dip_placement(
+        static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
+        rule_candidate = PlacementCandidate("rule", rule)
+        cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
+        extra = [PlacementCandidate(f"static {q.name}", q.placement, q.stage_units) for q in static]
+        cmp.dip, cmp.placement_scores = choose_dip_placement(
             model,
             cost_model,
             num_ranks=p,
             workload=workload,
             unit_instances=sub_sizes,
             evaluate=functools.partial(cmp.score_placement, calibration[:2]),
+            extra=extra,
         )
         return cmp
 
-    def score_placement(self, batches: Sequence[BatchMeta], placement: Placement) -> float:
-        """Mean simulated iteration time of greedy DIP plans of `batches` under `placement`
-        (a plan whose activations do not fit counts double)."""
-        trial = dataclasses.replace(self, dip_placement=placement)
+    def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
+        """Mean simulated iteration time of greedy DIP plans of `batches` under the candidate
+        (Megatron's order with its recompute settings included; a plan whose activations do not
+        fit counts double)."""
+        trial = dataclasses.replace(self, dip=cand)
         planner = trial.planner(use_search=False)
-        limits = trial.memory(placement)
+        limits = trial.memory(cand.placement)
         times = []
         for b in batches:
             plan = planner.plan_layout(planner.layout(b), 0).plan
             sim = simulate(plan, self.cost_model, channel=self.dip_channel)
-            fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
-            times.append(sim.iteration_time * (1 if fits else 2))
+            times.append(sim.iteration_time * (1 if fits(sim, limits) else 2))
         return sum(times) / len(times)
 
     def memory(self, placement: Placement) -> list[float]:
@@ -222,28 +221,63 @@ class Comparison:
             self.cost_model,
             self.dip_placement,
             dataclasses.replace(config, **overrides),
+            stage_units=self.dip.stage_units,
         )
 
     # -- one batch ---------------------------------------------------------------------------
 
-    def run_batch(self, batch: BatchMeta) -> list[Outcome]:
-        """Baselines and DIP's ablation steps on the same replica shards and microbatches.
-        With several replicas, the iteration time is the slowest replica's."""
+    def run_batch(self, batch: BatchMeta) -> BatchResult:
+        """Every static configuration and DIP's ablation steps on the same replica shards and
+        microbatches, and the balanced bound. With several replicas, the iteration time is the
+        slowest replica's."""
         base = self.planner()
         layout = base.layout(batch)
-        outcomes: dict[str, list[Outcome]] = {}
+        stock: dict[tuple, list[StockResult]] = {}
+        dip: dict[str, list[Outcome]] = {}
+        bounds = []
+        whole_config = base.layout_config.with_whole_modules()
         for replica in layout.replicas:
-            for o in self._replica(base, layout, replica):
-                outcomes.setdefault(o.name, []).append(o)
-        return [max(os, key=lambda o: o.sim.iteration_time) for os in outcomes.values()]
+            # Megatron runs every module's share of a microbatch at once.
+            whole = resplit(self.setup.model, replica, whole_config)
+            bounds.append(
+                balanced_bound(
+                    self.cost_model,
+                    whole.submicrobatches,
+                    num_ranks=self.setup.pipeline_parallel,
+                )
+            )
+            for r in self._stock(layout, whole):
+                stock.setdefault(r.key, []).append(r)
+            for o in self._dip_steps(layout, replica):
+                dip.setdefault(o.name, []).append(o)
+        return BatchResult(
+            layout.iteration,
+            tuple(_slowest_stock(rs) for rs in stock.values()),
+            tuple(max(os, key=lambda o: o.sim.iteration_time) for os in dip.values()),
+            max(bounds),
+        )
 
-    def _replica(
-        self, base: DipPlanner, layout: BatchLayout, replica: ReplicaLayout
-    ) -> list[Outcome]:
-        model, works, totals = self.setup.model, list(replica.works), layout.totals
-        # Megatron runs every module's share of a microbatch at once.
-        whole = resplit(model, replica, base.layout_config.with_whole_modules()).works
-        out = [self._static(pipe, whole, totals, layout.iteration) for pipe in self.static]
+    def _stock(self, layout: BatchLayout, whole: ReplicaLayout) -> list[StockResult]:
+        """Every static placement with every recompute setting (`stock_configs`)."""
+        work = StockWork(
+            whole.submicrobatches, whole.dependencies, whole.infos, layout.totals, layout.iteration
+        )
+        shapes = self.planner().shapes.for_lookup(whole.sub_of().__getitem__)
+        out = []
+        for pipe in self.static:
+            out += evaluate_stock(
+                pipe,
+                work,
+                cost_model=self.cost_model,
+                tensors=shapes,
+                limits=self.memory(pipe.placement),
+            )
+        return out
+
+    def _dip_steps(self, layout: BatchLayout, replica: ReplicaLayout) -> list[Outcome]:
+        """DIP's ablation steps; each keeps the previous step's plan when that one is faster
+        (the planner holds both), so a step never loses."""
+        works, totals = list(replica.works), layout.totals
         steps = [
             (
                 "dip: separated",
@@ -262,11 +296,10 @@ class Comparison:
             ("dip: +memory (full DIP)", {}),  # also tries Megatron's order on its placement
         ]
         limits = self.memory(self.dip_placement)
-        previous: Outcome | None = None
+        out: list[Outcome] = []
         for name, overrides in steps:
             outcome = self._dip(name, overrides, works, totals, layout.iteration, limits)
-            # The planner evaluates each step's candidate against the previous one and keeps the
-            # faster (both are valid plans it has in hand), so a step never loses.
+            previous = out[-1] if out else None
             if (
                 previous is not None
                 and previous.fits
@@ -276,39 +309,7 @@ class Comparison:
                     previous, name=name, plan_seconds=outcome.plan_seconds
                 )
             out.append(outcome)
-            previous = outcome
         return out
-
-    def _static(self, pipe: StaticPipeline, works, totals, iteration: int) -> Outcome:
-        """Megatron's order on a static placement, for each uniform recompute mode, with messages
-        placed by the stage durations of that mode; the fastest that fits wins."""
-        sub_of = {s.work: s for w in works for s in w.submicrobatches}
-        name = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
-        tensors = self.planner().shapes.for_lookup(sub_of.__getitem__)
-
-        def duration(mode: Recompute, rank: int, ins) -> float:
-            chunk = pipe.placement.module(ins.stage.module).chunks[ins.stage.chunk]
-            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work], mode)
-            return max(c.forward if isinstance(ins, Forward) else c.backward, 1e-12)
-
-        def plan_for(mode: Recompute) -> Plan:
-            plan = build_megatron_plan(
-                placement=pipe.placement,
-                stage_units=pipe.stage_units,
-                submicrobatches=[s for w in works for s in w.submicrobatches],
-                dependencies=[d for w in works for d in w.dependencies],
-                microbatches=[w.info for w in works],
-                totals=totals,
-                num_model_chunks=pipe.num_model_chunks,
-                tensors=tensors,
-                iteration=iteration,
-                compute_time=functools.partial(duration, mode),
-            )
-            return with_recompute(plan, mode)
-
-        return best_uniform_recompute(
-            f"megatron {name} ({pipe.name})", plan_for, self.cost_model, self.memory(pipe.placement)
-        )
 
     def _dip(
         self, name: str, overrides: dict, works, totals, iteration: int, limits: list[float]
@@ -316,19 +317,26 @@ class Comparison:
         best = None
         modes = (None,) if overrides.get("optimize_memory", True) else MODES
         for mode in modes:
-            planner = self.planner(**overrides, uniform_recompute=mode)
+            uniform = None if mode is None else (mode, 0)
+            planner = self.planner(**overrides, uniform_recompute=uniform)
             started = time.perf_counter()
             rp = planner.plan_replica(works, iteration=iteration, replica=0, totals=totals)
             seconds = time.perf_counter() - started
             sim = simulate(rp.plan, self.cost_model, channel=self.dip_channel)
-            fits = all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
-            o = Outcome(name, sim, fits, "per-chunk" if mode is None else mode.value, seconds)
+            label = "per-chunk" if mode is None else mode.value
+            o = Outcome(name, sim, fits(sim, limits), label, seconds)
             if best is None or (o.fits, -o.sim.iteration_time) > (
                 best.fits,
                 -best.sim.iteration_time,
             ):
                 best = o
         return best
+
+
+def _slowest_stock(results: Sequence[StockResult]) -> StockResult:
+    """One configuration over the replicas: the slowest's timing, fitting only if all fit."""
+    slowest = max(results, key=lambda r: r.sim.iteration_time)
+    return dataclasses.replace(slowest, fits=all(r.fits for r in results))
 
 
 def pack_all(batch: BatchMeta, limits: PackingLimits) -> list[tuple]:
@@ -347,9 +355,3 @@ def model_flops(model: MultimodalSpec, cost_model, works: Sequence[MicrobatchWor
         tokens = sum(s.tokens for w in works for s in w.submicrobatches if s.module == m.name)
         total += (6 if m.trainable else 2) * params * tokens
     return total
-
-
-def summarize(values: Sequence[float]) -> tuple[float, float]:
-    """Median and 90th percentile."""
-    arr = np.asarray(values, dtype=float)
-    return float(np.median(arr)), float(np.percentile(arr, 90))

@@ -197,14 +197,19 @@ class CostModel:
     # -- the planner's interface -------------------------------------------------------------
 
     def stage_cost(
-        self, chunk: ChunkSpec, sub: SubMicrobatch, recompute: Recompute = Recompute.NONE
+        self,
+        chunk: ChunkSpec,
+        sub: SubMicrobatch,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
     ) -> StageCost:
-        """Time and activation memory of `chunk` on `sub` under `recompute`."""
+        """Time and activation memory of `chunk` on `sub` under `recompute` (`layers`: N of
+        Megatron's block / uniform methods, see `Recompute`)."""
         w = self._work(sub)
-        key = (chunk.module, chunk.layer_start, chunk.layer_end, w, recompute)
+        key = (chunk.module, chunk.layer_start, chunk.layer_end, w, recompute, layers)
         cost = self._stage_cache.get(key)
         if cost is None:
-            cost = self._stage_cost(chunk, sub, w, recompute)
+            cost = self._stage_cost(chunk, sub, w, recompute, layers)
             _bounded_put(self._stage_cache, key, cost)
         scale = self._scale.get(chunk.module, 1.0)
         if scale == 1.0:
@@ -212,35 +217,56 @@ class CostModel:
         return StageCost(cost.forward * scale, cost.backward * scale, cost.activation_bytes)
 
     def _stage_cost(
-        self, chunk: ChunkSpec, sub: SubMicrobatch, w: Work, recompute: Recompute
+        self, chunk: ChunkSpec, sub: SubMicrobatch, w: Work, recompute: Recompute, layers: int
     ) -> StageCost:
         spec = self.model.module(chunk.module)
         fwd_l, bwd_l, core_l = self._layer(spec, w)
         extra = self._extras(spec, chunk, w)
-        fwd = chunk.num_layers * fwd_l + extra
-        bwd = chunk.num_layers * bwd_l + 2 * extra
-        if recompute is Recompute.SELECTIVE:
-            bwd += chunk.num_layers * core_l
-        elif recompute is Recompute.FULL:
-            bwd += fwd
-        return StageCost(fwd, bwd, self.chunk_activation_bytes(chunk, sub, recompute))
+        n = chunk.num_layers
+        fwd = n * fwd_l + extra
+        bwd = n * bwd_l + 2 * extra
+        # What the backward recomputes: attention cores, the whole chunk, its first N layers
+        # (block), or every layer (uniform); Megatron never recomputes input/output layers.
+        bwd += {
+            Recompute.SELECTIVE: n * core_l,
+            Recompute.FULL: fwd,
+            Recompute.BLOCK: min(layers, n) * fwd_l,
+            Recompute.UNIFORM: n * fwd_l,
+        }.get(recompute, 0.0)
+        nbytes = self.chunk_activation_bytes(chunk, sub, recompute, layers)
+        return StageCost(fwd, bwd, nbytes)
 
     def chunk_activation_bytes(
-        self, chunk: ChunkSpec, sub: SubMicrobatch, recompute: Recompute = Recompute.NONE
+        self,
+        chunk: ChunkSpec,
+        sub: SubMicrobatch,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
     ) -> int:
         """Bytes `chunk` holds for `sub` from the end of its forward to the end of its backward.
 
-        FULL keeps the chunk input only (plus the DiT conditioning it passes on); the output
-        head's logits are kept under every strategy, as Megatron recomputes transformer layers only.
+        FULL keeps the chunk input only (plus the DiT conditioning it passes on); BLOCK N keeps
+        the inputs of its first N layers and every activation of the others; UNIFORM N keeps
+        the input of every group of N layers; the output head's logits are kept under every
+        strategy, as Megatron recomputes transformer layers only.
         """
         spec = self.model.module(chunk.module)
         modality, w, c = modality_of(spec), self._work(sub), self._ctx
+        n = chunk.num_layers
+        stored = modality.layer_stored(spec, w, c)
+        full = stored_bytes(stored, spec.layer, w, c, keep_core=True)
+        entry = modality.full_recompute_stored(spec, w, c)  # a checkpoint's inputs
+        hidden = c.dt * w.tokens * spec.layer.hidden / c.rep  # of which: per checkpoint
         if recompute is Recompute.FULL:
-            total = modality.full_recompute_stored(spec, w, c)
+            total = entry
+        elif recompute is Recompute.BLOCK:
+            k = min(layers, n)
+            total = (k * hidden + entry - hidden if k else 0.0) + (n - k) * full
+        elif recompute is Recompute.UNIFORM:
+            total = -(-n // layers) * hidden + entry - hidden
         else:
             keep = recompute is Recompute.NONE
-            stored = modality.layer_stored(spec, w, c)
-            total = chunk.num_layers * stored_bytes(stored, spec.layer, w, c, keep_core=keep)
+            total = n * stored_bytes(stored, spec.layer, w, c, keep_core=keep)
         if chunk.layer_end == spec.num_layers:
             total += modality.output_stored(spec, w, c)
         return int(total)
@@ -255,7 +281,7 @@ class CostModel:
         spec = self.model.module(module)
         sub = SubMicrobatch(module, 0, 0, 0, max(1, instances), tokens, tokens)
         c = self.stage_cost(ChunkSpec(module, 0, 0, 0, spec.num_layers), sub)
-        return c.forward + (c.backward if self._needs_backward(spec) else 0.0)
+        return c.forward + (c.backward if self.needs_backward(module) else 0.0)
 
     def efficiency(self, module: str, *, instances: int, tokens_per_instance: int) -> float:
         """Achieved / peak FLOP/s of one layer of `module` (forward + backward) in (0, 1]."""
@@ -283,7 +309,9 @@ class CostModel:
             total += modality.output_params(spec)
         return total
 
-    def _needs_backward(self, spec: ModuleSpec) -> bool:
+    def needs_backward(self, module: str) -> bool:
+        """Whether `module` runs a backward: it is trainable, or a trainable module feeds it."""
+        spec = self.model.module(module)
         if spec.trainable:
             return True
-        return any(self._needs_backward(p) for p in self.model.producers_of(spec.name))
+        return any(self.needs_backward(p.name) for p in self.model.producers_of(module))

@@ -24,14 +24,25 @@ from ..modalities import modality_of
 from ..modelspec import MultimodalSpec
 from ..schedule.engine import per_peer_channel
 from ..schedule.graph import Dataflow
-from ..schedule.ir import BatchTotals, Forward, MessageKey, Placement, Plan, Recompute, StageId
+from ..schedule.ir import (
+    NO_RECOMPUTE,
+    BatchTotals,
+    Forward,
+    MessageKey,
+    Placement,
+    Plan,
+    Recompute,
+    RecomputeMode,
+    StageId,
+)
 from ..schedule.passes import add_communication
 from ..schedule.validate import validate_plan
 from .candidates import megatron_order_plan, merge_submicrobatches
 from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, priorities_from_units
-from .memory import MemoryLimitError, RecomputeChoice, choose_recompute
+from .memory import MemoryLimitError, RecomputeChoice, choose_recompute, stage_modes
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
 from .simulator import simulate
+from .stock_configs import best_fitting_mode, max_chunk_layers, with_recompute
 from .submicrobatch import split_modules
 
 logger = logging.getLogger(__name__)
@@ -61,7 +72,7 @@ class PlannerConfig:
     # No plan within memory_limit_bytes: raise MemoryLimitError (True), or return the best plan
     # found marked `ReplicaPlan.overcommitted` (False: simulation studies that score such plans).
     strict_memory: bool = True
-    uniform_recompute: Recompute | None = None  # start from this mode on every chunk
+    uniform_recompute: RecomputeMode | None = None  # start from this mode on every chunk
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
@@ -91,11 +102,16 @@ class DipPlanner:
         cost_model,
         placement: Placement,
         config: PlannerConfig,
+        *,
+        stage_units: list | None = None,
     ) -> None:
+        """`stage_units`: Megatron's virtual stages of `placement` when it is a static Megatron
+        placement (the Megatron-order candidate then runs on them)."""
         self.model = model
         self.cost_model = cost_model
         self.placement = placement
         self.config = config
+        self.stage_units = stage_units
         missing = [m.name for m in split_modules(model) if m.name not in config.sub_sizes]
         if missing:
             raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
@@ -225,15 +241,49 @@ class DipPlanner:
         replica: int,
         over: bool,
     ) -> tuple[Plan, float]:
-        """`plan` or Megatron's order on the same placement, whichever simulates faster within
-        the memory limit (per-peer channels: the runtime's communicators); Megatron's whenever
-        it fits and `plan` does not (`over`)."""
+        """`plan` or Megatron's order on the same placement under the fastest uniform recompute
+        setting that fits (Megatron's flags: none, selective, block N, uniform, full), whichever
+        simulates faster within the memory limit (per-peer channels: the runtime's
+        communicators); Megatron's whenever it fits and `plan` does not (`over`)."""
         merged = merge_submicrobatches(works)
+        megatron_order = functools.cache(
+            functools.partial(
+                self._megatron_order, merged, totals=totals, iteration=plan.iteration,
+                replica=replica,
+            )
+        )  # fmt: skip
+        ours = simulate(plan, self.cost_model, channel=per_peer_channel)
+        if megatron_order(NO_RECOMPUTE) is None:
+            return plan, ours.iteration_time
+        limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
+        found = best_fitting_mode(
+            megatron_order,
+            layers=max_chunk_layers(self.placement),
+            cost_model=self.cost_model,
+            limits=limits,
+            channel=per_peer_channel,
+        )
+        if found is not None and (over or found[1].iteration_time < ours.iteration_time):
+            validate_plan(found[0])
+            return found[0], found[1].iteration_time
+        return plan, ours.iteration_time
+
+    def _megatron_order(
+        self,
+        merged: Sequence[MicrobatchWork],
+        mode: RecomputeMode,
+        *,
+        totals: BatchTotals,
+        iteration: int,
+        replica: int,
+    ) -> Plan | None:
+        """Megatron's order on this placement with `mode` on every stage (messages placed by
+        that mode's durations); None where Megatron's order does not apply."""
         sub_of = {s.work: s for w in merged for s in w.submicrobatches}
 
         def duration(rank: int, ins) -> float:
             chunk = self.placement.module(ins.stage.module).chunks[ins.stage.chunk]
-            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work])
+            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work], *mode)
             return max(c.forward if isinstance(ins, Forward) else c.backward, 1e-12)
 
         alt = megatron_order_plan(
@@ -241,21 +291,13 @@ class DipPlanner:
             self.placement,
             merged,
             totals=totals,
-            iteration=plan.iteration,
+            iteration=iteration,
             replica=replica,
             tensors=functools.partial(self._tensors, sub_of),
             compute_time=duration,
+            stage_units=self.stage_units,
         )
-        ours = simulate(plan, self.cost_model, channel=per_peer_channel)
-        if alt is None:
-            return plan, ours.iteration_time
-        theirs = simulate(alt, self.cost_model, channel=per_peer_channel)
-        limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
-        fits = all(p <= lim for p, lim in zip(theirs.peak_activation_bytes, limits))
-        if fits and (over or theirs.iteration_time < ours.iteration_time):
-            validate_plan(alt)
-            return alt, theirs.iteration_time
-        return plan, ours.iteration_time
+        return None if alt is None else with_recompute(alt, mode)
 
     def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
         return self.shapes.tensors(key, sub_of.__getitem__)
@@ -326,6 +368,7 @@ class DipPlanner:
                 choice = choose_recompute(
                     loose.orders,
                     mode_cost=functools.partial(self._mode_cost, sub_of),
+                    modes_of=self._modes_of,
                     keeps_activations=lambda s: dataflow.needs_backward(s.module),
                     memory_limit=limits,
                 )
@@ -336,9 +379,12 @@ class DipPlanner:
             out.append((self._list_schedule(graph, order, limits, choice), choice))
         return out
 
+    def _modes_of(self, stage: StageId) -> tuple[RecomputeMode, ...]:
+        return stage_modes(self.placement.module(stage.module).chunks[stage.chunk].num_layers)
+
     def _uniform_choice(self) -> RecomputeChoice:
         mode = self.config.uniform_recompute
-        if mode is None or mode is Recompute.NONE:
+        if mode is None or mode[0] is Recompute.NONE:
             return RecomputeChoice({}, 0.0)
         return RecomputeChoice(
             {(m.name, c.index): mode for m in self.placement.modules for c in m.chunks}, 0.0
@@ -357,9 +403,9 @@ class DipPlanner:
     def _graph(
         self, dataflow: Dataflow, sub_of: Mapping, choice: RecomputeChoice, *, forward_only: bool
     ):
-        def stage_cost(stage: StageId, recompute: Recompute) -> tuple[float, float, int]:
+        def stage_cost(stage: StageId, recompute: RecomputeMode) -> tuple[float, float, int]:
             chunk = self.placement.module(stage.module).chunks[stage.chunk]
-            c = self.cost_model.stage_cost(chunk, sub_of[stage.work], recompute)
+            c = self.cost_model.stage_cost(chunk, sub_of[stage.work], *recompute)
             return c.forward, c.backward, c.activation_bytes
 
         def transfer(key: MessageKey) -> float:
@@ -374,9 +420,9 @@ class DipPlanner:
             forward_only=forward_only,
         )
 
-    def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: Recompute) -> tuple[float, int]:
+    def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: RecomputeMode) -> tuple[float, int]:
         chunk = self.placement.module(stage.module).chunks[stage.chunk]
-        c = self.cost_model.stage_cost(chunk, sub_of[stage.work], mode)
+        c = self.cost_model.stage_cost(chunk, sub_of[stage.work], *mode)
         return c.forward + c.backward, c.activation_bytes
 
     def _units(self, dataflow: Dataflow) -> dict[str, list[int]]:

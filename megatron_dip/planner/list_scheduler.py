@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..schedule.graph import Dataflow
-from ..schedule.ir import Backward, Forward, MessageKey, Recompute, StageId
+from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, MessageKey, RecomputeMode, StageId
 
-StageCostFn = Callable[[StageId, Recompute], "tuple[float, float, int]"]  # fwd, bwd, act bytes
+StageCostFn = Callable[[StageId, RecomputeMode], "tuple[float, float, int]"]  # fwd, bwd, bytes
 TransferFn = Callable[[MessageKey], float]
 
 
@@ -50,7 +50,7 @@ def build_stage_graph(
     *,
     stage_cost: StageCostFn,
     transfer: TransferFn,
-    recompute: Callable[[StageId], Recompute] = lambda s: Recompute.NONE,
+    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
     forward_only: bool = False,
 ) -> StageGraph:
     """Index the stages of `dataflow` with their costs for the list scheduler."""
@@ -113,7 +113,7 @@ def list_schedule(
     *,
     priority: Sequence[tuple],
     memory_limit: Sequence[float] | None = None,
-    recompute: Callable[[StageId], Recompute] = lambda s: Recompute.NONE,
+    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
     fill_bubbles: bool = True,
 ) -> ListSchedule:
     """Schedule every node of `graph`; `priority[k]` orders stage k's nodes (lower first).
@@ -194,7 +194,7 @@ class _ListScheduler:
                 st.mem += g.act_bytes[k]
                 self.overcommitted |= st.mem > self.limit[r]
                 self.peak[r] = max(self.peak[r], st.mem)
-            ins: Forward | Backward = Forward(g.stages[k], self.recompute(g.stages[k]))
+            ins: Forward | Backward = Forward(g.stages[k], *self.recompute(g.stages[k]))
         else:
             st.mem -= g.act_bytes[k]
             ins = Backward(g.stages[k])

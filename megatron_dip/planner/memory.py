@@ -5,6 +5,10 @@ Choosing recompute mode m for a stage (one chunk on one sub-microbatch) changes 
 keeps until its backward and the time that backward takes. We pick one mode per stage so that
 every alive-set fits under the limit at the least added time: only the stages alive at the peaks
 need recomputing. A 0/1 integer programme per rank, solved with HiGHS (scipy.optimize.milp).
+
+The modes of a stage are `stage_modes(layers)`: none, selective, Megatron's block method over the
+first layer and over half of the chunk's layers (partial recomputation inside a chunk), and full;
+the last one holds the least.
 """
 
 from __future__ import annotations
@@ -16,12 +20,25 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from ..schedule.ir import Backward, Forward, Recompute, StageId
+from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, Recompute, RecomputeMode, StageId
 
 logger = logging.getLogger(__name__)
 
-MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-ModeCost = Callable[[StageId, Recompute], "tuple[float, int]"]  # (fwd+bwd time, activation bytes)
+ModeCost = Callable[[StageId, RecomputeMode], "tuple[float, int]"]  # (fwd+bwd time, bytes)
+StageModes = Callable[[StageId], Sequence[RecomputeMode]]
+
+
+def stage_modes(layers: int) -> tuple[RecomputeMode, ...]:
+    """The recompute modes the memory pass chooses from for a chunk of `layers` layers (always
+    five, the cheapest first and the one that holds least last)."""
+    half = max(1, layers // 2)
+    return (
+        NO_RECOMPUTE,
+        (Recompute.SELECTIVE, 0),
+        (Recompute.BLOCK, 1),
+        (Recompute.BLOCK, half),
+        (Recompute.FULL, 0),
+    )
 
 
 class MemoryLimitError(ValueError):
@@ -33,15 +50,13 @@ class RecomputeChoice:
     """Recompute mode per stage, or per (module, chunk) for all its stages; what is not listed
     recomputes nothing."""
 
-    modes: dict[StageId | tuple[str, int], Recompute]
+    modes: dict[StageId | tuple[str, int], RecomputeMode]
     added_time: float
 
-    def of(self, stage: StageId) -> Recompute:
+    def of(self, stage: StageId) -> RecomputeMode:
         mode = self.modes.get(stage)
         return (
-            mode
-            if mode is not None
-            else self.modes.get((stage.module, stage.chunk), Recompute.NONE)
+            mode if mode is not None else self.modes.get((stage.module, stage.chunk), NO_RECOMPUTE)
         )
 
 
@@ -72,14 +87,17 @@ def choose_recompute(
     orders: Sequence[Sequence[Forward | Backward]],
     *,
     mode_cost: ModeCost,
+    modes_of: StageModes,
     keeps_activations: Callable[[StageId], bool],
     memory_limit: Sequence[float],
 ) -> RecomputeChoice:
-    """Cheapest per-stage recompute modes keeping every rank's alive activations under its limit."""
-    modes: dict[StageId | tuple[str, int], Recompute] = {}
+    """Cheapest per-stage recompute modes keeping every rank's alive activations under its
+    limit; `modes_of(stage)` lists a stage's candidates (`stage_modes`)."""
+    modes: dict[StageId | tuple[str, int], RecomputeMode] = {}
     added = 0.0
     for rank, order in enumerate(orders):
-        chosen, extra = _solve_rank(rank, order, mode_cost, keeps_activations, memory_limit[rank])
+        problem = _Problem(mode_cost, modes_of, keeps_activations)
+        chosen, extra = _solve_rank(rank, order, problem, memory_limit[rank])
         modes.update(chosen)
         added += extra
     return RecomputeChoice(modes, added)
@@ -96,22 +114,34 @@ MILP_NODE_LIMIT = 200
 MILP_GUARD_TIME_S = 30.0
 
 
+@dataclass(frozen=True)
+class _Problem:
+    """What every rank's problem is built from."""
+
+    mode_cost: ModeCost
+    modes_of: StageModes
+    keeps: Callable[[StageId], bool]
+
+
 @dataclass
 class _RankProblem:
-    """Stage i's time and bytes under mode j are time[i, j], nbytes[i, j] (j indexes MODES)."""
+    """Stage i's time and bytes under its mode j are time[i, j], nbytes[i, j] (j indexes the
+    stage's `modes[i]`, the same number for every stage)."""
 
     stages: list[StageId]
+    modes: list[Sequence[RecomputeMode]]
     time: np.ndarray
     nbytes: np.ndarray
     sets: list[np.ndarray]  # alive-sets (stage indices) over the limit with no recomputation
     limit: float
 
 
-def _problem(rank: int, order, mode_cost: ModeCost, keeps, limit: float) -> _RankProblem | None:
-    stages, peaks = _alive_sets(order, keeps)
+def _problem(rank: int, order, problem: _Problem, limit: float) -> _RankProblem | None:
+    stages, peaks = _alive_sets(order, problem.keeps)
     if not stages:
         return None
-    costs = [[mode_cost(st, m) for m in MODES] for st in stages]
+    modes = [tuple(problem.modes_of(st)) for st in stages]
+    costs = [[problem.mode_cost(st, m) for m in ms] for st, ms in zip(stages, modes)]
     time = np.array([[c[0] for c in row] for row in costs], dtype=float)
     nbytes = np.array([[c[1] for c in row] for row in costs], dtype=float)
     over = [a for a in peaks if nbytes[a, 0].sum() > limit]
@@ -125,7 +155,7 @@ def _problem(rank: int, order, mode_cost: ModeCost, keeps, limit: float) -> _Ran
                 f"schedule needs even with full recomputation ({need / 2**30:.2f} GiB); raise "
                 "--dip-memory-limit-gb or use smaller sub-microbatches"
             )
-    return _RankProblem(stages, time, nbytes, over, limit)
+    return _RankProblem(stages, modes, time, nbytes, over, limit)
 
 
 def _greedy(pb: _RankProblem) -> np.ndarray:
@@ -156,7 +186,7 @@ def _exact(pb: _RankProblem) -> np.ndarray | None:
     involved = np.unique(np.concatenate(pb.sets))
     if len(involved) > MILP_MAX_STAGES:
         return None
-    k = len(MODES)
+    k = pb.time.shape[1]
     local = {int(st): i for i, st in enumerate(involved)}
     objective = (pb.time[involved] - pb.time[involved, :1]).ravel()
     rows = np.zeros((len(pb.sets), len(involved) * k))
@@ -188,13 +218,9 @@ def _exact(pb: _RankProblem) -> np.ndarray | None:
 
 
 def _solve_rank(
-    rank: int,
-    order: Sequence[Forward | Backward],
-    mode_cost: ModeCost,
-    keeps: Callable[[StageId], bool],
-    limit: float,
-) -> tuple[dict[StageId, Recompute], float]:
-    pb = _problem(rank, order, mode_cost, keeps, limit)
+    rank: int, order: Sequence[Forward | Backward], problem: _Problem, limit: float
+) -> tuple[dict[StageId, RecomputeMode], float]:
+    pb = _problem(rank, order, problem, limit)
     if pb is None:
         return {}, 0.0
     rows = np.arange(len(pb.stages))
@@ -210,5 +236,5 @@ def _solve_rank(
     exact = _exact(pb)
     if exact is not None and fits(exact) and added(exact) < added(best):
         best = exact
-    chosen = {pb.stages[i]: MODES[m] for i, m in enumerate(best) if m != 0}
+    chosen = {pb.stages[i]: pb.modes[i][m] for i, m in enumerate(best) if m != 0}
     return chosen, added(best)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -223,6 +223,16 @@ def segment_candidates(
     return out
 
 
+@dataclass(frozen=True)
+class PlacementCandidate:
+    """A placement the start-up search may choose: DIP's separated segments, or a static
+    Megatron placement with its virtual stages (`stage_units`, for Megatron's order on it)."""
+
+    name: str
+    placement: Placement
+    stage_units: list | None = None
+
+
 def choose_dip_placement(
     model: MultimodalSpec,
     cost_model,
@@ -230,33 +240,44 @@ def choose_dip_placement(
     num_ranks: int,
     workload: Mapping[str, ModuleWorkload],
     unit_instances: Mapping[str, int] | None,
-    evaluate: Callable[[Placement], float],
+    evaluate: Callable[[PlacementCandidate], float],
     segments: Mapping[str, int] | None = None,
-) -> tuple[Placement, PlacementReport, dict[str, float]]:
-    """The placement whose segment counts make `evaluate` (e.g. the simulated iteration time of
-    planned calibration batches) smallest; the latency rule K_i = floor(T_i / T_min) is one of
-    the candidates. An explicit `segments` (--dip-segments) skips the search. Returns the
-    placement, its report and every candidate's score (for the log)."""
+    extra: Sequence[PlacementCandidate] = (),
+) -> tuple[PlacementCandidate, dict[str, float]]:
+    """The candidate that makes `evaluate` (e.g. the simulated iteration time of planned
+    calibration batches) smallest: DIP placements of several segment counts (the latency rule
+    K_i = floor(T_i / T_min) among them) and the `extra` ones (the static Megatron placements,
+    so the choice is never slower on those batches than the strongest static one). An explicit
+    `segments` (--dip-segments) skips the search. Returns the candidate and every candidate's
+    score (for the log)."""
     if segments:
-        placement, report = build_dip_placement(
+        placement, _ = build_dip_placement(
             model, cost_model, num_ranks=num_ranks, workload=workload, segments=segments
         )
-        return placement, report, {}
+        return PlacementCandidate(_segments_name(segments), placement), {}
     rule, _ = build_dip_placement(
         model, cost_model, num_ranks=num_ranks, workload=workload, unit_instances=unit_instances
     )
     base = {m.name: m.num_chunks // num_ranks for m in rule.modules}
-    scores: dict[str, float] = {}
-    best = None
+    candidates = []
     for cand in segment_candidates(model, base, num_ranks=num_ranks):
-        placement, report = build_dip_placement(
+        placement, _ = build_dip_placement(
             model, cost_model, num_ranks=num_ranks, workload=workload, segments=cand
         )
-        score = evaluate(placement)
-        scores[",".join(f"{k}={v}" for k, v in cand.items())] = score
+        candidates.append(PlacementCandidate(_segments_name(cand), placement))
+    candidates += list(extra)
+    scores: dict[str, float] = {}
+    best = None
+    for cand in candidates:
+        score = evaluate(cand)
+        scores[cand.name] = score
         # Ties go to fewer chunks: fewer messages on a real network.
-        key = (score, sum(cand.values()))
-        if best is None or key < best[0]:
-            best = (key, placement, report)
+        chunks = sum(m.num_chunks for m in cand.placement.modules)
+        if best is None or (score, chunks) < best[0]:
+            best = ((score, chunks), cand)
     logger.info("placement candidates (segments -> score): %s", scores)
-    return best[1], best[2], scores
+    return best[1], scores
+
+
+def _segments_name(segments: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in segments.items())

@@ -43,9 +43,14 @@ class StageCostModel(Protocol):
     """What the simulator needs of a cost model (`CostModel` or any stand-in)."""
 
     def stage_cost(
-        self, chunk: ChunkSpec, sub: SubMicrobatch, recompute: Recompute = Recompute.NONE
+        self,
+        chunk: ChunkSpec,
+        sub: SubMicrobatch,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
     ) -> StageCost:
-        """Seconds of forward and backward and activation bytes of `chunk` on `sub`."""
+        """Seconds of forward and backward and activation bytes of `chunk` on `sub` under
+        `recompute` (`layers`: N of Megatron's block / uniform methods)."""
         ...
 
     def transfer_time(self, nbytes: int) -> float:
@@ -65,7 +70,11 @@ class UniformCost:
     per_layer: bool = False
 
     def stage_cost(
-        self, chunk: ChunkSpec, sub: SubMicrobatch, recompute: Recompute = Recompute.NONE
+        self,
+        chunk: ChunkSpec,
+        sub: SubMicrobatch,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
     ) -> StageCost:
         """The same forward/backward/bytes for every stage (times the layers if `per_layer`)."""
         n = chunk.num_layers if self.per_layer else 1
@@ -128,18 +137,18 @@ class SimResult:
 
 def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[StageId]]:
     """(stage -> StageCost with its forward's recompute, stages that run a backward)."""
-    recompute: dict[StageId, Recompute] = {}
+    recompute: dict[StageId, tuple[Recompute, int]] = {}
     has_backward: set[StageId] = set()
     for program in plan.programs:
         for ins in program.instructions:
             if isinstance(ins, Forward):
-                recompute[ins.stage] = ins.recompute
+                recompute[ins.stage] = ins.mode
             elif isinstance(ins, Backward):
                 has_backward.add(ins.stage)
     costs = {}
     for stage, mode in recompute.items():
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
-        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), mode)
+        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), *mode)
     missing = has_backward - recompute.keys()
     if missing:
         raise ValueError(f"plan has backwards without a forward: {sorted(map(str, missing))[:5]}")

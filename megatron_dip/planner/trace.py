@@ -55,7 +55,10 @@ def plan_timeline(plan: Plan, execution: ExecutionResult) -> tuple[tuple[Span, .
             ins = program.instructions[index]
             fwd = isinstance(ins, Forward)
             s = ins.stage
-            recompute = ins.recompute.value if fwd else "none"
+            recompute = "none"
+            if fwd:
+                layers = f"{ins.recompute_layers}" if ins.recompute_layers else ""
+                recompute = ins.recompute.value + layers
             row.append(
                 Span(
                     span_label(ins),

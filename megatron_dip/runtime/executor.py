@@ -387,6 +387,7 @@ class Executor:
                 chunk,
                 [m for _, m in inputs],
                 self.batches.sub_batch(stage.work),
+                ins.recompute_layers,
             )
         saved = _Saved(inputs, outputs)
         if "loss" in outputs:

@@ -3,6 +3,10 @@
 * `NONE`: the forward keeps its autograd graph (all activations).
 * `FULL`: the whole chunk call runs under a non-reentrant `torch.utils.checkpoint`: the forward
   keeps only the chunk's inputs; the backward re-runs the chunk with grad and differentiates it.
+* `BLOCK` N / `UNIFORM` N: Megatron's `--recompute-method block|uniform --recompute-num-layers N`
+  inside the chunk: while it runs, its `layers` list is replaced by checkpointed groups (BLOCK:
+  each of the first N layers on its own, the others as they are; UNIFORM: every N consecutive
+  layers as one group), so each group keeps only its input and is recomputed in backward.
 * `SELECTIVE`: Megatron's "selective" recomputation, the attention core only: while the chunk
   runs, the `core_attention` module of every Megatron attention block is wrapped in the same
   checkpoint, so scores, softmax and attention probabilities are recomputed in backward. Megatron's
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,23 +98,76 @@ def selective_attention(chunk: torch.nn.Module) -> Iterator[int]:
             del core.forward  # back to the class's forward
 
 
+class LayerGroup(torch.nn.Module):
+    """Consecutive layers of a chunk run as one checkpointed call: the group keeps only its
+    input and recomputes its layers in backward. Layers returning a tuple (Megatron's
+    `TransformerLayer`: hidden, context) pass its first element on, as the chunk's loop does."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.members = torch.nn.ModuleList(layers)
+        self._run = checkpointed(self._forward)
+
+    def _forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        out = hidden
+        for layer in self.members:
+            out = layer(hidden, *args, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return out
+
+    @property
+    def config(self) -> Any:
+        """The members' Megatron config (what the chunk's loop may read of a layer)."""
+        return self.members[0].config
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._run(hidden, *args, **kwargs)
+
+
+def layer_groups(layers: Sequence[torch.nn.Module], mode: Recompute, n: int) -> list:
+    """The chunk's layers as BLOCK (first `n` checkpointed one by one) or UNIFORM (groups of
+    `n`) lists of modules to run in order."""
+    if mode is Recompute.BLOCK:
+        return [LayerGroup([layer]) for layer in layers[:n]] + list(layers[n:])
+    return [LayerGroup(list(layers[k : k + n])) for k in range(0, len(layers), n)]
+
+
+@contextlib.contextmanager
+def grouped_layers(chunk: torch.nn.Module, mode: Recompute, n: int) -> Iterator[None]:
+    """`chunk.layers` replaced by `layer_groups` while inside (the same parameters)."""
+    original = chunk.layers
+    chunk.layers = torch.nn.ModuleList(layer_groups(list(original), mode, n))
+    try:
+        yield
+    finally:
+        chunk.layers = original
+
+
 def run_chunk(
     chunk: torch.nn.Module,
     mode: Recompute,
     call: Callable[[], Any],
     inputs: Any,
     batch: Any,
+    layers: int = 0,
 ) -> Any:
-    """Run `call(inputs, batch)`-style chunk forward under recompute `mode`.
+    """Run `call(inputs, batch)`-style chunk forward under recompute `mode` (`layers`: N of
+    BLOCK / UNIFORM).
 
-    `chunk` is the unwrapped model chunk (for the selective switch), `call` the callable that
-    runs it (e.g. the DDP wrapper).
+    `chunk` is the unwrapped model chunk (for the selective and layer switches), `call` the
+    callable that runs it (e.g. the DDP wrapper). A chunk that defines `recompute_context(mode,
+    layers)` (emulated chunks) takes over every mode but FULL.
     """
     if mode is Recompute.NONE or not torch.is_grad_enabled():
         return call(inputs=inputs, batch=batch)
     if mode is Recompute.FULL:
         return checkpointed(call)(inputs=inputs, batch=batch)
     own = getattr(chunk, "recompute_context", None)
-    context = own(mode) if callable(own) else selective_attention(chunk)
+    if callable(own):
+        context = own(mode, layers)
+    elif mode.takes_layers:
+        context = grouped_layers(chunk, mode, layers)
+    else:
+        context = selective_attention(chunk)
     with context:
         return call(inputs=inputs, batch=batch)

@@ -19,7 +19,8 @@ units are chained without detaching: one autograd graph per stage, as in Megatro
 
 What a Megatron user gets, the baseline gets too: `recompute` runs every unit under the same
 activation recomputation the DIP runtime applies (`runtime.recompute.run_chunk`: "full" keeps
-each unit's input and recomputes it in backward, "selective" recomputes the attention cores), and
+each unit's input and recomputes it in backward, "selective" recomputes the attention cores,
+"block" / "uniform" with `recompute_layers` N are Megatron's partial methods per unit), and
 `overlap_grad_reduce` hands the schedule Megatron-LM's DDP hooks (`no_sync_func` and
 `grad_sync_func` per virtual stage, over the DDP-wrapped units of the stage, and a
 `finalize_model_grads_func` that waits for the reductions), so the data-parallel reduction of a
@@ -88,6 +89,7 @@ class StockStage(torch.nn.Module):
         config: Any,
         length: int,
         recompute: Recompute = Recompute.NONE,
+        recompute_layers: int = 0,
     ) -> None:
         super().__init__()
         self.units = list(units)
@@ -98,7 +100,7 @@ class StockStage(torch.nn.Module):
 
         self.model_type = ModelType.encoder_or_decoder
         self.length = length
-        self.recompute = recompute
+        self.recompute, self.recompute_layers = recompute, recompute_layers
         self._input: torch.Tensor | None = None
         self._input_used = False
 
@@ -137,7 +139,9 @@ class StockStage(torch.nn.Module):
                 stage = StageId(module, chunk, work.microbatch, work.sub)
                 inputs = [self._input_of(key, values) for key in self.df.forward_inputs(stage)]
                 batch = self.batches.sub_batch(work)
-                values[stage] = run_chunk(unwrap_chunk(part), self.recompute, part, inputs, batch)
+                values[stage] = run_chunk(
+                    unwrap_chunk(part), self.recompute, part, inputs, batch, self.recompute_layers
+                )
                 order.append(stage)
         if not order:  # no unit has work in this microbatch (e.g. a ViT-only stage, no images)
             return self._pass_through()
@@ -285,7 +289,8 @@ class StockPipeline:
     sub-microbatches. `single_group`: a group of this rank only, standing in for the tensor-,
     context- and data-parallel groups of the schedule's process-group collection.
     `batch_p2p`: Megatron's `batch_p2p_comm` (leave it off for interleaving at PP=2, where it
-    swaps messages). `recompute`: activation recomputation of every unit. `overlap_grad_reduce`:
+    swaps messages). `recompute` (with `recompute_layers` N for block / uniform): activation
+    recomputation of every unit. `overlap_grad_reduce`:
     install Megatron's DDP hooks (module docstring); otherwise the caller reduces after `run`.
     """
 
@@ -304,6 +309,7 @@ class StockPipeline:
         per_token: bool = False,
         report_name: str = "lm loss",
         recompute: Recompute = Recompute.NONE,
+        recompute_layers: int = 0,
         overlap_grad_reduce: bool = False,
     ) -> None:
         by_unit = {}
@@ -337,6 +343,7 @@ class StockPipeline:
                 config=self.config,
                 length=self.length,
                 recompute=recompute,
+                recompute_layers=recompute_layers,
             )
             for u in units
         ]

@@ -40,12 +40,30 @@ class MessageKind(str, enum.Enum):
 
 
 class Recompute(str, enum.Enum):
-    """Activation recomputation of one chunk on one sub-microbatch."""
+    """Activation recomputation of one chunk on one sub-microbatch.
+
+    BLOCK and UNIFORM are Megatron's `--recompute-method block|uniform` with
+    `--recompute-num-layers N` (the Forward's `recompute_layers`): BLOCK recomputes the chunk's
+    first N transformer layers (each keeps only its input) and keeps every activation of the
+    others; UNIFORM cuts the chunk's layers into groups of N consecutive layers, each keeping only
+    its input, and recomputes every layer. FULL keeps only the chunk's input and recomputes the
+    whole chunk, its input and output layers included (UNIFORM with one group, plus those).
+    """
 
     NONE = "none"
     SELECTIVE = "selective"  # recompute the attention core only (Megatron's "selective")
     FULL = "full"  # keep the chunk input only, recompute the whole chunk in backward
+    BLOCK = "block"  # recompute the first N layers (Megatron's block method)
+    UNIFORM = "uniform"  # recompute all layers in groups of N (Megatron's uniform method)
 
+    @property
+    def takes_layers(self) -> bool:
+        """Whether the method needs a layer count N (`Forward.recompute_layers`)."""
+        return self in (Recompute.BLOCK, Recompute.UNIFORM)
+
+
+RecomputeMode = tuple[Recompute, int]  # (method, N of block / uniform; 0 for the others)
+NO_RECOMPUTE: RecomputeMode = (Recompute.NONE, 0)
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
 
@@ -124,10 +142,25 @@ class MessageKey:
 
 @dataclass(frozen=True)
 class Forward:
-    """Forward of `stage.chunk` of `stage.module` on sub-microbatch `stage.work`."""
+    """Forward of `stage.chunk` of `stage.module` on sub-microbatch `stage.work`, with its
+    activation recomputation (`recompute_layers`: N of BLOCK and UNIFORM, 0 otherwise)."""
 
     stage: StageId
     recompute: Recompute = Recompute.NONE
+    recompute_layers: int = 0
+
+    @property
+    def mode(self) -> RecomputeMode:
+        """(recompute, recompute_layers)."""
+        return self.recompute, self.recompute_layers
+
+    def __post_init__(self) -> None:
+        if self.recompute.takes_layers != (self.recompute_layers > 0) or self.recompute_layers < 0:
+            raise ValueError(
+                f"Forward {self.stage}: recompute {self.recompute.value} takes "
+                f"{'N >= 1' if self.recompute.takes_layers else 'no'} layers, got "
+                f"{self.recompute_layers}"
+            )
 
 
 @dataclass(frozen=True)

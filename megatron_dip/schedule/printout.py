@@ -5,7 +5,8 @@ Tokens (separated by spaces, in program order):
 * `F vit0.3.1` — forward of module `vit`, chunk 0, on microbatch 3, sub-microbatch 1. The
   `.sub` part is left out when the module has a single sub-microbatch in that microbatch
   (`B llm2.3` is the backward of llm chunk 2 on microbatch 3). A recomputed forward carries a
-  suffix: `F vit0.3.1:sel` (selective) or `F vit0.3.1:full`.
+  suffix: `F vit0.3.1:sel` (selective), `F vit0.3.1:full`, `:block2` / `:uniform2` (Megatron's
+  block / uniform method over 2 layers).
 * `>act(r1)` / `>grad(r3)` — post the send of an activation / gradient to rank 1 / 3;
   `<act(r0)` / `<grad(r2)` — post the receive of one from rank 0 / 2. Consecutive sends and
   receives form one batch and are printed inside brackets: `[<act(r0) >grad(r0)]`.
@@ -20,7 +21,13 @@ from collections import Counter
 
 from .ir import Backward, Forward, Instruction, Plan, Recompute, Recv, Send, StageId, Wait
 
-_RECOMPUTE_SUFFIX = {Recompute.NONE: "", Recompute.SELECTIVE: ":sel", Recompute.FULL: ":full"}
+_RECOMPUTE_SUFFIX = {
+    Recompute.NONE: "",
+    Recompute.SELECTIVE: ":sel",
+    Recompute.FULL: ":full",
+    Recompute.BLOCK: ":block",
+    Recompute.UNIFORM: ":uniform",
+}
 
 
 def _stage_token(stage: StageId, split: set[tuple[str, int]]) -> str:
@@ -32,7 +39,8 @@ def _stage_token(stage: StageId, split: set[tuple[str, int]]) -> str:
 
 def _token(ins: Instruction, split: set[tuple[str, int]]) -> str:
     if isinstance(ins, Forward):
-        return f"F {_stage_token(ins.stage, split)}{_RECOMPUTE_SUFFIX[ins.recompute]}"
+        layers = str(ins.recompute_layers) if ins.recompute_layers else ""
+        return f"F {_stage_token(ins.stage, split)}{_RECOMPUTE_SUFFIX[ins.recompute]}{layers}"
     if isinstance(ins, Backward):
         return f"B {_stage_token(ins.stage, split)}"
     if isinstance(ins, (Send, Recv)):

@@ -85,7 +85,8 @@ def _encode_program(p: Program, t: _Tables) -> list[int]:
     out: list[int] = []
     for ins in p.instructions:
         if isinstance(ins, Forward):
-            out += [_OP_F, t.stage(ins.stage), _RECOMPUTE.index(ins.recompute)]
+            mode = _RECOMPUTE.index(ins.recompute) + len(_RECOMPUTE) * ins.recompute_layers
+            out += [_OP_F, t.stage(ins.stage), mode]
         elif isinstance(ins, Backward):
             out += [_OP_B, t.stage(ins.stage)]
         elif isinstance(ins, (Send, Recv)):
@@ -176,7 +177,8 @@ class _Decoder:
         while i < len(code):
             op = code[i]
             if op == _OP_F:
-                out.append(Forward(self.stages[code[i + 1]], _RECOMPUTE[code[i + 2]]))
+                layers, mode = divmod(code[i + 2], len(_RECOMPUTE))
+                out.append(Forward(self.stages[code[i + 1]], _RECOMPUTE[mode], layers))
                 i += 3
             elif op == _OP_B:
                 out.append(Backward(self.stages[code[i + 1]]))

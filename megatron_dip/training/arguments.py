@@ -88,15 +88,24 @@ class ModelArgs:
     recompute_granularity: str | None = arg(
         "--recompute-granularity",
         None,
-        "recompute every chunk ('full') or attention only ('selective'); DIP adds per-chunk "
-        "recomputation on top where --dip-memory-limit-gb needs it",
+        "recompute whole chunks ('full') or attention only ('selective'); the stock schedules "
+        "apply it to every stage, DIP plans start from it and add per-chunk recomputation where "
+        "--dip-memory-limit-gb needs it",
         choices=("full", "selective"),
     )
     recompute_method: str | None = arg(
         "--recompute-method",
         None,
-        "accepted for compatibility; DIP recomputes whole chunks (its unit of work)",
+        "with --recompute-granularity full: Megatron's partial recomputation inside every chunk: "
+        "'block' recomputes its first --recompute-num-layers layers, 'uniform' recomputes all "
+        "in groups of --recompute-num-layers layers (without: the whole chunk, input and output "
+        "layers included)",
         choices=("uniform", "block"),
+    )
+    recompute_num_layers: int | None = arg(
+        "--recompute-num-layers",
+        None,
+        "N of --recompute-method (default 1)",
     )
     calculate_per_token_loss: bool = arg(
         "--calculate-per-token-loss",

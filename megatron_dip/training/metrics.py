@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.modalities import modality_of
 from megatron_dip.modelspec import MultimodalSpec
-from megatron_dip.schedule.ir import Backward, ChunkSpec, Forward, Plan, Recompute, StageId
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Backward, ChunkSpec, Forward, Plan, StageId
 
 from .setup import ParallelContext
 from .step import StepResult
@@ -42,7 +42,7 @@ def predicted_ops(plan: Plan, cost_model, ops: Iterable[tuple]) -> dict[str, flo
     """Cost-model seconds of the executed compute instructions, by module (the recompute mode
     of a backward is its forward's, read from the plan)."""
     recompute = {
-        ins.stage: ins.recompute
+        ins.stage: ins.mode
         for program in plan.programs
         for ins in program.instructions
         if isinstance(ins, Forward)
@@ -52,7 +52,7 @@ def predicted_ops(plan: Plan, cost_model, ops: Iterable[tuple]) -> dict[str, flo
         s, forward, _ = _op_parts(op)
         chunk: ChunkSpec = plan.placement.module(s.module).chunks[s.chunk]
         c = cost_model.stage_cost(
-            chunk, plan.submicrobatch(s.work), recompute.get(s, Recompute.NONE)
+            chunk, plan.submicrobatch(s.work), *recompute.get(s, NO_RECOMPUTE)
         )
         out[s.module] = out.get(s.module, 0.0) + (c.forward if forward else c.backward)
     return out

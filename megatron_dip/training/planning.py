@@ -29,7 +29,6 @@ import torch.distributed as dist
 from megatron_dip.batching import MessageShapes, layout_batch
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream
-from megatron_dip.planner.compare import with_recompute
 from megatron_dip.planner.dip import DipPlanner, ReplicaPlan
 from megatron_dip.planner.service import (
     INLINE,
@@ -38,8 +37,9 @@ from megatron_dip.planner.service import (
     StoreAddress,
     publish_calibration,
 )
+from megatron_dip.planner.stock_configs import with_recompute
 from megatron_dip.schedule.baselines import build_megatron_plan
-from megatron_dip.schedule.ir import Plan, Recompute
+from megatron_dip.schedule.ir import Plan
 
 from .setup import ParallelContext
 from .validate import RunSpec
@@ -197,6 +197,5 @@ def stock_plan(
         iteration=batch.iteration,
         forward_only=forward_only,
     )
-    # Megatron's --recompute-granularity applies to every stage alike.
-    mode = spec.config.model.recompute_granularity
-    return with_recompute(plan, Recompute(mode)) if mode and not forward_only else plan
+    # Megatron's recompute flags apply to every stage alike.
+    return plan if forward_only else with_recompute(plan, spec.recompute)

@@ -25,7 +25,7 @@ from megatron_dip.runtime.stock import StockPipeline, StockStage
 from megatron_dip.runtime.timing import Span, SpanRecorder
 from megatron_dip.schedule.engine import ChannelFn, single_channel
 from megatron_dip.schedule.graph import Dataflow
-from megatron_dip.schedule.ir import Plan, Recompute
+from megatron_dip.schedule.ir import Plan
 
 from .backend import ComputeBackend
 from .build import LocalModel
@@ -161,7 +161,6 @@ def run_stock(
     Megatron's activation recomputation (--recompute-granularity) inside the stages. With
     --overlap-grad-reduce the schedule drives the data-parallel reduction through Megatron-LM's
     DDP hooks (overlapped with the backward); otherwise it runs after the schedule."""
-    recompute = spec.config.model.recompute_granularity
     overlap = spec.config.parallel.overlap_grad_reduce and not forward_only
     pipe = StockPipeline(
         chunks=model.chunks,
@@ -175,7 +174,8 @@ def run_stock(
         # PP=2 interleaved + batched p2p swaps activations and gradients (MEGATRON-ON-CPU.md).
         batch_p2p=not (len(spec.stage_units[0]) > 1 and spec.pipeline_parallel == 2),
         per_token=spec.config.model.calculate_per_token_loss,
-        recompute=Recompute(recompute) if recompute else Recompute.NONE,
+        recompute=spec.recompute[0],
+        recompute_layers=spec.recompute[1],
         overlap_grad_reduce=overlap,
     )
     spans: list[Span] = []

@@ -26,7 +26,7 @@ from megatron_dip.planner.dip import PlannerConfig
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.schedule.ir import Placement, Recompute
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute, RecomputeMode
 
 from .arguments import TrainConfig
 from .data_source import DataSpec
@@ -68,6 +68,8 @@ class RunSpec:
     planner_faults: PlannerFaults | None = None
     # --dip-emulate-compute: the duration scale of the sleeping chunks (None: real compute).
     emulate_scale: float | None = None
+    # Megatron's recompute flags as (method, N): the stock schedules' mode of every stage.
+    recompute: RecomputeMode = NO_RECOMPUTE
 
     @property
     def schedule(self) -> str:
@@ -220,8 +222,26 @@ def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
     m = config.model
     if m.bf16 and not cuda:
         raise _fail("--bf16", "needs CUDA; CPU runs train in float32 (drop the flag)")
-    if m.recompute_method is not None:
-        logger.warning("--recompute-method is ignored: DIP recomputes whole chunks")
+    recompute_mode(config)  # refuses a bad combination
+
+
+def recompute_mode(config: TrainConfig) -> RecomputeMode:
+    """(method, N) of Megatron's recompute flags: `--recompute-granularity selective`,
+    `full` (the whole chunk), `full --recompute-method block|uniform --recompute-num-layers N`."""
+    m = config.model
+    if m.recompute_method is None:
+        if m.recompute_num_layers is not None:
+            raise _fail("--recompute-num-layers", "needs --recompute-method block|uniform")
+        return (Recompute(m.recompute_granularity), 0) if m.recompute_granularity else NO_RECOMPUTE
+    if m.recompute_granularity != "full":
+        raise _fail(
+            "--recompute-method",
+            f"needs --recompute-granularity full (got {m.recompute_granularity}), as in Megatron-LM",
+        )
+    layers = 1 if m.recompute_num_layers is None else m.recompute_num_layers
+    if layers < 1:
+        raise _fail("--recompute-num-layers", f"must be >= 1, got {layers}")
+    return Recompute(m.recompute_method), layers
 
 
 def _check_emulation(config: TrainConfig) -> None:
@@ -406,7 +426,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         workers=d.dip_planner_workers,
         seed=config.train.seed,
     )
-    recompute = config.model.recompute_granularity
+    recompute = recompute_mode(config)
     planner = PlannerConfig(
         seq_length=config.train.seq_length,
         data_parallel=dp,
@@ -417,7 +437,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         sequence_parallel=config.parallel.sequence_parallel and tp > 1,
         dtype=plan_dtype,
         use_search=d.dip_search_time_ms > 0,
-        uniform_recompute=Recompute(recompute) if recompute else None,
+        uniform_recompute=None if recompute == NO_RECOMPUTE else recompute,
         packing=limits,
     )
     return RunSpec(
@@ -427,7 +447,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         pipeline_parallel=pp, data_parallel=dp, cuda=cuda, dtype=dtype, data=data,
         limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
         placement=layout.placement, stage_units=layout.stage_units, planner=planner,
-        memory_limit_bytes=layout.memory_limit, segments=layout.segments,
+        memory_limit_bytes=layout.memory_limit, segments=layout.segments, recompute=recompute,
     )  # fmt: skip
 
 

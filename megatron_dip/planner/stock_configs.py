@@ -1,0 +1,234 @@
+"""The stock Megatron configurations an expert would tune, simulated on the same work as DIP.
+
+A configuration is a static placement (`static_baselines`: the encoder on the first stage, one
+layer list cut by parameters or by cost; one model chunk per rank = 1F1B, two = interleaved)
+with Megatron's activation-recomputation flags, the same on every stage as Megatron's flags
+impose: none, selective, full (the whole stage), `--recompute-method block` with N layers,
+`--recompute-method uniform` with N-layer groups. The strongest configuration of a run is the
+fastest whose activations fit the device on every batch (`strongest`): a Megatron user fixes the
+placement and the flags for the whole run, so a configuration that overflows on one batch is
+out, and the block method's N is the smallest that fits them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..schedule.baselines import build_megatron_plan
+from ..schedule.engine import ChannelFn, single_channel
+from ..schedule.ir import (
+    NO_RECOMPUTE,
+    BatchTotals,
+    Forward,
+    Placement,
+    Plan,
+    Program,
+    Recompute,
+    RecomputeMode,
+)
+from ..schedule.passes import TensorFn
+from .simulator import SimResult, simulate
+from .static_baselines import StaticPipeline
+
+_BLOCK_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def mode_label(mode: RecomputeMode) -> str:
+    """ "none", "selective", "full", "block 8", "uniform 1" (Megatron's flag values)."""
+    method, layers = mode
+    return f"{method.value} {layers}" if method.takes_layers else method.value
+
+
+def max_chunk_layers(placement: Placement) -> int:
+    """Layers of the placement's largest chunk (the largest N a recompute flag can act on)."""
+    return max(c.num_layers for m in placement.modules for c in m.chunks)
+
+
+def recompute_modes(placement: Placement) -> list[RecomputeMode]:
+    """Megatron's recompute settings worth trying on `placement`: none, selective, full, block N
+    on a grid up to the largest chunk, uniform with 1-layer groups (Megatron's default) and with
+    one group per chunk."""
+    top = max_chunk_layers(placement)
+    blocks = sorted({n for n in _BLOCK_GRID if n < top} | {top})
+    return [
+        NO_RECOMPUTE,
+        (Recompute.SELECTIVE, 0),
+        (Recompute.FULL, 0),
+        *((Recompute.BLOCK, n) for n in blocks),
+        *dict.fromkeys([(Recompute.UNIFORM, 1), (Recompute.UNIFORM, top)]),
+    ]
+
+
+def with_recompute(plan: Plan, mode: RecomputeMode) -> Plan:
+    """`plan` with every forward using recompute `mode` ((method, N))."""
+    method, layers = mode
+    programs = tuple(
+        Program(
+            p.rank,
+            tuple(
+                dataclasses.replace(i, recompute=method, recompute_layers=layers)
+                if isinstance(i, Forward)
+                else i
+                for i in p.instructions
+            ),
+        )
+        for p in plan.programs
+    )
+    return dataclasses.replace(plan, programs=programs)
+
+
+@dataclass(frozen=True)
+class StockResult:
+    """One stock configuration simulated on one batch (replica)."""
+
+    pipeline: str  # the static placement's name
+    schedule: str  # "1f1b" or "interleaved"
+    mode: RecomputeMode
+    sim: SimResult
+    fits: bool
+
+    @property
+    def key(self) -> tuple[str, str, RecomputeMode]:
+        return self.pipeline, self.schedule, self.mode
+
+    @property
+    def label(self) -> str:
+        """E.g. "megatron interleaved (cost-split), block 8"."""
+        return f"megatron {self.schedule} ({self.pipeline}), {mode_label(self.mode)}"
+
+
+@dataclass(frozen=True)
+class StockWork:
+    """What every stock configuration of one batch (replica) runs: the microbatches, each
+    module in one sub-microbatch, and the batch's denominators."""
+
+    submicrobatches: tuple
+    dependencies: tuple
+    microbatches: tuple
+    totals: BatchTotals
+    iteration: int
+
+
+def megatron_plan(
+    pipe: StaticPipeline, work: StockWork, mode: RecomputeMode, *, cost_model, tensors: TensorFn
+) -> Plan:
+    """Megatron's order on `pipe` with `mode` on every stage; messages placed by that mode's
+    stage durations."""
+    sub_of = {s.work: s for s in work.submicrobatches}
+
+    def duration(rank: int, ins) -> float:
+        chunk = pipe.placement.module(ins.stage.module).chunks[ins.stage.chunk]
+        c = cost_model.stage_cost(chunk, sub_of[ins.stage.work], *mode)
+        return max(c.forward if isinstance(ins, Forward) else c.backward, 1e-12)
+
+    plan = build_megatron_plan(
+        placement=pipe.placement,
+        stage_units=pipe.stage_units,
+        submicrobatches=list(work.submicrobatches),
+        dependencies=list(work.dependencies),
+        microbatches=list(work.microbatches),
+        totals=work.totals,
+        num_model_chunks=pipe.num_model_chunks,
+        tensors=tensors,
+        iteration=work.iteration,
+        compute_time=duration,
+    )
+    return with_recompute(plan, mode)
+
+
+def fits(sim: SimResult, limits: Sequence[float]) -> bool:
+    """Whether every rank's activation peak stays within its limit."""
+    return all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
+
+
+def evaluate_stock(
+    pipe: StaticPipeline,
+    work: StockWork,
+    *,
+    cost_model,
+    tensors: TensorFn,
+    limits: Sequence[float],
+    modes: Sequence[RecomputeMode] | None = None,
+    channel: ChannelFn = single_channel,
+) -> list[StockResult]:
+    """Every recompute mode (default `recompute_modes`) of `pipe` simulated on `work`."""
+    schedule = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
+    out = []
+    for mode in modes if modes is not None else recompute_modes(pipe.placement):
+        plan = megatron_plan(pipe, work, mode, cost_model=cost_model, tensors=tensors)
+        sim = simulate(plan, cost_model, channel=channel)
+        out.append(StockResult(pipe.name, schedule, mode, sim, fits(sim, limits)))
+    return out
+
+
+def fastest(results: Sequence[StockResult]) -> StockResult:
+    """The fastest result that fits (the fastest of all when none fits)."""
+    fitting = [r for r in results if r.fits]
+    return min(fitting or results, key=lambda r: r.sim.iteration_time)
+
+
+def strongest(per_batch: Sequence[Sequence[StockResult]]) -> tuple[str, str, RecomputeMode] | None:
+    """The configuration (pipeline, schedule, mode) that fits on every batch with the least
+    total simulated time; None when no configuration fits them all."""
+    totals: dict[tuple, float] = {}
+    fitting: dict[tuple, bool] = {}
+    for results in per_batch:
+        for r in results:
+            totals[r.key] = totals.get(r.key, 0.0) + r.sim.iteration_time
+            fitting[r.key] = fitting.get(r.key, True) and r.fits
+    candidates = [k for k in totals if fitting[k]]
+    return min(candidates, key=lambda k: (totals[k], k[2][1])) if candidates else None
+
+
+def best_fitting_mode(
+    plan_for: Callable[[RecomputeMode], Plan],
+    *,
+    layers: int,
+    cost_model,
+    limits: Sequence[float],
+    channel: ChannelFn,
+) -> tuple[Plan, SimResult] | None:
+    """The fastest uniform recompute setting of a plan family that fits, searched cheaply: no
+    recompute if it fits, else the smallest block N that fits (binary search: a larger N holds
+    less and recomputes more) against selective, uniform (one group per chunk) and full."""
+    tried: dict[RecomputeMode, tuple[Plan, SimResult]] = {}
+
+    def run(mode: RecomputeMode) -> tuple[Plan, SimResult]:
+        if mode not in tried:
+            plan = plan_for(mode)
+            tried[mode] = plan, simulate(plan, cost_model, channel=channel)
+        return tried[mode]
+
+    if fits(run(NO_RECOMPUTE)[1], limits):
+        return tried[NO_RECOMPUTE]
+    lo, hi = 1, layers
+    if fits(run((Recompute.BLOCK, hi))[1], limits):
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(run((Recompute.BLOCK, mid))[1], limits):
+                hi = mid
+            else:
+                lo = mid + 1
+        run((Recompute.BLOCK, lo))
+    for mode in ((Recompute.SELECTIVE, 0), (Recompute.UNIFORM, layers), (Recompute.FULL, 0)):
+        run(mode)
+    ok = [(p, s) for p, s in tried.values() if fits(s, limits)]
+    return min(ok, key=lambda ps: ps[1].iteration_time) if ok else None
+
+
+__all__ = [
+    "StockResult",
+    "StockWork",
+    "best_fitting_mode",
+    "evaluate_stock",
+    "fastest",
+    "fits",
+    "max_chunk_layers",
+    "megatron_plan",
+    "mode_label",
+    "recompute_modes",
+    "strongest",
+    "with_recompute",
+]
