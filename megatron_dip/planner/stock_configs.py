@@ -153,8 +153,12 @@ def evaluate_stock(
     modes: Sequence[RecomputeMode] | None = None,
     channel: ChannelFn = single_channel,
 ) -> list[StockResult]:
-    """Every recompute mode (default `recompute_modes`) of `pipe` simulated on `work`."""
+    """Every recompute mode (default `recompute_modes`) of `pipe` simulated on `work`; none
+    when Megatron cannot run the schedule on it (interleaving needs at least as many
+    microbatches as pipeline ranks)."""
     schedule = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
+    if pipe.num_model_chunks > 1 and len(work.microbatches) < pipe.placement.num_ranks:
+        return []
     out = []
     for mode in modes if modes is not None else recompute_modes(pipe.placement):
         plan = megatron_plan(pipe, work, mode, cost_model=cost_model, tensors=tensors)
@@ -170,15 +174,15 @@ def fastest(results: Sequence[StockResult]) -> StockResult:
 
 
 def strongest(per_batch: Sequence[Sequence[StockResult]]) -> tuple[str, str, RecomputeMode] | None:
-    """The configuration (pipeline, schedule, mode) that fits on every batch with the least
-    total simulated time; None when no configuration fits them all."""
+    """The configuration (pipeline, schedule, mode) that runs and fits on every batch with the
+    least total simulated time; None when no configuration does."""
     totals: dict[tuple, float] = {}
-    fitting: dict[tuple, bool] = {}
+    fitting: dict[tuple, int] = {}
     for results in per_batch:
         for r in results:
             totals[r.key] = totals.get(r.key, 0.0) + r.sim.iteration_time
-            fitting[r.key] = fitting.get(r.key, True) and r.fits
-    candidates = [k for k in totals if fitting[k]]
+            fitting[r.key] = fitting.get(r.key, 0) + r.fits
+    candidates = [k for k in totals if fitting[k] == len(per_batch)]
     return min(candidates, key=lambda k: (totals[k], k[2][1])) if candidates else None
 
 

@@ -85,6 +85,8 @@ class Study:
                 by_key.setdefault(r.key, []).append(r)
         best: dict[tuple[str, str], tuple] = {}
         for key, results in by_key.items():
+            if len(results) < len(self.batches):
+                continue  # Megatron cannot run it on some batch (too few microbatches)
             total = sum(r.sim.iteration_time for r in results)
             rank = (not all(r.fits for r in results), total, key[2][1])
             group = key[:2]
@@ -135,7 +137,7 @@ def format_table(title: str, study: Study) -> str:
     key = study.baseline()
     stock, dip = study.stock_rows(), study.dip_rows()
     base = next((r for r in stock if key is not None and r.name == _label_of(key)), None)
-    ref = base.median if base else min(r.median for r in stock)
+    ref = base.median if base else min(r.median for r in [*stock, *dip])
     head = (
         f"{'schedule':52s} {'median s':>9s} {'p90 s':>8s} {'speedup':>8s} {'/balanced':>9s} "
         f"{'bound eff':>9s} {'fits':>5s} {'recompute':>13s} {'plan s':>7s}"

@@ -1,0 +1,133 @@
+"""The stock Megatron configurations (planner/stock_configs.py), the balanced bound
+(planner/bounds.py) and the study that compares them with DIP (planner/compare.py, study.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from planner_cases import MERGE, tiny_case
+
+from megatron_dip.data.sample import BatchMeta
+from megatron_dip.modelspec import Setup
+from megatron_dip.planner.compare import Comparison
+from megatron_dip.planner.cost_model import CostModel
+from megatron_dip.planner.devices import get_device
+from megatron_dip.planner.search import SearchConfig
+from megatron_dip.planner.stock_configs import mode_label, recompute_modes
+from megatron_dip.planner.study import Study, format_table
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute
+from metas import vlm_meta
+
+MODEL = tiny_case().model  # ViT 4 layers -> LLM 6 layers, small shapes
+SETUP = Setup("tiny", MODEL, tensor_parallel=1, pipeline_parallel=2, num_gpus=2, seq_length=512)
+
+
+def _batch(iteration: int, grids: list[tuple[int, ...]]) -> BatchMeta:
+    samples = tuple(
+        vlm_meta(
+            i,
+            40 + 9 * i + sum(g * g for g in gs),
+            tuple((g * MERGE) ** 2 for g in gs),
+            tuple(g * g for g in gs),
+        )
+        for i, gs in enumerate(grids)
+    )
+    return BatchMeta(iteration, samples)
+
+
+BATCHES = [
+    _batch(0, [(4, 4), (), (6,), (2, 2, 2), (5,), (), (3, 3)]),
+    _batch(1, [(6, 6), (5, 5), (), (4,), (2,), (6,)]),
+]
+
+
+def _comparison(memory_gib: float) -> Comparison:
+    device = dataclasses.replace(get_device("H100"), memory_bytes=memory_gib * 2**30)
+    cost = CostModel(MODEL, device)
+    search = SearchConfig(max_rollouts=4, time_budget_s=600.0, seed=0)
+    return Comparison.create(SETUP, cost, device=device, calibration=BATCHES, search=search)
+
+
+@pytest.fixture(scope="module")
+def free_study() -> tuple[Comparison, Study]:
+    cmp = _comparison(80.0)
+    study = Study()
+    for b in BATCHES:
+        study.add(cmp.run_batch(b))
+    return cmp, study
+
+
+def test_recompute_grid_holds_megatrons_flags():
+    cmp = _comparison(80.0)
+    pipe = next(p for p in cmp.static if p.num_model_chunks == 1)
+    modes = recompute_modes(pipe.placement)
+    top = max(c.num_layers for m in pipe.placement.modules for c in m.chunks)
+    assert modes[:3] == [NO_RECOMPUTE, (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)]
+    assert (Recompute.BLOCK, 1) in modes and (Recompute.BLOCK, top) in modes
+    assert (Recompute.UNIFORM, 1) in modes and len(set(modes)) == len(modes)
+    assert [mode_label(m) for m in modes[:4]] == ["none", "selective", "full", "block 1"]
+
+
+def test_every_schedule_is_at_least_the_balanced_bound(free_study):
+    _, study = free_study
+    for b in study.batches:
+        assert b.balanced_bound > 0
+        for r in b.stock:
+            assert r.sim.iteration_time >= b.balanced_bound * (1 - 1e-9), r.label
+        for o in b.dip:
+            assert o.sim.iteration_time >= b.balanced_bound * (1 - 1e-9), o.name
+
+
+def test_without_memory_pressure_the_baseline_recomputes_nothing(free_study):
+    _, study = free_study
+    pipeline, schedule, mode = study.baseline()
+    assert mode == NO_RECOMPUTE
+    summary = study.summary()
+    assert summary["baseline"]["fits"] == "2/2" and summary["speedup"] > 0
+    table = format_table("tiny", study)
+    assert "* the strongest stock configuration" in table and pipeline in table
+
+
+def test_under_memory_pressure_the_baseline_is_the_cheapest_fitting_partial_recompute(
+    free_study,
+):
+    """With the device shrunk until no stock configuration fits without recompute, the
+    baseline is a fitting one, and for its pipeline no fitting setting is faster; a smaller
+    block N recomputes less (faster) and holds more (so N is the smallest that fits)."""
+    _, free = free_study
+    peaks = [max(r.sim.peak_activation_bytes) for b in free.batches for r in b.stock
+             if r.mode == NO_RECOMPUTE]  # fmt: skip
+    cmp = _comparison(80.0)
+    reserve = 0.9 * 80.0 * 2**30  # activation_limits keeps 10% of the device
+    static = max(reserve - lim for p in cmp.static for lim in cmp.memory(p.placement))
+    # A device whose activation budget is 70% of the smallest no-recompute peak.
+    tight = _comparison((0.7 * min(peaks) + static) / 0.9 / 2**30)
+    study = Study()
+    for b in BATCHES:
+        study.add(tight.run_batch(b))
+    key = study.baseline()
+    assert key is not None and key[2] != NO_RECOMPUTE
+    results = [r for b in study.batches for r in b.stock if r.key[:2] == key[:2]]
+    fitting = {}
+    for r in results:
+        fitting.setdefault(r.mode, []).append(r)
+    ok = {m: sum(r.sim.iteration_time for r in rs) for m, rs in fitting.items()
+          if all(r.fits for r in rs)}  # fmt: skip
+    assert min(ok, key=ok.get) == key[2]
+    blocks = sorted((m[1], rs[0]) for m, rs in fitting.items() if m[0] is Recompute.BLOCK)
+    for (n1, a), (n2, b) in zip(blocks, blocks[1:]):
+        assert a.sim.iteration_time <= b.sim.iteration_time * (1 + 1e-9), (n1, n2)
+        assert max(a.sim.peak_activation_bytes) >= max(b.sim.peak_activation_bytes), (n1, n2)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 6), max_size=3), min_size=2, max_size=9))
+def test_balanced_bound_never_exceeds_any_plan(grids):
+    """Property: on random batches, no stock configuration and no DIP step beats the bound."""
+    cmp = _comparison(80.0)
+    result = cmp.run_batch(_batch(3, [tuple(g) for g in grids]))
+    times = [r.sim.iteration_time for r in result.stock] + [o.sim.iteration_time for o in result.dip]
+    assert min(times) >= result.balanced_bound * (1 - 1e-9)
