@@ -95,6 +95,7 @@ PIPELINE = [
     "t2v_seg_v2_rc",
     "vlm_dip",
     "t2v_dip",
+    "vlm_dip_static",
     "omni_seg_rc",
     "omni_dip",
 ]

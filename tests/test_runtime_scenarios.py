@@ -76,6 +76,11 @@ def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     tdpl = st.dip_placement(t2v.model, p, {"text": 1, "dit": 2})
     tdplan = broadcast_plan(lambda: st.dip_plan(t2v, tdpl, memory_limit=DIP_MEMORY[p]), g.pp)
     guarded(f"{tag}t2v_dip", out, lambda: run_executor(t2v, tdpl, tdplan, g))
+    # DIP planning on a static Megatron placement (the start-up search may pick one): the ViT
+    # whole on rank 0, the LLM in 2 chunks per rank.
+    spl, _ = st.stock_placement(vlm.model, p, vp=2)
+    splan = broadcast_plan(lambda: st.dip_plan(vlm, spl, memory_limit=DIP_MEMORY[p]), g.pp)
+    guarded(f"{tag}vlm_dip_static", out, lambda: run_executor(vlm, spl, splan, g))
     _omni_pipeline(out, g, p, tag)
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metas import vlm_meta
 from planner_cases import MERGE, tiny_case
 
 from megatron_dip.data.sample import BatchMeta
@@ -19,7 +20,6 @@ from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.stock_configs import mode_label, recompute_modes
 from megatron_dip.planner.study import Study, format_table
 from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute
-from metas import vlm_meta
 
 MODEL = tiny_case().model  # ViT 4 layers -> LLM 6 layers, small shapes
 SETUP = Setup("tiny", MODEL, tensor_parallel=1, pipeline_parallel=2, num_gpus=2, seq_length=512)
@@ -129,5 +129,7 @@ def test_balanced_bound_never_exceeds_any_plan(grids):
     """Property: on random batches, no stock configuration and no DIP step beats the bound."""
     cmp = _comparison(80.0)
     result = cmp.run_batch(_batch(3, [tuple(g) for g in grids]))
-    times = [r.sim.iteration_time for r in result.stock] + [o.sim.iteration_time for o in result.dip]
+    times = [r.sim.iteration_time for r in result.stock] + [
+        o.sim.iteration_time for o in result.dip
+    ]
     assert min(times) >= result.balanced_bound * (1 - 1e-9)

@@ -194,8 +194,10 @@ def test_presets_fill_unset_flags_and_flags_win():
     assert spec.config.train.global_batch_size == 6 and spec.sub_sizes == {"vit": 3}
     assert spec.model.module("llm").num_layers == 12
     assert [m.num_chunks for m in spec.placement.modules] == [4, 4]
-    paper = _resolve(
-        [], world_size=16, base=["--model", "vlm-s", "--train-iters", "2", "--lr", "1"]
+    paper = _resolve(  # explicit segments: no start-up placement search at paper scale here
+        ["--dip-segments", "vit=1,llm=2"],
+        world_size=16,
+        base=["--model", "vlm-s", "--train-iters", "2", "--lr", "1"],
     )
     assert (paper.tensor_parallel, paper.pipeline_parallel) == (4, 4)
     assert paper.config.train.seq_length == 8192 and paper.config.dip.dip_data == "synthetic-mixed"
@@ -336,3 +338,25 @@ def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_pat
     names = {n for n, _ in written}
     assert {"lm loss", "learning-rate", "grad-norm", "dip/bound-efficiency"} <= names
     assert {"dip/planned-iteration-time", "closed"} <= names
+
+
+@pytest.mark.parametrize("model", ["tiny-vlm", "tiny-t2v"])
+def test_startup_placement_search_scores_static_placements_and_keeps_the_best(model, caplog):
+    """Without --dip-segments, DIP's placement is the best-scoring of its segment counts and
+    the static Megatron placements; a static one keeps its virtual stages for the planner."""
+    from megatron_dip.training.planning import make_planner
+
+    base = ["--model", model, "--train-iters", "2", "--lr", "1"]
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+        spec = _resolve(
+            ["--pipeline-model-parallel-size", "2", "--dip-segments", "auto"],
+            world_size=2,
+            base=base,
+        )
+    (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
+    chosen, scores = record.args
+    assert {"static stock v1", "static cost-split v1", "static cost-split v2"} <= set(scores)
+    assert scores[chosen] == min(scores.values())
+    static = chosen.startswith("static ")
+    assert (spec.stage_units is not None) == static and (spec.segments == {}) == static
+    assert make_planner(spec).stage_units == spec.stage_units

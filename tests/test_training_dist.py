@@ -120,6 +120,14 @@ def test_stock_schedule_first_loss_equals_dip(world, schedule):
     assert stock["losses"][1] == pytest.approx(world[0]["dip"]["losses"][1], rel=RTOL)
 
 
+def test_placement_searched_at_start_up_trains_like_the_preset_placement(world):
+    """`--dip-segments auto` (here a static Megatron placement wins on the tiny model) trains
+    with DIP's plans, planner process included, to the preset placement's first loss."""
+    auto = world[0]["auto_placement"]
+    assert sorted(auto["losses"]) == [1, 2] and sum(auto["variants"].values()) == 2
+    assert auto["losses"][1] == pytest.approx(world[0]["dip"]["losses"][1], rel=RTOL)
+
+
 def test_calibration_lowers_the_cost_model_error_and_survives_checkpoints(world):
     """The data-sheet (H100) cost model predicts these CPU timings ~10^4 times too fast.
     Iteration 1 is warm-up (not observed), so the default window of 8 updates at iterations 9

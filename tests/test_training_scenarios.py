@@ -93,6 +93,15 @@ def world4(*, rank: int, world_size: int, data: str, tmp: str, bad_data: str) ->
         ],
         world_size=world_size,
     )  # fmt: skip
+    # The start-up placement search (DIP segment counts and static Megatron placements), with
+    # the planner process planning on the chosen placement.
+    out["auto_placement"] = run(
+        base + [
+            "--pipeline-model-parallel-size", "2", "--train-iters", "2", "--dip-segments", "auto",
+            "--dip-lookahead", "1", "--dip-search-time-ms", "0",
+        ],
+        world_size=world_size,
+    )  # fmt: skip
     out.update(planner_fault_runs(base, world_size=world_size))
     out.update(optimizer_and_baseline_runs(base, tmp=tmp, world_size=world_size))
     out["t2v"] = run(

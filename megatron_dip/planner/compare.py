@@ -39,9 +39,10 @@ from .placement import (
     build_dip_placement,
     choose_dip_placement,
 )
+from .placement_search import greedy_score, static_candidates
 from .search import SearchConfig
 from .simulator import SimResult, simulate
-from .static_baselines import StaticPipeline, one_list_pipeline, stock_pipeline
+from .static_baselines import StaticPipeline, static_pipelines
 from .stock_configs import StockResult, StockWork, evaluate_stock, fits
 from .submicrobatch import choose_sub_size, split_modules
 
@@ -105,18 +106,6 @@ class BatchResult:
     balanced_bound: float  # the slowest replica's total compute without recompute / P
 
 
-def static_pipelines(model: MultimodalSpec, cost_model, *, num_ranks: int, workload) -> list:
-    """The static placements a Megatron user can build: encoder on the first stage (1F1B and
-    interleaved), one layer list cut by parameters or by cost (interleaved)."""
-    kwargs = {"num_ranks": num_ranks, "workload": workload}
-    return [
-        stock_pipeline(model, cost_model, num_model_chunks=1, **kwargs),
-        stock_pipeline(model, cost_model, num_model_chunks=2, **kwargs),
-        one_list_pipeline(model, cost_model, num_model_chunks=2, by="params", **kwargs),
-        one_list_pipeline(model, cost_model, num_model_chunks=2, by="cost", **kwargs),
-    ]
-
-
 @dataclass
 class Comparison:
     """Everything fixed for one setup: model, cost model, placements, sub-microbatch sizes.
@@ -169,7 +158,6 @@ class Comparison:
         static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
         rule_candidate = PlacementCandidate("rule", rule)
         cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
-        extra = [PlacementCandidate(f"static {q.name}", q.placement, q.stage_units) for q in static]
         cmp.dip, cmp.placement_scores = choose_dip_placement(
             model,
             cost_model,
@@ -177,23 +165,16 @@ class Comparison:
             workload=workload,
             unit_instances=sub_sizes,
             evaluate=functools.partial(cmp.score_placement, calibration[:2]),
-            extra=extra,
+            extra=static_candidates(static),
         )
         return cmp
 
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
-        """Mean simulated iteration time of greedy DIP plans of `batches` under the candidate
-        (Megatron's order with its recompute settings included; a plan whose activations do not
-        fit counts double)."""
+        """`placement_search.greedy_score` of `batches` under the candidate."""
         trial = dataclasses.replace(self, dip=cand)
         planner = trial.planner(use_search=False)
         limits = trial.memory(cand.placement)
-        times = []
-        for b in batches:
-            plan = planner.plan_layout(planner.layout(b), 0).plan
-            sim = simulate(plan, self.cost_model, channel=self.dip_channel)
-            times.append(sim.iteration_time * (1 if fits(sim, limits) else 2))
-        return sum(times) / len(times)
+        return greedy_score(planner, batches, limits=limits, channel=self.dip_channel)
 
     def memory(self, placement: Placement) -> list[float]:
         return activation_limits(

@@ -13,12 +13,15 @@ Each returns the `Placement` and the per-rank virtual-stage units for
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..modelspec import MultimodalSpec
 from ..schedule.ir import ChunkSpec, ModuleLayout, Placement
 from .placement import ModuleWorkload, balanced_layer_split, representative_sub
+
+logger = logging.getLogger(__name__)
 
 Units = list[list[list[tuple[str, int]]]]  # [rank][virtual stage] -> (module, chunk) units
 
@@ -119,3 +122,29 @@ def stock_pipeline(
     offset = len(items) - len(tail)
     cuts = [(0 if i == 0 else s + offset, e + offset) for i, (s, e) in enumerate(tail_cuts)]
     return _pipeline_from_cuts("stock", model, items, cuts, num_ranks, num_model_chunks)
+
+
+def static_pipelines(
+    model: MultimodalSpec, cost_model, *, num_ranks: int, workload: Mapping[str, ModuleWorkload]
+) -> list[StaticPipeline]:
+    """The static placements a Megatron user can build: encoder on the first stage, and one
+    layer list cut by cost, each with one and two model chunks per rank (1F1B, interleaved);
+    one list cut by parameters (interleaved). Those the model's layers cannot fill (fewer layers
+    than stages) are left out."""
+    kwargs = {"num_ranks": num_ranks, "workload": workload}
+    builders = [
+        (stock_pipeline, {"num_model_chunks": 1}),
+        (stock_pipeline, {"num_model_chunks": 2}),
+        (one_list_pipeline, {"num_model_chunks": 1, "by": "cost"}),
+        (one_list_pipeline, {"num_model_chunks": 2, "by": "params"}),
+        (one_list_pipeline, {"num_model_chunks": 2, "by": "cost"}),
+    ]
+    out = []
+    for build, options in builders:
+        if options["num_model_chunks"] > 1 and num_ranks < 2:
+            continue  # interleaving needs a pipeline
+        try:
+            out.append(build(model, cost_model, **options, **kwargs))
+        except ValueError as e:  # too few layers for the stages
+            logger.debug("static placement %s %s left out: %s", build.__name__, options, e)
+    return out

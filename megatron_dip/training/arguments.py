@@ -191,7 +191,9 @@ class DipArgs:
     dip_segments: str | None = arg(
         "--dip-segments",
         None,
-        "pipeline segments per module, e.g. vit=1,llm=2 (default: from the cost model)",
+        "pipeline segments per module, e.g. vit=1,llm=2, or auto: chosen at start-up among "
+        "segment counts and the static Megatron placements by simulated plans of the first "
+        "batches (the default where the --model preset gives none)",
         megatron=False,
     )
     dip_sub_microbatch_size: str | None = arg(

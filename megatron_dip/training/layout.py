@@ -3,29 +3,42 @@
 Torch-free, run by `validate.resolve` on every rank before any process group exists. A few
 calibration batches of the run's own data stream (metadata only) give each module's average
 work per microbatch; from it the cost model chooses the sub-microbatch sizes (the smallest size
-keeping 95% of peak efficiency) and DIP's placement (segments per module, layers per chunk), or the
-stock Megatron placement for `--dip-schedule 1f1b|interleaved` (encoder whole on the first stage,
-the loss module's layers split for the average batch).
+keeping 95% of peak efficiency), and the placement: for `--dip-schedule 1f1b|interleaved` the
+stock Megatron placement of `--dip-stock-placement`; for DIP the `--dip-segments` given, or a
+start-up search over DIP's segment counts (the latency rule K_i = floor(T_i / T_min) among them)
+and the static Megatron placements (encoder on the first stage, one layer list cut by cost or
+parameters, 1 or 2 chunks per rank), scored by simulated greedy plans of the first calibration
+batches (`planner.placement_search`). A static placement keeps its virtual stages, so the
+planner can always fall back to Megatron's order on it: DIP never starts slower than them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from megatron_dip.batching import LayoutConfig, MicrobatchWork, pack, split_microbatches
 from megatron_dip.data.packing import PackingLimits
-from megatron_dip.data.sample import SampleMeta
+from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.compare import activation_limits, average_workload
+from megatron_dip.planner.dip import DipPlanner, PlannerConfig
 from megatron_dip.planner.placement import (
+    PlacementCandidate,
     build_dip_placement,
+    choose_dip_placement,
     parse_segments,
     segments_per_module,
 )
-from megatron_dip.planner.static_baselines import one_list_pipeline, stock_pipeline
+from megatron_dip.planner.placement_search import greedy_score, static_candidates
+from megatron_dip.planner.static_baselines import (
+    one_list_pipeline,
+    static_pipelines,
+    stock_pipeline,
+)
 from megatron_dip.planner.submicrobatch import choose_sub_size, split_modules
 from megatron_dip.schedule.ir import Placement, Recompute
 
@@ -35,6 +48,7 @@ from .data_source import DataSpec, make_stream
 logger = logging.getLogger(__name__)
 
 CALIBRATION_BATCHES = 4
+SCORED_BATCHES = 2  # of them, planned greedily per placement candidate
 
 
 @dataclass(frozen=True)
@@ -44,7 +58,7 @@ class Layout:
     sub_sizes: dict[str, int]
     placement: Placement
     stage_units: list | None
-    segments: dict[str, int]
+    segments: dict[str, int]  # DIP's segments per module ({} on a static placement)
     memory_limit: list[float] | None
 
 
@@ -54,16 +68,16 @@ def _fail(flag: str, message: str) -> ValueError:
     return ConfigError(f"{flag}: {message}")
 
 
-def calibration_microbatches(
+def calibration_batches(
     config: TrainConfig, model: MultimodalSpec, data: DataSpec, limits: PackingLimits
-) -> list[list[SampleMeta]]:
-    """The samples of each packed microbatch of the first calibration batches (metadata)."""
+) -> list[BatchMeta]:
+    """The first calibration batches of the run's data stream (metadata)."""
     t = config.train
     stream = make_stream(
         data, model, seed=t.seed, global_batch_size=t.global_batch_size, limits=limits
     )
     try:  # the stream bounds its search for usable samples, so this cannot spin
-        batches = stream.peek(CALIBRATION_BATCHES)
+        return stream.peek(CALIBRATION_BATCHES)
     except StreamError as e:
         hint = " (or skip such samples: --dip-bad-samples skip)"
         hint = hint if config.dip.dip_bad_samples == "error" and e.position is not None else ""
@@ -73,7 +87,6 @@ def calibration_microbatches(
                 f"a sample of --dip-data {config.dip.dip_data} fits in no microbatch: {e}{hint}",
             ) from None
         raise _fail("--dip-data", f"cannot form a batch: {e}{hint}") from None
-    return [list(mb) for batch in batches for mb in pack(list(batch.samples), limits)]
 
 
 def split_all(model: MultimodalSpec, microbatches, config: LayoutConfig) -> list[MicrobatchWork]:
@@ -121,7 +134,7 @@ def automatic_segments(model: MultimodalSpec, cost_model, workload, pp: int) -> 
 
 def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
     schedule = config.dip.dip_schedule
-    if config.dip.dip_segments is not None:
+    if config.dip.dip_segments not in (None, "auto"):
         raise _fail("--dip-segments", f"applies to --dip-schedule dip, not {schedule}")
     vp = 2 if schedule == "interleaved" else 1
     if vp > 1 and pp < 2:
@@ -190,6 +203,82 @@ def _memory_limit(config, placement, cost_model, works, model, *, tp: int, devic
     return limit
 
 
+@dataclass(frozen=True)
+class _Sizing:
+    """What every placement candidate of a run is sized and scored with."""
+
+    config: TrainConfig
+    model: MultimodalSpec
+    cost_model: object
+    batches: list[BatchMeta]
+    works: list[MicrobatchWork]  # calibration microbatches cut with the chosen sub sizes
+    workload: dict
+    sub_sizes: dict[str, int]
+    limits: PackingLimits
+    tp: int
+    pp: int
+    dp: int
+    dtype: str
+    device: object
+
+    def memory_limit(self, placement: Placement) -> list[float] | None:
+        return _memory_limit(
+            self.config, placement, self.cost_model, self.works, self.model,
+            tp=self.tp, device=self.device,
+        )  # fmt: skip
+
+    def score(self, cand: PlacementCandidate) -> float:
+        """`greedy_score` of the first calibration batches; inf when no plan can fit."""
+        from .validate import ConfigError
+
+        try:
+            limit = self.memory_limit(cand.placement)
+        except ConfigError:
+            return math.inf
+        config = PlannerConfig(
+            seq_length=self.config.train.seq_length,
+            data_parallel=self.dp,
+            sub_sizes=self.sub_sizes,
+            memory_limit_bytes=limit,
+            tensor_parallel=self.tp,
+            sequence_parallel=self.config.parallel.sequence_parallel and self.tp > 1,
+            dtype=self.dtype,
+            use_search=False,
+            strict_memory=False,
+            packing=self.limits,
+        )
+        planner = DipPlanner(
+            self.model, self.cost_model, cand.placement, config, stage_units=cand.stage_units
+        )
+        return greedy_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
+
+
+def _dip_placement(sizing: _Sizing) -> PlacementCandidate:
+    """--dip-segments as given, else the start-up search: DIP's segment counts (the latency
+    rule among them) and the static Megatron placements, scored by simulated greedy plans."""
+    model, cost, pp = sizing.model, sizing.cost_model, sizing.pp
+    given = sizing.config.dip.dip_segments
+    override = {} if given in (None, "auto") else parse_segments(given)
+    if override:
+        placement, _ = build_dip_placement(
+            model, cost, num_ranks=pp, workload=sizing.workload, segments=override
+        )
+        return PlacementCandidate("--dip-segments", placement)
+    segments = automatic_segments(model, cost, sizing.workload, pp)
+    if pp == 1:  # one rank: nothing to place, the latency rule's chunks are all there is
+        placement, _ = build_dip_placement(
+            model, cost, num_ranks=pp, workload=sizing.workload, segments=segments
+        )
+        return PlacementCandidate("rule", placement)
+    static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
+    chosen, scores = choose_dip_placement(
+        model, cost, num_ranks=pp, workload=sizing.workload, unit_instances=sizing.sub_sizes,
+        evaluate=sizing.score, extra=static_candidates(static),
+    )  # fmt: skip
+    logger.info("placement %r chosen; simulated seconds per candidate: %s", chosen.name, scores)
+    return chosen
+
+
 def build_layout(
     config: TrainConfig,
     model: MultimodalSpec,
@@ -199,31 +288,35 @@ def build_layout(
     limits: PackingLimits,
     tp: int,
     pp: int,
+    dp: int,
     dtype: str,
     sub_sizes: Mapping[str, int] | None,
     device,
 ) -> Layout:
-    """Sub-microbatch sizes, placement (DIP or stock) and per-rank activation limit."""
-    del dtype  # the cost model already prices the run's dtype
-    microbatches = calibration_microbatches(config, model, data, limits)
+    """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit."""
+    batches = calibration_batches(config, model, data, limits)
+    microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]
     whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)
     workload = average_workload(model, split_all(model, microbatches, whole))
     sizes = choose_sub_sizes(model, cost_model, workload, sub_sizes)
     if config.dip.dip_schedule != "dip":
         placement, units = _stock(config, model, cost_model, workload, pp)
         return Layout(sizes, placement, units, {}, None)
+    split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
+    sizing = _Sizing(
+        config, model, cost_model, batches, split, workload, sizes, limits,
+        tp=tp, pp=pp, dp=dp, dtype=dtype, device=device,
+    )  # fmt: skip
     try:
-        override = parse_segments(config.dip.dip_segments or "")
-        segments = override or automatic_segments(model, cost_model, workload, pp)
-        placement, report = build_dip_placement(
-            model, cost_model, num_ranks=pp, workload=workload, segments=segments
-        )
+        chosen = _dip_placement(sizing)
     except ValueError as e:
         text = str(e)
         if text.startswith("--"):  # the planner already names the flag
             flag, _, rest = text.partition(" ")
             raise _fail(flag.rstrip(":"), rest) from None
         raise _fail("--pipeline-model-parallel-size", text) from None
-    split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
-    limit = _memory_limit(config, placement, cost_model, split, model, tp=tp, device=device)
-    return Layout(sizes, placement, None, dict(report.segments), limit)
+    limit = sizing.memory_limit(chosen.placement)
+    segments = {}
+    if chosen.stage_units is None:  # DIP's own placement: segments per module
+        segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
+    return Layout(sizes, chosen.placement, chosen.stage_units, segments, limit)

@@ -47,8 +47,18 @@ from .validate import RunSpec
 logger = logging.getLogger(__name__)
 
 
+def planner_factory(spec: RunSpec) -> functools.partial:
+    """Builds the run's planner (here and in the planner process): on a static placement
+    chosen at start-up, with its virtual stages for Megatron's order."""
+    return functools.partial(
+        DipPlanner, spec.model, spec.cost_model, spec.placement, spec.planner,
+        stage_units=spec.stage_units,
+    )  # fmt: skip
+
+
 def make_planner(spec: RunSpec) -> DipPlanner:
-    return DipPlanner(spec.model, spec.cost_model, spec.placement, spec.planner)
+    """The run's planner (`planner_factory`)."""
+    return planner_factory(spec)()
 
 
 def replica_plan(
@@ -116,9 +126,7 @@ class DipPlans:
             store, address = _share_store(ctx)
             self.client = PlanClient(store, replica=ctx.dp_rank)
             if ctx.rank == 0:
-                factory = functools.partial(
-                    DipPlanner, spec.model, spec.cost_model, spec.placement, spec.planner
-                )
+                factory = planner_factory(spec)
                 self.service = PlannerService(
                     factory, address, lookahead=self.lookahead, faults=spec.planner_faults
                 )

@@ -60,7 +60,7 @@ class RunSpec:
     device: DeviceSpec
     cost_model: CostModel
     placement: Placement
-    stage_units: list | None  # stock schedules: [rank][virtual stage] -> units
+    stage_units: list | None  # a static placement's [rank][virtual stage] -> units (stock, DIP)
     planner: PlannerConfig
     memory_limit_bytes: list[float] | None
     segments: dict[str, int] = field(default_factory=dict)
@@ -416,7 +416,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     cost = _cost_model(config, model, device, tp=tp, dtype=plan_dtype)
     limits = packing_limits(model, config.train.seq_length)
     layout = build_layout(
-        config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dtype=plan_dtype,
+        config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dp=dp, dtype=plan_dtype,
         sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
         device=device if cuda or emulate else None,
     )  # fmt: skip
