@@ -291,3 +291,14 @@ def test_evaluation_reads_the_val_split(datasets):
     assert spec.source(MODEL, seed=0, evaluation=True) is not None
     only_train = DataSpec.parse(f"energon:{datasets['caption']}", scale=1.0, image_size=32)
     assert only_train.source(MODEL, seed=0, evaluation=True).split == "train"
+
+
+def test_converter_names_or_skips_records_whose_images_are_missing(tmp_path):
+    path = make_tiny_llava_sample(tmp_path / "llava", num_samples=3, seed=5)
+    records = json.loads(path.read_text())
+    records[1]["image"] = "images/missing.png"
+    path.write_text(json.dumps(records))
+    with pytest.raises(energon.BadSampleError, match=r"record 1 \(id 'tiny00001'\).*missing.png"):
+        write_llava_energon(path, tmp_path / "strict")
+    assert write_llava_energon(path, tmp_path / "lenient", skip_bad=True) == (2, 1)
+    assert [m.sample_id for m in _source(tmp_path / "lenient").metas(range(2))] == [0, 1]

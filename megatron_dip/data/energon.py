@@ -58,9 +58,11 @@ try:
     )
     from megatron.energon.edataclass import edataclass
     from megatron.energon.flavors.base_dataset import Sample as EnergonSample
+    from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
     from megatron.energon.flavors.webdataset.indexing import SqliteIndexReader
     from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
     from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
+    from megatron.energon.media.metadata import deserialize_media_metadata
     from webdataset.autodecode import IMAGE_EXTENSIONS, Decoder
 except ImportError as err:  # an optional dependency: only --dip-data energon:PATH needs it
     raise ImportError(
@@ -250,7 +252,12 @@ class EnergonDataset(ImageTextReader):
     def __init__(
         self, factory, *, model: MultimodalSpec, config: ReaderConfig, cookers: Sequence
     ) -> None:
-        self.factory, self.name = factory, str(factory.path)
+        self.factory, self.name = factory, str(getattr(factory, "path", factory))
+        if not isinstance(factory, BaseWebdatasetFactory):
+            raise ValueError(
+                f"--dip-data: {self.name} is a {type(factory).__name__}; only prepared "
+                "WebDatasets (tar shards) are supported, not joined or JSONL datasets"
+            )
         self._aside = _ImagePartsAside(factory.part_filter)
         self._text_reader = ShardInfosITarReader(
             factory.path,
@@ -289,26 +296,31 @@ class EnergonDataset(ImageTextReader):
             row = self._index.get_media_metadata(entry)
             if row is None:
                 return None
-            from megatron.energon.media.metadata import deserialize_media_metadata
-
             meta = deserialize_media_metadata(*row)
-            out[part] = EncodedImage(
-                entry, None, getattr(meta, "width", None), getattr(meta, "height", None)
-            )
+            width, height = getattr(meta, "width", None), getattr(meta, "height", None)
+            out[part] = EncodedImage(entry, None, width, height)
         return out
 
-    def _raw(self, index: int, *, pixels: bool) -> dict:
-        if not pixels and self._index is not None:
-            self._aside.images = []
-            raw = self._text_reader[index]
-            sized = None if raw is None else self._sized(raw["__key__"], self._aside.images)
-            if raw is None or sized is not None:
-                return raw if raw is None else {**raw, **sized}
-        raw = self._full_reader[index]
+    def _without_pixels(self, index: int) -> dict | None:
+        """The sample's parts but its images, which only tell their size (None: the media
+        metadata lacks one of them)."""
+        self._aside.images = []
+        raw = self._text_reader[index]
         if raw is None:
-            return raw
-        for part in [p for p in raw if not p.startswith("__") and is_image_part(p)]:
-            raw[part] = EncodedImage(f"{raw['__key__']}.{part}", raw[part])
+            return None
+        sized = self._sized(raw["__key__"], self._aside.images)
+        return None if sized is None else {**raw, **sized}
+
+    def _raw(self, index: int, *, pixels: bool) -> dict | None:
+        """The sample's parts, images as `EncodedImage`s (None: excluded by the split)."""
+        if not pixels and self._index is not None:
+            raw = self._without_pixels(index)
+            if raw is not None:
+                return raw
+        raw = self._full_reader[index]
+        if raw is not None:
+            for part in [p for p in raw if not p.startswith("__") and is_image_part(p)]:
+                raw[part] = EncodedImage(f"{raw['__key__']}.{part}", raw[part])
         return raw
 
     def record(self, index: int, *, pixels: bool) -> Record:

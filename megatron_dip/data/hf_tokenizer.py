@@ -160,9 +160,9 @@ class HuggingFaceTokenizer:
 
     def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids int64 [n], character offsets int64 [n, 2]) of `text`, nothing added."""
-        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int64)
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(len(ids), 2)
+        enc = self._tok.backend_tokenizer.encode(text, add_special_tokens=False)  # the Rust one
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(len(ids), 2)
         return ids, offsets
 
     def decode(self, ids) -> str:

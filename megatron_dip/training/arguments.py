@@ -325,7 +325,8 @@ class DipArgs:
     dip_image_size: int | None = arg(
         "--dip-image-size",
         None,
-        "image side in pixels (synthetic) / largest image side (llava)" + PRESET,
+        "image side in pixels (synthetic); real images: --dip-max-pixels defaults to its square"
+        + PRESET,
         megatron=False,
     )
 
