@@ -175,7 +175,7 @@ def _check_reading(data: DataSpec, model: MultimodalSpec, tokenizer: Tokenizer) 
         if vit is not None:
             data.image.check_vit(patch=vit.patch_size, merge=vit.merge)
         if data.kind != "latents":
-            image_id = None if vit is None else vit.placeholder_id
+            image_id = None if vit is None else modality_of(vit).placeholder_id(vit)
             make_encoder(tokenizer, data.tokenizer.prompt_format, image_id=image_id)
     except ValueError as e:
         raise ConfigError(str(e)) from None
