@@ -23,7 +23,23 @@ setup(
         "pillow>=10",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.6"],
+        # Hugging Face tokenizers and chat templates (--tokenizer-type HuggingFaceTokenizer);
+        # imported only by such runs (AutoTokenizer, apply_chat_template, offsets).
+        "hf": ["transformers>=4.45", "tokenizers>=0.20"],
+        # Megatron-Energon datasets (--dip-data energon:PATH); it asks for a bare `torch`, so
+        # install torch first (the README's set-up command does).
+        "energon": ["megatron-energon>=7.4,<8"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.2",
+            "hypothesis>=6.100",
+            "ruff>=0.6",
+            # the tested versions: transformers 5.24 (its PIL Qwen2-VL image processor is the
+            # reference of data/image.py), tokenizers 0.23, megatron-energon 7.4.1
+            "transformers>=5.24,<6",
+            "tokenizers>=0.22",
+            "megatron-energon>=7.4,<8",
+        ],
         # Optional GPU accelerations; nothing in megatron-dip requires them.
         "gpu": ["transformer-engine[pytorch]"],
     },

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PAD_TOKEN = 0  # padding id of the packed text sequences (the tiny tokenizer reserves it)
+# Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
+# another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.validate).
+PAD_TOKEN = 0  # default padding id of the packed text sequences
 IMAGE_TOKEN = 1  # default placeholder id of a vision encoder's instances in the LLM sequence
 
 
@@ -56,7 +58,9 @@ class ModuleSpec:
     `in_channels` (vit: image channels; dit: latent channels; audio: mel bins), `merge` (vit:
     patches merged per side into one LLM token, 52x52 -> 13x13 = 169; audio: encoder tokens
     pooled into one LLM token), `out_hidden` (producers: the consumer's hidden size),
-    `cond_hidden` (dit: hidden size of the conditioning text encoding).
+    `cond_hidden` (dit: hidden size of the conditioning text encoding), `placeholder_id`
+    (scatter producers: the token id of their placeholders in the consumer's text), `pad_id`
+    (modules reading text: the id that pads their packed sequences, from the tokenizer).
     """
 
     name: str
@@ -72,6 +76,7 @@ class ModuleSpec:
     out_hidden: int = 0
     cond_hidden: int = 0
     placeholder_id: int | None = None
+    pad_id: int = PAD_TOKEN
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.kind, str) or not self.kind:

@@ -1,4 +1,6 @@
-"""LLaVA-style reader, offline tokenizer and the generated tiny sample dataset."""
+"""LLaVA-style reader (streaming JSON index), offline byte tokenizer and the generated tiny sample
+dataset. Hugging Face tokenizers and chat templates: test_data_chat.py; image preprocessing:
+test_data_image.py."""
 
 import json
 import logging
@@ -9,7 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from megatron_dip.data.llava import LlavaConfig, LlavaDataset, grid_size
+from megatron_dip.data.image import ImageProcessorConfig, smart_resize
+from megatron_dip.data.image_text import ReaderConfig
+from megatron_dip.data.json_index import JsonRecords
+from megatron_dip.data.llava import LlavaDataset
 from megatron_dip.data.meta import sample_meta
 from megatron_dip.data.records import BadSampleError
 from megatron_dip.data.sample import IMAGE_TOKEN, PAD_TOKEN
@@ -42,18 +47,9 @@ def test_tokenizer_layout_fits_the_tiny_vocab():
         TOK.decode([500])
 
 
-def test_grid_size_keeps_aspect_and_respects_max_side():
-    assert grid_size(height=480, width=640, unit=16, max_side=64) == (48, 64)
-    assert grid_size(height=20, width=90, unit=16, max_side=64) == (16, 64)
-    assert grid_size(height=5, width=5, unit=16, max_side=64) == (16, 16)  # at least one unit
-    assert grid_size(height=728, width=1000, unit=56, max_side=728) == (504, 728)
-    with pytest.raises(ValueError, match="smaller than one grid unit"):
-        grid_size(height=10, width=10, unit=16, max_side=8)
-
-
 def test_tiny_sample_round_trips(tiny):
     records = json.loads(tiny.read_text())
-    ds = LlavaDataset(tiny, model=MODEL, config=LlavaConfig(max_side=64))
+    ds = LlavaDataset(tiny, model=MODEL, config=ReaderConfig(image=ImageProcessorConfig(4096)))
     assert ds.num_samples == len(records) == 16
     for i, record in enumerate(records):
         s = ds.sample(i)
@@ -69,7 +65,8 @@ def test_tiny_sample_round_trips(tiny):
         (image,) = s.media["vit"]
         with Image.open(tiny.parent / record["image"]) as im:
             w, h = im.size
-        assert image.shape == (3, *grid_size(height=h, width=w, unit=16, max_side=64))
+        size = smart_resize(h, w, factor=16, min_pixels=256, max_pixels=4096)
+        assert image.shape == (3, *size) and size[0] * size[1] <= 4096
         assert (s.text == IMAGE_TOKEN).sum() == image.shape[1] * image.shape[2] // 256
         assert image.min() >= -1.0 and image.max() <= 1.0
 
@@ -135,7 +132,7 @@ def mixed_quality(tmp_path):
     [
         (1, "id 'missing', image 'nope.png'.*nope.png"),
         (2, "id 'broken', image 'broken.png'.*broken.png"),
-        (3, "id 'two-tags'.*more <image> tags than the 1 images"),
+        (3, "id 'two-tags'.*2 <image> tags for 1 images"),
         (5, "id 'no-conv'.*'conversations'"),
     ],
 )
@@ -146,7 +143,7 @@ def test_bad_records_raise_naming_id_and_path(mixed_quality, index, message):
 
 
 def test_bad_records_are_counted_logged_and_skipped_by_the_stream(mixed_quality, caplog):
-    ds = LlavaDataset(mixed_quality, model=MODEL, config=LlavaConfig(on_bad_sample="skip"))
+    ds = LlavaDataset(mixed_quality, model=MODEL, config=ReaderConfig(on_bad_sample="skip"))
     with caplog.at_level(logging.WARNING):
         batch = next(BatchStream(ds, config=StreamConfig(batch_samples=2, shuffle=False)))
     assert [m.sample_id for m in batch.samples] == [0, 4]
@@ -160,3 +157,84 @@ def test_bad_records_are_counted_logged_and_skipped_by_the_stream(mixed_quality,
 def test_reader_rejects_models_it_cannot_feed(tiny):
     with pytest.raises(ValueError, match="smaller than the tokenizer"):
         LlavaDataset(tiny, model=tiny_vlm(vocab=64))
+
+
+# -- the streaming JSON index ------------------------------------------------------------------
+
+RECORDS = [{"id": i, "t": "é" * i + "x", "nested": [1, {"s": "],{"}]} for i in range(40)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(RECORDS, indent=1),
+        json.dumps(RECORDS),
+        "\n".join(json.dumps(r) for r in RECORDS) + "\n",  # JSON Lines
+    ],
+    ids=["list-indented", "list-compact", "json-lines"],
+)
+def test_json_index_reads_every_record_by_offset(tmp_path, text):
+    path = tmp_path / "records.json"
+    path.write_text(text, encoding="utf-8")
+    records = JsonRecords(path, chunk=7)  # a window smaller than a record: read on as needed
+    assert len(records) == 40 and list(records) == RECORDS
+    assert records[39] == RECORDS[39] and records.index_bytes == 40 * 16
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[{}", "not closed|expected ','"),
+        ("[1]", "record 0 at byte 1 is not an object"),
+        ('[{"a": 1},]', r"record 1: invalid JSON at byte 10"),
+        ("[{}] x", "text after the JSON list"),
+    ],
+)
+def test_json_index_refuses_malformed_files_naming_the_byte(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        JsonRecords(path)
+
+
+_RSS_PROBE = """
+import resource, sys
+from megatron_dip.data.llava import LlavaDataset
+from megatron_dip.modelspec import tiny_vlm
+ds = LlavaDataset(sys.argv[1], model=tiny_vlm())
+for i in range(0, ds.num_samples, ds.num_samples // 50):
+    assert ds.meta(i) is not None
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, ds.records.index_bytes)
+"""
+
+
+def _write_text_records(path, n: int) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("[\n")
+        for i in range(n):
+            human = "Describe the scene in detail please, with all of its objects. " * 2
+            gpt = f"record {i}: " + "a long answer about many things " * 6
+            conv = [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}]
+            f.write(("," if i else "") + json.dumps({"id": f"{i:09d}", "conversations": conv}))
+        f.write("]\n")
+
+
+def test_reader_memory_grows_with_the_index_not_the_file(tmp_path):
+    """A 10x larger LLaVA file (4 -> 43 MB) grows the reader's peak RSS by less than twice its
+    index (16 bytes a record), not by the parsed list (~6x the file); fresh processes."""
+    import os
+    import subprocess
+    import sys
+
+    peaks = {}
+    for n in (10_000, 100_000):
+        path = tmp_path / f"records{n}.json"
+        _write_text_records(path, n)
+        out = subprocess.run(
+            [sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, check=True, timeout=120,
+        )  # fmt: skip
+        peaks[n] = [int(x) for x in out.stdout.split()]
+    (small, _), (large, index) = peaks[10_000], peaks[100_000]
+    assert index == 100_000 * 16
+    assert large - small < 2 * index, (small, large, index)

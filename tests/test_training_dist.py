@@ -53,6 +53,28 @@ def _with_undecodable_first_sample(directory) -> str:
     return str(path)
 
 
+def _energon_with_hf_tokenizer(directory) -> tuple[str, str]:
+    """A tiny LLaVA dataset whose captions hold '"' and '!' (ids 1 and 0 of a byte-level BPE,
+    the byte tokenizer's IMAGE and PAD), converted to Energon; and a BPE trained on its text."""
+    import json
+
+    from megatron_dip.data.energon_write import write_llava_energon
+    from megatron_dip.data.tiny_llava import make_tiny_llava_sample
+    from megatron_dip.data.tiny_tokenizer import make_tiny_tokenizer
+
+    path = make_tiny_llava_sample(directory / "llava", num_samples=64, seed=2)
+    records = json.loads(path.read_text())
+    for r in records:
+        answer = r["conversations"][1]
+        first, *rest = answer["value"].split(" ", 1)
+        answer["value"] = f'{first} "{rest[0]}"!' if rest else f'"{first}"!'
+    path.write_text(json.dumps(records))
+    texts = [t["value"] for r in records for t in r["conversations"]]
+    tokenizer = make_tiny_tokenizer(directory / "tokenizer", texts)
+    write_llava_energon(path, directory / "energon", samples_per_shard=10)
+    return str(directory / "energon"), str(tokenizer)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> list[dict]:
     from megatron_dip.data.tiny_llava import make_tiny_llava_sample
@@ -60,10 +82,17 @@ def world(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("training")
     data = make_tiny_llava_sample(tmp / "llava", num_samples=64, seed=0)
     bad = _with_undecodable_first_sample(tmp / "llava_bad")
+    energon, tokenizer = _energon_with_hf_tokenizer(tmp)
     return run_world(
         world_size=4,
         target="test_training_scenarios:world4",
-        kwargs={"data": str(data), "tmp": str(tmp), "bad_data": str(bad)},
+        kwargs={
+            "data": str(data),
+            "tmp": str(tmp),
+            "bad_data": str(bad),
+            "energon": energon,
+            "tokenizer": tokenizer,
+        },  # fmt: skip
         timeout=600,
         daemon=False,  # rank 0 starts the planner process
     )
@@ -266,3 +295,20 @@ def test_emulated_runs_take_at_least_the_cost_model_time(world, name):
         assert m["schedule_seconds"] >= m["bound_s"] * 0.999, m
         assert math.isfinite(m["loss"])
     assert world[0][name]["losses"] == pytest.approx(world[1][name]["losses"], rel=1e-12)
+
+
+def test_energon_data_with_a_hf_tokenizer_trains_and_resumes_exactly(world):
+    """Megatron-Energon shards, a BPE tokenizer whose ids 0 and 1 are text (the captions hold
+    them), DIP at PP=2 x DP=2: every rank computes the same finite losses, and the iteration-3
+    checkpoint continues with the uninterrupted run's losses and evaluation (the data position of
+    both streams restored)."""
+    full, resumed = world[0]["energon"], world[0]["energon_resume"]
+    assert sorted(full["losses"]) == list(range(1, 7)) and resumed["first"] == 3
+    assert all(math.isfinite(v) and 0 < v < 10 for v in full["losses"].values())
+    assert sorted(resumed["losses"]) == [4, 5, 6] and sorted(full["eval"]) == [2, 4, 6]
+    for it in (4, 5, 6):
+        assert resumed["losses"][it] == pytest.approx(full["losses"][it], rel=RTOL)
+    for it in (4, 6):  # the evaluation stream continues after the evaluation at 2
+        assert resumed["eval"][it] == pytest.approx(full["eval"][it], rel=RTOL)
+    for rank in world[1:]:
+        assert rank["energon"]["losses"] == pytest.approx(full["losses"], rel=1e-12)

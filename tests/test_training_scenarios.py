@@ -45,9 +45,12 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
     }
 
 
-def world4(*, rank: int, world_size: int, data: str, tmp: str, bad_data: str) -> dict:
+def world4(
+    *, rank: int, world_size: int, data: str, tmp: str, bad_data: str, energon: str, tokenizer: str
+) -> dict:
     """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints, evaluation and
-    traces; then resume at iteration 3 (same layout and at PP=4); then the stock schedules."""
+    traces; then resume at iteration 3 (same layout and at PP=4); then the stock schedules; an
+    Energon dataset with a Hugging Face tokenizer, saved and resumed."""
     # The trainer's planner service is a child process: the fixture runs non-daemonic workers.
     logging.getLogger("megatron").setLevel(logging.ERROR)
     logging.getLogger("megatron_dip.planner.service").setLevel(logging.ERROR)
@@ -116,6 +119,7 @@ def world4(*, rank: int, world_size: int, data: str, tmp: str, bad_data: str) ->
         world_size=world_size,
     )  # fmt: skip
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
+    out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
     if rank == 0:
@@ -208,6 +212,23 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
     }.items():  # fmt: skip
         out[name] = run(argv, world_size=world_size)
     return out
+
+
+def energon_runs(*, energon: str, tokenizer: str, tmp: str, world_size: int) -> dict:
+    """An Energon dataset (converted from LLaVA records whose captions hold the byte tokenizer's
+    old fixed ids, '!' and '"' in the BPE) with a Hugging Face tokenizer under DIP at PP=2 x
+    DP=2: 6 iterations saving at 3 (evaluating every 2), and the iteration-3 checkpoint resumed."""
+    ckpt = os.path.join(tmp, "energon_ckpt")
+    flags = COMMON + [
+        "--dip-data", f"energon:{energon}", "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", tokenizer, "--pipeline-model-parallel-size", "2",
+        "--dip-lookahead", "0", "--dip-calibration-frozen", "--train-iters", "6",
+        "--eval-interval", "2", "--eval-iters", "1",
+    ]  # fmt: skip
+    return {
+        "energon": run(flags + ["--save", ckpt, "--save-interval", "3"], world_size=world_size),
+        "energon_resume": run(flags + ["--load", ckpt, "--ckpt-step", "3"], world_size=world_size),
+    }
 
 
 def decode_failure_run(flags: list[str], world_size: int) -> str | None:

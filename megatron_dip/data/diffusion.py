@@ -12,8 +12,9 @@ The latent is what the model's VAE made of the clip (already scaled as the DiT e
 frames (a still image has T = 1), C = the DiT's `in_channels`, h and w multiples of the DiT patch
 size. Paths are relative to `root`. `write_latent_dataset` writes this format.
 
-Reading follows `megatron_dip.data.sample`: sample_id = the record's index, text = BOS + the
-caption's `ByteTokenizer` ids + EOS, images = [the latent as float32], no labels_mask (the
+Reading follows `megatron_dip.data.sample`: sample_id = the record's index, text = BOS (when the
+tokenizer has one) + the caption's ids under the run's tokenizer (the byte tokenizer by default) +
+EOS, images = [the latent as float32], no labels_mask (the
 diffusion loss covers all latent tokens). Metadata comes from the .npy header inside the .npz,
 so the planner's lookahead reads no latent data. Bad records (missing or unreadable file, no
 "latent" array, wrong rank/channels/sizes, empty caption) raise `BadSampleError` naming the id
@@ -30,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_dip.data.records import BadSampleError, OnBadSample, RecordReader, load_json_list
+from megatron_dip.data.json_index import JsonRecords
+from megatron_dip.data.records import BadSampleError, OnBadSample, RecordReader
 from megatron_dip.data.sample import InstanceCounts, Sample, SampleMeta
-from megatron_dip.data.tokenizer import ByteTokenizer
+from megatron_dip.data.tokenizer import TokenizerSpec, load_tokenizer
 from megatron_dip.modalities import text_module
 from megatron_dip.modalities.dit import clip_tokens
 from megatron_dip.modelspec import MultimodalSpec
@@ -43,9 +45,10 @@ LATENT_KEY = "latent"
 
 @dataclass(frozen=True)
 class LatentConfig:
-    """Bad-record handling of `LatentDataset`."""
+    """Bad-record handling and tokenizer of `LatentDataset`."""
 
     on_bad_sample: OnBadSample = "error"
+    tokenizer: TokenizerSpec = TokenizerSpec()
 
 
 def latent_shape(path: Path) -> tuple[tuple[int, ...], np.dtype]:
@@ -79,14 +82,14 @@ class LatentDataset(RecordReader):
             raise ValueError(f"model {model.name!r} is not a text-to-video/image diffusion model")
         self.root = Path(root)
         self.config = config
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = load_tokenizer(config.tokenizer)
         vocab = text_module(model).vocab_size
         if vocab < self.tokenizer.vocab_size:
             raise ValueError(
                 f"the text encoder's vocabulary ({vocab}) is smaller than the tokenizer's"
             )
         self._dit = dits[0]
-        self._records = load_json_list(self.root / CAPTIONS_FILE)
+        self._records = JsonRecords(self.root / CAPTIONS_FILE)
         super().__init__(
             model=model, num_samples=len(self._records), on_bad_sample=config.on_bad_sample
         )
@@ -110,7 +113,8 @@ class LatentDataset(RecordReader):
         if not isinstance(caption, str) or not caption.strip():
             raise BadSampleError("'caption' must be a non-empty string")
         tok = self.tokenizer
-        return np.concatenate(([tok.bos_id], tok.encode(caption), [tok.eos_id])).astype(np.int64)
+        bos = [] if tok.bos_id is None else [tok.bos_id]
+        return np.concatenate((bos, tok.encode(caption), [tok.eos_id])).astype(np.int64)
 
     def _read_meta(self, index: int) -> SampleMeta:
         shape, dtype = latent_shape(self._path(index))

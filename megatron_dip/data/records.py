@@ -1,20 +1,22 @@
 """Shared behaviour of the on-disk readers: cached metadata, and bad records as errors or skips.
 
-A reader's metadata is read lazily (headers and text only, no pixel decoding) and cached, so the
-planner's lookahead costs little. A record that cannot be read is a `BadSampleError` naming the
-record id and file; with `on_bad_sample="skip"` it is logged once, counted in `skipped`, and its
-metadata is None, which `BatchStream` leaves out of every batch. Tensors are only built for
-records whose metadata was good; if building them fails after all (a file changed or is corrupt
-past its header) the error is raised in both modes, because a plan already counts on the sample.
+A reader's metadata is read lazily (headers and text only, no pixel decoding) and cached (the
+most recent `META_CACHE` records: memory stays bounded over any number of records; metadata is
+a pure function of the record, so an evicted one is read again identically), so the planner's
+lookahead costs little. A record that cannot be read is a `BadSampleError` naming the record id
+and file; with `on_bad_sample="skip"` (or "truncate", whose too-long samples are cut instead, see
+`chat.fit_tokens`) it is logged once, counted in `skipped`, and its metadata is None, which
+`BatchStream` leaves out of every batch. Tensors are only built for records whose metadata was
+good; if building them fails after all (a file changed or is corrupt past its header) the error
+is raised in every mode, because a plan already counts on the sample.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from megatron_dip.data.meta import sample_meta
 from megatron_dip.data.sample import Sample, SampleMeta
@@ -22,37 +24,49 @@ from megatron_dip.modelspec import MultimodalSpec
 
 logger = logging.getLogger(__name__)
 
-OnBadSample = Literal["error", "skip"]
+OnBadSample = Literal["error", "skip", "truncate"]
+BAD_SAMPLE_POLICIES = ("error", "skip", "truncate")
+META_CACHE = 1 << 16  # records whose metadata stays cached
 
 
 class BadSampleError(ValueError):
     """A record that cannot become a sample; the message names its id and file."""
 
 
-def load_json_list(path: Path) -> list[dict[str, Any]]:
-    """The JSON list of records at `path`; raises ValueError if it is not a list of objects."""
-    with open(path, encoding="utf-8") as f:
-        records = json.load(f)
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise ValueError(f"{path}: expected a JSON list of objects")
-    return records
-
-
 class RecordReader:
     """Base of the readers: subclasses implement `_read_meta`, `_read_sample`, `describe`."""
 
     def __init__(self, *, model: MultimodalSpec, num_samples: int, on_bad_sample: OnBadSample):
-        if on_bad_sample not in ("error", "skip"):
-            raise ValueError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
+        if on_bad_sample not in BAD_SAMPLE_POLICIES:
+            raise ValueError(
+                f"on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {on_bad_sample!r}"
+            )
         self.model = model
         self.num_samples = num_samples
         self.on_bad_sample = on_bad_sample
-        self._metas: dict[int, SampleMeta | None] = {}
+        self._metas: OrderedDict[int, SampleMeta] = OrderedDict()
+        self._bad: set[int] = set()  # skipped records (few; kept for good)
+        self._truncated: set[int] = set()  # records whose text was cut (see `note_truncated`)
 
     @property
     def skipped(self) -> int:
         """Records found bad (and skipped) so far."""
-        return sum(m is None for m in self._metas.values())
+        return len(self._bad)
+
+    @property
+    def truncated(self) -> int:
+        """Records whose text was truncated so far (on_bad_sample="truncate")."""
+        return len(self._truncated)
+
+    def was_truncated(self, index: int) -> bool:
+        """Whether record `index`'s text was truncated (its metadata has been read)."""
+        return index in self._truncated
+
+    def note_truncated(self, index: int, tokens: int, kept: int) -> None:
+        """Record (and log once) that record `index`'s text was cut from `tokens` to `kept`."""
+        if index not in self._truncated:
+            self._truncated.add(index)
+            logger.info("truncated %s from %d to %d tokens", self.describe(index), tokens, kept)
 
     def describe(self, index: int) -> str:
         """How error messages name record `index` (id and file)."""
@@ -71,16 +85,24 @@ class RecordReader:
     def meta(self, index: int) -> SampleMeta | None:
         """Metadata of record `index` (sample_id = index); None if it is bad and skipped."""
         self._check_index(index)
-        if index not in self._metas:
-            try:
-                self._metas[index] = self._read_meta(index)
-            except (BadSampleError, OSError, ValueError) as err:
-                message = f"{self.describe(index)}: {err}"
-                if self.on_bad_sample == "error":
-                    raise BadSampleError(message) from err
-                logger.warning("skipping bad record %s", message)
-                self._metas[index] = None
-        return self._metas[index]
+        if index in self._bad:
+            return None
+        if index in self._metas:
+            self._metas.move_to_end(index)
+            return self._metas[index]
+        try:
+            meta = self._read_meta(index)
+        except (BadSampleError, OSError, ValueError) as err:
+            message = f"{self.describe(index)}: {err}"
+            if self.on_bad_sample == "error":
+                raise BadSampleError(message) from err
+            logger.warning("skipping bad record %s", message)
+            self._bad.add(index)
+            return None
+        self._metas[index] = meta
+        if len(self._metas) > META_CACHE:
+            self._metas.popitem(last=False)
+        return meta
 
     def metas(self, indices: Sequence[int]) -> list[SampleMeta | None]:
         """`meta` of each index."""

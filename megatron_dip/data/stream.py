@@ -31,7 +31,12 @@ Global batch size (exactly one of):
   stream fixes the amount of data (M full sequences' worth) per iteration.
 
 The position is resumable: `state_dict()` records the next batch to be consumed (peeked batches
-are recomputed), and `load_state_dict()` continues identically.
+are recomputed), and `load_state_dict()` continues identically. A source with a `signature()`
+(e.g. an Energon blend: its datasets, weights and shard slots) has it saved too, and a state
+saved over another source is refused.
+
+Truncated samples (a reader's `was_truncated(index)`, --dip-bad-samples truncate) are counted in
+`truncated` over the consumed batches, like the skipped ones.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class _Built:
     end: int  # first position after the batch
     skipped: int
     error: StreamError | None = None
+    truncated: int = 0
 
 
 class StreamError(ValueError):
@@ -137,6 +143,7 @@ class BatchStream(Iterator[BatchMeta]):
         self._iteration = 0
         self._position = 0
         self._skipped = 0
+        self._truncated = 0
         self._ahead: deque[_Built] = deque()
         self._perms: dict[int, np.ndarray] = {}
         self._logged: set[int] = set()  # finite sources: dataset indices whose skip was logged
@@ -170,12 +177,22 @@ class BatchStream(Iterator[BatchMeta]):
         self._iteration = built.batch.iteration + 1
         self._position = built.end
         self._skipped += built.skipped
+        self._truncated += built.truncated
         return built.batch
 
     @property
     def skipped(self) -> int:
         """Positions left out so far (bad records, skipped oversize samples) in consumed batches."""
         return self._skipped
+
+    @property
+    def truncated(self) -> int:
+        """Samples of the consumed batches whose text the reader truncated."""
+        return self._truncated
+
+    def _was_truncated(self, position: int) -> bool:
+        check = getattr(self.source, "was_truncated", None)
+        return bool(check is not None and check(self._index(position)))
 
     def _build(self, iteration: int, start: int) -> _Built:
         """Batch `iteration` from position `start`, or why it cannot be formed."""
@@ -200,7 +217,7 @@ class BatchStream(Iterator[BatchMeta]):
                 if why is None:
                     meta = replace(raw, sample_id=position)
                     if packer is not None and packer.place(meta) == cfg.batch_microbatches:
-                        return _Built(BatchMeta(iteration, tuple(taken)), position, skipped)
+                        return self._done(iteration, taken, position, skipped)
                     if packer is not None:
                         packer.add(meta)
                     taken.append(meta)
@@ -211,7 +228,11 @@ class BatchStream(Iterator[BatchMeta]):
                     self._check_not_starved(position, misses, reason, oversize=raw is not None)
                 position += 1
                 if cfg.batch_samples is not None and len(taken) == cfg.batch_samples:
-                    return _Built(BatchMeta(iteration, tuple(taken)), position, skipped)
+                    return self._done(iteration, taken, position, skipped)
+
+    def _done(self, iteration: int, taken: list[SampleMeta], end: int, skipped: int) -> _Built:
+        truncated = sum(self._was_truncated(m.sample_id) for m in taken)
+        return _Built(BatchMeta(iteration, tuple(taken)), end, skipped, truncated=truncated)
 
     def _metas(self, position: int, count: int) -> list[SampleMeta | None | StreamError]:
         """Source metadata of `count` positions from `position`. A record the source refuses
@@ -333,8 +354,14 @@ class BatchStream(Iterator[BatchMeta]):
             "iteration": self._iteration,
             "position": self._position,
             "skipped": self._skipped,
+            "truncated": self._truncated,
             "config": self.config.signature(),
+            "source": self._source_signature(),
         }
+
+    def _source_signature(self) -> str | None:
+        signature = getattr(self.source, "signature", None)
+        return None if signature is None else signature()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; raises ValueError if it was saved under another config."""
@@ -345,7 +372,14 @@ class BatchStream(Iterator[BatchMeta]):
                 "stream state was saved with another configuration: "
                 f"{state['config']} != {self.config.signature()}"
             )
+        saved, mine = state.get("source"), self._source_signature()
+        if saved is not None and saved != mine:
+            raise ValueError(
+                "stream state was saved over another data source (its datasets, weights or "
+                f"shard slots differ; the order would not continue): {saved} != {mine}"
+            )
         self._iteration = int(state["iteration"])
         self._position = int(state["position"])
         self._skipped = int(state["skipped"])
+        self._truncated = int(state.get("truncated", 0))
         self._ahead.clear()

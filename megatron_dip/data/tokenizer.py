@@ -1,8 +1,16 @@
-"""A tiny, deterministic, offline tokenizer: printable ASCII characters plus a lossless byte escape.
+"""Tokenizers: which one a run uses (`TokenizerSpec`, `load_tokenizer`), and the tiny byte tokenizer.
 
-It exists so that the readers, tests and the CPU quick start need no download. It is not a
-language-modelling tokenizer; it only has to be exact, reversible and small enough for the tiny
-models' vocabulary of 128.
+`--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR` (Megatron-LM's flags) loads a local
+Hugging Face tokenizer (`hf_tokenizer.HuggingFaceTokenizer`); without them the run uses the
+`ByteTokenizer` below, the default of the tiny presets. Both answer the `Tokenizer` protocol:
+vocabulary size, special ids (pad, eos, bos, and the placeholder of each media role: "image",
+"audio") and encoding. The model's pad and placeholder ids are taken from the run's tokenizer
+(`training.validate`), never from global constants.
+
+The byte tokenizer is a tiny, deterministic, offline tokenizer: printable ASCII characters plus a
+lossless byte escape. It exists so that the readers, tests and the CPU quick start need no
+download. It is not a language-modelling tokenizer; it only has to be exact, reversible and
+small enough for the tiny models' vocabulary of 128.
 
 Id layout (`ByteTokenizer.vocab_size` = 118):
 
@@ -19,9 +27,18 @@ learned vocabulary; that is fine for tiny models and keeps the mapping obvious.
 
 from __future__ import annotations
 
+import functools
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
 import numpy as np
 
 from megatron_dip.data.sample import IMAGE_TOKEN, PAD_TOKEN
+
+BYTE_TOKENIZER = "ByteTokenizer"
+HF_TOKENIZER = "HuggingFaceTokenizer"
+TOKENIZER_TYPES = (BYTE_TOKENIZER, HF_TOKENIZER)
 
 BOS_TOKEN = 2
 EOS_TOKEN = 3
@@ -57,11 +74,23 @@ class ByteTokenizer:
     bos_id: int = BOS_TOKEN
     eos_id: int = EOS_TOKEN
 
+    name: str = BYTE_TOKENIZER
+
     def __init__(self) -> None:
         self._to_id = _byte_table()
         self._to_byte = np.full(self.vocab_size, -1, dtype=np.int64)
         own = np.flatnonzero(self._to_id >= 0)
         self._to_byte[self._to_id[own]] = own
+
+    def special_id(self, role: str) -> int | None:
+        """The id of a special role: "pad", "eos", "bos", "image"; None for others (the tiny
+        presets give other placeholders ids of their own)."""
+        return {
+            "pad": self.pad_id,
+            "eos": self.eos_id,
+            "bos": self.bos_id,
+            "image": self.image_id,
+        }.get(role)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids (int64) of `text`; no BOS/EOS are added."""
@@ -106,3 +135,74 @@ class ByteTokenizer:
                 raise ValueError(f"nibble token {tok} at position {j} outside a byte escape")
             j += 1
         return out.decode("utf-8", errors="replace")
+
+
+class Tokenizer(Protocol):
+    """What the readers and the run's validation need of a tokenizer."""
+
+    name: str
+    vocab_size: int  # every id the tokenizer can produce is below it
+    pad_id: int
+    eos_id: int
+    bos_id: int | None
+
+    def special_id(self, role: str) -> int | None:
+        """Id of a role ("pad", "eos", "bos", "image", "audio"); None if the tokenizer has none."""
+        ...
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int64) of `text`, no special tokens added."""
+        ...
+
+    def decode(self, ids) -> str:
+        """Text of `ids`."""
+        ...
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Which tokenizer a run uses (hashable, picklable: every process loads its own copy).
+
+    `special`: (role, token) pairs overriding the tokenizer's choice of special tokens
+    (`--dip-special-tokens image=<|image_pad|>,pad=<|endoftext|>`); `prompt_format`: how
+    conversations become text (`chat.PROMPT_FORMATS`; None: the tokenizer's default).
+    """
+
+    type: str = BYTE_TOKENIZER
+    model: str | None = None
+    special: tuple[tuple[str, str], ...] = ()
+    prompt_format: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in TOKENIZER_TYPES:
+            raise ValueError(
+                f"--tokenizer-type: choose {' or '.join(TOKENIZER_TYPES)}, got {self.type!r}"
+            )
+        if (self.type == HF_TOKENIZER) != (self.model is not None):
+            raise ValueError(
+                "--tokenizer-model: a directory with tokenizer.json / tokenizer_config.json is "
+                f"needed with --tokenizer-type {HF_TOKENIZER}, and only with it"
+            )
+        if self.special and self.type != HF_TOKENIZER:
+            raise ValueError(f"--dip-special-tokens needs --tokenizer-type {HF_TOKENIZER}")
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
+    """The tokenizer of `spec`, loaded once per process (a Hugging Face one from its local
+    directory, offline)."""
+    if spec.type == BYTE_TOKENIZER:
+        return ByteTokenizer()
+    from .hf_tokenizer import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer(spec.model, special=dict(spec.special))
+
+
+def padded_vocab_size(size: int, *, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's `_vocab_size_with_padding`: `size` rounded up to a multiple of
+    `divisible_by` x `tensor_parallel` (so every tensor-parallel shard of the embedding is
+    equal and aligned)."""
+    if size < 1 or divisible_by < 1 or tensor_parallel < 1:
+        raise ValueError(f"sizes must be positive: {size}, {divisible_by}, {tensor_parallel}")
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(size / multiple)) * multiple

@@ -41,6 +41,7 @@ class AudioModality(ScatterProducer):
 
     kind = "audio"
     instance = "audio segment"
+    placeholder_role = "audio"
 
     def pool(self, spec: ModuleSpec) -> int:
         return spec.merge

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_dip.modelspec import IMAGE_TOKEN, PAD_TOKEN, ModuleSpec, MultimodalSpec
+from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
 from .base import Instance, Modality, SampleArrays, SampleInfo, scatter_name
@@ -27,7 +27,7 @@ from .scatter import ScatterProducer
 
 
 def loss_targets(
-    text: np.ndarray, labels_mask: np.ndarray | None = None, *, placeholders=(IMAGE_TOKEN,)
+    text: np.ndarray, labels_mask: np.ndarray | None = None, *, placeholders=()
 ) -> np.ndarray:
     """Boolean [len(text)]: whether token j is a next-token prediction target.
 
@@ -55,8 +55,9 @@ def scatter_producers(model: MultimodalSpec, consumer: str) -> list[tuple[Module
 
 
 def placeholder_ids(model: MultimodalSpec, consumer: str) -> tuple[int, ...]:
-    """The placeholder ids in `consumer`'s text (IMAGE_TOKEN when no producer scatters)."""
-    return tuple(t for _, t in scatter_producers(model, consumer)) or (IMAGE_TOKEN,)
+    """The placeholder ids in `consumer`'s text (none when no producer scatters into it: then
+    every id is text, whatever the tokenizer)."""
+    return tuple(t for _, t in scatter_producers(model, consumer))
 
 
 class TextModality(Modality):
@@ -344,8 +345,9 @@ class LlmModality(TextModality):
         whole = sub.tokens == sub.padded_tokens >= real
         check_tokens(sub, [sub.tokens if whole else real], seq_length)
         total = sub.padded_tokens
-        tokens = padded(texts, total, PAD_TOKEN)
-        labels = padded([np.append(t[1:], PAD_TOKEN) for t in texts if len(t)], total, PAD_TOKEN)
+        pad = spec.pad_id  # the tokenizer's; padding positions carry no loss
+        tokens = padded(texts, total, pad)
+        labels = padded([np.append(t[1:], pad) for t in texts if len(t)], total, pad)
         ids = placeholder_ids(model, spec.name)
         mask = padded([_loss_mask(s, ids) for s in samples], total, 0.0)
         positions = padded([np.arange(len(t)) for t in texts], total, 0)

@@ -26,6 +26,9 @@ class ScatterProducer(Modality):
     (ViT, audio encoder): one hand-over row per placeholder (`consumer_rows`)."""
 
     default_placeholder: ClassVar[int | None] = None
+    # What the tokenizer calls this module's placeholder ("image", "audio"): a run with a real
+    # tokenizer takes `ModuleSpec.placeholder_id` from the tokenizer's token of this role.
+    placeholder_role: ClassVar[str] = ""
 
     def placeholder_id(self, spec: ModuleSpec) -> int:
         """The token id of this module's placeholders in the consumer's text."""

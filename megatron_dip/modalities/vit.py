@@ -61,6 +61,7 @@ class VitModality(ScatterProducer):
     instance = "image"
     rotary_axes = 2
     default_placeholder = IMAGE_TOKEN
+    placeholder_role = "image"
 
     def pool(self, spec: ModuleSpec) -> int:
         return spec.merge * spec.merge

@@ -151,6 +151,43 @@ class TrainArgs:
 
 
 @dataclass(frozen=True)
+class DataArgs:
+    """Tokenizer and data loading (Megatron-LM's names)."""
+
+    tokenizer_type: str | None = arg(
+        "--tokenizer-type",
+        None,
+        "HuggingFaceTokenizer: a local Hugging Face tokenizer (--tokenizer-model); default: the "
+        "tiny presets' offline ByteTokenizer",
+        choices=("ByteTokenizer", "HuggingFaceTokenizer"),
+    )
+    tokenizer_model: str | None = arg(
+        "--tokenizer-model",
+        None,
+        "directory of the Hugging Face tokenizer (tokenizer.json, tokenizer_config.json), "
+        "loaded offline",
+    )
+    tokenizer_prompt_format: str | None = arg(
+        "--tokenizer-prompt-format",
+        None,
+        "how conversations become text: hf (the tokenizer's chat_template; the default when it "
+        "has one), llama3, chatml, qwen2, plain (LLaVA-Pretrain's layout; the byte tokenizer's)",
+        choices=("hf", "llama3", "chatml", "qwen2", "plain"),
+    )
+    make_vocab_size_divisible_by: int = arg(
+        "--make-vocab-size-divisible-by",
+        128,
+        "pad the tokenizer's vocabulary to a multiple of this x TP (when --vocab-size is unset)",
+    )
+    num_workers: int = arg(
+        "--num-workers",
+        2,
+        "Energon data: worker slots per data-parallel replica; a dataset's shards are split over "
+        "DP x this many slots as Energon splits them over ranks and workers",
+    )
+
+
+@dataclass(frozen=True)
 class CheckpointArgs:
     """Where checkpoints go and when."""
 
@@ -250,8 +287,44 @@ class DipArgs:
     dip_data: str | None = arg(
         "--dip-data",
         None,
-        "synthetic-MIXTURE (mixed, laion, obelics, text-only, t2v, t2i), llava:JSON or "
-        "latents:DIR" + PRESET,
+        "synthetic-MIXTURE (mixed, laion, obelics, text-only, t2v, t2i), llava:JSON, "
+        "energon:PATH (a prepared dataset or a metadataset yaml) or latents:DIR" + PRESET,
+        megatron=False,
+    )
+    dip_special_tokens: str | None = arg(
+        "--dip-special-tokens",
+        None,
+        "with --tokenizer-type HuggingFaceTokenizer: ROLE=TOKEN,... for the roles pad, eos, bos, "
+        "image, audio (default: the tokenizer's own; placeholders such as <|image_pad|> found "
+        "by name)",
+        megatron=False,
+    )
+    dip_image_processor: str | None = arg(
+        "--dip-image-processor",
+        None,
+        "the vision model's preprocessor_config.json (or its directory): resize policy, "
+        "min/max pixels, mean/std (default: mean/std 0.5, max pixels --dip-image-size squared)",
+        megatron=False,
+    )
+    dip_max_pixels: int | None = arg(
+        "--dip-max-pixels",
+        None,
+        "the one pixel limit of real images: larger ones are resized down to it (default: the "
+        "processor config's, else --dip-image-size squared)",
+        megatron=False,
+    )
+    dip_max_sample_tokens: int | None = arg(
+        "--dip-max-sample-tokens",
+        None,
+        "tokens of one sample at most (default: --seq-length): longer ones are truncated with "
+        "--dip-bad-samples truncate, else refused or skipped",
+        megatron=False,
+    )
+    dip_energon_cooker: str | None = arg(
+        "--dip-energon-cooker",
+        None,
+        "MODULE:NAME of cookers for crude Energon datasets (a function, an energon Cooker, a "
+        "list of them or a TaskEncoder with cookers); the LLaVA cooker is built in",
         megatron=False,
     )
     dip_data_scale: float | None = arg(
@@ -263,7 +336,8 @@ class DipArgs:
     dip_image_size: int | None = arg(
         "--dip-image-size",
         None,
-        "image side in pixels (synthetic) / largest image side (llava)" + PRESET,
+        "image side in pixels (synthetic); real images: --dip-max-pixels defaults to its square"
+        + PRESET,
         megatron=False,
     )
 
@@ -313,8 +387,10 @@ class DipArgs:
         "--dip-bad-samples",
         "error",
         "a sample that cannot be used (too many images, missing or corrupt image, caption "
-        "longer than the sequence): error stops the run naming it; skip drops, counts and logs it",
-        choices=("error", "skip"),
+        "longer than the sequence): error stops the run naming it; skip drops, counts and logs "
+        "it; truncate cuts a too-long text to --dip-max-sample-tokens (images kept, else the "
+        "sample is skipped) and skips the other bad samples",
+        choices=("error", "skip", "truncate"),
         megatron=False,
     )
     dip_metrics_json: str | None = arg(
@@ -329,6 +405,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("parallel", ParallelArgs),
     ("model", ModelArgs),
     ("train", TrainArgs),
+    ("data", DataArgs),
     ("checkpoint", CheckpointArgs),
     ("logging", LoggingArgs),
     ("dip", DipArgs),
@@ -342,6 +419,7 @@ class TrainConfig:
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
+    data: DataArgs = field(default_factory=DataArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     dip: DipArgs = field(default_factory=DipArgs)

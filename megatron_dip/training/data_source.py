@@ -3,64 +3,111 @@
     synthetic-MIXTURE   the seeded synthetic stream (`data.synthetic.MIXTURES`: mixed, laion,
                         obelics, text-only for VLMs; t2v, t2i for diffusion), scaled by
                         --dip-data-scale, images of --dip-image-size pixels
-    llava:JSON          a LLaVA-style JSON list and its images (`data.llava.LlavaDataset`);
-                        --dip-image-size caps the longer image side
+    llava:JSON          a LLaVA-style JSON list (or JSON Lines) and its images
+                        (`data.llava.LlavaDataset`), indexed by byte offsets
+    energon:PATH        a Megatron-Energon dataset or metadataset blend (`data.energon`)
     latents:DIR         VAE latents and captions in the documented directory format
                         (`data.diffusion.LatentDataset`)
 
+Real data is tokenized by the run's tokenizer (`--tokenizer-type`, `--tokenizer-model`) in its
+prompt format (`--tokenizer-prompt-format`) and its images preprocessed by the vision model's
+processor config (`--dip-image-processor`, `--dip-max-pixels`: `data.image`).
+
 Evaluation reads the same source through a stream with another seed: the synthetic generator
-with a different seed (unseen samples), a dataset in another order (no held-out split).
+with a different seed (unseen samples), an Energon dataset's `val` split when it has samples,
+other datasets in another order (no held-out split).
 
 Bad samples (--dip-bad-samples). A record the reader cannot use (missing or corrupt image or
 latent file: every file is opened and verified when its metadata is read, malformed record) and
 a sample that fits in no microbatch (more images than fit in the sequence, a caption longer than
 it) either stop the run with an error naming the sample ("error") or are left out, counted in the
-log line and logged once with the reason ("skip"). Both decisions come from metadata, which every
-rank reads identically, and are taken when the batch is formed, so every rank stops at the same
-iteration before running it (`BatchStream`). Pixels are decoded later, only by the ranks that need
-them; `load_agreed` makes a failure there stop every rank together, naming the rank and sample.
+log line and logged once with the reason ("skip"); "truncate" cuts a text longer than
+--dip-max-sample-tokens (default --seq-length; images kept, else the sample is skipped), counts
+it, and skips the rest. All decisions come from metadata, which every rank reads identically,
+and are taken when the batch is formed, so every rank stops at the same iteration before running
+it (`BatchStream`). Pixels are decoded later, only by the ranks that need them; `load_agreed`
+makes a failure there stop every rank together, naming the rank and sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from megatron_dip.data.image import DEFAULT_MAX_PIXELS, ImageProcessorConfig
 from megatron_dip.data.packing import PackingLimits
-from megatron_dip.data.records import BadSampleError
+from megatron_dip.data.records import BAD_SAMPLE_POLICIES, BadSampleError
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream, SampleSource, StreamConfig
 from megatron_dip.data.synthetic import MIXTURES
+from megatron_dip.data.tokenizer import TokenizerSpec
 from megatron_dip.modelspec import MultimodalSpec
 
 logger = logging.getLogger(__name__)
 
 EVAL_SEED_OFFSET = 1_000_003
-BAD_SAMPLES = ("error", "skip")
+BAD_SAMPLES = BAD_SAMPLE_POLICIES
+FILE_KINDS = ("llava", "energon", "latents")  # data read from files, through the tokenizer
 T = TypeVar("T")
+
+
+def image_config(
+    *, processor: str | None, max_pixels: int | None, image_size: int | None
+) -> ImageProcessorConfig:
+    """The image preprocessing of real data (`data.image`: where max_pixels comes from)."""
+    if processor is not None:
+        config = ImageProcessorConfig.from_file(processor)
+    else:
+        side = image_size
+        config = ImageProcessorConfig(max_pixels=side * side if side else DEFAULT_MAX_PIXELS)
+    if max_pixels is not None:
+        if max_pixels < 1:
+            raise ValueError(f"--dip-max-pixels: must be >= 1, got {max_pixels}")
+        min_pixels = config.min_pixels
+        if min_pixels is not None and min_pixels > max_pixels:
+            min_pixels = max_pixels  # the one limit wins over the config's floor
+        config = dataclasses.replace(config, max_pixels=max_pixels, min_pixels=min_pixels)
+    return config
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    """A parsed `--dip-data` value."""
+    """A parsed `--dip-data` value with what its readers need."""
 
-    kind: str  # "synthetic", "llava", "latents"
+    kind: str  # "synthetic", "llava", "energon", "latents"
     value: str  # mixture name or path
     scale: float = 1.0
     image_size: int | None = None
-    bad_samples: str = "error"  # --dip-bad-samples: "error" or "skip"
+    bad_samples: str = "error"  # --dip-bad-samples: "error", "skip" or "truncate"
+    tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
+    image: ImageProcessorConfig = field(default_factory=ImageProcessorConfig)
+    max_tokens: int | None = None  # --dip-max-sample-tokens (truncate: --seq-length)
+    slots: int = 1  # Energon: DP x --num-workers
+    cooker: str | None = None  # --dip-energon-cooker
 
     @classmethod
     def parse(
-        cls, text: str, *, scale: float, image_size: int | None, bad_samples: str = "error"
+        cls,
+        text: str,
+        *,
+        scale: float,
+        image_size: int | None,
+        bad_samples: str = "error",
+        **readers,
     ) -> DataSpec:
-        """Parse and check a `--dip-data` value; ValueError naming the flag otherwise."""
+        """Parse and check a `--dip-data` value; ValueError naming the flag otherwise.
+        `readers`: the other fields (tokenizer, image, max_tokens, slots, cooker)."""
         if bad_samples not in BAD_SAMPLES:
-            raise ValueError(f"--dip-bad-samples: choose error or skip, got {bad_samples!r}")
+            raise ValueError(
+                f"--dip-bad-samples: choose {', '.join(BAD_SAMPLES)}, got {bad_samples!r}"
+            )
+        if "image" not in readers:
+            readers["image"] = image_config(processor=None, max_pixels=None, image_size=image_size)
         if text.startswith("synthetic-"):
             mixture = text.removeprefix("synthetic-")
             if mixture not in MIXTURES:
@@ -68,20 +115,26 @@ class DataSpec:
                     f"--dip-data: unknown synthetic mixture {mixture!r}; known: "
                     + ", ".join(f"synthetic-{m}" for m in MIXTURES)
                 )
-            return cls("synthetic", mixture, scale, image_size, bad_samples)
+            return cls("synthetic", mixture, scale, image_size, bad_samples, **readers)
         kind, sep, path = text.partition(":")
-        if not sep or kind not in ("llava", "latents") or not path:
+        if not sep or kind not in FILE_KINDS or not path:
             raise ValueError(
-                f"--dip-data: {text!r} is not synthetic-MIXTURE, llava:JSON or latents:DIR"
+                f"--dip-data: {text!r} is not synthetic-MIXTURE, llava:JSON, energon:PATH or "
+                "latents:DIR"
             )
         if not Path(path).exists():
             raise ValueError(f"--dip-data: {path} does not exist")
-        return cls(kind, path, scale, image_size, bad_samples)
+        return cls(kind, path, scale, image_size, bad_samples, **readers)
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether the data is text the run's tokenizer encodes (not synthetic ids)."""
+        return self.kind in FILE_KINDS
 
     def check_model(self, model: MultimodalSpec) -> None:
         """ValueError unless the data suits the model: the modules its instances need exist
         (images: a "vit"; latent clips: a "dit"; audio: an "audio" module)."""
-        needs = {"llava": {"vit"}, "latents": {"dit"}}.get(self.kind)
+        needs = {"llava": {"vit"}, "energon": {"vit"}, "latents": {"dit"}}.get(self.kind)
         what = f"{self.kind} data"
         if self.kind == "synthetic":
             mixture = MIXTURES[self.value]
@@ -93,7 +146,16 @@ class DataSpec:
                 f"{model.name!r} has {sorted(have)}"
             )
 
-    def source(self, model: MultimodalSpec, *, seed: int) -> SampleSource:
+    def reader_config(self):
+        """The image-text readers' `ReaderConfig`."""
+        from megatron_dip.data.image_text import ReaderConfig
+
+        return ReaderConfig(
+            tokenizer=self.tokenizer, image=self.image, on_bad_sample=self.bad_samples,
+            max_tokens=self.max_tokens,
+        )  # fmt: skip
+
+    def source(self, model: MultimodalSpec, *, seed: int, evaluation: bool = False) -> SampleSource:
         """The sample source (metadata is read lazily)."""
         if self.kind == "synthetic":
             from megatron_dip.data.synthetic import SyntheticSource
@@ -102,15 +164,20 @@ class DataSpec:
                 self.value, model=model, seed=seed, scale=self.scale, image_size=self.image_size
             )
         if self.kind == "llava":
-            from megatron_dip.data.llava import LlavaConfig, LlavaDataset
+            from megatron_dip.data.llava import LlavaDataset
 
-            config = LlavaConfig(on_bad_sample=self.bad_samples)
-            if self.image_size is not None:
-                config = LlavaConfig(max_side=self.image_size, on_bad_sample=self.bad_samples)
-            return LlavaDataset(self.value, model=model, config=config)
+            return LlavaDataset(self.value, model=model, config=self.reader_config())
+        if self.kind == "energon":
+            from megatron_dip.data.energon import EnergonSource, has_samples
+
+            split = "val" if evaluation and has_samples(self.value, split="val") else "train"
+            return EnergonSource(
+                self.value, model=model, config=self.reader_config(), seed=seed,
+                slots=self.slots, split=split, cooker=self.cooker,
+            )  # fmt: skip
         from megatron_dip.data.diffusion import LatentConfig, LatentDataset
 
-        config = LatentConfig(on_bad_sample=self.bad_samples)
+        config = LatentConfig(on_bad_sample=self.bad_samples, tokenizer=self.tokenizer)
         return LatentDataset(self.value, model=model, config=config)
 
 
@@ -124,15 +191,16 @@ def make_stream(
     evaluation: bool = False,
 ) -> BatchStream:
     """The training (or evaluation) stream of `global_batch_size` packed microbatches."""
-    source_seed = seed + EVAL_SEED_OFFSET if evaluation and spec.kind == "synthetic" else seed
+    # Sources that order themselves (synthetic, Energon) take the evaluation seed too.
+    source_seed = seed + EVAL_SEED_OFFSET if evaluation and spec.kind != "llava" else seed
     stream_seed = seed + EVAL_SEED_OFFSET if evaluation else seed
     return BatchStream(
-        spec.source(model, seed=source_seed),
+        spec.source(model, seed=source_seed, evaluation=evaluation),
         config=StreamConfig(
             seed=stream_seed,
             batch_microbatches=global_batch_size,
             limits=limits,
-            on_oversize=spec.bad_samples,
+            on_oversize="error" if spec.bad_samples == "error" else "skip",
         ),
     )
 

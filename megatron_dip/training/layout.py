@@ -63,7 +63,7 @@ class Layout:
 
 
 def _fail(flag: str, message: str) -> ValueError:
-    from .validate import ConfigError
+    from .config_error import ConfigError
 
     return ConfigError(f"{flag}: {message}")
 
@@ -73,13 +73,16 @@ def calibration_batches(
 ) -> list[BatchMeta]:
     """The first calibration batches of the run's data stream (metadata)."""
     t = config.train
-    stream = make_stream(
-        data, model, seed=t.seed, global_batch_size=t.global_batch_size, limits=limits
-    )
+    try:  # a reader that refuses the dataset or the model (its files, its vocabulary)
+        stream = make_stream(
+            data, model, seed=t.seed, global_batch_size=t.global_batch_size, limits=limits
+        )
+    except (ImportError, OSError, ValueError) as e:
+        raise _fail("--dip-data", f"cannot read {data.value}: {e}") from None
     try:  # the stream bounds its search for usable samples, so this cannot spin
         return stream.peek(CALIBRATION_BATCHES)
     except StreamError as e:
-        hint = " (or skip such samples: --dip-bad-samples skip)"
+        hint = " (or skip such samples: --dip-bad-samples skip|truncate)"
         hint = hint if config.dip.dip_bad_samples == "error" and e.position is not None else ""
         if e.oversize:
             raise _fail(

@@ -43,6 +43,7 @@ class IterationRecord:
     variant: str
     planned_seconds: float | None = None
     skipped: int = 0
+    truncated: int = 0  # samples whose text was cut (--dip-bad-samples truncate), so far
     cost_error: float | None = None  # calibrated cost model vs measured compute, relative
     calibration_version: int = 0
 
@@ -125,6 +126,8 @@ class IntervalLog:
         ]
         if last.skipped:
             parts.append(f"skipped samples: {last.skipped}")
+        if last.truncated:
+            parts.append(f"truncated samples: {last.truncated}")
         return " | ".join(parts)
 
     def eval_line(self, iteration: int, loss: float, batches: int) -> str:

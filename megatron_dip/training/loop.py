@@ -230,7 +230,7 @@ class Trainer:
                 planned_seconds=None if sim is None else sim.iteration_time,
                 cost_error=self.result.cost_error.get(it),
                 calibration_version=self.calibration.version,
-                skipped=self.stream.skipped,
+                skipped=self.stream.skipped, truncated=self.stream.truncated,
             )
         )  # fmt: skip
         if logging_now:

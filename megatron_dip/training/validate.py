@@ -10,7 +10,6 @@ deterministic resolution, so no rank starts while another refuses.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field
 
 from megatron_dip.batching import packing_limits
 from megatron_dip.data.packing import PackingLimits
-from megatron_dip.modalities import check_model
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec, get_device, load_profile
@@ -29,16 +27,15 @@ from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute, RecomputeMode
 
 from .arguments import TrainConfig
+from .config_error import ConfigError  # noqa: F401  (re-exported: every caller's error type)
+from .config_error import fail as _fail
+from .data_config import data_spec, model_spec
 from .data_source import DataSpec
 from .presets import RunPreset, get_run_preset
 
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
-
-
-class ConfigError(ValueError):
-    """A flag or combination of flags that cannot run; the message names the flag."""
 
 
 @dataclass(frozen=True)
@@ -85,10 +82,6 @@ class RunSpec:
         return self.config.parallel.sequence_parallel and self.tensor_parallel > 1
 
 
-def _fail(flag: str, message: str) -> ConfigError:
-    return ConfigError(f"{flag}: {message}")
-
-
 def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
     """Fill the fields left unset from the `--model` preset."""
     name = config.model.model
@@ -113,33 +106,6 @@ def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
     flat = config.flat()
     missing = {k: v for k, v in defaults.items() if flat[k] is None}
     return config.replace(**missing), preset
-
-
-def _model_spec(config: TrainConfig, preset: RunPreset) -> MultimodalSpec:
-    m = config.model
-    model = preset.model()
-    loss = model.loss_module.name
-    changed = []
-    for spec in model.modules:
-        updates = {}
-        layers = m.num_layers if spec.name == loss else m.encoder_num_layers
-        if layers is not None:
-            if layers < 1:
-                flag = "--num-layers" if spec.name == loss else "--encoder-num-layers"
-                raise _fail(flag, f"must be >= 1, got {layers}")
-            updates["num_layers"] = layers
-        if m.vocab_size is not None and spec.vocab_size > 0:
-            if m.vocab_size < 3:
-                raise _fail(
-                    "--vocab-size", f"must be >= 3 (PAD, IMAGE and text), got {m.vocab_size}"
-                )
-            updates["vocab_size"] = m.vocab_size
-        changed.append(dataclasses.replace(spec, **updates) if updates else spec)
-    model = dataclasses.replace(model, modules=tuple(changed))
-    try:
-        return check_model(model)
-    except ValueError as e:
-        raise _fail("--model", str(e)) from None
 
 
 def _check_sizes(config: TrainConfig, world_size: int) -> tuple[int, int, int]:
@@ -384,7 +350,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     from .layout import build_layout  # the placement and sizing step
 
     config, preset = apply_preset(config)
-    model = _model_spec(config, preset)
+    model, tokenizer_spec, tokenizer = model_spec(config, preset)
     emulate = config.dip.dip_emulate_compute
     if emulate:
         # Emulated cluster: one process per pipeline rank (and replica); TP is folded into the
@@ -399,16 +365,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     _check_dip(config)
     _check_tensor_parallel(model, tp)
     _check_sequence_parallel(config, tp)
-    try:
-        data = DataSpec.parse(
-            config.dip.dip_data,
-            scale=config.dip.dip_data_scale,
-            image_size=config.dip.dip_image_size,
-            bad_samples=config.dip.dip_bad_samples,
-        )
-        data.check_model(model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     dtype = "bfloat16" if config.model.bf16 else "float32"
     # An emulated run prices and shapes messages as the real (bf16, GPU) run it stands for.
     plan_dtype = "bfloat16" if emulate else dtype

@@ -1,0 +1,304 @@
+"""Megatron-Energon datasets (`data.energon`, `data.energon_order`, `data.energon_write`), built
+here from generated shards with `energon prepare`: captioning, VQA, interleaved and crude (the
+LLaVA converter's, and one with a user cooker) samples; metadata without decoding images;
+Energon's shard split over data-parallel replicas; a 3:1 blend; exact resume of the stream."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import numpy as np
+import pytest
+import webdataset
+from megatron.energon import WorkerConfig
+from PIL import Image, ImageFile
+
+from megatron_dip.data import energon
+from megatron_dip.data.energon import MAX_SAMPLES_PER_SEQUENCE, EnergonSource
+from megatron_dip.data.energon_write import prepare, write_llava_energon
+from megatron_dip.data.image_text import ReaderConfig
+from megatron_dip.data.llava import LlavaDataset
+from megatron_dip.data.meta import sample_meta
+from megatron_dip.data.stream import BatchStream, StreamConfig
+from megatron_dip.data.tiny_llava import make_tiny_llava_sample
+from megatron_dip.data.tokenizer import ByteTokenizer
+from megatron_dip.modelspec import tiny_vlm
+
+MODEL = tiny_vlm()
+TOK = ByteTokenizer()
+CONFIG = ReaderConfig()
+INTERLEAVED_LOADER = """
+def sample_loader(raw: dict) -> dict:
+    items = raw["json"]["sequence"]
+    return dict(sequence=[raw[i["image"]] if isinstance(i, dict) else i for i in items])
+
+
+def part_filter(part: str) -> bool:
+    return True
+"""
+
+
+def _png(height: int, width: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def _shards(root, samples, *, per_shard: int = 7):
+    root.mkdir(parents=True, exist_ok=True)
+    with webdataset.ShardWriter(str(root / "part-%06d.tar"), maxcount=per_shard, verbose=0) as w:
+        for sample in samples:
+            w.write(sample)
+    return root
+
+
+def _captions(n: int, offset: int = 0):
+    for i in range(n):
+        yield {
+            "__key__": f"c{i:05d}",
+            "png": _png(18 + i % 20, 40 - i % 15, offset + i),
+            "txt": f"caption number {offset + i}".encode(),
+        }
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("energon")
+    out = {}
+    out["caption"] = _shards(tmp / "caption", _captions(30))
+    prepare(
+        out["caption"], sample_type="CaptioningSample", field_map={"image": "png", "caption": "txt"}
+    )
+    out["headers"] = _shards(tmp / "headers", _captions(10))  # no media metadata in its index
+    prepare(
+        out["headers"],
+        sample_type="CaptioningSample",
+        field_map={"image": "png", "caption": "txt"},
+        media_metadata=False,
+    )
+    vqa = (
+        {
+            "__key__": f"q{i:05d}",
+            "png": _png(32, 32, 100 + i),
+            "json": json.dumps(
+                {
+                    "question": f"what is {i}?",
+                    "answers": ["no", f"it is {i}"],
+                    "weights": [0.2, 0.8],
+                }
+            ).encode(),
+        }
+        for i in range(10)
+    )
+    out["vqa"] = _shards(tmp / "vqa", vqa)
+    fields = {
+        "image": "png",
+        "context": "json[question]",
+        "answers": "json[answers]",
+        "answer_weights": "json[weights]",
+    }
+    prepare(out["vqa"], sample_type="VQASample", field_map=fields)
+    docs = (
+        {
+            "__key__": f"d{i:05d}",
+            "img0.png": _png(16, 48, 200 + i),
+            "json": json.dumps(
+                {"sequence": [f"before {i} ", {"image": "img0.png"}, " after"]}
+            ).encode(),
+        }
+        for i in range(6)
+    )
+    out["interleaved"] = _shards(tmp / "interleaved", docs)
+    prepare(out["interleaved"], sample_type="InterleavedSample")
+    (out["interleaved"] / ".nv-meta" / "sample_loader.py").write_text(INTERLEAVED_LOADER)
+    out["crude"] = _shards(tmp / "crude", _captions(8))
+    prepare(out["crude"], sample_type="CrudeWebdataset")
+    yaml = out["crude"] / ".nv-meta" / "dataset.yaml"
+    yaml.write_text(yaml.read_text() + "subflavors:\n  kind: caption\n")
+    out["llava_json"] = make_tiny_llava_sample(tmp / "llava", num_samples=12, seed=4)
+    write_llava_energon(out["llava_json"], tmp / "llava_energon", samples_per_shard=5)
+    out["llava"] = tmp / "llava_energon"
+    blend = tmp / "blend.yaml"
+    blend.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        f"      - weight: 3\n        path: {out['caption']}\n"
+        f"      - weight: 1\n        path: {out['vqa']}\n"
+    )
+    out["blend"] = blend
+    out["split"] = _shards(tmp / "split", _captions(20), per_shard=5)
+    prepare(
+        out["split"],
+        sample_type="CaptioningSample",
+        field_map={"image": "png", "caption": "txt"},
+        split_ratio="3,1,0",
+    )
+    return out
+
+
+def _source(path, **kw) -> EnergonSource:
+    return EnergonSource(
+        str(path),
+        model=MODEL,
+        config=kw.pop("config", CONFIG),
+        seed=kw.pop("seed", 0),
+        slots=kw.pop("slots", 2),
+        **kw,
+    )
+
+
+def _check_consistent(src: EnergonSource, positions) -> list:
+    samples = []
+    for position, meta in zip(positions, src.metas(list(positions))):
+        sample = src.sample(position)
+        assert sample_meta(sample, model=MODEL) == meta
+        samples.append(sample)
+    return samples
+
+
+def test_captioning_samples(datasets):
+    src = _source(datasets["caption"])
+    for s in _check_consistent(src, range(10)):
+        loss = TOK.decode(s.text[s.labels_mask == 1])
+        assert loss.startswith("caption number ") and s.text[s.labels_mask == 1][-1] == TOK.eos_id
+        assert TOK.decode(s.text).startswith("\n" + energon.CAPTION_PROMPT)  # after the image
+        (image,) = s.media["vit"]
+        assert image.shape[0] == 3 and image.shape[1] % 16 == 0 and image.min() >= -1.0
+
+
+def test_vqa_samples_answer_with_the_best_weighted_answer(datasets):
+    for s in _check_consistent(_source(datasets["vqa"]), range(6)):
+        question, answer = (
+            TOK.decode(s.text[s.labels_mask == 0]),
+            TOK.decode(s.text[s.labels_mask == 1]),
+        )
+        number = question.split("what is ")[1].split("?")[0]
+        assert answer == f"it is {number}"
+
+
+def test_interleaved_documents_carry_loss_on_all_text(datasets):
+    for s in _check_consistent(_source(datasets["interleaved"]), range(6)):
+        image = MODEL.module("vit").placeholder_id
+        text = s.text[1:][s.text[1:] != image]
+        assert s.labels_mask[1:][s.text[1:] != image].all() and TOK.decode(text).endswith(" after")
+        assert len(s.media["vit"]) == 1 and s.media["vit"][0].shape == (3, 16, 48)
+
+
+def test_crude_datasets_are_cooked_by_the_built_in_or_a_named_cooker(datasets):
+    with pytest.raises(energon.BadSampleError, match="no cooker for crude samples"):
+        _source(datasets["crude"]).metas([0])
+    src = _source(datasets["crude"], cooker="energon_cookers:COOKERS")
+    for s in _check_consistent(src, range(4)):
+        assert TOK.decode(s.text[s.labels_mask == 1]).startswith("caption number ")
+        assert len(s.media["vit"]) == 1
+    with pytest.raises(ValueError, match="--dip-energon-cooker: cannot import"):
+        _source(datasets["crude"], cooker="energon_cookers:NOPE")
+
+
+def test_converted_llava_data_equals_the_llava_reader(datasets):
+    src = _source(datasets["llava"])
+    reader = LlavaDataset(datasets["llava_json"], model=MODEL)
+    for position in range(12):
+        _, index = src.locate(position)
+        a, b = src.sample(position), reader.sample(index)
+        np.testing.assert_array_equal(a.text, b.text)
+        np.testing.assert_array_equal(a.labels_mask, b.labels_mask)
+        for x, y in zip(a.media["vit"], b.media["vit"], strict=True):
+            np.testing.assert_array_equal(x, y)
+        assert src.metas([position])[0] == dataclasses.replace(
+            reader.meta(index), sample_id=position
+        )
+
+
+def test_lookahead_decodes_no_image(datasets, monkeypatch):
+    """With Energon's media metadata the lookahead reads no image bytes at all; without it,
+    only the headers (Pillow's lazy open), never the pixels."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded an image for metadata")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
+    monkeypatch.setattr(energon.EncodedImage, "open", refuse)
+    assert all(m is not None for m in _source(datasets["headers"]).metas(range(10)))
+    monkeypatch.setattr(Image, "open", refuse)
+    metas = _source(datasets["caption"]).metas(range(30))
+    assert all(m is not None and m.instances_of("vit").tokens for m in metas)
+
+
+def test_shards_are_split_over_replicas_as_energon_splits_them(datasets):
+    """slots = DP x workers: the order's workers are Energon's (rank r, DP, workers) slices."""
+    src = _source(datasets["caption"], slots=4)
+    factory = src.parts[0].factory
+    energon_slices = []
+    for rank in range(2):
+        config = WorkerConfig(rank=rank, world_size=2, num_workers=2)
+        energon_slices += factory.shard_workers(
+            factory.shards, worker_config=config, max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE
+        )
+    assert src.orders[0].workers == [tuple(w) for w in energon_slices]
+    epoch = [src.locate(p)[1] for p in range(30)]
+    assert sorted(epoch) == list(range(30))  # every sample once per epoch
+    rounds = min(b[-1] - b[0] for b in energon_slices)
+    for w, bounds in enumerate(energon_slices):  # the workers take turns: draw p reads p % 4
+        assert all(bounds[0] <= epoch[p] < bounds[-1] for p in range(w, 4 * rounds, 4))
+    assert [src.locate(p)[1] for p in range(30, 60)] != epoch  # epochs reshuffle the slices
+    assert sorted(src.locate(p)[1] for p in range(30, 60)) == list(range(30))
+
+
+def test_a_blend_of_two_datasets_delivers_its_weights(datasets):
+    src = _source(datasets["blend"])
+    assert src.weights == pytest.approx([0.75, 0.25]) and len(src.parts) == 2  # normalised
+    draws = [src.locate(p)[0] for p in range(400)]
+    assert 0.9 * 300 <= draws.count(0) <= 1.1 * 300 and 0.9 * 100 <= draws.count(1) <= 1.1 * 100
+    metas = src.metas(range(40))
+    assert all(m.sample_id == p for p, m in enumerate(metas))
+    _check_consistent(src, [p for p in range(40) if draws[p] == 1][:3])
+
+
+def test_the_stream_resumes_exactly_and_refuses_another_order(datasets):
+    def stream(slots=2):
+        return BatchStream(
+            _source(datasets["blend"], slots=slots),
+            config=StreamConfig(batch_samples=5, seed=3, shuffle=False),
+        )
+
+    full = stream()
+    for _ in range(3):
+        next(full)
+    state = full.state_dict()
+    assert state["source"] is not None and "energon" in state["source"]
+    expected = [next(full) for _ in range(2)]
+    resumed = stream()
+    resumed.load_state_dict(state)
+    assert [next(resumed) for _ in range(2)] == expected
+    got = resumed.samples(expected[1])
+    assert [s.text.tolist() for s in got] == [s.text.tolist() for s in full.samples(expected[1])]
+    with pytest.raises(ValueError, match="saved over another data source"):
+        stream(slots=4).load_state_dict(state)
+
+
+def test_evaluation_reads_the_val_split(datasets):
+    from megatron_dip.training.data_source import DataSpec
+
+    spec = DataSpec.parse(f"energon:{datasets['split']}", scale=1.0, image_size=32)
+    train, val = spec.source(MODEL, seed=0), spec.source(MODEL, seed=0, evaluation=True)
+    assert (train.split, val.split) == ("train", "val")
+    assert (
+        sum(p.num_samples for p in train.parts) == 15 and sum(p.num_samples for p in val.parts) == 5
+    )
+    assert spec.source(MODEL, seed=0, evaluation=True) is not None
+    only_train = DataSpec.parse(f"energon:{datasets['caption']}", scale=1.0, image_size=32)
+    assert only_train.source(MODEL, seed=0, evaluation=True).split == "train"
+
+
+def test_converter_names_or_skips_records_whose_images_are_missing(tmp_path):
+    path = make_tiny_llava_sample(tmp_path / "llava", num_samples=3, seed=5)
+    records = json.loads(path.read_text())
+    records[1]["image"] = "images/missing.png"
+    path.write_text(json.dumps(records))
+    with pytest.raises(energon.BadSampleError, match=r"record 1 \(id 'tiny00001'\).*missing.png"):
+        write_llava_energon(path, tmp_path / "strict")
+    assert write_llava_energon(path, tmp_path / "lenient", skip_bad=True) == (2, 1)
+    assert [m.sample_id for m in _source(tmp_path / "lenient").metas(range(2))] == [0, 1]
