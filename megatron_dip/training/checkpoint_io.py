@@ -1,0 +1,383 @@
+"""Saving and loading sharded state dicts with Megatron-Core's `dist_checkpointing` (torch_dist),
+published only when complete and verified before they are read.
+
+Inside a checkpoint directory (Megatron-LM's torch_dist layout plus one file of ours):
+
+    metadata.json        dist_checkpointing's: backend "torch_dist" and its version
+    common.pt            the common (non-sharded) state, written by rank 0
+    .metadata            torch.distributed.checkpoint's index: every tensor's chunks and files
+    __R_T.distcp         rank R's shards, writer thread T (each rank writes only its own)
+    checksums.json       MANIFEST: {"sha256": {file: [bytes, hex digest]}} of every file above
+
+Saving (`CheckpointWriter.save`, collective): rank 0 creates `iter_N.tmp`; `dist_checkpointing.save`
+plans the write (`FullyParallelSaveStrategyWrapper` over the data-parallel group spreads the
+replicated weights' writing over the replicas) and returns an `AsyncRequest`; that request runs in
+a forked writer process (Megatron's `AsyncCallsQueue`), which writes the rank's files, then
+hashes them. `--async-save` lets training continue meanwhile (the next iterations finalize it);
+otherwise the save waits. The finalize step gathers the digests; rank 0 hashes the common files,
+writes the manifest, renames `iter_N.tmp` to `iter_N` and then rewrites the tracker, each
+atomically. A crash at any point leaves the previous checkpoint and tracker intact.
+
+Processes: dist_checkpointing's writer sends its results through a multiprocessing Manager queue
+whose server process it spawns at the first save (about 5 s) and which outlives a killed rank
+(reparented to PID 1). Here a file next to the checkpoint carries those results instead
+(`_FileResultsQueue`), so no server process exists; the forked writer process watches its parent
+and exits, with its own writer children, within a second of the rank's death.
+
+Loading (`load_verified`, collective): every rank checks a share of the manifest's files (size
+and sha256) and the ranks agree on the outcome, so a flipped byte or a truncated file is one
+error naming the file on every rank; then the requested keys and global shapes are checked
+against the checkpoint's index, and `dist_checkpointing.load` fills the requested tensors in
+place, resharding as needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_dip import megatron_compat
+
+from .checkpoint_dirs import (
+    MANIFEST,
+    TRACKER,
+    CheckpointError,
+    fsync_dir,
+    iteration_dir,
+    write_atomically,
+)
+
+logger = logging.getLogger(__name__)
+
+WRITER_THREADS = 2  # files per rank and checkpoint (Megatron-LM's default thread count)
+_DIGESTS = ".sha256_rank_{rank:05d}.json"  # a rank's digests, until the manifest holds them
+_RESULTS = ".write_results_rank_{rank:05d}.pkl"
+_TEMPORARY = (".sha256_rank_", ".write_results_rank_")
+_CHUNK = 16 << 20
+_WATCH_S = 0.5
+
+
+def sha256_of(path: Path) -> tuple[int, str]:
+    """(size in bytes, hex sha256) of a file, read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while piece := f.read(_CHUNK):
+            h.update(piece)
+            size += len(piece)
+    return size, h.hexdigest()
+
+
+def digests(paths: Iterable[Path]) -> dict[str, list]:
+    """{file name: [bytes, sha256]} of `paths`, hashed in parallel threads."""
+    paths = list(paths)
+    with ThreadPoolExecutor(max_workers=max(1, min(WRITER_THREADS, len(paths)))) as pool:
+        return {p.name: list(d) for p, d in zip(paths, pool.map(sha256_of, paths))}
+
+
+class _FileResultsQueue:
+    """Where dist_checkpointing's writer puts its write results (`put` in the writer process,
+    `get_nowait` in the rank at finalize): a file, instead of the queue of a Manager server
+    process (module docstring). One save at a time per rank uses it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        del block, timeout
+        tmp = self.path.with_name(self.path.name + ".part")
+        with open(tmp, "wb") as f:
+            pickle.dump(item, f)
+        os.replace(tmp, self.path)
+
+    def get_nowait(self):
+        try:
+            with open(self.path, "rb") as f:
+                item = pickle.load(f)
+        except FileNotFoundError:
+            raise queue.Empty from None
+        self.path.unlink()
+        return item
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        del block, timeout
+        return self.get_nowait()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Watchdog of a forked writer process: when the rank that forked it is gone, kill the
+    writer's own children and exit (dist_checkpointing's writer would otherwise keep writing
+    into a checkpoint nobody can finalize)."""
+    import psutil
+
+    while os.getppid() == parent:
+        time.sleep(_WATCH_S)
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(1)
+
+
+def _write_and_hash(write: Callable, digest_path: Path, rank_pid: int, *args) -> None:
+    """dist_checkpointing's write function (`args`: rank, write buckets, results queue), then
+    the digests of the files it wrote. Runs in the forked writer process."""
+    if os.getpid() != rank_pid:
+        threading.Thread(target=_exit_with_parent, args=(rank_pid,), daemon=True).start()
+    write(*args)
+    files = [Path(bucket[0]) for bucket in args[1]]
+    try:
+        found = digests(files)
+    except OSError as e:
+        found = {"error": f"cannot hash {e.filename}: {e.strerror}"}
+    tmp = digest_path.with_name(digest_path.name + ".part")
+    tmp.write_text(json.dumps(found))
+    os.replace(tmp, digest_path)
+
+
+class CheckpointWriter:
+    """Saves sharded state dicts (module docstring); one per run, on every rank.
+
+    `group`: the data-parallel group over which replicated tensors' writing is spread.
+    `async_save`: return as soon as the writer process has started (`poll` each iteration and
+    `wait` at the end finalize); otherwise `save` returns once the checkpoint is published.
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup | None, async_save: bool) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.group = group
+        self.async_save = async_save
+        self.calls = AsyncCallsQueue(persistent=False)
+        self.published: list[Path] = []
+
+    def _strategy(self):
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        base = get_default_save_sharded_strategy("torch_dist")
+        base.thread_count = WRITER_THREADS
+        if self.group is None or self.group.size() == 1:
+            return base
+        return FullyParallelSaveStrategyWrapper(base, self.group)
+
+    def save(self, sharded_state_dict: dict, root: str | Path, iteration: int) -> Path:
+        """Write `sharded_state_dict` as `root/iter_N` (collective; module docstring)."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()  # one save in flight at a time
+        final = iteration_dir(root, iteration)
+        tmp = final.with_name(final.name + ".tmp")
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        megatron_compat.install_write_results_queue(
+            _FileResultsQueue(tmp / _RESULTS.format(rank=rank))
+        )
+        request = dist_checkpointing.save(
+            sharded_state_dict, str(tmp), sharded_strategy=self._strategy(),
+            async_sharded_save=True,
+        )  # fmt: skip
+        if request.async_fn is not None:
+            write = functools.partial(
+                _write_and_hash, request.async_fn, tmp / _DIGESTS.format(rank=rank), os.getpid()
+            )
+            request = request._replace(async_fn=write)
+        request.finalize_fns.append(functools.partial(self._publish, tmp, final, iteration))
+        self.calls.schedule_async_request(request)
+        if not self.async_save:
+            self.wait()
+        return final
+
+    def _publish(self, tmp: Path, final: Path, iteration: int) -> None:
+        """Finalize step of a save on every rank (after dist_checkpointing's): the manifest,
+        the rename and the tracker (module docstring)."""
+        rank = dist.get_rank()
+        mine = tmp / _DIGESTS.format(rank=rank)
+        found = json.loads(mine.read_text()) if mine.exists() else {}
+        mine.unlink(missing_ok=True)
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(found, gathered, dst=0)
+        if rank == 0:
+            _publish_on_rank0(tmp, final, iteration, gathered)
+        dist.barrier()
+        self.published.append(final)
+        logger.info("saved checkpoint of iteration %d to %s", iteration, final)
+
+    def poll(self) -> None:
+        """Finalize the saves whose writers have finished (collective: every rank, every
+        iteration, while saves are in flight)."""
+        if self.calls.get_num_unfinalized_calls():
+            self.calls.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Block until every save is published (collective)."""
+        if self.calls.get_num_unfinalized_calls():
+            self.calls.maybe_finalize_async_calls(blocking=True)
+
+    def abort(self) -> None:
+        """Stop unfinished saves without publishing them (their `.tmp` stays incomplete)."""
+        for call in self.calls.async_calls:
+            call.async_caller.close(abort=True)
+        self.calls.async_calls.clear()
+
+
+def _publish_on_rank0(tmp: Path, final: Path, iteration: int, gathered: list) -> None:
+    manifest: dict[str, list] = {}
+    for rank, found in enumerate(gathered):
+        if "error" in found:
+            raise CheckpointError(f"saving {final}: rank {rank}: {found['error']}")
+        manifest.update(found)
+    written = {p.name for p in tmp.iterdir() if p.name.endswith(".distcp")}
+    if written != set(manifest):
+        raise CheckpointError(
+            f"saving {final}: the ranks hashed {sorted(manifest)} but wrote {sorted(written)}"
+        )
+    common = [
+        p
+        for p in tmp.iterdir()
+        if p.is_file() and not p.name.endswith((".distcp", ".part")) and not _ours(p.name)
+    ]
+    manifest.update(digests(common))
+    write_atomically(tmp / MANIFEST, _manifest_text(manifest))
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # a rerun from an older checkpoint reached this iteration again
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    write_atomically(final.parent / TRACKER, str(iteration))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _manifest_text(manifest: dict[str, list]) -> str:
+    """The manifest as JSON, one file per line."""
+    lines = [f"  {json.dumps(name)}: {json.dumps(manifest[name])}" for name in sorted(manifest)]
+    return '{"sha256": {\n' + ",\n".join(lines) + "\n}}\n"
+
+
+def _ours(name: str) -> bool:
+    """A temporary file of a save in progress (digests, write results)."""
+    return name.startswith(_TEMPORARY)
+
+
+def read_manifest(path: Path) -> dict[str, list]:
+    """{file: [bytes, sha256]} of a checkpoint directory; `CheckpointError` naming the file
+    when it is missing or unreadable."""
+    manifest = path / MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["sha256"]
+        if not isinstance(files, dict):
+            raise TypeError
+        return {str(k): [int(v[0]), str(v[1])] for k, v in files.items()}
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MANIFEST}: not a complete checkpoint") from None
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{manifest}: unreadable checksum manifest ({e!r})") from None
+
+
+def check_files(path: Path, manifest: dict[str, list], names: Iterable[str]) -> list[str]:
+    """Problems (one line each, naming the file) of the manifest's files `names` in `path`."""
+    problems = []
+    for name in names:
+        size, digest = manifest[name]
+        file = path / name
+        try:
+            found = file.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{file}: missing")
+            continue
+        if found != size:
+            problems.append(f"{file}: {found} bytes, the manifest says {size} (truncated?)")
+        elif sha256_of(file)[1] != digest:
+            problems.append(f"{file}: sha256 differs from the manifest (corrupted)")
+    return problems
+
+
+def _share(manifest: dict[str, list], rank: int, world: int) -> list[str]:
+    """This rank's files to check: the largest first, each to the least loaded rank."""
+    loads, mine = [0] * world, []
+    for name in sorted(manifest, key=lambda n: (-manifest[n][0], n)):
+        least = loads.index(min(loads))
+        loads[least] += manifest[name][0]
+        if least == rank:
+            mine.append(name)
+    return mine
+
+
+def verify(path: Path, *, hint: str = "") -> None:
+    """Check every file of a checkpoint against its manifest; collective when torch.distributed
+    is initialised (each rank checks a share), single-process otherwise. Raises the same
+    `CheckpointError` on every rank, naming the first bad file (`hint`: what to do instead)."""
+    manifest = read_manifest(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    problems = check_files(path, manifest, _share(manifest, rank, world))
+    if distributed:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, problems)
+        problems = [p for found in everyone for p in found]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}{hint}")
+
+
+def check_keys(path: Path, sharded_state_dict: dict) -> None:
+    """Every requested tensor is in the checkpoint with the requested global shape."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    saved = dist_checkpointing.load_tensors_metadata(str(path))
+    missing, wrong = set(), set()
+    for t in nested_values(sharded_state_dict):
+        if not isinstance(t, ShardedTensor):
+            continue
+        if t.key not in saved:
+            missing.add(t.key)
+        elif tuple(saved[t.key].global_shape) != tuple(t.global_shape):
+            wrong.add(f"{t.key} {tuple(saved[t.key].global_shape)} != {tuple(t.global_shape)}")
+    if missing:
+        shown = ", ".join(sorted(missing)[:3])
+        raise CheckpointError(
+            f"{path}: {len(missing)} tensor(s) this run needs are not in the checkpoint "
+            f"({shown}{', ...' if len(missing) > 3 else ''})"
+        )
+    if wrong:
+        raise CheckpointError(f"{path}: global shapes differ from this run's: {sorted(wrong)[0]}")
+
+
+def load_sharded(sharded_state_dict: dict, path: Path) -> dict:
+    """`dist_checkpointing.load` of the requested tensors (filled in place) after `check_keys`
+    (collective; call after `verify`)."""
+    from megatron.core import dist_checkpointing
+
+    check_keys(path, sharded_state_dict)
+    return dist_checkpointing.load(sharded_state_dict, str(path))
+
+
+def load_common(path: Path) -> dict:
+    """The common state of a checkpoint (every rank reads it; call after `verify`)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:  # a torch.load error of a file that passed its checksum
+        raise CheckpointError(f"{path}: cannot read its common state ({e})") from None
