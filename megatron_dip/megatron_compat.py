@@ -17,7 +17,11 @@ Differences handled here (feature-detected, not version-compared, where the API 
   exists only after `initialize_model_parallel`; `ensure_global_memory_buffer()` creates it;
 * dist_checkpointing's torch_dist writer takes its results queue from a module global that it
   fills, at the first save, with a multiprocessing Manager queue (a server process that
-  outlives a killed rank): `install_write_results_queue()` puts another queue there.
+  outlives a killed rank): `install_write_results_queue()` puts another queue there;
+* dist_checkpointing reads and writes through multi-storage-client whenever that package
+  imports (megatron-energon brings it), which also records metrics on every read; checkpoints
+  here are POSIX paths: `use_posix_checkpoint_files()` turns it off (Megatron-LM's
+  --disable-msc).
 """
 
 from __future__ import annotations
@@ -266,3 +270,13 @@ def install_write_results_queue(results_queue: Any) -> bool:
         return False
     filesystem_async._results_queue = results_queue
     return True
+
+
+def use_posix_checkpoint_files() -> None:
+    """Make dist_checkpointing read and write checkpoint files with plain file I/O rather
+    than through multi-storage-client (module docstring)."""
+    try:
+        from megatron.core.msc_utils import MultiStorageClientFeature
+    except ImportError:  # a release without the feature: plain files already
+        return
+    MultiStorageClientFeature.disable()

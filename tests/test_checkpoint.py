@@ -7,7 +7,8 @@ resharding and the faults of a training run are in test_training_dist.py).
 * Every kind of damage (bytes flipped inside a shard file, truncated files, a missing file, a bad
   manifest) is one `CheckpointError` naming the file, and nothing is loaded.
 * Adam's moments and step go out in global coordinates and come back into another chunking.
-* An asynchronous save is invisible (no `iter_N`, no tracker) until it is finalized.
+* An asynchronous save is invisible (no `iter_N`, no tracker) until it is finalized; a save
+  whose writer fails is one error and publishes nothing.
 * A rank killed after a save, or during an asynchronous one, leaves no process behind within 5 s.
 """
 
@@ -205,6 +206,33 @@ def test_an_asynchronous_save_is_invisible_until_finalized(groups, tmp_path):
     writer.wait()
     assert writer.published == [final] and (tmp_path / TRACKER).read_text() == "5"
     checkpoint_io.verify(final)
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def _killed(*args, **kwargs):
+    os.kill(os.getpid(), 9)
+
+
+@pytest.mark.parametrize("fault", ["disk full", "writer killed"])
+def test_a_failed_write_is_one_error_and_publishes_nothing(groups, tmp_path, monkeypatch, fault):
+    """A file writer that fails, or is killed (dist_checkpointing's writer would wait for it
+    forever): the save fails on every rank, naming it; nothing is published."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two), iteration=1)
+    if fault == "disk full":
+        monkeypatch.setattr(filesystem_async, "_write_item", _disk_full)
+    else:
+        writer = filesystem_async.FileSystemWriterAsync
+        monkeypatch.setattr(writer, "write_preloaded_data", staticmethod(_killed))
+    with pytest.raises(CheckpointError, match=r"saving .*iter_0000002.tmp failed .*tracker are "
+                       r"unchanged"):  # fmt: skip
+        save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two), iteration=2)
+    assert (tmp_path / TRACKER).read_text() == "1" and not (tmp_path / "iter_0000002").exists()
+    assert psutil.Process().children(recursive=True) == []
 
 
 _RANK_SCRIPT = """

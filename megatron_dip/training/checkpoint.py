@@ -40,7 +40,13 @@ from megatron_dip.runtime.checks import unwrap_chunk
 
 from . import checkpoint_io, optim_state
 from .build import LocalModel
-from .checkpoint_dirs import FORMAT, CheckpointError, find_resume
+from .checkpoint_dirs import (
+    FORMAT,
+    CheckpointError,
+    complete_iterations,
+    find_resume,
+    iteration_dir,
+)
 from .checkpoint_io import CheckpointWriter
 from .setup import ParallelContext
 from .validate import RunSpec
@@ -157,9 +163,13 @@ def _header(common: Mapping, path: Path, model: MultimodalSpec) -> dict:
     return dict(header)
 
 
-def _hint(spec: RunSpec) -> str:
-    c = spec.config.checkpoint
-    return f" (--load {c.load}: pick another checkpoint with --ckpt-step)"
+def _hint(path: Path) -> str:
+    """What to load instead of a damaged checkpoint `path`."""
+    root = path.parent
+    others = [i for i in complete_iterations(root) if iteration_dir(root, i) != path]
+    if not others:
+        return f" (--load {root}: no other complete checkpoint there to pick with --ckpt-step)"
+    return f" (--load {root}: pick another checkpoint, e.g. --ckpt-step {others[-1]})"
 
 
 def load(
@@ -173,7 +183,7 @@ def load(
 ) -> Restored:
     """Load `path` into this rank's chunks, optimizer, scheduler and RNG (module docstring);
     collective. Every file is checked against the manifest first."""
-    checkpoint_io.verify(path, hint=_hint(spec))
+    checkpoint_io.verify(path, hint=_hint(path))
     common = checkpoint_io.load_common(path)
     header = _header(common, path, spec.model)
     c = spec.config.checkpoint
@@ -183,7 +193,8 @@ def load(
             f"{path}: holds model weights only (no optimizer or training state): pass "
             "--no-load-optim to start the optimizer and LR schedule afresh from them"
         )
-    saved_keys = set(_tensor_keys(path))
+    saved = checkpoint_io.tensor_metadata(path)
+    saved_keys = set(saved)
     request: dict = {"model": model.sharded_state_dict(data_parallel_rank=ctx.dp_rank)}
     masters, set_steps = False, None
     if not c.no_load_optim:
@@ -197,7 +208,7 @@ def load(
         )
     if training and not c.no_load_rng and header["layout"] == _layout(spec):
         request["rng"] = _rng_object(ctx, None)
-    loaded = checkpoint_io.load_sharded(request, path)
+    loaded = checkpoint_io.load_sharded(request, path, saved=saved)
     if not masters and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # Megatron: fp32 masters from the loaded weights
     if set_steps is not None:
@@ -218,12 +229,6 @@ def load(
         header["iteration"], t["consumed_samples"], t["stream"], t["calibration"],
         eval_stream=t["eval_stream"],
     )  # fmt: skip
-
-
-def _tensor_keys(path: Path) -> list[str]:
-    from megatron.core import dist_checkpointing
-
-    return list(dist_checkpointing.load_tensors_metadata(str(path)))
 
 
 def save_weights(

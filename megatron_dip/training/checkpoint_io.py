@@ -117,15 +117,29 @@ class _FileResultsQueue:
         return self.get_nowait()
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Watchdog of a forked writer process: when the rank that forked it is gone, kill the
-    writer's own children and exit (dist_checkpointing's writer would otherwise keep writing
-    into a checkpoint nobody can finalize)."""
+def _died(pid: int) -> bool:
+    """Whether child `pid` has exited abnormally (killed, or a non-zero status); the child is
+    not reaped (its parent still joins it)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info is not None and (info.si_code != os.CLD_EXITED or info.si_status != 0)
+
+
+def _watch_writer(parent: int) -> None:
+    """Watchdog thread of a forked writer process. When the rank that forked it is gone, or one
+    of its own file writers died (dist_checkpointing's writer would wait for that one forever),
+    kill its writers and exit: a dead rank leaves no process behind, and a dead file writer is
+    a failed save the rank reports (its results never arrive)."""
     import psutil
 
+    me = psutil.Process()
     while os.getppid() == parent:
+        if any(_died(child.pid) for child in me.children()):
+            break
         time.sleep(_WATCH_S)
-    for child in psutil.Process().children(recursive=True):
+    for child in me.children(recursive=True):
         child.kill()
     os._exit(1)
 
@@ -134,7 +148,7 @@ def _write_and_hash(write: Callable, digest_path: Path, rank_pid: int, *args) ->
     """dist_checkpointing's write function (`args`: rank, write buckets, results queue), then
     the digests of the files it wrote. Runs in the forked writer process."""
     if os.getpid() != rank_pid:
-        threading.Thread(target=_exit_with_parent, args=(rank_pid,), daemon=True).start()
+        threading.Thread(target=_watch_writer, args=(rank_pid,), daemon=True).start()
     write(*args)
     files = [Path(bucket[0]) for bucket in args[1]]
     try:
@@ -152,15 +166,22 @@ class CheckpointWriter:
     `group`: the data-parallel group over which replicated tensors' writing is spread.
     `async_save`: return as soon as the writer process has started (`poll` each iteration and
     `wait` at the end finalize); otherwise `save` returns once the checkpoint is published.
+    `timeout_s`: how long `wait` waits for the writers before every rank stops with an error
+    naming the ranks still writing.
     """
 
-    def __init__(self, *, group: dist.ProcessGroup | None, async_save: bool) -> None:
+    def __init__(
+        self, *, group: dist.ProcessGroup | None, async_save: bool, timeout_s: float = 600.0
+    ) -> None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+        megatron_compat.use_posix_checkpoint_files()
         self.group = group
         self.async_save = async_save
         self.calls = AsyncCallsQueue(persistent=False)
         self.published: list[Path] = []
+        self.pending: list[Path] = []  # the `.tmp` directories of saves not yet published
+        self.timeout_s = timeout_s
 
     def _strategy(self):
         from megatron.core.dist_checkpointing.serialization import (
@@ -202,6 +223,7 @@ class CheckpointWriter:
             request = request._replace(async_fn=write)
         request.finalize_fns.append(functools.partial(self._publish, tmp, final, iteration))
         self.calls.schedule_async_request(request)
+        self.pending.append(tmp)
         if not self.async_save:
             self.wait()
         return final
@@ -215,9 +237,16 @@ class CheckpointWriter:
         mine.unlink(missing_ok=True)
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(found, gathered, dst=0)
+        outcome = [None]
         if rank == 0:
-            _publish_on_rank0(tmp, final, iteration, gathered)
-        dist.barrier()
+            try:
+                _publish_on_rank0(tmp, final, iteration, gathered)
+            except (CheckpointError, OSError) as e:
+                outcome = [str(e)]
+        dist.broadcast_object_list(outcome, src=0)  # every rank stops, or none
+        if outcome[0] is not None:
+            raise CheckpointError(outcome[0])
+        self.pending.remove(tmp)
         self.published.append(final)
         logger.info("saved checkpoint of iteration %d to %s", iteration, final)
 
@@ -225,18 +254,68 @@ class CheckpointWriter:
         """Finalize the saves whose writers have finished (collective: every rank, every
         iteration, while saves are in flight)."""
         if self.calls.get_num_unfinalized_calls():
-            self.calls.maybe_finalize_async_calls(blocking=False)
+            self._finalize(blocking=False)
 
     def wait(self) -> None:
-        """Block until every save is published (collective)."""
-        if self.calls.get_num_unfinalized_calls():
-            self.calls.maybe_finalize_async_calls(blocking=True)
+        """Block until every save is published (collective), at most `timeout_s`."""
+        start = time.monotonic()
+        while self.calls.get_num_unfinalized_calls():
+            self._finalize(blocking=False)
+            if not self.calls.get_num_unfinalized_calls():
+                return
+            self._stop_if_late(time.monotonic() - start)
+            time.sleep(0.05)
+
+    def _stop_if_late(self, waited: float) -> None:
+        """The ranks agree whether the wait has lasted too long; if so every rank stops."""
+        import torch
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        late = torch.tensor([int(waited > self.timeout_s)], dtype=torch.int, device=device)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        if not late.item():
+            return
+        caller = self.calls.async_calls[0].async_caller
+        busy = getattr(caller, "process", None) is not None and caller.process.is_alive()
+        writing: list = [None] * dist.get_world_size()
+        dist.all_gather_object(writing, busy)
+        where = self.pending[0] if self.pending else "a checkpoint"
+        self.abort()
+        ranks = [r for r, b in enumerate(writing) if b]
+        raise CheckpointError(
+            f"saving {where}: the writers of ranks {ranks} did not finish within "
+            f"{self.timeout_s:.0f} s (--dip-comm-timeout-s); the previous checkpoint and the "
+            "tracker are unchanged"
+        )
+
+    def _finalize(self, *, blocking: bool) -> None:
+        """Megatron's finalization (every rank raises if any rank's writer failed), with a
+        failure named by its directory."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            self.calls.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:
+            where = self.pending.pop(0) if self.pending else "a checkpoint"
+            raise CheckpointError(
+                f"saving {where} failed ({_reason(e)}); the previous checkpoint and the "
+                "tracker are unchanged"
+            ) from e
 
     def abort(self) -> None:
         """Stop unfinished saves without publishing them (their `.tmp` stays incomplete)."""
         for call in self.calls.async_calls:
             call.async_caller.close(abort=True)
         self.calls.async_calls.clear()
+        self.pending.clear()
+
+
+def _reason(error: BaseException) -> str:
+    """The last line of an error's text (dist_checkpointing's hold whole tracebacks)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _publish_on_rank0(tmp: Path, final: Path, iteration: int, gathered: list) -> None:
@@ -248,7 +327,7 @@ def _publish_on_rank0(tmp: Path, final: Path, iteration: int, gathered: list) ->
     written = {p.name for p in tmp.iterdir() if p.name.endswith(".distcp")}
     if written != set(manifest):
         raise CheckpointError(
-            f"saving {final}: the ranks hashed {sorted(manifest)} but wrote {sorted(written)}"
+            f"saving {final}: the ranks hashed {sorted(manifest)} but {tmp} holds {sorted(written)}"
         )
     common = [
         p
@@ -339,13 +418,21 @@ def verify(path: Path, *, hint: str = "") -> None:
         raise CheckpointError(f"{problems[0]}{more}{hint}")
 
 
-def check_keys(path: Path, sharded_state_dict: dict) -> None:
-    """Every requested tensor is in the checkpoint with the requested global shape."""
+def tensor_metadata(path: Path) -> dict:
+    """{key: ShardedTensor without data (global shape, dtype)} of every tensor in a checkpoint
+    (its `.metadata`; call after `verify`)."""
     from megatron.core import dist_checkpointing
+
+    megatron_compat.use_posix_checkpoint_files()
+    return dist_checkpointing.load_tensors_metadata(str(path))
+
+
+def check_keys(path: Path, sharded_state_dict: dict, saved: dict) -> None:
+    """Every requested tensor is in the checkpoint (`saved`: its `tensor_metadata`) with the
+    requested global shape."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    saved = dist_checkpointing.load_tensors_metadata(str(path))
     missing, wrong = set(), set()
     for t in nested_values(sharded_state_dict):
         if not isinstance(t, ShardedTensor):
@@ -364,12 +451,12 @@ def check_keys(path: Path, sharded_state_dict: dict) -> None:
         raise CheckpointError(f"{path}: global shapes differ from this run's: {sorted(wrong)[0]}")
 
 
-def load_sharded(sharded_state_dict: dict, path: Path) -> dict:
+def load_sharded(sharded_state_dict: dict, path: Path, *, saved: dict | None = None) -> dict:
     """`dist_checkpointing.load` of the requested tensors (filled in place) after `check_keys`
-    (collective; call after `verify`)."""
+    (collective; call after `verify`; `saved`: the `tensor_metadata`, read if not given)."""
     from megatron.core import dist_checkpointing
 
-    check_keys(path, sharded_state_dict)
+    check_keys(path, sharded_state_dict, tensor_metadata(path) if saved is None else saved)
     return dist_checkpointing.load(sharded_state_dict, str(path))
 
 
@@ -377,6 +464,7 @@ def load_common(path: Path) -> dict:
     """The common state of a checkpoint (every rank reads it; call after `verify`)."""
     from megatron.core import dist_checkpointing
 
+    megatron_compat.use_posix_checkpoint_files()
     try:
         return dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # a torch.load error of a file that passed its checksum

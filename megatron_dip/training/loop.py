@@ -90,7 +90,11 @@ class Trainer:
         self.nonfinite = NonFiniteStreak(cfg.dip.dip_max_nonfinite_iters)
         self.writer = None
         if cfg.checkpoint.save:
-            self.writer = CheckpointWriter(group=ctx.dp, async_save=cfg.checkpoint.async_save)
+            self.writer = CheckpointWriter(
+                group=ctx.dp,
+                async_save=cfg.checkpoint.async_save,
+                timeout_s=cfg.dip.dip_comm_timeout_s,
+            )
         self.modules = [m.name for m in spec.model.modules]
         self.log = IntervalLog(
             train_iters=cfg.train.train_iters,
