@@ -33,7 +33,7 @@ from megatron_dip.modalities import build_module_chunks
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import tiny_t2v, tiny_vlm
-from megatron_dip.training import checkpoint_io, optim_state
+from megatron_dip.training import checkpoint_files, checkpoint_io, optim_state
 from megatron_dip.training.arguments import parse_config
 from megatron_dip.training.build import LocalModel
 from megatron_dip.training.checkpoint import load_weights, save_weights
@@ -80,7 +80,7 @@ def test_weights_load_under_another_chunking_and_nothing_is_left_behind(groups, 
     files = sorted(p.name for p in path.iterdir())
     assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, "common.pt",
                      "metadata.json"]  # fmt: skip
-    assert sorted(checkpoint_io.read_manifest(path)) == [f for f in files if f != MANIFEST]
+    assert sorted(checkpoint_files.read_manifest(path)) == [f for f in files if f != MANIFEST]
     assert psutil.Process().children(recursive=True) == []  # no Manager, no writer left
     other = _chunks(groups, _one, seed=99)
     fresh = _weights(other)
@@ -145,10 +145,10 @@ def test_a_missing_or_unreadable_manifest_is_named(groups, tmp_path):
     path = save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two))
     (path / MANIFEST).write_text('{"sha256": {"common.pt": [1')
     with pytest.raises(CheckpointError, match=rf"{MANIFEST}: unreadable checksum manifest"):
-        checkpoint_io.verify(path)
+        checkpoint_files.verify(path)
     (path / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        checkpoint_io.verify(path)
+        checkpoint_files.verify(path)
 
 
 def _plain_adamw(chunks):
@@ -186,7 +186,7 @@ def test_adam_moments_and_step_load_into_another_chunking(groups, tmp_path):
         fresh, model2.param_layouts(), dp_rank=0, saved_keys=saved_keys
     )
     assert not masters  # float32 parameters are their own masters
-    checkpoint_io.verify(path)
+    checkpoint_files.verify(path)
     checkpoint_io.load_sharded({"optimizer": request}, path)
     set_steps(common["step"])
     want, got = _moments(model, optimizer), _moments(model2, fresh)
@@ -205,7 +205,7 @@ def test_an_asynchronous_save_is_invisible_until_finalized(groups, tmp_path):
     assert (tmp_path / "iter_0000005.tmp").is_dir()
     writer.wait()
     assert writer.published == [final] and (tmp_path / TRACKER).read_text() == "5"
-    checkpoint_io.verify(final)
+    checkpoint_files.verify(final)
 
 
 def _disk_full(*args, **kwargs):

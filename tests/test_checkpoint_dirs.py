@@ -79,6 +79,12 @@ def test_an_unreadable_or_wrong_tracker_names_the_file(tmp_path, content):
         assert "names iteration 12, but" in str(info.value)
 
 
+def test_load_of_one_checkpoint_directory_names_the_flags_to_use(tmp_path):
+    _saved(tmp_path, 7, tracker=7)
+    with pytest.raises(ConfigError, match=rf"pass --load {tmp_path} --ckpt-step 7$"):
+        _resolve("--train-iters", "9", "--load", str(iteration_dir(tmp_path, 7)))
+
+
 def test_an_old_format_checkpoint_says_what_it_is(tmp_path):
     old = iteration_dir(tmp_path, 4)
     old.mkdir()

@@ -38,7 +38,7 @@ from megatron_dip.models.sharded import chunks_sharded_state_dict
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.runtime.checks import unwrap_chunk
 
-from . import checkpoint_io, optim_state
+from . import checkpoint_files, checkpoint_io, optim_state
 from .build import LocalModel
 from .checkpoint_dirs import (
     FORMAT,
@@ -183,7 +183,7 @@ def load(
 ) -> Restored:
     """Load `path` into this rank's chunks, optimizer, scheduler and RNG (module docstring);
     collective. Every file is checked against the manifest first."""
-    checkpoint_io.verify(path, hint=_hint(path))
+    checkpoint_files.verify(path, hint=_hint(path))
     common = checkpoint_io.load_common(path)
     header = _header(common, path, spec.model)
     c = spec.config.checkpoint
@@ -275,7 +275,7 @@ def load_weights(
     resume = find_resume(root, step)
     if resume is None:
         raise CheckpointError(f"{root}: no checkpoint there")
-    checkpoint_io.verify(resume.path)
+    checkpoint_files.verify(resume.path)
     _header(checkpoint_io.load_common(resume.path), resume.path, model)
     inner = [unwrap_chunk(c) for c in chunks]
     dp_rank = data_parallel_group.rank() if data_parallel_group is not None else 0

@@ -112,6 +112,12 @@ def find_resume(root: str | Path, step: int | None) -> ResumePoint | None:
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"--load {root}: is a file, not a checkpoint directory")
+    m = _ITER.match(root.name)
+    if m and ((root / MANIFEST).exists() or (root / "metadata.json").exists()):
+        raise CheckpointError(
+            f"--load {root}: is one checkpoint, not the directory of a run's checkpoints: pass "
+            f"--load {root.parent} --ckpt-step {int(m.group(1))}"
+        )
     if step is None:
         step = read_tracker(root)
         if step is None:

@@ -7,7 +7,7 @@ Inside a checkpoint directory (Megatron-LM's torch_dist layout plus one file of 
     common.pt            the common (non-sharded) state, written by rank 0
     .metadata            torch.distributed.checkpoint's index: every tensor's chunks and files
     __R_T.distcp         rank R's shards, writer thread T (each rank writes only its own)
-    checksums.json       MANIFEST: {"sha256": {file: [bytes, hex digest]}} of every file above
+    checksums.json       MANIFEST (`checkpoint_files`): size and sha256 of every file above
 
 Saving (`CheckpointWriter.save`, collective): rank 0 creates `iter_N.tmp`; `dist_checkpointing.save`
 plans the write (`FullyParallelSaveStrategyWrapper` over the data-parallel group spreads the
@@ -22,19 +22,19 @@ Processes: dist_checkpointing's writer sends its results through a multiprocessi
 whose server process it spawns at the first save (about 5 s) and which outlives a killed rank
 (reparented to PID 1). Here a file next to the checkpoint carries those results instead
 (`_FileResultsQueue`), so no server process exists; the forked writer process watches its parent
-and exits, with its own writer children, within a second of the rank's death.
+and exits, with its own writer children, within a second of the rank's death, and fails the save
+when one of its file writers dies (dist_checkpointing's would wait for it forever). Waiting for
+the writers is bounded (`CheckpointWriter(timeout_s=...)`, --dip-comm-timeout-s in training); a
+failed or late save is one `CheckpointError` on every rank and publishes nothing.
 
-Loading (`load_verified`, collective): every rank checks a share of the manifest's files (size
-and sha256) and the ranks agree on the outcome, so a flipped byte or a truncated file is one
-error naming the file on every rank; then the requested keys and global shapes are checked
-against the checkpoint's index, and `dist_checkpointing.load` fills the requested tensors in
-place, resharding as needed.
+Loading (collective, after `checkpoint_files.verify` checked every file against the manifest):
+the requested keys and global shapes are checked against the checkpoint's index, and
+`dist_checkpointing.load` fills the requested tensors in place, resharding as needed.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -43,8 +43,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -59,6 +58,7 @@ from .checkpoint_dirs import (
     iteration_dir,
     write_atomically,
 )
+from .checkpoint_files import digests, manifest_text
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +66,7 @@ WRITER_THREADS = 2  # files per rank and checkpoint (Megatron-LM's default threa
 _DIGESTS = ".sha256_rank_{rank:05d}.json"  # a rank's digests, until the manifest holds them
 _RESULTS = ".write_results_rank_{rank:05d}.pkl"
 _TEMPORARY = (".sha256_rank_", ".write_results_rank_")
-_CHUNK = 16 << 20
 _WATCH_S = 0.5
-
-
-def sha256_of(path: Path) -> tuple[int, str]:
-    """(size in bytes, hex sha256) of a file, read in 16 MiB pieces."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while piece := f.read(_CHUNK):
-            h.update(piece)
-            size += len(piece)
-    return size, h.hexdigest()
-
-
-def digests(paths: Iterable[Path]) -> dict[str, list]:
-    """{file name: [bytes, sha256]} of `paths`, hashed in parallel threads."""
-    paths = list(paths)
-    with ThreadPoolExecutor(max_workers=max(1, min(WRITER_THREADS, len(paths)))) as pool:
-        return {p.name: list(d) for p, d in zip(paths, pool.map(sha256_of, paths))}
 
 
 class _FileResultsQueue:
@@ -335,7 +316,7 @@ def _publish_on_rank0(tmp: Path, final: Path, iteration: int, gathered: list) ->
         if p.is_file() and not p.name.endswith((".distcp", ".part")) and not _ours(p.name)
     ]
     manifest.update(digests(common))
-    write_atomically(tmp / MANIFEST, _manifest_text(manifest))
+    write_atomically(tmp / MANIFEST, manifest_text(manifest))
     old = final.with_name(final.name + ".old")
     if final.exists():  # a rerun from an older checkpoint reached this iteration again
         shutil.rmtree(old, ignore_errors=True)
@@ -346,76 +327,9 @@ def _publish_on_rank0(tmp: Path, final: Path, iteration: int, gathered: list) ->
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _manifest_text(manifest: dict[str, list]) -> str:
-    """The manifest as JSON, one file per line."""
-    lines = [f"  {json.dumps(name)}: {json.dumps(manifest[name])}" for name in sorted(manifest)]
-    return '{"sha256": {\n' + ",\n".join(lines) + "\n}}\n"
-
-
 def _ours(name: str) -> bool:
     """A temporary file of a save in progress (digests, write results)."""
     return name.startswith(_TEMPORARY)
-
-
-def read_manifest(path: Path) -> dict[str, list]:
-    """{file: [bytes, sha256]} of a checkpoint directory; `CheckpointError` naming the file
-    when it is missing or unreadable."""
-    manifest = path / MANIFEST
-    try:
-        files = json.loads(manifest.read_text())["sha256"]
-        if not isinstance(files, dict):
-            raise TypeError
-        return {str(k): [int(v[0]), str(v[1])] for k, v in files.items()}
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST}: not a complete checkpoint") from None
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise CheckpointError(f"{manifest}: unreadable checksum manifest ({e!r})") from None
-
-
-def check_files(path: Path, manifest: dict[str, list], names: Iterable[str]) -> list[str]:
-    """Problems (one line each, naming the file) of the manifest's files `names` in `path`."""
-    problems = []
-    for name in names:
-        size, digest = manifest[name]
-        file = path / name
-        try:
-            found = file.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{file}: missing")
-            continue
-        if found != size:
-            problems.append(f"{file}: {found} bytes, the manifest says {size} (truncated?)")
-        elif sha256_of(file)[1] != digest:
-            problems.append(f"{file}: sha256 differs from the manifest (corrupted)")
-    return problems
-
-
-def _share(manifest: dict[str, list], rank: int, world: int) -> list[str]:
-    """This rank's files to check: the largest first, each to the least loaded rank."""
-    loads, mine = [0] * world, []
-    for name in sorted(manifest, key=lambda n: (-manifest[n][0], n)):
-        least = loads.index(min(loads))
-        loads[least] += manifest[name][0]
-        if least == rank:
-            mine.append(name)
-    return mine
-
-
-def verify(path: Path, *, hint: str = "") -> None:
-    """Check every file of a checkpoint against its manifest; collective when torch.distributed
-    is initialised (each rank checks a share), single-process otherwise. Raises the same
-    `CheckpointError` on every rank, naming the first bad file (`hint`: what to do instead)."""
-    manifest = read_manifest(path)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    problems = check_files(path, manifest, _share(manifest, rank, world))
-    if distributed:
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, problems)
-        problems = [p for found in everyone for p in found]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"{problems[0]}{more}{hint}")
 
 
 def tensor_metadata(path: Path) -> dict:
