@@ -36,7 +36,7 @@ from .data_source import load_agreed, make_stream
 from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record
-from .nonfinite import NonFiniteStreak
+from .nonfinite import NonFiniteError, NonFiniteStreak
 from .optim import build_optimizer, build_scheduler
 from .planning import DipPlans, stock_plan
 from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
@@ -201,7 +201,12 @@ class Trainer:
         if not ok:
             logger.warning("iteration %d: update skipped (gradient norm %s)", it, norm)
         self._report(batch, plan, variant, result, stats, seconds, norm, bound)
-        self.nonfinite.observe(it, loss=stats.loss, grad_norm=None if norm is None else norm)
+        try:
+            self.nonfinite.observe(it, loss=stats.loss, grad_norm=norm)
+        except NonFiniteError:
+            if self.writer is not None:  # every rank stops here: publish the earlier saves
+                self.writer.wait()
+            raise
         if self.writer is not None:
             self.writer.poll()  # publish background saves that have finished
 
