@@ -243,6 +243,10 @@ def test_extra_args_provider_extends_a_megatron_parser():
     assert config.replace(lr=2.0).train.lr == 2.0
     with pytest.raises(KeyError):
         config.replace(no_such_flag=1)
+    # Megatron-LM's --ckpt-format offers more formats than this plugin reads and writes
+    torch_format = config.replace(ckpt_format="torch", train_iters=2)
+    with pytest.raises(ConfigError, match="^--ckpt-format: only torch_dist"):
+        resolve(torch_format, world_size=1, cuda=False)
 
 
 def test_entry_point_exits_2_on_a_bad_flag_without_initialising(monkeypatch, caplog):

@@ -225,6 +225,8 @@ def _check_checkpoint_flags(config: TrainConfig) -> None:
     c = config.checkpoint
     if c.save_interval is not None and (c.save_interval < 1 or c.save is None):
         raise _fail("--save-interval", "needs --save and a value >= 1")
+    if c.ckpt_format != "torch_dist":  # Megatron-LM's parser allows others
+        raise _fail("--ckpt-format", f"only torch_dist is supported, got {c.ckpt_format!r}")
     if c.async_save and c.save is None:
         raise _fail("--async-save", "needs --save")
     if c.ckpt_step is not None and c.load is None:
