@@ -13,7 +13,8 @@
   under another placement (PP=2 x DP=2 -> PP=4), another schedule (DIP -> Megatron's 1F1B and
   back), with or without --use-distributed-optimizer (gloo, DP=2: it trains as the plain
   optimizer; its checkpoints resume exactly and load without it, and the plain ones with it),
-  and at another TP (PP=2 x TP=2, saved with --async-save, loads at TP=1).
+  and at another TP (PP=2 x TP=2 loads at TP=1); DIP's 20-iteration run saves them in the
+  background (--async-save).
 * A checkpoint with flipped bytes in a shard file stops every rank with the same one-line error
   naming the file, and nothing is written; a loss that is NaN from the first iteration stops the
   run at iteration 3 (--dip-max-nonfinite-iters' default), naming the iterations.
@@ -277,9 +278,11 @@ def test_checkpoints_load_across_schedules(world):
 
 
 def test_asynchronous_saves_are_published_complete(world):
-    names = [c.rsplit("/", 1)[1] for c in world[0]["tp2"]["checkpoints"]]
-    assert names == ["iter_0000003", "iter_0000005"]
-    assert all(res["tp2"]["checkpoints"] == world[0]["tp2"]["checkpoints"] for res in world)
+    """DIP's run saves with --async-save every 3 iterations while training and evaluating;
+    each save is published once complete (the resumes above load them), the last at the end."""
+    names = [c.rsplit("/", 1)[1] for c in world[0]["dip"]["checkpoints"]]
+    assert names == [f"iter_{i:07d}" for i in (3, 6, 9, 12, 15, 18, 20)]
+    assert all(res["dip"]["checkpoints"] == world[0]["dip"]["checkpoints"] for res in world)
 
 
 def test_a_corrupted_checkpoint_stops_every_rank_naming_the_file(world):

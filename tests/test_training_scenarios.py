@@ -46,8 +46,9 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
 
 
 def world4(*, rank: int, world_size: int, data: str, tmp: str, bad_data: str) -> dict:
-    """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints, evaluation and
-    traces; then resume at iteration 3 (same layout and at PP=4); then the stock schedules."""
+    """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints (saved in the
+    background), evaluation and traces; then resume at iteration 3 (same layout and at PP=4);
+    then the stock schedules."""
     import torch
 
     # The trainer's planner service is a child process: the fixture runs non-daemonic workers.
@@ -61,7 +62,8 @@ def world4(*, rank: int, world_size: int, data: str, tmp: str, bad_data: str) ->
         base + [
             "--pipeline-model-parallel-size", "2", "--train-iters", "20",
             "--dip-lookahead", "2", "--dip-search-time-ms", "100",
-            "--save", ckpt, "--save-interval", "3", "--eval-interval", "2", "--eval-iters", "1",
+            "--save", ckpt, "--save-interval", "3", "--async-save",  # written in the background
+            "--eval-interval", "2", "--eval-iters", "1",
             "--dip-trace-dir", traces, "--dip-trace-interval", "10",
         ],
         world_size=world_size,
@@ -184,9 +186,9 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
         "distopt_to_plain": flags  # PP=1 x DP=4: torch's AdamW takes the gathered state
         + ["--train-iters", "3", "--load", dist_ckpt, "--ckpt-step", "2", "--save", plain_ckpt],
         "plain_to_distopt": distopt + ["--train-iters", "5", "--load", plain_ckpt],
-        "tp2": pp2  # saved in the background (--async-save)
+        "tp2": pp2
         + ["--tensor-model-parallel-size", "2", "--train-iters", "5", "--save", tp_ckpt]
-        + ["--save-interval", "3", "--async-save"],
+        + ["--save-interval", "3"],
         "tp2_to_tp1": pp2 + ["--train-iters", "5", "--load", tp_ckpt, "--ckpt-step", "3"],
         "1f1b_overlap": base + [
             "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--dip-schedule", "1f1b",
