@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -98,11 +99,25 @@ def test_weights_load_under_another_chunking_and_nothing_is_left_behind(groups, 
         assert torch.equal(want[key], got[key]), key
 
 
-def test_weights_of_another_model_are_refused(groups, tmp_path):
-    save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two))
+@pytest.fixture(scope="module")
+def saved(groups, tmp_path_factory) -> Path:
+    """One weights checkpoint of tiny-vlm (iteration 0); tests damage copies of it."""
+    root = tmp_path_factory.mktemp("saved")
+    save_weights(root, model=tiny_vlm(), chunks=_chunks(groups, _two))
+    return root
+
+
+@pytest.fixture
+def copy(saved, tmp_path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    return root
+
+
+def test_weights_of_another_model_are_refused(groups, copy):
     t2v = tiny_t2v()
     with pytest.raises(CheckpointError, match=r"saved from model .* this run builds"):
-        load_weights(tmp_path, model=t2v, chunks=_chunks(groups, _one, model=t2v))
+        load_weights(copy, model=t2v, chunks=_chunks(groups, _one, model=t2v))
 
 
 def _damage(path: Path, kind: str) -> str:
@@ -134,21 +149,20 @@ def _damage(path: Path, kind: str) -> str:
         (".metadata", "truncated"),
     ],
 )
-def test_a_damaged_file_is_named_and_nothing_is_loaded(groups, tmp_path, kind, words):
-    save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two))
-    name = _damage(tmp_path / "iter_0000000", kind)
+def test_a_damaged_file_is_named_and_nothing_is_loaded(groups, copy, kind, words):
+    name = _damage(copy / "iter_0000000", kind)
     target = _chunks(groups, _one, seed=99)
     before = _weights(target)
     with pytest.raises(CheckpointError, match=rf"iter_0000000/{name}: .*{words}") as info:
-        load_weights(tmp_path, model=tiny_vlm(), chunks=target)
+        load_weights(copy, model=tiny_vlm(), chunks=target)
     assert "\n" not in str(info.value)
     after = _weights(target)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert (tmp_path / TRACKER).read_text() == "0"
+    assert (copy / TRACKER).read_text() == "0"
 
 
-def test_a_missing_or_unreadable_manifest_is_named(groups, tmp_path):
-    path = save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two))
+def test_a_missing_or_unreadable_manifest_is_named(copy):
+    path = copy / "iter_0000000"
     (path / MANIFEST).write_text('{"sha256": {"common.pt": [1')
     with pytest.raises(CheckpointError, match=rf"{MANIFEST}: unreadable checksum manifest"):
         checkpoint_files.verify(path)
