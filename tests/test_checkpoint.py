@@ -3,7 +3,8 @@ and the optimizer state of `training/checkpoint.py` / `optim_state.py` (the mult
 resharding and the faults of a training run are in test_training_dist.py).
 
 * Weights saved under one chunking load under another; the directory holds dist_checkpointing's
-  torch_dist files and the manifest, nothing temporary, and no process of the save is left.
+  torch_dist files and the manifest, nothing temporary, and no process of the save is left;
+  training starts from such a weights-only checkpoint with --no-load-optim.
 * Every kind of damage (bytes flipped inside a shard file, truncated files, a missing file, a bad
   manifest) is one `CheckpointError` naming the file, and nothing is loaded.
 * Adam's moments and step go out in global coordinates and come back into another chunking.
@@ -169,6 +170,35 @@ def test_a_missing_or_unreadable_manifest_is_named(copy):
     (path / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         checkpoint_files.verify(path)
+
+
+def _train_one_iteration(*flags: str) -> float:
+    """The iteration-1 loss of tiny-vlm trained in this process (a one-rank world)."""
+    from megatron_dip.training.loop import pretrain
+    from megatron_dip.training.validate import resolve
+
+    argv = ["--model", "tiny-vlm", "--train-iters", "1", "--lr", "1e-3", "--seed", "7"]
+    argv += ["--global-batch-size", "2", "--dip-lookahead", "0", *flags]
+    result = pretrain(resolve(parse_config(argv), world_size=1, cuda=False))
+    return result.losses[1]
+
+
+def test_training_starts_from_weights_only_checkpoints(groups, tmp_path):
+    """What an importer writes: the run's own initial weights (seed 7, float32) give the loss of
+    a run from scratch; other weights another one. Without --no-load-optim it is refused."""
+    from megatron_dip.models import ModelConfig
+
+    fresh = _train_one_iteration()
+    for seed in (7, 8):
+        config = ModelConfig(seed=seed)
+        model = tiny_vlm()
+        chunks = [c for m in model.modules for c in build_module_chunks(
+            model, m.name, _two(m), config=config, groups=groups)]  # fmt: skip
+        save_weights(tmp_path / str(seed), model=model, chunks=chunks)
+    assert _train_one_iteration("--load", str(tmp_path / "7"), "--no-load-optim") == fresh
+    assert _train_one_iteration("--load", str(tmp_path / "8"), "--no-load-optim") != fresh
+    with pytest.raises(CheckpointError, match="holds model weights only .* --no-load-optim"):
+        _train_one_iteration("--load", str(tmp_path / "7"))
 
 
 def _plain_adamw(chunks):

@@ -216,14 +216,15 @@ def load(
         scheduler.load_state_dict(common["training"]["scheduler"])
     if "rng" in request:
         _set_rng_state(loaded["rng"])
+    if not training:
+        logger.info("loaded the weights of %s (iteration %d)", path, header["iteration"])
+        return Restored(header["iteration"])
     layout = header["layout"]
     logger.info(
         "loaded checkpoint of iteration %d from %s (saved at TP=%d PP=%d DP=%d, %s)",
         header["iteration"], path, layout["tensor_parallel"], layout["pipeline_parallel"],
         layout["data_parallel"], header["schedule"],
     )  # fmt: skip
-    if not training:
-        return Restored(header["iteration"])
     t = common["training"]
     return Restored(
         header["iteration"], t["consumed_samples"], t["stream"], t["calibration"],
