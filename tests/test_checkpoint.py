@@ -258,6 +258,28 @@ def test_an_asynchronous_save_is_invisible_until_finalized(groups, tmp_path):
     checkpoint_files.verify(final)
 
 
+def _still_writing(*args, **kwargs):
+    time.sleep(600)
+
+
+def test_an_aborted_save_stops_its_writer_and_publishes_nothing(groups, tmp_path, monkeypatch):
+    """What a failed run does with a save in flight (it cannot wait for ranks that stopped)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    writer_class = filesystem_async.FileSystemWriterAsync
+    monkeypatch.setattr(
+        writer_class, "write_preloaded_data_multiproc", staticmethod(_still_writing)
+    )
+    before = _processes()
+    writer = CheckpointWriter(group=None, async_save=True)
+    state = {"model": LocalModel(_chunks(groups, _two)).sharded_state_dict(data_parallel_rank=0)}
+    writer.save(state, tmp_path, 3)
+    assert _processes() - before  # the writer process is running
+    writer.abort()
+    assert _processes() <= before and writer.pending == []
+    assert not (tmp_path / "iter_0000003").exists() and not (tmp_path / TRACKER).exists()
+
+
 def _disk_full(*args, **kwargs):
     raise OSError(28, "No space left on device")
 

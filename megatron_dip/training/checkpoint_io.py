@@ -34,6 +34,7 @@ the requested keys and global shapes are checked against the checkpoint's index,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -286,9 +287,19 @@ class CheckpointWriter:
             ) from e
 
     def abort(self) -> None:
-        """Stop unfinished saves without publishing them (their `.tmp` stays incomplete)."""
+        """Stop unfinished saves without publishing them (their `.tmp` stays incomplete): kill
+        each writer process with its file writers."""
+        import psutil
+
         for call in self.calls.async_calls:
-            call.async_caller.close(abort=True)
+            process = getattr(call.async_caller, "process", None)
+            if process is not None and process.is_alive():
+                with contextlib.suppress(psutil.Error):  # it may have just exited
+                    for child in psutil.Process(process.pid).children(recursive=True):
+                        child.kill()
+            call.async_caller.close(abort=True)  # kills it
+            if process is not None:
+                process.join(timeout=5)
         self.calls.async_calls.clear()
         self.pending.clear()
 
