@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--old-tree", default=None, help="an older megatron-dip tree to compare with")
-    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary dir)")
+    p.add_argument(
+        "--dir", default=None, help="keep the checkpoints here (default: a temporary directory)"
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # torchrun's ranks
     return p.parse_args(argv)
@@ -183,8 +186,11 @@ def launch(args: argparse.Namespace, tree: Path, label: str) -> list[dict]:
         "--tp", str(args.tp), "--pp", str(args.pp),
     ] + (["--distributed-optimizer"] if args.distributed_optimizer else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    subprocess.run(command, check=True, env=env)
-    return json.loads((out / "result.json").read_text())
+    try:
+        subprocess.run(command, check=True, env=env)
+        return json.loads((out / "result.json").read_text())
+    finally:  # the checkpoints stay only under an explicit --dir
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def table(results: dict[str, list[dict]]) -> str:
