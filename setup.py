@@ -21,6 +21,8 @@ setup(
         "scipy>=1.11",
         "matplotlib>=3.7",
         "pillow>=10",
+        # megatron.core.dist_checkpointing's torch_dist writer imports it (not declared there).
+        "psutil>=5.9",
     ],
     extras_require={
         # Hugging Face tokenizers and chat templates (--tokenizer-type HuggingFaceTokenizer);

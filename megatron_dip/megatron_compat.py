@@ -14,7 +14,14 @@ Differences handled here (feature-detected, not version-compared, where the API 
 * layer specs: the Transformer Engine spec only when `transformer_engine` imports, else the
   local spec (`get_gpt_layer_local_spec`, `WrappedTorchNorm`);
 * Megatron's scratch buffer for attention scores (`parallel_state`'s global memory buffer)
-  exists only after `initialize_model_parallel`; `ensure_global_memory_buffer()` creates it.
+  exists only after `initialize_model_parallel`; `ensure_global_memory_buffer()` creates it;
+* dist_checkpointing's torch_dist writer takes its results queue from a module global that it
+  fills, at the first save, with a multiprocessing Manager queue (a server process that
+  outlives a killed rank): `install_write_results_queue()` puts another queue there;
+* dist_checkpointing reads and writes through multi-storage-client whenever that package
+  imports (megatron-energon brings it), which also records metrics on every read; checkpoints
+  here are POSIX paths: `use_posix_checkpoint_files()` turns it off (Megatron-LM's
+  --disable-msc).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+_STATE: dict[str, Any] = {}  # one-time warnings
 
 
 def _megatron_dir() -> Path | None:
@@ -241,3 +249,34 @@ def layer_backend(use_te: bool) -> LayerBackend:
         core_attention=DotProductAttention,
         norm=WrappedTorchNorm,
     )
+
+
+def install_write_results_queue(results_queue: Any) -> bool:
+    """Make dist_checkpointing's torch_dist writer (`FileSystemWriterAsync`, 0.16-0.19) put its
+    write results into `results_queue` (`put` / `get_nowait`) instead of the queue of the
+    Manager server process it spawns otherwise. Returns False (and logs once) where the
+    installed megatron-core keeps the queue elsewhere: saving then works as Megatron's does."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_get_write_results_queue") or not hasattr(
+        filesystem_async, "_results_queue"
+    ):
+        if not _STATE.get("results_queue_warned"):
+            logger.warning(
+                "this megatron-core keeps dist_checkpointing's write results elsewhere: its "
+                "Manager process stays (it may outlive a killed rank)"
+            )
+            _STATE["results_queue_warned"] = True
+        return False
+    filesystem_async._results_queue = results_queue
+    return True
+
+
+def use_posix_checkpoint_files() -> None:
+    """Make dist_checkpointing read and write checkpoint files with plain file I/O rather
+    than through multi-storage-client (module docstring)."""
+    try:
+        from megatron.core.msc_utils import MultiStorageClientFeature
+    except ImportError:  # a release without the feature: plain files already
+        return
+    MultiStorageClientFeature.disable()

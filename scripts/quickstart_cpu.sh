@@ -11,6 +11,8 @@
 #                   (--tokenizer-type HuggingFaceTokenizer; its ChatML chat template)
 #
 # Writes OUT_DIR/llava (data), OUT_DIR/checkpoints, OUT_DIR/traces (open in ui.perfetto.dev).
+# Run again with the same OUT_DIR, it resumes from OUT_DIR/checkpoints (nothing left to train
+# after 30 iterations: raise --train-iters).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=llava
@@ -46,7 +48,7 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 pretrain_vlm_dip.py \
     --train-iters 30 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine \
     --log-interval 5 --eval-interval 15 --eval-iters 2 \
     --dip-lookahead 2 --dip-search-time-ms 200 \
-    --save "$OUT/checkpoints" --save-interval 15 \
+    --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 15 \
     --dip-trace-dir "$OUT/traces" --dip-trace-interval 10 \
     "$@"
 echo "outputs in $OUT"

@@ -250,11 +250,32 @@ def _distributed_optimizer(world, module):
     )
 
 
+def _layouts(module) -> dict:
+    """Each parameter of a one-process module, keyed by its local name in the checkpoint."""
+    from megatron_dip.models.sharded import ParamLayout, Segment
+
+    return {
+        id(p): ParamLayout(name, tuple(p.shape), tuple(p.shape), 0,
+                           (Segment(0, p.shape[0], 0),), alias=0, tp_replica=0)
+        for name, p in module.named_parameters()
+    }  # fmt: skip
+
+
+def _adam_state(optimizer) -> list[dict]:
+    inner = optimizer.optimizer
+    return [{k: v.clone() for k, v in inner.state[p].items()} for g in inner.param_groups
+            for p in g["params"]]  # fmt: skip
+
+
 @needs_cpu_only
-def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_moves_by_name(world):
+def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_round_trips(world, tmp_path):
     """With the fixes Megatron's DistributedOptimizer (and its gradient clipping) runs on CPU;
-    its state goes out as full tensors by name and into a fresh optimizer unchanged."""
-    from megatron_dip.training.optim import gather_named_state, load_named_state
+    its state goes out as dist_checkpointing shards in the parameters' coordinates and into a
+    fresh optimizer unchanged."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dip.training import checkpoint_io, optim_state
+    from megatron_dip.training.checkpoint_io import CheckpointWriter
 
     apply_cpu_fixes()
     seed_model_parallel_rng(3)
@@ -271,19 +292,23 @@ def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_moves_by_name
         ok, norm, _ = optimizer.step()
         assert ok and norm > 0
     assert not torch.equal(model.linear.weight, before)
-    named = [(n, p) for n, p in model.named_parameters()]
-    state = gather_named_state(optimizer, named, dp_group=world)
-    assert set(state) == {"linear.weight", "linear.bias"}
-    w = state["linear.weight"]
-    assert w["exp_avg"].shape == model.linear.weight.shape and float(w["step"]) == 2.0
-    assert w["exp_avg_sq"].min() > 0
+    sharded, common = optim_state.sharded_state(optimizer, _layouts(model), dp_rank=0)
+    assert set(sharded) == {"linear.weight", "linear.bias"} and common == {"step": 2}
+    path = CheckpointWriter(group=None, async_save=False).save({"optimizer": sharded}, tmp_path, 2)
 
     other = _tiny_megatron_module()
     other.load_state_dict(model.state_dict())
     _, fresh = _distributed_optimizer(world, other)
-    names = {id(p): n for n, p in other.named_parameters()}
-    assert load_named_state(fresh, names, state) == 2
-    again = gather_named_state(fresh, list(other.named_parameters()), dp_group=world)
-    for key, saved in state.items():
-        for k, v in saved.items():
-            torch.testing.assert_close(again[key][k], v, rtol=0, atol=0)
+    keys = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    assert "optimizer.state.exp_avg.linear.weight" in keys
+    request, masters, set_steps = optim_state.load_request(
+        fresh, _layouts(other), dp_rank=0, saved_keys=keys
+    )
+    checkpoint_io.load_sharded({"optimizer": request}, path)
+    set_steps(common["step"])
+    assert not masters
+    for want, got in zip(_adam_state(optimizer), _adam_state(fresh), strict=True):
+        assert set(want) == set(got) == {"exp_avg", "exp_avg_sq", "step"}
+        assert want["exp_avg_sq"].min() > 0
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0)

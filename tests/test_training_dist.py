@@ -9,9 +9,15 @@
   first-iteration loss as DIP on the same data and weights; with recomputation in the stages
   and the DP reduction overlapped (Megatron's DDP hooks) they train exactly as without.
 * Evaluation resumes its stream: evaluations after a resume equal the uninterrupted run's.
-* --use-distributed-optimizer (gloo, DP=2) trains as the plain optimizer; its checkpoints
-  resume exactly and load without it (and the plain ones with it). A PP=2 x TP=2 checkpoint
-  loads at TP=1.
+* Checkpoints are Megatron-Core dist_checkpointing's torch_dist, keyed globally: they load
+  under another placement (PP=2 x DP=2 -> PP=4), another schedule (DIP -> Megatron's 1F1B and
+  back), with or without --use-distributed-optimizer (gloo, DP=2: it trains as the plain
+  optimizer; its checkpoints resume exactly and load without it, and the plain ones with it),
+  and at another TP (PP=2 x TP=2 loads at TP=1); DIP's 20-iteration run saves them in the
+  background (--async-save).
+* A checkpoint with flipped bytes in a shard file stops every rank with the same one-line error
+  naming the file, and nothing is written; a loss that is NaN from the first iteration stops the
+  run at iteration 3 (--dip-max-nonfinite-iters' default), naming the iterations.
 * In-run calibration: the cost model's error falls after the first window; the calibration is
   identical on every rank and restored from the checkpoint.
 * Planner faults: killed, slow, raising planner processes. Each run completes on inline plans
@@ -312,3 +318,39 @@ def test_energon_data_with_a_hf_tokenizer_trains_and_resumes_exactly(world):
         assert resumed["eval"][it] == pytest.approx(full["eval"][it], rel=RTOL)
     for rank in world[1:]:
         assert rank["energon"]["losses"] == pytest.approx(full["losses"], rel=1e-12)
+
+
+def test_checkpoints_load_across_schedules(world):
+    """Megatron's 1F1B at PP=4 saves at iteration 2; DIP at PP=2 x DP=2 continues it with
+    1F1B's iteration-3 loss; 1F1B continues DIP's iteration-3 checkpoint with DIP's loss."""
+    stock, dip = world[0]["1f1b"], world[0]["dip"]["losses"]
+    assert [c.rsplit("/", 1)[1] for c in stock["checkpoints"]] == ["iter_0000002", "iter_0000003"]
+    from_stock, from_dip = world[0]["dip_from_1f1b"], world[0]["1f1b_from_dip"]
+    assert sorted(from_stock["losses"]) == [3] and sorted(from_dip["losses"]) == [4]
+    assert from_stock["variants"] == {"inline": 1} and from_dip["variants"] == {"1f1b": 1}
+    assert from_stock["losses"][3] == pytest.approx(stock["losses"][3], rel=RTOL)
+    assert from_dip["losses"][4] == pytest.approx(dip[4], rel=RTOL)
+
+
+def test_asynchronous_saves_are_published_complete(world):
+    """DIP's run saves with --async-save every 3 iterations while training and evaluating;
+    each save is published once complete (the resumes above load them), the last at the end."""
+    names = [c.rsplit("/", 1)[1] for c in world[0]["dip"]["checkpoints"]]
+    assert names == [f"iter_{i:07d}" for i in (3, 6, 9, 12, 15, 18, 20)]
+    assert all(res["dip"]["checkpoints"] == world[0]["dip"]["checkpoints"] for res in world)
+
+
+def test_a_corrupted_checkpoint_stops_every_rank_naming_the_file(world):
+    errors = [res["corrupt"] for res in world]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    assert re.search(r"corrupt/iter_0000003/__\d+_\d+\.distcp: sha256 differs from the "
+                     r"manifest \(corrupted\)", errors[0]), errors[0]  # fmt: skip
+    assert "--ckpt-step" in errors[0] and "\n" not in errors[0]
+    assert all(res["corrupt_untouched"] for res in world)
+
+
+def test_a_loss_that_stays_nan_stops_the_run(world):
+    errors = [res["nonfinite"] for res in world]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    assert errors[0].startswith("iterations 1-3: loss nan")
+    assert "(--dip-max-nonfinite-iters 3)" in errors[0]

@@ -9,6 +9,8 @@ planner processes during training).
 * Pixels corrupt past a valid header pass the metadata check and fail at load, naming the record.
 * Planner fault injection (`PlannerFaults`) and the plans it leaves the ranks to make: a greedy
   plan is the same made by the planner service or inline.
+* A loss or gradient norm non-finite for --dip-max-nonfinite-iters consecutive iterations stops
+  the run naming them (the distributed run that does: test_training_dist.py).
 """
 
 from __future__ import annotations
@@ -226,3 +228,23 @@ def test_greedy_plans_are_the_same_from_the_service_or_inline():
         for r in range(2):
             mine = replica_plan(inline, batch, r).plan
             assert plan_to_bytes(mine) == plan_to_bytes(published[r].plan)
+
+
+# -- non-finite losses ---------------------------------------------------------------------------
+
+
+def test_a_non_finite_streak_stops_the_run_naming_its_iterations():
+    from megatron_dip.training.nonfinite import NonFiniteError, NonFiniteStreak
+
+    streak = NonFiniteStreak(3)
+    streak.observe(1, loss=float("nan"), grad_norm=float("nan"))
+    streak.observe(2, loss=2.5, grad_norm=1.0)  # a finite iteration ends the streak
+    streak.observe(3, loss=float("inf"), grad_norm=None)
+    streak.observe(4, loss=2.5, grad_norm=float("nan"))
+    with pytest.raises(NonFiniteError, match=r"^iterations 3-5: .*non-finite for 3 consecutive "
+                       r"iterations \(--dip-max-nonfinite-iters 3\)"):  # fmt: skip
+        streak.observe(5, loss=float("nan"), grad_norm=float("nan"))
+    never = NonFiniteStreak(0)
+    for it in range(1, 50):
+        never.observe(it, loss=float("nan"), grad_norm=None)
+    assert never.count == 49

@@ -48,9 +48,12 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
 def world4(
     *, rank: int, world_size: int, data: str, tmp: str, bad_data: str, energon: str, tokenizer: str
 ) -> dict:
-    """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints, evaluation and
-    traces; then resume at iteration 3 (same layout and at PP=4); then the stock schedules; an
-    Energon dataset with a Hugging Face tokenizer, saved and resumed."""
+    """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints (saved in the
+    background), evaluation and traces; then resume at iteration 3 (same layout and at PP=4);
+    then the stock schedules; an Energon dataset with a Hugging Face tokenizer, saved and
+    resumed."""
+    import torch
+
     # The trainer's planner service is a child process: the fixture runs non-daemonic workers.
     logging.getLogger("megatron").setLevel(logging.ERROR)
     logging.getLogger("megatron_dip.planner.service").setLevel(logging.ERROR)
@@ -62,7 +65,8 @@ def world4(
         base + [
             "--pipeline-model-parallel-size", "2", "--train-iters", "20",
             "--dip-lookahead", "2", "--dip-search-time-ms", "100",
-            "--save", ckpt, "--save-interval", "3", "--eval-interval", "2", "--eval-iters", "1",
+            "--save", ckpt, "--save-interval", "3", "--async-save",  # written in the background
+            "--eval-interval", "2", "--eval-iters", "1",
             "--dip-trace-dir", traces, "--dip-trace-interval", "10",
         ],
         world_size=world_size,
@@ -83,12 +87,7 @@ def world4(
         base + resume + ["--pipeline-model-parallel-size", "4", "--train-iters", "4"],
         world_size=world_size,
     )
-    out["1f1b"] = run(
-        base
-        + ["--pipeline-model-parallel-size", "4", "--train-iters", "2", "--dip-schedule", "1f1b"]
-        + ["--recompute-granularity", "selective"],
-        world_size=world_size,
-    )
+    out.update(schedule_switch_runs(base, resume, ckpt=ckpt, tmp=tmp, world_size=world_size))
     out["interleaved"] = run(
         base + [
             "--pipeline-model-parallel-size", "2", "--train-iters", "3",
@@ -120,6 +119,7 @@ def world4(
     )  # fmt: skip
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
+    out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
     if rank == 0:
@@ -130,8 +130,8 @@ def world4(
         )
         out["trace_spans"] = sum(e.get("ph") == "X" for e in events)
         out["ckpt_dirs"] = sorted(p.name for p in Path(ckpt).iterdir())
-        meta = json.loads(Path(ckpt, "iter_0000003", "metadata.json").read_text())
-        out["ckpt3_calibration"] = meta["calibration"]
+        common = torch.load(Path(ckpt, "iter_0000003", "common.pt"))
+        out["ckpt3_calibration"] = common["training"]["calibration"]
     return out
 
 
@@ -229,6 +229,82 @@ def energon_runs(*, energon: str, tokenizer: str, tmp: str, world_size: int) -> 
         "energon": run(flags + ["--save", ckpt, "--save-interval", "3"], world_size=world_size),
         "energon_resume": run(flags + ["--load", ckpt, "--ckpt-step", "3"], world_size=world_size),
     }
+
+
+def schedule_switch_runs(
+    base: list[str], resume: list[str], *, ckpt: str, tmp: str, world_size: int
+) -> dict:
+    """Megatron's 1F1B at PP=4 for 3 iterations, saving at 2 (selective recomputation in the
+    stages); DIP at PP=2 x DP=2 continuing its iteration-2 checkpoint; 1F1B continuing DIP's
+    iteration-3 checkpoint."""
+    stock = os.path.join(tmp, "stock")
+    flags = ["--pipeline-model-parallel-size", "4", "--dip-schedule", "1f1b"]
+    out = {
+        "1f1b": run(
+            base
+            + flags
+            + ["--recompute-granularity", "selective", "--train-iters", "3"]
+            + ["--save", stock, "--save-interval", "2"],
+            world_size=world_size,
+        )
+    }
+    out["dip_from_1f1b"] = run(
+        base
+        + ["--load", stock, "--ckpt-step", "2", "--dip-lookahead", "0"]
+        + ["--pipeline-model-parallel-size", "2", "--train-iters", "3"],
+        world_size=world_size,
+    )
+    out["1f1b_from_dip"] = run(
+        base + resume + flags + ["--train-iters", "4"], world_size=world_size
+    )
+    return out
+
+
+def _first_line_of(error: type, argv: list[str], world_size: int) -> str | None:
+    """The message of `error` the run raised (None: it did not)."""
+    try:
+        run(argv, world_size=world_size)
+    except error as e:
+        return str(e)
+    return None
+
+
+def checkpoint_fault_runs(
+    base: list[str], *, ckpt: str, tmp: str, rank: int, world_size: int
+) -> dict:
+    """A copy of DIP's iteration-3 checkpoint with 4 KB of random bytes inside its largest shard
+    file, resumed (and saved into); a run whose loss is NaN from the first iteration (weights
+    drawn with std 1e30). The error every rank raised, and the corrupt copy before and after."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_dip.training.checkpoint_dirs import CheckpointError
+    from megatron_dip.training.nonfinite import NonFiniteError
+
+    corrupt = Path(tmp, "corrupt")
+    if rank == 0:
+        shutil.copytree(Path(ckpt, "iter_0000003"), corrupt / "iter_0000003")
+        (corrupt / "latest_checkpointed_iteration.txt").write_text("3")
+        shard = max(corrupt.glob("iter_0000003/*.distcp"), key=lambda p: p.stat().st_size)
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 4096] = os.urandom(4096)
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    listing = sorted((str(p), p.stat().st_mtime_ns) for p in corrupt.rglob("*"))
+    flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "6", "--dip-lookahead", "0"]
+    out = {
+        "corrupt": _first_line_of(
+            CheckpointError, base + flags + ["--load", str(corrupt), "--save", str(corrupt)],
+            world_size,
+        ),
+        "corrupt_untouched": listing == sorted((str(p), p.stat().st_mtime_ns) for p in
+                                               corrupt.rglob("*")),
+        "nonfinite": _first_line_of(
+            NonFiniteError, base + flags + ["--init-method-std", "1e30"], world_size
+        ),
+    }  # fmt: skip
+    return out
 
 
 def decode_failure_run(flags: list[str], world_size: int) -> str | None:

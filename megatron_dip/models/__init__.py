@@ -2,8 +2,9 @@
 
 `chunk.ModelChunk` (any run of a module's layers, driven by the module's modality), `batch`
 (a sub-microbatch's inputs), `common` (configs, norms, masks, rotary tables, layer builders),
-`dit_layer` (the DiT layer), `init` (initialisation from global parameter names), `config`
-(build-time options). What a kind computes lives in `megatron_dip.modalities`; this package
+`dit_layer` (the DiT layer), `init` (initialisation from global parameter names), `sharded`
+(where each tensor lies in the global, placement-free checkpoint tensors: the chunks'
+`sharded_state_dict()`), `config` (build-time options). What a kind computes lives in `megatron_dip.modalities`; this package
 knows no kinds.
 
 Importing this package does not import torch or megatron-core: `config` and `presets` are

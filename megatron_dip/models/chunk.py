@@ -63,6 +63,7 @@ from .common import (
 )
 from .config import ModelConfig
 from .init import init_chunk_parameters
+from .sharded import chunk_sharded_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,24 @@ class ModelChunk(MegatronModule):
     def tied_embedding_weight(self) -> torch.nn.Parameter | None:
         """This chunk's copy of a tied LLM embedding that needs reducing (None otherwise)."""
         return self.parts.tied_embedding_weight(self)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """The parameters as Megatron-Core `dist_checkpointing` ShardedTensors keyed by global
+        parameter name, with global shapes and offsets (`models.sharded`), so a checkpoint does
+        not depend on the placement or TP. `metadata["dp_cp_group"]` (Megatron's key): the
+        data-parallel group, whose rank is the weights' replica id (0 without it). Views of
+        the parameters: `dist_checkpointing.load` fills them in place."""
+        if sharded_offsets:
+            raise ValueError(
+                "ModelChunk.sharded_state_dict: chunks are keyed by global layer index "
+                f"(no sharded_offsets), got {sharded_offsets}"
+            )
+        group = (metadata or {}).get("dp_cp_group")
+        dp_rank = group.rank() if group is not None else 0
+        return chunk_sharded_state_dict(self, prefix=prefix, data_parallel_rank=dp_rank)
 
 
 def build_chunk(

@@ -74,6 +74,15 @@ def _full_shape(param: torch.Tensor, tp_size: int) -> list[int]:
     return shape
 
 
+def is_gated_fc1(chunk, local_name: str) -> bool:
+    """Whether parameter `local_name` of a chunk is a gated MLP's fc1, which Megatron keeps as
+    [gate; up] on every tensor-parallel rank (each half is split over TP separately)."""
+    module_spec = getattr(chunk, "module_spec", None)
+    return bool(module_spec is not None and module_spec.layer.gated_mlp) and (
+        "linear_fc1." in local_name
+    )
+
+
 def shard_for_rank(
     full: torch.Tensor, param: torch.Tensor, *, tp_rank: int, tp_size: int, glu: bool
 ) -> torch.Tensor:
@@ -96,7 +105,6 @@ def init_chunk_parameters(chunk) -> None:
     owners = dict(chunk.named_modules())
     seed = chunk.model_config.seed
     tp_rank, tp_size = chunk.groups.tp_rank, chunk.groups.tp_size
-    gated = chunk.module_spec.layer.gated_mlp
     for local_name, param in chunk.named_parameters():
         owner = owners[local_name.rsplit(".", 1)[0]] if "." in local_name else chunk
         kind, std = _rule(chunk, local_name, owner)
@@ -110,6 +118,6 @@ def init_chunk_parameters(chunk) -> None:
                 mix_seed("init", seed, global_param_name(chunk, local_name))
             )
             full = torch.randn(shape, generator=gen, dtype=torch.float64) * std
-        glu = gated and "linear_fc1." in local_name
+        glu = is_gated_fc1(chunk, local_name)
         shard = shard_for_rank(full, param, tp_rank=tp_rank, tp_size=tp_size, glu=glu)
         param.copy_(shard.to(dtype=param.dtype, device=param.device))

@@ -51,7 +51,7 @@ class ParallelArgs:
     sequence_parallel: bool = arg(
         "--sequence-parallel",
         False,
-        "Megatron sequence parallelism (not implemented in the chunks)",
+        "Megatron sequence parallelism (with TP > 1: norms and dropout on sequence shards)",
     )
     use_distributed_optimizer: bool = arg(
         "--use-distributed-optimizer", False, "shard optimizer state over data parallelism"
@@ -197,8 +197,22 @@ class CheckpointArgs:
     ckpt_step: int | None = arg(
         "--ckpt-step", None, "with --load: this iteration's checkpoint instead of the latest"
     )
-    no_load_optim: bool = arg("--no-load-optim", False, "do not load optimizer state")
+    no_load_optim: bool = arg(
+        "--no-load-optim", False, "do not load optimizer state (nor the LR schedule)"
+    )
     no_load_rng: bool = arg("--no-load-rng", False, "do not load RNG state")
+    async_save: bool = arg(
+        "--async-save",
+        False,
+        "write checkpoints in a background process while training continues (published, "
+        "tracker included, once complete)",
+    )
+    ckpt_format: str = arg(
+        "--ckpt-format",
+        "torch_dist",
+        "checkpoint format: Megatron-Core dist_checkpointing's torch_dist (the only one)",
+        choices=("torch_dist",),
+    )
 
 
 @dataclass(frozen=True)
@@ -391,6 +405,13 @@ class DipArgs:
         "it; truncate cuts a too-long text to --dip-max-sample-tokens (images kept, else the "
         "sample is skipped) and skips the other bad samples",
         choices=("error", "skip", "truncate"),
+        megatron=False,
+    )
+    dip_max_nonfinite_iters: int = arg(
+        "--dip-max-nonfinite-iters",
+        3,
+        "stop (non-zero exit, naming the iterations) after this many consecutive iterations "
+        "whose loss or gradient norm is NaN or infinite (0: never stop)",
         megatron=False,
     )
     dip_metrics_json: str | None = arg(

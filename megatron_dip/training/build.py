@@ -19,6 +19,7 @@ from megatron_dip.modalities import build_chunk
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.config import ModelConfig
 from megatron_dip.models.init import global_param_name
+from megatron_dip.models.sharded import ParamLayout, chunk_layouts, chunks_sharded_state_dict
 from megatron_dip.runtime.checks import unwrap_chunk
 from megatron_dip.runtime.ddp import DataParallelGroups, wrap_chunks_ddp
 
@@ -53,6 +54,20 @@ class LocalModel:
             for local, p in chunk.named_parameters():
                 out.append((global_param_name(chunk, local), p))
         return out
+
+    def param_layouts(self) -> dict[int, ParamLayout]:
+        """{id(parameter): where it lies in the global checkpoint tensors} of this rank."""
+        out = {}
+        for chunk in self.inner:
+            params = dict(chunk.named_parameters())
+            for local, layout in chunk_layouts(chunk).items():
+                out[id(params[local])] = layout
+        return out
+
+    def sharded_state_dict(self, *, data_parallel_rank: int) -> dict:
+        """The weights of every chunk on this rank as dist_checkpointing ShardedTensors keyed by
+        global parameter name (`models.sharded`; emulated chunks too)."""
+        return chunks_sharded_state_dict(self.inner, data_parallel_rank=data_parallel_rank)
 
     def zero_grad(self) -> None:
         for c in self.ddp:

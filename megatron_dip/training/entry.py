@@ -3,7 +3,8 @@
 `main(argv, default_model=...)` is what `pretrain_vlm_dip.py` and `pretrain_diffusion_dip.py` call.
 A bad flag ends the process with exit status 2 and one line naming the flag, before
 torch.distributed is initialised (so a job launched with bad flags fails fast on every rank
-instead of hanging in a collective).
+instead of hanging in a collective). A checkpoint that cannot be loaded (corrupt, of another
+model) and a run whose loss stays non-finite end it with exit status 1 and one line.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     if rank != 0:  # the log line counts inline plans; one warning per iteration is enough
         logging.getLogger("megatron_dip.planner.service").setLevel(logging.ERROR)
-    for text in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+    for text in (
+        "Transformer Engine and Apex are not installed",
+        "Apex is not installed",
+        "`load_state_dict` is deprecated",  # inside dist_checkpointing's torch_dist loader
+    ):
         warnings.filterwarnings("ignore", message=f".*{text}.*")
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
@@ -59,7 +64,14 @@ def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:
     except ConfigError as e:
         logger.error("error: %s", e)
         return 2
-    train(spec)
+    from .checkpoint_dirs import CheckpointError
+    from .nonfinite import NonFiniteError
+
+    try:
+        train(spec)
+    except (CheckpointError, NonFiniteError) as e:
+        logger.error("error: %s", e)
+        return 1
     return 0
 
 

@@ -17,6 +17,7 @@ shows the cost model's error on the iterations it predicted.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,10 +30,13 @@ from megatron_dip.planner.simulator import simulate
 from . import checkpoint
 from .backend import select_backend
 from .build import LocalModel, build_model
+from .checkpoint_dirs import newer_than
+from .checkpoint_io import CheckpointWriter
 from .data_source import load_agreed, make_stream
 from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record
+from .nonfinite import NonFiniteError, NonFiniteStreak
 from .optim import build_optimizer, build_scheduler
 from .planning import DipPlans, stock_plan
 from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
@@ -83,6 +87,14 @@ class Trainer:
         self.iteration = 0
         self.consumed = 0
         self.result = TrainResult()
+        self.nonfinite = NonFiniteStreak(cfg.dip.dip_max_nonfinite_iters)
+        self.writer = None
+        if cfg.checkpoint.save:
+            self.writer = CheckpointWriter(
+                group=ctx.dp,
+                async_save=cfg.checkpoint.async_save,
+                timeout_s=cfg.dip.dip_comm_timeout_s,
+            )
         self.modules = [m.name for m in spec.model.modules]
         self.log = IntervalLog(
             train_iters=cfg.train.train_iters,
@@ -101,36 +113,43 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
 
     def load(self) -> None:
-        c = self.spec.config.checkpoint
-        if c.ckpt_step is None and not checkpoint.has_checkpoint(c.load):
+        c, resume = self.spec.config.checkpoint, self.spec.resume
+        if resume is None:
             # Megatron-LM's behaviour: --load of an empty directory starts from scratch.
             logger.warning("--load %s: no checkpoint there yet, training from scratch", c.load)
             return
-        path = checkpoint.find(c.load, c.ckpt_step)
         restored = checkpoint.load(
-            path, spec=self.spec, ctx=self.ctx, model=self.model,
+            resume.path, spec=self.spec, ctx=self.ctx, model=self.model,
             optimizer=self.optimizer, scheduler=self.scheduler,
         )  # fmt: skip
         self.iteration = restored.iteration
         self.consumed = restored.consumed_samples
-        self.stream.load_state_dict(restored.stream)
+        if restored.stream is not None:
+            self.stream.load_state_dict(restored.stream)
         if restored.eval_stream is not None:  # evaluation continues where it stopped
             self.eval_stream = self._stream(evaluation=True)
             self.eval_stream.load_state_dict(restored.eval_stream)
-        self.calibration.load_state_dict(restored.calibration)
+        if restored.calibration is not None:
+            self.calibration.load_state_dict(restored.calibration)
         if self.plans is not None:  # frozen or not, plan with the restored factors
-            c = self.calibration
-            self.plans.calibrate(version=c.version, scales=c.scales)
+            cal = self.calibration
+            self.plans.calibrate(version=cal.version, scales=cal.scales)
+        later = newer_than(c.save, self.iteration) if c.save else []
+        if later and self.ctx.is_logging_rank:
+            logger.warning(
+                "--save %s: resuming from iteration %d; the newer checkpoints %s there are "
+                "replaced when this run reaches them", c.save, self.iteration, later,
+            )  # fmt: skip
 
     def save(self) -> None:
-        path = checkpoint.save(
+        checkpoint.save(
             self.spec.config.checkpoint.save, iteration=self.iteration, spec=self.spec,
             ctx=self.ctx, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             stream_state=self.stream.state_dict(), calibration=self.calibration.state_dict(),
             consumed_samples=self.consumed,
             eval_stream_state=None if self.eval_stream is None else self.eval_stream.state_dict(),
+            writer=self.writer,
         )  # fmt: skip
-        self.result.checkpoints.append(str(path))
 
     # -- one iteration --------------------------------------------------------------------
 
@@ -182,6 +201,14 @@ class Trainer:
         if not ok:
             logger.warning("iteration %d: update skipped (gradient norm %s)", it, norm)
         self._report(batch, plan, variant, result, stats, seconds, norm, bound)
+        try:
+            self.nonfinite.observe(it, loss=stats.loss, grad_norm=norm)
+        except NonFiniteError:
+            if self.writer is not None:  # every rank stops here: publish the earlier saves
+                self.writer.wait()
+            raise
+        if self.writer is not None:
+            self.writer.poll()  # publish background saves that have finished
 
     def _calibrate(self, stats) -> None:
         """Record the cost model's error on this iteration, then feed the calibration window
@@ -305,24 +332,51 @@ class Trainer:
                 self.evaluate()
         if cfg.checkpoint.save and saved_at != self.iteration:
             self.save()
+        if self.writer is not None:
+            self.writer.wait()
+            self.result.checkpoints = [str(p) for p in self.writer.published]
         self.result.last_iteration = self.iteration
         self.result.calibration = self.calibration.state_dict()
         return self.result
 
-    def close(self) -> None:
+    def close(self, *, completed: bool = True) -> None:
+        """Stop the planner and the log; a run that failed abandons unfinished saves (they
+        stay unpublished) instead of waiting for ranks that may never finalize them."""
+        if self.writer is not None and not completed:
+            self.writer.abort()
         if self.plans is not None:
             self.plans.close()
         self.log.close()
 
 
+def _nothing_to_train(spec: RunSpec) -> bool:
+    """--load of a checkpoint at --train-iters: say so in one line (a later one is refused by
+    validation)."""
+    resume, iters = spec.resume, spec.config.train.train_iters
+    if resume is None or resume.iteration < iters:
+        return False
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        logger.info(
+            "--train-iters %d: the checkpoint %s is at iteration %d already: nothing to train",
+            iters, resume.path, resume.iteration,
+        )  # fmt: skip
+    return True
+
+
 def pretrain(spec: RunSpec) -> TrainResult:
     """Initialise the process groups, train, and tear down (every rank calls this)."""
+    if _nothing_to_train(spec):
+        it = spec.resume.iteration
+        return TrainResult(first_iteration=it, last_iteration=it)
     ctx = initialize(spec)
-    trainer = None
+    trainer, completed = None, False
     try:
         trainer = Trainer(spec, ctx)
-        return trainer.run()
+        result = trainer.run()
+        completed = True
+        return result
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(completed=completed)
         ctx.destroy()

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule, and the optimizer state by global parameter name.
+"""Optimizer and learning-rate schedule.
 
 On GPUs this is Megatron-Core's own optimizer (`get_megatron_optimizer`: fp32 master weights
 under --bf16, gradient clipping, --use-distributed-optimizer) with explicit process groups. On CPU
@@ -9,11 +9,7 @@ model-parallel ranks, tensor-parallel duplicates counted once) and clipping. Wit
 `step() -> (ok, grad_norm, zeros)`, `param_groups` and `zero_grad()`, so Megatron-Core's
 `OptimizerParamScheduler` drives any of them.
 
-`gather_named_state` / `load_named_state` move optimizer state (Adam moments, step, fp32 master
-weights) in and out by global parameter name, as FULL tensors, so checkpoints load under any
-pipeline layout, data-parallel size and optimizer: the distributed optimizer's shards of each
-parameter are summed over the data-parallel group into the full tensor (every element lives on
-exactly one rank) and cut again on load by the loading run's own shard ranges.
+Checkpoints hold the optimizer state in the weights' global coordinates (`optim_state.py`).
 """
 
 from __future__ import annotations
@@ -186,7 +182,7 @@ def optimizer_pairs(
     return out
 
 
-def _distributed_parts(optimizer) -> list:
+def distributed_parts(optimizer) -> list:
     """Megatron's `DistributedOptimizer`s inside `optimizer` (chained or not); [] if none."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -194,142 +190,21 @@ def _distributed_parts(optimizer) -> list:
     return [o for o in parts if isinstance(o, DistributedOptimizer)]
 
 
-def _shard(parts: list, p: torch.nn.Parameter) -> tuple | None:
-    """(distributed optimizer, this rank's range of `p`'s flattened elements) or None where
-    this rank holds no element of `p`."""
-    for opt in parts:
-        if p in opt.model_param_group_index_map:
-            return opt, opt._get_model_param_range_map(p)["param"]
-    return None
-
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _group_steps(inner: torch.optim.Optimizer) -> bool:
+def uses_group_steps(inner: torch.optim.Optimizer) -> bool:
     """Whether `inner` counts Adam's step per parameter group (Transformer Engine's FusedAdam)
     rather than per parameter (torch's Adam/AdamW)."""
     return not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def _group_of(inner: torch.optim.Optimizer, main: torch.Tensor) -> dict:
+def group_of(inner: torch.optim.Optimizer, main: torch.Tensor) -> dict:
+    """The parameter group of `inner` that holds `main`."""
     return next(g for g in inner.param_groups if any(q is main for q in g["params"]))
 
 
-def _set_step(inner: torch.optim.Optimizer, group: dict, state: dict, step: torch.Tensor) -> None:
+def set_step(inner: torch.optim.Optimizer, group: dict, state: dict, step: torch.Tensor) -> None:
+    """Set Adam's step count of one parameter (and of its group where the optimizer counts
+    per group)."""
     # torch's non-capturable AdamW expects its per-parameter step on the CPU.
     state["step"] = step.detach().clone().float().cpu()
-    if _group_steps(inner):
+    if uses_group_steps(inner):
         group["step"] = int(step)
-
-
-def _gathered(parts: list, p: torch.nn.Parameter, group: dist.ProcessGroup) -> dict | None:
-    """Full optimizer state of `p` on the group's first rank (None elsewhere): each rank puts
-    its shard (master weights, moments; the step from the rank holding element 0) into a
-    zero buffer and the buffers are summed."""
-    n = p.numel()
-    buf = torch.zeros(3 * n + 2, dtype=torch.float32, device=p.device)
-    held = _shard(parts, p)
-    if held is not None:
-        opt, r = held
-        tensors = opt._get_main_param_and_optimizer_states(p)
-        for i, key in enumerate(("param", *_MOMENTS)):
-            if key in tensors:
-                buf[i * n + r.start : i * n + r.end] = tensors[key].detach().view(-1).float()
-        param_group = opt.optimizer.param_groups[opt.model_param_group_index_map[p][0]]
-        step = tensors.get("step", param_group.get("step"))
-        if r.start == 0 and "exp_avg" in tensors and step is not None:
-            buf[3 * n] = float(step)
-            buf[3 * n + 1] = 1.0  # the moments exist (the optimizer has stepped)
-    dist.reduce(buf, dst=dist.get_global_rank(group, 0), group=group)
-    if group.rank() != 0 or buf[3 * n + 1] == 0:
-        return None
-    state = {
-        k: buf[(i + 1) * n : (i + 2) * n].view_as(p).cpu().clone() for i, k in enumerate(_MOMENTS)
-    }
-    state["step"] = torch.tensor(float(buf[3 * n]))
-    if p.dtype != torch.float32:  # Megatron keeps fp32 master weights of 16-bit parameters
-        state["master"] = buf[:n].view_as(p).cpu().clone()
-    return state
-
-
-def gather_named_state(
-    optimizer, named: list[tuple[str, torch.nn.Parameter]], *, dp_group: dist.ProcessGroup
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Full optimizer state by key (`named`: (key, model parameter), the same list on every rank
-    of `dp_group`): complete on the group's first rank; `{}` on the others of a distributed
-    optimizer, whose shards are collected collectively (call on every rank of `dp_group`)."""
-    parts = _distributed_parts(optimizer)
-    if not parts:
-        if dp_group.rank() != 0:
-            return {}
-        return named_state(optimizer, {id(p): key for key, p in named})
-    out = {}
-    for key, p in named:
-        if p.requires_grad:
-            state = _gathered(parts, p, dp_group)
-            if state is not None:
-                out[key] = state
-    return out
-
-
-def _load_distributed(parts: list, names: dict[int, str], state: dict[str, dict]) -> int:
-    """Cut each full saved state to this rank's shard of the distributed optimizer."""
-    loaded = 0
-    for opt in parts:
-        for p in opt.model_param_group_index_map:
-            saved = state.get(names[id(p)])
-            if not saved or any(k not in saved for k in (*_MOMENTS, "step")):
-                continue  # saved before the first step: nothing to restore
-            r = opt._get_model_param_range_map(p)["param"]
-            gi, go = opt.model_param_group_index_map[p]
-            main = opt.optimizer.param_groups[gi]["params"][go]
-            master = saved.get("master", p.detach())  # fp32 weights: the loaded parameter
-            with torch.no_grad():
-                main.copy_(master.reshape(-1)[r.start : r.end].to(main.dtype))
-            inner = opt.optimizer.state.setdefault(main, {})
-            for key in _MOMENTS:
-                piece = saved[key].reshape(-1)[r.start : r.end].to(main.device, torch.float32)
-                inner[key] = piece.clone()
-            _set_step(opt.optimizer, opt.optimizer.param_groups[gi], inner, saved["step"])
-            loaded += 1
-    return loaded
-
-
-def named_state(optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Optimizer state by global name (`names`: id(model parameter) -> global name) of a
-    non-distributed optimizer (`gather_named_state` takes any)."""
-    out = {}
-    for p, main, inner in optimizer_pairs(optimizer):
-        state = {k: v.detach().clone() for k, v in inner.state.get(main, {}).items()}
-        if state and "step" not in state and _group_steps(inner):
-            step = _group_of(inner, main).get("step")
-            if step is not None:
-                state["step"] = torch.tensor(float(step))
-        if main is not p:
-            state["master"] = main.detach().clone()
-        out[names[id(p)]] = state
-    return out
-
-
-def load_named_state(optimizer, names: dict[int, str], state: dict[str, dict]) -> int:
-    """Load `gather_named_state` output (full tensors, from any optimizer) into `optimizer`,
-    sharded or not; returns how many parameters (or shards) got state."""
-    parts = _distributed_parts(optimizer)
-    if parts:
-        return _load_distributed(parts, names, state)
-    loaded = 0
-    for p, main, inner in optimizer_pairs(optimizer):
-        saved = state.get(names[id(p)])
-        if saved is None:
-            continue
-        saved = dict(saved)
-        master = saved.pop("master", None)
-        if master is not None and main is not p:
-            main.data.copy_(master)
-        step = saved.pop("step", None)
-        inner.state[main] = {k: v.clone().to(main.device) for k, v in saved.items()}
-        if step is not None:
-            _set_step(inner, _group_of(inner, main), inner.state[main], step)
-        loaded += 1
-    return loaded

@@ -26,8 +26,10 @@ from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute, RecomputeMode
 
+from . import checkpoint_dirs
 from .arguments import TrainConfig
-from .config_error import ConfigError  # noqa: F401  (re-exported: every caller's error type)
+from .checkpoint_dirs import CheckpointError, ResumePoint
+from .config_error import ConfigError
 from .config_error import fail as _fail
 from .data_config import data_spec, model_spec
 from .data_source import DataSpec
@@ -67,6 +69,8 @@ class RunSpec:
     emulate_scale: float | None = None
     # Megatron's recompute flags as (method, N): the stock schedules' mode of every stage.
     recompute: RecomputeMode = NO_RECOMPUTE
+    # --load: the checkpoint to resume from (None: train from scratch).
+    resume: ResumePoint | None = None
 
     @property
     def schedule(self) -> str:
@@ -160,7 +164,7 @@ def _check_stock_batch(config: TrainConfig, *, dp: int, pp: int) -> None:
 
 
 def _check_training(config: TrainConfig) -> None:
-    t, c, lg = config.train, config.checkpoint, config.logging
+    t, lg = config.train, config.logging
     if t.train_iters is None or t.train_iters < 1:
         raise _fail("--train-iters", f"set the number of iterations (>= 1), got {t.train_iters}")
     if t.lr is None or not t.lr > 0:
@@ -174,14 +178,41 @@ def _check_training(config: TrainConfig) -> None:
         raise _fail("--lr-decay-iters", f"{decay} must be >= 1 and > --lr-warmup-iters")
     if t.clip_grad < 0 or t.weight_decay < 0:
         raise _fail("--clip-grad/--weight-decay", "must be >= 0")
-    if c.save_interval is not None and (c.save_interval < 1 or c.save is None):
-        raise _fail("--save-interval", "needs --save and a value >= 1")
     if lg.log_interval < 1:
         raise _fail("--log-interval", f"must be >= 1, got {lg.log_interval}")
     if lg.eval_interval is not None and (lg.eval_interval < 1 or lg.eval_iters < 1):
         raise _fail("--eval-interval/--eval-iters", "must be >= 1")
     if config.dip.dip_trace_interval < 1:
         raise _fail("--dip-trace-interval", "must be >= 1")
+    if config.dip.dip_max_nonfinite_iters < 0:
+        raise _fail("--dip-max-nonfinite-iters", "must be >= 0 (0: never stop)")
+    _check_checkpoint_flags(config)
+
+
+def _check_checkpoint_flags(config: TrainConfig) -> None:
+    c = config.checkpoint
+    if c.save_interval is not None and (c.save_interval < 1 or c.save is None):
+        raise _fail("--save-interval", "needs --save and a value >= 1")
+    if c.ckpt_format != "torch_dist":  # Megatron-LM's parser allows others
+        raise _fail("--ckpt-format", f"only torch_dist is supported, got {c.ckpt_format!r}")
+    if c.async_save and c.save is None:
+        raise _fail("--async-save", "needs --save")
+    if c.ckpt_step is not None and c.load is None:
+        raise _fail("--ckpt-step", "needs --load")
+
+
+def check_checkpoints(config: TrainConfig) -> ResumePoint | None:
+    """The checkpoint --load resumes from, after checking --load, --save and --train-iters
+    against the file system (`checkpoint_dirs`); None: train from scratch."""
+    c = config.checkpoint
+    try:
+        resume = checkpoint_dirs.find_resume(c.load, c.ckpt_step) if c.load else None
+        checkpoint_dirs.check_train_iters(resume, config.train.train_iters)
+        if c.save is not None:
+            checkpoint_dirs.check_save(c.save, load=c.load)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    return resume
 
 
 def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
@@ -397,6 +428,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         uniform_recompute=None if recompute == NO_RECOMPUTE else recompute,
         packing=limits,
     )
+    resume = check_checkpoints(config)  # last: it creates --save
     return RunSpec(
         config=config, preset=preset, model=model, world_size=world_size,
         tensor_parallel=1 if emulate else tp,
@@ -405,6 +437,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
         placement=layout.placement, stage_units=layout.stage_units, planner=planner,
         memory_limit_bytes=layout.memory_limit, segments=layout.segments, recompute=recompute,
+        resume=resume,
     )  # fmt: skip
 
 

@@ -1,0 +1,396 @@
+"""Saving and loading sharded state dicts with Megatron-Core's `dist_checkpointing` (torch_dist),
+published only when complete and verified before they are read.
+
+Inside a checkpoint directory (Megatron-LM's torch_dist layout plus one file of ours):
+
+    metadata.json        dist_checkpointing's: backend "torch_dist" and its version
+    common.pt            the common (non-sharded) state, written by rank 0
+    .metadata            torch.distributed.checkpoint's index: every tensor's chunks and files
+    __R_T.distcp         rank R's shards, writer thread T (each rank writes only its own)
+    checksums.json       MANIFEST (`checkpoint_files`): size and sha256 of every file above
+
+Saving (`CheckpointWriter.save`, collective): rank 0 creates `iter_N.tmp`; `dist_checkpointing.save`
+plans the write (`FullyParallelSaveStrategyWrapper` over the data-parallel group spreads the
+replicated weights' writing over the replicas) and returns an `AsyncRequest`; that request runs in
+a forked writer process (Megatron's `AsyncCallsQueue`), which writes the rank's files, then
+hashes them. `--async-save` lets training continue meanwhile (the next iterations finalize it);
+otherwise the save waits. The finalize step gathers the digests; rank 0 hashes the common files,
+writes the manifest, renames `iter_N.tmp` to `iter_N` and then rewrites the tracker, each
+atomically. A crash at any point leaves the previous checkpoint and tracker intact.
+
+Processes: dist_checkpointing's writer sends its results through a multiprocessing Manager queue
+whose server process it spawns at the first save (about 5 s) and which outlives a killed rank
+(reparented to PID 1). Here a file next to the checkpoint carries those results instead
+(`_FileResultsQueue`), so no server process exists; the forked writer process watches its parent
+and exits, with its own writer children, within a second of the rank's death, and fails the save
+when one of its file writers dies (dist_checkpointing's would wait for it forever). Waiting for
+the writers is bounded (`CheckpointWriter(timeout_s=...)`, --dip-comm-timeout-s in training); a
+failed or late save is one `CheckpointError` on every rank and publishes nothing.
+
+Loading (collective, after `checkpoint_files.verify` checked every file against the manifest):
+the requested keys and global shapes are checked against the checkpoint's index, and
+`dist_checkpointing.load` fills the requested tensors in place, resharding as needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import pickle
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_dip import megatron_compat
+
+from .checkpoint_dirs import (
+    MANIFEST,
+    TRACKER,
+    CheckpointError,
+    fsync_dir,
+    iteration_dir,
+    write_atomically,
+)
+from .checkpoint_files import digests, manifest_text
+
+logger = logging.getLogger(__name__)
+
+WRITER_THREADS = 2  # files per rank and checkpoint (Megatron-LM's default thread count)
+_DIGESTS = ".sha256_rank_{rank:05d}.json"  # a rank's digests, until the manifest holds them
+_RESULTS = ".write_results_rank_{rank:05d}.pkl"
+_TEMPORARY = (".sha256_rank_", ".write_results_rank_")
+_WATCH_S = 0.5
+
+
+class _FileResultsQueue:
+    """Where dist_checkpointing's writer puts its write results (`put` in the writer process,
+    `get_nowait` in the rank at finalize): a file, instead of the queue of a Manager server
+    process (module docstring). One save at a time per rank uses it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        del block, timeout
+        tmp = self.path.with_name(self.path.name + ".part")
+        with open(tmp, "wb") as f:
+            pickle.dump(item, f)
+        os.replace(tmp, self.path)
+
+    def get_nowait(self):
+        try:
+            with open(self.path, "rb") as f:
+                item = pickle.load(f)
+        except FileNotFoundError:
+            raise queue.Empty from None
+        self.path.unlink()
+        return item
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        del block, timeout
+        return self.get_nowait()
+
+
+def _died(pid: int) -> bool:
+    """Whether child `pid` has exited abnormally (killed, or a non-zero status); the child is
+    not reaped (its parent still joins it)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info is not None and (info.si_code != os.CLD_EXITED or info.si_status != 0)
+
+
+def _watch_writer(parent: int) -> None:
+    """Watchdog thread of a forked writer process. When the rank that forked it is gone, or one
+    of its own file writers died (dist_checkpointing's writer would wait for that one forever),
+    kill its writers and exit: a dead rank leaves no process behind, and a dead file writer is
+    a failed save the rank reports (its results never arrive)."""
+    import psutil
+
+    me = psutil.Process()
+    while os.getppid() == parent:
+        if any(_died(child.pid) for child in me.children()):
+            break
+        time.sleep(_WATCH_S)
+    for child in me.children(recursive=True):
+        child.kill()
+    os._exit(1)
+
+
+def _write_and_hash(write: Callable, digest_path: Path, rank_pid: int, *args) -> None:
+    """dist_checkpointing's write function (`args`: rank, write buckets, results queue), then
+    the digests of the files it wrote. Runs in the forked writer process."""
+    if os.getpid() != rank_pid:
+        threading.Thread(target=_watch_writer, args=(rank_pid,), daemon=True).start()
+    write(*args)
+    files = [Path(bucket[0]) for bucket in args[1]]
+    try:
+        found = digests(files)
+    except OSError as e:
+        found = {"error": f"cannot hash {e.filename}: {e.strerror}"}
+    tmp = digest_path.with_name(digest_path.name + ".part")
+    tmp.write_text(json.dumps(found))
+    os.replace(tmp, digest_path)
+
+
+class CheckpointWriter:
+    """Saves sharded state dicts (module docstring); one per run, on every rank.
+
+    `group`: the data-parallel group over which replicated tensors' writing is spread.
+    `async_save`: return as soon as the writer process has started (`poll` each iteration and
+    `wait` at the end finalize); otherwise `save` returns once the checkpoint is published.
+    `timeout_s`: how long `wait` waits for the writers before every rank stops with an error
+    naming the ranks still writing.
+    """
+
+    def __init__(
+        self, *, group: dist.ProcessGroup | None, async_save: bool, timeout_s: float = 600.0
+    ) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        megatron_compat.use_posix_checkpoint_files()
+        self.group = group
+        self.async_save = async_save
+        self.calls = AsyncCallsQueue(persistent=False)
+        self.published: list[Path] = []
+        self.pending: list[Path] = []  # the `.tmp` directories of saves not yet published
+        self.timeout_s = timeout_s
+
+    def _strategy(self):
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        base = get_default_save_sharded_strategy("torch_dist")
+        base.thread_count = WRITER_THREADS
+        if self.group is None or self.group.size() == 1:
+            return base
+        return FullyParallelSaveStrategyWrapper(base, self.group)
+
+    def save(self, sharded_state_dict: dict, root: str | Path, iteration: int) -> Path:
+        """Write `sharded_state_dict` as `root/iter_N` (collective; module docstring)."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()  # one save in flight at a time
+        final = iteration_dir(root, iteration)
+        tmp = final.with_name(final.name + ".tmp")
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        megatron_compat.install_write_results_queue(
+            _FileResultsQueue(tmp / _RESULTS.format(rank=rank))
+        )
+        request = dist_checkpointing.save(
+            sharded_state_dict, str(tmp), sharded_strategy=self._strategy(),
+            async_sharded_save=True,
+        )  # fmt: skip
+        if request.async_fn is not None:
+            write = functools.partial(
+                _write_and_hash, request.async_fn, tmp / _DIGESTS.format(rank=rank), os.getpid()
+            )
+            request = request._replace(async_fn=write)
+        request.finalize_fns.append(functools.partial(self._publish, tmp, final, iteration))
+        self.calls.schedule_async_request(request)
+        self.pending.append(tmp)
+        if not self.async_save:
+            self.wait()
+        return final
+
+    def _publish(self, tmp: Path, final: Path, iteration: int) -> None:
+        """Finalize step of a save on every rank (after dist_checkpointing's): the manifest,
+        the rename and the tracker (module docstring)."""
+        rank = dist.get_rank()
+        mine = tmp / _DIGESTS.format(rank=rank)
+        found = json.loads(mine.read_text()) if mine.exists() else {}
+        mine.unlink(missing_ok=True)
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(found, gathered, dst=0)
+        outcome = [None]
+        if rank == 0:
+            try:
+                _publish_on_rank0(tmp, final, iteration, gathered)
+            except (CheckpointError, OSError) as e:
+                outcome = [str(e)]
+        dist.broadcast_object_list(outcome, src=0)  # every rank stops, or none
+        if outcome[0] is not None:
+            raise CheckpointError(outcome[0])
+        self.pending.remove(tmp)
+        self.published.append(final)
+        logger.info("saved checkpoint of iteration %d to %s", iteration, final)
+
+    def poll(self) -> None:
+        """Finalize the saves whose writers have finished (collective: every rank, every
+        iteration, while saves are in flight)."""
+        if self.calls.get_num_unfinalized_calls():
+            self._finalize(blocking=False)
+
+    def wait(self) -> None:
+        """Block until every save is published (collective), at most `timeout_s`."""
+        start = time.monotonic()
+        while self.calls.get_num_unfinalized_calls():
+            self._finalize(blocking=False)
+            if not self.calls.get_num_unfinalized_calls():
+                return
+            self._stop_if_late(time.monotonic() - start)
+            time.sleep(0.05)
+
+    def _stop_if_late(self, waited: float) -> None:
+        """The ranks agree whether the wait has lasted too long; if so every rank stops."""
+        import torch
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        late = torch.tensor([int(waited > self.timeout_s)], dtype=torch.int, device=device)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        if not late.item():
+            return
+        caller = self.calls.async_calls[0].async_caller
+        busy = getattr(caller, "process", None) is not None and caller.process.is_alive()
+        writing: list = [None] * dist.get_world_size()
+        dist.all_gather_object(writing, busy)
+        where = self.pending[0] if self.pending else "a checkpoint"
+        self.abort()
+        ranks = [r for r, b in enumerate(writing) if b]
+        raise CheckpointError(
+            f"saving {where}: the writers of ranks {ranks} did not finish within "
+            f"{self.timeout_s:.0f} s (--dip-comm-timeout-s); the previous checkpoint and the "
+            "tracker are unchanged"
+        )
+
+    def _finalize(self, *, blocking: bool) -> None:
+        """Megatron's finalization (every rank raises if any rank's writer failed), with a
+        failure named by its directory."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            self.calls.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:
+            where = self.pending.pop(0) if self.pending else "a checkpoint"
+            raise CheckpointError(
+                f"saving {where} failed ({_reason(e)}); the previous checkpoint and the "
+                "tracker are unchanged"
+            ) from e
+
+    def abort(self) -> None:
+        """Stop unfinished saves without publishing them (their `.tmp` stays incomplete): kill
+        each writer process with its file writers."""
+        import psutil
+
+        for call in self.calls.async_calls:
+            process = getattr(call.async_caller, "process", None)
+            if process is not None and process.is_alive():
+                with contextlib.suppress(psutil.Error):  # it may have just exited
+                    for child in psutil.Process(process.pid).children(recursive=True):
+                        child.kill()
+            call.async_caller.close(abort=True)  # kills it
+            if process is not None:
+                process.join(timeout=5)
+        self.calls.async_calls.clear()
+        self.pending.clear()
+
+
+def _reason(error: BaseException) -> str:
+    """The last line of an error's text (dist_checkpointing's hold whole tracebacks)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _publish_on_rank0(tmp: Path, final: Path, iteration: int, gathered: list) -> None:
+    manifest: dict[str, list] = {}
+    for rank, found in enumerate(gathered):
+        if "error" in found:
+            raise CheckpointError(f"saving {final}: rank {rank}: {found['error']}")
+        manifest.update(found)
+    written = {p.name for p in tmp.iterdir() if p.name.endswith(".distcp")}
+    if written != set(manifest):
+        raise CheckpointError(
+            f"saving {final}: the ranks hashed {sorted(manifest)} but {tmp} holds {sorted(written)}"
+        )
+    common = [
+        p
+        for p in tmp.iterdir()
+        if p.is_file() and not p.name.endswith((".distcp", ".part")) and not _ours(p.name)
+    ]
+    manifest.update(digests(common))
+    write_atomically(tmp / MANIFEST, manifest_text(manifest))
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # a rerun from an older checkpoint reached this iteration again
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    write_atomically(final.parent / TRACKER, str(iteration))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _ours(name: str) -> bool:
+    """A temporary file of a save in progress (digests, write results)."""
+    return name.startswith(_TEMPORARY)
+
+
+def tensor_metadata(path: Path) -> dict:
+    """{key: ShardedTensor without data (global shape, dtype)} of every tensor in a checkpoint
+    (its `.metadata`; call after `verify`)."""
+    from megatron.core import dist_checkpointing
+
+    megatron_compat.use_posix_checkpoint_files()
+    return dist_checkpointing.load_tensors_metadata(str(path))
+
+
+def check_keys(path: Path, sharded_state_dict: dict, saved: dict) -> None:
+    """Every requested tensor is in the checkpoint (`saved`: its `tensor_metadata`) with the
+    requested global shape."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    missing, wrong = set(), set()
+    for t in nested_values(sharded_state_dict):
+        if not isinstance(t, ShardedTensor):
+            continue
+        if t.key not in saved:
+            missing.add(t.key)
+        elif tuple(saved[t.key].global_shape) != tuple(t.global_shape):
+            wrong.add(f"{t.key} {tuple(saved[t.key].global_shape)} != {tuple(t.global_shape)}")
+    if missing:
+        shown = ", ".join(sorted(missing)[:3])
+        raise CheckpointError(
+            f"{path}: {len(missing)} tensor(s) this run needs are not in the checkpoint "
+            f"({shown}{', ...' if len(missing) > 3 else ''})"
+        )
+    if wrong:
+        raise CheckpointError(f"{path}: global shapes differ from this run's: {sorted(wrong)[0]}")
+
+
+def load_sharded(sharded_state_dict: dict, path: Path, *, saved: dict | None = None) -> dict:
+    """`dist_checkpointing.load` of the requested tensors (filled in place) after `check_keys`
+    (collective; call after `verify`; `saved`: the `tensor_metadata`, read if not given)."""
+    from megatron.core import dist_checkpointing
+
+    check_keys(path, sharded_state_dict, tensor_metadata(path) if saved is None else saved)
+    return dist_checkpointing.load(sharded_state_dict, str(path))
+
+
+def load_common(path: Path) -> dict:
+    """The common state of a checkpoint (every rank reads it; call after `verify`)."""
+    from megatron.core import dist_checkpointing
+
+    megatron_compat.use_posix_checkpoint_files()
+    try:
+        return dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:  # a torch.load error of a file that passed its checksum
+        raise CheckpointError(f"{path}: cannot read its common state ({e})") from None
