@@ -2,31 +2,35 @@
 
 Torch-free, run by `validate.resolve` on every rank before any process group exists. A few
 calibration batches of the run's own data stream (metadata only) give each module's average
-work per microbatch; from it the cost model chooses the sub-microbatch sizes (the smallest size
-keeping 95% of peak efficiency) and DIP's placement (segments per module, layers per chunk), or the
-stock Megatron placement for `--dip-schedule 1f1b|interleaved` (encoder whole on the first stage,
-the loss module's layers split for the average batch).
+work per microbatch; from it the cost model chooses DIP's placement (segments per module by the
+latency rule, layers per chunk) and the sub-microbatch sizes (the smallest size keeping 95% of
+peak efficiency, the host time of a pass through the module's chunks counted), or the stock
+Megatron placement for `--dip-schedule 1f1b|interleaved` (encoder whole on the first stage, the
+loss module's layers split for the average batch). With host overheads (--dip-host-overheads)
+and no --dip-segments, the rule's segments and every coarser combination are scored by
+simulating the greedy plan of the first calibration batch (`planner.granularity`), so the run
+trades granularity against the overhead.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_dip.batching import LayoutConfig, MicrobatchWork, pack, split_microbatches
 from megatron_dip.data.packing import PackingLimits
-from megatron_dip.data.sample import SampleMeta
+from megatron_dip.data.sample import BatchMeta, SampleMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.compare import activation_limits, average_workload
-from megatron_dip.planner.placement import (
-    build_dip_placement,
-    parse_segments,
-    segments_per_module,
-)
+from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+from megatron_dip.planner.granularity import Granularity, granularity, greedy_score, trade_segments
+from megatron_dip.planner.placement import parse_segments, segments_per_module
 from megatron_dip.planner.static_baselines import one_list_pipeline, stock_pipeline
-from megatron_dip.planner.submicrobatch import choose_sub_size, split_modules
+from megatron_dip.planner.submicrobatch import choose_sub_sizes
 from megatron_dip.schedule.ir import Placement, Recompute
 
 from .arguments import TrainConfig
@@ -54,10 +58,10 @@ def _fail(flag: str, message: str) -> ValueError:
     return ConfigError(f"{flag}: {message}")
 
 
-def calibration_microbatches(
+def calibration_batches(
     config: TrainConfig, model: MultimodalSpec, data: DataSpec, limits: PackingLimits
-) -> list[list[SampleMeta]]:
-    """The samples of each packed microbatch of the first calibration batches (metadata)."""
+) -> list[BatchMeta]:
+    """The first calibration batches of the run's stream (metadata)."""
     t = config.train
     stream = make_stream(
         data, model, seed=t.seed, global_batch_size=t.global_batch_size, limits=limits
@@ -73,6 +77,13 @@ def calibration_microbatches(
                 f"a sample of --dip-data {config.dip.dip_data} fits in no microbatch: {e}{hint}",
             ) from None
         raise _fail("--dip-data", f"cannot form a batch: {e}{hint}") from None
+    return list(batches)
+
+
+def calibration_microbatches(
+    batches: Sequence[BatchMeta], limits: PackingLimits
+) -> list[list[SampleMeta]]:
+    """The samples of each packed microbatch of `batches`."""
     return [list(mb) for batch in batches for mb in pack(list(batch.samples), limits)]
 
 
@@ -82,19 +93,6 @@ def split_all(model: MultimodalSpec, microbatches, config: LayoutConfig) -> list
         return list(split_microbatches(model, microbatches, config))
     except ValueError as e:
         raise _fail("--seq-length", str(e)) from None
-
-
-def choose_sub_sizes(
-    model: MultimodalSpec, cost_model, workload, given: Mapping[str, int] | None
-) -> dict[str, int]:
-    """Given sizes, completed by the cost model's choice for the modules not named."""
-    sizes = dict(given or {})
-    for m in split_modules(model):
-        if m.name in sizes:
-            continue
-        per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
-        sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
-    return sizes
 
 
 def automatic_segments(model: MultimodalSpec, cost_model, workload, pp: int) -> dict[str, int]:
@@ -190,6 +188,65 @@ def _memory_limit(config, placement, cost_model, works, model, *, tp: int, devic
     return limit
 
 
+@dataclass(frozen=True)
+class _Sizing:
+    """What the DIP layout is sized from (calibration data, parallel sizes, flags)."""
+
+    config: TrainConfig
+    model: MultimodalSpec
+    cost_model: object
+    workload: dict
+    batches: list
+    microbatches: list
+    whole: LayoutConfig
+    limits: PackingLimits
+    tp: int
+    pp: int
+    dp: int
+    dtype: str
+    device: object
+
+
+def _granularity(sizing: _Sizing, segments: dict[str, int], *, trade: bool, given) -> Granularity:
+    """The segments' placement and sizes; with `trade`, the fastest of them and their coarser
+    variants in simulation (`planner.granularity.trade_segments`)."""
+    make = dict(num_ranks=sizing.pp, workload=sizing.workload, segments=segments, given_sizes=given)
+    if not trade:
+        return granularity(sizing.model, sizing.cost_model, **make)
+    chosen, _ = trade_segments(
+        sizing.model, sizing.cost_model, evaluate=functools.partial(_score, sizing), **make
+    )
+    return chosen
+
+
+def _score(sizing: _Sizing, g: Granularity) -> float:
+    """Simulated time of the greedy plan of the first calibration batch under `g` (a
+    placement whose activations cannot fit at all scores infinity)."""
+    from .validate import ConfigError, recompute_mode
+
+    split = split_all(
+        sizing.model, sizing.microbatches, replace(sizing.whole, sub_sizes=g.sub_sizes)
+    )
+    try:
+        limit = _memory_limit(
+            sizing.config, g.placement, sizing.cost_model, split, sizing.model,
+            tp=sizing.tp, device=sizing.device,
+        )  # fmt: skip
+    except ConfigError:
+        return math.inf
+    mode = recompute_mode(sizing.config)
+    c = sizing.config
+    planner_config = PlannerConfig(
+        seq_length=c.train.seq_length, data_parallel=sizing.dp, sub_sizes=g.sub_sizes,
+        memory_limit_bytes=limit, tensor_parallel=sizing.tp,
+        sequence_parallel=c.parallel.sequence_parallel and sizing.tp > 1, dtype=sizing.dtype,
+        use_search=False, megatron_candidate=False, strict_memory=False, packing=sizing.limits,
+        uniform_recompute=None if mode[0] is Recompute.NONE else mode,
+    )  # fmt: skip
+    planner = DipPlanner(sizing.model, sizing.cost_model, g.placement, planner_config)
+    return greedy_score(planner, sizing.batches[:1], limits=limit)
+
+
 def build_layout(
     config: TrainConfig,
     model: MultimodalSpec,
@@ -202,28 +259,31 @@ def build_layout(
     dtype: str,
     sub_sizes: Mapping[str, int] | None,
     device,
+    dp: int = 1,
 ) -> Layout:
-    """Sub-microbatch sizes, placement (DIP or stock) and per-rank activation limit."""
-    del dtype  # the cost model already prices the run's dtype
-    microbatches = calibration_microbatches(config, model, data, limits)
+    """Placement (DIP or stock), sub-microbatch sizes and per-rank activation limit."""
+    batches = calibration_batches(config, model, data, limits)
+    microbatches = calibration_microbatches(batches, limits)
     whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)
     workload = average_workload(model, split_all(model, microbatches, whole))
-    sizes = choose_sub_sizes(model, cost_model, workload, sub_sizes)
     if config.dip.dip_schedule != "dip":
+        sizes = choose_sub_sizes(model, cost_model, workload, given=sub_sizes)
         placement, units = _stock(config, model, cost_model, workload, pp)
         return Layout(sizes, placement, units, {}, None)
+    sizing = _Sizing(
+        config, model, cost_model, workload, batches, microbatches, whole, limits,
+        tp, pp, dp, dtype, device,
+    )  # fmt: skip
     try:
         override = parse_segments(config.dip.dip_segments or "")
         segments = override or automatic_segments(model, cost_model, workload, pp)
-        placement, report = build_dip_placement(
-            model, cost_model, num_ranks=pp, workload=workload, segments=segments
-        )
+        g = _granularity(sizing, segments, trade=not override, given=sub_sizes)
     except ValueError as e:
         text = str(e)
         if text.startswith("--"):  # the planner already names the flag
             flag, _, rest = text.partition(" ")
             raise _fail(flag.rstrip(":"), rest) from None
         raise _fail("--pipeline-model-parallel-size", text) from None
-    split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
-    limit = _memory_limit(config, placement, cost_model, split, model, tp=tp, device=device)
-    return Layout(sizes, placement, None, dict(report.segments), limit)
+    split = split_all(model, microbatches, replace(whole, sub_sizes=g.sub_sizes))
+    limit = _memory_limit(config, g.placement, cost_model, split, model, tp=tp, device=device)
+    return Layout(g.sub_sizes, g.placement, None, dict(g.segments), limit)

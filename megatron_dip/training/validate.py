@@ -23,6 +23,7 @@ from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec, get_device, load_profile
 from megatron_dip.planner.dip import PlannerConfig
+from megatron_dip.planner.overheads import NO_OVERHEADS, HostOverheads, load_overheads
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
@@ -347,7 +348,25 @@ def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> C
         sequence_parallel=sp,
         dtype_bytes=2 if dtype == "bfloat16" else 4,
         profile=profile,
+        overheads=_host_overheads(config),
     )
+
+
+def _host_overheads(config: TrainConfig) -> HostOverheads:
+    """--dip-host-overheads: the measured DIP executor's host seconds, in the run's time units
+    (an emulated run plans in the preset's time: host seconds / --dip-emulate-scale; the
+    zero-sleep floor, scale 0, keeps them as they are)."""
+    path = config.dip.dip_host_overheads
+    if path is None:
+        return NO_OVERHEADS
+    try:
+        measured = load_overheads(path).dip
+    except ValueError as e:
+        raise _fail("--dip-host-overheads", str(e)) from None
+    scale = config.dip.dip_emulate_scale
+    if config.dip.dip_emulate_compute and scale > 0:
+        return measured.scaled(1.0 / scale)
+    return measured
 
 
 def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
@@ -418,7 +437,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     layout = build_layout(
         config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dtype=plan_dtype,
         sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
-        device=device if cuda or emulate else None,
+        device=device if cuda or emulate else None, dp=dp,
     )  # fmt: skip
     d = config.dip
     search = SearchConfig(
