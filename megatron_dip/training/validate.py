@@ -245,6 +245,19 @@ def recompute_mode(config: TrainConfig) -> RecomputeMode:
     return Recompute(m.recompute_method), layers
 
 
+def recompute_flags(mode: RecomputeMode) -> list[str]:
+    """Megatron's flags that `recompute_mode` reads back as `mode` (the inverse)."""
+    method, layers = mode
+    if method is Recompute.NONE:
+        return []
+    if method in (Recompute.SELECTIVE, Recompute.FULL):
+        return ["--recompute-granularity", method.value]
+    return [
+        "--recompute-granularity", "full", "--recompute-method", method.value,
+        "--recompute-num-layers", str(layers),
+    ]  # fmt: skip
+
+
 def _check_emulation(config: TrainConfig) -> None:
     d = config.dip
     if not (d.dip_emulate_scale >= 0 and math.isfinite(d.dip_emulate_scale)):
@@ -353,16 +366,19 @@ def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> C
 
 
 def _host_overheads(config: TrainConfig) -> HostOverheads:
-    """--dip-host-overheads: the measured DIP executor's host seconds, in the run's time units
-    (an emulated run plans in the preset's time: host seconds / --dip-emulate-scale; the
-    zero-sleep floor, scale 0, keeps them as they are)."""
+    """--dip-host-overheads: the measured host seconds of the run's runtime (DIP's executor, or
+    Megatron's stock schedules where the file has their fit), in the run's time units (an
+    emulated run plans in the preset's time: host seconds / --dip-emulate-scale; the zero-sleep
+    floor, scale 0, keeps them as they are)."""
     path = config.dip.dip_host_overheads
     if path is None:
         return NO_OVERHEADS
     try:
-        measured = load_overheads(path).dip
+        found = load_overheads(path)
     except ValueError as e:
         raise _fail("--dip-host-overheads", str(e)) from None
+    stock = config.dip.dip_schedule != "dip" and found.stock is not None
+    measured = found.stock if stock else found.dip
     scale = config.dip.dip_emulate_scale
     if config.dip.dip_emulate_compute and scale > 0:
         return measured.scaled(1.0 / scale)
