@@ -320,6 +320,9 @@ def test_fit_recovers_known_overheads_from_measured_plans(dip) -> None:
     assert fit.rms_relative_error < 1e-3
     assert fit.overheads.instruction == pytest.approx(true.instruction, rel=0.05)
     assert fit.constant == pytest.approx(0.02, rel=0.05)
+    pinned = fit_overheads(points, instruction=true.instruction)
+    assert pinned.overheads.instruction == true.instruction
+    assert pinned.rms_relative_error < 1e-3
     with pytest.raises(ValueError, match="at least two"):
         fit_overheads(points[:1])
 

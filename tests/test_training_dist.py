@@ -17,6 +17,8 @@
 * Planner faults: killed, slow, raising planner processes. Each run completes on inline plans
   where the planner had none, restarts a dead planner, logs what happened, and its losses equal
   those of a run without a planner process (greedy plans are the same made anywhere).
+* The host-overhead measurement (`benchmark.overhead`) times zero-sleep emulated DIP and 1F1B
+  iterations on the training's own step.
 """
 
 from __future__ import annotations
@@ -258,3 +260,12 @@ def test_emulated_runs_take_at_least_the_cost_model_time(world, name):
         assert m["schedule_seconds"] >= m["bound_s"] * 0.999, m
         assert math.isfinite(m["loss"])
     assert world[0][name]["losses"] == pytest.approx(world[1][name]["losses"], rel=1e-12)
+
+
+def test_host_overheads_are_measured_on_the_training_step(world):
+    """The overhead measurement ran DIP's and Megatron's zero-sleep emulated iterations: every
+    rank got the same (slowest rank's) wall and CPU seconds, positive, for plans with work."""
+    got = [w["overhead"] for w in world]
+    assert all(g["seconds"] == got[0]["seconds"] for g in got)
+    for (wall, cpu, compute), counts in zip((s[0] for s in got[0]["seconds"]), got[0]["counts"]):
+        assert wall > compute > 0 and cpu > 0 and counts["compute"] > 0

@@ -6,9 +6,9 @@ Runs the training's own step (DIP's executor through `DipStep`; Megatron-Core's 
 interleaved schedules through `run_stock`) on emulated chunks that sleep nothing, on one gloo
 process per pipeline rank (torchrun), for DIP at several granularities (segments / sub-microbatch
 sizes: different numbers of instructions, batches and messages) and the stock schedules at two
-batch sizes. Then fits seconds per compute instruction, per posted p2p batch and per message (and
-a constant per iteration) by least squares against the simulator's zero-compute prediction of the
-same plans (`megatron_dip.benchmark.overhead.fit_overheads`), separately for DIP and for stock
+batch sizes. Then takes the seconds per compute instruction from the compute handlers' own spans and fits
+the seconds per posted p2p batch and per message (and a constant per iteration) by least
+squares against the simulator's zero-compute prediction of the same plans (`megatron_dip.benchmark.overhead.fit_overheads`), separately for DIP and for stock
 Megatron, prints both with each plan's measured and fitted time, and writes the JSON
 (`megatron-dip-host-overheads/1`) that `--dip-host-overheads` and `tools/bench_schedules.py
 --host-overheads` load. `--profile-rank R --profile-dir D` also writes cProfile statistics of
@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -153,10 +154,12 @@ def report(cases: list[OverheadCase], seconds: list[list]) -> tuple[dict, Overhe
     lines, details, fits = [], {"cases": []}, {}
     for kind in ("dip", "stock"):
         mine = [(c, s) for c, s in zip(cases, seconds) if c.stock == (kind == "stock")]
-        points = [(p, c.channel, wall) for c, s in mine for p, (wall, _) in zip(c.plans, s)]
+        points = [(p, c.channel, t[0]) for c, s in mine for p, t in zip(c.plans, s)]
         if len(points) < 2:
             continue
-        fit = fits[kind] = fit_overheads(points)
+        # The compute handlers' own time, measured directly (median over the plans).
+        per_instruction = statistics.median(t[2] for _, s in mine for t in s)
+        fit = fits[kind] = fit_overheads(points, instruction=per_instruction)
         o = fit.overheads
         lines.append(
             f"{kind}: {o.instruction * 1e3:.3f} ms per compute instruction, {o.batch * 1e3:.3f} "
@@ -165,7 +168,7 @@ def report(cases: list[OverheadCase], seconds: list[list]) -> tuple[dict, Overhe
         )
         k = 0
         for case, measured in mine:
-            for plan, (t, cpu) in zip(case.plans, measured):
+            for plan, (t, cpu, _) in zip(case.plans, measured):
                 counts = plan_counts(plan)
                 per = 1e3 * cpu / max(1, counts["compute"])
                 lines.append(

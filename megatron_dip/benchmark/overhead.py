@@ -105,10 +105,11 @@ def _runner(spec, ctx):
 
 def _measure_case(
     case: OverheadCase, *, repeats: int, profile: str | None
-) -> list[tuple[float, float]]:
-    """(wall, CPU) seconds of the slowest rank's schedule per plan, medians of `repeats` runs.
-    CPU seconds (the process's, gloo's threads included) are what a loaded machine's other
-    processes disturb least: the figure to compare executor versions by."""
+) -> list[tuple[float, float, float]]:
+    """(wall, CPU, compute) seconds per plan, medians of `repeats` runs: the slowest rank's
+    schedule, its CPU seconds (the process's, gloo's threads included: what a loaded
+    machine's other processes disturb least, the figure to compare executor versions by), and
+    the mean time of one compute instruction (its handler's span, over every rank)."""
     import torch
     import torch.distributed as dist
 
@@ -123,7 +124,7 @@ def _measure_case(
         for plan, batch in zip(case.plans, case.batches):
             samples = backend.samples_for(None, batch, plan)
             step(plan, samples)  # warm-up: allocation, lazy initialisation
-            walls, cpus = [], []
+            runs = []
             for _ in range(repeats):
                 dist.barrier()
                 cpu = time.process_time()
@@ -131,9 +132,10 @@ def _measure_case(
                 cpu = time.process_time() - cpu
                 local = torch.tensor([result.ended - result.started, cpu], dtype=torch.float64)
                 dist.all_reduce(local, op=dist.ReduceOp.MAX)
-                walls.append(float(local[0]))
-                cpus.append(float(local[1]))
-            out.append((statistics.median(walls), statistics.median(cpus)))
+                spans = torch.tensor([result.busy, len(result.spans)], dtype=torch.float64)
+                dist.all_reduce(spans)
+                runs.append((float(local[0]), float(local[1]), float(spans[0] / spans[1])))
+            out.append(tuple(statistics.median(r[i] for r in runs) for i in range(3)))
         return out
     finally:
         ctx.destroy()
@@ -158,9 +160,9 @@ def measure_rank(
     repeats: int = 3,
     profile_rank: int | None = None,
     profile_dir: str | None = None,
-) -> list[list[tuple[float, float]]]:
+) -> list[list[tuple[float, float, float]]]:
     """Run every case's plans on this rank (module docstring); every rank returns the same
-    measured (wall, CPU) seconds, per case and plan. `profile_rank` / `profile_dir`: cProfile that rank's
+    measured (wall, CPU, compute instruction) seconds, per case and plan. `profile_rank` / `profile_dir`: cProfile that rank's
     iterations into `profile_dir/<label>.prof`."""
     del world_size
     out = []
@@ -235,28 +237,47 @@ _START = HostOverheads(1e-3, 1e-3, 1e-3)  # a millisecond each: where Gauss-Newt
 def fit_overheads(
     points: Sequence[tuple[Plan, ChannelFn, float]],
     *,
+    instruction: float | None = None,
     start: HostOverheads = _START,
     iterations: int = 8,
 ) -> OverheadFit:
     """Least-squares `HostOverheads` (and a constant per iteration, both >= 0) such that
     `predicted(plan) + constant` matches the measured seconds of each (plan, channel, seconds)
-    point (module docstring)."""
+    point (module docstring). `instruction`: the per-instruction term as measured directly
+    (the compute handlers' spans); then only the other terms are fitted. In plans with about
+    one batch and one message per compute instruction the three terms are nearly collinear:
+    the direct measurement pins the one that is observable on its own."""
     from scipy.optimize import nnls
 
     if len(points) < 2:
         raise ValueError("fitting host overheads needs at least two measured plans")
     y = np.array([s for *_, s in points], dtype=float)
     terms = np.array([start.instruction, start.batch, start.message], dtype=float)
+    if instruction is not None:
+        terms[0] = instruction
+    free = [0, 1, 2] if instruction is None else [1, 2]
+    best: OverheadFit | None = None
     for _ in range(iterations):
-        rows = np.array([[*_counts(plan, terms, ch), 1.0] for plan, ch, _ in points])
+        counts = np.array([_counts(plan, terms, ch) for plan, ch, _ in points])
+        known = counts[:, 0] * terms[0] if instruction is not None else 0.0
+        rows = np.column_stack([counts[:, free], np.ones(len(points))])
         # Relative least squares: every plan counts alike, whatever its length.
-        solution, _ = nnls(rows / y[:, None], np.ones_like(y))
-        new = solution[:3]
+        solution, _ = nnls(rows / y[:, None], (y - known) / y)
+        new = terms.copy()
+        new[free] = solution[:-1]
         settled = np.allclose(new, terms, rtol=1e-3, atol=1e-7)
-        terms, constant = new, float(solution[3])
+        terms = new
+        fit = _evaluated(points, HostOverheads(*map(float, terms)), float(solution[-1]), y)
+        # New terms move the critical paths, and Gauss-Newton on a piecewise-linear model can
+        # cycle between them: keep the best iterate.
+        if best is None or fit.rms_relative_error < best.rms_relative_error:
+            best = fit
         if settled:
             break
-    overheads = HostOverheads(*map(float, terms))
+    return best
+
+
+def _evaluated(points, overheads: HostOverheads, constant: float, y: np.ndarray) -> OverheadFit:
     fitted = tuple(predicted(p, overheads, ch) + constant for p, ch, _ in points)
     return OverheadFit(overheads, constant, tuple(map(float, y)), fitted)
 

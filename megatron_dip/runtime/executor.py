@@ -274,18 +274,15 @@ class Executor:
     def _run_instructions(self, clock: InstructionClock | None) -> None:
         """The program's instructions in order, each by its handler (traced only in debug or
         NVTX mode, timed only with a clock)."""
-        instrs = self.program.instructions
-        traced = self._nvtx or self.config.debug
+        instrs, traced = self.program.instructions, self._nvtx or self.config.debug
         i = 0
         while i < len(instrs):
-            ins = instrs[i]
-            handler = self._handlers[type(ins)]
-            mark = clock.mark() if clock is not None else None
+            ins, mark = instrs[i], clock.mark() if clock is not None else None
             if traced:
                 with self._traced(i, ins):
-                    consumed = handler(i, ins)
+                    consumed = self._handlers[type(ins)](i, ins)
             else:
-                consumed = handler(i, ins)
+                consumed = self._handlers[type(ins)](i, ins)
             if clock is not None:
                 clock.span(mark, instrs[i : i + consumed], first=i)
             for k in range(i, i + consumed):
@@ -363,12 +360,10 @@ class Executor:
         if found is not None:
             return found
         if self.df.receiver_of(key) == self.df.sender_of(key):
-            if key not in self._messages:
-                raise MessageError(
-                    f"rank {self.rank}: instruction {index} needs local message {key}, "
-                    "which has not been produced"
-                )
-            return self._messages.pop(key)
+            raise MessageError(
+                f"rank {self.rank}: instruction {index} needs local message {key}, "
+                "which has not been produced"
+            )
         return self.transport.take(key)
 
     def _produce(self, index: int, key: MessageKey, tensors: dict[str, torch.Tensor]) -> None:
