@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -170,6 +171,24 @@ def apply_cpu_fixes() -> bool:
     _STATE.update(applied=True, mode=mode)
     logger.info("CUDA is not available: Megatron-Core CPU fixes applied")
     return True
+
+
+@contextlib.contextmanager
+def cuda_to_cpu_suspended() -> Iterator[None]:
+    """Run the block without the `CudaToCpuMode` torch-function mode (when it is the innermost
+    mode of this thread; else nothing changes). A mode makes every torch call, and every Python
+    function torch checks for overrides (autograd, point-to-point calls), dispatch through
+    Python first: DIP's executor, which never names a CUDA device, runs its instructions faster
+    without it. Megatron's own schedules keep the mode (they allocate on "cuda")."""
+    mode = _STATE["mode"]
+    if mode is None or torch.overrides._get_current_function_mode() is not mode:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
 
 
 def cpu_fixes_applied() -> bool:

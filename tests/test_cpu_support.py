@@ -52,6 +52,26 @@ def test_cuda_calls_run_on_cpu():
 
 
 @needs_cpu_only
+def test_the_cuda_to_cpu_mode_is_suspended_only_where_asked_and_only_if_innermost():
+    """DIP's executor runs without the mode (every torch call would dispatch through it); it
+    is back afterwards, and a mode entered above ours is never disturbed."""
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode
+
+    from megatron_dip.cpu_support import cuda_to_cpu_suspended
+
+    apply_cpu_fixes()
+    ours = _get_current_function_mode()
+    with cuda_to_cpu_suspended():
+        assert _get_current_function_mode() is None
+        assert torch.ones(2).device.type == "cpu"
+    assert _get_current_function_mode() is ours
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+    with TorchFunctionMode() as other, cuda_to_cpu_suspended():
+        assert _get_current_function_mode() is other
+    assert _get_current_function_mode() is ours
+
+
+@needs_cpu_only
 def test_megatron_scratch_buffer_allocates_on_cpu():
     from megatron.core.utils import GlobalMemoryBuffer
 

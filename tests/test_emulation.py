@@ -14,9 +14,9 @@ import torch
 
 from megatron_dip.benchmark.bench import (
     auto_scale,
-    best_stock_placements,
     instruction_seconds,
     resolve_run,
+    strongest_stock,
     summarize,
 )
 from megatron_dip.emulation import (
@@ -32,6 +32,7 @@ from megatron_dip.emulation import (
 )
 from megatron_dip.emulation.timing import ScaledCostModel, decode_stamp, encode_stamp
 from megatron_dip.planner.simulator import simulate
+from megatron_dip.planner.stock_configs import mode_label
 from megatron_dip.runtime.transport import Transport
 from megatron_dip.schedule.engine import per_peer_channel
 from megatron_dip.schedule.ir import Forward, MessageKind, Recompute, Recv, Send
@@ -183,11 +184,13 @@ def test_summary_and_stock_choices(dip) -> None:
     assert (s.median_s, s.p90_s, s.inline_plans, s.iterations) == (2.0, 3.0, 1, 3)
     with pytest.raises(ValueError, match="no iteration after"):
         summarize("dip", records, warmup=4)
-    choices = best_stock_placements(FLAGS, world_size=2, batches=1, schedules=["1f1b"])
-    (choice,) = choices
+    (choice,) = strongest_stock(FLAGS, world_size=2, batches=1, schedules=["1f1b"])
     fitting = {k: v for k, v in choice.simulated_s.items() if v is not None}
-    best = f"{choice.placement}/{choice.recompute or 'none'}"
-    assert fitting[best] == min(fitting.values())
+    assert fitting[f"{choice.placement}/{choice.recompute}"] == min(fitting.values())
+    # Every placement was tried with Megatron's partial recompute methods too.
+    assert {k.split("/")[0] for k in choice.simulated_s} == {"llava", "params", "cost"}
+    assert any("block" in k for k in choice.simulated_s)
+    assert any("uniform" in k for k in choice.simulated_s)
     assert choice.flags()[:2] == ["--dip-schedule", "1f1b"]
 
 
@@ -293,3 +296,79 @@ def test_the_backend_is_chosen_once_and_emulation_plugs_in_as_its_parts(dip) -> 
     real = select_backend(resolve_run([*FLAGS[1:], "--dip-schedule", "dip"], world_size=2))
     assert isinstance(real, RealCompute) and real.transport is PipelineP2P
     assert real.metrics(plan, sim=None, channel=per_peer_channel) == {"emulate_scale": None}
+
+
+def test_fit_recovers_known_overheads_from_measured_plans(dip) -> None:
+    """Times made by the simulator's own model (known overheads + a constant) are fitted back;
+    the plans differ in how instructions, batches and messages lie on their critical paths."""
+    from megatron_dip.benchmark.overhead import fit_overheads, predicted
+    from megatron_dip.planner.overheads import HostOverheads
+    from megatron_dip.schedule.baselines import build_1f1b_plan, build_interleaved_plan
+    from megatron_dip.schedule.engine import single_channel
+
+    _, _, dip_plan = dip
+    plans = [
+        (dip_plan, per_peer_channel),
+        (build_1f1b_plan(num_ranks=4, num_microbatches=8), single_channel),
+        (build_1f1b_plan(num_ranks=2, num_microbatches=3), single_channel),
+        (build_interleaved_plan(num_ranks=4, num_model_chunks=2, num_microbatches=8), single_channel),
+        (build_interleaved_plan(num_ranks=2, num_model_chunks=3, num_microbatches=4), single_channel),
+    ]  # fmt: skip
+    true = HostOverheads(instruction=1.5e-3, batch=0.8e-3, message=0.3e-3)
+    points = [(p, ch, predicted(p, true, ch) + 0.02) for p, ch in plans]
+    fit = fit_overheads(points)
+    assert fit.rms_relative_error < 1e-3
+    assert fit.overheads.instruction == pytest.approx(true.instruction, rel=0.05)
+    assert fit.constant == pytest.approx(0.02, rel=0.05)
+    pinned = fit_overheads(points, instruction=true.instruction)
+    assert pinned.overheads.instruction == true.instruction
+    assert pinned.rms_relative_error < 1e-3
+    with pytest.raises(ValueError, match="at least two"):
+        fit_overheads(points[:1])
+
+
+def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path) -> None:
+    """The benchmark's smoke test (tiny-vlm, no launch): the stock runs carry their strongest
+    configuration's flags, DIP runs the planner's granularity with the host overheads, every
+    run shares the scale and the overheads file; the table and summaries come out."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from megatron_dip.benchmark.bench import BENCH_PRESETS, RunSummary
+    from megatron_dip.planner.overheads import HostOverheads, OverheadsFile, save_overheads
+    from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.validate import recompute_mode
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "bench_schedules.py"
+    spec = importlib.util.spec_from_file_location("bench_schedules", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules["bench_schedules"] = tool
+    spec.loader.exec_module(tool)
+    overheads = tmp_path / "o.json"
+    save_overheads(overheads, OverheadsFile(HostOverheads(1e-3, 1e-3, 1e-4)))
+    args = tool.parse_args(
+        ["--preset", "tiny-vlm", "--host-overheads", str(overheads), "--calibration-batches", "1"]
+    )
+    runs, scale = tool.plan_runs(args, BENCH_PRESETS["tiny-vlm"])
+    assert scale > 0 and [r["label"].split(" ")[0] for r in runs] == [
+        "megatron-1f1b", "megatron-interleaved", "dip",
+    ]  # fmt: skip
+    for run in runs:
+        flags = run["flags"]
+        assert flags[flags.index("--dip-host-overheads") + 1] == str(overheads)
+        assert float(flags[flags.index("--dip-emulate-scale") + 1]) == scale
+    for run in runs[:2]:  # the chosen setting is the fastest fitting one, passed as flags
+        fitting = {k: v for k, v in run["simulated"].items() if v is not None}
+        config = parse_config(run["flags"])
+        key = f"{config.dip.dip_stock_placement}/{mode_label(recompute_mode(config))}"
+        assert fitting[key] == min(fitting.values())
+    dip_flags = runs[2]["flags"]
+    segments = dip_flags[dip_flags.index("--dip-segments") + 1]
+    assert segments == ",".join(f"{k}={v}" for k, v in runs[2]["granularity"]["segments"].items())
+    rows = [
+        {"label": r["label"], "summary": RunSummary(r["label"], t, t, t, t / 2, 0, 3)}
+        for r, t in zip(runs, (3.0, 2.0, 1.0))
+    ]
+    table = tool.format_table(rows)
+    assert "2.00x" in table  # DIP against the strongest stock run (2.0 s)

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch.distributed as dist
 
+from megatron_dip.schedule.ir import Recompute
 from megatron_dip.training import arguments as args_module
 from megatron_dip.training.arguments import TrainConfig, build_parser, parse_config
 from megatron_dip.training.validate import ConfigError, resolve
@@ -62,6 +63,7 @@ BAD = [
     (["--dip-segments", "foo=1"], 1, "--dip-segments", "unknown module"),
     (["--dip-memory-limit-gb", "1e-9"], 1, "--dip-memory-limit-gb", "no plan fits"),
     (["--dip-memory-limit-gb", "0"], 1, "--dip-memory-limit-gb", "> 0"),
+    (["--dip-host-overheads", "/does/not/exist.json"], 1, "--dip-host-overheads", "cannot read"),
     (["--dip-data", "synthetic-nope"], 1, "--dip-data", "unknown synthetic mixture"),
     (["--dip-data", "synthetic-t2v"], 1, "--dip-data", "diffusion"),
     (["--dip-data", "llava:/does/not/exist.json"], 1, "--dip-data", "does not exist"),
@@ -349,3 +351,21 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(mo
     static = chosen.startswith("static ")
     assert (spec.stage_units is not None) == static and (spec.segments == {}) == static
     assert make_planner(spec).stage_units == spec.stage_units
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        (Recompute.NONE, 0),
+        (Recompute.SELECTIVE, 0),
+        (Recompute.FULL, 0),
+        (Recompute.BLOCK, 3),
+        (Recompute.UNIFORM, 1),
+    ],
+)
+def test_recompute_flags_are_read_back_as_their_mode(mode) -> None:
+    """The benchmark passes the strongest stock configuration's recompute setting as Megatron's
+    flags: they must mean that setting again."""
+    from megatron_dip.training.validate import recompute_flags, recompute_mode
+
+    assert recompute_mode(parse_config(recompute_flags(mode))) == mode

@@ -23,6 +23,8 @@
 * Planner faults: killed, slow, raising planner processes. Each run completes on inline plans
   where the planner had none, restarts a dead planner, logs what happened, and its losses equal
   those of a run without a planner process (greedy plans are the same made anywhere).
+* The host-overhead measurement (`benchmark.overhead`) times zero-sleep emulated DIP and 1F1B
+  iterations on the training's own step.
 """
 
 from __future__ import annotations
@@ -354,3 +356,12 @@ def test_a_loss_that_stays_nan_stops_the_run(world):
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors
     assert errors[0].startswith("iterations 1-3: loss nan")
     assert "(--dip-max-nonfinite-iters 3)" in errors[0]
+
+
+def test_host_overheads_are_measured_on_the_training_step(world):
+    """The overhead measurement ran DIP's and Megatron's zero-sleep emulated iterations: every
+    rank got the same (slowest rank's) wall and CPU seconds, positive, for plans with work."""
+    got = [w["overhead"] for w in world]
+    assert all(g["seconds"] == got[0]["seconds"] for g in got)
+    for (wall, cpu, compute), counts in zip((s[0] for s in got[0]["seconds"]), got[0]["counts"]):
+        assert wall > compute > 0 and cpu > 0 and counts["compute"] > 0

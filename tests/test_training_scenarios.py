@@ -120,6 +120,7 @@ def world4(
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
+    out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
     if rank == 0:
@@ -344,6 +345,24 @@ def emulated_runs(*, tmp: str, world_size: int, rank: int) -> dict:
         if rank == 0:
             out[name]["metrics"] = [json.loads(x) for x in Path(metrics).read_text().splitlines()]
     return out
+
+
+def overhead_measurement(*, world_size: int, rank: int) -> dict:
+    """tools/measure_overhead.py's measurement (`benchmark.overhead.measure_rank`) of zero-sleep
+    emulated DIP and 1F1B iterations at PP=4, once each: the training's own step."""
+    from megatron_dip.benchmark.overhead import make_case, measure_rank, plan_counts
+
+    flags = [
+        "--dip-emulate-compute", "--model", "tiny-vlm", "--global-batch-size", "4",
+        "--pipeline-model-parallel-size", "4", "--lr", "1e-3", "--train-iters", "1",
+        "--dip-lookahead", "0", "--dip-calibration-frozen",
+    ]  # fmt: skip
+    cases = [
+        make_case(s, [*flags, "--dip-schedule", s], world_size=world_size, batches=1)
+        for s in ("dip", "1f1b")
+    ]
+    seconds = measure_rank(rank=rank, world_size=world_size, cases=cases, repeats=2)
+    return {"seconds": seconds, "counts": [plan_counts(c.plans[0]) for c in cases]}
 
 
 def disagreeing_batch_error(rank: int) -> str | None:

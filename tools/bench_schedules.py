@@ -1,23 +1,31 @@
 """Benchmark DIP against Megatron-Core's own stock schedules, measured in one run.
 
-    python tools/bench_schedules.py --preset vlm-s --mixture mixed --iterations 4 --out bench/
+    python tools/measure_overhead.py --preset vlm-s --out overheads.json   # once per machine
+    python tools/bench_schedules.py --preset vlm-s --mixture mixed --iterations 4 \
+        --host-overheads overheads.json --out bench/
 
-For a preset (`megatron_dip.benchmark.bench.BENCH_PRESETS`: VLM-S and T2V-S at PP=4, VLM-L at
-PP=8), launches the training entry point with torchrun (gloo) once per schedule on the same seeded
-stream of synthetic batches:
+For a preset (`megatron_dip.benchmark.bench.BENCH_PRESETS`: VLM-S, T2V-S and omni-S at PP=4,
+VLM-L at PP=8), launches the training entry point with torchrun (gloo) once per schedule on the
+same seeded stream of synthetic batches:
 
-* Megatron-Core's stock 1F1B and interleaved 1F1B, each on the static placement and uniform
-  recompute a Megatron user would choose (the fastest by simulation among LLaVA-style / one layer
-  list cut by parameters / by cost, x none / selective / full recompute, whose activations fit);
-* DIP (planner process with lookahead, searched plans, calibration frozen).
+* Megatron-Core's stock 1F1B and interleaved 1F1B, each in the strongest configuration a
+  Megatron user could set whose activations fit on every calibration batch, by simulation
+  (`strongest_stock`: LLaVA-style / one layer list cut by parameters / by cost, x Megatron's
+  recompute flags: none, selective, full, `--recompute-method block|uniform
+  --recompute-num-layers N`);
+* DIP (planner process with lookahead, searched plans, calibration frozen) at the planner's own
+  granularity: with --host-overheads the planner trades segments and sub-microbatch sizes
+  against the measured host time per instruction, batch and message, and every run's
+  prediction charges it (`--dip-host-overheads`). `--dip-flags` passes explicit DIP flags.
 
 By default the cluster is emulated (`--dip-emulate-compute`): chunks sleep the cost model's time
 for their real input at the paper's scale, messages take the cost model's transfer time, and
-the scale is chosen so that DIP's shortest instruction lasts --min-op-ms. Each schedule also runs
-once with zero sleep: the overhead floor of the machine. Prints one table (median / p90 measured
-iteration, speedup over stock 1F1B and over the strongest stock schedule, the simulator's
-prediction and its error, the bubble-free bound, inline fallbacks), and writes `results.json`
-and `bench.png` (bar chart, and the measured DIP timeline of the last iteration) under --out.
+the scale is chosen so that the shortest instruction of DIP's finest plan (no host overheads)
+lasts --min-op-ms. Each schedule also runs once with zero sleep: the overhead floor of the
+machine. Prints one table (median / p90 measured iteration, speedup over stock 1F1B and over the
+strongest stock schedule, the simulator's prediction and its error, the bubble-free bound,
+inline fallbacks), and writes `results.json` and `bench.png` (bar chart, and the measured DIP
+timeline of the last iteration) under --out.
 
 With --real the same comparison runs real compute (GPUs; add launcher flags with
 --torchrun-args, e.g. "--nnodes 4 --rdzv-backend c10d --rdzv-endpoint host:29500").
@@ -43,7 +51,8 @@ from megatron_dip.benchmark.bench import (
     BenchPreset,
     RunSummary,
     auto_scale,
-    best_stock_placements,
+    dip_run_flags,
+    strongest_stock,
     summarize,
 )
 
@@ -65,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-floor", action="store_true", help="skip the zero-sleep floor runs")
     p.add_argument("--search-time-ms", type=float, default=2000.0)
     p.add_argument("--calibration-batches", type=int, default=2, help="batches sizing choices")
+    p.add_argument(
+        "--host-overheads",
+        type=Path,
+        default=None,
+        help="measured host overheads (tools/measure_overhead.py) for every run",
+    )
+    p.add_argument("--dip-flags", default="", help="explicit DIP flags (e.g. --dip-segments ...)")
     p.add_argument("--real", action="store_true", help="real compute instead of emulation")
     p.add_argument("--torchrun-args", default="--standalone", help="launcher flags")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per launched run")
@@ -81,32 +97,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict], float | None]:
-    """(label, flags) of every schedule's run, and the emulation scale (None: --real)."""
+    """(label, flags) of every schedule's run (its zero-sleep floor: the same flags at scale 0),
+    and the emulation scale (None: --real)."""
     emulate = not args.real
     flags = preset.base_flags(args.mixture, emulate=emulate)
     world = preset.world_size(emulate=emulate)
+    explicit = [*preset.dip_flags, *shlex.split(args.dip_flags)]
+    scale = None
+    if emulate:
+        scale = args.scale
+        if scale is None:  # DIP's finest plan: no overheads make it coarser
+            scale = auto_scale(
+                flags + explicit, world_size=world, batches=args.calibration_batches,
+                min_op_s=args.min_op_ms / 1e3, share=preset.short_op_share,
+            )  # fmt: skip
+        flags += ["--dip-emulate-scale", repr(scale)]
+    if args.host_overheads is not None:
+        flags += ["--dip-host-overheads", str(args.host_overheads)]
     stock = [s for s in args.schedules.split(",") if s != "dip"]
     runs = []
-    for choice in best_stock_placements(
+    for choice in strongest_stock(
         flags, world_size=world, batches=args.calibration_batches, schedules=stock
     ):
-        label = f"megatron-{choice.schedule} ({choice.placement}, recompute {choice.recompute})"
+        label = f"megatron-{choice.schedule} ({choice.placement}, {choice.recompute})"
         runs.append(
             {"label": label, "flags": flags + choice.flags(), "simulated": choice.simulated_s}
         )
     if "dip" in args.schedules.split(","):
-        dip = [*preset.dip_flags, "--dip-schedule", "dip"]
-        dip += ["--dip-search-time-ms", str(args.search_time_ms), "--dip-calibration-frozen"]
-        runs.append({"label": "dip", "flags": flags + dip, "simulated": None})
-    scale = None
-    if emulate:
-        scale = args.scale
-        if scale is None:
-            scale = auto_scale(
-                flags + list(preset.dip_flags), world_size=world,
-                batches=args.calibration_batches, min_op_s=args.min_op_ms / 1e3,
-                share=preset.short_op_share,
-            )  # fmt: skip
+        grain, spec = dip_run_flags(flags + explicit, world_size=world)
+        logger.info("DIP granularity (the planner's choice): %s", shlex.join(grain))
+        dip = [*explicit, *grain, "--dip-schedule", "dip", "--dip-calibration-frozen"]
+        dip += ["--dip-search-time-ms", str(args.search_time_ms)]
+        runs.append(
+            {"label": "dip", "flags": flags + dip, "simulated": None,
+             "granularity": {"segments": spec.segments, "sub_sizes": spec.sub_sizes}}
+        )  # fmt: skip
     return runs, scale
 
 
@@ -119,7 +144,7 @@ def launch(
     total = args.warmup + args.iterations
     flags = [*run["flags"], "--train-iters", str(total), "--log-interval", "1"]
     flags += ["--dip-metrics-json", str(out)]
-    if scale is not None:
+    if scale is not None:  # the last one wins: the floor's 0 overrides the run's scale
         flags += ["--dip-emulate-scale", repr(scale)]
     if run["label"] == "dip" and not tag.endswith("floor"):
         flags += [
@@ -190,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for i, run in enumerate(runs):
         tag = f"run{i}_{run['label'].split(' ')[0]}"
-        row = {"label": run["label"], "flags": run["flags"], "simulated_choices": run["simulated"]}
+        row = {"label": run["label"], "flags": run["flags"], "simulated_choices": run["simulated"],
+               "granularity": run.get("granularity")}  # fmt: skip
         row["summary"] = summarize(run["label"], launch(args, preset, run, scale=scale, tag=tag),
                                    warmup=args.warmup)  # fmt: skip
         if scale is not None and not args.no_floor:

@@ -1,13 +1,15 @@
 """Benchmark presets and the in-process steps of `tools/bench_schedules.py`.
 
 A `BenchPreset` names a paper setup as an emulated cluster: one process per pipeline rank (the
-paper's TP is folded into the cost model), DIP's segments and sub-microbatch sizes coarse enough
-that every emulated instruction lasts >= 50 ms at a scale where an iteration takes seconds (two
-cores' scheduling noise is ~1 ms per operation, EMULATION.md), and the data mixture. Before
-launching, `best_stock_placements` picks, for each stock schedule, the static placement a
-Megatron user would choose (LLaVA-style, or one layer list cut by parameters or by cost) by
-simulating the run's first batches; `auto_scale` sizes the emulation scale from the shortest
-DIP instruction. `summarize` turns the runs' metrics lines into the table's numbers.
+paper's TP is folded into the cost model) and the data mixture. DIP runs the planner's own
+granularity (segments, sub-microbatch sizes): `dip_run_flags` resolves the DIP run once, with the
+measured host overheads (--dip-host-overheads) when given, and hands its choice to the run and to
+its zero-sleep floor; `dip_flags` are only for explicit overrides. Before launching,
+`strongest_stock` picks, for each stock schedule, the strongest configuration a Megatron user could
+set (static placement x Megatron's recompute flags, partial block / uniform N included:
+`planner.stock_configs`) whose activations fit on every one of the run's first batches, by
+simulating them; `auto_scale` sizes the emulation scale from the shortest DIP instruction.
+`summarize` turns the runs' metrics lines into the table's numbers.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from megatron_dip.planner.simulator import stage_costs
+from megatron_dip.planner.stock_configs import mode_label, strongest
 from megatron_dip.schedule.engine import single_channel
-from megatron_dip.schedule.ir import Plan
+from megatron_dip.schedule.ir import Plan, RecomputeMode
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class BenchPreset:
     pipeline_parallel: int
     tensor_parallel: int
     mixture: str
-    dip_flags: tuple[str, ...] = ()
+    dip_flags: tuple[str, ...] = ()  # explicit DIP overrides (none: the planner's own choice)
     shared_flags: tuple[str, ...] = ()
     description: str = ""
     # Auto scale: DIP's shortest instruction lasts --min-op-ms, ignoring the shortest ones that
@@ -61,15 +64,23 @@ class BenchPreset:
 
 
 BENCH_PRESETS: dict[str, BenchPreset] = {
+    "tiny-vlm": BenchPreset(
+        name="tiny-vlm",
+        script="pretrain_vlm_dip.py",
+        pipeline_parallel=2,
+        tensor_parallel=1,
+        mixture="mixed",
+        shared_flags=("--global-batch-size", "4"),
+        description="tiny-vlm on 2 emulated ranks (smoke test of the benchmark, seconds)",
+    ),
     "vlm-s": BenchPreset(
         name="vlm-s",
         script="pretrain_vlm_dip.py",
         pipeline_parallel=4,
         tensor_parallel=4,
         mixture="mixed",
-        dip_flags=("--dip-segments", "vit=2,llm=2", "--dip-sub-microbatch-size", "vit=16"),
         shared_flags=("--sequence-parallel",),
-        description="VLM-S (ViT-H 0.6B + 7B LLM), TP4 x PP4 of the paper as 4 emulated ranks",
+        description="VLM-S (ViT-5B + Llama-3-8B), TP4 x PP4 of the paper as 4 emulated ranks",
     ),
     "t2v-s": BenchPreset(
         name="t2v-s",
@@ -77,9 +88,8 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
         pipeline_parallel=4,
         tensor_parallel=4,
         mixture="t2v",
-        dip_flags=("--dip-segments", "text=1,dit=1", "--dip-sub-microbatch-size", "dit=2"),
         shared_flags=("--sequence-parallel",),
-        description="T2V-S (T5 text encoder + DiT), TP4 x PP4 as 4 emulated ranks",
+        description="T2V-S (Llama-3-8B text encoder + DiT-5B), TP4 x PP4 as 4 emulated ranks",
         short_op_share=0.05,
     ),
     "omni-s": BenchPreset(
@@ -88,12 +98,6 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
         pipeline_parallel=4,
         tensor_parallel=4,
         mixture="omni",
-        dip_flags=(
-            "--dip-segments",
-            "vit=2,audio=1,llm=2",
-            "--dip-sub-microbatch-size",
-            "vit=16,audio=8",
-        ),  # fmt: skip
         shared_flags=("--sequence-parallel",),
         description="ViT-5B + Whisper-large + Llama-3-8B, TP4 x PP4 as 4 emulated ranks",
         short_op_share=0.05,
@@ -104,9 +108,8 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
         pipeline_parallel=8,
         tensor_parallel=8,
         mixture="mixed",
-        dip_flags=("--dip-segments", "vit=2,llm=2", "--dip-sub-microbatch-size", "vit=16"),
         shared_flags=("--sequence-parallel",),
-        description="VLM-L, PP8 of the paper as 8 emulated ranks (TP folded)",
+        description="VLM-L (ViT-22B + Qwen2-72B), PP8 of the paper as 8 emulated ranks (TP folded)",
     ),
 }
 
@@ -131,69 +134,116 @@ def first_batches(spec, count: int) -> list:
     return stream.peek(count)
 
 
-def stock_outcome(spec, batches: Sequence) -> tuple[float, bool]:
-    """Mean simulated iteration time of Megatron's schedule on `spec`'s stock placement and
-    recompute, and whether its activations fit the device (the memory left after weights,
-    gradients and optimizer state, as for DIP's plans)."""
+def stock_results(spec, batches: Sequence) -> list[list]:
+    """Every recompute setting of `spec`'s stock placement and schedule (`stock_configs`),
+    simulated on each of `batches` (replica 0, as Megatron packs and shares it), with whether
+    its activations fit the device (the memory left after weights, gradients and optimizer
+    state, as for DIP's plans)."""
+    from megatron_dip.batching import layout_batch
     from megatron_dip.planner.compare import activation_limits
-    from megatron_dip.planner.simulator import simulate
-    from megatron_dip.training.planning import stock_plan
+    from megatron_dip.planner.static_baselines import StaticPipeline
+    from megatron_dip.planner.stock_configs import StockWork, evaluate_stock
+    from megatron_dip.training.planning import make_planner
 
+    planner = make_planner(spec)
+    pipe = StaticPipeline(
+        spec.config.dip.dip_stock_placement, spec.placement, spec.stage_units,
+        len(spec.stage_units[0]),
+    )  # fmt: skip
     limits = activation_limits(
         spec.placement, spec.cost_model, device=spec.device,
         tensor_parallel=spec.planner.tensor_parallel,
     )  # fmt: skip
-    times, fits = [], True
+    out = []
     for b in batches:
-        sim = simulate(stock_plan(spec, b, 0), spec.cost_model, channel=single_channel)
-        times.append(sim.iteration_time)
-        fits &= all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
-    return sum(times) / len(times), fits
+        layout = layout_batch(spec.model, b, planner.layout_config.with_whole_modules())
+        mine = layout.replicas[0]
+        work = StockWork(
+            mine.submicrobatches, mine.dependencies, mine.infos, layout.totals, b.iteration
+        )
+        tensors = planner.shapes.for_lookup(mine.sub_of().__getitem__)
+        out.append(
+            evaluate_stock(
+                pipe, work, cost_model=spec.cost_model, tensors=tensors, limits=limits,
+                channel=single_channel,
+            )
+        )  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)
 class StockChoice:
-    """The placement and recompute picked for one stock schedule, and the simulated time of
-    every combination tried ("placement/recompute" -> seconds; None: activations do not fit)."""
+    """The placement and recompute setting picked for one stock schedule (the fastest that fits
+    on every calibration batch), and the mean simulated time of every combination tried
+    ("placement/recompute" -> seconds; None: its activations do not fit on some batch)."""
 
     schedule: str
     placement: str
-    recompute: str | None
+    mode: RecomputeMode
     simulated_s: dict[str, float | None] = field(default_factory=dict)
 
+    @property
+    def recompute(self) -> str:
+        """Megatron's name of the recompute setting ("none", "selective", "block 4", ...)."""
+        return mode_label(self.mode)
+
     def flags(self) -> list[str]:
+        """The run's flags: schedule, placement and Megatron's recompute flags."""
+        from megatron_dip.training.validate import recompute_flags
+
         out = ["--dip-schedule", self.schedule, "--dip-stock-placement", self.placement]
-        return out + (["--recompute-granularity", self.recompute] if self.recompute else [])
+        return out + recompute_flags(self.mode)
 
 
-def best_stock_placements(
+def strongest_stock(
     flags: Sequence[str], *, world_size: int, batches: int, schedules: Sequence[str]
 ) -> list[StockChoice]:
-    """For each stock schedule, the fastest (placement, uniform recompute) whose activations
-    fit, by simulating the run's first batches (what a Megatron user would tune)."""
+    """For each stock schedule, the strongest configuration (placement x recompute setting,
+    `stock_configs.strongest`) whose activations fit on each of the run's first `batches`
+    batches: what a Megatron user would tune, simulated."""
     from megatron_dip.training.validate import ConfigError
 
     choices = []
     for schedule in schedules:
-        times: dict[str, float | None] = {}
-        best: tuple[float, str, str | None] | None = None
+        per_batch: list[list] = [[] for _ in range(batches)]
         for placement in STOCK_PLACEMENTS:
-            for recompute in (None, "selective", "full"):
-                run = [*flags, "--dip-schedule", schedule, "--dip-stock-placement", placement]
-                run += ["--recompute-granularity", recompute] if recompute else []
-                try:
-                    spec = resolve_run(run, world_size=world_size)
-                except ConfigError as e:
-                    logger.info("%s / %s placement not possible: %s", schedule, placement, e)
-                    break
-                seconds, fits = stock_outcome(spec, first_batches(spec, batches))
-                times[f"{placement}/{recompute or 'none'}"] = seconds if fits else None
-                if fits and (best is None or seconds < best[0]):
-                    best = (seconds, placement, recompute)
+            run = [*flags, "--dip-schedule", schedule, "--dip-stock-placement", placement]
+            try:
+                spec = resolve_run(run, world_size=world_size)
+            except ConfigError as e:
+                logger.info("%s / %s placement not possible: %s", schedule, placement, e)
+                continue
+            for mine, results in zip(per_batch, stock_results(spec, first_batches(spec, batches))):
+                mine.extend(results)
+        best = strongest(per_batch)
         if best is None:
-            raise ValueError(f"no stock placement of --dip-schedule {schedule} fits in memory")
-        choices.append(StockChoice(schedule, best[1], best[2], times))
+            raise ValueError(f"no stock configuration of --dip-schedule {schedule} fits in memory")
+        choices.append(StockChoice(schedule, best[0], best[2], _mean_times(per_batch)))
     return choices
+
+
+def _mean_times(per_batch: Sequence[Sequence]) -> dict[str, float | None]:
+    """ "placement/recompute" -> mean simulated seconds over the batches (None: does not fit
+    on some batch)."""
+    times: dict[str, list[float]] = {}
+    fitting: dict[str, bool] = {}
+    for results in per_batch:
+        for r in results:
+            key = f"{r.pipeline}/{mode_label(r.mode)}"
+            times.setdefault(key, []).append(r.sim.iteration_time)
+            fitting[key] = fitting.get(key, True) and r.fits
+    return {k: (sum(v) / len(v) if fitting[k] else None) for k, v in times.items()}
+
+
+def dip_run_flags(flags: Sequence[str], *, world_size: int) -> tuple[list[str], object]:
+    """The planner's own granularity of the DIP run with `flags` (resolved once: with host
+    overheads the candidates are simulated), as explicit flags for the run and its floor, and
+    the resolved spec."""
+    spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
+    segments = ",".join(f"{k}={v}" for k, v in spec.segments.items())
+    sizes = ",".join(f"{k}={v}" for k, v in spec.sub_sizes.items())
+    out = ["--dip-segments", segments]
+    return (out + ["--dip-sub-microbatch-size", sizes] if sizes else out), spec
 
 
 def instruction_seconds(plan: Plan, cost_model) -> list[float]:

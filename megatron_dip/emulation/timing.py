@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_dip.modalities import modality_of
+from megatron_dip.planner.overheads import host_overheads
 from megatron_dip.schedule.graph import Dataflow
 from megatron_dip.schedule.ir import (
     MessageKey,
@@ -246,10 +247,16 @@ def emulated_plan(plan: Plan) -> Plan:
 
 class ScaledCostModel:
     """`cost_model` with every stage and transfer time multiplied by `scale`: what an emulated
-    run with that `EmulationConfig.scale` should take (the simulator's prediction of it)."""
+    run with that `EmulationConfig.scale` should take (the simulator's prediction of it).
+
+    Its host overheads are the base's times `scale` too: an emulated run's cost model holds the
+    measured host seconds divided by the scale (planning is in the preset's time units), while
+    the emulated run pays the host seconds themselves. The chunks sleep `stage_cost` only
+    (`EmulatedBatchSource`), never the overheads: those are the real host time of the run."""
 
     def __init__(self, cost_model: Any, scale: float) -> None:
         self.base, self.scale = cost_model, scale
+        self.overheads = host_overheads(cost_model).scaled(scale)
 
     def stage_cost(
         self, chunk: Any, sub: Any, recompute: Recompute = Recompute.NONE, layers: int = 0

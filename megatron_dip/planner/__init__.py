@@ -5,6 +5,7 @@ Pure Python (numpy/scipy): it never imports torch, Megatron-Core or `megatron_di
 
 from .cost_model import CostModel, StageCost
 from .devices import DEVICES, H100, H200, H800, CostProfile, DeviceSpec, get_device, load_profile
+from .overheads import HostOverheads, load_overheads
 from .simulator import SimResult, UniformCost, simulate
 from .trace import Span, plan_timeline, write_chrome_trace
 
@@ -16,11 +17,13 @@ __all__ = [
     "CostModel",
     "CostProfile",
     "DeviceSpec",
+    "HostOverheads",
     "SimResult",
     "Span",
     "StageCost",
     "UniformCost",
     "get_device",
+    "load_overheads",
     "load_profile",
     "plan_timeline",
     "simulate",

@@ -44,7 +44,7 @@ from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .static_baselines import StaticPipeline, static_pipelines
 from .stock_configs import StockResult, StockWork, evaluate_stock, fits
-from .submicrobatch import choose_sub_size, split_modules
+from .submicrobatch import choose_sub_sizes
 
 __all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
 
@@ -148,13 +148,14 @@ class Comparison:
             w for b in calibration for w in split_microbatches(model, pack_all(b, limits), whole)
         ]
         workload = average_workload(model, works)
-        sub_sizes = {}
-        for m in split_modules(model):
-            per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
-            sub_sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
+        # The latency rule's segments on the sizes without host time, then the sizes that pay
+        # for the host time of a pass through those chunks.
+        first = choose_sub_sizes(model, cost_model, workload)
         rule, _ = build_dip_placement(
-            model, cost_model, num_ranks=p, workload=workload, unit_instances=sub_sizes
+            model, cost_model, num_ranks=p, workload=workload, unit_instances=first
         )
+        chunks = {m.name: m.num_chunks for m in rule.modules}
+        sub_sizes = choose_sub_sizes(model, cost_model, workload, chunks=chunks)
         static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
         rule_candidate = PlacementCandidate("rule", rule)
         cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)

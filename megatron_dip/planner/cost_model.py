@@ -17,6 +17,10 @@ What a layer of each kind computes and stores is its modality's (`Modality.layer
 `modalities.costs`); this module prices it.
 
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
+
+Host overheads (`overheads.HostOverheads`: per compute instruction, per posted batch of messages,
+per message) ride along in `CostModel.overheads`; `stage_cost` stays compute only, and the
+planner's stage graph and the simulator add the host time to their instruction durations.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from ..modalities.costs import CostContext, Op, OpKind, Work, stored_bytes
 from ..modelspec import ModuleSpec, MultimodalSpec
 from ..schedule.ir import ChunkSpec, Recompute, SubMicrobatch
 from .devices import CostProfile, DeviceSpec, load_profile
+from .overheads import NO_OVERHEADS, HostOverheads
 
-__all__ = ["CostModel", "CostProfile", "StageCost", "load_profile"]
+__all__ = ["CostModel", "CostProfile", "HostOverheads", "StageCost", "load_profile"]
 
 _CACHE_LIMIT = 200_000
 
@@ -59,7 +64,9 @@ class CostModel:
 
     `tensor_parallel` / `sequence_parallel` describe one pipeline rank's TP group. `caption_tokens`
     is the text length a DiT cross-attends to per clip. `profile` supplies measured per-layer
-    times that are preferred over the analytic ones for the modules it covers.
+    times that are preferred over the analytic ones for the modules it covers. `overheads`: the
+    runtime's host time per instruction, batch and message (`overheads.py`; not part of
+    `stage_cost`).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class CostModel:
         gemm_half_rows: int = 512,
         attention_efficiency: float = 0.75,
         p2p_bandwidth: float | None = None,
+        overheads: HostOverheads = NO_OVERHEADS,
     ) -> None:
         if tensor_parallel < 1 or dtype_bytes < 1 or caption_tokens < 1 or gemm_half_rows < 0:
             raise ValueError(
@@ -93,6 +101,7 @@ class CostModel:
         self.gemm_half_rows = gemm_half_rows
         self.attention_efficiency = attention_efficiency
         self.p2p_bandwidth = p2p_bandwidth or device.ib_bandwidth
+        self.overheads = overheads
         self._ctx = CostContext(
             tensor_parallel, sequence_parallel, dtype_bytes, caption_tokens, flash_attention
         )
@@ -113,6 +122,13 @@ class CostModel:
         copy._scale = {**self._scale, **{k: float(v) for k, v in scale_by_module.items()}}
         # Cached times are unscaled, so the caches can be shared.
         copy._layer_cache, copy._stage_cache = self._layer_cache, self._stage_cache
+        return copy
+
+    def with_overheads(self, overheads: HostOverheads) -> CostModel:
+        """A copy charging `overheads` (host time per instruction, batch and message)."""
+        copy = CostModel.__new__(CostModel)
+        copy.__dict__.update(self.__dict__)
+        copy.overheads = overheads
         return copy
 
     # -- operator pricing --------------------------------------------------------------------
@@ -283,15 +299,19 @@ class CostModel:
         c = self.stage_cost(ChunkSpec(module, 0, 0, 0, spec.num_layers), sub)
         return c.forward + (c.backward if self.needs_backward(module) else 0.0)
 
-    def efficiency(self, module: str, *, instances: int, tokens_per_instance: int) -> float:
-        """Achieved / peak FLOP/s of one layer of `module` (forward + backward) in (0, 1]."""
+    def efficiency(
+        self, module: str, *, instances: int, tokens_per_instance: int, host_seconds: float = 0.0
+    ) -> float:
+        """Achieved / peak FLOP/s of one layer of `module` (forward + backward) in (0, 1];
+        `host_seconds` per layer count as time that computes nothing (the runtime's share of
+        host overhead the layer carries)."""
         spec = self.model.module(module)
         n = max(1, instances)
         tokens = n * tokens_per_instance
         w = Work(tokens, n, float(n * tokens_per_instance**2))
         flops = 3 * sum(o.flops for o in modality_of(spec).layer_ops(spec, w, self._ctx))
         fwd, bwd, _ = self._layer(spec, w)
-        return min(1.0, flops / ((fwd + bwd) * self.device.peak_flops))
+        return min(1.0, flops / ((fwd + bwd + host_seconds) * self.device.peak_flops))
 
     def layer_params(self, module: str) -> int:
         """Parameters of one transformer layer of `module` (all TP ranks together)."""

@@ -40,6 +40,7 @@ from ..schedule.validate import validate_plan
 from .candidates import megatron_order_plan, merge_submicrobatches
 from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, priorities_from_units
 from .memory import MemoryLimitError, RecomputeChoice, choose_recompute, stage_modes
+from .overheads import host_overheads
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
 from .simulator import simulate
 from .stock_configs import best_fitting_mode, max_chunk_layers, with_recompute
@@ -64,7 +65,6 @@ class PlannerConfig:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     dtype: str = "float32"
-    message_latency: float = 0.0
     lookahead: int = 1  # producer microbatches ahead of their consumer in the greedy order
     fill_bubbles: bool = True  # dual-queue interleaving (False: fixed segment order)
     use_search: bool = True
@@ -281,10 +281,13 @@ class DipPlanner:
         that mode's durations); None where Megatron's order does not apply."""
         sub_of = {s.work: s for w in merged for s in w.submicrobatches}
 
+        host = host_overheads(self.cost_model)
+
         def duration(rank: int, ins) -> float:
             chunk = self.placement.module(ins.stage.module).chunks[ins.stage.chunk]
             c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work], *mode)
-            return max(c.forward if isinstance(ins, Forward) else c.backward, 1e-12)
+            fwd, bwd = host.instruction_times(c.forward, c.backward)
+            return max(fwd if isinstance(ins, Forward) else bwd, 1e-12)
 
         alt = megatron_order_plan(
             self.model,
@@ -403,14 +406,18 @@ class DipPlanner:
     def _graph(
         self, dataflow: Dataflow, sub_of: Mapping, choice: RecomputeChoice, *, forward_only: bool
     ):
+        # Durations as the runtime takes them: compute plus each instruction's and each
+        # message's host time (the posted batches are the simulator's to charge).
+        host = host_overheads(self.cost_model)
+
         def stage_cost(stage: StageId, recompute: RecomputeMode) -> tuple[float, float, int]:
             chunk = self.placement.module(stage.module).chunks[stage.chunk]
             c = self.cost_model.stage_cost(chunk, sub_of[stage.work], *recompute)
-            return c.forward, c.backward, c.activation_bytes
+            return (*host.instruction_times(c.forward, c.backward), c.activation_bytes)
 
         def transfer(key: MessageKey) -> float:
             nbytes = sum(t.nbytes for t in self._tensors(sub_of, key))
-            return self.cost_model.transfer_time(nbytes) + self.config.message_latency
+            return self.cost_model.transfer_time(nbytes) + host.message
 
         return build_stage_graph(
             dataflow,

@@ -7,7 +7,11 @@ this module only supplies durations and reads the result:
   recompute strategy of its stage's forward;
 * a message lasts `transfer_time(bytes of its tensors) + message_latency`. The extra per-message
   latency models the per-operation hand-over overhead that EMULATION.md measured (it grows with
-  the number of messages, so schedules that send more messages must pay for it).
+  the number of messages, so schedules that send more messages must pay for it);
+* host overheads (`overheads.HostOverheads` of the cost model, zero for stand-ins): every compute
+  instruction also takes `instruction` seconds, every posted batch of sends/receives `batch`
+  seconds of its rank, and `message_latency` / `post_overhead` default to the cost model's
+  `message` / `batch` terms, so a plan of many tiny instructions pays for them.
 
 Activation memory per rank is a step function over time: a stage adds its `activation_bytes` at
 the end of its forward and releases them at the end of its backward. A forward-only stage (frozen
@@ -34,6 +38,7 @@ from ..schedule.ir import (
     SubMicrobatch,
 )
 from .cost_model import StageCost
+from .overheads import host_overheads
 from .trace import Span, chrome_trace_events, plan_timeline
 
 __all__ = ["SimResult", "StageCostModel", "UniformCost", "simulate", "stage_costs"]
@@ -181,22 +186,25 @@ def simulate(
     plan: Plan,
     cost_model: StageCostModel,
     *,
-    message_latency: float = 0.0,
-    post_overhead: float = 0.0,
+    message_latency: float | None = None,
+    post_overhead: float | None = None,
     memory_limit_bytes: int | None = None,
     channel: ChannelFn = single_channel,
 ) -> SimResult:
     """Simulate one iteration of `plan` with durations from `cost_model`.
 
     `message_latency` is added to every message's transfer time, `post_overhead` to every posted
-    batch of sends/receives (both seconds). Raises `schedule.DeadlockError` / `PlanError` for a
-    plan that cannot run.
+    batch of sends/receives (both seconds; None: the cost model's host overheads, see the module
+    docstring). Raises `schedule.DeadlockError` / `PlanError` for a plan that cannot run.
     """
     costs, has_backward = stage_costs(plan, cost_model)
+    host = host_overheads(cost_model)
+    message_latency = host.message if message_latency is None else message_latency
+    post_overhead = host.batch if post_overhead is None else post_overhead
+    durations = {s: host.instruction_times(c.forward, c.backward) for s, c in costs.items()}
 
     def compute_time(rank: int, ins: Instruction) -> float:
-        c = costs[ins.stage]
-        return c.forward if isinstance(ins, Forward) else c.backward
+        return durations[ins.stage][0 if isinstance(ins, Forward) else 1]
 
     def transfer_time(send: Send) -> float:
         nbytes = sum(t.nbytes for t in send.tensors)

@@ -29,6 +29,7 @@ from ..schedule.ir import (
     RecomputeMode,
 )
 from ..schedule.passes import TensorFn
+from .overheads import host_overheads
 from .simulator import SimResult, simulate
 from .static_baselines import StaticPipeline
 
@@ -117,11 +118,13 @@ def megatron_plan(
     """Megatron's order on `pipe` with `mode` on every stage; messages placed by that mode's
     stage durations."""
     sub_of = {s.work: s for s in work.submicrobatches}
+    host = host_overheads(cost_model)
 
     def duration(rank: int, ins) -> float:
         chunk = pipe.placement.module(ins.stage.module).chunks[ins.stage.chunk]
         c = cost_model.stage_cost(chunk, sub_of[ins.stage.work], *mode)
-        return max(c.forward if isinstance(ins, Forward) else c.backward, 1e-12)
+        fwd, bwd = host.instruction_times(c.forward, c.backward)
+        return max(fwd if isinstance(ins, Forward) else bwd, 1e-12)
 
     plan = build_megatron_plan(
         placement=pipe.placement,

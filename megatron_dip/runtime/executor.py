@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from megatron_dip.cpu_support import cuda_to_cpu_suspended
 from megatron_dip.schedule.engine import PlanError
 from megatron_dip.schedule.ir import (
     INSTRUCTION_TYPES,
@@ -191,6 +192,9 @@ class Executor:
             {} if plan.forward_only else grad_sync_points(self.program, placement, set(self._ddp))
         )
         self._last_use = _last_use(self.program)
+        # Resolved once: the per-instruction loop should do no avoidable Python work.
+        self._handlers = {t: getattr(self, name) for t, name in _HANDLERS.items()}
+        self._nvtx = config.nvtx and torch.cuda.is_available()
         self._messages: dict[MessageKey, dict[str, torch.Tensor]] = {}
         self._saved: dict[StageId, _Saved] = {}
         self._sync_log: list[tuple[int, tuple[str, int]]] = []
@@ -236,28 +240,20 @@ class Executor:
     def run(self) -> IterationResult:
         """Execute the program; returns the loss reports. Call once per Executor."""
         started, wall = time.perf_counter(), time.time()
-        instrs = self.program.instructions
         clock = None
         if self.on_instruction is not None:
             clock = InstructionClock(self.on_instruction, device=self.device)
-        self._start_syncs(-1)
-        i = 0
-        while i < len(instrs):
-            ins = instrs[i]
-            with self._traced(i, ins):
-                mark = clock.mark() if clock is not None else None
-                consumed = getattr(self, _HANDLERS[type(ins)])(i, ins)
-                if clock is not None:
-                    clock.span(mark, [(k, instrs[k]) for k in range(i, i + consumed)])
-            for k in range(i, i + consumed):
-                self._after(k, instrs[k])
-            i += consumed
-        self.transport.finish()
-        for chunk in self._ddp.values():
-            chunk.finish_grad_sync()
-        if not self.plan.forward_only:
-            # Sequence-parallel parameters (norms) saw one sequence shard per TP rank.
-            reduce_sequence_parallel_grads([self.chunks[k] for k in sorted(self.chunks)])
+        # On CPU, Megatron's CUDA-to-CPU torch-function mode would tax every torch call of
+        # every instruction; nothing here names a CUDA device (cpu_support).
+        with cuda_to_cpu_suspended():
+            self._start_syncs(-1)
+            self._run_instructions(clock)
+            self.transport.finish()
+            for chunk in self._ddp.values():
+                chunk.finish_grad_sync()
+            if not self.plan.forward_only:
+                # Sequence-parallel parameters (norms) saw one sequence shard per TP rank.
+                reduce_sequence_parallel_grads([self.chunks[k] for k in sorted(self.chunks)])
         left = self.leftovers()
         if any(left.values()):
             raise MessageError(f"rank {self.rank}: buffers left at the end of the program: {left}")
@@ -275,6 +271,24 @@ class Executor:
             channel=self.transport.channel,
         )
 
+    def _run_instructions(self, clock: InstructionClock | None) -> None:
+        """The program's instructions in order, each by its handler (traced only in debug or
+        NVTX mode, timed only with a clock)."""
+        instrs, traced = self.program.instructions, self._nvtx or self.config.debug
+        i = 0
+        while i < len(instrs):
+            ins, mark = instrs[i], clock.mark() if clock is not None else None
+            if traced:
+                with self._traced(i, ins):
+                    consumed = self._handlers[type(ins)](i, ins)
+            else:
+                consumed = self._handlers[type(ins)](i, ins)
+            if clock is not None:
+                clock.span(mark, instrs[i : i + consumed], first=i)
+            for k in range(i, i + consumed):
+                self._after(k, instrs[k])
+            i += consumed
+
     def leftovers(self) -> dict[str, list[str]]:
         """Messages, saved activations and sub-batches still held (empty after a full run)."""
         held = self.transport.pending()
@@ -286,7 +300,7 @@ class Executor:
 
     @contextlib.contextmanager
     def _traced(self, index: int, ins: Instruction):
-        use_nvtx = self.config.nvtx and torch.cuda.is_available()
+        use_nvtx = self._nvtx
         if use_nvtx:
             torch.cuda.nvtx.range_push(f"{type(ins).__name__} {getattr(ins, 'stage', '')}")
         t0 = time.perf_counter() if self.config.debug else 0.0
@@ -305,11 +319,11 @@ class Executor:
                 )
 
     def _after(self, index: int, ins: Instruction) -> None:
-        if isinstance(ins, (Forward, Backward)):
-            work = ins.stage.work
-            if self._last_use.get(work) == index:
-                self.batches.release(work)
-        self._start_syncs(index)
+        work = self._last_use.get(index)
+        if work is not None:
+            self.batches.release(work)
+        if index in self._sync_at:
+            self._start_syncs(index)
 
     def _start_syncs(self, index: int) -> None:
         for key in self._sync_at.get(index, ()):
@@ -342,13 +356,14 @@ class Executor:
         return 1
 
     def _take(self, key: MessageKey, index: int) -> dict[str, torch.Tensor]:
+        found = self._messages.pop(key, None)  # a local hand-over (remote ones never are here)
+        if found is not None:
+            return found
         if self.df.receiver_of(key) == self.df.sender_of(key):
-            if key not in self._messages:
-                raise MessageError(
-                    f"rank {self.rank}: instruction {index} needs local message {key}, "
-                    "which has not been produced"
-                )
-            return self._messages.pop(key)
+            raise MessageError(
+                f"rank {self.rank}: instruction {index} needs local message {key}, "
+                "which has not been produced"
+            )
         return self.transport.take(key)
 
     def _produce(self, index: int, key: MessageKey, tensors: dict[str, torch.Tensor]) -> None:
@@ -464,12 +479,13 @@ def _is_ddp(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("no_sync", "start_grad_sync", "finish_grad_sync"))
 
 
-def _last_use(program) -> dict[WorkId, int]:
+def _last_use(program) -> dict[int, WorkId]:
+    """Instruction index -> the sub-microbatch whose last compute it is (released after it)."""
     last: dict[WorkId, int] = {}
     for i, ins in enumerate(program.instructions):
         if isinstance(ins, (Forward, Backward)):
             last[ins.stage.work] = i
-    return last
+    return {i: work for work, i in last.items()}
 
 
 def run_program(**kwargs: Any) -> IterationResult:

@@ -229,6 +229,8 @@ class PipelineP2P:
         self._batch_of: dict[tuple[bool, MessageKey], _Batch] = {}
         self._received: dict[MessageKey, dict[str, torch.Tensor]] = {}
         self._sending: dict[MessageKey, Mapping[str, torch.Tensor]] = {}
+        self._global = [dist.get_global_rank(group, r) for r in range(group.size())]
+        self._wait_timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
         self.messages_posted = 0
         if self.device.type == "cuda" and config.batched and id(group) not in _WARM_GROUPS:
             # NCCL: a batch_isend_irecv that is the first operation on a communicator must
@@ -327,7 +329,7 @@ class PipelineP2P:
                     f"rank {self.rank}: tensor {spec.name!r} of {op.key} is not contiguous"
                 )
             tag = message_tag(op.key, i) if self.config.use_tags else 0
-            peer = dist.get_global_rank(self.group, op.peer)
+            peer = self._global[op.peer]
             out.append((dist.P2POp(fn, tensor, peer, group, tag), _OpInfo(index, op, spec.name)))
         return out
 
@@ -371,7 +373,7 @@ class PipelineP2P:
             work, infos = batch.works[batch.next], batch.infos[batch.next]
             started = time.monotonic()
             try:
-                done = work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
+                done = work.wait() if timeout is None else work.wait(self._wait_timeout)
             except Exception as e:  # re-raised naming the rank, instruction, peer and tensor
                 late = timeout is not None and time.monotonic() - started >= timeout
                 what = "timeout" if late or "timed out" in str(e).lower() else "waiting for"

@@ -38,7 +38,7 @@ class InstructionClock:
     def __init__(self, hook: InstructionHook, *, device: torch.device) -> None:
         self.hook = hook
         self.cuda = torch.device(device).type == "cuda"
-        self._spans: list[tuple[Sequence[tuple[int, Instruction]], Any, Any]] = []
+        self._spans: list[tuple[int, Sequence[Instruction], Any, Any]] = []
         if self.cuda:
             self._origin = torch.cuda.Event(enable_timing=True)
             self._origin.record()
@@ -53,17 +53,18 @@ class InstructionClock:
             return event
         return time.time()
 
-    def span(self, start: Any, instructions: Sequence[tuple[int, Instruction]]) -> None:
-        """Close the span opened by `start` (a `mark()`) for these (index, instruction)."""
-        self._spans.append((instructions, start, self.mark()))
+    def span(self, start: Any, instructions: Sequence[Instruction], *, first: int) -> None:
+        """Close the span opened by `start` (a `mark()`) for `instructions`, the program's
+        instructions from index `first` on."""
+        self._spans.append((first, instructions, start, self.mark()))
 
     def flush(self) -> None:
         """Resolve every span (one synchronisation on CUDA) and call the hook, in order."""
         if self.cuda and self._spans:
-            self._spans[-1][2].synchronize()
-        for instructions, start, end in self._spans:
+            self._spans[-1][3].synchronize()
+        for first, instructions, start, end in self._spans:
             t0, t1 = (self._wall(start), self._wall(end)) if self.cuda else (start, end)
-            for index, ins in instructions:
+            for index, ins in enumerate(instructions, start=first):
                 self.hook(index, ins, t0, t1)
         self._spans.clear()
 

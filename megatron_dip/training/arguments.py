@@ -282,6 +282,16 @@ class DipArgs:
         "measured per-layer profile JSON (megatron-dip-profile/1) for the cost model",
         megatron=False,
     )
+    dip_host_overheads: str | None = arg(
+        "--dip-host-overheads",
+        None,
+        "host seconds per compute instruction, posted p2p batch and message "
+        "(megatron-dip-host-overheads/1 JSON, written by tools/measure_overhead.py): the "
+        "planner trades segments and sub-microbatch sizes against them and the simulator "
+        "charges them (default: none; with --dip-emulate-compute they are host seconds of the "
+        "emulated run, divided by --dip-emulate-scale into the preset's time)",
+        megatron=False,
+    )
     dip_device: str = arg(
         "--dip-device",
         "auto",

@@ -8,8 +8,11 @@ stock Megatron placement of `--dip-stock-placement`; for DIP the `--dip-segments
 start-up search over DIP's segment counts (the latency rule K_i = floor(T_i / T_min) among them)
 and the static Megatron placements (encoder on the first stage, one layer list cut by cost or
 parameters, 1 or 2 chunks per rank), scored by simulated greedy plans of the first calibration
-batches (`planner.placement_search`). A static placement keeps its virtual stages, so the
-planner can always fall back to Megatron's order on it: DIP never starts slower than them.
+batches (`planner.placement_search`) under the cost model, host overheads included
+(--dip-host-overheads): so the search trades granularity against the runtime's per-instruction
+cost, and the sub-microbatch sizes count the host time of a pass through a module's chunks. A
+static placement keeps its virtual stages, so the planner can always fall back to Megatron's
+order on it: DIP never starts slower than them.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from megatron_dip.planner.static_baselines import (
     static_pipelines,
     stock_pipeline,
 )
-from megatron_dip.planner.submicrobatch import choose_sub_size, split_modules
-from megatron_dip.schedule.ir import Placement, Recompute
+from megatron_dip.planner.submicrobatch import choose_sub_sizes
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute
 
 from .arguments import TrainConfig
 from .data_source import DataSpec, make_stream
@@ -98,19 +101,6 @@ def split_all(model: MultimodalSpec, microbatches, config: LayoutConfig) -> list
         return list(split_microbatches(model, microbatches, config))
     except ValueError as e:
         raise _fail("--seq-length", str(e)) from None
-
-
-def choose_sub_sizes(
-    model: MultimodalSpec, cost_model, workload, given: Mapping[str, int] | None
-) -> dict[str, int]:
-    """Given sizes, completed by the cost model's choice for the modules not named."""
-    sizes = dict(given or {})
-    for m in split_modules(model):
-        if m.name in sizes:
-            continue
-        per = max(1, workload[m.name].tokens // max(1, workload[m.name].instances))
-        sizes[m.name] = choose_sub_size(cost_model, m.name, tokens_per_instance=per)
-    return sizes
 
 
 def automatic_segments(model: MultimodalSpec, cost_model, workload, pp: int) -> dict[str, int]:
@@ -223,6 +213,7 @@ class _Sizing:
     dp: int
     dtype: str
     device: object
+    recompute: tuple | None  # Megatron's recompute flags, which the run's planner starts from
 
     def memory_limit(self, placement: Placement) -> list[float] | None:
         return _memory_limit(
@@ -249,6 +240,7 @@ class _Sizing:
             use_search=False,
             strict_memory=False,
             packing=self.limits,
+            uniform_recompute=self.recompute,
         )
         planner = DipPlanner(
             self.model, self.cost_model, cand.placement, config, stage_units=cand.stage_units
@@ -256,23 +248,27 @@ class _Sizing:
         return greedy_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
 
 
-def _dip_placement(sizing: _Sizing) -> PlacementCandidate:
-    """--dip-segments as given, else the start-up search: DIP's segment counts (the latency
-    rule among them) and the static Megatron placements, scored by simulated greedy plans."""
-    model, cost, pp = sizing.model, sizing.cost_model, sizing.pp
-    given = sizing.config.dip.dip_segments
+def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
+    """(segments, given): --dip-segments as given, else the latency rule's."""
+    given = config.dip.dip_segments
     override = {} if given in (None, "auto") else parse_segments(given)
-    if override:
-        placement, _ = build_dip_placement(
-            model, cost, num_ranks=pp, workload=sizing.workload, segments=override
-        )
-        return PlacementCandidate("--dip-segments", placement)
-    segments = automatic_segments(model, cost, sizing.workload, pp)
-    if pp == 1:  # one rank: nothing to place, the latency rule's chunks are all there is
+    return (
+        (override, True)
+        if override
+        else (automatic_segments(model, cost_model, workload, pp), False)
+    )
+
+
+def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
+    """The placement of `segments` (`given`: --dip-segments), or for PP > 1 the start-up
+    search: DIP's segment counts (`segments`, the latency rule's, among them) and the static
+    Megatron placements, scored by simulated greedy plans."""
+    model, cost, pp = sizing.model, sizing.cost_model, sizing.pp
+    if given or pp == 1:  # one rank: nothing to place, the rule's chunks are all there is
         placement, _ = build_dip_placement(
             model, cost, num_ranks=pp, workload=sizing.workload, segments=segments
         )
-        return PlacementCandidate("rule", placement)
+        return PlacementCandidate("--dip-segments" if given else "rule", placement)
     static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
     chosen, scores = choose_dip_placement(
         model, cost, num_ranks=pp, workload=sizing.workload, unit_instances=sizing.sub_sizes,
@@ -280,6 +276,13 @@ def _dip_placement(sizing: _Sizing) -> PlacementCandidate:
     )  # fmt: skip
     logger.info("placement %r chosen; simulated seconds per candidate: %s", chosen.name, scores)
     return chosen
+
+
+def _uniform(config: TrainConfig) -> tuple | None:
+    from .validate import recompute_mode
+
+    mode = recompute_mode(config)
+    return None if mode == NO_RECOMPUTE else mode
 
 
 def build_layout(
@@ -301,17 +304,20 @@ def build_layout(
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]
     whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)
     workload = average_workload(model, split_all(model, microbatches, whole))
-    sizes = choose_sub_sizes(model, cost_model, workload, sub_sizes)
     if config.dip.dip_schedule != "dip":
+        sizes = choose_sub_sizes(model, cost_model, workload, given=sub_sizes)
         placement, units = _stock(config, model, cost_model, workload, pp)
         return Layout(sizes, placement, units, {}, None)
-    split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
-    sizing = _Sizing(
-        config, model, cost_model, batches, split, workload, sizes, limits,
-        tp=tp, pp=pp, dp=dp, dtype=dtype, device=device,
-    )  # fmt: skip
     try:
-        chosen = _dip_placement(sizing)
+        segments, given = _wanted_segments(config, model, cost_model, workload, pp)
+        chunks = {name: pp * k for name, k in segments.items()}
+        sizes = choose_sub_sizes(model, cost_model, workload, given=sub_sizes, chunks=chunks)
+        split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
+        sizing = _Sizing(
+            config, model, cost_model, batches, split, workload, sizes, limits,
+            tp=tp, pp=pp, dp=dp, dtype=dtype, device=device, recompute=_uniform(config),
+        )  # fmt: skip
+        chosen = _dip_placement(sizing, segments, given=given)
     except ValueError as e:
         text = str(e)
         if text.startswith("--"):  # the planner already names the flag

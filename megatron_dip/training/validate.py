@@ -21,6 +21,7 @@ from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec, get_device, load_profile
 from megatron_dip.planner.dip import PlannerConfig
+from megatron_dip.planner.overheads import NO_OVERHEADS, HostOverheads, load_overheads
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
@@ -241,6 +242,19 @@ def recompute_mode(config: TrainConfig) -> RecomputeMode:
     return Recompute(m.recompute_method), layers
 
 
+def recompute_flags(mode: RecomputeMode) -> list[str]:
+    """Megatron's flags that `recompute_mode` reads back as `mode` (the inverse)."""
+    method, layers = mode
+    if method is Recompute.NONE:
+        return []
+    if method in (Recompute.SELECTIVE, Recompute.FULL):
+        return ["--recompute-granularity", method.value]
+    return [
+        "--recompute-granularity", "full", "--recompute-method", method.value,
+        "--recompute-num-layers", str(layers),
+    ]  # fmt: skip
+
+
 def _check_emulation(config: TrainConfig) -> None:
     d = config.dip
     if not (d.dip_emulate_scale >= 0 and math.isfinite(d.dip_emulate_scale)):
@@ -344,7 +358,28 @@ def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> C
         sequence_parallel=sp,
         dtype_bytes=2 if dtype == "bfloat16" else 4,
         profile=profile,
+        overheads=_host_overheads(config),
     )
+
+
+def _host_overheads(config: TrainConfig) -> HostOverheads:
+    """--dip-host-overheads: the measured host seconds of the run's runtime (DIP's executor, or
+    Megatron's stock schedules where the file has their fit), in the run's time units (an
+    emulated run plans in the preset's time: host seconds / --dip-emulate-scale; the zero-sleep
+    floor, scale 0, keeps them as they are)."""
+    path = config.dip.dip_host_overheads
+    if path is None:
+        return NO_OVERHEADS
+    try:
+        found = load_overheads(path)
+    except ValueError as e:
+        raise _fail("--dip-host-overheads", str(e)) from None
+    stock = config.dip.dip_schedule != "dip" and found.stock is not None
+    measured = found.stock if stock else found.dip
+    scale = config.dip.dip_emulate_scale
+    if config.dip.dip_emulate_compute and scale > 0:
+        return measured.scaled(1.0 / scale)
+    return measured
 
 
 def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
