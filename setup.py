@@ -19,6 +19,8 @@ setup(
         "megatron-core>=0.16.1,<0.20",
         "numpy>=1.24",
         "scipy>=1.11",
+        # The planner's list scheduler is compiled (planner/schedule_kernel.py).
+        "numba>=0.61",
         "matplotlib>=3.7",
         "pillow>=10",
     ],

@@ -28,7 +28,14 @@ from ..schedule.ir import BatchTotals, Forward, MessageKey, Placement, Plan, Rec
 from ..schedule.passes import add_communication
 from ..schedule.validate import validate_plan
 from .candidates import megatron_order_plan, merge_submicrobatches
-from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, priorities_from_units
+from .list_scheduler import (
+    ListSchedule,
+    build_stage_graph,
+    list_makespan,
+    list_schedule,
+    priorities_from_units,
+    unit_priority_ranks,
+)
 from .memory import MemoryLimitError, RecomputeChoice, choose_recompute
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
 from .simulator import simulate
@@ -99,6 +106,7 @@ class DipPlanner:
         missing = [m.name for m in split_modules(model) if m.name not in config.sub_sizes]
         if missing:
             raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
+        self._graph_cache: tuple | None = None  # (dataflow, forward_only, StageGraph), see _graph
         self.shapes = MessageShapes(
             model,
             dtype=config.dtype,
@@ -366,13 +374,21 @@ class DipPlanner:
             nbytes = sum(t.nbytes for t in self._tensors(sub_of, key))
             return self.cost_model.transfer_time(nbytes) + self.config.message_latency
 
-        return build_stage_graph(
+        # One plan asks for the graph of one dataflow under several recompute choices: its edges
+        # and transfer delays are built once (the last dataflow's graph is kept) and only the
+        # stage costs are redone.
+        cached = self._graph_cache
+        if cached is not None and cached[0] is dataflow and cached[1] == forward_only:
+            return cached[2].with_costs(stage_cost, choice.of)
+        graph = build_stage_graph(
             dataflow,
             stage_cost=stage_cost,
             transfer=transfer,
             recompute=choice.of,
             forward_only=forward_only,
         )
+        self._graph_cache = (dataflow, forward_only, graph)
+        return graph
 
     def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: Recompute) -> tuple[float, int]:
         chunk = self.placement.module(stage.module).chunks[stage.chunk]
@@ -412,11 +428,11 @@ def _score_factory(graph, limits, fill_bubbles: bool):
     """A picklable scorer for the search workers: unit order -> list-schedule makespan."""
 
     def score(order) -> float:
-        return list_schedule(
+        return list_makespan(
             graph,
-            priority=priorities_from_units(graph.stages, order),
+            priority=unit_priority_ranks(graph, order),
             memory_limit=limits,
             fill_bubbles=fill_bubbles,
-        ).makespan
+        )
 
     return score
