@@ -39,6 +39,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -52,6 +53,9 @@ from ..schedule.serialize import plan_from_bytes, plan_to_bytes
 logger = logging.getLogger(__name__)
 
 GREEDY, SEARCHED, INLINE = "greedy", "searched", "inline"
+UP = "up"  # the planner process's first message: ready to plan
+# What the planner process must not need (seconds of imports before it can plan).
+HEAVY_MODULES = ("torch", "megatron.core")
 CALIBRATION_KEY = "dip/calibration"
 IDLE_POLL_S = 1.0  # how often an idle planner checks that its parent is alive
 FAULTY_START_S = 120.0  # tests only: how long a service with PlannerFaults waits for its planner
@@ -192,6 +196,7 @@ class _Channels:
     batches: mp.Queue
     results: mp.Queue
     decided: Any  # multiprocessing.Value("q"): iterations <= this are decided
+    started_at: float = 0.0  # time.time() when the process was started
 
     def undecided(self, batch: BatchMeta) -> bool:
         return batch.iteration > self.decided.value
@@ -212,10 +217,11 @@ def planner_loop(
     """Body of the planner process: greedy plans first for every pending batch, then search the
     earliest undecided one. Ends on a None sentinel. `faults`: test-only misbehaviour; `up`: an
     event set once the planner is ready to plan."""
-    started = time.monotonic()
+    built = time.monotonic()
     planner = make_planner()
     calibration = _Calibrated(planner)
-    logger.info("planner process: planner built in %.2f s", time.monotonic() - started)
+    heavy = sorted(m for m in HEAVY_MODULES if m in sys.modules)
+    channels.results.put((UP, time.time() - channels.started_at, time.monotonic() - built, heavy))
     if up is not None:
         up.set()
     parent = os.getppid()
@@ -259,6 +265,16 @@ class _Publisher(threading.Thread):
         self.address, self.results, self.process = address, results, process
         self.stopping = threading.Event()
         self.published: list[tuple[int, str]] = []  # (iteration, variant), for tests and logs
+        self.startup: dict | None = None  # what the process reported once it could plan
+
+    def _up(self, seconds: float, build_s: float, heavy: list[str]) -> None:
+        self.startup = {"seconds": seconds, "planner_build_s": build_s, "heavy_modules": heavy}
+        logger.info(
+            "planner process ready %.1f s after its start (planner built in %.2f s)%s",
+            seconds,
+            build_s,
+            f"; it imported {', '.join(heavy)}" if heavy else "",
+        )
 
     def run(self) -> None:
         try:
@@ -275,6 +291,9 @@ class _Publisher(threading.Thread):
                 continue
             except (EOFError, OSError):
                 return  # the process died mid-message
+            if item[0] == UP:
+                self._up(*item[1:])
+                continue
             variant, iteration, replicas, version = item
             # A greedy plan only while nothing is ready (a restarted planner re-plans what is
             # ahead); a searched one only while the iteration is undecided.
@@ -322,7 +341,9 @@ class PlannerService:
         self.restarts = 0
 
     def start(self) -> None:
-        self._channels = _Channels(self._ctx.Queue(), self._ctx.Queue(), self._decided)
+        self._channels = _Channels(
+            self._ctx.Queue(), self._ctx.Queue(), self._decided, started_at=time.time()
+        )
         faults = self.faults if self.restarts == 0 else None
         up = self._ctx.Event() if faults is not None else None
         self._process = self._ctx.Process(
@@ -387,6 +408,12 @@ class PlannerService:
     @property
     def process(self) -> mp.process.BaseProcess | None:
         return self._process
+
+    @property
+    def startup(self) -> dict | None:
+        """What the current planner process reported when it was ready to plan (seconds
+        after its start, planner build seconds, heavy modules it imported), None before."""
+        return self._publisher.startup if self._publisher is not None else None
 
     def close(self) -> None:
         if self._process is None:

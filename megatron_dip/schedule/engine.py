@@ -91,8 +91,10 @@ class _Ops:
         self.batch_ops: list[list[int]] = []
         self.first_of: list[dict[int, list[int]]] = []  # per rank: run start -> its batches
         self.queues: list[list[list[int]]] = []  # per rank, per channel: batches in order
-        # (is_send, key) -> op; what `_check_pairs` and waits look up.
-        self.slot: dict[tuple[bool, MessageKey], int] = {}
+        # key -> [its send op, its receive op] (-1: none yet), also found by id(key): a plan's
+        # Send, Recv and Wait usually share one key object, whose hash is not cheap.
+        self.pairs: dict[MessageKey, list[int]] = {}
+        self.by_id: dict[int, list[int]] = {}
         for p in programs:
             self._split(p, channel)
         self._check_pairs()
@@ -123,16 +125,29 @@ class _Ops:
         self.first_of.append(first_of)
         self.queues.append(list(queues.values()))
 
+    def pair(self, key: MessageKey) -> list[int] | None:
+        """[send op, receive op] of `key` (-1 where absent), None if the key has no op."""
+        found = self.by_id.get(id(key))
+        if found is None:
+            found = self.pairs.get(key)
+            if found is not None:
+                self.by_id[id(key)] = found
+        return found
+
     def _add(self, rank: int, batch: int, op: Send | Recv) -> int:
-        slot = (isinstance(op, Send), op.key)
-        if slot in self.slot:
-            other = self.rank[self.slot[slot]]
-            kind = "send" if slot[0] else "receive"
+        is_send = type(op) is Send or isinstance(op, Send)
+        pair = self.pair(op.key)
+        if pair is None:
+            pair = self.pairs[op.key] = self.by_id[id(op.key)] = [-1, -1]
+        side = 0 if is_send else 1
+        if pair[side] >= 0:
+            other = self.rank[pair[side]]
+            kind = "send" if is_send else "receive"
             raise PlanError(
                 f"message {op.key} has a second {kind} on rank {rank} (first on rank {other})"
             )
         i = len(self.op)
-        self.slot[slot] = i
+        pair[side] = i
         self.op.append(op)
         self.rank.append(rank)
         self.batch.append(batch)
@@ -140,13 +155,17 @@ class _Ops:
         return i
 
     def _check_pairs(self) -> None:
-        for (is_send, key), i in self.slot.items():
-            j = self.slot.get((not is_send, key))
+        for i, op in enumerate(self.op):
+            is_send = type(op) is Send or isinstance(op, Send)
+            key = op.key
+            j = self.pair(key)[1 if is_send else 0]
             rank = self.rank[i]
-            if j is None:
+            if j < 0:
                 missing = "receive" if is_send else "send"
-                op = "send" if is_send else "receive"
-                raise PlanError(f"rank {rank}: {op} of {key} has no matching {missing} on any rank")
+                what = "send" if is_send else "receive"
+                raise PlanError(
+                    f"rank {rank}: {what} of {key} has no matching {missing} on any rank"
+                )
             if self.op[i].peer != self.rank[j]:
                 raise PlanError(
                     f"rank {rank}: {key} names peer {self.op[i].peer}, but the matching op is on "
@@ -223,10 +242,7 @@ class _Machine:
     def _wait_time(self, r: int, ins: Wait) -> float | None:
         ops, latest = self.ops, self.clock[r]
         for key in ins.keys:
-            mine = [
-                i for i in (ops.slot.get((True, key)), ops.slot.get((False, key)))
-                if i is not None and ops.rank[i] == r
-            ]  # fmt: skip
+            mine = [i for i in ops.pair(key) or () if i >= 0 and ops.rank[i] == r]
             t = next((self.op_done[i] for i in mine if self.op_done[i] is not None), None)
             if t is None:
                 if not mine:
