@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from megatron_dip.planner.list_scheduler import ListSchedule, StageGraph
+from megatron_dip.planner.list_scheduler import StageGraph
 from megatron_dip.schedule.engine import ChannelFn, DeadlockError, PlanError, single_channel
 from megatron_dip.schedule.ir import (
     Backward,
@@ -25,6 +25,17 @@ from megatron_dip.schedule.ir import (
 
 ComputeTime = Callable[[int, Instruction], float]
 TransferTime = Callable[[Send], float]
+
+
+@dataclass(frozen=True)
+class ListSchedule:
+    """Per-rank compute orders and the scheduler's own timing estimate."""
+
+    orders: tuple[tuple[Forward | Backward, ...], ...]
+    makespan: float
+    peak_memory: tuple[int, ...]
+    overcommitted: bool
+    durations: dict = field(default_factory=dict, compare=False, repr=False)  # instr -> seconds
 
 
 class _RankState:

@@ -107,6 +107,9 @@ class DipPlanner:
         if missing:
             raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
         self._graph_cache: tuple | None = None  # (dataflow, forward_only, StageGraph), see _graph
+        # Per plan (keyed by its sub-microbatch table): message tensors and stage costs, asked
+        # for several times each by the graph, memory and communication passes.
+        self._memo: tuple = (None, {}, {})
         self.shapes = MessageShapes(
             model,
             dtype=config.dtype,
@@ -265,8 +268,28 @@ class DipPlanner:
             return alt, theirs.iteration_time
         return plan, ours.iteration_time
 
+    def _memos(self, sub_of: Mapping) -> tuple[dict, dict]:
+        if self._memo[0] is not sub_of:
+            self._memo = (sub_of, {}, {})
+        return self._memo[1], self._memo[2]
+
     def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
-        return self.shapes.tensors(key, sub_of.__getitem__)
+        memo = self._memos(sub_of)[0]
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = self.shapes.tensors(key, sub_of.__getitem__)
+        return found
+
+    def _stage_cost(self, sub_of: Mapping, stage: StageId, mode: Recompute):
+        """`cost_model.stage_cost` of a stage of this plan (memoized per plan)."""
+        memo = self._memos(sub_of)[1]
+        found = memo.get((stage, mode))
+        if found is None:
+            chunk = self.placement.module(stage.module).chunks[stage.chunk]
+            found = memo[(stage, mode)] = self.cost_model.stage_cost(
+                chunk, sub_of[stage.work], mode
+            )
+        return found
 
     def _schedule(
         self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool, use_search: bool
@@ -366,8 +389,7 @@ class DipPlanner:
         self, dataflow: Dataflow, sub_of: Mapping, choice: RecomputeChoice, *, forward_only: bool
     ):
         def stage_cost(stage: StageId, recompute: Recompute) -> tuple[float, float, int]:
-            chunk = self.placement.module(stage.module).chunks[stage.chunk]
-            c = self.cost_model.stage_cost(chunk, sub_of[stage.work], recompute)
+            c = self._stage_cost(sub_of, stage, recompute)
             return c.forward, c.backward, c.activation_bytes
 
         def transfer(key: MessageKey) -> float:
@@ -391,8 +413,7 @@ class DipPlanner:
         return graph
 
     def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: Recompute) -> tuple[float, int]:
-        chunk = self.placement.module(stage.module).chunks[stage.chunk]
-        c = self.cost_model.stage_cost(chunk, sub_of[stage.work], mode)
+        c = self._stage_cost(sub_of, stage, mode)
         return c.forward + c.backward, c.activation_bytes
 
     def _units(self, dataflow: Dataflow) -> dict[str, list[int]]:

@@ -13,6 +13,7 @@ it thousands of times cheaply.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -165,19 +166,40 @@ def build_stage_graph(
     return StageGraph(stages, rank, fwd, bwd, act, has_b, succ, npred, dataflow.placement.num_ranks)
 
 
-@dataclass(frozen=True)
 class ListSchedule:
-    """Per-rank compute orders and the scheduler's own timing estimate."""
+    """Per-rank compute orders and the scheduler's own timing estimate.
 
-    orders: tuple[tuple[Forward | Backward, ...], ...]
-    makespan: float
-    peak_memory: tuple[int, ...]
-    overcommitted: bool
-    durations: dict = field(default_factory=dict, compare=False, repr=False)  # instr -> seconds
+    `orders` (per rank, `Forward`/`Backward` instructions) and `durations` (instruction ->
+    seconds) are built on first use: the planner compares most schedules by makespan and peak
+    memory alone."""
+
+    def __init__(self, run: _Run, recompute: Callable[[StageId], Recompute]) -> None:
+        self._run, self._recompute = run, recompute
+        self.makespan: float = run.makespan
+        self.peak_memory: tuple[int, ...] = run.peak
+        self.overcommitted: bool = run.overcommitted
+
+    @functools.cached_property
+    def _built(self) -> tuple[tuple[tuple[Forward | Backward, ...], ...], dict]:
+        return self._run.instructions(self._recompute)
+
+    @property
+    def orders(self) -> tuple[tuple[Forward | Backward, ...], ...]:
+        return self._built[0]
+
+    @property
+    def durations(self) -> dict:
+        return self._built[1]
 
     def duration(self, rank: int, ins: Forward | Backward) -> float:
         """Estimated duration of a compute instruction (for the communication pass)."""
         return self.durations[ins]
+
+    def __repr__(self) -> str:
+        return (
+            f"ListSchedule(makespan={self.makespan!r}, peak_memory={self.peak_memory!r}, "
+            f"overcommitted={self.overcommitted!r})"
+        )
 
 
 def list_schedule(
@@ -194,7 +216,9 @@ def list_schedule(
     segment order, the ablation baseline without dual-queue interleaving): a ready forward waits
     while a higher-priority forward of the same rank is not ready.
     """
-    return _run(graph, priority_ranks(priority), memory_limit, fill_bubbles).materialize(recompute)
+    return ListSchedule(
+        _run(graph, priority_ranks(priority), memory_limit, fill_bubbles), recompute
+    )
 
 
 def list_makespan(
@@ -234,7 +258,7 @@ class _Run:
     peak: tuple
     overcommitted: bool
 
-    def materialize(self, recompute: Callable[[StageId], Recompute]) -> ListSchedule:
+    def instructions(self, recompute: Callable[[StageId], Recompute]) -> tuple[tuple, dict]:
         """The per-rank instruction orders and their durations."""
         g = self.graph
         durations: dict[Forward | Backward, float] = {}
@@ -245,9 +269,7 @@ class _Run:
             ins = Backward(stage) if node & 1 else Forward(stage, recompute(stage))
             orders[g.rank[node >> 1]].append(ins)
             durations[ins] = max(end[node] - start[node], 1e-12)  # the comm pass needs > 0
-        return ListSchedule(
-            tuple(map(tuple, orders)), self.makespan, self.peak, self.overcommitted, durations
-        )
+        return tuple(map(tuple, orders)), durations
 
 
 def _run(graph: StageGraph, prank, memory_limit, fill_bubbles: bool) -> _Run:
