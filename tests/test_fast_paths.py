@@ -2,7 +2,7 @@
 the compiled list scheduler and the integer-indexed execution engine must give the same
 orders, times, peaks and errors, bit for bit, on random stage graphs (ties of priorities and
 ready times, memory limits that bind, fixed segment order) and on the planner's own graphs
-and plans of hypothesis-generated cases (`planner_cases.py`)."""
+and plans of hypothesis-generated cases (`planner_cases.py`). `--fuzz` runs many more cases."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _same_schedule(graph, priority, limits, fill) -> None:
     )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=max(200, settings.default.max_examples), deadline=None)
 @given(stage_graphs())
 def test_compiled_list_scheduler_matches_the_reference_on_random_graphs(drawn) -> None:
     _same_schedule(*drawn)
@@ -107,7 +107,7 @@ def _replica(case):
     return planner, layout, dataflow, graph
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=max(12, settings.default.max_examples // 20), deadline=None)
 @given(cases(), st.integers(0, 3))
 def test_compiled_list_scheduler_matches_the_reference_on_planner_graphs(case, seed) -> None:
     planner, _, dataflow, graph = _replica(case)
@@ -141,7 +141,7 @@ def _errors_alike(programs) -> None:
     assert messages[0] == messages[1]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=max(12, settings.default.max_examples // 20), deadline=None)
 @given(cases(), st.randoms(use_true_random=False))
 def test_engine_matches_the_reference_on_planner_plans(case, rnd) -> None:
     planner = case.planner(limit_for(case))

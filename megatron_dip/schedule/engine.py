@@ -201,6 +201,7 @@ class _Machine:
         self.active = [[0] * len(q) for q in ops.queues]  # per rank, per channel
         self.spans: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.waits: list[list[tuple[int, float, float]]] = [[] for _ in programs]
+        self.wait_ops: dict[tuple[int, int], list[list[int]]] = {}  # (rank, pc) -> ops per key
 
     # -- rank progress ---------------------------------------------------------------------
 
@@ -241,8 +242,12 @@ class _Machine:
 
     def _wait_time(self, r: int, ins: Wait) -> float | None:
         ops, latest = self.ops, self.clock[r]
-        for key in ins.keys:
-            mine = [i for i in ops.pair(key) or () if i >= 0 and ops.rank[i] == r]
+        mine_of = self.wait_ops.get((r, self.pc[r]))
+        if mine_of is None:  # a blocked wait is evaluated again: resolve its keys once
+            mine_of = self.wait_ops[(r, self.pc[r])] = [
+                [i for i in ops.pair(key) or () if i >= 0 and ops.rank[i] == r] for key in ins.keys
+            ]
+        for key, mine in zip(ins.keys, mine_of):
             t = next((self.op_done[i] for i in mine if self.op_done[i] is not None), None)
             if t is None:
                 if not mine:
