@@ -6,8 +6,14 @@ fills what would otherwise be a bubble); within a kind, the lowest priority valu
 its activation-memory limit takes no more forwards; only when every rank is stuck that way is the
 limit overcommitted (reported, so the memory pass can add recomputation).
 
-The scheduler works on an indexed `StageGraph` built once per batch, so that the search can call
-it thousands of times cheaply.
+The scheduler works on an indexed `StageGraph` built once per batch (its edges once per plan:
+`StageGraph.with_costs` swaps the stage costs of another recompute choice in), flattened to
+arrays and run by a compiled kernel (`schedule_kernel.run_schedule`, about 0.5 us per node), so
+that the search can call it hundreds of times per batch. `list_makespan` is the search's score
+(no instructions built); `list_schedule` builds the instruction orders when they are first used.
+Ties are broken as the interpreted scheduler this replaced did (by priority, then ready time,
+then node; ranks by start time, then rank): `tests/reference_planner.py` keeps it, and
+`tests/test_fast_paths.py` checks that both give the same orders, times and peaks.
 """
 
 from __future__ import annotations

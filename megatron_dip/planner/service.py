@@ -162,18 +162,23 @@ class InjectedFaultError(RuntimeError):
     """What a planner process raises under `PlannerFaults.raise_at_iteration`."""
 
 
-def _receive(item, pending: list, calibration: _Calibrated, faults: PlannerFaults | None) -> None:
+def _receive(
+    item, pending: list, faults: PlannerFaults | None, calibration: _Calibrated | None = None
+) -> None:
     """Queue a received batch for planning, or apply a calibration (raising under the
     test-only `faults`)."""
     if isinstance(item, tuple):  # ("calibration", version, scales)
-        calibration.apply(item[1], item[2])
+        if calibration is not None:
+            calibration.apply(item[1], item[2])
         return
     if faults is not None and faults.raise_at_iteration == item.iteration:
         raise InjectedFaultError(f"injected planner fault at iteration {item.iteration}")
     pending.append(item)
 
 
-def _stall(faults: PlannerFaults, batches: mp.Queue, pending: list, calibration) -> bool:
+def _stall(
+    faults: PlannerFaults, batches: mp.Queue, pending: list, calibration: _Calibrated | None = None
+) -> bool:
     """The test-only delay before a plan; True when told to stop meanwhile. It keeps receiving
     batches (into `pending`), so it delays plans, not shutdown."""
     deadline = time.monotonic() + faults.delay_s
@@ -184,7 +189,7 @@ def _stall(faults: PlannerFaults, batches: mp.Queue, pending: list, calibration)
             break
         if item is None:
             return True
-        _receive(item, pending, calibration, faults)
+        _receive(item, pending, faults, calibration)
     return False
 
 
@@ -235,7 +240,7 @@ def planner_loop(
             item = channels.batches.get(timeout=poll_s if pending else IDLE_POLL_S)
             if item is None:
                 return
-            _receive(item, pending, calibration, faults)
+            _receive(item, pending, faults, calibration)
             continue  # drain the queue before planning
         except queue.Empty:
             pass
