@@ -239,6 +239,17 @@ def list_makespan(
     return _run(graph, priority, memory_limit, fill_bubbles).makespan
 
 
+def warm_up() -> None:
+    """Load (or compile, the first time on a machine) the scheduler kernel now, not in the
+    first plan: a two-stage graph on one rank."""
+    stages = [StageId("warm-up", 0, 0), StageId("warm-up", 1, 0)]
+    succ = [[(1, 0.0), (2, 0.0)], [], [(3, 0.0)], [(1, 0.0)]]
+    graph = StageGraph(stages, [0, 0], [1.0, 1.0], [2.0, 2.0], [1, 1], [True, True], succ,
+                       [0, 2, 1, 1], 1)  # fmt: skip
+    for fill in (True, False):
+        list_makespan(graph, priority=[0, 1], memory_limit=[1.0], fill_bubbles=fill)
+
+
 def priority_ranks(priority: Sequence[tuple]) -> np.ndarray:
     """Dense integer ranks of `priority` (equal priorities get equal ranks): comparing these
     decides exactly as comparing the priorities themselves."""

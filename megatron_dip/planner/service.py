@@ -49,6 +49,7 @@ from typing import Any
 from ..data.sample import BatchMeta
 from ..schedule.ir import Plan
 from ..schedule.serialize import plan_from_bytes, plan_to_bytes
+from .list_scheduler import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ def planner_loop(
     built = time.monotonic()
     planner = make_planner()
     calibration = _Calibrated(planner)
+    warm_up()  # the scheduler kernel, before the first batch rather than in its plan
     heavy = sorted(m for m in HEAVY_MODULES if m in sys.modules)
     channels.results.put((UP, time.time() - channels.started_at, time.monotonic() - built, heavy))
     if up is not None:
