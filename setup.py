@@ -19,6 +19,9 @@ setup(
         "megatron-core>=0.16.1,<0.20",
         "numpy>=1.24",
         "scipy>=1.11",
+        # The planner's list scheduler is compiled (planner/schedule_kernel.py); without numba
+        # the same code runs interpreted (identical plans, far slower at paper scale).
+        "numba>=0.61",
         "matplotlib>=3.7",
         "pillow>=10",
         # megatron.core.dist_checkpointing's torch_dist writer imports it (not declared there).

@@ -177,6 +177,47 @@ def test_service_delivers_one_plan_to_every_rank_and_falls_back_inline(store_add
         service.close()
 
 
+def _wait_any_ready(store, iteration: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not store.check([f"dip/{iteration}/ready"]):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"planner never published a plan for iteration {iteration}")
+        time.sleep(0.02)
+
+
+def test_planner_process_is_light_and_answers_from_the_second_iteration(store_address):
+    """The planner process imports neither torch nor megatron-core (its start-up took longer than
+    the first iterations of a run); in a loop like the training's (submit the next two batches,
+    fetch this iteration's plan, mark it decided) iteration 0 may be inline, every later one
+    comes from the planner process."""
+    address, master = store_address
+    # The factory as DipPlans builds it (this test module imports torch; the planner must not).
+    p = make_planner(rollouts=4)
+    factory = functools.partial(DipPlanner, p.model, p.cost_model, p.placement, p.config)
+    service = PlannerService(factory, address, lookahead=2)
+    rank = _client(address)
+    inline = functools.partial(make_planner().plan_batch, search=False)
+    variants, submitted = [], set()
+    try:
+        for it in range(4):
+            for ahead in {it, it + 1} - submitted:  # DipPlans.ahead: the next two batches
+                service.submit(batch(ahead))
+                submitted.add(ahead)
+            if it:
+                _wait_any_ready(master, it)
+            plan, variant = rank.fetch(it, inline=lambda it=it: inline(batch(it))[0].plan)
+            service.decided(it)
+            assert plan.iteration == it
+            variants.append(variant)
+        assert INLINE not in variants[1:], variants
+        assert rank.inline_count == variants.count(INLINE) <= 1
+        startup = service.startup
+        assert startup is not None and startup["heavy_modules"] == [], startup
+        assert startup["seconds"] > 0 and startup["planner_build_s"] >= 0
+    finally:
+        service.close()
+
+
 def test_decision_is_made_once_even_if_a_better_plan_arrives(store_address):
     address, master = store_address
     service = PlannerService(

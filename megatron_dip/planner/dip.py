@@ -38,7 +38,14 @@ from ..schedule.ir import (
 from ..schedule.passes import add_communication
 from ..schedule.validate import validate_plan
 from .candidates import megatron_order_plan, merge_submicrobatches
-from .list_scheduler import ListSchedule, build_stage_graph, list_schedule, priorities_from_units
+from .list_scheduler import (
+    ListSchedule,
+    build_stage_graph,
+    list_makespan,
+    list_schedule,
+    priorities_from_units,
+    unit_priority_ranks,
+)
 from .memory import MemoryLimitError, RecomputeChoice, choose_recompute, stage_modes
 from .overheads import host_overheads
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
@@ -115,6 +122,10 @@ class DipPlanner:
         missing = [m.name for m in split_modules(model) if m.name not in config.sub_sizes]
         if missing:
             raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
+        self._graph_cache: tuple | None = None  # (dataflow, forward_only, StageGraph), see _graph
+        # Per plan (keyed by its sub-microbatch table): message tensors and stage costs, asked
+        # for several times each by the graph, memory and communication passes.
+        self._memo: tuple = (None, {}, {})
         self.shapes = MessageShapes(
             model,
             dtype=config.dtype,
@@ -302,8 +313,28 @@ class DipPlanner:
         )
         return None if alt is None else with_recompute(alt, mode)
 
+    def _memos(self, sub_of: Mapping) -> tuple[dict, dict]:
+        if self._memo[0] is not sub_of:
+            self._memo = (sub_of, {}, {})
+        return self._memo[1], self._memo[2]
+
     def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
-        return self.shapes.tensors(key, sub_of.__getitem__)
+        memo = self._memos(sub_of)[0]
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = self.shapes.tensors(key, sub_of.__getitem__)
+        return found
+
+    def _stage_cost(self, sub_of: Mapping, stage: StageId, mode: RecomputeMode):
+        """`cost_model.stage_cost` of a stage of this plan (memoized per plan)."""
+        memo = self._memos(sub_of)[1]
+        found = memo.get((stage, mode))
+        if found is None:
+            chunk = self.placement.module(stage.module).chunks[stage.chunk]
+            found = memo[(stage, mode)] = self.cost_model.stage_cost(
+                chunk, sub_of[stage.work], *mode
+            )
+        return found
 
     def _schedule(
         self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool, use_search: bool
@@ -411,25 +442,31 @@ class DipPlanner:
         host = host_overheads(self.cost_model)
 
         def stage_cost(stage: StageId, recompute: RecomputeMode) -> tuple[float, float, int]:
-            chunk = self.placement.module(stage.module).chunks[stage.chunk]
-            c = self.cost_model.stage_cost(chunk, sub_of[stage.work], *recompute)
+            c = self._stage_cost(sub_of, stage, recompute)
             return (*host.instruction_times(c.forward, c.backward), c.activation_bytes)
 
         def transfer(key: MessageKey) -> float:
             nbytes = sum(t.nbytes for t in self._tensors(sub_of, key))
             return self.cost_model.transfer_time(nbytes) + host.message
 
-        return build_stage_graph(
+        # One plan asks for the graph of one dataflow under several recompute choices: its edges
+        # and transfer delays are built once (the last dataflow's graph is kept) and only the
+        # stage costs are redone.
+        cached = self._graph_cache
+        if cached is not None and cached[0] is dataflow and cached[1] == forward_only:
+            return cached[2].with_costs(stage_cost, choice.of)
+        graph = build_stage_graph(
             dataflow,
             stage_cost=stage_cost,
             transfer=transfer,
             recompute=choice.of,
             forward_only=forward_only,
         )
+        self._graph_cache = (dataflow, forward_only, graph)
+        return graph
 
     def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: RecomputeMode) -> tuple[float, int]:
-        chunk = self.placement.module(stage.module).chunks[stage.chunk]
-        c = self.cost_model.stage_cost(chunk, sub_of[stage.work], *mode)
+        c = self._stage_cost(sub_of, stage, mode)
         return c.forward + c.backward, c.activation_bytes
 
     def _units(self, dataflow: Dataflow) -> dict[str, list[int]]:
@@ -465,11 +502,11 @@ def _score_factory(graph, limits, fill_bubbles: bool):
     """A picklable scorer for the search workers: unit order -> list-schedule makespan."""
 
     def score(order) -> float:
-        return list_schedule(
+        return list_makespan(
             graph,
-            priority=priorities_from_units(graph.stages, order),
+            priority=unit_priority_ranks(graph, order),
             memory_limit=limits,
             fill_bubbles=fill_bubbles,
-        ).makespan
+        )
 
     return score

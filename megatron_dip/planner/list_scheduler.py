@@ -6,17 +6,28 @@ fills what would otherwise be a bubble); within a kind, the lowest priority valu
 its activation-memory limit takes no more forwards; only when every rank is stuck that way is the
 limit overcommitted (reported, so the memory pass can add recomputation).
 
-The scheduler works on an indexed `StageGraph` built once per batch, so that the search can call
-it thousands of times cheaply.
+The scheduler works on an indexed `StageGraph` built once per batch (its edges once per plan:
+`StageGraph.with_costs` swaps the stage costs of another recompute choice in), flattened to
+arrays and run by a compiled kernel (`schedule_kernel.run_schedule`, about 0.5 us per node), so
+that the search can call it hundreds of times per batch. `list_makespan` is the search's score
+(no instructions built); `list_schedule` builds the instruction orders when they are first used.
+Ties are broken as the interpreted scheduler this replaced did (by priority, then ready time,
+then node; ranks by start time, then rank): `tests/reference_planner.py` keeps it, and
+`tests/test_fast_paths.py` checks that both give the same orders, times and peaks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..schedule.graph import Dataflow
 from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, MessageKey, RecomputeMode, StageId
+from .schedule_kernel import run_schedule
 
 StageCostFn = Callable[[StageId, RecomputeMode], "tuple[float, float, int]"]  # fwd, bwd, bytes
 TransferFn = Callable[[MessageKey], float]
@@ -39,10 +50,91 @@ class StageGraph:
     succ: list[list[tuple[int, float]]]  # per node: (successor node, transfer delay)
     npred: list[int]  # per node
     num_ranks: int
+    _arrays: _GraphArrays | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
         return 2 * len(self.stages)
+
+    def with_costs(
+        self, stage_cost: StageCostFn, recompute: Callable[[StageId], RecomputeMode]
+    ) -> StageGraph:
+        """The same graph (nodes, edges, transfer delays) with each stage's durations and bytes
+        from `stage_cost(stage, recompute(stage))`: what `build_stage_graph` returns for the same
+        dataflow and transfers under another recompute choice, without rebuilding the edges."""
+        fwd, bwd, act = [], [], []
+        for s in self.stages:
+            f, b, a = stage_cost(s, recompute(s))
+            fwd.append(f)
+            bwd.append(b)
+            act.append(a)
+        graph = StageGraph(
+            self.stages, self.rank, fwd, bwd, act, self.has_backward, self.succ, self.npred,
+            self.num_ranks,
+        )  # fmt: skip
+        if self._arrays is not None:
+            graph._arrays = dataclasses.replace(
+                self._arrays,
+                fwd_time=np.asarray(fwd, dtype=float),
+                bwd_time=np.asarray(bwd, dtype=float),
+                act=np.asarray(act, dtype=float),
+                int_bytes=all(isinstance(x, int) for x in act),
+            )
+        return graph
+
+    def arrays(self) -> _GraphArrays:
+        """The graph as flat arrays for the compiled scheduler (built once; do not mutate the
+        graph afterwards)."""
+        if self._arrays is None:
+            self._arrays = _GraphArrays.of(self)
+        return self._arrays
+
+
+@dataclass(frozen=True)
+class _GraphArrays:
+    rank: np.ndarray
+    fwd_time: np.ndarray
+    bwd_time: np.ndarray
+    act: np.ndarray  # doubles: exact sums for integer byte counts
+    int_bytes: bool  # all byte counts are integers (peaks are reported as int)
+    has_backward: np.ndarray
+    succ_ptr: np.ndarray  # CSR successor lists
+    succ_node: np.ndarray
+    succ_delay: np.ndarray
+    npred: np.ndarray
+    rank_ptr: np.ndarray  # stages per rank, cumulative
+    no_fixed: np.ndarray
+    no_fixed_ptr: np.ndarray
+    units: dict[tuple[str, int], int]  # (module, microbatch) -> index
+    unit: np.ndarray  # per stage: its unit's index
+    sub: np.ndarray
+    chunk: np.ndarray
+
+    @classmethod
+    def of(cls, g: StageGraph) -> _GraphArrays:
+        rank = np.asarray(g.rank, dtype=np.int64)
+        counts = np.bincount(rank, minlength=g.num_ranks) if len(rank) else np.zeros(g.num_ranks)
+        units: dict[tuple[str, int], int] = {}
+        unit = [units.setdefault((s.module, s.microbatch), len(units)) for s in g.stages]
+        return cls(
+            rank=rank,
+            fwd_time=np.asarray(g.fwd_time, dtype=float),
+            bwd_time=np.asarray(g.bwd_time, dtype=float),
+            act=np.asarray(g.act_bytes, dtype=float),
+            int_bytes=all(isinstance(x, int) for x in g.act_bytes),
+            has_backward=np.asarray(g.has_backward, dtype=np.int64),
+            succ_ptr=np.concatenate(([0], np.cumsum([len(s) for s in g.succ]))).astype(np.int64),
+            succ_node=np.array([n for s in g.succ for n, _ in s], dtype=np.int64),
+            succ_delay=np.array([d for s in g.succ for _, d in s], dtype=float),
+            npred=np.asarray(g.npred, dtype=np.int64),
+            rank_ptr=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+            no_fixed=np.zeros(1, dtype=np.int64),
+            no_fixed_ptr=np.zeros(g.num_ranks + 1, dtype=np.int64),
+            units=units,
+            unit=np.asarray(unit, dtype=np.int64),
+            sub=np.asarray([s.sub for s in g.stages], dtype=np.int64),
+            chunk=np.asarray([s.chunk for s in g.stages], dtype=np.int64),
+        )
 
 
 def build_stage_graph(
@@ -80,32 +172,40 @@ def build_stage_graph(
     return StageGraph(stages, rank, fwd, bwd, act, has_b, succ, npred, dataflow.placement.num_ranks)
 
 
-@dataclass(frozen=True)
 class ListSchedule:
-    """Per-rank compute orders and the scheduler's own timing estimate."""
+    """Per-rank compute orders and the scheduler's own timing estimate.
 
-    orders: tuple[tuple[Forward | Backward, ...], ...]
-    makespan: float
-    peak_memory: tuple[int, ...]
-    overcommitted: bool
-    durations: dict = field(default_factory=dict, compare=False, repr=False)  # instr -> seconds
+    `orders` (per rank, `Forward`/`Backward` instructions) and `durations` (instruction ->
+    seconds) are built on first use: the planner compares most schedules by makespan and peak
+    memory alone."""
+
+    def __init__(self, run: _Run, recompute: Callable[[StageId], RecomputeMode]) -> None:
+        self._run, self._recompute = run, recompute
+        self.makespan: float = run.makespan
+        self.peak_memory: tuple[int, ...] = run.peak
+        self.overcommitted: bool = run.overcommitted
+
+    @functools.cached_property
+    def _built(self) -> tuple[tuple[tuple[Forward | Backward, ...], ...], dict]:
+        return self._run.instructions(self._recompute)
+
+    @property
+    def orders(self) -> tuple[tuple[Forward | Backward, ...], ...]:
+        return self._built[0]
+
+    @property
+    def durations(self) -> dict:
+        return self._built[1]
 
     def duration(self, rank: int, ins: Forward | Backward) -> float:
         """Estimated duration of a compute instruction (for the communication pass)."""
         return self.durations[ins]
 
-
-class _RankState:
-    __slots__ = ("fixed", "free_at", "last_fwd", "mem", "next_fixed", "ready_b", "ready_f")
-
-    def __init__(self) -> None:
-        self.fixed: list[tuple[tuple, int]] | None = None  # forward order when not filling bubbles
-        self.next_fixed = 0
-        self.free_at = 0.0
-        self.last_fwd = False
-        self.mem = 0
-        self.ready_f: list[tuple[tuple, float, int]] = []  # (priority, ready time, node)
-        self.ready_b: list[tuple[tuple, float, int]] = []
+    def __repr__(self) -> str:
+        return (
+            f"ListSchedule(makespan={self.makespan!r}, peak_memory={self.peak_memory!r}, "
+            f"overcommitted={self.overcommitted!r})"
+        )
 
 
 def list_schedule(
@@ -122,118 +222,91 @@ def list_schedule(
     segment order, the ablation baseline without dual-queue interleaving): a ready forward waits
     while a higher-priority forward of the same rank is not ready.
     """
-    return _ListScheduler(graph, priority, memory_limit, recompute, fill_bubbles).run()
+    return ListSchedule(
+        _run(graph, priority_ranks(priority), memory_limit, fill_bubbles), recompute
+    )
 
 
-class _ListScheduler:
-    def __init__(self, graph, priority, memory_limit, recompute, fill_bubbles) -> None:
-        self.graph = graph
-        self.priority = priority
-        self.recompute = recompute
-        n = graph.num_ranks
-        self.limit = list(memory_limit) if memory_limit is not None else [float("inf")] * n
-        self.ranks = [_RankState() for _ in range(n)]
-        if not fill_bubbles:
-            for r, st in enumerate(self.ranks):
-                st.fixed = sorted(
-                    (priority[k], 2 * k) for k in range(len(graph.stages)) if graph.rank[k] == r
-                )
-        self.ready_time = [0.0] * graph.num_nodes
-        self.npred = list(graph.npred)
-        for k in range(len(graph.stages)):
-            if self.npred[2 * k] == 0:
-                self.ranks[graph.rank[k]].ready_f.append((priority[k], 0.0, 2 * k))
-        self.orders: list[list[Forward | Backward]] = [[] for _ in range(n)]
-        self.durations: dict[Forward | Backward, float] = {}
-        self.peak = [0] * n
-        self.overcommitted = False
-        # Each rank's best next step only changes when the rank runs something or receives
-        # newly ready work, so it is cached and recomputed for those ranks alone.
-        self.cached: list[tuple[float, tuple] | None] = [None] * n
-        self.dirty = set(range(n))
+def list_makespan(
+    graph: StageGraph,
+    *,
+    priority: Sequence[int] | np.ndarray,
+    memory_limit: Sequence[float] | None = None,
+    fill_bubbles: bool = True,
+) -> float:
+    """The makespan `list_schedule` reports, for integer priority ranks (`priority_ranks`,
+    `unit_priority_ranks`), without building instructions: what the search scores."""
+    return _run(graph, priority, memory_limit, fill_bubbles).makespan
 
-    def run(self) -> ListSchedule:
-        finish = 0.0
-        for _ in range(sum(1 + h for h in self.graph.has_backward)):
-            start, r, entry = self._next()
-            finish = max(finish, self._execute(r, entry, start))
-        return ListSchedule(
-            tuple(tuple(o) for o in self.orders),
-            finish,
-            tuple(self.peak),
-            self.overcommitted,
-            self.durations,
-        )
 
-    def _next(self) -> tuple[float, int, tuple]:
-        for r in self.dirty:
-            self.cached[r] = _rank_choice(self.graph, self.ranks[r], self.limit[r], strict=True)
-        self.dirty.clear()
-        options = [(c[0], r, c[1]) for r, c in enumerate(self.cached) if c is not None]
-        if not options:  # every rank is stuck at its memory limit: overcommit the earliest
-            for r, st in enumerate(self.ranks):
-                c = _rank_choice(self.graph, st, self.limit[r], strict=False)
-                if c is not None:
-                    options.append((c[0], r, c[1]))
-        if not options:
-            raise RuntimeError("list scheduler stalled: the stage graph has a cycle")
-        return min(options, key=lambda o: (o[0], o[1]))
+def warm_up() -> None:
+    """Load (or compile, the first time on a machine) the scheduler kernel now, not in the
+    first plan: a two-stage graph on one rank."""
+    stages = [StageId("warm-up", 0, 0), StageId("warm-up", 1, 0)]
+    succ = [[(1, 0.0), (2, 0.0)], [], [(3, 0.0)], [(1, 0.0)]]
+    graph = StageGraph(stages, [0, 0], [1.0, 1.0], [2.0, 2.0], [1, 1], [True, True], succ,
+                       [0, 2, 1, 1], 1)  # fmt: skip
+    for fill in (True, False):
+        list_makespan(graph, priority=[0, 1], memory_limit=[1.0], fill_bubbles=fill)
 
-    def _execute(self, r: int, entry: tuple, start: float) -> float:
-        g, st = self.graph, self.ranks[r]
-        self.dirty.add(r)
-        node = entry[2]
-        k, is_fwd = node // 2, node % 2 == 0
-        (st.ready_f if is_fwd else st.ready_b).remove(entry)
-        if is_fwd and st.fixed is not None:
-            st.next_fixed += 1
-        end = start + (g.fwd_time[k] if is_fwd else g.bwd_time[k])
-        st.free_at, st.last_fwd = end, is_fwd
-        if is_fwd:
-            if g.has_backward[k]:
-                st.mem += g.act_bytes[k]
-                self.overcommitted |= st.mem > self.limit[r]
-                self.peak[r] = max(self.peak[r], st.mem)
-            ins: Forward | Backward = Forward(g.stages[k], *self.recompute(g.stages[k]))
-        else:
-            st.mem -= g.act_bytes[k]
-            ins = Backward(g.stages[k])
-        self.orders[r].append(ins)
-        self.durations[ins] = max(end - start, 1e-12)  # the communication pass needs > 0
-        self._release(node, end)
-        return end
 
-    def _release(self, node: int, end: float) -> None:
+def priority_ranks(priority: Sequence[tuple]) -> np.ndarray:
+    """Dense integer ranks of `priority` (equal priorities get equal ranks): comparing these
+    decides exactly as comparing the priorities themselves."""
+    order = sorted(range(len(priority)), key=priority.__getitem__)
+    ranks = np.zeros(len(priority), dtype=np.int64)
+    value, previous = -1, None
+    for k in order:
+        if value < 0 or priority[k] != previous:
+            value, previous = value + 1, priority[k]
+        ranks[k] = value
+    return ranks
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One scheduler run in node numbers: `order` = the nodes in the order they were taken."""
+
+    graph: StageGraph
+    order: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    makespan: float
+    peak: tuple
+    overcommitted: bool
+
+    def instructions(self, recompute: Callable[[StageId], RecomputeMode]) -> tuple[tuple, dict]:
+        """The per-rank instruction orders and their durations."""
         g = self.graph
-        for nxt, delay in g.succ[node]:
-            self.ready_time[nxt] = max(self.ready_time[nxt], end + delay)
-            self.npred[nxt] -= 1
-            if self.npred[nxt] == 0:
-                kk = nxt // 2
-                target = self.ranks[g.rank[kk]]
-                self.dirty.add(g.rank[kk])
-                queue = target.ready_f if nxt % 2 == 0 else target.ready_b
-                queue.append((self.priority[kk], self.ready_time[nxt], nxt))
+        durations: dict[Forward | Backward, float] = {}
+        orders: list[list[Forward | Backward]] = [[] for _ in range(g.num_ranks)]
+        start, end = self.start.tolist(), self.end.tolist()
+        for node in self.order.tolist():
+            stage = g.stages[node >> 1]
+            ins = Backward(stage) if node & 1 else Forward(stage, *recompute(stage))
+            orders[g.rank[node >> 1]].append(ins)
+            durations[ins] = max(end[node] - start[node], 1e-12)  # the comm pass needs > 0
+        return tuple(map(tuple, orders)), durations
 
 
-def _rank_choice(
-    graph: StageGraph, st: _RankState, limit: float, *, strict: bool
-) -> tuple[float, tuple] | None:
-    """(start time, queue entry) of the rank's next node, or None if nothing is allowed."""
-    fwd = [e for e in st.ready_f if not strict or st.mem + graph.act_bytes[e[2] // 2] <= limit]
-    if st.fixed is not None:
-        nxt = st.fixed[st.next_fixed][1] if st.next_fixed < len(st.fixed) else -1
-        fwd = [e for e in fwd if e[2] == nxt]
-    if not fwd and not st.ready_b:
-        return None
-    t0 = max(st.free_at, min(e[1] for e in (*fwd, *st.ready_b)))
-    avail_f = [e for e in fwd if e[1] <= t0]
-    avail_b = [e for e in st.ready_b if e[1] <= t0]
-    if avail_f and avail_b:
-        queue = avail_b if st.last_fwd else avail_f
-    else:
-        queue = avail_f or avail_b
-    return t0, min(queue)
+def _run(graph: StageGraph, prank, memory_limit, fill_bubbles: bool) -> _Run:
+    a = graph.arrays()
+    prank = np.asarray(prank, dtype=np.int64)
+    n = graph.num_ranks
+    limit = np.full(n, np.inf) if memory_limit is None else np.asarray(memory_limit, dtype=float)
+    if fill_bubbles:
+        fixed, fixed_ptr = a.no_fixed, a.no_fixed_ptr
+    else:  # each rank's forwards in (priority, node) order
+        fixed = 2 * np.lexsort((np.arange(len(prank)), prank, a.rank))
+        fixed_ptr = a.rank_ptr
+    status, order, start, end, makespan, peak, over = run_schedule(
+        a.rank, a.fwd_time, a.bwd_time, a.act, a.has_backward, prank, a.succ_ptr, a.succ_node,
+        a.succ_delay, a.npred, limit, fixed, fixed_ptr, not fill_bubbles,
+    )  # fmt: skip
+    if status:
+        raise RuntimeError("list scheduler stalled: the stage graph has a cycle")
+    peaks = tuple(int(x) for x in peak) if a.int_bytes else tuple(float(x) for x in peak)
+    return _Run(graph, order, start, end, float(makespan), peaks, bool(over))
 
 
 def priorities_from_units(
@@ -243,3 +316,28 @@ def priorities_from_units(
     sub-microbatch, then chunk."""
     position = {u: i for i, u in enumerate(unit_order)}
     return [(position[(s.module, s.microbatch)], s.sub, s.chunk) for s in stages]
+
+
+def unit_priority_ranks(graph: StageGraph, unit_order: Sequence[tuple[str, int]]) -> np.ndarray:
+    """`priority_ranks(priorities_from_units(graph.stages, unit_order))`, computed on arrays
+    (the search calls it once per rollout)."""
+    a = graph.arrays()
+    position = np.zeros(len(a.units), dtype=np.int64)
+    for i, u in enumerate(unit_order):
+        if u in a.units:
+            position[a.units[u]] = i
+    missing = len(a.units) - len({u for u in unit_order if u in a.units})
+    if missing:
+        raise KeyError(f"unit order lacks {missing} unit(s) of the graph")
+    keys = (position[a.unit], a.sub, a.chunk)
+    order = np.lexsort(keys[::-1])
+    ranks = np.empty(len(order), dtype=np.int64)
+    if len(order):
+        step = np.ones(len(order), dtype=np.int64)
+        step[0] = 0
+        same = np.ones(len(order) - 1, dtype=bool)
+        for key in keys:
+            same &= key[order[1:]] == key[order[:-1]]
+        step[1:][same] = 0
+        ranks[order] = np.cumsum(step)
+    return ranks

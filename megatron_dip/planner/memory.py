@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, Recompute, RecomputeMode, StageId
 
@@ -183,6 +182,10 @@ def _greedy(pb: _RankProblem) -> np.ndarray:
 
 def _exact(pb: _RankProblem) -> np.ndarray | None:
     """The MILP over the stages of the over-limit sets (HiGHS); None when too big or unsolved."""
+    # Imported here: scipy.optimize takes seconds to import on a loaded machine, and the
+    # planner process should be ready before the first iterations (most plans never get here).
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     involved = np.unique(np.concatenate(pb.sets))
     if len(involved) > MILP_MAX_STAGES:
         return None

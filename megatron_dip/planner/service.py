@@ -18,11 +18,18 @@ every other rank reads the same decision, so all ranks run the same plan and nob
 search. "inline" means the training loop computes the greedy plan itself (deterministic, so every
 rank computes the same one). The planner stops improving an iteration once it is decided.
 
-Calibration: before planning each batch the planner process applies the newest `dip/calibration`
-to its base cost model (`CostModel.calibrated`) and tags what it publishes with that version. A
-plan of version k that is fetched after the ranks moved to k+1 is still valid (it is one plan,
-decided once, for every rank), just planned with older numbers; a published variant is never
-re-planned, since replicas fetching at different moments must get plans of the same split.
+The planner process touches neither the store nor torch: it plans from the batches (and
+calibrations) the service hands it through a queue and returns serialized plans through another;
+a publisher thread in the owning process puts them in the store (a greedy variant only while no
+variant of that iteration is ready, a searched one only while the iteration is undecided). So
+the process starts on numpy, scipy and numba imports alone, and its first plan is ready within
+seconds of the job's start (importing torch in it took longer than the first iterations).
+
+Calibration: the service forwards the newest `dip/calibration` to the planner process with
+each batch it submits (ahead of it, when it changed); the process applies it to its base cost model (`CostModel.calibrated`) and tags what it returns with that
+version. A plan of version k that is fetched after the ranks moved to k+1 is still valid (it is
+one plan, decided once, for every rank), just planned with older numbers; a published variant is
+never re-planned, since replicas fetching at different moments must get plans of the same split.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,10 +49,14 @@ from typing import Any
 from ..data.sample import BatchMeta
 from ..schedule.ir import Plan
 from ..schedule.serialize import plan_from_bytes, plan_to_bytes
+from .list_scheduler import warm_up
 
 logger = logging.getLogger(__name__)
 
 GREEDY, SEARCHED, INLINE = "greedy", "searched", "inline"
+UP = "up"  # the planner process's first message: ready to plan
+# What the planner process must not need (seconds of imports before it can plan).
+HEAVY_MODULES = ("torch", "megatron.core")
 CALIBRATION_KEY = "dip/calibration"
 IDLE_POLL_S = 1.0  # how often an idle planner checks that its parent is alive
 FAULTY_START_S = 120.0  # tests only: how long a service with PlannerFaults waits for its planner
@@ -78,9 +91,21 @@ class StoreAddress:
 def publish(store, plans: list[Plan], variant: str, *, calibration_version: int = 0) -> None:
     """Publish one variant of an iteration's plans (all replicas) and the calibration version
     they were planned with, then mark it ready."""
-    iteration = plans[0].iteration
-    for plan in plans:
-        store.set(_key(iteration, variant, plan.replica), plan_to_bytes(plan))
+    publish_bytes(
+        store,
+        plans[0].iteration,
+        [plan_to_bytes(p) for p in plans],
+        variant,
+        calibration_version=calibration_version,
+    )
+
+
+def publish_bytes(
+    store, iteration: int, replicas: list[bytes], variant: str, *, calibration_version: int = 0
+) -> None:
+    """`publish` of plans already serialized (`replicas[r]`: replica r's plan)."""
+    for replica, data in enumerate(replicas):
+        store.set(_key(iteration, variant, replica), data)
     store.set(_key(iteration, variant, "calibration"), str(calibration_version))
     store.set(_key(iteration, "ready"), variant)
 
@@ -101,22 +126,18 @@ def read_calibration(store) -> tuple[int, dict[str, float]] | None:
 
 class _Calibrated:
     """The planner process's view of the calibration: re-points `planner.cost_model` at the
-    base cost model scaled by the newest published factors."""
+    base cost model scaled by the newest factors the service sent."""
 
-    def __init__(self, planner, store) -> None:
-        self.planner, self.store = planner, store
+    def __init__(self, planner) -> None:
+        self.planner = planner
         self.base = planner.cost_model
         self.version = 0
 
-    def refresh(self) -> int:
-        """Apply the newest calibration if it changed; the version now in force."""
-        found = read_calibration(self.store)
-        if found is not None and found[0] != self.version:
-            version, scales = found
-            self.planner.cost_model = self.base.calibrated(scales) if scales else self.base
+    def apply(self, version: int, scales: Mapping[str, float]) -> None:
+        if version != self.version:
+            self.planner.cost_model = self.base.calibrated(dict(scales)) if scales else self.base
             self.version = version
             logger.info("planner: cost-model calibration version %d", version)
-        return self.version
 
 
 @dataclass(frozen=True)
@@ -142,14 +163,23 @@ class InjectedFaultError(RuntimeError):
     """What a planner process raises under `PlannerFaults.raise_at_iteration`."""
 
 
-def _receive(item: BatchMeta, pending: list, faults: PlannerFaults | None) -> None:
-    """Queue a received batch for planning (raising under the test-only `faults`)."""
+def _receive(
+    item, pending: list, faults: PlannerFaults | None, calibration: _Calibrated | None = None
+) -> None:
+    """Queue a received batch for planning, or apply a calibration (raising under the
+    test-only `faults`)."""
+    if isinstance(item, tuple):  # ("calibration", version, scales)
+        if calibration is not None:
+            calibration.apply(item[1], item[2])
+        return
     if faults is not None and faults.raise_at_iteration == item.iteration:
         raise InjectedFaultError(f"injected planner fault at iteration {item.iteration}")
     pending.append(item)
 
 
-def _stall(faults: PlannerFaults, batches: mp.Queue, pending: list) -> bool:
+def _stall(
+    faults: PlannerFaults, batches: mp.Queue, pending: list, calibration: _Calibrated | None = None
+) -> bool:
     """The test-only delay before a plan; True when told to stop meanwhile. It keeps receiving
     batches (into `pending`), so it delays plans, not shutdown."""
     deadline = time.monotonic() + faults.delay_s
@@ -160,14 +190,31 @@ def _stall(faults: PlannerFaults, batches: mp.Queue, pending: list) -> bool:
             break
         if item is None:
             return True
-        _receive(item, pending, faults)
+        _receive(item, pending, faults, calibration)
     return False
+
+
+@dataclass
+class _Channels:
+    """How the planner process talks to its service: batches and calibrations in, serialized
+    plans out, and the newest iteration the training has decided (shared integer)."""
+
+    batches: mp.Queue
+    results: mp.Queue
+    decided: Any  # multiprocessing.Value("q"): iterations <= this are decided
+    started_at: float = 0.0  # time.time() when the process was started
+
+    def undecided(self, batch: BatchMeta) -> bool:
+        return batch.iteration > self.decided.value
+
+    def send(self, planner, batch: BatchMeta, variant: str, version: int, search: bool) -> None:
+        plans = [p.plan for p in planner.plan_batch(batch, search=search)]
+        self.results.put((variant, batch.iteration, [plan_to_bytes(p) for p in plans], version))
 
 
 def planner_loop(
     make_planner: Callable[[], object],
-    address: StoreAddress,
-    batches: mp.Queue,
+    channels: _Channels,
     *,
     poll_s: float = 0.05,
     faults: PlannerFaults | None = None,
@@ -176,41 +223,91 @@ def planner_loop(
     """Body of the planner process: greedy plans first for every pending batch, then search the
     earliest undecided one. Ends on a None sentinel. `faults`: test-only misbehaviour; `up`: an
     event set once the planner is ready to plan."""
+    built = time.monotonic()
     planner = make_planner()
-    store = address.connect()
-    calibration = _Calibrated(planner, store)
+    calibration = _Calibrated(planner)
+    warm_up()  # the scheduler kernel, before the first batch rather than in its plan
+    heavy = sorted(m for m in HEAVY_MODULES if m in sys.modules)
+    channels.results.put((UP, time.time() - channels.started_at, time.monotonic() - built, heavy))
     if up is not None:
         up.set()
     parent = os.getppid()
     pending: list[BatchMeta] = []
+    greedy: set[int] = set()
     searched: set[int] = set()
     while True:
         if os.getppid() != parent:
             return  # the training process is gone: do not outlive it
         try:
-            item = batches.get(timeout=poll_s if pending else IDLE_POLL_S)
+            item = channels.batches.get(timeout=poll_s if pending else IDLE_POLL_S)
             if item is None:
                 return
-            _receive(item, pending, faults)
+            _receive(item, pending, faults, calibration)
             continue  # drain the queue before planning
         except queue.Empty:
             pass
-        pending = [b for b in pending if not _has(store, _key(b.iteration, "decision"))]
+        pending = [b for b in pending if channels.undecided(b)]
         for batch in list(pending):
-            if faults is not None and faults.delay_s and _stall(faults, batches, pending):
+            if (
+                faults is not None
+                and faults.delay_s
+                and _stall(faults, channels.batches, pending, calibration)
+            ):
                 return
-            if not _has(store, _key(batch.iteration, "ready")):
-                version = calibration.refresh()
-                plans = [p.plan for p in planner.plan_batch(batch, search=False)]
-                publish(store, plans, GREEDY, calibration_version=version)
-        todo = [b for b in pending if b.iteration not in searched]
+            if batch.iteration not in greedy:
+                greedy.add(batch.iteration)
+                channels.send(planner, batch, GREEDY, calibration.version, search=False)
+        todo = [b for b in pending if b.iteration not in searched and channels.undecided(b)]
         if todo and planner.config.use_search:
             batch = todo[0]
             searched.add(batch.iteration)
-            version = calibration.refresh()
-            plans = [p.plan for p in planner.plan_batch(batch)]  # the configured search
-            if not _has(store, _key(batch.iteration, "decision")):
-                publish(store, plans, SEARCHED, calibration_version=version)
+            channels.send(planner, batch, SEARCHED, calibration.version, search=True)
+
+
+class _Publisher(threading.Thread):
+    """Thread of the owning process: puts what its planner process returns into the store."""
+
+    def __init__(self, address: StoreAddress, results: mp.Queue, process) -> None:
+        super().__init__(name="dip-plan-publisher", daemon=True)
+        self.address, self.results, self.process = address, results, process
+        self.stopping = threading.Event()
+        self.published: list[tuple[int, str]] = []  # (iteration, variant), for tests and logs
+        self.startup: dict | None = None  # what the process reported once it could plan
+
+    def _up(self, seconds: float, build_s: float, heavy: list[str]) -> None:
+        self.startup = {"seconds": seconds, "planner_build_s": build_s, "heavy_modules": heavy}
+        logger.info(
+            "planner process ready %.1f s after its start (planner built in %.2f s)%s",
+            seconds,
+            build_s,
+            f"; it imported {', '.join(heavy)}" if heavy else "",
+        )
+
+    def run(self) -> None:
+        try:
+            store = self.address.connect()
+        except Exception as err:  # a thread: report it; the plans fall back inline
+            logger.error("planner publisher cannot reach the store: %s; plans are inline", err)
+            return
+        while not self.stopping.is_set():
+            try:
+                item = self.results.get(timeout=0.1)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    return  # nothing more will come; a restart brings its own publisher
+                continue
+            except (EOFError, OSError):
+                return  # the process died mid-message
+            if item[0] == UP:
+                self._up(*item[1:])
+                continue
+            variant, iteration, replicas, version = item
+            # A greedy plan only while nothing is ready (a restarted planner re-plans what is
+            # ahead); a searched one only while the iteration is undecided.
+            blocker = "ready" if variant == GREEDY else "decision"
+            if not _has(store, _key(iteration, blocker)):
+                publish_bytes(store, iteration, replicas, variant, calibration_version=version)
+                self.published.append((iteration, variant))
 
 
 def _exit_reason(code: int | None) -> str:
@@ -223,7 +320,8 @@ def _exit_reason(code: int | None) -> str:
 
 
 class PlannerService:
-    """Owns the planner process (on one rank per job) and restarts it if it dies."""
+    """Owns the planner process (on one rank per job), publishes what it plans (a thread of
+    this process) and restarts it if it dies."""
 
     def __init__(
         self,
@@ -240,27 +338,37 @@ class PlannerService:
         self.lookahead = lookahead
         self.faults = faults  # tests only: misbehaviour of the first planner process
         self._ctx = mp.get_context("spawn")
-        self._queue: mp.Queue | None = None
+        self._channels: _Channels | None = None
+        self._decided = self._ctx.Value("q", -1)
         self._process: mp.process.BaseProcess | None = None
+        self._publisher: _Publisher | None = None
         self._submitted: list[BatchMeta] = []
+        self._calibration: tuple | None = None  # the newest ("calibration", version, scales)
+        self._store = None  # a store client of this process, to read `dip/calibration`
         self.restarts = 0
 
     def start(self) -> None:
-        self._queue = self._ctx.Queue()
+        self._channels = _Channels(
+            self._ctx.Queue(), self._ctx.Queue(), self._decided, started_at=time.time()
+        )
         faults = self.faults if self.restarts == 0 else None
         up = self._ctx.Event() if faults is not None else None
         self._process = self._ctx.Process(
             target=planner_loop,
-            args=(self.make_planner, self.address, self._queue),
+            args=(self.make_planner, self._channels),
             kwargs={"faults": faults, "up": up},
             name="dip-planner",
             daemon=True,
         )
         self._process.start()
+        self._publisher = _Publisher(self.address, self._channels.results, self._process)
+        self._publisher.start()
         if up is not None and not up.wait(timeout=FAULTY_START_S):  # tests only: see PlannerFaults
             logger.warning("the fault-injected planner was not up within %.0f s", FAULTY_START_S)
+        if self._calibration is not None:
+            self._channels.batches.put(self._calibration)
         for batch in self._submitted:  # a restarted planner re-plans what is still ahead
-            self._queue.put(batch)
+            self._channels.batches.put(batch)
 
     def submit(self, batch: BatchMeta) -> None:
         """Hand the metadata of an upcoming batch to the planner."""
@@ -270,8 +378,24 @@ class PlannerService:
             self._process.kill()
             self._process.join(timeout=5)
         self.ensure_alive()
+        self._forward_calibration()
         self._submitted = [*self._submitted[-self.lookahead :], batch]
-        self._queue.put(batch)
+        self._channels.batches.put(batch)
+
+    def _forward_calibration(self) -> None:
+        """Send the planner the newest `dip/calibration`, if it changed, ahead of the next batch."""
+        if self._store is None:
+            self._store = self.address.connect()
+        found = read_calibration(self._store)
+        if found is not None and (self._calibration is None or found[0] != self._calibration[1]):
+            self._calibration = ("calibration", *found)
+            self._channels.batches.put(self._calibration)
+
+    def decided(self, iteration: int) -> None:
+        """Iteration `iteration` (and every earlier one) runs a plan already: the planner stops
+        working on it."""
+        with self._decided.get_lock():
+            self._decided.value = max(self._decided.value, iteration)
 
     def ensure_alive(self) -> bool:
         """Restart the planner process if it died; True when a restart happened."""
@@ -292,14 +416,23 @@ class PlannerService:
     def process(self) -> mp.process.BaseProcess | None:
         return self._process
 
+    @property
+    def startup(self) -> dict | None:
+        """What the current planner process reported when it was ready to plan (seconds
+        after its start, planner build seconds, heavy modules it imported), None before."""
+        return self._publisher.startup if self._publisher is not None else None
+
     def close(self) -> None:
         if self._process is None:
             return
         if self._process.is_alive():
-            self._queue.put(None)
+            self._channels.batches.put(None)
             self._process.join(timeout=5)
             if self._process.is_alive():
                 self._process.kill()
+        if self._publisher is not None:
+            self._publisher.stopping.set()
+            self._publisher.join(timeout=5)
         self._process = None
 
 

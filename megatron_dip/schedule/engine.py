@@ -33,30 +33,23 @@ class DeadlockError(PlanError):
 
 
 @dataclass
-class _Batch:
-    rank: int
-    first: int  # index of the first instruction of the batch
-    ops: list[Send | Recv]
-    channel: object = 0
-    post: float | None = None
-    start: float | None = None
-    complete: float | None = None
-    op_complete: dict[tuple[bool, MessageKey], float] = field(default_factory=dict)
-
-
-@dataclass
 class ExecutionResult:
     """Times of one execution. `spans[r]` holds (instruction index, start, end) of each compute
-    instruction of rank r, `waits[r]` (instruction index, start, end) of each blocking wait."""
+    instruction of rank r, `waits[r]` (instruction index, start, end) of each blocking wait,
+    `op_complete[(rank, is_send, key)]` when each point-to-point operation completed."""
 
     finish: list[float]
     spans: list[list[tuple[int, float, float]]]
     waits: list[list[tuple[int, float, float]]]
-    op_complete: dict[tuple[int, bool, MessageKey], float]
+    _ops: list = field(repr=False, compare=False, default_factory=list)  # (rank, send, key, t)
 
     @property
     def makespan(self) -> float:
         return max(self.finish, default=0.0)
+
+    @property
+    def op_complete(self) -> dict[tuple[int, bool, MessageKey], float]:
+        return {(r, s, k): t for r, s, k, t in self._ops}
 
 
 ChannelFn = Callable[[int, "Send | Recv"], object]
@@ -73,31 +66,112 @@ def per_peer_channel(rank: int, op: Send | Recv) -> object:
     return ("send", op.peer) if isinstance(op, Send) else ("recv", op.peer)
 
 
-def _split_batches(
-    program: Program, channel: ChannelFn
-) -> tuple[list[_Batch], dict[int, list[int]]]:
-    """Maximal runs of consecutive Send/Recv, split by channel; first instruction index of a run
-    -> the batches it posts."""
-    batches: list[_Batch] = []
-    first_of: dict[int, list[int]] = {}
-    instrs = program.instructions
-    i = 0
-    while i < len(instrs):
-        if isinstance(instrs[i], (Send, Recv)):
+_KINDS: dict[type, type] = {t: t for t in (Forward, Backward, Send, Recv, Wait)}
+
+
+def _kind(ins: object) -> type | None:
+    """The instruction type `ins` is an instance of (a subclass counts as its base)."""
+    return next((t for t in _KINDS if isinstance(ins, t)), None)
+
+
+class _Ops:
+    """Every Send/Recv of every program, numbered, with its batch and its counterpart.
+
+    Batches are maximal runs of consecutive Send/Recv of a program, split by channel. Op i is
+    `op[i]` on rank `rank[i]` in batch `batch[i]`; `other[i]` is the matching op on the peer.
+    """
+
+    def __init__(self, programs: Sequence[Program], channel: ChannelFn) -> None:
+        self.op: list[Send | Recv] = []
+        self.rank: list[int] = []
+        self.batch: list[int] = []
+        self.other: list[int] = []
+        self.batch_rank: list[int] = []
+        self.batch_first: list[int] = []  # instruction index where the batch's run starts
+        self.batch_ops: list[list[int]] = []
+        self.first_of: list[dict[int, list[int]]] = []  # per rank: run start -> its batches
+        self.queues: list[list[list[int]]] = []  # per rank, per channel: batches in order
+        # key -> [its send op, its receive op] (-1: none yet), also found by id(key): a plan's
+        # Send, Recv and Wait usually share one key object, whose hash is not cheap.
+        self.pairs: dict[MessageKey, list[int]] = {}
+        self.by_id: dict[int, list[int]] = {}
+        for p in programs:
+            self._split(p, channel)
+        self._check_pairs()
+
+    def _split(self, program: Program, channel: ChannelFn) -> None:
+        instrs, rank = program.instructions, program.rank
+        first_of: dict[int, list[int]] = {}
+        queues: dict[object, list[int]] = {}
+        i = 0
+        while i < len(instrs):
+            if not isinstance(instrs[i], (Send, Recv)):
+                i += 1
+                continue
             j = i
-            while j < len(instrs) and isinstance(instrs[j], (Send, Recv)):
-                j += 1
             by_channel: dict[object, list[Send | Recv]] = {}
-            for op in instrs[i:j]:
-                by_channel.setdefault(channel(program.rank, op), []).append(op)
+            while j < len(instrs) and isinstance(instrs[j], (Send, Recv)):
+                by_channel.setdefault(channel(rank, instrs[j]), []).append(instrs[j])
+                j += 1
             first_of[i] = []
             for ch, ops in by_channel.items():
-                first_of[i].append(len(batches))
-                batches.append(_Batch(program.rank, i, ops, ch))
+                b = len(self.batch_rank)
+                first_of[i].append(b)
+                queues.setdefault(ch, []).append(b)
+                self.batch_rank.append(rank)
+                self.batch_first.append(i)
+                self.batch_ops.append([self._add(rank, b, op) for op in ops])
             i = j
-        else:
-            i += 1
-    return batches, first_of
+        self.first_of.append(first_of)
+        self.queues.append(list(queues.values()))
+
+    def pair(self, key: MessageKey) -> list[int] | None:
+        """[send op, receive op] of `key` (-1 where absent), None if the key has no op."""
+        found = self.by_id.get(id(key))
+        if found is None:
+            found = self.pairs.get(key)
+            if found is not None:
+                self.by_id[id(key)] = found
+        return found
+
+    def _add(self, rank: int, batch: int, op: Send | Recv) -> int:
+        is_send = type(op) is Send or isinstance(op, Send)
+        pair = self.pair(op.key)
+        if pair is None:
+            pair = self.pairs[op.key] = self.by_id[id(op.key)] = [-1, -1]
+        side = 0 if is_send else 1
+        if pair[side] >= 0:
+            other = self.rank[pair[side]]
+            kind = "send" if is_send else "receive"
+            raise PlanError(
+                f"message {op.key} has a second {kind} on rank {rank} (first on rank {other})"
+            )
+        i = len(self.op)
+        pair[side] = i
+        self.op.append(op)
+        self.rank.append(rank)
+        self.batch.append(batch)
+        self.other.append(-1)
+        return i
+
+    def _check_pairs(self) -> None:
+        for i, op in enumerate(self.op):
+            is_send = type(op) is Send or isinstance(op, Send)
+            key = op.key
+            j = self.pair(key)[1 if is_send else 0]
+            rank = self.rank[i]
+            if j < 0:
+                missing = "receive" if is_send else "send"
+                what = "send" if is_send else "receive"
+                raise PlanError(
+                    f"rank {rank}: {what} of {key} has no matching {missing} on any rank"
+                )
+            if self.op[i].peer != self.rank[j]:
+                raise PlanError(
+                    f"rank {rank}: {key} names peer {self.op[i].peer}, but the matching op is on "
+                    f"rank {self.rank[j]}"
+                )
+            self.other[i] = j
 
 
 class _Machine:
@@ -113,105 +187,75 @@ class _Machine:
         self.compute_time = compute_time
         self.transfer_time = transfer_time
         self.post_overhead = post_overhead
+        self.ops = ops = _Ops(programs, channel)
         n = len(programs)
         self.pc = [0] * n
         self.clock = [0.0] * n
-        self.batches: list[list[_Batch]] = []
-        self.first_of: list[dict[int, list[int]]] = []
-        # Per rank and channel: the batch indices in order, and the first not yet completed.
-        self.queues: list[dict[object, list[int]]] = []
-        self.active: list[dict[object, int]] = []
-        self.where: dict[tuple[bool, MessageKey], tuple[int, int]] = {}
-        for p in programs:
-            b, f = _split_batches(p, channel)
-            self.batches.append(b)
-            self.first_of.append(f)
-            queues: dict[object, list[int]] = {}
-            for bi, batch in enumerate(b):
-                queues.setdefault(batch.channel, []).append(bi)
-            self.queues.append(queues)
-            self.active.append(dict.fromkeys(queues, 0))
-            for bi, batch in enumerate(b):
-                for op in batch.ops:
-                    slot = (isinstance(op, Send), op.key)
-                    if slot in self.where:
-                        other = self.where[slot][0]
-                        kind = "send" if slot[0] else "receive"
-                        raise PlanError(
-                            f"message {op.key} has a second {kind} on rank {p.rank} "
-                            f"(first on rank {other})"
-                        )
-                    self.where[slot] = (p.rank, bi)
+        nb, no = len(ops.batch_rank), len(ops.op)
+        self.post: list[float | None] = [None] * nb
+        self.start: list[float | None] = [None] * nb
+        self.complete: list[float | None] = [None] * nb
+        self.pending = [len(o) for o in ops.batch_ops]  # ops of the batch not yet complete
+        self.op_done: list[float | None] = [None] * no
+        self.done_order: list[int] = []
+        self.active = [[0] * len(q) for q in ops.queues]  # per rank, per channel
         self.spans: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.waits: list[list[tuple[int, float, float]]] = [[] for _ in programs]
-        self.op_complete: dict[tuple[int, bool, MessageKey], float] = {}
-        self._check_pairs()
-
-    def _check_pairs(self) -> None:
-        for (is_send, key), (rank, _) in self.where.items():
-            if (not is_send, key) not in self.where:
-                missing = "receive" if is_send else "send"
-                op = "send" if is_send else "receive"
-                raise PlanError(f"rank {rank}: {op} of {key} has no matching {missing} on any rank")
-            peer = self.where[(not is_send, key)][0]
-            declared = self._op(rank, is_send, key).peer
-            if declared != peer:
-                raise PlanError(
-                    f"rank {rank}: {key} names peer {declared}, but the matching op is on rank {peer}"
-                )
-
-    def _op(self, rank: int, is_send: bool, key: MessageKey) -> Send | Recv:
-        bi = self.where[(is_send, key)][1]
-        for op in self.batches[rank][bi].ops:
-            if isinstance(op, Send) == is_send and op.key == key:
-                return op
-        raise AssertionError("unreachable")
+        self.wait_ops: dict[tuple[int, int], list[list[int]]] = {}  # (rank, pc) -> ops per key
 
     # -- rank progress ---------------------------------------------------------------------
 
     def advance(self, r: int) -> bool:
         instrs = self.programs[r].instructions
+        first_of, batch_ops = self.ops.first_of[r], self.ops.batch_ops
+        spans, compute_time = self.spans[r], self.compute_time
         moved = False
-        while self.pc[r] < len(instrs):
-            ins = instrs[self.pc[r]]
-            if isinstance(ins, (Forward, Backward)):
-                start = self.clock[r]
-                self.clock[r] = start + self.compute_time(r, ins)
-                self.spans[r].append((self.pc[r], start, self.clock[r]))
-                self.pc[r] += 1
-            elif isinstance(ins, (Send, Recv)):
-                posted = [self.batches[r][bi] for bi in self.first_of[r][self.pc[r]]]
-                self.clock[r] += self.post_overhead
-                for batch in posted:
-                    batch.post = self.clock[r]
-                self.pc[r] += sum(len(b.ops) for b in posted)
-            elif isinstance(ins, Wait):
+        pc, clock = self.pc[r], self.clock[r]
+        while pc < len(instrs):
+            ins = instrs[pc]
+            cls = _KINDS.get(type(ins)) or _kind(ins)
+            if cls is Forward or cls is Backward:
+                start = clock
+                clock = start + compute_time(r, ins)
+                spans.append((pc, start, clock))
+                pc += 1
+            elif cls is Send or cls is Recv:
+                posted = first_of[pc]
+                clock += self.post_overhead
+                for b in posted:
+                    self.post[b] = clock
+                pc += sum(len(batch_ops[b]) for b in posted)
+            elif cls is Wait:
+                self.pc[r], self.clock[r] = pc, clock
                 done = self._wait_time(r, ins)
                 if done is None:
                     return moved
-                self.waits[r].append((self.pc[r], self.clock[r], max(self.clock[r], done)))
-                self.clock[r] = max(self.clock[r], done)
-                self.pc[r] += 1
+                self.waits[r].append((pc, clock, max(clock, done)))
+                clock = max(clock, done)
+                pc += 1
             else:
-                raise PlanError(f"rank {r}: instruction {self.pc[r]} has unknown type {ins!r}")
+                self.pc[r], self.clock[r] = pc, clock
+                raise PlanError(f"rank {r}: instruction {pc} has unknown type {ins!r}")
             moved = True
+        self.pc[r], self.clock[r] = pc, clock
         return moved
 
     def _wait_time(self, r: int, ins: Wait) -> float | None:
-        latest = self.clock[r]
-        for key in ins.keys:
-            t = self.op_complete.get((r, True, key), self.op_complete.get((r, False, key)))
+        ops, latest = self.ops, self.clock[r]
+        mine_of = self.wait_ops.get((r, self.pc[r]))
+        if mine_of is None:  # a blocked wait is evaluated again: resolve its keys once
+            mine_of = self.wait_ops[(r, self.pc[r])] = [
+                [i for i in ops.pair(key) or () if i >= 0 and ops.rank[i] == r] for key in ins.keys
+            ]
+        for key, mine in zip(ins.keys, mine_of):
+            t = next((self.op_done[i] for i in mine if self.op_done[i] is not None), None)
             if t is None:
-                posted = [
-                    s for s in ((True, key), (False, key)) if self.where.get(s, (-1,))[0] == r
-                ]
-                if not posted:
+                if not mine:
                     raise PlanError(
                         f"rank {r}: instruction {self.pc[r]} waits for {key}, "
                         "which this rank neither sends nor receives"
                     )
-                bi = self.where[posted[0]][1]
-                if self.batches[r][bi].post is None:
+                if self.post[ops.batch[mine[0]]] is None:
                     raise PlanError(
                         f"rank {r}: instruction {self.pc[r]} waits for {key} before posting it"
                     )
@@ -223,41 +267,41 @@ class _Machine:
 
     def resolve(self, r: int) -> bool:
         moved = False
-        for ch, queue in self.queues[r].items():
+        for ch, queue in enumerate(self.ops.queues[r]):
             moved |= self._resolve_channel(r, ch, queue)
         return moved
 
-    def _resolve_channel(self, r: int, ch: object, queue: list[int]) -> bool:
+    def _resolve_channel(self, r: int, ch: int, queue: list[int]) -> bool:
         moved = False
-        batches = self.batches[r]
-        while self.active[r][ch] < len(queue):
-            k = self.active[r][ch]
-            b = batches[queue[k]]
-            if b.start is None:
-                if b.post is None:
+        ops, start, op_done = self.ops, self.start, self.op_done
+        active = self.active[r]
+        while active[ch] < len(queue):
+            k = active[ch]
+            b = queue[k]
+            if start[b] is None:
+                if self.post[b] is None:
                     return moved
-                prev = batches[queue[k - 1]].complete if k else 0.0
-                b.start = max(b.post, prev or 0.0)
+                prev = self.complete[queue[k - 1]] if k else 0.0
+                start[b] = max(self.post[b], prev or 0.0)
                 moved = True
-            for op in b.ops:
-                slot = (isinstance(op, Send), op.key)
-                if slot in b.op_complete:
+            for i in ops.batch_ops[b]:
+                if op_done[i] is not None:
                     continue
-                peer_rank, peer_bi = self.where[(not slot[0], op.key)]
-                peer = self.batches[peer_rank][peer_bi]
-                if peer.start is None:
+                j = ops.other[i]
+                peer = ops.batch[j]
+                if start[peer] is None:
                     continue
-                send = op if isinstance(op, Send) else self._op(peer_rank, True, op.key)
-                t = max(b.start, peer.start) + self.transfer_time(send)
-                b.op_complete[slot] = t
-                peer.op_complete[(not slot[0], op.key)] = t
-                self.op_complete[(r, slot[0], op.key)] = t
-                self.op_complete[(peer_rank, not slot[0], op.key)] = t
+                send = ops.op[i] if type(ops.op[i]) is Send else ops.op[j]
+                t = max(start[b], start[peer]) + self.transfer_time(send)
+                op_done[i] = op_done[j] = t
+                self.done_order += (i, j)
+                self.pending[b] -= 1
+                self.pending[peer] -= 1
                 moved = True
-            if len(b.op_complete) < len(b.ops):
+            if self.pending[b]:
                 return moved
-            b.complete = max(b.op_complete.values())
-            self.active[r][ch] += 1
+            self.complete[b] = max(op_done[i] for i in ops.batch_ops[b])
+            active[ch] += 1
             moved = True
         return moved
 
@@ -272,18 +316,23 @@ class _Machine:
                 progress |= self.advance(r)
             for r in range(n):
                 progress |= self.resolve(r)
-        unfinished = [
-            r
-            for r in range(n)
-            if self.pc[r] < len(self.programs[r].instructions)
-            or any(self.active[r][ch] < len(q) for ch, q in self.queues[r].items())
-        ]
+        unfinished = [r for r in range(n) if not self._finished(r)]
         if unfinished:
             raise DeadlockError([self._describe_blocked(r) for r in unfinished])
-        finish = [
-            max([self.clock[r]] + [b.complete or 0.0 for b in self.batches[r]]) for r in range(n)
+        finish = [self.clock[r] for r in range(n)]
+        for b, r in enumerate(self.ops.batch_rank):
+            finish[r] = max(finish[r], self.complete[b] or 0.0)
+        ops = self.ops
+        done = [
+            (ops.rank[i], type(ops.op[i]) is Send, ops.op[i].key, self.op_done[i])
+            for i in self.done_order
         ]
-        return ExecutionResult(finish, self.spans, self.waits, self.op_complete)
+        return ExecutionResult(finish, self.spans, self.waits, done)
+
+    def _finished(self, r: int) -> bool:
+        if self.pc[r] < len(self.programs[r].instructions):
+            return False
+        return all(a == len(q) for a, q in zip(self.active[r], self.ops.queues[r]))
 
     def _describe_blocked(self, r: int) -> str:
         instrs = self.programs[r].instructions
@@ -292,25 +341,26 @@ class _Machine:
         else:
             where = f"rank {r} at end of program"
         parts = []
-        for ch, queue in self.queues[r].items():
-            if self.active[r][ch] < len(queue):
-                parts.append(self._describe_batch(r, self.batches[r][queue[self.active[r][ch]]]))
+        for a, queue in zip(self.active[r], self.ops.queues[r]):
+            if a < len(queue):
+                parts.append(self._describe_batch(r, queue[a]))
         return "; ".join([where, *parts])
 
-    def _describe_batch(self, r: int, b: _Batch) -> str:
-        if b.start is None:
-            return f"its batch at instruction {b.first} is not posted yet"
+    def _describe_batch(self, r: int, b: int) -> str:
+        ops = self.ops
+        if self.start[b] is None:
+            return f"its batch at instruction {ops.batch_first[b]} is not posted yet"
         pending = []
         instrs = self.programs[r].instructions
-        for op in b.ops:
-            if (isinstance(op, Send), op.key) in b.op_complete:
+        for i in ops.batch_ops[b]:
+            if self.op_done[i] is not None:
                 continue
-            peer_rank, peer_bi = self.where[(not isinstance(op, Send), op.key)]
-            peer_first = self.batches[peer_rank][peer_bi].first
-            index = next(i for i in range(b.first, len(instrs)) if instrs[i] is op)
+            op, j = ops.op[i], ops.other[i]
+            peer_first = ops.batch_first[ops.batch[j]]
+            index = next(x for x in range(ops.batch_first[b], len(instrs)) if instrs[x] is op)
             pending.append(
                 f"{_short(op)} (instruction {index}) waits for rank "
-                f"{peer_rank}'s batch at instruction {peer_first}"
+                f"{ops.rank[j]}'s batch at instruction {peer_first}"
             )
         return "pending: " + "; ".join(pending)
 

@@ -144,7 +144,8 @@ def _check_dependencies(plan: Plan) -> Dataflow:
 
 
 def _check_stage(df: Dataflow, works: set, stage: StageId, where: _Where) -> None:
-    if stage.work not in works:
+    """`works`: (module, microbatch, sub) of every sub-microbatch of the table."""
+    if (stage.module, stage.microbatch, stage.sub) not in works:
         raise PlanError(f"{where}: sub-microbatch {stage.work} is not in the table")
     if not 0 <= stage.chunk < df.num_chunks(stage.module):
         raise PlanError(f"{where}: module {stage.module} has no chunk {stage.chunk}")
@@ -273,25 +274,32 @@ def _check_coverage(plan: Plan, df: Dataflow, scan: _Scan) -> None:
 
 
 def _check_messages(scan: _Scan) -> None:
-    for key in sorted(set(scan.sends) | set(scan.recvs)):
-        sends, recvs = scan.sends.get(key, []), scan.recvs.get(key, [])
-        if consumer_of(key) not in scan.computes:
-            r, i, op = (sends or recvs)[0]
-            raise PlanError(
-                f"{_at(r, i, op)}: no rank computes {describe_compute(consumer_of(key))}, which would consume it"
-            )
-        # A second Send/Recv of a key is caught by the scan: on its own rank as posted twice,
-        # on any other rank as the wrong sender/receiver. A send always has its receive here:
-        # the consumer exists (coverage) and needs that receive (input check).
-        if not sends:
-            r, i, op = recvs[0]
-            raise PlanError(f"{_at(r, i, op)}: no matching Send on any rank")
-        (sr, si, s) = sends[0]
-        if recvs and s.tensors != recvs[0][2].tensors:
-            raise PlanError(
-                f"{_at(sr, si, s)}: sends tensors {s.tensors}, "
-                f"the receiver expects {recvs[0][2].tensors}"
-            )
+    # The first failing message in key order is reported; keys are only sorted when one fails.
+    failing = [key for key in set(scan.sends) | set(scan.recvs) if _message_error(scan, key)]
+    if failing:
+        raise _message_error(scan, min(failing))
+
+
+def _message_error(scan: _Scan, key: MessageKey) -> PlanError | None:
+    sends, recvs = scan.sends.get(key, []), scan.recvs.get(key, [])
+    if consumer_of(key) not in scan.computes:
+        r, i, op = (sends or recvs)[0]
+        return PlanError(
+            f"{_at(r, i, op)}: no rank computes {describe_compute(consumer_of(key))}, which would consume it"
+        )
+    # A second Send/Recv of a key is caught by the scan: on its own rank as posted twice,
+    # on any other rank as the wrong sender/receiver. A send always has its receive here:
+    # the consumer exists (coverage) and needs that receive (input check).
+    if not sends:
+        r, i, op = recvs[0]
+        return PlanError(f"{_at(r, i, op)}: no matching Send on any rank")
+    (sr, si, s) = sends[0]
+    if recvs and s.tensors != recvs[0][2].tensors:
+        return PlanError(
+            f"{_at(sr, si, s)}: sends tensors {s.tensors}, "
+            f"the receiver expects {recvs[0][2].tensors}"
+        )
+    return None
 
 
 def check_channel_order(programs: Sequence[Program]) -> None:
@@ -352,7 +360,7 @@ def validate_plan(plan: Plan) -> None:
             f"plan format version {plan.version}, this code understands version {FORMAT_VERSION}"
         )
     df = _check_tables(plan)
-    works = set(df.works)
+    works = {(w.module, w.microbatch, w.sub) for w in df.works}
     scan = _Scan()
     for rank in range(plan.num_ranks):
         _RankScan(plan, df, works, scan, rank).run()

@@ -161,6 +161,8 @@ class DipPlans:
             plan, variant = inline(), INLINE
         else:
             plan, variant = self.client.fetch(batch.iteration, inline)
+            if self.service is not None:
+                self.service.decided(batch.iteration)
             if self.client.plan_calibration is not None:
                 self.plan_calibration = self.client.plan_calibration
             if self.ctx.rank == 0 and batch.iteration > 0:
