@@ -24,6 +24,7 @@ from megatron_dip.schedule.ir import SubMicrobatch
 from .base import SampleArrays, ScatterProducer
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
+from .stored import data_copy_bytes
 
 MEL_FRAMES_PER_SECOND = 100  # Whisper's 10 ms hop
 KERNEL = 3
@@ -40,6 +41,7 @@ class AudioModality(ScatterProducer):
 
     kind = "audio"
     instance = "audio segment"
+    rotary = False  # sinusoidal positions, added in chunk 0
 
     def pool(self, spec: ModuleSpec) -> int:
         return spec.merge
@@ -79,6 +81,13 @@ class AudioModality(ScatterProducer):
             gemm(w.tokens, KERNEL * h, h, c, shard_in=False),  # conv 2 (strided)
             mem(w.tokens * h, 3, c),  # GELU, positions
         ]
+
+    def input_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        # conv1's output and GELU (the frames, stride x tokens), conv2's output: replicated on
+        # every tensor-parallel rank and before the sequence is split.
+        frames = w.tokens * spec.patch_size
+        mel = data_copy_bytes(frames * spec.in_channels, c)
+        return c.dt * w.tokens * spec.layer.hidden * (2 * spec.patch_size + 1) + mel
 
     def input_params(self, spec: ModuleSpec) -> int:
         h = spec.layer.hidden
@@ -120,16 +129,17 @@ class AudioModality(ScatterProducer):
         positions = sinusoidal_embedding(batch.positions[:, 0].to(torch.float64), hidden)
         return x + positions.to(x.dtype)
 
-    def run_stack(
-        self, spec, layers, state: dict, batch, *, rotary_base: float, causal: bool, groups=None
-    ):
-        from megatron_dip.models.common import cached, segment_mask
+    def run_stack(self, spec, layers, state: dict, batch, *, rotary_base: float):
+        from megatron_dip.models import attention
+        from megatron_dip.models.common import cached
 
-        del spec, rotary_base, groups  # absolute positions, added in chunk 0
-        mask = cached(batch, ("mask", causal), lambda: segment_mask(batch.segments, causal=causal))
+        del spec, rotary_base  # absolute positions, added in chunk 0
+        packed = cached(
+            batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
+        )
         hidden = state["hidden"]
         for layer in layers:
-            hidden, _ = layer(hidden, attention_mask=mask)
+            hidden, _ = layer(hidden, **packed)
         return hidden
 
     def build_sub_batch(

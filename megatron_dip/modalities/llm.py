@@ -23,6 +23,7 @@ from megatron_dip.schedule.ir import SubMicrobatch
 from .base import Instance, Modality, SampleArrays, SampleInfo, ScatterProducer, scatter_name
 from .costs import LOGIT_BYTES, CostContext, Op, OpKind, Work, gemm, mem
 from .registry import modality_of, register
+from .stored import Stored
 
 
 def loss_targets(
@@ -81,11 +82,6 @@ class TextModality(Modality):
     def input_params(self, spec: ModuleSpec) -> int:
         return spec.vocab_size * spec.layer.hidden
 
-    def is_causal(self, chunk) -> bool:
-        """Causal attention within each document / caption."""
-        del chunk
-        return True
-
     def build_pre(self, chunk):
         from megatron.core import tensor_parallel
 
@@ -103,12 +99,6 @@ class TextModality(Modality):
     def embed_tokens(self, chunk, batch):
         """[tokens, 1, hidden] token embeddings (before sequence parallelism)."""
         return chunk.pre.word_embeddings(batch.token_ids[None]).transpose(0, 1).contiguous()
-
-    def run_layers(self, chunk, state: dict, batch):
-        return self.run_stack(
-            chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.model_config.rotary_base, causal=self.is_causal(chunk),
-        )  # fmt: skip
 
 
 class LlmModality(TextModality):
@@ -206,8 +196,10 @@ class LlmModality(TextModality):
         ]
 
     def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        # The final norm, the head's input, the cross entropy's fp32 softmax of the logits.
+        head = Stored(replicated=1.0).nbytes(spec.layer.hidden, w, c)
         logits = LOGIT_BYTES * w.tokens * spec.vocab_size / c.tp
-        return super().output_stored(spec, w, c) + logits
+        return super().output_stored(spec, w, c) + head + logits
 
     def output_params(self, spec: ModuleSpec) -> int:
         return spec.vocab_size * spec.layer.hidden + spec.layer.hidden

@@ -22,6 +22,7 @@ from megatron_dip.schedule.ir import SubMicrobatch
 from .base import SampleArrays, ScatterProducer
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
+from .stored import data_copy_bytes
 
 
 def image_tokens(*, height: int, width: int, vit: ModuleSpec) -> tuple[int, int]:
@@ -91,6 +92,9 @@ class VitModality(ScatterProducer):
             gemm(w.tokens, patch, spec.layer.hidden, c, shard_in=False),
             mem(w.tokens * spec.layer.hidden, 3, c),
         ]
+
+    def input_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        return data_copy_bytes(w.tokens * spec.patch_size**2 * spec.in_channels, c)
 
     def input_params(self, spec: ModuleSpec) -> int:
         return (spec.patch_size**2 * spec.in_channels + 1) * spec.layer.hidden

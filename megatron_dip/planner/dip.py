@@ -228,7 +228,7 @@ class DipPlanner:
         """`plan` or Megatron's order on the same placement, whichever simulates faster within
         the memory limit (per-peer channels: the runtime's communicators); Megatron's whenever
         it fits and `plan` does not (`over`)."""
-        merged = merge_submicrobatches(works)
+        merged = merge_submicrobatches(self.model, works)
         sub_of = {s.work: s for w in merged for s in w.submicrobatches}
 
         def duration(rank: int, ins) -> float:
