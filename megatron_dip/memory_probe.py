@@ -81,7 +81,8 @@ def _tensors(value) -> Iterator[torch.Tensor]:
 
 @dataclass(frozen=True)
 class ChunkMemory:
-    """One chunk forward: measured saved bytes and the cost model's prediction."""
+    """One chunk forward: measured saved bytes and the cost model's prediction; on CUDA also the
+    allocator's growth over the forward and its peak above the start (0 elsewhere)."""
 
     module: str
     chunk: int
@@ -91,6 +92,25 @@ class ChunkMemory:
     recompute: Recompute
     measured: int
     predicted: int
+    allocated: int = 0
+    peak: int = 0
+
+
+@contextlib.contextmanager
+def cuda_memory(device: torch.device) -> Iterator[dict]:
+    """Inside: on CUDA, {"allocated", "peak"} filled at the exit with the allocator's growth
+    over the block and its peak above the start (`torch.cuda.max_memory_allocated`)."""
+    stats = {"allocated": 0, "peak": 0}
+    if device.type != "cuda":
+        yield stats
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    yield stats
+    torch.cuda.synchronize(device)
+    stats["allocated"] = torch.cuda.memory_allocated(device) - start
+    stats["peak"] = torch.cuda.max_memory_allocated(device) - start
 
 
 class MeasuringPipeline(LocalPipeline):
@@ -102,9 +122,10 @@ class MeasuringPipeline(LocalPipeline):
     records: list
 
     def run_chunk(self, chunk, inputs: list, batch, sub: SubMicrobatch) -> dict:
+        batch = batch.to(chunk.device)  # the data on the device before the forward, not in it
         params = [p for p in chunk.parameters()]
         data = [batch.segments, batch.positions, *batch.tensors.values()]
-        with saved_bytes(exclude=[*params, *data]) as record:
+        with cuda_memory(chunk.device) as cuda, saved_bytes(exclude=[*params, *data]) as record:
             outputs = run_chunk(chunk, self.recompute, chunk, inputs, batch)
         for t in _tensors(inputs):  # the runtime keeps received messages for the backward
             record.add(t)
@@ -112,7 +133,7 @@ class MeasuringPipeline(LocalPipeline):
         self.records.append(
             ChunkMemory(
                 chunk.chunk.module, chunk.chunk.index, chunk.is_first, chunk.is_last, sub,
-                self.recompute, record.nbytes, predicted,
+                self.recompute, record.nbytes, predicted, cuda["allocated"], cuda["peak"],
             )
         )  # fmt: skip
         return outputs

@@ -12,8 +12,8 @@ Messages: the conditioning travels with the activations. Chunk 0 computes "temb"
 clips' captions, in clip order, padding removed: `SubMicrobatch.context_tokens` rows), with
 "cond_index" int64 [clips] (microbatch caption index of each caption in "cond"), and every
 chunk passes them on, so their gradients reach chunk 0's embedders and, through "cond", a
-trainable text encoder. Under sequence parallelism only "hidden" is sharded. Loss: rectified flow — the model predicts the velocity noise - x0 from
-x_t = (1-t) x0 + t noise; per latent token the mean squared error over its p*p*C values, summed
+trainable text encoder. Under sequence parallelism only "hidden" is sharded. Loss: rectified
+flow — the model predicts the velocity noise - x0 from x_t = (1-t) x0 + t noise; per latent token the mean squared error over its p*p*C values, summed
 over real tokens. Noise and timesteps come from a generator seeded by (seed, sample id), never
 from a rank's global RNG, so every layout draws the same values.
 """

@@ -129,9 +129,15 @@ class DipPlanner:
         """Estimated compute of one sample: every module's time on its share of the sample."""
         total = 0.0
         for m in self.model.modules:
-            tokens, n = modality_of(m).module_tokens(m, meta)
-            if n and tokens:
-                total += self.cost_model.module_time(m.name, instances=n, tokens=tokens)
+            modality = modality_of(m)
+            tokens, n = modality.module_tokens(m, meta)
+            if not (n and tokens):
+                continue
+            items = modality.microbatch_instances(m, [meta], seq_length=self.config.seq_length)
+            context, _ = modality.context(m, [meta], items)  # a DiT clip's caption
+            total += self.cost_model.module_time(
+                m.name, instances=n, tokens=tokens, context_tokens=context
+            )
         return total
 
     # -- planning ----------------------------------------------------------------------------
