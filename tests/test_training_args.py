@@ -203,6 +203,31 @@ def test_the_gpu_is_priced_as_its_preset_or_refused(monkeypatch, tmp_path):
     assert named.device.name == "A100"
 
 
+@pytest.mark.parametrize(
+    ("setup", "gpus"), [("vlm-s", 16), ("t2v-s", 16), ("vlm-m", 32), ("vlm-l", 64), ("t2v-l", 64)]
+)
+def test_paper_setup_launcher_submits_each_setup_at_its_real_size(setup, gpus):
+    """`scripts/train_paper_setup.sh` asks SLURM for the setup's GPUs, and the run's flags
+    resolve at that world size with the paper's TP x PP (one data-parallel replica)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_paper_setup.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--print", setup, "--train-iters", "2"],
+        capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    words = done.stdout.split()
+    nodes = int(re.fullmatch(r"--nodes=(\d+)", words[1]).group(1))
+    assert words[0] == "sbatch" and nodes * 8 == gpus
+    flags = words[words.index("--model") :]
+    spec = resolve(parse_config([*flags, "--lr", "1e-4"]), world_size=gpus, cuda=False)
+    assert spec.tensor_parallel * spec.pipeline_parallel == gpus and spec.data_parallel == 1
+    kind = "diffusion" if setup.startswith("t2v") else "vlm"
+    assert words[words.index("--model") - 1].endswith(f"train_{kind}_slurm.sbatch")
+
+
 def test_presets_fill_unset_flags_and_flags_win():
     spec = _resolve(
         [], world_size=4, base=["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1"]
