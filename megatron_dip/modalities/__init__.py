@@ -24,9 +24,7 @@ from .base import (
     Modality,
     SampleArrays,
     SampleInfo,
-    ScatterProducer,
     instances_overlap,
-    scatter_name,
 )
 from .registry import (
     check_model,
@@ -37,6 +35,7 @@ from .registry import (
     register,
     text_module,
 )
+from .scatter import ScatterProducer, scatter_name
 
 __all__ = [
     "InstanceCounts",

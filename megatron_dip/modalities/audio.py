@@ -9,7 +9,7 @@ convolutions on each segment on its own (kernel 3, padding 1, GELU; the second w
 at every segment. The layers are pre-LayerNorm with biases and a GELU MLP; each token attends to
 its own segment only. The last chunk normalises, merges every `merge` consecutive tokens into
 one vector (Qwen2-Audio pools 1500 -> 750) and projects it with a two-layer MLP into the LLM's
-hidden size: one row per LLM audio token (`base.scatter_name`).
+hidden size: one row per LLM audio token (`scatter.scatter_name`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import numpy as np
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
-from .base import SampleArrays, ScatterProducer
+from .base import SampleArrays
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
+from .scatter import ScatterProducer
 from .stored import data_copy_bytes
 
 MEL_FRAMES_PER_SECOND = 100  # Whisper's 10 ms hop

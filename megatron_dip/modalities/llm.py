@@ -4,7 +4,7 @@ An instance is the microbatch's packed sequence (one sub-microbatch, padded to -
 padding attends only to itself). Layers are Megatron-Core `TransformerLayer`s from the GPT layer
 spec: RMSNorm, SwiGLU MLP, grouped-query attention and 1-D rotary embeddings with positions
 restarting at every document; attention is causal within each document. Chunk 0 embeds the
-tokens and scatters every producer's hand-over (`base.scatter_name`) into that producer's
+tokens and scatters every producer's hand-over (`scatter.scatter_name`) into that producer's
 placeholder positions; the last chunk normalises, projects to the vocabulary (tied to the input
 embedding or not) and sums the next-token cross entropy over the loss targets (`loss_targets`).
 `TextModality` holds what the LLM shares with the text encoder (`text_encoder.py`).
@@ -20,9 +20,10 @@ import numpy as np
 from megatron_dip.modelspec import IMAGE_TOKEN, PAD_TOKEN, ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
-from .base import Instance, Modality, SampleArrays, SampleInfo, ScatterProducer, scatter_name
+from .base import Instance, Modality, SampleArrays, SampleInfo
 from .costs import LOGIT_BYTES, CostContext, Op, OpKind, Work, gemm, mem
 from .registry import modality_of, register
+from .scatter import ScatterProducer, scatter_name
 from .stored import Stored
 
 

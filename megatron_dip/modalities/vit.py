@@ -7,7 +7,7 @@ Images of a sub-microbatch are packed along the sequence; each patch attends to 
 own image only and carries a 2-D rotary position (row, column). Chunk 0 embeds the patches with a
 linear layer; the last chunk normalises, merges each window (contiguous by construction of
 `patchify_image`) and projects it with a two-layer MLP into the LLM's hidden size: one row per
-LLM image token (`base.scatter_name`).
+LLM image token (`scatter.scatter_name`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import numpy as np
 from megatron_dip.modelspec import IMAGE_TOKEN, ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
-from .base import SampleArrays, ScatterProducer
+from .base import SampleArrays
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
+from .scatter import ScatterProducer
 from .stored import data_copy_bytes
 
 
