@@ -6,9 +6,9 @@ encoder, our `DitLayer` for the DiT) is built at the shapes one tensor-parallel 
 single-rank process group: heads, key/value groups and FFN divided by TP, hidden size unchanged.
 The layers are then timed forward and backward on a grid of (instances per sub-microbatch,
 tokens per instance) through the modality's own `run_stack`, with the inputs the chunks give
-them (`Modality.profile_batch`: instances packed along the sequence, packed-sequence parameters, rotary
-tables, and for the DiT its timestep embedding and caption encoding). Because the
-shard runs alone, the tensor-parallel collectives are NOT in the times: the profile says so
+them (`Modality.profile_batch`: instances packed along the sequence, packed-sequence
+parameters, rotary tables, and for the DiT its timestep embedding and caption encoding). Because
+the shard runs alone, the tensor-parallel collectives are NOT in the times: the profile says so
 (`tp_comm_included: false`) and the cost model adds its own TP communication term.
 
 On a GPU the times come from CUDA events after warm-up iterations; on the CPU from
@@ -93,8 +93,8 @@ class ProfileConfig:
     layers in the timed stack (times are divided by it). `dtype`: "auto" is bfloat16 on a GPU,
     float32 on the CPU. `attention`: "auto" (Transformer Engine's THD attention when it imports,
     else our packed attention's automatic kernel), "te", "varlen" (torch's FlashAttention varlen
-    kernel, CUDA) or "segments" (torch SDPA per segment): `resolve_attention`. `max_tokens`: skip grid points
-    whose sub-microbatch holds more tokens. `time_budget_s`: skip the remaining points once
+    kernel, CUDA) or "segments" (torch SDPA per segment): `resolve_attention`. `max_tokens`: skip
+    grid points whose sub-microbatch holds more tokens. `time_budget_s`: skip the remaining points once
     profiling has run this long. `caption_tokens`: text tokens each DiT clip cross-attends to.
     """
 

@@ -7,9 +7,9 @@ over, recompute counts and data-parallel reduction points. Rank 0 also returns t
 non-pipelined reference (`megatron_dip.reference`), computed with the dense-mask attention the
 packed-sequence attention replaced (`attention_reference.dense_reference`): every plan, TP2 and
 sequence-parallel run of the packed path is compared with it. Models are tiny and fp64, so
-"close" means rtol 1e-9 plus an atol of 1e-11 times the parameter gradient's largest magnitude. The PP=2 launch
-ends with the failure scenarios (`test_runtime_faults.py`): a bad plan on one rank, plans of
-different iterations, a stalled rank.
+"close" means rtol 1e-9 plus an atol of 1e-11 times the parameter gradient's largest magnitude.
+The PP=2 launch ends with the failure scenarios (`test_runtime_faults.py`): a bad plan on one
+rank, plans of different iterations, a stalled rank.
 """
 
 from __future__ import annotations

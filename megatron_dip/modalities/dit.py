@@ -13,9 +13,10 @@ clips' captions, in clip order, padding removed: `SubMicrobatch.context_tokens` 
 "cond_index" int64 [clips] (microbatch caption index of each caption in "cond"), and every
 chunk passes them on, so their gradients reach chunk 0's embedders and, through "cond", a
 trainable text encoder. Under sequence parallelism only "hidden" is sharded. Loss: rectified
-flow — the model predicts the velocity noise - x0 from x_t = (1-t) x0 + t noise; per latent token the mean squared error over its p*p*C values, summed
-over real tokens. Noise and timesteps come from a generator seeded by (seed, sample id), never
-from a rank's global RNG, so every layout draws the same values.
+flow — the model predicts the velocity noise - x0 from x_t = (1-t) x0 + t noise; per latent
+token the mean squared error over its p*p*C values, summed over real tokens. Noise and
+timesteps come from a generator seeded by (seed, sample id), never from a rank's global RNG, so
+every layout draws the same values.
 """
 
 from __future__ import annotations
@@ -355,11 +356,9 @@ class DitModality(Modality):
             real = int(batch.caption_lengths[index].sum())
             pieces.append(message["cond"][:real])
             indices.append(index)
-        index = torch.cat(indices)
-        rows = caption_rows(index, batch.caption_lengths, batch.clip_caption)
-        return torch.cat(pieces).index_select(0, rows.to(chunk.device)).to(chunk.dtype), (
-            batch.clip_caption.clone()
-        )
+        rows = caption_rows(torch.cat(indices), batch.caption_lengths, batch.clip_caption)
+        cond = torch.cat(pieces).index_select(0, rows.to(chunk.device)).to(chunk.dtype)
+        return cond, batch.clip_caption.clone()
 
     def embed(self, chunk, inputs: Sequence[Mapping[str, Any]], batch) -> dict:
         from torch.nn import functional

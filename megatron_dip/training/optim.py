@@ -3,9 +3,9 @@
 On GPUs, and on the CPU under --bf16 or --use-distributed-optimizer, this is Megatron-Core's own
 optimizer (`get_megatron_optimizer`: `Float16OptimizerWithFloat16Params` with fp32 master weights
 under --bf16, gradient clipping, --use-distributed-optimizer) with explicit process groups
-(`cpu_support` lets it run on CPU tensors). On a float32 CPU run `PlainAdamW` stands in: torch's AdamW on the DDP-reduced
-gradients, with Megatron's gradient-norm semantics (squares summed over the replica's
-model-parallel ranks, tensor-parallel duplicates counted once) and clipping. All expose
+(`cpu_support` lets it run on CPU tensors). On a float32 CPU run `PlainAdamW` stands in: torch's
+AdamW on the DDP-reduced gradients, with Megatron's gradient-norm semantics (squares summed over
+the replica's model-parallel ranks, tensor-parallel duplicates counted once) and clipping. All expose
 `step() -> (ok, grad_norm, zeros)`, `param_groups` and `zero_grad()`, so Megatron-Core's
 `OptimizerParamScheduler` drives any of them.
 
