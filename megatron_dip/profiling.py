@@ -94,8 +94,8 @@ class ProfileConfig:
     float32 on the CPU. `attention`: "auto" (Transformer Engine's THD attention when it imports,
     else our packed attention's automatic kernel), "te", "varlen" (torch's FlashAttention varlen
     kernel, CUDA) or "segments" (torch SDPA per segment): `resolve_attention`. `max_tokens`: skip
-    grid points whose sub-microbatch holds more tokens. `time_budget_s`: skip the remaining points once
-    profiling has run this long. `caption_tokens`: text tokens each DiT clip cross-attends to.
+    grid points whose sub-microbatch holds more tokens. `time_budget_s`: skip the remaining points
+    once profiling has run this long. `caption_tokens`: text tokens each DiT clip cross-attends to.
     """
 
     tensor_parallel: int = 1

@@ -5,8 +5,8 @@ optimizer (`get_megatron_optimizer`: `Float16OptimizerWithFloat16Params` with fp
 under --bf16, gradient clipping, --use-distributed-optimizer) with explicit process groups
 (`cpu_support` lets it run on CPU tensors). On a float32 CPU run `PlainAdamW` stands in: torch's
 AdamW on the DDP-reduced gradients, with Megatron's gradient-norm semantics (squares summed over
-the replica's model-parallel ranks, tensor-parallel duplicates counted once) and clipping. All expose
-`step() -> (ok, grad_norm, zeros)`, `param_groups` and `zero_grad()`, so Megatron-Core's
+the replica's model-parallel ranks, tensor-parallel duplicates counted once) and clipping. All
+expose `step() -> (ok, grad_norm, zeros)`, `param_groups` and `zero_grad()`, so Megatron-Core's
 `OptimizerParamScheduler` drives any of them.
 
 `gather_named_state` / `load_named_state` move optimizer state (Adam moments, step, fp32 master
