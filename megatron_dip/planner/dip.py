@@ -156,9 +156,15 @@ class DipPlanner:
         """Estimated compute of one sample: every module's time on its share of the sample."""
         total = 0.0
         for m in self.model.modules:
-            tokens, n = modality_of(m).module_tokens(m, meta)
-            if n and tokens:
-                total += self.cost_model.module_time(m.name, instances=n, tokens=tokens)
+            modality = modality_of(m)
+            tokens, n = modality.module_tokens(m, meta)
+            if not (n and tokens):
+                continue
+            items = modality.microbatch_instances(m, [meta], seq_length=self.config.seq_length)
+            context, _ = modality.context(m, [meta], items)  # a DiT clip's caption
+            total += self.cost_model.module_time(
+                m.name, instances=n, tokens=tokens, context_tokens=context
+            )
         return total
 
     # -- planning ----------------------------------------------------------------------------
@@ -256,7 +262,7 @@ class DipPlanner:
         setting that fits (Megatron's flags: none, selective, block N, uniform, full), whichever
         simulates faster within the memory limit (per-peer channels: the runtime's
         communicators); Megatron's whenever it fits and `plan` does not (`over`)."""
-        merged = merge_submicrobatches(works)
+        merged = merge_submicrobatches(self.model, works)
         megatron_order = functools.cache(
             functools.partial(
                 self._megatron_order, merged, totals=totals, iteration=plan.iteration,
