@@ -318,7 +318,9 @@ class CostModel:
         checkpoints groups of N layers (each group keeps its input)."""
         c = self._ctx
         stored = modality_of(spec).layer_stored(spec, w, c)
-        whole = stored.nbytes(spec.layer.hidden, w, c, keep_core=recompute is not Recompute.SELECTIVE)
+        whole = stored.nbytes(
+            spec.layer.hidden, w, c, keep_core=recompute is not Recompute.SELECTIVE
+        )
         hidden = c.dt * w.tokens * spec.layer.hidden / c.rep  # a checkpoint's input
         if recompute is Recompute.BLOCK:
             k = min(layers, n)
