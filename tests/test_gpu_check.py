@@ -86,7 +86,7 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
         (m, c, r)
         for m in ("vit", "llm")
         for c in ("first", "middle", "last")
-        for r in ("none", "selective", "full")
+        for r in ("none", "selective", "full", "block2", "uniform2")
     }
     assert all(r["error"] is None or abs(r["error"]) < 0.10 for r in memory)
     timed = report["overhead"]["iterations"]
