@@ -1,6 +1,5 @@
 """Synthetic mixtures: one seeded stream for metadata and tensors, paper-like distributions."""
 
-
 import numpy as np
 import pytest
 

@@ -270,7 +270,12 @@ class DipPlanner:
             )
         )  # fmt: skip
         ours = simulate(plan, self.cost_model, channel=per_peer_channel)
-        if megatron_order(NO_RECOMPUTE) is None:
+        plain = megatron_order(NO_RECOMPUTE)
+        if plain is None:
+            return plan, ours.iteration_time
+        # Recomputation only lengthens Megatron's fixed order: when `plan` fits and is no slower
+        # than that order without any, no recompute setting of it can win.
+        if not over and ours.iteration_time <= self._simulated(plain):
             return plan, ours.iteration_time
         limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
         found = best_fitting_mode(
@@ -284,6 +289,9 @@ class DipPlanner:
             validate_plan(found[0])
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
+
+    def _simulated(self, plan: Plan) -> float:
+        return simulate(plan, self.cost_model, channel=per_peer_channel).iteration_time
 
     def _megatron_order(
         self,
