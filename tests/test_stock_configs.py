@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from metas import vlm_meta
 from planner_cases import MERGE, tiny_case
@@ -125,6 +125,9 @@ def test_under_memory_pressure_the_baseline_is_the_cheapest_fitting_partial_reco
 
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.lists(st.integers(1, 6), max_size=3), min_size=2, max_size=9))
+# Found by this test: 3 microbatches at PP=2, which Megatron's interleaved schedule refuses
+# (its last group would be shorter than PP); the study must leave that configuration out.
+@example([[5, 3, 1], [], [4, 4, 6], [3, 4, 1], [4], [5, 6, 1], [5, 1, 6], [], []])
 def test_balanced_bound_never_exceeds_any_plan(grids):
     """Property: on random batches, no stock configuration and no DIP step beats the bound."""
     cmp = _comparison(80.0)

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..schedule.baselines import build_megatron_plan
+from ..schedule.baselines import build_megatron_plan, check_interleaved_args
 from ..schedule.engine import ChannelFn, single_channel
 from ..schedule.ir import (
     NO_RECOMPUTE,
@@ -158,10 +158,16 @@ def evaluate_stock(
 ) -> list[StockResult]:
     """Every recompute mode (default `recompute_modes`) of `pipe` simulated on `work`; none
     when Megatron cannot run the schedule on it (interleaving needs at least as many
-    microbatches as pipeline ranks)."""
+    microbatches as pipeline ranks, and a last group of 0 or at least PP microbatches)."""
     schedule = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
-    if pipe.num_model_chunks > 1 and len(work.microbatches) < pipe.placement.num_ranks:
-        return []
+    if pipe.num_model_chunks > 1:
+        try:  # Megatron's group size is PP; it refuses some microbatch counts
+            p = pipe.placement.num_ranks
+            check_interleaved_args(
+                num_ranks=p, num_microbatches=len(work.microbatches), microbatch_group_size=p
+            )
+        except ValueError:
+            return []
     out = []
     for mode in modes if modes is not None else recompute_modes(pipe.placement):
         plan = megatron_plan(pipe, work, mode, cost_model=cost_model, tensors=tensors)
