@@ -250,7 +250,7 @@ def _layer_runner(
             stack,
             {**state, "hidden": x},
             batch,
-            rotary_base=10000.0,
+            rotary_base=module.arch.rotary_base,
             causal=modality.causal,
         )
 

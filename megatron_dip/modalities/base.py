@@ -141,7 +141,10 @@ class Modality:
         del spec, model
 
     def activation(self, spec: ModuleSpec) -> str:
-        """The MLP activation: "silu" (SwiGLU) for gated MLPs, else "gelu"."""
+        """The MLP activation: the spec's (`Architecture.activation`), else "silu" (SwiGLU) for
+        gated MLPs and "gelu" for the others."""
+        if spec.arch.activation is not None:
+            return spec.arch.activation
         return "silu" if spec.layer.gated_mlp else "gelu"
 
     # -- metadata -------------------------------------------------------------------------
@@ -295,8 +298,9 @@ class Modality:
     def layer_params(self, spec: ModuleSpec) -> int:
         """Parameters of one transformer layer (all TP ranks together)."""
         lay = spec.layer
-        h, kv = lay.hidden, 2 * lay.kv_groups * lay.head_dim
-        return h * (h + kv) + h * h + h * lay.ffn * (3 if lay.gated_mlp else 2) + 2 * h
+        h, q, kv = lay.hidden, lay.attention_width, 2 * lay.kv_groups * lay.head_dim
+        qkv_bias = (q + kv) if spec.arch.qkv_bias and not self.linear_bias else 0
+        return h * (q + kv) + q * h + h * lay.ffn * (3 if lay.gated_mlp else 2) + 2 * h + qkv_bias
 
     def input_params(self, spec: ModuleSpec) -> int:
         """Parameters of the input layers."""
@@ -353,10 +357,13 @@ class Modality:
         dtype = state["hidden"].dtype
         head_dim = spec.layer.head_dim
         mask = cached(batch, ("mask", causal), lambda: segment_mask(batch.segments, causal=causal))
+        scaling = spec.arch.rope_scaling
         rotary = cached(
             batch,
-            ("rotary", head_dim, rotary_base, dtype),
-            lambda: rotary_table(batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype),
+            ("rotary", head_dim, rotary_base, scaling, dtype),
+            lambda: rotary_table(
+                batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype, scaling=scaling
+            ),
         )
         hidden = state["hidden"]
         for layer in layers:
@@ -387,7 +394,7 @@ class Modality:
         """The chunk's layers on state["hidden"]; returns the new hidden states."""
         return self.run_stack(
             chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.model_config.rotary_base, causal=self.causal,
+            rotary_base=chunk.module_spec.arch.rotary_base, causal=self.causal,
         )  # fmt: skip
 
     def finish(self, chunk, state: dict, batch) -> dict:

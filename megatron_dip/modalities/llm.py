@@ -109,7 +109,7 @@ class TextModality(Modality):
     def run_layers(self, chunk, state: dict, batch):
         return self.run_stack(
             chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.model_config.rotary_base, causal=self.is_causal(chunk),
+            rotary_base=chunk.module_spec.arch.rotary_base, causal=self.is_causal(chunk),
         )  # fmt: skip
 
 
@@ -220,14 +220,14 @@ class LlmModality(TextModality):
     # -- torch parts --------------------------------------------------------------------------
 
     def tied(self, chunk) -> bool:
-        return chunk.model_config.tie_embeddings
+        return chunk.module_spec.arch.tie_embeddings
 
     def build_layers(self, chunk):
         if self.tied(chunk) and chunk.num_chunks > 1 and chunk.groups.embedding is None:
             raise ValueError(
                 f"{chunk.chunk.module}: tied input/output embeddings in different chunks need "
                 "ModelGroups.embedding (the group of the ranks holding the first and last chunk) "
-                "to sum their gradients; pass it, or set ModelConfig.tie_embeddings=False"
+                "to sum their gradients; pass it, or untie them (Architecture.tie_embeddings=False)"
             )
         return super().build_layers(chunk)
 
