@@ -1,0 +1,117 @@
+"""Module shapes and architecture options from a Hugging Face `config.json` (torch-free).
+
+`text_module_fields(config)` turns a Llama / Qwen2 decoder's config into the `ModuleSpec` fields
+it fixes (layers, `LayerShape`, vocabulary, `Architecture`), for the LLM or the text encoder.
+`parse_hf_config_flag` reads `--dip-hf-config` ("DIR" or "llm=DIR,vit=DIR"). Anything the
+config asks for that our layers cannot compute (sliding windows, MLP biases, other rope types)
+is refused with a ValueError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_dip.modelspec import Architecture, LayerShape, RopeScaling
+
+TEXT_MODEL_TYPES = ("llama", "qwen2")
+CONFIG_FILE = "config.json"
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """The parsed `config.json` of a Hugging Face model folder (ValueError when missing)."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"{folder}: no {CONFIG_FILE} there (a Hugging Face model folder holds one)"
+        )
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """(rotary base, scaling) from transformers 5's `rope_parameters` or the older
+    `rope_theta` / `rope_scaling` fields."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling") or {}
+    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if kind == "default":
+        return float(base), None
+    if kind != "llama3":
+        raise ValueError(f"{where}: rope type {kind!r} is not supported (default, llama3)")
+    source = params if "factor" in params else legacy
+    scaling = RopeScaling(
+        factor=float(source["factor"]),
+        low_freq_factor=float(source["low_freq_factor"]),
+        high_freq_factor=float(source["high_freq_factor"]),
+        original_max_position_embeddings=int(source["original_max_position_embeddings"]),
+    )
+    return float(base), scaling
+
+
+def _refuse_unsupported(config: dict[str, Any], where: str) -> None:
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {config['hidden_act']!r}; only silu (SwiGLU)")
+    if config.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias is not supported")
+    if config.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window is not supported (full attention only)")
+
+
+def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a Llama / Qwen2 decoder config (a Qwen2-VL config's text part
+    too): num_layers, layer, vocab_size, arch."""
+    config = dict(config.get("text_config") or config)
+    kind = config.get("model_type")
+    if kind not in (*TEXT_MODEL_TYPES, "qwen2_vl_text"):
+        raise ValueError(f"{where}: model_type {kind!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
+    _refuse_unsupported(config, where)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    layer = LayerShape(
+        hidden,
+        int(config["intermediate_size"]),
+        heads,
+        int(config.get("num_key_value_heads") or heads),
+        gated_mlp=True,
+        kv_channels=None if head_dim * heads == hidden else int(head_dim),
+    )
+    base, scaling = _rope(config, where)
+    arch = Architecture(
+        rotary_base=base,
+        rope_scaling=scaling,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        # Qwen2 always has q/k/v biases; Llama has them with attention_bias (then o_proj too).
+        qkv_bias=kind != "llama" or bool(config.get("attention_bias")),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+    if kind == "llama" and config.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias (o_proj bias) is not supported")
+    return {
+        "num_layers": int(config["num_hidden_layers"]),
+        "layer": layer,
+        "vocab_size": int(config["vocab_size"]),
+        "arch": arch,
+    }
+
+
+def parse_hf_config_flag(text: str | None, *, modules: list[str]) -> dict[str, str]:
+    """`--dip-hf-config`: "DIR" (for every module that the folder describes) or
+    "MODULE=DIR,..."; returns {module or "": folder}."""
+    if not text:
+        return {}
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, folder = part.partition("=")
+        if not sep:
+            name, folder = "", part
+        if name and name not in modules:
+            raise ValueError(f"{part!r}: the model has no module {name!r} (modules: {modules})")
+        if name in out:
+            raise ValueError(f"{part!r}: module {name or 'default'} given twice")
+        out[name] = folder
+    return out

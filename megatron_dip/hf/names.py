@@ -1,0 +1,108 @@
+"""Which Hugging Face tensors make up each of our global parameters (torch-free).
+
+Each of our global tensors (keyed by global parameter name, `models.init.global_param_name`)
+is the concatenation along dim 0 of row ranges of Hugging Face tensors (`Piece`s):
+
+* most are one whole tensor (embeddings, norms, o_proj -> linear_proj, down_proj -> fc2);
+* Megatron's fused `linear_qkv` holds, for each key/value group in turn, that group's query
+  heads, then its key head, then its value head ([ng, (np/ng + 2), d, h]): pieces of q_proj,
+  k_proj and v_proj per group (their biases alike);
+* a gated MLP's `linear_fc1` is [gate; up] (the global layout of `models.sharded`): gate_proj
+  then up_proj.
+
+Reading rows [a, b) of one of our tensors is then a walk over its pieces (`weights`), which is
+how a tensor-parallel rank reads only its shard; writing a Hugging Face tensor back is the same
+walk inverted. Names of the Transformer Engine layer spec (norms fused into the next linear
+layer) are listed as aliases of the local spec's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_dip.modelspec import ModuleSpec
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, start + rows) of Hugging Face tensor `name` (rows None: all of them)."""
+
+    name: str
+    start: int = 0
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """Our global tensor `key` = the concatenation of `pieces` along dim 0."""
+
+    key: str
+    pieces: tuple[Piece, ...]
+
+
+# Our local-spec names -> the Transformer Engine spec's names of the same tensor.
+_TE_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def qkv_pieces(prefix: str, leaf: str, spec: ModuleSpec) -> tuple[Piece, ...]:
+    """Pieces of Megatron's fused query/key/value weight or bias (`leaf` "weight" / "bias")
+    from q_proj, k_proj, v_proj under `prefix` (module docstring)."""
+    lay = spec.layer
+    d, per_group = lay.head_dim, lay.heads // lay.kv_groups
+    out: list[Piece] = []
+    for g in range(lay.kv_groups):
+        out.append(Piece(f"{prefix}q_proj.{leaf}", g * per_group * d, per_group * d))
+        out.append(Piece(f"{prefix}k_proj.{leaf}", g * d, d))
+        out.append(Piece(f"{prefix}v_proj.{leaf}", g * d, d))
+    return tuple(out)
+
+
+def _layer_maps(spec: ModuleSpec, ours: str, hf: str) -> list[TensorMap]:
+    """The tensors of one decoder layer: ours under `ours`, Hugging Face's under `hf`."""
+    attn = f"{hf}self_attn."
+    maps = [
+        TensorMap(f"{ours}input_layernorm.weight", (Piece(f"{hf}input_layernorm.weight"),)),
+        TensorMap(f"{ours}self_attention.linear_qkv.weight", qkv_pieces(attn, "weight", spec)),
+        TensorMap(f"{ours}self_attention.linear_proj.weight", (Piece(f"{attn}o_proj.weight"),)),
+        TensorMap(
+            f"{ours}pre_mlp_layernorm.weight", (Piece(f"{hf}post_attention_layernorm.weight"),)
+        ),
+        TensorMap(
+            f"{ours}mlp.linear_fc1.weight",
+            (Piece(f"{hf}mlp.gate_proj.weight"), Piece(f"{hf}mlp.up_proj.weight")),
+        ),
+        TensorMap(f"{ours}mlp.linear_fc2.weight", (Piece(f"{hf}mlp.down_proj.weight"),)),
+    ]
+    if spec.arch.qkv_bias:
+        maps.append(
+            TensorMap(f"{ours}self_attention.linear_qkv.bias", qkv_pieces(attn, "bias", spec))
+        )
+    return maps
+
+
+def decoder_maps(
+    spec: ModuleSpec, *, hf_prefix: str = "model.", head: str | None = "lm_head.weight"
+) -> dict[str, TensorMap]:
+    """{our global name: TensorMap} of a Llama / Qwen2 decoder as module `spec` (an LLM or a
+    text encoder). `hf_prefix`: where the decoder's tensors lie ("model." in a *ForCausalLM
+    checkpoint, "model.language_model." in a transformers-5 Qwen2-VL one); `head`: the output
+    projection's name (the LLM's head when its embeddings are untied)."""
+    m = spec.name
+    maps = [
+        TensorMap(f"{m}.pre.word_embeddings.weight", (Piece(f"{hf_prefix}embed_tokens.weight"),))
+    ]
+    for i in range(spec.num_layers):
+        maps += _layer_maps(spec, f"{m}.layers.{i}.", f"{hf_prefix}layers.{i}.")
+    maps.append(TensorMap(f"{m}.post.final_norm.weight", (Piece(f"{hf_prefix}norm.weight"),)))
+    if spec.kind == "llm" and not spec.arch.tie_embeddings and head is not None:
+        maps.append(TensorMap(f"{m}.post.output_layer.weight", (Piece(head),)))
+    out = {t.key: t for t in maps}
+    for t in maps:
+        for local, te in _TE_ALIASES.items():
+            if t.key.endswith(local):
+                alias = t.key[: -len(local)] + te
+                out[alias] = TensorMap(alias, t.pieces)
+    return out

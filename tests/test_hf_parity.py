@@ -1,0 +1,110 @@
+"""Our chunks against Hugging Face `transformers` on the same weights (megatron_dip.hf):
+tiny random Llama (tied and untied, llama3 rope scaling) and Qwen2 (q/k/v biases) decoders,
+fp32, two documents packed in one sequence. Logits and loss must agree to 1e-4."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_models import LAYERS, VOCAB, llm_only, save_llama, save_qwen2
+
+from megatron_dip.data.sample import Sample
+from megatron_dip.hf.names import decoder_maps
+from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk
+from megatron_dip.modalities import build_module_chunks, build_sub_batch
+from megatron_dip.models import ModelConfig
+from megatron_dip.models.chunk import ModelGroups
+from megatron_dip.schedule.ir import SubMicrobatch
+
+SEQ = 96
+DOCS = (41, 37)  # two documents packed in one sequence, then padding
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def groups(single_rank_world) -> ModelGroups:
+    from megatron_dip.cpu_support import seed_model_parallel_rng
+
+    seed_model_parallel_rng(0)  # Megatron's attention reads its RNG tracker
+    return ModelGroups(tp=single_rank_world, cp=single_rank_world)
+
+
+def _documents() -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(1, VOCAB, size=n).astype(np.int64) for n in DOCS]
+
+
+def _our_chunk(folder, groups):
+    model = llm_only(folder)
+    (chunk,) = build_module_chunks(
+        model, "llm", [(0, LAYERS)], config=ModelConfig(dtype="float32"), groups=groups
+    )
+    kept = fill_chunk(chunk, SafetensorsFolder(folder), decoder_maps(model.module("llm")))
+    assert kept == []  # every parameter comes from the checkpoint
+    return model, chunk
+
+
+def _our_logits_and_loss(model, chunk, docs):
+    samples = [Sample(i, d) for i, d in enumerate(docs)]
+    sub = SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ)
+    batch = build_sub_batch(model, samples, sub, seq_length=SEQ, seed=0)
+    with torch.no_grad():
+        state = chunk.parts.embed(chunk, [], batch)
+        hidden = chunk.post.final_norm(chunk.parts.run_layers(chunk, state, batch))
+        tied = chunk.module_spec.arch.tie_embeddings
+        weight = chunk.pre.word_embeddings.weight if tied else None
+        logits, _ = chunk.post.output_layer(hidden, weight=weight)
+        out = chunk(inputs=[], batch=batch)
+    return logits[:, 0], out["loss"], int(out["num_tokens"])
+
+
+def _reference(hf_model, docs):
+    """Per-document logits of the Hugging Face model and its summed next-token loss."""
+    logits, total = [], 0.0
+    with torch.no_grad():
+        for d in docs:
+            ids = torch.from_numpy(d)[None]
+            out = hf_model(input_ids=ids, labels=ids)
+            logits.append(out.logits[0])
+            total += float(out.loss) * (len(d) - 1)
+    return logits, total
+
+
+def _compare(folder, hf_model, groups) -> float:
+    model, chunk = _our_chunk(folder, groups)
+    docs = _documents()
+    ours, loss, tokens = _our_logits_and_loss(model, chunk, docs)
+    theirs, total = _reference(hf_model, docs)
+    start, worst = 0, 0.0
+    for d, ref in zip(docs, theirs, strict=True):
+        worst = max(worst, float((ours[start : start + len(d)] - ref).abs().max()))
+        start += len(d)
+    assert tokens == sum(len(d) - 1 for d in docs)
+    assert float(loss) == pytest.approx(total, rel=1e-5)
+    return worst
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_with_llama3_rope_scaling_matches_transformers(tmp_path, groups, tied):
+    hf_model = save_llama(tmp_path, tied=tied)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
+def test_qwen2_with_qkv_biases_matches_transformers(tmp_path, groups):
+    hf_model = save_qwen2(tmp_path)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
+def test_the_architecture_options_matter(tmp_path, groups):
+    """Without the llama3 scaling (what the presets built before) the logits differ: the
+    comparison above can fail."""
+    hf_model = save_llama(tmp_path, tied=False)
+    model, chunk = _our_chunk(tmp_path, groups)
+    plain = model.replace_module("llm", arch={"rope_scaling": None})
+    chunk.module_spec = plain.module("llm")
+    chunk.model_spec = plain
+    docs = _documents()
+    ours, _, _ = _our_logits_and_loss(plain, chunk, docs)
+    theirs, _ = _reference(hf_model, docs)
+    assert float((ours[: DOCS[0]] - theirs[0]).abs().max()) > 100 * TOLERANCE
