@@ -23,6 +23,7 @@ from megatron_dip.data.tokenizer import (
 from megatron_dip.modalities import ScatterProducer, check_model, modality_of
 from megatron_dip.modelspec import MultimodalSpec
 
+from .architecture import apply_architecture
 from .arguments import TrainConfig
 from .config_error import ConfigError
 from .config_error import fail as _fail
@@ -58,10 +59,15 @@ def run_tokenizer(config: TrainConfig) -> tuple[TokenizerSpec, Tokenizer]:
         raise ConfigError(str(e)) from None
 
 
-def _text_updates(config: TrainConfig, tokenizer: Tokenizer, *, tp: int) -> dict:
+def _text_updates(
+    config: TrainConfig, tokenizer: Tokenizer, *, tp: int, hf_vocab: int | None = None
+) -> dict:
     """A text module's --vocab-size, and with a real tokenizer its padded vocabulary (Megatron's
-    rule, --make-vocab-size-divisible-by x TP) and its pad id."""
+    rule, --make-vocab-size-divisible-by x TP; a Hugging Face config's `hf_vocab` instead: its
+    weights have that many rows) and its pad id."""
     vocab, updates = config.model.vocab_size, {}
+    if vocab is None and hf_vocab is not None:
+        vocab = hf_vocab
     if vocab is not None:
         if vocab < 3:
             raise _fail("--vocab-size", f"must be >= 3 (PAD, IMAGE and text), got {vocab}")
@@ -97,7 +103,8 @@ def _placeholder(spec, tokenizer: Tokenizer) -> int | None:
 
 def _model(config: TrainConfig, preset: RunPreset, tokenizer: Tokenizer) -> MultimodalSpec:
     m = config.model
-    model = preset.model()
+    base = preset.model()
+    model = apply_architecture(config, base)
     loss = model.loss_module.name
     tp = config.parallel.tensor_model_parallel_size or 1
     changed = []
@@ -110,7 +117,9 @@ def _model(config: TrainConfig, preset: RunPreset, tokenizer: Tokenizer) -> Mult
                 raise _fail(flag, f"must be >= 1, got {layers}")
             updates["num_layers"] = layers
         if spec.vocab_size > 0:
-            updates.update(_text_updates(config, tokenizer, tp=tp))
+            from_hf = spec.vocab_size != base.module(spec.name).vocab_size
+            hf_vocab = spec.vocab_size if from_hf else None
+            updates.update(_text_updates(config, tokenizer, tp=tp, hf_vocab=hf_vocab))
         token = _placeholder(spec, tokenizer)
         if token is not None:
             updates["placeholder_id"] = token
