@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_dip.modelspec import Architecture, LayerShape, RopeScaling
+from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, RopeScaling
 
 TEXT_MODEL_TYPES = ("llama", "qwen2")
 CONFIG_FILE = "config.json"
@@ -115,3 +115,43 @@ def parse_hf_config_flag(text: str | None, *, modules: list[str]) -> dict[str, s
             raise ValueError(f"{part!r}: module {name or 'default'} given twice")
         out[name] = folder
     return out
+
+
+def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, Any]:
+    """The `config.json` of module `spec` (an LLM or a text encoder) as a Hugging Face Llama
+    (no q/k/v biases) or Qwen2 (biases) model: the inverse of `text_module_fields`."""
+    lay, arch = spec.layer, spec.arch
+    qwen = arch.qkv_bias
+    kind = "qwen2" if qwen else "llama"
+    head = "ForCausalLM" if spec.kind == "llm" else "Model"
+    rope: dict[str, Any] = {"rope_theta": arch.rotary_base, "rope_type": "default"}
+    if arch.rope_scaling is not None:
+        s = arch.rope_scaling
+        rope = {
+            "rope_theta": arch.rotary_base, "rope_type": s.rope_type, "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }  # fmt: skip
+    config = {
+        "architectures": [("Qwen2" if qwen else "Llama") + head],
+        "model_type": kind,
+        "hidden_size": lay.hidden,
+        "intermediate_size": lay.ffn,
+        "num_attention_heads": lay.heads,
+        "num_key_value_heads": lay.kv_groups,
+        "head_dim": lay.head_dim,
+        "num_hidden_layers": spec.num_layers,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": arch.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": arch.tie_embeddings,
+        "max_position_embeddings": max_positions,
+        # transformers 5 reads rope_parameters; older releases rope_theta and rope_scaling
+        "rope_parameters": rope,
+        "rope_theta": arch.rotary_base,
+        "rope_scaling": None if arch.rope_scaling is None else rope,
+        "torch_dtype": "float32",
+    }
+    if not qwen:
+        config.update(attention_bias=False, mlp_bias=False)
+    return config

@@ -25,7 +25,9 @@ from megatron_dip.modelspec import ModuleSpec
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [start, start + rows) of Hugging Face tensor `name` (rows None: all of them)."""
+    """Rows [start, start + rows) of Hugging Face tensor `name` (rows None: all of them, only
+    where the piece is the whole of our tensor: then ours may have more rows, e.g. a padded
+    vocabulary)."""
 
     name: str
     start: int = 0
@@ -72,7 +74,10 @@ def _layer_maps(spec: ModuleSpec, ours: str, hf: str) -> list[TensorMap]:
         ),
         TensorMap(
             f"{ours}mlp.linear_fc1.weight",
-            (Piece(f"{hf}mlp.gate_proj.weight"), Piece(f"{hf}mlp.up_proj.weight")),
+            (
+                Piece(f"{hf}mlp.gate_proj.weight", 0, spec.layer.ffn),
+                Piece(f"{hf}mlp.up_proj.weight", 0, spec.layer.ffn),
+            ),
         ),
         TensorMap(f"{ours}mlp.linear_fc2.weight", (Piece(f"{hf}mlp.down_proj.weight"),)),
     ]
@@ -81,6 +86,15 @@ def _layer_maps(spec: ModuleSpec, ours: str, hf: str) -> list[TensorMap]:
             TensorMap(f"{ours}self_attention.linear_qkv.bias", qkv_pieces(attn, "bias", spec))
         )
     return maps
+
+
+def decoder_prefix(names) -> str:
+    """Where a decoder's tensors lie in a checkpoint holding `names`: "model." (*ForCausalLM),
+    "model.language_model." (transformers-5 Qwen2-VL) or "" (a bare LlamaModel / Qwen2Model)."""
+    for prefix in ("model.language_model.", "model.", ""):
+        if f"{prefix}embed_tokens.weight" in names:
+            return prefix
+    raise ValueError("no embed_tokens.weight in the checkpoint: not a Llama / Qwen2 decoder")
 
 
 def decoder_maps(

@@ -58,34 +58,38 @@ def _changed(spec: ModuleSpec, *, shape: dict, arch: dict, flag: str) -> ModuleS
         raise _fail(flag, f"module {spec.name!r}: {e}") from None
 
 
-def _hf_targets(model: MultimodalSpec, name: str, folder: str) -> list[ModuleSpec]:
-    if name:
-        return [model.module(name)]
-    found = [m for m in model.modules if modality_of(m).reads_text]
-    if not found:
-        raise _fail("--dip-hf-config", f"{folder}: the model has no text module for it")
-    return found
+def hf_folders(config: TrainConfig, model: MultimodalSpec) -> dict[str, str]:
+    """{module name: Hugging Face folder} of --dip-hf-config: a bare DIR describes every text
+    module (the LLM or the text encoder)."""
+    try:
+        given = parse_hf_config_flag(
+            config.architecture.dip_hf_config, modules=[m.name for m in model.modules]
+        )
+    except ValueError as e:
+        raise _fail("--dip-hf-config", str(e)) from None
+    out = {}
+    for name, folder in given.items():
+        targets = [name] if name else [m.name for m in model.modules if modality_of(m).reads_text]
+        if not targets:
+            raise _fail("--dip-hf-config", f"{folder}: the model has no text module for it")
+        for target in targets:
+            if not modality_of(model.module(target)).reads_text:
+                raise _fail(
+                    "--dip-hf-config",
+                    f"module {target!r}: only text modules (LLM, text encoder) are read from a "
+                    "Hugging Face config",
+                )
+            out.setdefault(target, folder)
+    return out
 
 
 def _apply_hf_configs(config: TrainConfig, model: MultimodalSpec) -> MultimodalSpec:
-    text = config.architecture.dip_hf_config
-    try:
-        folders = parse_hf_config_flag(text, modules=[m.name for m in model.modules])
-    except ValueError as e:
-        raise _fail("--dip-hf-config", str(e)) from None
-    for name, folder in folders.items():
+    for name, folder in hf_folders(config, model).items():
         try:
-            hf = read_config(folder)
-            for target in _hf_targets(model, name, folder):
-                if not modality_of(target).reads_text:
-                    raise ValueError(
-                        f"module {target.name!r} ({target.kind}): only text modules (LLM, text "
-                        "encoder) are read from a Hugging Face config"
-                    )
-                fields = text_module_fields(hf, where=f"{folder}/config.json")
-                model = model.replace_module(target.name, **fields)
+            fields = text_module_fields(read_config(folder), where=f"{folder}/config.json")
         except ValueError as e:
             raise _fail("--dip-hf-config", str(e)) from None
+        model = model.replace_module(name, **fields)
     return model
 
 
