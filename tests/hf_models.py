@@ -37,14 +37,15 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
 
 
-def save_llama(folder: Path, *, tied: bool, scaling: bool = True, seed: int = 0):
+def save_llama(
+    folder: Path, *, tied: bool, scaling: bool = True, seed: int = 0, layers: int = LAYERS
+):
     """A tiny LlamaForCausalLM (rope base 5e5, eps 1e-5, llama3 scaling) saved to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rope = {"rope_theta": 500000.0, **(LLAMA3_SCALING if scaling else {"rope_type": "default"})}
-    config = LlamaConfig(
-        **_common(rms_norm_eps=1e-5, tie_word_embeddings=tied), rope_parameters=rope
-    )
+    fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=tied, num_hidden_layers=layers)
+    config = LlamaConfig(**fields, rope_parameters=rope)
     return _save(LlamaForCausalLM(config), folder, seed)
 
 

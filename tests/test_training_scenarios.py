@@ -46,7 +46,15 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
 
 
 def world4(
-    *, rank: int, world_size: int, data: str, tmp: str, bad_data: str, energon: str, tokenizer: str
+    *,
+    rank: int,
+    world_size: int,
+    data: str,
+    tmp: str,
+    bad_data: str,
+    energon: str,
+    tokenizer: str,
+    hf_llama: str,
 ) -> dict:
     """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints (saved in the
     background), evaluation and traces; then resume at iteration 3 (same layout and at PP=4);
@@ -120,6 +128,7 @@ def world4(
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
+    out.update(finetune_runs(base, hf=hf_llama, tmp=tmp, world_size=world_size))
     out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
@@ -210,6 +219,39 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
             "--overlap-grad-reduce", "--recompute-granularity", "full",
             "--recompute-method", "block", "--recompute-num-layers", "2",
         ],
+    }.items():  # fmt: skip
+        out[name] = run(argv, world_size=world_size)
+    return out
+
+
+def finetune_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dict:
+    """A Hugging Face Llama imported at TP=2 x PP=2 by the 4 ranks (each reading its slices),
+    then fine-tuned from it: --pretrained-checkpoint at TP=2 x PP=2 for 6 iterations, --load
+    --finetune at PP=1 x DP=4 for 1, --dip-pretrained llm=... for 1, and from scratch for 1
+    (per-token loss: the same objective under every layout)."""
+    from megatron_dip.training.architecture import hf_folders
+    from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.data_config import model_spec
+    from megatron_dip.training.hf_checkpoint import import_hf
+    from megatron_dip.training.validate import apply_preset
+
+    imported = os.path.join(tmp, "hf_import")
+    flags = base + ["--dip-hf-config", f"llm={hf}", "--dip-lookahead", "0"]
+    flags += ["--calculate-per-token-loss", "--dip-calibration-frozen"]
+    config, preset = apply_preset(parse_config(flags))
+    model, _, _ = model_spec(config, preset)
+    result = import_hf(
+        model=model, folders=hf_folders(config, model), save=imported, tp=2, pp=2, seed=7
+    )
+    out = {"import_bytes": result.bytes_read, "import_initialised": list(result.initialised)}
+    out["hf_dir"] = hf
+    tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    for name, argv in {
+        "finetune_tp2pp2": flags + tp2pp2 + ["--pretrained-checkpoint", imported]
+        + ["--train-iters", "6"],
+        "finetune_pp1": flags + ["--load", imported, "--finetune", "--train-iters", "1"],
+        "finetune_module": flags + ["--dip-pretrained", f"llm={imported}", "--train-iters", "1"],
+        "finetune_scratch": flags + ["--train-iters", "1"],
     }.items():  # fmt: skip
         out[name] = run(argv, world_size=world_size)
     return out

@@ -75,6 +75,16 @@ def _groups(*, tp: int, pp: int):
     return ModelGroups(tp=tp_group, cp=single, embedding=single)
 
 
+def _import_maps(module: ModuleSpec, source: SafetensorsFolder) -> dict:
+    """The tensor maps of `module` in `source`; an untied head of a checkpoint whose embeddings
+    are tied (no lm_head) starts as a copy of the input embedding."""
+    prefix = decoder_prefix(source.where)
+    head = "lm_head.weight"
+    if head not in source.where:
+        head = f"{prefix}embed_tokens.weight"
+    return decoder_maps(module, hf_prefix=prefix, head=head)
+
+
 def import_hf(
     *,
     model: MultimodalSpec,
@@ -103,7 +113,7 @@ def import_hf(
         if folder is not None:
             source = SafetensorsFolder(folder)
             module = model.module(spec.module)
-            maps = decoder_maps(module, hf_prefix=decoder_prefix(source.where))
+            maps = _import_maps(module, source)
             kept += fill_chunk(chunk, source, maps)
             read += source.bytes_read
         else:
