@@ -57,6 +57,7 @@ class LayerShape:
 
 ACTIVATIONS = ("gelu", "quick_gelu", "silu")  # silu with gated_mlp: SwiGLU
 PATCH_EMBEDDINGS = ("linear", "conv3d")
+ROTARY_LAYOUTS = ("interleaved", "blocked")
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,10 @@ class Architecture:
     Megatron's add_qkv_bias); `tie_embeddings`: the LLM output head is the input embedding;
     `activation`: the MLP activation (None: the kind's default, SwiGLU for gated MLPs, else GELU);
     `patch_embedding`: "linear" (a linear layer with bias on flattened patches) or "conv3d"
-    (Qwen2-VL: a bias-free Conv3d with temporal kernel 2, i.e. frames stacked per patch).
+    (Qwen2-VL: a bias-free Conv3d with temporal kernel 2, i.e. frames stacked per patch);
+    `rotary_layout` of multi-axis rotary positions: "interleaved" (frequency slot j rotates with
+    axis j mod A) or "blocked" (Qwen2-VL's vision tower: the first slots with the rows, the
+    next with the columns).
     """
 
     rotary_base: float = 10000.0
@@ -103,8 +107,11 @@ class Architecture:
     tie_embeddings: bool = False
     activation: str | None = None
     patch_embedding: str = "linear"
+    rotary_layout: str = "interleaved"
 
     def __post_init__(self) -> None:
+        if self.rotary_layout not in ROTARY_LAYOUTS:
+            raise ValueError(f"rotary_layout {self.rotary_layout!r} is not one of {ROTARY_LAYOUTS}")
         if not self.rotary_base > 0:
             raise ValueError(f"rotary_base must be positive, got {self.rotary_base}")
         if not self.norm_eps > 0:

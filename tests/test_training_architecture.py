@@ -18,6 +18,9 @@ def _resolve(*extra: str, base=BASE):
     return resolve(parse_config([*base, *extra]), world_size=1, cuda=False)
 
 
+ONE_LLM_CHUNK = ("--dip-segments", "vit=1,llm=1")  # tied embeddings train inside one chunk
+
+
 def _hf_llama_config(folder, **changes):
     from transformers import LlamaConfig
 
@@ -44,7 +47,7 @@ def test_presets_carry_the_real_values_of_their_models():
 
 
 def test_hf_config_gives_the_llm_and_the_vit_follows(tmp_path):
-    spec = _resolve("--dip-hf-config", f"llm={_hf_llama_config(tmp_path)}")
+    spec = _resolve("--dip-hf-config", f"llm={_hf_llama_config(tmp_path)}", *ONE_LLM_CHUNK)
     llm = spec.model.module("llm")
     assert (llm.layer.hidden, llm.layer.ffn, llm.layer.heads, llm.layer.kv_groups) == (48, 96, 4, 2)
     assert llm.num_layers == 3 and llm.vocab_size == 128
@@ -52,12 +55,12 @@ def test_hf_config_gives_the_llm_and_the_vit_follows(tmp_path):
     assert llm.arch.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 512)
     assert spec.model.module("vit").out_hidden == 48  # the projector feeds the new width
     # --num-layers still wins over the config (a shorter model for a test run)
-    assert (
-        _resolve("--dip-hf-config", str(tmp_path), "--num-layers", "2")
-        .model.module("llm")
-        .num_layers
-        == 2
-    )
+    shorter = _resolve("--dip-hf-config", str(tmp_path), "--num-layers", "2", *ONE_LLM_CHUNK)
+    assert shorter.model.module("llm").num_layers == 2
+    with pytest.raises(ConfigError, match="^--untie-embeddings-and-output-weights: .*2 chunks"):
+        _resolve("--dip-hf-config", str(tmp_path))  # the preset's two LLM segments
+    untied = _resolve("--dip-hf-config", str(tmp_path), "--untie-embeddings-and-output-weights")
+    assert not untied.model.module("llm").arch.tie_embeddings
 
 
 @pytest.mark.parametrize(
@@ -79,7 +82,7 @@ def test_hf_config_flag_errors_name_the_flag(tmp_path):
         _resolve("--dip-hf-config", str(tmp_path))
     with pytest.raises(ConfigError, match="^--dip-hf-config: .*no module 'dit'"):
         _resolve("--dip-hf-config", f"dit={tmp_path}")
-    with pytest.raises(ConfigError, match="^--dip-hf-config: .*only text modules"):
+    with pytest.raises(ConfigError, match="^--dip-hf-config: .*does not describe module 'vit'"):
         _resolve("--dip-hf-config", f"vit={_hf_llama_config(tmp_path)}")
 
 

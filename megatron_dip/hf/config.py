@@ -16,6 +16,7 @@ from typing import Any
 from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, RopeScaling
 
 TEXT_MODEL_TYPES = ("llama", "qwen2")
+VLM_MODEL_TYPES = ("qwen2_vl",)
 CONFIG_FILE = "config.json"
 
 
@@ -39,7 +40,7 @@ def _rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None
     legacy = config.get("rope_scaling") or {}
     base = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-    if kind == "default":
+    if kind in ("default", "mrope"):  # "mrope": Qwen2-VL's sections, read by the caller
         return float(base), None
     if kind != "llama3":
         raise ValueError(f"{where}: rope type {kind!r} is not supported (default, llama3)")
@@ -67,7 +68,7 @@ def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> d
     too): num_layers, layer, vocab_size, arch."""
     config = dict(config.get("text_config") or config)
     kind = config.get("model_type")
-    if kind not in (*TEXT_MODEL_TYPES, "qwen2_vl_text"):
+    if kind not in (*TEXT_MODEL_TYPES, *VLM_MODEL_TYPES, "qwen2_vl_text"):
         raise ValueError(f"{where}: model_type {kind!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
     _refuse_unsupported(config, where)
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
@@ -81,9 +82,13 @@ def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> d
         kv_channels=None if head_dim * heads == hidden else int(head_dim),
     )
     base, scaling = _rope(config, where)
+    sections = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get(
+        "mrope_section"
+    )
     arch = Architecture(
         rotary_base=base,
         rope_scaling=scaling,
+        mrope_sections=None if sections is None else tuple(sections),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         # Qwen2 always has q/k/v biases; Llama has them with attention_bias (then o_proj too).
         qkv_bias=kind != "llama" or bool(config.get("attention_bias")),
@@ -95,6 +100,38 @@ def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> d
         "num_layers": int(config["num_hidden_layers"]),
         "layer": layer,
         "vocab_size": int(config["vocab_size"]),
+        "arch": arch,
+    }
+
+
+def vision_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a Qwen2-VL vision tower (the `vision_config` of a Qwen2-VL
+    config): layers, shape, patch and merge sizes, the LLM width it projects to, its
+    placeholder (`image_token_id`) and options (LayerNorm 1e-6, quick_gelu, Conv3d patches,
+    blocked 2-D rotary)."""
+    if config.get("model_type") not in VLM_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {config.get('model_type')!r} has no vision tower "
+                         f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
+    vision = config["vision_config"]
+    if int(vision.get("temporal_patch_size", 2)) != 2:
+        raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
+    act = vision.get("hidden_act", "quick_gelu")
+    if act not in ("quick_gelu", "gelu"):
+        raise ValueError(f"{where}: vision hidden_act {act!r}; supported: quick_gelu, gelu")
+    dim, heads = int(vision["embed_dim"]), int(vision["num_heads"])
+    layer = LayerShape(dim, int(dim * vision.get("mlp_ratio", 4)), heads, heads)
+    arch = Architecture(
+        rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        norm_eps=1e-6, activation=act, patch_embedding="conv3d", rotary_layout="blocked",
+    )  # fmt: skip
+    return {
+        "num_layers": int(vision["depth"]),
+        "layer": layer,
+        "patch_size": int(vision["patch_size"]),
+        "in_channels": int(vision.get("in_channels", 3)),
+        "merge": int(vision["spatial_merge_size"]),
+        "out_hidden": int(vision["hidden_size"]),
+        "placeholder_id": int(config["image_token_id"]),
         "arch": arch,
     }
 
@@ -155,3 +192,19 @@ def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, 
     if not qwen:
         config.update(attention_bias=False, mlp_bias=False)
     return config
+
+
+# What a Hugging Face config gives each kind of module (the kinds we read weights for).
+FIELDS_OF_KIND = {
+    "llm": text_module_fields,
+    "text_encoder": text_module_fields,
+    "vit": vision_module_fields,
+}
+
+
+def describes(config: dict[str, Any], kind: str) -> bool:
+    """Whether a Hugging Face `config` describes a module of `kind`."""
+    model_type = config.get("model_type")
+    if kind == "vit":
+        return model_type in VLM_MODEL_TYPES
+    return kind in FIELDS_OF_KIND and model_type in (*TEXT_MODEL_TYPES, *VLM_MODEL_TYPES)

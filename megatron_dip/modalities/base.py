@@ -351,18 +351,18 @@ class Modality:
         """`layers` on state["hidden"] with this modality's masks and rotary tables (cached in
         the batch, shared by all chunks of the sub-microbatch). `groups`: the chunk's
         `ModelGroups` (None: one rank, as the profiler runs)."""
-        from megatron_dip.models.common import cached, rotary_table, segment_mask
+        from megatron_dip.models.common import cached, segment_mask
+        from megatron_dip.models.rope import rotary_of
 
         del groups
         dtype = state["hidden"].dtype
         head_dim = spec.layer.head_dim
         mask = cached(batch, ("mask", causal), lambda: segment_mask(batch.segments, causal=causal))
-        scaling = spec.arch.rope_scaling
         rotary = cached(
             batch,
-            ("rotary", head_dim, rotary_base, scaling, dtype),
-            lambda: rotary_table(
-                batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype, scaling=scaling
+            ("rotary", head_dim, rotary_base, spec.arch, dtype),
+            lambda: rotary_of(
+                spec.arch, batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype
             ),
         )
         hidden = state["hidden"]

@@ -41,6 +41,8 @@ def mrope_table(
     and the last s2 the width (`sections`). Text tokens carry equal positions on all axes, so
     there M-RoPE equals the 1-D rotary embedding."""
     slots = head_dim // 2
+    if positions.shape[1] == 1:  # text only: the same position on every axis
+        positions = positions.expand(-1, len(sections))
     if sum(sections) != slots:
         raise ValueError(f"mrope sections {sections} must sum to head_dim / 2 = {slots}")
     j = torch.arange(slots, device=positions.device)
@@ -52,3 +54,18 @@ def mrope_table(
     angles = positions[:, axis].to(torch.float64) * inv_freq[None, :]
     table = torch.cat([angles, angles], dim=-1)
     return table[:, None, None, :].to(dtype)
+
+
+def rotary_of(arch, positions: torch.Tensor, *, head_dim: int, base: float, dtype):
+    """The rotary table of a module with `modelspec.Architecture` `arch` for its positions:
+    M-RoPE where it has sections, else `common.rotary_table` with its scaling and layout."""
+    from .common import rotary_table
+
+    if arch.mrope_sections is not None:
+        return mrope_table(
+            positions, head_dim=head_dim, base=base, sections=arch.mrope_sections, dtype=dtype
+        )
+    return rotary_table(
+        positions, head_dim=head_dim, base=base, dtype=dtype, scaling=arch.rope_scaling,
+        layout=arch.rotary_layout,
+    )  # fmt: skip

@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_dip.hf.config import parse_hf_config_flag, read_config, text_module_fields
-from megatron_dip.modalities import modality_of
+from megatron_dip.hf.config import FIELDS_OF_KIND, describes, parse_hf_config_flag, read_config
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec, RopeScaling
 
 from .arguments import TrainConfig
@@ -59,34 +58,36 @@ def _changed(spec: ModuleSpec, *, shape: dict, arch: dict, flag: str) -> ModuleS
 
 
 def hf_folders(config: TrainConfig, model: MultimodalSpec) -> dict[str, str]:
-    """{module name: Hugging Face folder} of --dip-hf-config: a bare DIR describes every text
-    module (the LLM or the text encoder)."""
+    """{module name: Hugging Face folder} of --dip-hf-config: a bare DIR describes every
+    module its config.json describes (a Llama / Qwen2 folder the text modules, a Qwen2-VL folder
+    the ViT too)."""
     try:
         given = parse_hf_config_flag(
             config.architecture.dip_hf_config, modules=[m.name for m in model.modules]
         )
+        out = {}
+        for name, folder in given.items():
+            hf = read_config(folder)
+            modules = [model.module(name)] if name else model.modules
+            targets = [m for m in modules if describes(hf, m.kind)]
+            if not targets or (name and len(targets) != 1):
+                what = f"module {name!r} ({modules[0].kind})" if name else "any module of the model"
+                raise ValueError(
+                    f"{folder}: a {hf.get('model_type')!r} config does not describe {what} "
+                    "(read: llm and text_encoder from llama / qwen2 / qwen2_vl, vit from qwen2_vl)"
+                )
+            for target in targets:
+                out.setdefault(target.name, folder)
     except ValueError as e:
         raise _fail("--dip-hf-config", str(e)) from None
-    out = {}
-    for name, folder in given.items():
-        targets = [name] if name else [m.name for m in model.modules if modality_of(m).reads_text]
-        if not targets:
-            raise _fail("--dip-hf-config", f"{folder}: the model has no text module for it")
-        for target in targets:
-            if not modality_of(model.module(target)).reads_text:
-                raise _fail(
-                    "--dip-hf-config",
-                    f"module {target!r}: only text modules (LLM, text encoder) are read from a "
-                    "Hugging Face config",
-                )
-            out.setdefault(target, folder)
     return out
 
 
 def _apply_hf_configs(config: TrainConfig, model: MultimodalSpec) -> MultimodalSpec:
     for name, folder in hf_folders(config, model).items():
+        read = FIELDS_OF_KIND[model.module(name).kind]
         try:
-            fields = text_module_fields(read_config(folder), where=f"{folder}/config.json")
+            fields = read(read_config(folder), where=f"{folder}/config.json")
         except ValueError as e:
             raise _fail("--dip-hf-config", str(e)) from None
         model = model.replace_module(name, **fields)
