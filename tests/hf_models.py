@@ -67,7 +67,46 @@ def _save(model, folder: Path, seed: int):
     return model
 
 
+def qwen2_vl_model(folder: Path) -> MultimodalSpec:
+    """Our ViT + LLM model of the Qwen2-VL folder (`hf.config`)."""
+    from megatron_dip.hf.config import vision_module_fields
+
+    config = read_config(folder)
+    vit = ModuleSpec("vit", "vit", feeds="llm", **vision_module_fields(config))
+    llm = ModuleSpec("llm", "llm", **text_module_fields(config))
+    return MultimodalSpec("hf-qwen2-vl", (vit, llm))
+
+
 def llm_only(folder: Path, *, name: str = "llm", kind: str = "llm") -> MultimodalSpec:
     """A one-module model whose LLM is the Hugging Face model in `folder`."""
     fields = text_module_fields(read_config(folder))
     return MultimodalSpec("hf-llm", (ModuleSpec(name, kind, **fields),))
+
+
+IMAGE_TOKEN_ID = 5  # Qwen2-VL's image placeholder in the tiny vocabulary (6-8: video/vision tags)
+VISION_PATCH, VISION_MERGE = 4, 2
+
+
+def save_qwen2_vl(folder: Path, *, seed: int = 0):
+    """A tiny Qwen2VLForConditionalGeneration (vision tower 2 x 32, 4-px patches, 2x2 merge,
+    quick_gelu; Qwen2 LLM with M-RoPE sections 2/1/1 of its 4 frequency slots) saved."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = _common(rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None)
+    text["eos_token_id"] = None
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1e6,
+        "mrope_section": [2, 1, 1],
+    }
+    vision = {
+        "depth": 2, "embed_dim": HIDDEN, "hidden_size": HIDDEN, "num_heads": HEADS,
+        "mlp_ratio": 2, "patch_size": VISION_PATCH, "spatial_merge_size": VISION_MERGE,
+        "temporal_patch_size": 2, "in_channels": 3,
+    }  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
+        bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    return _save(Qwen2VLForConditionalGeneration(config), folder, seed)

@@ -1,6 +1,8 @@
 """Our chunks against Hugging Face `transformers` on the same weights (megatron_dip.hf):
 tiny random Llama (tied and untied, llama3 rope scaling) and Qwen2 (q/k/v biases) decoders,
-fp32, two documents packed in one sequence. Logits and loss must agree to 1e-4."""
+fp32, two documents packed in one sequence; Qwen2-VL (vision tower with Conv3d patches, blocked
+2-D rotary, quick_gelu and merger; LLM with M-RoPE) on two images of different sizes in one
+sequence. Logits and loss must agree to 1e-4."""
 
 from __future__ import annotations
 
@@ -108,3 +110,76 @@ def test_the_architecture_options_matter(tmp_path, groups):
     ours, _, _ = _our_logits_and_loss(plain, chunk, docs)
     theirs, _ = _reference(hf_model, docs)
     assert float((ours[: DOCS[0]] - theirs[0]).abs().max()) > 100 * TOLERANCE
+
+
+def _vl_sample(rng):
+    """Text, a 16x24-px image (4x6 patches -> 2x3 LLM tokens), text, a 16x16 one (2x2), text."""
+    from hf_models import IMAGE_TOKEN_ID
+
+    images = [rng.standard_normal((3, 16, 24)), rng.standard_normal((3, 16, 16))]
+    text = [rng.integers(9, VOCAB, 10), np.full(6, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 7)]
+    text += [np.full(4, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 9)]
+    images = [i.astype(np.float32) for i in images]
+    return Sample(0, np.concatenate(text).astype(np.int64), {"vit": images})
+
+
+def _hf_vl_reference(hf_model, sample, spec):
+    """Image embeddings, logits and summed next-token loss of the Hugging Face model (the
+    patches in its image processor's layout: what our conv3d patchify writes)."""
+    from megatron_dip.modalities.vit import patchify_image
+
+    pixels = [
+        patchify_image(i, patch=spec.patch_size, merge=spec.merge, frames=2)[0]
+        for i in sample.media["vit"]
+    ]  # fmt: skip
+    grid = [
+        [1, i.shape[1] // spec.patch_size, i.shape[2] // spec.patch_size]
+        for i in sample.media["vit"]
+    ]
+    ids = torch.from_numpy(sample.text)[None]
+    kwargs = {
+        "input_ids": ids, "pixel_values": torch.from_numpy(np.concatenate(pixels)),
+        "image_grid_thw": torch.tensor(grid), "mm_token_type_ids": (ids == spec.placeholder_id).int(),
+    }  # fmt: skip
+    with torch.no_grad():
+        features = hf_model.model.get_image_features(
+            kwargs["pixel_values"], kwargs["image_grid_thw"]
+        )
+        out = hf_model(**kwargs, labels=ids.masked_fill(ids == spec.placeholder_id, -100))
+    embeds = torch.cat(list(features.pooler_output), dim=0)
+    return embeds, out.logits[0], out.loss
+
+
+def test_qwen2_vl_vision_tower_and_mrope_llm_match_transformers(tmp_path, groups):
+    from hf_models import qwen2_vl_model, save_qwen2_vl
+
+    from megatron_dip.hf.names import module_maps
+
+    hf_model = save_qwen2_vl(tmp_path)
+    model = qwen2_vl_model(tmp_path)
+    source, config = SafetensorsFolder(tmp_path), ModelConfig(dtype="float32")
+    chunks = {}
+    for m in model.modules:
+        (chunks[m.name],) = build_module_chunks(
+            model, m.name, [(0, m.num_layers)], config=config, groups=groups
+        )
+        assert fill_chunk(chunks[m.name], source, module_maps(m, source.where)) == []
+    sample = _vl_sample(np.random.default_rng(5))
+    vit_sub = SubMicrobatch("vit", 0, 0, 0, 2, 40, 40)
+    with torch.no_grad():
+        vit_batch = build_sub_batch(model, [sample], vit_sub, seq_length=SEQ, seed=0)
+        handed = chunks["vit"](inputs=[], batch=vit_batch)
+    embeds, logits, loss = _hf_vl_reference(hf_model, sample, model.module("vit"))
+    assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
+    llm = chunks["llm"]
+    sub = SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ)
+    batch = build_sub_batch(model, [sample], sub, seq_length=SEQ, seed=0)
+    with torch.no_grad():
+        state = llm.parts.embed(llm, [handed], batch)
+        hidden = llm.post.final_norm(llm.parts.run_layers(llm, state, batch))
+        ours, _ = llm.post.output_layer(hidden)
+        out = llm(inputs=[handed], batch=batch)
+    n = len(sample.text)
+    assert float((ours[:n, 0] - logits).abs().max()) <= TOLERANCE
+    # HF averages over the targets that are not placeholders; ours sums them
+    assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(loss), rel=1e-5)

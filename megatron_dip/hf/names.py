@@ -36,17 +36,31 @@ class Piece:
 
 @dataclass(frozen=True)
 class TensorMap:
-    """Our global tensor `key` = the concatenation of `pieces` along dim 0."""
+    """Our global tensor `key` = the concatenation of `pieces` along dim 0. `hf_tail`: the
+    trailing dims of a Hugging Face tensor that ours holds flattened (a Conv3d kernel)."""
 
     key: str
     pieces: tuple[Piece, ...]
+    hf_tail: tuple[int, ...] | None = None
 
 
 # Our local-spec names -> the Transformer Engine spec's names of the same tensor.
 _TE_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
+
+
+def _with_aliases(maps: list[TensorMap]) -> dict[str, TensorMap]:
+    out = {t.key: t for t in maps}
+    for t in maps:
+        for local, te in _TE_ALIASES.items():
+            if t.key.endswith(local):
+                alias = t.key[: -len(local)] + te
+                out[alias] = TensorMap(alias, t.pieces, t.hf_tail)
+    return out
 
 
 def qkv_pieces(prefix: str, leaf: str, spec: ModuleSpec) -> tuple[Piece, ...]:
@@ -113,10 +127,63 @@ def decoder_maps(
     maps.append(TensorMap(f"{m}.post.final_norm.weight", (Piece(f"{hf_prefix}norm.weight"),)))
     if spec.kind == "llm" and not spec.arch.tie_embeddings and head is not None:
         maps.append(TensorMap(f"{m}.post.output_layer.weight", (Piece(head),)))
-    out = {t.key: t for t in maps}
-    for t in maps:
-        for local, te in _TE_ALIASES.items():
-            if t.key.endswith(local):
-                alias = t.key[: -len(local)] + te
-                out[alias] = TensorMap(alias, t.pieces)
-    return out
+    return _with_aliases(maps)
+
+
+def vision_prefix(names) -> str:
+    """Where a Qwen2-VL vision tower lies: "model.visual." (transformers 5) or "visual."."""
+    for prefix in ("model.visual.", "visual."):
+        if f"{prefix}patch_embed.proj.weight" in names:
+            return prefix
+    raise ValueError("no visual.patch_embed.proj.weight in the checkpoint: not a Qwen2-VL model")
+
+
+def _fused_qkv_pieces(name: str, spec: ModuleSpec) -> tuple[Piece, ...]:
+    """Megatron's per-head [q_h; k_h; v_h] rows from one fused [q; k; v] tensor (Qwen2-VL's
+    vision attention: every head its own key/value group)."""
+    d, width = spec.layer.head_dim, spec.layer.attention_width
+    return tuple(
+        Piece(name, part * width + h * d, d) for h in range(spec.layer.heads) for part in range(3)
+    )
+
+
+def vision_maps(spec: ModuleSpec, *, hf_prefix: str = "model.visual.") -> dict[str, TensorMap]:
+    """{our global name: TensorMap} of a Qwen2-VL vision tower (patch embedding, blocks, and
+    the merger: ln_q -> our final norm, mlp.0 / mlp.2 -> merger_fc1 / merger_fc2) as `spec`."""
+    m, p = spec.name, hf_prefix
+    kernel = (spec.in_channels, 2, spec.patch_size, spec.patch_size)
+    maps = [
+        TensorMap(f"{m}.pre.patch_embed.weight", (Piece(f"{p}patch_embed.proj.weight"),), kernel)
+    ]
+    ours_hf = {
+        "input_layernorm": "norm1", "pre_mlp_layernorm": "norm2",
+        "self_attention.linear_proj": "attn.proj", "mlp.linear_fc1": "mlp.fc1",
+        "mlp.linear_fc2": "mlp.fc2",
+    }  # fmt: skip
+    for i in range(spec.num_layers):
+        ours, hf = f"{m}.layers.{i}.", f"{p}blocks.{i}."
+        for leaf in ("weight", "bias"):
+            for our_name, hf_name in ours_hf.items():
+                maps.append(
+                    TensorMap(f"{ours}{our_name}.{leaf}", (Piece(f"{hf}{hf_name}.{leaf}"),))
+                )
+            qkv = _fused_qkv_pieces(f"{hf}attn.qkv.{leaf}", spec)
+            maps.append(TensorMap(f"{ours}self_attention.linear_qkv.{leaf}", qkv))
+    for leaf in ("weight", "bias"):
+        for our_name, hf_name in (
+            ("final_norm", "ln_q"), ("merger_fc1", "mlp.0"), ("merger_fc2", "mlp.2"),
+        ):  # fmt: skip
+            maps.append(
+                TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{p}merger.{hf_name}.{leaf}"),))
+            )
+    return _with_aliases(maps)
+
+
+def module_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
+    """The maps of module `spec` in a checkpoint holding tensor `names` (where its tensors lie is
+    read from the names; an untied head of a tied checkpoint reads the input embedding)."""
+    if spec.kind == "vit":
+        return vision_maps(spec, hf_prefix=vision_prefix(names))
+    prefix = decoder_prefix(names)
+    head = "lm_head.weight" if "lm_head.weight" in names else f"{prefix}embed_tokens.weight"
+    return decoder_maps(spec, hf_prefix=prefix, head=head)

@@ -105,6 +105,8 @@ def read_rows(
     if not parts:
         return None
     out = torch.cat(parts, dim=0)
+    if out.dim() > 2:  # a kernel we hold flattened (`TensorMap.hf_tail`)
+        out = out.reshape(out.shape[0], -1)
     missing = (length if dim == 0 else full_rows) - out.shape[0]
     if missing > 0:
         if dim == 1 and offset < full_rows:
@@ -153,7 +155,10 @@ def hf_tensors(
             rows = piece.rows if piece.rows is not None else shapes[piece.name][0]
             if out[piece.name] is None:
                 out[piece.name] = torch.empty(shapes[piece.name], dtype=tensor.dtype)
-            out[piece.name][piece.start : piece.start + rows] = tensor[offset : offset + rows]
+            part = tensor[offset : offset + rows]
+            if tmap.hf_tail is not None:
+                part = part.reshape(rows, *tmap.hf_tail)
+            out[piece.name][piece.start : piece.start + rows] = part
             offset += rows
     missing = [name for name, t in out.items() if t is None]
     if missing:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dip.hf.config import hf_text_config
-from megatron_dip.hf.names import decoder_maps, decoder_prefix
+from megatron_dip.hf.names import decoder_maps, module_maps
 from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk, hf_tensors
 from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
@@ -75,16 +75,6 @@ def _groups(*, tp: int, pp: int):
     return ModelGroups(tp=tp_group, cp=single, embedding=single)
 
 
-def _import_maps(module: ModuleSpec, source: SafetensorsFolder) -> dict:
-    """The tensor maps of `module` in `source`; an untied head of a checkpoint whose embeddings
-    are tied (no lm_head) starts as a copy of the input embedding."""
-    prefix = decoder_prefix(source.where)
-    head = "lm_head.weight"
-    if head not in source.where:
-        head = f"{prefix}embed_tokens.weight"
-    return decoder_maps(module, hf_prefix=prefix, head=head)
-
-
 def import_hf(
     *,
     model: MultimodalSpec,
@@ -113,7 +103,7 @@ def import_hf(
         if folder is not None:
             source = SafetensorsFolder(folder)
             module = model.module(spec.module)
-            maps = _import_maps(module, source)
+            maps = module_maps(module, source.where)
             kept += fill_chunk(chunk, source, maps)
             read += source.bytes_read
         else:
@@ -150,10 +140,11 @@ def _full_tensors(path: Path, maps) -> dict[str, torch.Tensor]:
 def _hf_shapes(maps, ours: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for key, tensor in ours.items():
+        tail = maps[key].hf_tail or tuple(tensor.shape[1:])
         for piece in maps[key].pieces:
             rows = tensor.shape[0] if piece.rows is None else piece.start + piece.rows
             old = shapes.get(piece.name, (0,))
-            shapes[piece.name] = (max(old[0], rows), *tensor.shape[1:])
+            shapes[piece.name] = (max(old[0], rows), *tail)
     return shapes
 
 
