@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import llm_only, save_llama, save_qwen2
+from hf_models import llm_only, save_llama, save_qwen2, save_qwen2_vl
 from safetensors.torch import load_file
 
 from megatron_dip.hf.names import decoder_maps
@@ -117,10 +117,36 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     assert type(loaded) is type(original)
 
 
+def test_qwen2_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world):
+    """A Qwen2-VL folder gives both the ViT and the LLM (a bare --dip-hf-config DIR); the
+    export writes the pair back as one Qwen2-VL folder."""
+    hf = tmp_path / "hf"
+    original = save_qwen2_vl(hf)
+    tool = _tool()
+    flags = ["--model", "tiny-vlm", "--dip-hf-config", str(hf)]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(t, after[name]) for name, t in before.items())
+    from transformers import Qwen2VLForConditionalGeneration
+
+    loaded = Qwen2VLForConditionalGeneration.from_pretrained(out).eval()
+    ids = torch.arange(9, 40)[None]
+    kwargs = {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int)}
+    with torch.no_grad():
+        assert torch.equal(loaded(**kwargs).logits, original(**kwargs).logits)
+
+
 def test_import_and_export_refuse_missing_flags(tmp_path, single_rank_world):
     tool = _tool()
     with pytest.raises(SystemExit, match="--dip-hf-config"):
         tool.main(["import", "--model", "tiny-vlm", "--save", str(tmp_path)])
     with pytest.raises(SystemExit, match="--hf-out"):
         tool.main(["export", "--model", "tiny-vlm", "--load", str(tmp_path), "--module", "llm"])
+    with pytest.raises(SystemExit, match="--module"):
+        tool.main(["export", "--model", "tiny-vlm", "--load", str(tmp_path), "--hf-out", "x"])
     assert tool.main(["import", "--model", "tiny-vlm", "--dip-hf-config", str(tmp_path)]) == 2

@@ -92,13 +92,21 @@ def run_import(config, model) -> int:
 
 
 def run_export(args, config, model) -> int:
+    from megatron_dip.hf.config import read_config
+    from megatron_dip.training.architecture import hf_folders
     from megatron_dip.training.hf_checkpoint import export_hf
 
-    if config.checkpoint.load is None or args.hf_out is None or args.module is None:
-        raise SystemExit("export: --load DIR, --module NAME and --hf-out DIR are required")
+    if config.checkpoint.load is None or args.hf_out is None:
+        raise SystemExit("export: --load DIR and --hf-out DIR are required")
+    folders = hf_folders(config, model)
+    modules = args.module.split(",") if args.module else list(folders)
+    if not modules:
+        raise SystemExit("export: name the modules with --module (or --dip-hf-config)")
+    sources = {folders[m] for m in modules if m in folders}
+    template = read_config(sources.pop()) if len(sources) == 1 else None
     export_hf(
-        model=model, load=config.checkpoint.load, module=args.module, out=args.hf_out,
-        step=config.checkpoint.ckpt_step,
+        model=model, load=config.checkpoint.load, modules=modules, out=args.hf_out,
+        step=config.checkpoint.ckpt_step, template=template,
     )  # fmt: skip
     return 0
 

@@ -169,6 +169,8 @@ def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, 
             "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }  # fmt: skip
+    if arch.mrope_sections is not None:
+        rope["mrope_section"] = list(arch.mrope_sections)
     config = {
         "architectures": [("Qwen2" if qwen else "Llama") + head],
         "model_type": kind,
@@ -192,6 +194,50 @@ def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, 
     if not qwen:
         config.update(attention_bias=False, mlp_bias=False)
     return config
+
+
+def _ratio(ffn: int, hidden: int) -> int | float:
+    """Qwen2-VL's mlp_ratio: an int where the sizes allow (its config class asks for one)."""
+    return ffn // hidden if ffn % hidden == 0 else ffn / hidden
+
+
+def hf_qwen2_vl_config(vit: ModuleSpec, llm: ModuleSpec) -> dict[str, Any]:
+    """The `config.json` of a Qwen2-VL model made of our `vit` and `llm` (the inverse of
+    `vision_module_fields` and `text_module_fields`)."""
+    text = hf_text_config(llm)
+    del text["architectures"]
+    text["model_type"] = "qwen2_vl_text"
+    vision = {
+        "model_type": "qwen2_vl_vision", "depth": vit.num_layers, "embed_dim": vit.layer.hidden,
+        "hidden_size": vit.out_hidden, "num_heads": vit.layer.heads,
+        "mlp_ratio": _ratio(vit.layer.ffn, vit.layer.hidden), "hidden_act": vit.arch.activation or "gelu",
+        "in_channels": vit.in_channels, "patch_size": vit.patch_size,
+        "spatial_merge_size": vit.merge, "temporal_patch_size": 2,
+    }  # fmt: skip
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": vit.placeholder_id,
+        "tie_word_embeddings": llm.arch.tie_embeddings,
+    }
+
+
+def merged_config(ours: dict[str, Any], template: dict[str, Any] | None) -> dict[str, Any]:
+    """`ours` over the Hugging Face config it came from (`template`, e.g. the imported folder's):
+    what we do not model (token ids, context length, ...) is kept from the template."""
+    if not template:
+        return ours
+    out = dict(template)
+    for key, value in ours.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged_config(value, out[key])
+        elif key == "max_position_embeddings" and key in out:
+            continue
+        else:
+            out[key] = value
+    return out
 
 
 # What a Hugging Face config gives each kind of module (the kinds we read weights for).

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dip.hf.config import hf_text_config
-from megatron_dip.hf.names import decoder_maps, module_maps
+from megatron_dip.hf.config import hf_qwen2_vl_config, hf_text_config, merged_config
+from megatron_dip.hf.names import decoder_maps, module_maps, vision_maps
 from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk, hf_tensors
 from megatron_dip.models.init import global_param_name
-from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
+from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.schedule.ir import ChunkSpec
 
 from .checkpoint import save_weights
@@ -148,27 +148,53 @@ def _hf_shapes(maps, ours: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]
     return shapes
 
 
+def _export_layout(model: MultimodalSpec, modules: list[str]) -> tuple[dict, dict]:
+    """(tensor maps, config.json) of the exported `modules`: one text module as a Llama / Qwen2
+    model, or a ViT + LLM as a Qwen2-VL model."""
+    specs = [model.module(m) for m in modules]
+    vits = [s for s in specs if s.kind == "vit"]
+    texts = [s for s in specs if s.kind in ("llm", "text_encoder")]
+    if len(texts) != 1 or len(vits) > 1 or len(specs) != len(texts) + len(vits):
+        raise ValueError(
+            f"export {modules}: one LLM or text encoder, and with a ViT the Qwen2-VL pair, "
+            "is what a Hugging Face folder holds"
+        )
+    text = texts[0]
+    if not vits:
+        prefix = "model." if text.kind == "llm" else ""
+        return decoder_maps(text, hf_prefix=prefix), hf_text_config(text)
+    if text.kind != "llm" or vits[0].arch.patch_embedding != "conv3d":
+        raise ValueError("export: a ViT is written as Qwen2-VL's vision tower (conv3d patches)")
+    # The names on disk (what transformers' save_pretrained writes and the Hub holds).
+    maps = {**vision_maps(vits[0], hf_prefix="visual."), **decoder_maps(text, hf_prefix="model.")}
+    return maps, hf_qwen2_vl_config(vits[0], text)
+
+
 def export_hf(
-    *, model: MultimodalSpec, load: str | Path, module: str, out: str | Path, step=None
+    *,
+    model: MultimodalSpec,
+    load: str | Path,
+    modules: list[str],
+    out: str | Path,
+    step: int | None = None,
+    template: dict | None = None,
 ) -> Path:
-    """Write module `module` of our checkpoint under `load` (the tracker's, or iteration `step`)
-    as a Hugging Face folder `out` (model.safetensors, config.json). One process with a
-    process group (a world of 1)."""
+    """Write `modules` of our checkpoint under `load` (the tracker's, or iteration `step`) as a
+    Hugging Face folder `out` (model.safetensors, config.json over `template`, the config it was
+    imported from). One process with a process group (a world of 1)."""
     from safetensors.torch import save_file
 
-    spec: ModuleSpec = model.module(module)
     resume = find_resume(load, step)
     if resume is None:
         raise CheckpointError(f"{load}: no checkpoint there")
-    prefix = "model." if spec.kind == "llm" else ""
-    maps = decoder_maps(spec, hf_prefix=prefix)
+    maps, config = _export_layout(model, modules)
     ours = _full_tensors(resume.path, maps)
     tensors = hf_tensors(maps, ours, shapes=_hf_shapes(maps, ours))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
-    config = hf_text_config(spec)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    logger.info("exported %s of %s as %s (%d tensors)", module, resume.path, out, len(tensors))
+    text = json.dumps(merged_config(config, template), indent=2) + "\n"
+    (out / "config.json").write_text(text, encoding="utf-8")
+    logger.info("exported %s of %s as %s (%d tensors)", modules, resume.path, out, len(tensors))
     return out
