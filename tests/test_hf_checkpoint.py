@@ -117,6 +117,31 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     assert type(loaded) is type(original)
 
 
+def test_llama_as_the_text_encoder_of_a_t2v_model(tmp_path, single_rank_world):
+    """The T2V text encoder from a Llama folder: the decoder's tensors in, and out again as a
+    bare LlamaModel (a text encoder has no head) that transformers loads."""
+    hf = tmp_path / "hf"
+    original = save_llama(hf, tied=False)
+    tool = _tool()
+    flags = ["--model", "tiny-t2v", "--dip-hf-config", f"text={hf}"]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    decoder = {k.removeprefix("model."): t for k, t in before.items() if k != "lm_head.weight"}
+    assert sorted(decoder) == sorted(after)
+    assert all(torch.equal(t, after[name]) for name, t in decoder.items())
+    from transformers import AutoModel
+
+    loaded = AutoModel.from_pretrained(out).eval()
+    ids = torch.arange(1, 30)[None]
+    with torch.no_grad():
+        hidden = original.model(input_ids=ids).last_hidden_state
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, hidden)
+
+
 def test_qwen2_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world):
     """A Qwen2-VL folder gives both the ViT and the LLM (a bare --dip-hf-config DIR); the
     export writes the pair back as one Qwen2-VL folder."""

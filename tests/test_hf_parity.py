@@ -183,3 +183,28 @@ def test_qwen2_vl_vision_tower_and_mrope_llm_match_transformers(tmp_path, groups
     assert float((ours[:n, 0] - logits).abs().max()) <= TOLERANCE
     # HF averages over the targets that are not placeholders; ours sums them
     assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_qwen2_vl_options_keep_chunking_invariance(tmp_path, groups):
+    """The Qwen2-VL options (Conv3d patches, blocked rotary, M-RoPE positions) under a
+    pipelined layout: split chunks and one image per sub-microbatch give the loss and
+    gradients of one chunk per module (fp64)."""
+    from hf_models import qwen2_vl_model, save_qwen2_vl
+
+    from megatron_dip.reference import reference_loss_and_grads
+
+    save_qwen2_vl(tmp_path)
+    model, config = qwen2_vl_model(tmp_path), ModelConfig(dtype="float64", seed=3)
+    batch = [[_vl_sample(np.random.default_rng(5))]]
+    one = reference_loss_and_grads(
+        model, batch, seed=0, seq_length=SEQ, groups=groups, config=config
+    )
+    split = reference_loss_and_grads(
+        model, batch, seed=0, seq_length=SEQ, groups=groups, config=config,
+        ranges={"vit": [(0, 1), (1, 2)], "llm": [(0, 1), (1, 3)]}, sizes={"vit": 1},
+    )  # fmt: skip
+    assert one[0] == pytest.approx(split[0], rel=1e-12)
+    assert one[1].keys() == split[1].keys()
+    for name, grad in one[1].items():
+        torch.testing.assert_close(grad, split[1][name], rtol=1e-9, atol=1e-12, msg=name)
+    assert all(g.abs().sum() > 0 for g in one[1].values())
