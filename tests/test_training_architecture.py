@@ -143,3 +143,31 @@ def test_freeze_flags():
         _resolve("--freeze-ViT", "--freeze-LM")
     with pytest.raises(ConfigError, match="^--freeze-ViT: the model has no vit"):
         _resolve("--freeze-ViT", base=["--model", "tiny-t2v", *BASE[2:]])
+
+
+def test_hf_vocabulary_is_kept_with_a_hf_tokenizer(tmp_path):
+    """The checkpoint's rows are the vocabulary (not the tokenizer's padded size), as long as
+    the tokenizer fits in it."""
+    from megatron_dip.data.tiny_tokenizer import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", ["a tiny corpus of text"] * 4, vocab_size=300)
+    hf = _hf_llama_config(tmp_path / "hf", vocab_size=320, tie_word_embeddings=False)
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
+    spec = _resolve(*flags, "--dip-hf-config", hf, "--dip-data", "synthetic-text-only")
+    assert spec.model.module("llm").vocab_size == 320  # padding would give 384
+    small = _hf_llama_config(tmp_path / "small", vocab_size=128, tie_word_embeddings=False)
+    with pytest.raises(
+        ConfigError, match="^--dip-hf-config: vocabulary 128 is smaller than the tokenizer"
+    ):
+        _resolve(*flags, "--dip-hf-config", small, "--dip-data", "synthetic-text-only")
+
+
+def test_megatron_lms_num_query_groups_needs_group_query_attention():
+    import argparse
+
+    from megatron_dip.training.arguments import TrainConfig
+
+    ns = argparse.Namespace(num_query_groups=1, group_query_attention=False)
+    assert TrainConfig.from_namespace(ns).architecture.num_query_groups is None
+    ns.group_query_attention = True
+    assert TrainConfig.from_namespace(ns).architecture.num_query_groups == 1

@@ -551,6 +551,11 @@ class TrainConfig:
         for name, section in SECTIONS:
             values = {f.name: getattr(ns, f.name, f.default) for f in dataclasses.fields(section)}
             sections[name] = section(**values)
+        if getattr(ns, "group_query_attention", True) is False:
+            # Megatron-LM's --num-query-groups (default 1) applies only with --group-query-attention
+            sections["architecture"] = dataclasses.replace(
+                sections["architecture"], num_query_groups=None
+            )
         return cls(**sections)
 
     def replace(self, **flat: Any) -> TrainConfig:
