@@ -38,7 +38,13 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_llama(
-    folder: Path, *, tied: bool, scaling: bool = True, seed: int = 0, layers: int = LAYERS
+    folder: Path,
+    *,
+    tied: bool,
+    scaling: bool = True,
+    seed: int = 0,
+    layers: int = LAYERS,
+    shard_size: str | None = None,
 ):
     """A tiny LlamaForCausalLM (rope base 5e5, eps 1e-5, llama3 scaling) saved to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -46,7 +52,8 @@ def save_llama(
     rope = {"rope_theta": 500000.0, **(LLAMA3_SCALING if scaling else {"rope_type": "default"})}
     fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=tied, num_hidden_layers=layers)
     config = LlamaConfig(**fields, rope_parameters=rope)
-    return _save(LlamaForCausalLM(config), folder, seed)
+    save = {"max_shard_size": shard_size} if shard_size else {}
+    return _save(LlamaForCausalLM(config), folder, seed, **save)
 
 
 def save_qwen2(folder: Path, *, seed: int = 0):
@@ -60,10 +67,10 @@ def save_qwen2(folder: Path, *, seed: int = 0):
     return _save(Qwen2ForCausalLM(config), folder, seed)
 
 
-def _save(model, folder: Path, seed: int):
+def _save(model, folder: Path, seed: int, **save):
     _randomise(model, seed)
     model.eval()
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **save)
     return model
 
 

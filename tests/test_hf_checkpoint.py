@@ -117,6 +117,21 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     assert type(loaded) is type(original)
 
 
+def test_a_sharded_checkpoint_with_an_index_is_read_by_slices(tmp_path, single_rank_world):
+    """save_pretrained's shards + model.safetensors.index.json: the same tensors as one file,
+    read through the index, each TP rank reading its part of every shard."""
+    save_llama(tmp_path / "one", tied=False)
+    save_llama(tmp_path / "sharded", tied=False, shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    one, _ = _filled(tmp_path / "one", single_rank_world, single_rank_world)
+    sharded, _ = _filled(tmp_path / "sharded", single_rank_world, single_rank_world)
+    assert all(torch.equal(one[k][2], sharded[k][2]) for k in one)
+    _, full = _filled(tmp_path / "sharded", single_rank_world, single_rank_world)
+    _, half = _filled(tmp_path / "sharded", single_rank_world, _TensorParallelRank(1, 2))
+    assert half < 0.6 * full
+
+
 def test_llama_as_the_text_encoder_of_a_t2v_model(tmp_path, single_rank_world):
     """The T2V text encoder from a Llama folder: the decoder's tensors in, and out again as a
     bare LlamaModel (a text encoder has no head) that transformers loads."""
