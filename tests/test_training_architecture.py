@@ -18,7 +18,7 @@ def _resolve(*extra: str, base=BASE):
     return resolve(parse_config([*base, *extra]), world_size=1, cuda=False)
 
 
-ONE_LLM_CHUNK = ("--dip-segments", "vit=1,llm=1")  # tied embeddings train inside one chunk
+ONE_LLM_CHUNK = ("--dip-segments", "vit=1,llm=1")
 
 
 def _hf_llama_config(folder, **changes):
@@ -57,8 +57,8 @@ def test_hf_config_gives_the_llm_and_the_vit_follows(tmp_path):
     # --num-layers still wins over the config (a shorter model for a test run)
     shorter = _resolve("--dip-hf-config", str(tmp_path), "--num-layers", "2", *ONE_LLM_CHUNK)
     assert shorter.model.module("llm").num_layers == 2
-    with pytest.raises(ConfigError, match="^--untie-embeddings-and-output-weights: .*2 chunks"):
-        _resolve("--dip-hf-config", str(tmp_path))  # the preset's two LLM segments
+    with pytest.raises(ConfigError, match="^--use-distributed-optimizer: .*tied .* 2 chunks"):
+        _resolve("--dip-hf-config", str(tmp_path), "--use-distributed-optimizer")
     untied = _resolve("--dip-hf-config", str(tmp_path), "--untie-embeddings-and-output-weights")
     assert not untied.model.module("llm").arch.tie_embeddings
 

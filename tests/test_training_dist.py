@@ -390,3 +390,13 @@ def test_finetune_from_an_imported_hf_checkpoint_trains_from_iteration_0(world):
     on_disk = sum(os.path.getsize(p) for p in Path(world[0]["hf_dir"]).glob("*.safetensors"))
     assert all(0 < r < 0.45 * on_disk for r in read), (read, on_disk)
     assert any("vit.pre.patch_embed.weight" in w["import_initialised"] for w in world)
+
+
+def test_tied_embeddings_on_two_pipeline_ranks_train_as_in_one_chunk(world):
+    """Tied LLM embeddings whose copies live on two pipeline ranks (DIP and Megatron's 1F1B)
+    give the losses of the same model in one chunk: gradients summed, counted once in the norm,
+    updated alike."""
+    one = world[0]["tied_one_chunk"]["losses"]
+    assert sorted(one) == [1, 2, 3]
+    for name in ("tied_dip", "tied_1f1b"):
+        assert world[0][name]["losses"] == pytest.approx(one, rel=1e-5), name

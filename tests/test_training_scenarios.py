@@ -129,6 +129,7 @@ def world4(
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
     out.update(finetune_runs(base, hf=hf_llama, tmp=tmp, world_size=world_size))
+    out.update(tied_embedding_runs(base, world_size=world_size))
     out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
@@ -255,6 +256,20 @@ def finetune_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dic
     }.items():  # fmt: skip
         out[name] = run(argv, world_size=world_size)
     return out
+
+
+def tied_embedding_runs(base: list[str], *, world_size: int) -> dict:
+    """An LLM with tied input/output embeddings, 3 iterations (per-token loss): in one chunk at
+    PP=1 x DP=4, and with its copies on two pipeline ranks (PP=2 x DP=2) under DIP and under
+    Megatron's 1F1B (their gradients summed over the embedding group)."""
+    flags = base + ["--dip-arch", "llm.tie-embeddings=true", "--dip-lookahead", "0"]
+    flags += ["--calculate-per-token-loss", "--dip-calibration-frozen", "--train-iters", "3"]
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    return {
+        "tied_one_chunk": run(flags + ["--dip-segments", "vit=1,llm=1"], world_size=world_size),
+        "tied_dip": run(flags + pp2, world_size=world_size),
+        "tied_1f1b": run(flags + pp2 + ["--dip-schedule", "1f1b"], world_size=world_size),
+    }
 
 
 def energon_runs(*, energon: str, tokenizer: str, tmp: str, world_size: int) -> dict:

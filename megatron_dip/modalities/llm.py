@@ -257,6 +257,7 @@ class LlmModality(TextModality):
                 torch.empty(head.output_size_per_partition, hidden, dtype=chunk.dtype)
             )
             set_tensor_model_parallel_attributes(weight, True, 0, 1)
+            weight.shared = True  # Megatron's mark: counted once in the gradient norm
             post.register_parameter("tied_weight", weight)
             chunk.global_aliases["post.tied_weight"] = (
                 f"{chunk.chunk.module}.pre.word_embeddings.weight"

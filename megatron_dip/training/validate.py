@@ -418,20 +418,23 @@ def _check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
             )
 
 
-def _check_tied_embeddings(model: MultimodalSpec, placement: Placement) -> None:
-    """Tied LLM embeddings train only inside one chunk: summing the gradients of two copies
-    in different chunks is not wired into training (the chunks' own sum exists, see
-    `models.chunk.reduce_tied_embedding_grads`)."""
+def _check_tied_embeddings(config: TrainConfig, model: MultimodalSpec, placement) -> None:
+    """Tied embeddings in two chunks (their gradients summed over Megatron's embedding group
+    after the data-parallel reduction) need whole gradients on every rank: not with the
+    distributed optimizer, whose ranks each hold a shard of the reduced gradients."""
+    if not config.parallel.use_distributed_optimizer:
+        return
     for m in model.modules:
         chunks = placement.module(m.name).num_chunks
-        if m.arch.tie_embeddings and m.kind == "llm" and chunks > 1:
+        if m.arch.tie_embeddings and chunks > 1:
             raise _fail(
-                "--untie-embeddings-and-output-weights",
+                "--use-distributed-optimizer",
                 f"module {m.name!r} has tied input/output embeddings (its preset or "
-                f"--dip-hf-config's tie_word_embeddings) but the placement cuts it into {chunks} "
-                f"chunks; tied copies in different chunks are not supported in training: untie "
-                "them (the head starts as a copy of the embedding) or use one chunk "
-                f"(--pipeline-model-parallel-size 1 --dip-segments {m.name}=1)",
+                f"--dip-hf-config's tie_word_embeddings) in {chunks} chunks, which the "
+                "distributed optimizer does not support here: drop it, pass "
+                "--untie-embeddings-and-output-weights (the head starts as a copy of the "
+                f"embedding) or use one chunk (--pipeline-model-parallel-size 1 --dip-segments "
+                f"{m.name}=1)",
             )
 
 
@@ -467,7 +470,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
         device=device if cuda or emulate else None,
     )  # fmt: skip
-    _check_tied_embeddings(model, layout.placement)
+    _check_tied_embeddings(config, model, layout.placement)
     d = config.dip
     search = SearchConfig(
         time_budget_s=d.dip_search_time_ms / 1e3,
