@@ -94,7 +94,7 @@ IMAGE_TOKEN_ID = 5  # Qwen2-VL's image placeholder in the tiny vocabulary (6-8: 
 VISION_PATCH, VISION_MERGE = 4, 2
 
 
-def save_qwen2_vl(folder: Path, *, seed: int = 0):
+def save_qwen2_vl(folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN_ID):
     """A tiny Qwen2VLForConditionalGeneration (vision tower 2 x 32, 4-px patches, 2x2 merge,
     quick_gelu; Qwen2 LLM with M-RoPE sections 2/1/1 of its 4 frequency slots) saved."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -112,7 +112,7 @@ def save_qwen2_vl(folder: Path, *, seed: int = 0):
         "temporal_patch_size": 2, "in_channels": 3,
     }  # fmt: skip
     config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID,
+        text_config=text, vision_config=vision, image_token_id=image_token,
         video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
         bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
     )  # fmt: skip

@@ -117,6 +117,30 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     assert type(loaded) is type(original)
 
 
+def test_a_tied_checkpoint_imported_untied_starts_its_head_as_the_embedding(
+    tmp_path, single_rank_world
+):
+    hf = tmp_path / "hf"
+    original = save_llama(hf, tied=True)
+    tool = _tool()
+    flags = ["--model", "tiny-vlm", "--dip-hf-config", f"llm={hf}"]
+    flags += ["--untie-embeddings-and-output-weights"]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    after = load_file(out / "model.safetensors")
+    assert torch.equal(after["lm_head.weight"], after["model.embed_tokens.weight"])
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not loaded.config.tie_word_embeddings
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
 def test_a_sharded_checkpoint_with_an_index_is_read_by_slices(tmp_path, single_rank_world):
     """save_pretrained's shards + model.safetensors.index.json: the same tensors as one file,
     read through the index, each TP rank reading its part of every shard."""

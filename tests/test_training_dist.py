@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 from distributed_harness import run_world
-from hf_models import save_llama
+from hf_models import save_llama, save_qwen2_vl
 
 pytestmark = pytest.mark.distributed
 
@@ -95,6 +95,7 @@ def world(tmp_path_factory) -> list[dict]:
     bad = _with_undecodable_first_sample(tmp / "llava_bad")
     energon, tokenizer = _energon_with_hf_tokenizer(tmp)
     save_llama(tmp / "hf_llama", tied=False, layers=4)
+    save_qwen2_vl(tmp / "hf_qwen2_vl", image_token=1)  # the byte tokenizer's image id
     return run_world(
         world_size=4,
         target="test_training_scenarios:world4",
@@ -105,6 +106,7 @@ def world(tmp_path_factory) -> list[dict]:
             "energon": energon,
             "tokenizer": tokenizer,
             "hf_llama": str(tmp / "hf_llama"),
+            "hf_qwen2_vl": str(tmp / "hf_qwen2_vl"),
         },  # fmt: skip
         timeout=600,
         daemon=False,  # rank 0 starts the planner process
@@ -400,3 +402,11 @@ def test_tied_embeddings_on_two_pipeline_ranks_train_as_in_one_chunk(world):
     assert sorted(one) == [1, 2, 3]
     for name in ("tied_dip", "tied_1f1b"):
         assert world[0][name]["losses"] == pytest.approx(one, rel=1e-5), name
+
+
+def test_an_imported_qwen2_vl_trains_alike_at_tp2_pp2_and_pp1(world):
+    """Qwen2-VL (Conv3d patches, blocked 2-D rotary, M-RoPE) imported by 4 ranks: the same
+    losses at TP=2 x PP=2 as at PP=1 x DP=4 over two iterations (the second after an update)."""
+    tp2pp2, pp1 = world[0]["vl_tp2pp2"], world[0]["vl_pp1"]
+    assert tp2pp2["first"] == pp1["first"] == 0 and sorted(pp1["losses"]) == [1, 2]
+    assert tp2pp2["losses"] == pytest.approx(pp1["losses"], rel=1e-5)

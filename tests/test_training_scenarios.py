@@ -55,6 +55,7 @@ def world4(
     energon: str,
     tokenizer: str,
     hf_llama: str,
+    hf_qwen2_vl: str,
 ) -> dict:
     """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints (saved in the
     background), evaluation and traces; then resume at iteration 3 (same layout and at PP=4);
@@ -129,6 +130,7 @@ def world4(
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
     out.update(finetune_runs(base, hf=hf_llama, tmp=tmp, world_size=world_size))
+    out.update(qwen2_vl_runs(base, hf=hf_qwen2_vl, tmp=tmp, world_size=world_size))
     out.update(tied_embedding_runs(base, world_size=world_size))
     out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
@@ -230,20 +232,10 @@ def finetune_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dic
     then fine-tuned from it: --pretrained-checkpoint at TP=2 x PP=2 for 6 iterations, --load
     --finetune at PP=1 x DP=4 for 1, --dip-pretrained llm=... for 1, and from scratch for 1
     (per-token loss: the same objective under every layout)."""
-    from megatron_dip.training.architecture import hf_folders
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.data_config import model_spec
-    from megatron_dip.training.hf_checkpoint import import_hf
-    from megatron_dip.training.validate import apply_preset
-
     imported = os.path.join(tmp, "hf_import")
     flags = base + ["--dip-hf-config", f"llm={hf}", "--dip-lookahead", "0"]
     flags += ["--calculate-per-token-loss", "--dip-calibration-frozen"]
-    config, preset = apply_preset(parse_config(flags))
-    model, _, _ = model_spec(config, preset)
-    result = import_hf(
-        model=model, folders=hf_folders(config, model), save=imported, tp=2, pp=2, seed=7
-    )
+    result = _import(flags, save=imported, tp=2, pp=2)
     out = {"import_bytes": result.bytes_read, "import_initialised": list(result.initialised)}
     out["hf_dir"] = hf
     tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -256,6 +248,36 @@ def finetune_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dic
     }.items():  # fmt: skip
         out[name] = run(argv, world_size=world_size)
     return out
+
+
+def _import(flags: list[str], *, save: str, tp: int, pp: int):
+    """tools/hf_checkpoint.py's import, on these ranks, of the model the flags describe."""
+    from megatron_dip.training.architecture import hf_folders
+    from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.data_config import model_spec
+    from megatron_dip.training.hf_checkpoint import import_hf
+    from megatron_dip.training.validate import apply_preset
+
+    config, preset = apply_preset(parse_config(flags))
+    model, _, _ = model_spec(config, preset)
+    return import_hf(
+        model=model, folders=hf_folders(config, model), save=save, tp=tp, pp=pp, seed=7
+    )
+
+
+def qwen2_vl_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dict:
+    """A Qwen2-VL model (ViT with Conv3d patches and blocked rotary, M-RoPE LLM) imported at
+    TP=2 x PP=2 and fine-tuned for 2 iterations there and at PP=1 x DP=4 (per-token loss)."""
+    imported = os.path.join(tmp, "hf_qwen2_vl_import")
+    flags = base + ["--dip-hf-config", hf, "--dip-lookahead", "0", "--dip-segments", "vit=1,llm=1"]
+    flags += ["--calculate-per-token-loss", "--dip-calibration-frozen"]
+    _import(flags, save=imported, tp=2, pp=2)
+    tuned = flags + ["--pretrained-checkpoint", imported, "--train-iters", "2"]
+    tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    return {
+        "vl_tp2pp2": run(tuned + tp2pp2, world_size=world_size),
+        "vl_pp1": run(tuned, world_size=world_size),
+    }
 
 
 def tied_embedding_runs(base: list[str], *, world_size: int) -> dict:

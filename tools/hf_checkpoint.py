@@ -65,7 +65,7 @@ def _init_world() -> bool:
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         return True
-    store = dist.FileStore(tempfile.mktemp(prefix="hf_checkpoint_store_"), 1)
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="hf_checkpoint_"), "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     return True
 
