@@ -98,12 +98,17 @@ def import_hf(
     config = ModelConfig(seed=seed)
     chunks, read, kept = [], 0, []
     for spec, count in import_chunks(model, pp=pp, pp_rank=rank // tp):
-        chunk = build_chunk(model, spec, num_chunks=count, config=config, groups=groups)
         folder = folders.get(spec.module)
+        source = maps = None
         if folder is not None:
             source = SafetensorsFolder(folder)
-            module = model.module(spec.module)
-            maps = module_maps(module, source.where)
+            maps = module_maps(model.module(spec.module), source.where)
+        # What the checkpoint gives is not drawn first (a full tensor per parameter).
+        chunk = build_chunk(
+            model, spec, num_chunks=count, config=config, groups=groups,
+            skip_init=None if maps is None else maps.__contains__,
+        )  # fmt: skip
+        if source is not None:
             kept += fill_chunk(chunk, source, maps)
             read += source.bytes_read
         else:
