@@ -80,7 +80,7 @@ def _text_updates(
     if vocab is None:
         updates["vocab_size"] = padded_vocab_size(size, divisible_by=divisible, tensor_parallel=tp)
     elif vocab < size:
-        raise _fail(flag, f"vocabulary {vocab} is smaller than the tokenizer's {size} ids")
+        raise _fail(flag, f"{vocab} is smaller than the tokenizer's {size} ids")
     updates["pad_id"] = tokenizer.pad_id
     return updates
 
