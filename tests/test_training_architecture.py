@@ -156,9 +156,7 @@ def test_hf_vocabulary_is_kept_with_a_hf_tokenizer(tmp_path):
     spec = _resolve(*flags, "--dip-hf-config", hf, "--dip-data", "synthetic-text-only")
     assert spec.model.module("llm").vocab_size == 320  # padding would give 384
     small = _hf_llama_config(tmp_path / "small", vocab_size=128, tie_word_embeddings=False)
-    with pytest.raises(
-        ConfigError, match="^--dip-hf-config: 128 is smaller than the tokenizer"
-    ):
+    with pytest.raises(ConfigError, match="^--dip-hf-config: 128 is smaller than the tokenizer"):
         _resolve(*flags, "--dip-hf-config", small, "--dip-data", "synthetic-text-only")
 
 
