@@ -85,9 +85,13 @@ def run_import(config, model) -> int:
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         seed=config.train.seed,
     )  # fmt: skip
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
     logger.info(
-        "wrote %s; this rank read %.1f MiB of safetensors", result.path, result.bytes_read / 2**20
-    )
+        "wrote %s; this rank read %.1f MiB of safetensors; peak host memory %.0f MiB",
+        result.path, result.bytes_read / 2**20, peak,
+    )  # fmt: skip
     return 0
 
 
