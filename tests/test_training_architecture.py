@@ -169,3 +169,12 @@ def test_megatron_lms_num_query_groups_needs_group_query_attention():
     assert TrainConfig.from_namespace(ns).architecture.num_query_groups is None
     ns.group_query_attention = True
     assert TrainConfig.from_namespace(ns).architecture.num_query_groups == 1
+
+
+def test_a_tied_llama_as_text_encoder_ties_nothing(tmp_path):
+    """A text encoder has no head: a tied checkpoint's flag does not carry over."""
+    folder = _hf_llama_config(tmp_path)  # tie_word_embeddings=True
+    spec = _resolve("--dip-hf-config", folder, base=["--model", "tiny-t2v", *BASE[2:]])
+    text = spec.model.module("text")
+    assert text.layer.hidden == 48 and not text.arch.tie_embeddings
+    assert spec.model.module("dit").cond_hidden == 48  # the DiT reads the new width

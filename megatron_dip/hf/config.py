@@ -10,6 +10,7 @@ is refused with a ValueError naming the file and the field.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -241,9 +242,16 @@ def merged_config(ours: dict[str, Any], template: dict[str, Any] | None) -> dict
 
 
 # What a Hugging Face config gives each kind of module (the kinds we read weights for).
+def encoder_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`text_module_fields` for a text encoder: it has no output head, so nothing is tied."""
+    fields = text_module_fields(config, where=where)
+    fields["arch"] = replace(fields["arch"], tie_embeddings=False)
+    return fields
+
+
 FIELDS_OF_KIND = {
     "llm": text_module_fields,
-    "text_encoder": text_module_fields,
+    "text_encoder": encoder_module_fields,
     "vit": vision_module_fields,
 }
 
