@@ -52,6 +52,7 @@ class TrainResult:
     """What a run returns on every rank (tests and tools read it)."""
 
     losses: dict[int, float] = field(default_factory=dict)  # completed iteration -> lm loss
+    grad_norms: dict[int, float] = field(default_factory=dict)  # before clipping
     eval_losses: dict[int, float] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     planned: dict[int, float] = field(default_factory=dict)  # rank 0, logged iterations
@@ -208,6 +209,8 @@ class Trainer:
         it = self.iteration
         r = self.result
         r.losses[it], r.seconds[it] = stats.loss, seconds
+        if norm is not None:
+            r.grad_norms[it] = float(norm)
         r.variants[variant] += 1
         bound = stats.max_busy / max(stats.max_duration, 1e-9)
         r.bound_efficiency[it] = bound
