@@ -11,7 +11,7 @@ messages, costs, chunk and loss — lives in that modality's own file, found thr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
 # another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.validate).
@@ -21,18 +21,25 @@ IMAGE_TOKEN = 1  # default placeholder id of a vision encoder's instances in the
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One transformer layer: hidden size, FFN size, attention heads and key/value groups."""
+    """One transformer layer: hidden size, FFN size, attention heads and key/value groups.
+
+    `kv_channels`: the size of one attention head (Megatron-LM's --kv-channels); None: hidden /
+    heads. With it set, the query projection is hidden -> heads * kv_channels (e.g. Gemma).
+    """
 
     hidden: int
     ffn: int
     heads: int
     kv_groups: int
     gated_mlp: bool = False  # SwiGLU (LLMs) vs. GELU (ViT, DiT, audio encoder)
+    kv_channels: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.ffn, self.heads, self.kv_groups) <= 0:
             raise ValueError(f"layer sizes must be positive: {self}")
-        if self.hidden % self.heads or self.heads % self.kv_groups:
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            raise ValueError(f"kv_channels must be positive: {self}")
+        if (self.kv_channels is None and self.hidden % self.heads) or self.heads % self.kv_groups:
             raise ValueError(
                 f"hidden {self.hidden} must divide into {self.heads} heads and the heads into "
                 f"{self.kv_groups} key/value groups"
@@ -40,7 +47,85 @@ class LayerShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of the query projection and of the attention output: heads x head size."""
+        return self.heads * self.head_dim
+
+
+ACTIVATIONS = ("gelu", "quick_gelu", "silu")  # silu with gated_mlp: SwiGLU
+PATCH_EMBEDDINGS = ("linear", "conv3d")
+ROTARY_LAYOUTS = ("interleaved", "blocked")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's "llama3" rotary frequency scaling (Hugging Face `rope_scaling`): wavelengths
+    longer than original_max_position_embeddings / low_freq_factor are divided by `factor`,
+    those shorter than .../high_freq_factor kept, the band between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise ValueError(f"unsupported rope scaling {self.rope_type!r} (supported: llama3)")
+        if not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0):
+            raise ValueError(f"llama3 rope scaling needs factor > 0, high > low > 0: {self}")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(f"original_max_position_embeddings must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Options of a module's layers beyond their shapes: what makes a preset or a Hugging Face
+    checkpoint the model it is named after.
+
+    `rotary_base` and `rope_scaling` (None: plain rotary) shape the rotary frequencies;
+    `mrope_sections`: Qwen2-VL's multimodal rotary sections (frequency slots per temporal, height,
+    width axis), None for 1-D positions; `norm_eps`: epsilon of every norm; `qkv_bias`: biases on
+    the query/key/value projection even where the other linear layers have none (Qwen2;
+    Megatron's add_qkv_bias); `tie_embeddings`: the LLM output head is the input embedding;
+    `activation`: the MLP activation (None: the kind's default, SwiGLU for gated MLPs, else GELU);
+    `patch_embedding`: "linear" (a linear layer with bias on flattened patches) or "conv3d"
+    (Qwen2-VL: a bias-free Conv3d with temporal kernel 2, i.e. frames stacked per patch);
+    `rotary_layout` of multi-axis rotary positions: "interleaved" (frequency slot j rotates with
+    axis j mod A) or "blocked" (Qwen2-VL's vision tower: the first slots with the rows, the
+    next with the columns).
+    """
+
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    mrope_sections: tuple[int, ...] | None = None
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    activation: str | None = None
+    patch_embedding: str = "linear"
+    rotary_layout: str = "interleaved"
+
+    def __post_init__(self) -> None:
+        if self.rotary_layout not in ROTARY_LAYOUTS:
+            raise ValueError(f"rotary_layout {self.rotary_layout!r} is not one of {ROTARY_LAYOUTS}")
+        if not self.rotary_base > 0:
+            raise ValueError(f"rotary_base must be positive, got {self.rotary_base}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.activation is not None and self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.patch_embedding not in PATCH_EMBEDDINGS:
+            raise ValueError(
+                f"patch_embedding {self.patch_embedding!r} is not one of {PATCH_EMBEDDINGS}"
+            )
+        if self.mrope_sections is not None:
+            object.__setattr__(self, "mrope_sections", tuple(int(v) for v in self.mrope_sections))
+            if len(self.mrope_sections) != 3 or min(self.mrope_sections) <= 0:
+                raise ValueError(f"mrope_sections must be 3 positive slot counts: {self}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +145,8 @@ class ModuleSpec:
     pooled into one LLM token), `out_hidden` (producers: the consumer's hidden size),
     `cond_hidden` (dit: hidden size of the conditioning text encoding), `placeholder_id`
     (scatter producers: the token id of their placeholders in the consumer's text), `pad_id`
-    (modules reading text: the id that pads their packed sequences, from the tokenizer).
+    (modules reading text: the id that pads their packed sequences, from the tokenizer),
+    `arch` (rotary, norm, biases, tying, activation: `Architecture`).
     """
 
     name: str
@@ -77,12 +163,19 @@ class ModuleSpec:
     cond_hidden: int = 0
     placeholder_id: int | None = None
     pad_id: int = PAD_TOKEN
+    arch: Architecture = Architecture()
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.kind, str) or not self.kind:
             raise ValueError(f"a module needs a name and a kind, got {self.name!r}/{self.kind!r}")
         if self.num_layers <= 0:
             raise ValueError(f"module {self.name!r}: num_layers must be positive")
+        sections = self.arch.mrope_sections
+        if sections is not None and 2 * sum(sections) != self.layer.head_dim:
+            raise ValueError(
+                f"module {self.name!r}: mrope_sections {sections} must sum to half the head "
+                f"size {self.layer.head_dim}"
+            )
 
 
 @dataclass(frozen=True)
@@ -127,6 +220,14 @@ class MultimodalSpec:
         """The modules of one kind, in model order."""
         return [m for m in self.modules if m.kind == kind]
 
+    def replace_module(self, name: str, **changes) -> MultimodalSpec:
+        """A copy with module `name`'s fields changed (`arch` may be a dict of its fields)."""
+        old = self.module(name)
+        if isinstance(changes.get("arch"), dict):
+            changes["arch"] = replace(old.arch, **changes["arch"])
+        new = tuple(replace(m, **changes) if m.name == name else m for m in self.modules)
+        return replace(self, modules=new)
+
 
 # ---------------------------------------------------------------------------------------------
 # The paper's component models (layers / hidden / FFN / heads / kv-groups), DESIGN.md section 3.
@@ -143,6 +244,17 @@ WHISPER_LARGE = LayerShape(1280, 5120, 20, 20)  # 32 layers; 128 mel bins (large
 _LLAMA_VOCAB = 128256
 _QWEN_VOCAB = 152064
 
+# The architecture options of the models the presets are named after (their config.json):
+# Meta-Llama-3-8B (rope_theta 5e5, rms_norm_eps 1e-5, untied) and Qwen2-72B / Qwen2.5-32B
+# (rope_theta 1e6, rms_norm_eps 1e-6, q/k/v biases, untied).
+LLAMA3_ARCH = Architecture(rotary_base=500000.0, norm_eps=1e-5)
+QWEN2_ARCH = Architecture(rotary_base=1000000.0, norm_eps=1e-6, qkv_bias=True)
+_LLM_ARCH = {LLAMA3_8B: LLAMA3_ARCH, QWEN2_32B: QWEN2_ARCH, QWEN2_72B: QWEN2_ARCH}
+
+
+def _arch(shape: LayerShape) -> Architecture:
+    return _LLM_ARCH.get(shape, Architecture())
+
 
 def _vit(layers: int, shape: LayerShape, llm: LayerShape, **extra) -> ModuleSpec:
     return ModuleSpec(
@@ -158,7 +270,7 @@ def _vlm(
         name,
         (
             _vit(vit_layers, vit, llm),
-            ModuleSpec("llm", "llm", llm_layers, llm, vocab_size=vocab),
+            ModuleSpec("llm", "llm", llm_layers, llm, vocab_size=vocab, arch=_arch(llm)),
         ),
     )
 
@@ -185,7 +297,9 @@ def _omni(
                 in_channels=mel_bins, merge=2, out_hidden=llm_shape.hidden,
                 placeholder_id=audio_token,
             ),
-            ModuleSpec("llm", "llm", llm_layers, llm_shape, vocab_size=vocab),
+            ModuleSpec(
+                "llm", "llm", llm_layers, llm_shape, vocab_size=vocab, arch=_arch(llm_shape)
+            ),
         ),
     )  # fmt: skip
 
@@ -212,6 +326,7 @@ def _t2v(
                 trainable=train_text,
                 feeds="dit",
                 vocab_size=vocab,
+                arch=_arch(te),
             ),
             ModuleSpec(
                 "dit",

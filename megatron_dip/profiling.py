@@ -232,7 +232,9 @@ def _layer_runner(
     hidden = hidden.to(device=device, dtype=dtype)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return modality.run_stack(module, stack, {**state, "hidden": x}, batch, rotary_base=1e4)
+        return modality.run_stack(
+            module, stack, {**state, "hidden": x}, batch, rotary_base=module.arch.rotary_base
+        )
 
     return run, hidden
 

@@ -314,8 +314,9 @@ def test_frozen_text_encoder_gets_no_grads(groups):
 
 
 def test_tied_embeddings_across_chunks(groups):
-    tied = ModelConfig(dtype="float64", tie_embeddings=True, seed=7)
-    model, batch = tiny_vlm(), _vlm_batch()
+    tied = ModelConfig(dtype="float64", seed=7)
+    model = tiny_vlm().replace_module("llm", arch={"tie_embeddings": True})
+    batch = _vlm_batch()
     no_group = ModelGroups(tp=groups.tp, cp=groups.cp)
     with pytest.raises(ValueError, match="ModelGroups.embedding"):
         build_module_chunks(model, "llm", [(0, 4), (4, 8)], config=tied, groups=no_group)

@@ -136,10 +136,9 @@ def test_replica_ids_follow_megatrons_pp_tp_dp_convention(groups):
 
 
 def test_tied_embedding_copy_is_never_the_written_replica(groups):
-    tied = ModelConfig(dtype="float64", tie_embeddings=True, seed=7)
-    first, last = build_module_chunks(
-        tiny_vlm(), "llm", [(0, 4), (4, 8)], config=tied, groups=groups
-    )
+    tied = ModelConfig(dtype="float64", seed=7)
+    model = tiny_vlm().replace_module("llm", arch={"tie_embeddings": True})
+    first, last = build_module_chunks(model, "llm", [(0, 4), (4, 8)], config=tied, groups=groups)
     embedding = first.sharded_state_dict()["pre.word_embeddings.weight"]
     copy = last.sharded_state_dict()["post.tied_weight"]
     assert copy.key == embedding.key == "llm.pre.word_embeddings.weight"

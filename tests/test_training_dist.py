@@ -30,11 +30,14 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
+from pathlib import Path
 
 import pytest
 from distributed_harness import run_world
+from hf_models import save_llama, save_qwen2_vl
 
 pytestmark = pytest.mark.distributed
 
@@ -91,6 +94,8 @@ def world(tmp_path_factory) -> list[dict]:
     data = make_tiny_llava_sample(tmp / "llava", num_samples=64, seed=0)
     bad = _with_undecodable_first_sample(tmp / "llava_bad")
     energon, tokenizer = _energon_with_hf_tokenizer(tmp)
+    save_llama(tmp / "hf_llama", tied=False, layers=4)
+    save_qwen2_vl(tmp / "hf_qwen2_vl", image_token=1)  # the byte tokenizer's image id
     return run_world(
         world_size=4,
         target="test_training_scenarios:world4",
@@ -100,6 +105,8 @@ def world(tmp_path_factory) -> list[dict]:
             "bad_data": str(bad),
             "energon": energon,
             "tokenizer": tokenizer,
+            "hf_llama": str(tmp / "hf_llama"),
+            "hf_qwen2_vl": str(tmp / "hf_qwen2_vl"),
         },  # fmt: skip
         timeout=600,
         daemon=False,  # rank 0 starts the planner process
@@ -392,3 +399,41 @@ def test_host_overheads_are_measured_on_the_training_step(world):
     assert all(g["seconds"] == got[0]["seconds"] for g in got)
     for (wall, cpu, compute), counts in zip((s[0] for s in got[0]["seconds"]), got[0]["counts"]):
         assert wall > compute > 0 and cpu > 0 and counts["compute"] > 0
+
+
+def test_finetune_from_an_imported_hf_checkpoint_trains_from_iteration_0(world):
+    """A Hugging Face Llama imported by 4 ranks at TP=2 x PP=2 (each reading its slices) and
+    fine-tuned: iteration 0, falling loss; the same first loss at PP=1 x DP=4, and from the
+    per-module flag; a different one from scratch (the weights were loaded)."""
+    tuned = world[0]["finetune_tp2pp2"]
+    assert tuned["first"] == 0 and sorted(tuned["losses"]) == list(range(1, 7))
+    losses = tuned["losses"]
+    assert losses[6] < losses[1] - 0.05, losses
+    first = losses[1]
+    assert world[0]["finetune_pp1"]["first"] == 0
+    assert world[0]["finetune_pp1"]["losses"][1] == pytest.approx(first, rel=1e-5)
+    assert world[0]["finetune_module"]["losses"][1] == pytest.approx(first, rel=1e-5)
+    assert abs(world[0]["finetune_scratch"]["losses"][1] - first) > 1e-3
+    # each rank read about a quarter of the LLM (its TP half of its PP half), not all of it
+    read = [w["import_bytes"] for w in world]
+    on_disk = sum(os.path.getsize(p) for p in Path(world[0]["hf_dir"]).glob("*.safetensors"))
+    assert all(0 < r < 0.45 * on_disk for r in read), (read, on_disk)
+    assert any("vit.pre.patch_embed.weight" in w["import_initialised"] for w in world)
+
+
+def test_tied_embeddings_on_two_pipeline_ranks_train_as_in_one_chunk(world):
+    """Tied LLM embeddings whose copies live on two pipeline ranks (DIP and Megatron's 1F1B)
+    give the losses of the same model in one chunk: gradients summed, counted once in the norm,
+    updated alike."""
+    one = world[0]["tied_one_chunk"]["losses"]
+    assert sorted(one) == [1, 2, 3]
+    for name in ("tied_dip", "tied_1f1b"):
+        assert world[0][name]["losses"] == pytest.approx(one, rel=1e-5), name
+
+
+def test_an_imported_qwen2_vl_trains_alike_at_tp2_pp2_and_pp1(world):
+    """Qwen2-VL (Conv3d patches, blocked 2-D rotary, M-RoPE) imported by 4 ranks: the same
+    losses at TP=2 x PP=2 as at PP=1 x DP=4 over two iterations (the second after an update)."""
+    tp2pp2, pp1 = world[0]["vl_tp2pp2"], world[0]["vl_pp1"]
+    assert tp2pp2["first"] == pp1["first"] == 0 and sorted(pp1["losses"]) == [1, 2]
+    assert tp2pp2["losses"] == pytest.approx(pp1["losses"], rel=1e-5)

@@ -47,7 +47,16 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
 
 
 def world4(
-    *, rank: int, world_size: int, data: str, tmp: str, bad_data: str, energon: str, tokenizer: str
+    *,
+    rank: int,
+    world_size: int,
+    data: str,
+    tmp: str,
+    bad_data: str,
+    energon: str,
+    tokenizer: str,
+    hf_llama: str,
+    hf_qwen2_vl: str,
 ) -> dict:
     """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints (saved in the
     background), evaluation and traces; then resume at iteration 3 (same layout and at PP=4);
@@ -122,6 +131,9 @@ def world4(
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
+    out.update(finetune_runs(base, hf=hf_llama, tmp=tmp, world_size=world_size))
+    out.update(qwen2_vl_runs(base, hf=hf_qwen2_vl, tmp=tmp, world_size=world_size))
+    out.update(tied_embedding_runs(base, world_size=world_size))
     out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
@@ -215,6 +227,73 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
     }.items():  # fmt: skip
         out[name] = run(argv, world_size=world_size)
     return out
+
+
+def finetune_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dict:
+    """A Hugging Face Llama imported at TP=2 x PP=2 by the 4 ranks (each reading its slices),
+    then fine-tuned from it: --pretrained-checkpoint at TP=2 x PP=2 for 6 iterations, --load
+    --finetune at PP=1 x DP=4 for 1, --dip-pretrained llm=... for 1, and from scratch for 1
+    (per-token loss: the same objective under every layout)."""
+    imported = os.path.join(tmp, "hf_import")
+    flags = base + ["--dip-hf-config", f"llm={hf}", "--dip-lookahead", "0"]
+    flags += ["--calculate-per-token-loss", "--dip-calibration-frozen"]
+    result = _import(flags, save=imported, tp=2, pp=2)
+    out = {"import_bytes": result.bytes_read, "import_initialised": list(result.initialised)}
+    out["hf_dir"] = hf
+    tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    for name, argv in {
+        "finetune_tp2pp2": flags + tp2pp2 + ["--pretrained-checkpoint", imported]
+        + ["--train-iters", "6"],
+        "finetune_pp1": flags + ["--load", imported, "--finetune", "--train-iters", "1"],
+        "finetune_module": flags + ["--dip-pretrained", f"llm={imported}", "--train-iters", "1"],
+        "finetune_scratch": flags + ["--train-iters", "1"],
+    }.items():  # fmt: skip
+        out[name] = run(argv, world_size=world_size)
+    return out
+
+
+def _import(flags: list[str], *, save: str, tp: int, pp: int):
+    """tools/hf_checkpoint.py's import, on these ranks, of the model the flags describe."""
+    from megatron_dip.training.architecture import hf_folders
+    from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.data_config import model_spec
+    from megatron_dip.training.hf_checkpoint import import_hf
+    from megatron_dip.training.validate import apply_preset
+
+    config, preset = apply_preset(parse_config(flags))
+    model, _, _ = model_spec(config, preset)
+    return import_hf(
+        model=model, folders=hf_folders(config, model), save=save, tp=tp, pp=pp, seed=7
+    )
+
+
+def qwen2_vl_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dict:
+    """A Qwen2-VL model (ViT with Conv3d patches and blocked rotary, M-RoPE LLM) imported at
+    TP=2 x PP=2 and fine-tuned for 2 iterations there and at PP=1 x DP=4 (per-token loss)."""
+    imported = os.path.join(tmp, "hf_qwen2_vl_import")
+    flags = base + ["--dip-hf-config", hf, "--dip-lookahead", "0", "--dip-segments", "vit=1,llm=1"]
+    flags += ["--calculate-per-token-loss", "--dip-calibration-frozen"]
+    _import(flags, save=imported, tp=2, pp=2)
+    tuned = flags + ["--pretrained-checkpoint", imported, "--train-iters", "2"]
+    tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    return {
+        "vl_tp2pp2": run(tuned + tp2pp2, world_size=world_size),
+        "vl_pp1": run(tuned, world_size=world_size),
+    }
+
+
+def tied_embedding_runs(base: list[str], *, world_size: int) -> dict:
+    """An LLM with tied input/output embeddings, 3 iterations (per-token loss): in one chunk at
+    PP=1 x DP=4, and with its copies on two pipeline ranks (PP=2 x DP=2) under DIP and under
+    Megatron's 1F1B (their gradients summed over the embedding group)."""
+    flags = base + ["--dip-arch", "llm.tie-embeddings=true", "--dip-lookahead", "0"]
+    flags += ["--calculate-per-token-loss", "--dip-calibration-frozen", "--train-iters", "3"]
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    return {
+        "tied_one_chunk": run(flags + ["--dip-segments", "vit=1,llm=1"], world_size=world_size),
+        "tied_dip": run(flags + pp2, world_size=world_size),
+        "tied_1f1b": run(flags + pp2 + ["--dip-schedule", "1f1b"], world_size=world_size),
+    }
 
 
 def energon_runs(*, energon: str, tokenizer: str, tmp: str, world_size: int) -> dict:

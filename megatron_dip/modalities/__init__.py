@@ -57,12 +57,17 @@ __all__ = [
 ]
 
 
-def build_chunk(model: MultimodalSpec, chunk: ChunkSpec, *, num_chunks: int, config, groups):
+def build_chunk(
+    model: MultimodalSpec, chunk: ChunkSpec, *, num_chunks: int, config, groups, skip_init=None
+):
     """`models.chunk.build_chunk` with the module's modality (call on the owning rank)."""
     from megatron_dip.models.chunk import build_chunk as build
 
     parts = modality_of(model.module(chunk.module))
-    return build(model, chunk, num_chunks=num_chunks, config=config, groups=groups, parts=parts)
+    return build(
+        model, chunk, num_chunks=num_chunks, config=config, groups=groups, parts=parts,
+        skip_init=skip_init,
+    )  # fmt: skip
 
 
 def build_module_chunks(model: MultimodalSpec, module: str, ranges, *, config, groups) -> list:

@@ -131,7 +131,10 @@ class Modality:
         del spec, model
 
     def activation(self, spec: ModuleSpec) -> str:
-        """The MLP activation: "silu" (SwiGLU) for gated MLPs, else "gelu"."""
+        """The MLP activation: the spec's (`Architecture.activation`), else "silu" (SwiGLU) for
+        gated MLPs and "gelu" for the others."""
+        if spec.arch.activation is not None:
+            return spec.arch.activation
         return "silu" if spec.layer.gated_mlp else "gelu"
 
     # -- metadata -------------------------------------------------------------------------
@@ -316,8 +319,9 @@ class Modality:
     def layer_params(self, spec: ModuleSpec) -> int:
         """Parameters of one transformer layer (all TP ranks together)."""
         lay = spec.layer
-        h, kv = lay.hidden, 2 * lay.kv_groups * lay.head_dim
-        return h * (h + kv) + h * h + h * lay.ffn * (3 if lay.gated_mlp else 2) + 2 * h
+        h, q, kv = lay.hidden, lay.attention_width, 2 * lay.kv_groups * lay.head_dim
+        qkv_bias = (q + kv) if spec.arch.qkv_bias and not self.linear_bias else 0
+        return h * (q + kv) + q * h + h * lay.ffn * (3 if lay.gated_mlp else 2) + 2 * h + qkv_bias
 
     def input_params(self, spec: ModuleSpec) -> int:
         """Parameters of the input layers."""
@@ -363,11 +367,13 @@ class Modality:
 
     def run_stack(self, spec: ModuleSpec, layers, state: dict, batch, *, rotary_base: float):
         """`layers` on state["hidden"] over the packed sequence of `batch` (every instance its
-        own attention segment, `models.attention`) with this modality's rotary tables; the
-        packed-sequence parameters and tables are cached in the batch, shared by all chunks of
-        the sub-microbatch."""
+        own attention segment, `models.attention`) with this modality's rotary tables (its
+        `Architecture`: scaling, layout, M-RoPE; `models.rope.rotary_of`); the packed-sequence
+        parameters and tables are cached in the batch, shared by all chunks of the
+        sub-microbatch."""
         from megatron_dip.models import attention
-        from megatron_dip.models.common import cached, rotary_table
+        from megatron_dip.models.common import cached
+        from megatron_dip.models.rope import rotary_of
 
         dtype = state["hidden"].dtype
         head_dim = spec.layer.head_dim
@@ -376,8 +382,10 @@ class Modality:
         )
         rotary = cached(
             batch,
-            ("rotary", head_dim, rotary_base, dtype),
-            lambda: rotary_table(batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype),
+            ("rotary", head_dim, rotary_base, spec.arch, dtype),
+            lambda: rotary_of(
+                spec.arch, batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype
+            ),
         )
         hidden = state["hidden"]
         for layer in layers:
@@ -411,7 +419,7 @@ class Modality:
             chunk.layers,
             state,
             batch,
-            rotary_base=chunk.model_config.rotary_base,
+            rotary_base=chunk.module_spec.arch.rotary_base,
         )
 
     def finish(self, chunk, state: dict, batch) -> dict:

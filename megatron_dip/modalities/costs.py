@@ -103,24 +103,24 @@ def mem(elements: float, passes: float, c: CostContext) -> Op:
 
 
 def attention_core(layer, pairs: float, seg: float, c: CostContext, *, causal: bool) -> Op:
-    """Attention core of a `LayerShape`: QK^T and PV (4 * pairs * h FLOPs; half when causal)."""
-    flops = (2 if causal else 4) * pairs * layer.hidden / c.tp
+    """Attention core of a `LayerShape`: QK^T and PV (4 * pairs * heads * head size FLOPs; half
+    when causal)."""
+    width = layer.attention_width
+    flops = (2 if causal else 4) * pairs * width / c.tp
     tokens = pairs / max(seg, 1.0)
     kv = 2 * layer.kv_groups * layer.head_dim
-    return Op(
-        flops, c.dt * tokens * (2 * layer.hidden + kv) / c.tp, OpKind.ATTN, rows=seg, core=True
-    )
+    return Op(flops, c.dt * tokens * (2 * width + kv) / c.tp, OpKind.ATTN, rows=seg, core=True)
 
 
 def self_attention_ops(layer, w: Work, c: CostContext, *, causal: bool) -> list[Op]:
     """Norm, QKV projection, attention core, output projection and residual of one layer."""
-    h, t = layer.hidden, w.tokens
+    h, t, q = layer.hidden, w.tokens, layer.attention_width
     kv = 2 * layer.kv_groups * layer.head_dim
     return [
         mem(t * h / c.rep, 2, c),  # norm
-        gemm(t, h, h + kv, c, shard_in=False),
+        gemm(t, h, q + kv, c, shard_in=False),
         attention_core(layer, w.pairs, w.seg, c, causal=causal),
-        gemm(t, h, h, c, shard_in=True),
+        gemm(t, q, h, c, shard_in=True),
         mem(t * h / c.rep, 3, c),  # residual add
     ]
 

@@ -421,7 +421,7 @@ class DitModality(Modality):
     def run_layers(self, chunk, state: dict, batch):
         return self.run_stack(
             chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.model_config.rotary_base, groups=chunk.groups,
+            rotary_base=chunk.module_spec.arch.rotary_base, groups=chunk.groups,
         )  # fmt: skip
 
     def finish(self, chunk, state: dict, batch) -> dict:

@@ -212,14 +212,14 @@ class LlmModality(TextModality):
     # -- torch parts --------------------------------------------------------------------------
 
     def tied(self, chunk) -> bool:
-        return chunk.model_config.tie_embeddings
+        return chunk.module_spec.arch.tie_embeddings
 
     def build_layers(self, chunk):
         if self.tied(chunk) and chunk.num_chunks > 1 and chunk.groups.embedding is None:
             raise ValueError(
                 f"{chunk.chunk.module}: tied input/output embeddings in different chunks need "
                 "ModelGroups.embedding (the group of the ranks holding the first and last chunk) "
-                "to sum their gradients; pass it, or set ModelConfig.tie_embeddings=False"
+                "to sum their gradients; pass it, or untie them (Architecture.tie_embeddings=False)"
             )
         return super().build_layers(chunk)
 
@@ -249,6 +249,7 @@ class LlmModality(TextModality):
                 torch.empty(head.output_size_per_partition, hidden, dtype=chunk.dtype)
             )
             set_tensor_model_parallel_attributes(weight, True, 0, 1)
+            weight.shared = True  # Megatron's mark: counted once in the gradient norm
             post.register_parameter("tied_weight", weight)
             chunk.global_aliases["post.tied_weight"] = (
                 f"{chunk.chunk.module}.pre.word_embeddings.weight"
@@ -342,7 +343,10 @@ class LlmModality(TextModality):
         labels = padded([np.append(t[1:], pad) for t in texts if len(t)], total, pad)
         ids = placeholder_ids(model, spec.name)
         mask = padded([_loss_mask(s, ids) for s in samples], total, 0.0)
-        positions = padded([np.arange(len(t)) for t in texts], total, 0)
+        if spec.arch.mrope_sections is None:
+            positions = padded([np.arange(len(t)) for t in texts], total, 0)[:, None]
+        else:
+            positions = padded([mrope_positions(model, spec, s) for s in samples], total, 0)
         tensors = {
             "token_ids": torch.from_numpy(tokens),
             "labels": torch.from_numpy(labels),
@@ -366,9 +370,35 @@ class LlmModality(TextModality):
             sub=sub,
             kind=self.kind,
             segments=torch.from_numpy(segment_ids([len(t) for t in texts], total)),
-            positions=torch.from_numpy(positions[:, None].astype(np.int64)),
+            positions=torch.from_numpy(positions.astype(np.int64)),
             tensors=tensors,
         )
+
+
+def mrope_positions(model: MultimodalSpec, spec: ModuleSpec, sample: SampleArrays) -> np.ndarray:
+    """[len(text), 3] M-RoPE positions (temporal, height, width) of one sample, as Qwen2-VL's
+    `get_rope_index`: text tokens count up on all three axes; the run of an instance's
+    placeholders holds its token grid (t, h, w) offset by the next text position, and the text
+    after it continues at that grid's largest position + 1."""
+    text = np.asarray(sample.text)
+    grids: dict[int, list[tuple[int, int, int]]] = {}
+    for producer, token in scatter_producers(model, spec.name):
+        modality = modality_of(producer)
+        arrays = modality.media(producer, sample)
+        grids[token] = [modality.consumer_grid(producer, a) for a in arrays]
+    out = np.zeros((len(text), 3), dtype=np.int64)
+    i = pos = 0
+    while i < len(text):
+        queue = grids.get(int(text[i]))
+        if not queue:
+            out[i] = pos
+            i, pos = i + 1, pos + 1
+            continue
+        t, h, w = queue.pop(0)
+        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij"), -1)
+        out[i : i + t * h * w] = pos + grid.reshape(-1, 3)
+        i, pos = i + t * h * w, pos + max(t, h, w)
+    return out
 
 
 def _loss_mask(sample: SampleArrays, placeholders: tuple[int, ...]) -> np.ndarray:

@@ -105,6 +105,12 @@ class ScatterProducer(Modality):
                     f"{what} up to {item - 1} ({self.instance} {item - 1} needs {counts[item - 1]})"
                 )
 
+    def consumer_grid(self, spec: ModuleSpec, array: np.ndarray) -> tuple[int, int, int]:
+        """(frames, rows, columns) of an instance's consumer tokens, for a consumer with M-RoPE
+        positions (Qwen2-VL); a producer without a grid cannot feed one."""
+        del array
+        raise ValueError(f"module {spec.name!r} ({spec.kind}) has no M-RoPE token grid")
+
     def media(self, spec: ModuleSpec, sample: SampleArrays) -> list[np.ndarray]:
         """The sample's arrays of this module, in order."""
         return list(sample.media.get(spec.name, ()))

@@ -82,16 +82,19 @@ def attention_core_stored(layer, tokens: int, c: CostContext) -> Stored:
     """An attention core over `tokens` queries: the log-sum-exp, and for the "segments"
     kernel each segment's output (sharded, one hidden width)."""
     lse = stat_bytes(c) * layer.heads * tokens / c.tp
-    outputs = c.dt * tokens * layer.hidden / c.tp if c.kernels.attention == "segments" else 0.0
+    width = layer.attention_width
+    outputs = c.dt * tokens * width / c.tp if c.kernels.attention == "segments" else 0.0
     return Stored(core=lse + outputs)
 
 
 def self_attention_stored(layer, w: Work, c: CostContext, *, rotary: bool) -> Stored:
-    """QKV input, QKV output, rotary Q / K and tables, the core, the out-projection input."""
+    """QKV input, QKV output, rotary Q / K and tables, the core, the out-projection input (Q
+    and the attention output are heads x head size wide: `LayerShape.attention_width`)."""
     kv = 2 * layer.kv_groups * layer.head_dim / layer.hidden
-    out = Stored(replicated=1.0, sharded=(1 + kv) + 1) + attention_core_stored(layer, w.tokens, c)
+    q = layer.attention_width / layer.hidden
+    out = Stored(replicated=1.0, sharded=(q + kv) + q) + attention_core_stored(layer, w.tokens, c)
     if rotary:
-        out += Stored(sharded=1 + kv / 2, whole=4 * layer.head_dim / layer.hidden)
+        out += Stored(sharded=q + kv / 2, whole=4 * layer.head_dim / layer.hidden)
     return out
 
 

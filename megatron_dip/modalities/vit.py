@@ -40,15 +40,35 @@ def image_tokens(*, height: int, width: int, vit: ModuleSpec) -> tuple[int, int]
     return patches, patches // (vit.merge * vit.merge)
 
 
-def patchify_image(image: np.ndarray, *, patch: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """[C, H, W] -> patches [N, p*p*C] in window order, and (row, col) of each patch [N, 2]."""
+TEMPORAL_PATCH = 2  # frames per Conv3d patch ("conv3d" patch embedding; an image is repeated)
+
+
+def patch_width(spec: ModuleSpec) -> int:
+    """Values of one flattened patch: p*p*C, or C*2*p*p for the "conv3d" patch embedding."""
+    frames = TEMPORAL_PATCH if spec.arch.patch_embedding == "conv3d" else 1
+    return spec.patch_size**2 * spec.in_channels * frames
+
+
+def patchify_image(
+    image: np.ndarray, *, patch: int, merge: int, frames: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """[C, H, W] -> patches [N, p*p*C] in window order, and (row, col) of each patch [N, 2].
+
+    `frames` > 0: each patch flattened as (C, frames, p, p) with the image repeated over the
+    frames (the layout of Qwen2-VL's image processor and Conv3d patch embedding)."""
     c, h, w = image.shape
     if h % (patch * merge) or w % (patch * merge):
         raise ValueError(f"image {h}x{w} is not a multiple of patch*merge = {patch * merge}")
     bh, bw = h // (patch * merge), w // (patch * merge)
     x = image.reshape(c, bh, merge, patch, bw, merge, patch)
-    # (bh, bw, ih, iw, py, px, C): the merge x merge patches of one LLM token are contiguous.
-    x = x.transpose(1, 4, 2, 5, 3, 6, 0).reshape(bh * bw * merge * merge, patch * patch * c)
+    n = bh * bw * merge * merge
+    if frames:
+        # (bh, bw, ih, iw, C, py, px), then the frame axis after C
+        x = x.transpose(1, 4, 2, 5, 0, 3, 6).reshape(n, c, 1, patch, patch)
+        x = np.repeat(x, frames, axis=2).reshape(n, c * frames * patch * patch)
+    else:
+        # (bh, bw, ih, iw, py, px, C): the merge x merge patches of one LLM token are contiguous.
+        x = x.transpose(1, 4, 2, 5, 3, 6, 0).reshape(n, patch * patch * c)
     r = np.arange(bh)[:, None, None, None] * merge + np.arange(merge)[None, None, :, None]
     col = np.arange(bw)[None, :, None, None] * merge + np.arange(merge)[None, None, None, :]
     rows, cols = np.broadcast_arrays(r, col)
@@ -89,9 +109,8 @@ class VitModality(ScatterProducer):
     # -- costs --------------------------------------------------------------------------------
 
     def input_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
-        patch = spec.patch_size**2 * spec.in_channels
         return [
-            gemm(w.tokens, patch, spec.layer.hidden, c, shard_in=False),
+            gemm(w.tokens, patch_width(spec), spec.layer.hidden, c, shard_in=False),
             mem(w.tokens * spec.layer.hidden, 3, c),
         ]
 
@@ -99,7 +118,13 @@ class VitModality(ScatterProducer):
         return data_copy_bytes(w.tokens * spec.patch_size**2 * spec.in_channels, c)
 
     def input_params(self, spec: ModuleSpec) -> int:
-        return (spec.patch_size**2 * spec.in_channels + 1) * spec.layer.hidden
+        bias = spec.arch.patch_embedding == "linear"
+        return (patch_width(spec) + bias) * spec.layer.hidden
+
+    def consumer_grid(self, spec: ModuleSpec, array: np.ndarray) -> tuple[int, int, int]:
+        """(frames, rows, columns) of an image's tokens in the LLM (M-RoPE positions)."""
+        unit = spec.patch_size * spec.merge
+        return 1, array.shape[1] // unit, array.shape[2] // unit
 
     # -- torch parts --------------------------------------------------------------------------
 
@@ -109,8 +134,10 @@ class VitModality(ScatterProducer):
         from megatron_dip.models.common import Parts
 
         m = chunk.module_spec
-        # Replicated on every tensor-parallel rank: small, and its input is not sharded.
-        return Parts(patch_embed=torch.nn.Linear(m.patch_size**2 * m.in_channels, m.layer.hidden))
+        # Replicated on every tensor-parallel rank: small, and its input is not sharded. A
+        # Conv3d with kernel = stride = (frames, p, p) is this linear map on flattened patches.
+        bias = m.arch.patch_embedding == "linear"
+        return Parts(patch_embed=torch.nn.Linear(patch_width(m), m.layer.hidden, bias=bias))
 
     def embed_media(self, chunk, batch):
         return chunk.pre.patch_embed(batch.patches.to(chunk.dtype))
@@ -137,11 +164,15 @@ class VitModality(ScatterProducer):
                 raise ValueError(
                     f"{sub.work}: image with {img.shape[0]} channels, the ViT takes {spec.in_channels}"
                 )
-        pieces = [patchify_image(img, patch=spec.patch_size, merge=spec.merge) for img in images]
+        frames = TEMPORAL_PATCH if spec.arch.patch_embedding == "conv3d" else 0
+        pieces = [
+            patchify_image(img, patch=spec.patch_size, merge=spec.merge, frames=frames)
+            for img in images
+        ]
         counts = [p.shape[0] for p, _ in pieces]
         check_tokens(sub, counts, None)
         total = sub.padded_tokens
-        width = spec.patch_size**2 * spec.in_channels
+        width = patch_width(spec)
         patches = padded([p.astype(np.float32) for p, _ in pieces] or [np.zeros((0, width))], total)
         positions = padded([pos for _, pos in pieces] or [np.zeros((0, 2), np.int64)], total)
         return SubBatch(

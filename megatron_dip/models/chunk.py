@@ -201,8 +201,10 @@ def build_chunk(
     config: ModelConfig,
     groups: ModelGroups,
     parts,
+    skip_init=None,
 ) -> ModelChunk:
-    """Build one chunk (call only on the rank that owns it) with deterministic weights.
+    """Build one chunk (call only on the rank that owns it) with deterministic weights;
+    `skip_init(global name)` true: left uninitialised (an importer fills those).
 
     `parts` is the module's modality (`modalities.build_chunk` passes it). `num_chunks` is the
     module's chunk count (the last chunk holds the output layers). Applies
@@ -224,7 +226,7 @@ def build_chunk(
     )
     built.to(device=built.device, dtype=built.dtype)
     mark_tensor_parallel_weights(built)
-    init_chunk_parameters(built)
+    init_chunk_parameters(built, skip=skip_init)
     if not module_spec.trainable:
         built.requires_grad_(False)
     logger.debug(

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional
 
-from megatron_dip.modelspec import ModuleSpec
+from megatron_dip.modelspec import ModuleSpec, RopeScaling
 
 from .config import ModelConfig
+from .rope import llama3_scaled
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -88,7 +89,13 @@ class LayerStyle:
             raise ValueError(f"unsupported activation {self.activation!r}")
 
 
-_ACTIVATIONS = {"gelu": functional.gelu, "silu": functional.silu}
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x): the GELU approximation of CLIP and Qwen2-VL's vision tower (the
+    formula of Hugging Face's QuickGELUActivation)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS = {"gelu": functional.gelu, "quick_gelu": quick_gelu, "silu": functional.silu}
 
 
 class Parts(torch.nn.Module):
@@ -121,10 +128,11 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
         num_query_groups=shape.kv_groups,
         kv_channels=shape.head_dim,
         normalization=style.normalization,
-        layernorm_epsilon=config.norm_eps,
+        layernorm_epsilon=module.arch.norm_eps,
         gated_linear_unit=shape.gated_mlp,
         activation_func=_ACTIVATIONS[style.activation],
         add_bias_linear=style.bias,
+        add_qkv_bias=style.bias or module.arch.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
@@ -326,21 +334,35 @@ def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
 
 
 def rotary_table(
-    positions: torch.Tensor, *, head_dim: int, base: float, dtype: torch.dtype
+    positions: torch.Tensor,
+    *,
+    head_dim: int,
+    base: float,
+    dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
+    layout: str = "interleaved",
 ) -> torch.Tensor:
     """Rotary angles [S, 1, 1, head_dim] for positions [S, A] over A axes.
 
     Frequency slot j (of head_dim / 2) rotates with axis j mod A at frequency
     base^(-(j div A) / slots_per_axis): A = 1 is the usual 1-D rotary embedding, A = 2 and 3 give
     the 2-D (ViT) and 3-D (DiT) variants. The layout [freqs, freqs] is what Megatron's
-    non-interleaved `apply_rotary_pos_emb` expects.
+    non-interleaved `apply_rotary_pos_emb` expects. `scaling` (1-D only): Llama 3.1's frequency
+    scaling (`rope.llama3_scaled`). `layout` "blocked": slot j rotates with axis j div
+    slots_per_axis at frequency base^(-(j mod slots_per_axis) / slots_per_axis) instead (the
+    same frequencies, grouped by axis: Qwen2-VL's vision tower).
     """
     slots = head_dim // 2
     axes = positions.shape[1]
     j = torch.arange(slots, device=positions.device)
     per_axis = -(-slots // axes)
-    inv_freq = base ** (-(j // axes).to(torch.float64) / per_axis)
-    angles = positions[:, j % axes].to(torch.float64) * inv_freq[None, :]
+    axis, index = (j // per_axis, j % per_axis) if layout == "blocked" else (j % axes, j // axes)
+    inv_freq = base ** (-index.to(torch.float64) / per_axis)
+    if scaling is not None:
+        if axes != 1:
+            raise ValueError("rope scaling applies to 1-D rotary positions only")
+        inv_freq = llama3_scaled(inv_freq, scaling)
+    angles = positions[:, axis].to(torch.float64) * inv_freq[None, :]
     table = torch.cat([angles, angles], dim=-1)
     return table[:, None, None, :].to(dtype)
 

@@ -18,9 +18,8 @@ class ModelConfig:
     encoders are decoder LLMs); False makes it bidirectional within each caption.
     `adaln_zero`: DiT modulation and final projection start at zero (adaLN-Zero); tests switch it
     off so that every DiT parameter gets a non-zero gradient from the first step.
-    `tie_embeddings`: the LLM output head shares the input embedding; when they live in
-    different chunks their gradients must be summed with `reduce_tied_embedding_grads` over an
-    explicit group, or building refuses.
+    Per-module architecture (rotary base and scaling, norm epsilon, biases, tied embeddings,
+    activation) is part of the model spec (`modelspec.Architecture`), not of this config.
     `use_te`: Transformer Engine layer specs (None: when transformer_engine imports).
     `attention`: the packed-sequence attention kernel (`models.attention`): "auto" is Transformer
     Engine's THD attention with TE layers, else ours (torch's FlashAttention varlen kernel where it
@@ -30,11 +29,8 @@ class ModelConfig:
     seed: int = 1234
     dtype: str = "float32"
     init_std: float = 0.02
-    norm_eps: float = 1e-5
-    rotary_base: float = 10000.0
     text_causal: bool = True
     adaln_zero: bool = True
-    tie_embeddings: bool = False
     use_te: bool | None = None
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = False

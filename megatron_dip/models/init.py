@@ -100,12 +100,15 @@ def shard_for_rank(
 
 
 @torch.no_grad()
-def init_chunk_parameters(chunk) -> None:
-    """Initialise every parameter of a `ModelChunk` from its global name (see module doc)."""
+def init_chunk_parameters(chunk, *, skip=None) -> None:
+    """Initialise every parameter of a `ModelChunk` from its global name (see module doc),
+    except those whose global name `skip(name)` is true (filled from elsewhere: an importer)."""
     owners = dict(chunk.named_modules())
     seed = chunk.model_config.seed
     tp_rank, tp_size = chunk.groups.tp_rank, chunk.groups.tp_size
     for local_name, param in chunk.named_parameters():
+        if skip is not None and skip(global_param_name(chunk, local_name)):
+            continue
         owner = owners[local_name.rsplit(".", 1)[0]] if "." in local_name else chunk
         kind, std = _rule(chunk, local_name, owner)
         shape = _full_shape(param, tp_size)

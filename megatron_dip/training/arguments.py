@@ -119,6 +119,73 @@ class ModelArgs:
         False,
         "normalise the loss by all loss tokens of the global batch instead of per microbatch",
     )
+    freeze_LM: bool = arg(  # noqa: N815 (Megatron-LM's flag name)
+        "--freeze-LM", False, "no gradients for the LLM (Megatron-LM's multimodal flag)"
+    )
+    freeze_ViT: bool = arg(  # noqa: N815
+        "--freeze-ViT", False, "no gradients for the vision encoder (Megatron-LM's multimodal flag)"
+    )
+    dip_freeze: str | None = arg(
+        "--dip-freeze",
+        None,
+        "modules trained without gradients, MODULE,... (e.g. text for a T2V text encoder); "
+        "the planner gives them forward segments only",
+        megatron=False,
+    )
+
+
+@dataclass(frozen=True)
+class ArchitectureArgs:
+    """Layer shapes and architecture options (Megatron-LM's names; they apply to the loss module,
+    the LLM or the DiT, as --num-layers does; other modules: --dip-arch), and the Hugging Face
+    configs they can come from. Applied in this order: preset, --dip-hf-config, --dip-arch, the
+    Megatron-LM flags."""
+
+    hidden_size: int | None = arg("--hidden-size", None, "hidden size" + PRESET)
+    ffn_hidden_size: int | None = arg("--ffn-hidden-size", None, "MLP hidden size" + PRESET)
+    num_attention_heads: int | None = arg("--num-attention-heads", None, "attention heads" + PRESET)
+    num_query_groups: int | None = arg(
+        "--num-query-groups", None, "key/value groups (grouped-query attention)" + PRESET
+    )
+    kv_channels: int | None = arg(
+        "--kv-channels", None, "size of one attention head (default: hidden / heads)"
+    )
+    rotary_base: float | None = arg("--rotary-base", None, "rotary base (theta)" + PRESET)
+    use_rope_scaling: bool = arg(
+        "--use-rope-scaling",
+        False,
+        "Llama 3.1's llama3 rope scaling (low/high frequency factors 1/4, original context "
+        "8192, as Megatron-LM)",
+    )
+    rope_scaling_factor: float = arg("--rope-scaling-factor", 8.0, "factor of --use-rope-scaling")
+    norm_epsilon: float | None = arg("--norm-epsilon", None, "epsilon of the norms" + PRESET)
+    untie_embeddings_and_output_weights: bool = arg(
+        "--untie-embeddings-and-output-weights",
+        False,
+        "separate LLM input embedding and output head (default: the preset's or the Hugging "
+        "Face config's tie_word_embeddings; the paper presets are untied)",
+    )
+    add_qkv_bias: bool = arg(
+        "--add-qkv-bias", False, "biases on the query/key/value projection (Qwen2; presets)"
+    )
+    dip_arch: str | None = arg(
+        "--dip-arch",
+        None,
+        "per-module options MODULE.KEY=VALUE,... with KEY one of hidden-size, ffn-hidden-size, "
+        "num-attention-heads, num-query-groups, kv-channels, rotary-base, norm-epsilon, "
+        "add-qkv-bias, tie-embeddings, activation (gelu, quick_gelu, silu), patch-embedding "
+        "(linear, conv3d), e.g. vit.norm-epsilon=1e-6,vit.activation=quick_gelu",
+        megatron=False,
+    )
+    dip_hf_config: str | None = arg(
+        "--dip-hf-config",
+        None,
+        "Hugging Face model folder(s) whose config.json gives module shapes and options: DIR "
+        "(the modules it describes: a Llama/Qwen2 folder the LLM or text encoder) or "
+        "MODULE=DIR,... (e.g. llm=DIR,text=DIR); tools/hf_checkpoint.py import reads their "
+        "weights",
+        megatron=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -219,6 +286,26 @@ class CheckpointArgs:
         "torch_dist",
         "checkpoint format: Megatron-Core dist_checkpointing's torch_dist (the only one)",
         choices=("torch_dist",),
+    )
+    finetune: bool = arg(
+        "--finetune",
+        False,
+        "load only the model weights of --load (or --pretrained-checkpoint): iteration, "
+        "optimizer, RNG, data position and LR schedule start afresh (Megatron-LM)",
+    )
+    pretrained_checkpoint: str | None = arg(
+        "--pretrained-checkpoint",
+        None,
+        "checkpoint directory to fine-tune from when --load holds no checkpoint yet (Megatron-LM: "
+        "weights only, iteration 0); a resumed run loads --load",
+    )
+    dip_pretrained: str | None = arg(
+        "--dip-pretrained",
+        None,
+        "per-module pretrained weights MODULE=DIR,... (e.g. vit=DIR,llm=DIR; checkpoints "
+        "written by tools/hf_checkpoint.py import or by training), loaded as "
+        "--pretrained-checkpoint is; modules not named keep their initialisation",
+        megatron=False,
     )
 
 
@@ -452,6 +539,7 @@ class DipArgs:
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("parallel", ParallelArgs),
     ("model", ModelArgs),
+    ("architecture", ArchitectureArgs),
     ("train", TrainArgs),
     ("data", DataArgs),
     ("checkpoint", CheckpointArgs),
@@ -466,6 +554,7 @@ class TrainConfig:
 
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
+    architecture: ArchitectureArgs = field(default_factory=ArchitectureArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     data: DataArgs = field(default_factory=DataArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -479,6 +568,11 @@ class TrainConfig:
         for name, section in SECTIONS:
             values = {f.name: getattr(ns, f.name, f.default) for f in dataclasses.fields(section)}
             sections[name] = section(**values)
+        if getattr(ns, "group_query_attention", True) is False:
+            # Megatron-LM's --num-query-groups (default 1) applies only with --group-query-attention
+            sections["architecture"] = dataclasses.replace(
+                sections["architecture"], num_query_groups=None
+            )
         return cls(**sections)
 
     def replace(self, **flat: Any) -> TrainConfig:

@@ -103,7 +103,8 @@ def ddp_config(spec: RunSpec):
 def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module]:
     """This rank's chunks of Megatron-Core layers (the real compute backend's)."""
     config = model_config(spec)
-    groups = ModelGroups(tp=ctx.tp, cp=ctx.single)
+    # Ranks holding a middle chunk of a tied module never reduce its copies: their own group.
+    groups = ModelGroups(tp=ctx.tp, cp=ctx.single, embedding=ctx.embedding or ctx.single)
     return [
         build_chunk(
             spec.model,

@@ -148,7 +148,9 @@ def save(
     return writer.save(state, root, iteration)
 
 
-def _header(common: Mapping, path: Path, model: MultimodalSpec) -> dict:
+def check_header(common: Mapping, path: Path, model: MultimodalSpec | None) -> dict:
+    """The header of a checkpoint's common state: one of ours, saved from `model` (any model
+    when None: a per-module load checks the tensors themselves)."""
     header = common.get("megatron_dip") if isinstance(common, Mapping) else None
     if not isinstance(header, Mapping) or header.get("format") != FORMAT:
         found = header.get("format") if isinstance(header, Mapping) else None
@@ -156,7 +158,7 @@ def _header(common: Mapping, path: Path, model: MultimodalSpec) -> dict:
             f"{path}: a torch_dist checkpoint, but not one of megatron-dip's {FORMAT!r} "
             f"(format {found!r}); its tensors are not keyed by our global parameter names"
         )
-    if header["model"] != model_signature(model):
+    if model is not None and header["model"] != model_signature(model):
         raise CheckpointError(
             f"{path}: saved from model {header['model']}, this run builds {model_signature(model)}"
         )
@@ -185,7 +187,7 @@ def load(
     collective. Every file is checked against the manifest first."""
     checkpoint_files.verify(path, hint=_hint(path))
     common = checkpoint_io.load_common(path)
-    header = _header(common, path, spec.model)
+    header = check_header(common, path, spec.model)
     c = spec.config.checkpoint
     training = header["content"] == "training"
     if not c.no_load_optim and not training:
@@ -277,7 +279,7 @@ def load_weights(
     if resume is None:
         raise CheckpointError(f"{root}: no checkpoint there")
     checkpoint_files.verify(resume.path)
-    _header(checkpoint_io.load_common(resume.path), resume.path, model)
+    check_header(checkpoint_io.load_common(resume.path), resume.path, model)
     inner = [unwrap_chunk(c) for c in chunks]
     dp_rank = data_parallel_group.rank() if data_parallel_group is not None else 0
     request = {"model": chunks_sharded_state_dict(inner, data_parallel_rank=dp_rank)}

@@ -23,6 +23,7 @@ from megatron_dip.data.tokenizer import (
 from megatron_dip.modalities import ScatterProducer, check_model, modality_of
 from megatron_dip.modelspec import MultimodalSpec
 
+from .architecture import apply_architecture, hf_folders
 from .arguments import TrainConfig
 from .config_error import ConfigError
 from .config_error import fail as _fail
@@ -58,13 +59,18 @@ def run_tokenizer(config: TrainConfig) -> tuple[TokenizerSpec, Tokenizer]:
         raise ConfigError(str(e)) from None
 
 
-def _text_updates(config: TrainConfig, tokenizer: Tokenizer, *, tp: int) -> dict:
+def _text_updates(
+    config: TrainConfig, tokenizer: Tokenizer, *, tp: int, hf_vocab: int | None = None
+) -> dict:
     """A text module's --vocab-size, and with a real tokenizer its padded vocabulary (Megatron's
-    rule, --make-vocab-size-divisible-by x TP) and its pad id."""
-    vocab, updates = config.model.vocab_size, {}
+    rule, --make-vocab-size-divisible-by x TP; a Hugging Face config's `hf_vocab` instead: its
+    weights have that many rows) and its pad id."""
+    vocab, updates, flag = config.model.vocab_size, {}, "--vocab-size"
+    if vocab is None and hf_vocab is not None:
+        vocab, flag = hf_vocab, "--dip-hf-config"
     if vocab is not None:
         if vocab < 3:
-            raise _fail("--vocab-size", f"must be >= 3 (PAD, IMAGE and text), got {vocab}")
+            raise _fail(flag, f"must be >= 3 (PAD, IMAGE and text), got {vocab}")
         updates["vocab_size"] = vocab
     if tokenizer.name == BYTE_TOKENIZER:
         return updates  # the tiny presets' ids (pad 0, image 1) are the byte tokenizer's
@@ -74,7 +80,7 @@ def _text_updates(config: TrainConfig, tokenizer: Tokenizer, *, tp: int) -> dict
     if vocab is None:
         updates["vocab_size"] = padded_vocab_size(size, divisible_by=divisible, tensor_parallel=tp)
     elif vocab < size:
-        raise _fail("--vocab-size", f"{vocab} is smaller than the tokenizer's {size} ids")
+        raise _fail(flag, f"{vocab} is smaller than the tokenizer's {size} ids")
     updates["pad_id"] = tokenizer.pad_id
     return updates
 
@@ -97,7 +103,9 @@ def _placeholder(spec, tokenizer: Tokenizer) -> int | None:
 
 def _model(config: TrainConfig, preset: RunPreset, tokenizer: Tokenizer) -> MultimodalSpec:
     m = config.model
-    model = preset.model()
+    base = preset.model()
+    model = apply_architecture(config, base)
+    from_hf = set(hf_folders(config, base))  # their vocabulary is the checkpoint's
     loss = model.loss_module.name
     tp = config.parallel.tensor_model_parallel_size or 1
     changed = []
@@ -110,7 +118,8 @@ def _model(config: TrainConfig, preset: RunPreset, tokenizer: Tokenizer) -> Mult
                 raise _fail(flag, f"must be >= 1, got {layers}")
             updates["num_layers"] = layers
         if spec.vocab_size > 0:
-            updates.update(_text_updates(config, tokenizer, tp=tp))
+            hf_vocab = spec.vocab_size if spec.name in from_hf else None
+            updates.update(_text_updates(config, tokenizer, tp=tp, hf_vocab=hf_vocab))
         token = _placeholder(spec, tokenizer)
         if token is not None:
             updates["placeholder_id"] = token

@@ -33,6 +33,7 @@ from .build import LocalModel, build_model
 from .checkpoint_dirs import newer_than
 from .checkpoint_io import CheckpointWriter
 from .data_source import load_agreed, make_stream
+from .finetune import load_pretrained
 from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record
@@ -115,6 +116,9 @@ class Trainer:
 
     def load(self) -> None:
         c, resume = self.spec.config.checkpoint, self.spec.resume
+        if resume is None and self.spec.pretrained:
+            self._load_pretrained()
+            return
         if resume is None:
             # Megatron-LM's behaviour: --load of an empty directory starts from scratch.
             logger.warning("--load %s: no checkpoint there yet, training from scratch", c.load)
@@ -141,6 +145,15 @@ class Trainer:
                 "--save %s: resuming from iteration %d; the newer checkpoints %s there are "
                 "replaced when this run reaches them", c.save, self.iteration, later,
             )  # fmt: skip
+
+    def _load_pretrained(self) -> None:
+        """Weights only (`finetune`): iteration 0, fresh optimizer, schedule and data."""
+        load_pretrained(
+            self.spec.pretrained, model=self.spec.model, chunks=self.model.inner,
+            data_parallel_rank=self.ctx.dp_rank,
+        )  # fmt: skip
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()  # Megatron: fp32 masters from the new weights
 
     def save(self) -> None:
         checkpoint.save(
@@ -314,7 +327,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         cfg = self.spec.config
-        if cfg.checkpoint.load is not None:
+        if cfg.checkpoint.load is not None or self.spec.pretrained:
             self.load()
         if self.plans is not None:
             self.plans.ahead(self.stream)  # the first batches, before the warm-up

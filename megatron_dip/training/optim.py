@@ -81,6 +81,8 @@ class PlainAdamW:
         local = torch.zeros(1, dtype=torch.float64)
         tp_rank = getattr(self.params[0], "_dip_tp_rank", 0) if self.params else 0
         for p, g in zip(self.params, grads):
+            if getattr(p, "shared", False):  # a tied embedding's second copy (Megatron's rule)
+                continue
             if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
                 local += g.double().pow(2).sum()
         if self.mp_group.size() > 1:

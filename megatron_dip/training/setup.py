@@ -46,6 +46,9 @@ class ParallelContext:
     # One communicator per (sender, receiver) pair of the pipeline (runtime.ChannelGroups): a
     # slow receiver then holds up only the messages between those two ranks.
     channels: ChannelGroups | None = None
+    # The ranks of this pipeline holding copies of a tied LLM embedding (its first and last
+    # chunk; Megatron's embedding group); None on the others and without tied copies.
+    embedding: dist.ProcessGroup | None = None
 
     @property
     def is_logging_rank(self) -> bool:
@@ -108,6 +111,29 @@ def _new_groups(
     return mine
 
 
+def tied_stages(spec: RunSpec) -> tuple[int, ...]:
+    """Pipeline ranks holding the copies of a tied input/output embedding (the first and the
+    last chunk of the module that ties them); () when no module has two copies."""
+    for m in spec.model.modules:
+        layout = spec.placement.module(m.name)
+        if m.arch.tie_embeddings and layout.num_chunks > 1:
+            return tuple(sorted({layout.chunks[0].rank, layout.chunks[-1].rank}))
+    return ()
+
+
+def _embedding_group(spec, layouts, me: int, created: list, timeout) -> dist.ProcessGroup | None:
+    stages = tied_stages(spec)
+    if not stages:
+        return None
+    tp, dp = spec.tensor_parallel, spec.data_parallel
+    groups = [
+        [global_rank(tp_rank=t, dp_rank=d, pp_rank=p, tp=tp, dp=dp) for p in stages]
+        for d in range(dp)
+        for t in range(tp)
+    ]
+    return _new_groups(groups, me, created, timeout)
+
+
 def initialize(spec: RunSpec) -> ParallelContext:
     """Process groups, device and seeded RNG for `spec` (call once per run on every rank)."""
     # Every blocking wait, collectives included, is bounded by --dip-comm-timeout-s: new groups
@@ -128,6 +154,7 @@ def initialize(spec: RunSpec) -> ParallelContext:
     groups = {
         name: _new_groups(layouts[name], me, created, timeout) for name in ("tp", "dp", "pp", "mp")
     }
+    embedding = _embedding_group(spec, layouts, me, created, timeout)
     channels = None
     if pp > 1:
         channels = ChannelGroups(groups["pp"], pipelines=layouts["pp"], timeout=timeout)
@@ -137,7 +164,7 @@ def initialize(spec: RunSpec) -> ParallelContext:
     ctx = ParallelContext(
         rank=me, world_size=world, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
         single=single, device=device, created=created, owns_world=owns, channels=channels,
-        **groups,
+        embedding=embedding, **groups,
     )  # fmt: skip
     logger.debug("rank %d: tp %d dp %d pp %d", me, tp_rank, dp_rank, pp_rank)
     return ctx

@@ -108,6 +108,7 @@ class DipStep:
             tp_group=ctx.tp,
             replica_group=ctx.dp,
             on_instruction=self.recorder,
+            embedding_group=ctx.embedding,
         )
 
     def run(self, plan: Plan, samples: dict[int, list]) -> StepResult:
@@ -191,6 +192,10 @@ def run_stock(
             c.start_grad_sync()
         for c in model.ddp:
             c.finish_grad_sync()
+    if not forward_only and ctx.embedding is not None:
+        from megatron_dip.models.chunk import reduce_tied_embedding_grads
+
+        reduce_tied_embedding_grads(model.inner, group=ctx.embedding)
     return StepResult(list(reports or []), spans, started, time.time())
 
 

@@ -79,6 +79,9 @@ class RunSpec:
     recompute: RecomputeMode = NO_RECOMPUTE
     # --load: the checkpoint to resume from (None: train from scratch).
     resume: ResumePoint | None = None
+    # --finetune / --pretrained-checkpoint / --dip-pretrained, when not resuming: weights to
+    # start from, as (module, checkpoint) with module "" for the whole model (`finetune.py`).
+    pretrained: tuple = ()
 
     @property
     def schedule(self) -> str:
@@ -209,18 +212,22 @@ def _check_checkpoint_flags(config: TrainConfig) -> None:
         raise _fail("--ckpt-step", "needs --load")
 
 
-def check_checkpoints(config: TrainConfig) -> ResumePoint | None:
-    """The checkpoint --load resumes from, after checking --load, --save and --train-iters
-    against the file system (`checkpoint_dirs`); None: train from scratch."""
+def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
+    """(the checkpoint --load resumes from or None, the pretrained weights to start from),
+    after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
+    --train-iters against the file system (`checkpoint_dirs`, `finetune`)."""
+    from .finetune import pretrained_sources
+
     c = config.checkpoint
     try:
         resume = checkpoint_dirs.find_resume(c.load, c.ckpt_step) if c.load else None
+        resume, pretrained = pretrained_sources(config, model, resume)
         checkpoint_dirs.check_train_iters(resume, config.train.train_iters)
         if c.save is not None:
-            checkpoint_dirs.check_save(c.save, load=c.load)
+            checkpoint_dirs.check_save(c.save, load=None if c.finetune else c.load)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    return resume
+    return resume, pretrained
 
 
 def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
@@ -454,6 +461,26 @@ def _check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
             )
 
 
+def _check_tied_embeddings(config: TrainConfig, model: MultimodalSpec, placement) -> None:
+    """Tied embeddings in two chunks (their gradients summed over Megatron's embedding group
+    after the data-parallel reduction) need whole gradients on every rank: not with the
+    distributed optimizer, whose ranks each hold a shard of the reduced gradients."""
+    if not config.parallel.use_distributed_optimizer:
+        return
+    for m in model.modules:
+        chunks = placement.module(m.name).num_chunks
+        if m.arch.tie_embeddings and chunks > 1:
+            raise _fail(
+                "--use-distributed-optimizer",
+                f"module {m.name!r} has tied input/output embeddings (its preset or "
+                f"--dip-hf-config's tie_word_embeddings) in {chunks} chunks, which the "
+                "distributed optimizer does not support here: drop it, pass "
+                "--untie-embeddings-and-output-weights (the head starts as a copy of the "
+                f"embedding) or use one chunk (--pipeline-model-parallel-size 1 --dip-segments "
+                f"{m.name}=1)",
+            )
+
+
 def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     """Check `config` for a world of `world_size` processes and build the `RunSpec`."""
     from .layout import build_layout  # the placement and sizing step
@@ -487,6 +514,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
         device=device if cuda or emulate else None,
     )  # fmt: skip
+    _check_tied_embeddings(config, model, layout.placement)
     d = config.dip
     search = SearchConfig(
         time_budget_s=d.dip_search_time_ms / 1e3,
@@ -507,7 +535,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         uniform_recompute=None if recompute == NO_RECOMPUTE else recompute,
         packing=limits,
     )
-    resume = check_checkpoints(config)  # last: it creates --save
+    resume, pretrained = check_checkpoints(config, model)  # last: it creates --save
     return RunSpec(
         config=config, preset=preset, model=model, world_size=world_size,
         tensor_parallel=1 if emulate else tp,
@@ -516,7 +544,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
         placement=layout.placement, stage_units=layout.stage_units, planner=planner,
         memory_limit_bytes=layout.memory_limit, segments=layout.segments, recompute=recompute,
-        resume=resume,
+        resume=resume, pretrained=pretrained,
     )  # fmt: skip
 
 

@@ -1,0 +1,264 @@
+"""Module shapes and architecture options from a Hugging Face `config.json` (torch-free).
+
+`text_module_fields(config)` turns a Llama / Qwen2 decoder's config into the `ModuleSpec` fields
+it fixes (layers, `LayerShape`, vocabulary, `Architecture`), for the LLM or the text encoder.
+`parse_hf_config_flag` reads `--dip-hf-config` ("DIR" or "llm=DIR,vit=DIR"). Anything the
+config asks for that our layers cannot compute (sliding windows, MLP biases, other rope types)
+is refused with a ValueError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, RopeScaling
+
+TEXT_MODEL_TYPES = ("llama", "qwen2")
+VLM_MODEL_TYPES = ("qwen2_vl",)
+CONFIG_FILE = "config.json"
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """The parsed `config.json` of a Hugging Face model folder (ValueError when missing)."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"{folder}: no {CONFIG_FILE} there (a Hugging Face model folder holds one)"
+        )
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+    """(rotary base, scaling) from transformers 5's `rope_parameters` or the older
+    `rope_theta` / `rope_scaling` fields."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling") or {}
+    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if kind in ("default", "mrope"):  # "mrope": Qwen2-VL's sections, read by the caller
+        return float(base), None
+    if kind != "llama3":
+        raise ValueError(f"{where}: rope type {kind!r} is not supported (default, llama3)")
+    source = params if "factor" in params else legacy
+    scaling = RopeScaling(
+        factor=float(source["factor"]),
+        low_freq_factor=float(source["low_freq_factor"]),
+        high_freq_factor=float(source["high_freq_factor"]),
+        original_max_position_embeddings=int(source["original_max_position_embeddings"]),
+    )
+    return float(base), scaling
+
+
+def _refuse_unsupported(config: dict[str, Any], where: str) -> None:
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {config['hidden_act']!r}; only silu (SwiGLU)")
+    if config.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias is not supported")
+    if config.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window is not supported (full attention only)")
+
+
+def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a Llama / Qwen2 decoder config (a Qwen2-VL config's text part
+    too): num_layers, layer, vocab_size, arch."""
+    config = dict(config.get("text_config") or config)
+    kind = config.get("model_type")
+    if kind not in (*TEXT_MODEL_TYPES, *VLM_MODEL_TYPES, "qwen2_vl_text"):
+        raise ValueError(f"{where}: model_type {kind!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
+    _refuse_unsupported(config, where)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    layer = LayerShape(
+        hidden,
+        int(config["intermediate_size"]),
+        heads,
+        int(config.get("num_key_value_heads") or heads),
+        gated_mlp=True,
+        kv_channels=None if head_dim * heads == hidden else int(head_dim),
+    )
+    base, scaling = _rope(config, where)
+    sections = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get(
+        "mrope_section"
+    )
+    arch = Architecture(
+        rotary_base=base,
+        rope_scaling=scaling,
+        mrope_sections=None if sections is None else tuple(sections),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        # Qwen2 always has q/k/v biases; Llama has them with attention_bias (then o_proj too).
+        qkv_bias=kind != "llama" or bool(config.get("attention_bias")),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+    if kind == "llama" and config.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias (o_proj bias) is not supported")
+    return {
+        "num_layers": int(config["num_hidden_layers"]),
+        "layer": layer,
+        "vocab_size": int(config["vocab_size"]),
+        "arch": arch,
+    }
+
+
+def vision_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a Qwen2-VL vision tower (the `vision_config` of a Qwen2-VL
+    config): layers, shape, patch and merge sizes, the LLM width it projects to, its
+    placeholder (`image_token_id`) and options (LayerNorm 1e-6, quick_gelu, Conv3d patches,
+    blocked 2-D rotary)."""
+    if config.get("model_type") not in VLM_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {config.get('model_type')!r} has no vision tower "
+                         f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
+    vision = config["vision_config"]
+    if int(vision.get("temporal_patch_size", 2)) != 2:
+        raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
+    act = vision.get("hidden_act", "quick_gelu")
+    if act not in ("quick_gelu", "gelu"):
+        raise ValueError(f"{where}: vision hidden_act {act!r}; supported: quick_gelu, gelu")
+    dim, heads = int(vision["embed_dim"]), int(vision["num_heads"])
+    layer = LayerShape(dim, int(dim * vision.get("mlp_ratio", 4)), heads, heads)
+    arch = Architecture(
+        rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        norm_eps=1e-6, activation=act, patch_embedding="conv3d", rotary_layout="blocked",
+    )  # fmt: skip
+    return {
+        "num_layers": int(vision["depth"]),
+        "layer": layer,
+        "patch_size": int(vision["patch_size"]),
+        "in_channels": int(vision.get("in_channels", 3)),
+        "merge": int(vision["spatial_merge_size"]),
+        "out_hidden": int(vision["hidden_size"]),
+        "placeholder_id": int(config["image_token_id"]),
+        "arch": arch,
+    }
+
+
+def parse_hf_config_flag(text: str | None, *, modules: list[str]) -> dict[str, str]:
+    """`--dip-hf-config`: "DIR" (for every module that the folder describes) or
+    "MODULE=DIR,..."; returns {module or "": folder}."""
+    if not text:
+        return {}
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, folder = part.partition("=")
+        if not sep:
+            name, folder = "", part
+        if name and name not in modules:
+            raise ValueError(f"{part!r}: the model has no module {name!r} (modules: {modules})")
+        if name in out:
+            raise ValueError(f"{part!r}: module {name or 'default'} given twice")
+        out[name] = folder
+    return out
+
+
+def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, Any]:
+    """The `config.json` of module `spec` (an LLM or a text encoder) as a Hugging Face Llama
+    (no q/k/v biases) or Qwen2 (biases) model: the inverse of `text_module_fields`."""
+    lay, arch = spec.layer, spec.arch
+    qwen = arch.qkv_bias
+    kind = "qwen2" if qwen else "llama"
+    head = "ForCausalLM" if spec.kind == "llm" else "Model"
+    rope: dict[str, Any] = {"rope_theta": arch.rotary_base, "rope_type": "default"}
+    if arch.rope_scaling is not None:
+        s = arch.rope_scaling
+        rope = {
+            "rope_theta": arch.rotary_base, "rope_type": s.rope_type, "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }  # fmt: skip
+    if arch.mrope_sections is not None:
+        rope["mrope_section"] = list(arch.mrope_sections)
+    config = {
+        "architectures": [("Qwen2" if qwen else "Llama") + head],
+        "model_type": kind,
+        "hidden_size": lay.hidden,
+        "intermediate_size": lay.ffn,
+        "num_attention_heads": lay.heads,
+        "num_key_value_heads": lay.kv_groups,
+        "head_dim": lay.head_dim,
+        "num_hidden_layers": spec.num_layers,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": arch.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": arch.tie_embeddings,
+        "max_position_embeddings": max_positions,
+        # transformers 5 reads rope_parameters; older releases rope_theta and rope_scaling
+        "rope_parameters": rope,
+        "rope_theta": arch.rotary_base,
+        "rope_scaling": None if arch.rope_scaling is None else rope,
+        "torch_dtype": "float32",
+    }
+    if not qwen:
+        config.update(attention_bias=False, mlp_bias=False)
+    return config
+
+
+def _ratio(ffn: int, hidden: int) -> int | float:
+    """Qwen2-VL's mlp_ratio: an int where the sizes allow (its config class asks for one)."""
+    return ffn // hidden if ffn % hidden == 0 else ffn / hidden
+
+
+def hf_qwen2_vl_config(vit: ModuleSpec, llm: ModuleSpec) -> dict[str, Any]:
+    """The `config.json` of a Qwen2-VL model made of our `vit` and `llm` (the inverse of
+    `vision_module_fields` and `text_module_fields`)."""
+    text = hf_text_config(llm)
+    del text["architectures"]
+    text["model_type"] = "qwen2_vl_text"
+    vision = {
+        "model_type": "qwen2_vl_vision", "depth": vit.num_layers, "embed_dim": vit.layer.hidden,
+        "hidden_size": vit.out_hidden, "num_heads": vit.layer.heads,
+        "mlp_ratio": _ratio(vit.layer.ffn, vit.layer.hidden), "hidden_act": vit.arch.activation or "gelu",
+        "in_channels": vit.in_channels, "patch_size": vit.patch_size,
+        "spatial_merge_size": vit.merge, "temporal_patch_size": 2,
+    }  # fmt: skip
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": vit.placeholder_id,
+        "tie_word_embeddings": llm.arch.tie_embeddings,
+    }
+
+
+def merged_config(ours: dict[str, Any], template: dict[str, Any] | None) -> dict[str, Any]:
+    """`ours` over the Hugging Face config it came from (`template`, e.g. the imported folder's):
+    what we do not model (token ids, context length, ...) is kept from the template."""
+    if not template:
+        return ours
+    out = dict(template)
+    for key, value in ours.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged_config(value, out[key])
+        elif key == "max_position_embeddings" and key in out:
+            continue
+        else:
+            out[key] = value
+    return out
+
+
+# What a Hugging Face config gives each kind of module (the kinds we read weights for).
+def encoder_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`text_module_fields` for a text encoder: it has no output head, so nothing is tied."""
+    fields = text_module_fields(config, where=where)
+    fields["arch"] = replace(fields["arch"], tie_embeddings=False)
+    return fields
+
+
+FIELDS_OF_KIND = {
+    "llm": text_module_fields,
+    "text_encoder": encoder_module_fields,
+    "vit": vision_module_fields,
+}
+
+
+def describes(config: dict[str, Any], kind: str) -> bool:
+    """Whether a Hugging Face `config` describes a module of `kind`."""
+    model_type = config.get("model_type")
+    if kind == "vit":
+        return model_type in VLM_MODEL_TYPES
+    return kind in FIELDS_OF_KIND and model_type in (*TEXT_MODEL_TYPES, *VLM_MODEL_TYPES)

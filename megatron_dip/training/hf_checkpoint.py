@@ -1,0 +1,205 @@
+"""Hugging Face checkpoints into ours and back (the command line: tools/hf_checkpoint.py).
+
+Import (`import_hf`, collective over a world of TP x PP processes, or one process): every rank
+builds its chunks of every module (layers cut into PP contiguous ranges, chunk p on pipeline rank
+p, TP shards as in training), fills each parameter that a Hugging Face folder covers with only
+its own slices of the safetensors tensors (`hf.weights.fill_chunk`: peak host memory per rank ~
+its shard), keeps the initialisation of the others (a projector the checkpoint lacks; logged
+by name) and writes the weights through the chunks' `sharded_state_dict()` with
+`checkpoint.save_weights`. The result is placement-free: `--load DIR --finetune` (or
+`--pretrained-checkpoint DIR`) reads it under any TP / PP / DIP placement.
+
+Export (`export_hf`, one process): the full global tensors of one text module are read from our
+checkpoint (any training or weights checkpoint) and written back under the names
+`save_pretrained` uses, with a `config.json` (`hf.config.hf_text_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dip.hf.config import hf_qwen2_vl_config, hf_text_config, merged_config
+from megatron_dip.hf.names import decoder_maps, module_maps, vision_maps
+from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk, hf_tensors
+from megatron_dip.models.init import global_param_name
+from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.schedule.ir import ChunkSpec
+
+from .checkpoint import save_weights
+from .checkpoint_dirs import CheckpointError, find_resume
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What one rank did: where the checkpoint went, the bytes it read from the Hugging Face
+    files, and the global names of the parameters that kept their initialisation."""
+
+    path: Path
+    bytes_read: int
+    initialised: tuple[str, ...]
+
+
+def import_chunks(model: MultimodalSpec, *, pp: int, pp_rank: int) -> list[tuple[ChunkSpec, int]]:
+    """(chunk, chunk count) of every module on pipeline rank `pp_rank`: each module's layers cut
+    into `pp` contiguous ranges, range p on rank p."""
+    out = []
+    for m in model.modules:
+        bounds = [m.num_layers * p // pp for p in range(pp + 1)]
+        out.append((ChunkSpec(m.name, pp_rank, pp_rank, bounds[pp_rank], bounds[pp_rank + 1]), pp))
+    return out
+
+
+def _groups(*, tp: int, pp: int):
+    """This rank's ModelGroups (every rank creates every group, as torch.distributed needs)."""
+    from megatron_dip.models.chunk import ModelGroups
+
+    rank = dist.get_rank()
+    tp_group = single = None
+    for p in range(pp):
+        group = dist.new_group(list(range(p * tp, (p + 1) * tp)))
+        if rank // tp == p:
+            tp_group = group
+    for r in range(tp * pp):
+        group = dist.new_group([r])
+        if r == rank:
+            single = group
+    # The embedding group sums tied-embedding gradients; an import computes none.
+    return ModelGroups(tp=tp_group, cp=single, embedding=single)
+
+
+def import_hf(
+    *,
+    model: MultimodalSpec,
+    folders: dict[str, str],
+    save: str | Path,
+    tp: int,
+    pp: int,
+    seed: int = 1234,
+) -> ImportResult:
+    """Write the weights of the Hugging Face `folders` ({module: folder}) as our checkpoint
+    `save/iter_0` (module docstring). Collective over the world group of tp * pp ranks."""
+    from megatron_dip.cpu_support import seed_model_parallel_rng
+    from megatron_dip.modalities import build_chunk
+    from megatron_dip.models.config import ModelConfig
+
+    if dist.get_world_size() != tp * pp:
+        raise ValueError(f"world size {dist.get_world_size()} != TP x PP = {tp} x {pp}")
+    rank = dist.get_rank()
+    groups = _groups(tp=tp, pp=pp)
+    seed_model_parallel_rng(seed, tp_rank=rank % tp)
+    config = ModelConfig(seed=seed)
+    chunks, read, kept = [], 0, []
+    for spec, count in import_chunks(model, pp=pp, pp_rank=rank // tp):
+        folder = folders.get(spec.module)
+        source = maps = None
+        if folder is not None:
+            source = SafetensorsFolder(folder)
+            maps = module_maps(model.module(spec.module), source.where)
+        # What the checkpoint gives is not drawn first (a full tensor per parameter).
+        chunk = build_chunk(
+            model, spec, num_chunks=count, config=config, groups=groups,
+            skip_init=None if maps is None else maps.__contains__,
+        )  # fmt: skip
+        if source is not None:
+            kept += fill_chunk(chunk, source, maps)
+            read += source.bytes_read
+        else:
+            kept += [global_param_name(chunk, name) for name, _ in chunk.named_parameters()]
+        chunks.append(chunk)
+    if kept:
+        logger.info("rank %d: not in the Hugging Face checkpoint, initialised: %s", rank, kept)
+    path = save_weights(save, model=model, chunks=chunks)
+    return ImportResult(path, read, tuple(kept))
+
+
+def _full_tensors(path: Path, maps) -> dict[str, torch.Tensor]:
+    """The full global tensors of our checkpoint `path` that `maps` names (one process; the
+    local or the Transformer Engine spec's names, whichever the checkpoint holds)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from . import checkpoint_files, checkpoint_io
+
+    checkpoint_files.verify(path)
+    saved = checkpoint_io.tensor_metadata(path)
+    keys = [k for k in maps if k in saved]
+    if not keys:
+        raise CheckpointError(f"{path}: none of the module's tensors (another model's checkpoint?)")
+    request = {
+        k: ShardedTensor.from_rank_offsets(
+            k, torch.empty(tuple(saved[k].global_shape), dtype=saved[k].dtype), replica_id=0
+        )
+        for k in keys
+    }
+    checkpoint_io.load_sharded(request, path, saved=saved)
+    return {k: t.data for k, t in request.items()}
+
+
+def _hf_shapes(maps, ours: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, tensor in ours.items():
+        tail = maps[key].hf_tail or tuple(tensor.shape[1:])
+        for piece in maps[key].pieces:
+            rows = tensor.shape[0] if piece.rows is None else piece.start + piece.rows
+            old = shapes.get(piece.name, (0,))
+            shapes[piece.name] = (max(old[0], rows), *tail)
+    return shapes
+
+
+def _export_layout(model: MultimodalSpec, modules: list[str]) -> tuple[dict, dict]:
+    """(tensor maps, config.json) of the exported `modules`: one text module as a Llama / Qwen2
+    model, or a ViT + LLM as a Qwen2-VL model."""
+    specs = [model.module(m) for m in modules]
+    vits = [s for s in specs if s.kind == "vit"]
+    texts = [s for s in specs if s.kind in ("llm", "text_encoder")]
+    if len(texts) != 1 or len(vits) > 1 or len(specs) != len(texts) + len(vits):
+        raise ValueError(
+            f"export {modules}: one LLM or text encoder, and with a ViT the Qwen2-VL pair, "
+            "is what a Hugging Face folder holds"
+        )
+    text = texts[0]
+    if not vits:
+        prefix = "model." if text.kind == "llm" else ""
+        return decoder_maps(text, hf_prefix=prefix), hf_text_config(text)
+    if text.kind != "llm" or vits[0].arch.patch_embedding != "conv3d":
+        raise ValueError("export: a ViT is written as Qwen2-VL's vision tower (conv3d patches)")
+    # The names on disk (what transformers' save_pretrained writes and the Hub holds).
+    maps = {**vision_maps(vits[0], hf_prefix="visual."), **decoder_maps(text, hf_prefix="model.")}
+    return maps, hf_qwen2_vl_config(vits[0], text)
+
+
+def export_hf(
+    *,
+    model: MultimodalSpec,
+    load: str | Path,
+    modules: list[str],
+    out: str | Path,
+    step: int | None = None,
+    template: dict | None = None,
+) -> Path:
+    """Write `modules` of our checkpoint under `load` (the tracker's, or iteration `step`) as a
+    Hugging Face folder `out` (model.safetensors, config.json over `template`, the config it was
+    imported from). One process with a process group (a world of 1)."""
+    from safetensors.torch import save_file
+
+    resume = find_resume(load, step)
+    if resume is None:
+        raise CheckpointError(f"{load}: no checkpoint there")
+    maps, config = _export_layout(model, modules)
+    ours = _full_tensors(resume.path, maps)
+    tensors = hf_tensors(maps, ours, shapes=_hf_shapes(maps, ours))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    text = json.dumps(merged_config(config, template), indent=2) + "\n"
+    (out / "config.json").write_text(text, encoding="utf-8")
+    logger.info("exported %s of %s as %s (%d tensors)", modules, resume.path, out, len(tensors))
+    return out

@@ -1,0 +1,119 @@
+"""Tiny random Hugging Face models saved to a folder, built offline with `transformers` (the
+reference implementation of the parity and checkpoint tests; nothing is downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_dip.hf.config import read_config, text_module_fields
+from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 32, 64, 4, 2, 3, 128
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # wavelengths of a head of 8 at base 5e5: 6.3, 167, 4440, 1.2e5 -> kept, blended, scaled x2
+    "original_max_position_embeddings": 512,
+}
+
+
+def _common(**extra) -> dict:
+    return {
+        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "num_hidden_layers": LAYERS, "vocab_size": VOCAB,
+        "max_position_embeddings": 1024, **extra,
+    }  # fmt: skip
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random (norm weights too: ones would hide a mapped-away norm)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+
+
+def save_llama(
+    folder: Path,
+    *,
+    tied: bool,
+    scaling: bool = True,
+    seed: int = 0,
+    layers: int = LAYERS,
+    shard_size: str | None = None,
+):
+    """A tiny LlamaForCausalLM (rope base 5e5, eps 1e-5, llama3 scaling) saved to `folder`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_theta": 500000.0, **(LLAMA3_SCALING if scaling else {"rope_type": "default"})}
+    fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=tied, num_hidden_layers=layers)
+    config = LlamaConfig(**fields, rope_parameters=rope)
+    save = {"max_shard_size": shard_size} if shard_size else {}
+    return _save(LlamaForCausalLM(config), folder, seed, **save)
+
+
+def save_qwen2(folder: Path, *, seed: int = 0):
+    """A tiny Qwen2ForCausalLM (q/k/v biases, rope base 1e6, eps 1e-6) saved to `folder`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        **_common(rms_norm_eps=1e-6, tie_word_embeddings=False),
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    )
+    return _save(Qwen2ForCausalLM(config), folder, seed)
+
+
+def _save(model, folder: Path, seed: int, **save):
+    _randomise(model, seed)
+    model.eval()
+    model.save_pretrained(folder, **save)
+    return model
+
+
+def qwen2_vl_model(folder: Path) -> MultimodalSpec:
+    """Our ViT + LLM model of the Qwen2-VL folder (`hf.config`)."""
+    from megatron_dip.hf.config import vision_module_fields
+
+    config = read_config(folder)
+    vit = ModuleSpec("vit", "vit", feeds="llm", **vision_module_fields(config))
+    llm = ModuleSpec("llm", "llm", **text_module_fields(config))
+    return MultimodalSpec("hf-qwen2-vl", (vit, llm))
+
+
+def llm_only(folder: Path, *, name: str = "llm", kind: str = "llm") -> MultimodalSpec:
+    """A one-module model whose LLM is the Hugging Face model in `folder`."""
+    fields = text_module_fields(read_config(folder))
+    return MultimodalSpec("hf-llm", (ModuleSpec(name, kind, **fields),))
+
+
+IMAGE_TOKEN_ID = 5  # Qwen2-VL's image placeholder in the tiny vocabulary (6-8: video/vision tags)
+VISION_PATCH, VISION_MERGE = 4, 2
+
+
+def save_qwen2_vl(folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN_ID):
+    """A tiny Qwen2VLForConditionalGeneration (vision tower 2 x 32, 4-px patches, 2x2 merge,
+    quick_gelu; Qwen2 LLM with M-RoPE sections 2/1/1 of its 4 frequency slots) saved."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = _common(rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None)
+    text["eos_token_id"] = None
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1e6,
+        "mrope_section": [2, 1, 1],
+    }
+    vision = {
+        "depth": 2, "embed_dim": HIDDEN, "hidden_size": HIDDEN, "num_heads": HEADS,
+        "mlp_ratio": 2, "patch_size": VISION_PATCH, "spatial_merge_size": VISION_MERGE,
+        "temporal_patch_size": 2, "in_channels": 3,
+    }  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=image_token,
+        video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
+        bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    return _save(Qwen2VLForConditionalGeneration(config), folder, seed)

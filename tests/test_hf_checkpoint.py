@@ -1,0 +1,216 @@
+"""Hugging Face checkpoints in and out (tools/hf_checkpoint.py, training/hf_checkpoint.py,
+megatron_dip/hf/weights.py): sliced per-rank reads, import -> export bit-exact and loadable by
+`transformers`, the importer's log of what it initialised. One process; tiny random models."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import llm_only, save_llama, save_qwen2, save_qwen2_vl
+from safetensors.torch import load_file
+
+from megatron_dip.hf.names import decoder_maps
+from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk
+from megatron_dip.modalities import build_module_chunks
+from megatron_dip.models import ModelConfig
+from megatron_dip.models.chunk import ModelGroups
+from megatron_dip.models.init import global_param_name, is_gated_fc1, shard_for_rank
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("hf_checkpoint", ROOT / "tools/hf_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _TensorParallelRank:
+    """Rank `rank` of a tensor-parallel group of `size`, as layers see it while being built."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _filled(folder, world, tp):
+    """{global name: (chunk, local name, parameter)} of the LLM filled at TP rank tp, and the
+    bytes read."""
+    model = llm_only(folder)
+    groups = ModelGroups(tp=tp, cp=world)
+    chunks = build_module_chunks(
+        model, "llm", [(0, 2), (2, 3)], config=ModelConfig(), groups=groups
+    )  # fmt: skip
+    source = SafetensorsFolder(folder)
+    maps = decoder_maps(model.module("llm"))
+    for c in chunks:
+        assert fill_chunk(c, source, maps) == []
+    params = {global_param_name(c, n): (c, n, p) for c in chunks for n, p in c.named_parameters()}
+    return params, source.bytes_read
+
+
+def test_each_tensor_parallel_rank_reads_only_its_slices(tmp_path, single_rank_world):
+    from megatron_dip.cpu_support import seed_model_parallel_rng
+
+    seed_model_parallel_rng(0)
+    save_llama(tmp_path, tied=False)
+    full, full_bytes = _filled(tmp_path, single_rank_world, single_rank_world)
+    on_disk = sum(
+        t.numel() * t.element_size() for t in load_file(tmp_path / "model.safetensors").values()
+    )
+    assert full_bytes == on_disk  # TP1 reads every tensor once
+    replicated = sum(
+        p.numel() * 4 for c, n, p in full.values() if not getattr(p, "tensor_model_parallel", False)
+    )
+    read = []
+    for rank in range(2):
+        shards, nbytes = _filled(tmp_path, single_rank_world, _TensorParallelRank(rank, 2))
+        read.append(nbytes)
+        for name, (chunk, local, whole) in full.items():
+            shard = shards[name][2]
+            glu = is_gated_fc1(chunk, local)
+            expected = shard_for_rank(whole.detach(), shard, tp_rank=rank, tp_size=2, glu=glu)
+            assert torch.equal(shard.detach(), expected), name
+    # every sharded element is read by one rank only; replicated ones (norms) by both
+    assert read[0] == read[1] == (on_disk - replicated) // 2 + replicated
+
+
+@pytest.mark.parametrize(
+    "make", [lambda d: save_llama(d, tied=False), lambda d: save_llama(d, tied=True), save_qwen2],
+    ids=["llama", "llama-tied", "qwen2"],
+)  # fmt: skip
+def test_import_then_export_is_bit_exact_and_loads_in_transformers(
+    tmp_path, make, caplog, single_rank_world
+):
+    hf = tmp_path / "hf"
+    original = make(hf)
+    tool = _tool()
+    flags = ["--model", "tiny-vlm", "--dip-hf-config", f"llm={hf}"]
+    with caplog.at_level(logging.INFO):
+        assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    assert "not in the Hugging Face checkpoint, initialised" in caplog.text
+    assert "vit.pre.patch_embed.weight" in caplog.text  # the ViT and projector: as in training
+    out = tmp_path / "exported"
+    assert tool.main(
+        ["export", *flags, "--load", str(tmp_path / "ours"), "--module", "llm", "--hf-out", str(out)]
+    ) == 0  # fmt: skip
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, original(input_ids=ids).logits)
+    assert type(loaded) is type(original)
+
+
+def test_a_tied_checkpoint_imported_untied_starts_its_head_as_the_embedding(
+    tmp_path, single_rank_world
+):
+    hf = tmp_path / "hf"
+    original = save_llama(hf, tied=True)
+    tool = _tool()
+    flags = ["--model", "tiny-vlm", "--dip-hf-config", f"llm={hf}"]
+    flags += ["--untie-embeddings-and-output-weights"]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    after = load_file(out / "model.safetensors")
+    assert torch.equal(after["lm_head.weight"], after["model.embed_tokens.weight"])
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not loaded.config.tie_word_embeddings
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+def test_a_sharded_checkpoint_with_an_index_is_read_by_slices(tmp_path, single_rank_world):
+    """save_pretrained's shards + model.safetensors.index.json: the same tensors as one file,
+    read through the index, each TP rank reading its part of every shard."""
+    save_llama(tmp_path / "one", tied=False)
+    save_llama(tmp_path / "sharded", tied=False, shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    one, _ = _filled(tmp_path / "one", single_rank_world, single_rank_world)
+    sharded, _ = _filled(tmp_path / "sharded", single_rank_world, single_rank_world)
+    assert all(torch.equal(one[k][2], sharded[k][2]) for k in one)
+    _, full = _filled(tmp_path / "sharded", single_rank_world, single_rank_world)
+    _, half = _filled(tmp_path / "sharded", single_rank_world, _TensorParallelRank(1, 2))
+    assert half < 0.6 * full
+
+
+def test_llama_as_the_text_encoder_of_a_t2v_model(tmp_path, single_rank_world):
+    """The T2V text encoder from a Llama folder: the decoder's tensors in, and out again as a
+    bare LlamaModel (a text encoder has no head) that transformers loads."""
+    hf = tmp_path / "hf"
+    original = save_llama(hf, tied=False)
+    tool = _tool()
+    flags = ["--model", "tiny-t2v", "--dip-hf-config", f"text={hf}"]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    decoder = {k.removeprefix("model."): t for k, t in before.items() if k != "lm_head.weight"}
+    assert sorted(decoder) == sorted(after)
+    assert all(torch.equal(t, after[name]) for name, t in decoder.items())
+    from transformers import AutoModel
+
+    loaded = AutoModel.from_pretrained(out).eval()
+    ids = torch.arange(1, 30)[None]
+    with torch.no_grad():
+        hidden = original.model(input_ids=ids).last_hidden_state
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, hidden)
+
+
+def test_qwen2_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world):
+    """A Qwen2-VL folder gives both the ViT and the LLM (a bare --dip-hf-config DIR); the
+    export writes the pair back as one Qwen2-VL folder."""
+    hf = tmp_path / "hf"
+    original = save_qwen2_vl(hf)
+    tool = _tool()
+    flags = ["--model", "tiny-vlm", "--dip-hf-config", str(hf)]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(t, after[name]) for name, t in before.items())
+    from transformers import Qwen2VLForConditionalGeneration
+
+    loaded = Qwen2VLForConditionalGeneration.from_pretrained(out).eval()
+    ids = torch.arange(9, 40)[None]
+    kwargs = {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int)}
+    with torch.no_grad():
+        assert torch.equal(loaded(**kwargs).logits, original(**kwargs).logits)
+
+
+def test_import_and_export_refuse_missing_flags(tmp_path, single_rank_world):
+    tool = _tool()
+    with pytest.raises(SystemExit, match="--dip-hf-config"):
+        tool.main(["import", "--model", "tiny-vlm", "--save", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--hf-out"):
+        tool.main(["export", "--model", "tiny-vlm", "--load", str(tmp_path), "--module", "llm"])
+    with pytest.raises(SystemExit, match="--module"):
+        tool.main(["export", "--model", "tiny-vlm", "--load", str(tmp_path), "--hf-out", "x"])
+    assert tool.main(["import", "--model", "tiny-vlm", "--dip-hf-config", str(tmp_path)]) == 2

@@ -1,0 +1,210 @@
+"""Our chunks against Hugging Face `transformers` on the same weights (megatron_dip.hf):
+tiny random Llama (tied and untied, llama3 rope scaling) and Qwen2 (q/k/v biases) decoders,
+fp32, two documents packed in one sequence; Qwen2-VL (vision tower with Conv3d patches, blocked
+2-D rotary, quick_gelu and merger; LLM with M-RoPE) on two images of different sizes in one
+sequence. Logits and loss must agree to 1e-4."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_models import LAYERS, VOCAB, llm_only, save_llama, save_qwen2
+
+from megatron_dip.data.sample import Sample
+from megatron_dip.hf.names import decoder_maps
+from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk
+from megatron_dip.modalities import build_module_chunks, build_sub_batch
+from megatron_dip.models import ModelConfig
+from megatron_dip.models.chunk import ModelGroups
+from megatron_dip.schedule.ir import SubMicrobatch
+
+SEQ = 96
+DOCS = (41, 37)  # two documents packed in one sequence, then padding
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def groups(single_rank_world) -> ModelGroups:
+    from megatron_dip.cpu_support import seed_model_parallel_rng
+
+    seed_model_parallel_rng(0)  # Megatron's attention reads its RNG tracker
+    return ModelGroups(tp=single_rank_world, cp=single_rank_world)
+
+
+def _documents() -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(1, VOCAB, size=n).astype(np.int64) for n in DOCS]
+
+
+def _our_chunk(folder, groups):
+    model = llm_only(folder)
+    (chunk,) = build_module_chunks(
+        model, "llm", [(0, LAYERS)], config=ModelConfig(dtype="float32"), groups=groups
+    )
+    kept = fill_chunk(chunk, SafetensorsFolder(folder), decoder_maps(model.module("llm")))
+    assert kept == []  # every parameter comes from the checkpoint
+    return model, chunk
+
+
+def _our_logits_and_loss(model, chunk, docs):
+    samples = [Sample(i, d) for i, d in enumerate(docs)]
+    sub = SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ)
+    batch = build_sub_batch(model, samples, sub, seq_length=SEQ, seed=0)
+    with torch.no_grad():
+        state = chunk.parts.embed(chunk, [], batch)
+        hidden = chunk.post.final_norm(chunk.parts.run_layers(chunk, state, batch))
+        tied = chunk.module_spec.arch.tie_embeddings
+        weight = chunk.pre.word_embeddings.weight if tied else None
+        logits, _ = chunk.post.output_layer(hidden, weight=weight)
+        out = chunk(inputs=[], batch=batch)
+    return logits[:, 0], out["loss"], int(out["num_tokens"])
+
+
+def _reference(hf_model, docs):
+    """Per-document logits of the Hugging Face model and its summed next-token loss."""
+    logits, total = [], 0.0
+    with torch.no_grad():
+        for d in docs:
+            ids = torch.from_numpy(d)[None]
+            out = hf_model(input_ids=ids, labels=ids)
+            logits.append(out.logits[0])
+            total += float(out.loss) * (len(d) - 1)
+    return logits, total
+
+
+def _compare(folder, hf_model, groups) -> float:
+    model, chunk = _our_chunk(folder, groups)
+    docs = _documents()
+    ours, loss, tokens = _our_logits_and_loss(model, chunk, docs)
+    theirs, total = _reference(hf_model, docs)
+    start, worst = 0, 0.0
+    for d, ref in zip(docs, theirs, strict=True):
+        worst = max(worst, float((ours[start : start + len(d)] - ref).abs().max()))
+        start += len(d)
+    assert tokens == sum(len(d) - 1 for d in docs)
+    assert float(loss) == pytest.approx(total, rel=1e-5)
+    return worst
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_with_llama3_rope_scaling_matches_transformers(tmp_path, groups, tied):
+    hf_model = save_llama(tmp_path, tied=tied)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
+def test_qwen2_with_qkv_biases_matches_transformers(tmp_path, groups):
+    hf_model = save_qwen2(tmp_path)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
+def test_the_architecture_options_matter(tmp_path, groups):
+    """Without the llama3 scaling (what the presets built before) the logits differ: the
+    comparison above can fail."""
+    hf_model = save_llama(tmp_path, tied=False)
+    model, chunk = _our_chunk(tmp_path, groups)
+    plain = model.replace_module("llm", arch={"rope_scaling": None})
+    chunk.module_spec = plain.module("llm")
+    chunk.model_spec = plain
+    docs = _documents()
+    ours, _, _ = _our_logits_and_loss(plain, chunk, docs)
+    theirs, _ = _reference(hf_model, docs)
+    assert float((ours[: DOCS[0]] - theirs[0]).abs().max()) > 100 * TOLERANCE
+
+
+def _vl_sample(rng):
+    """Text, a 16x24-px image (4x6 patches -> 2x3 LLM tokens), text, a 16x16 one (2x2), text."""
+    from hf_models import IMAGE_TOKEN_ID
+
+    images = [rng.standard_normal((3, 16, 24)), rng.standard_normal((3, 16, 16))]
+    text = [rng.integers(9, VOCAB, 10), np.full(6, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 7)]
+    text += [np.full(4, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 9)]
+    images = [i.astype(np.float32) for i in images]
+    return Sample(0, np.concatenate(text).astype(np.int64), {"vit": images})
+
+
+def _hf_vl_reference(hf_model, sample, spec):
+    """Image embeddings, logits and summed next-token loss of the Hugging Face model (the
+    patches in its image processor's layout: what our conv3d patchify writes)."""
+    from megatron_dip.modalities.vit import patchify_image
+
+    pixels = [
+        patchify_image(i, patch=spec.patch_size, merge=spec.merge, frames=2)[0]
+        for i in sample.media["vit"]
+    ]  # fmt: skip
+    grid = [
+        [1, i.shape[1] // spec.patch_size, i.shape[2] // spec.patch_size]
+        for i in sample.media["vit"]
+    ]
+    ids = torch.from_numpy(sample.text)[None]
+    kwargs = {
+        "input_ids": ids, "pixel_values": torch.from_numpy(np.concatenate(pixels)),
+        "image_grid_thw": torch.tensor(grid), "mm_token_type_ids": (ids == spec.placeholder_id).int(),
+    }  # fmt: skip
+    with torch.no_grad():
+        features = hf_model.model.get_image_features(
+            kwargs["pixel_values"], kwargs["image_grid_thw"]
+        )
+        out = hf_model(**kwargs, labels=ids.masked_fill(ids == spec.placeholder_id, -100))
+    embeds = torch.cat(list(features.pooler_output), dim=0)
+    return embeds, out.logits[0], out.loss
+
+
+def test_qwen2_vl_vision_tower_and_mrope_llm_match_transformers(tmp_path, groups):
+    from hf_models import qwen2_vl_model, save_qwen2_vl
+
+    from megatron_dip.hf.names import module_maps
+
+    hf_model = save_qwen2_vl(tmp_path)
+    model = qwen2_vl_model(tmp_path)
+    source, config = SafetensorsFolder(tmp_path), ModelConfig(dtype="float32")
+    chunks = {}
+    for m in model.modules:
+        (chunks[m.name],) = build_module_chunks(
+            model, m.name, [(0, m.num_layers)], config=config, groups=groups
+        )
+        assert fill_chunk(chunks[m.name], source, module_maps(m, source.where)) == []
+    sample = _vl_sample(np.random.default_rng(5))
+    vit_sub = SubMicrobatch("vit", 0, 0, 0, 2, 40, 40)
+    with torch.no_grad():
+        vit_batch = build_sub_batch(model, [sample], vit_sub, seq_length=SEQ, seed=0)
+        handed = chunks["vit"](inputs=[], batch=vit_batch)
+    embeds, logits, loss = _hf_vl_reference(hf_model, sample, model.module("vit"))
+    assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
+    llm = chunks["llm"]
+    sub = SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ)
+    batch = build_sub_batch(model, [sample], sub, seq_length=SEQ, seed=0)
+    with torch.no_grad():
+        state = llm.parts.embed(llm, [handed], batch)
+        hidden = llm.post.final_norm(llm.parts.run_layers(llm, state, batch))
+        ours, _ = llm.post.output_layer(hidden)
+        out = llm(inputs=[handed], batch=batch)
+    n = len(sample.text)
+    assert float((ours[:n, 0] - logits).abs().max()) <= TOLERANCE
+    # HF averages over the targets that are not placeholders; ours sums them
+    assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_qwen2_vl_options_keep_chunking_invariance(tmp_path, groups):
+    """The Qwen2-VL options (Conv3d patches, blocked rotary, M-RoPE positions) under a
+    pipelined layout: split chunks and one image per sub-microbatch give the loss and
+    gradients of one chunk per module (fp64)."""
+    from hf_models import qwen2_vl_model, save_qwen2_vl
+
+    from megatron_dip.reference import reference_loss_and_grads
+
+    save_qwen2_vl(tmp_path)
+    model, config = qwen2_vl_model(tmp_path), ModelConfig(dtype="float64", seed=3)
+    batch = [[_vl_sample(np.random.default_rng(5))]]
+    one = reference_loss_and_grads(
+        model, batch, seed=0, seq_length=SEQ, groups=groups, config=config
+    )
+    split = reference_loss_and_grads(
+        model, batch, seed=0, seq_length=SEQ, groups=groups, config=config,
+        ranges={"vit": [(0, 1), (1, 2)], "llm": [(0, 1), (1, 3)]}, sizes={"vit": 1},
+    )  # fmt: skip
+    assert one[0] == pytest.approx(split[0], rel=1e-12)
+    assert one[1].keys() == split[1].keys()
+    for name, grad in one[1].items():
+        torch.testing.assert_close(grad, split[1][name], rtol=1e-9, atol=1e-12, msg=name)
+    assert all(g.abs().sum() > 0 for g in one[1].values())
