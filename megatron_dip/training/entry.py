@@ -4,7 +4,8 @@
 A bad flag ends the process with exit status 2 and one line naming the flag, before
 torch.distributed is initialised (so a job launched with bad flags fails fast on every rank
 instead of hanging in a collective). A checkpoint that cannot be loaded (corrupt, of another
-model) and a run whose loss stays non-finite end it with exit status 1 and one line.
+model), a run whose loss stays non-finite and a rank that stalled or died (`StallError`, naming
+the phase, the group and the stalled rank) end it with exit status 1 and one line.
 """
 
 from __future__ import annotations
@@ -64,12 +65,14 @@ def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:
     except ConfigError as e:
         logger.error("error: %s", e)
         return 2
+    from megatron_dip.runtime.errors import StallError
+
     from .checkpoint_dirs import CheckpointError
     from .nonfinite import NonFiniteError
 
     try:
         train(spec)
-    except (CheckpointError, NonFiniteError) as e:
+    except (CheckpointError, NonFiniteError, StallError) as e:
         logger.error("error: %s", e)
         return 1
     return 0

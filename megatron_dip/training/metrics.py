@@ -89,7 +89,8 @@ def gather_stats(
     row += [measured.get(m, 0.0) for m in modules] + [predicted.get(m, 0.0) for m in modules]
     mine = torch.tensor(row, dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(rows, mine)
+    # Bounded by --dip-comm-timeout-s whatever the world group's own timeout is.
+    ctx.watch.wait(dist.all_gather(rows, mine, async_op=True))
     table = torch.stack(rows)
     n = len(modules)
     total_tokens = float(table[:, 1].sum())

@@ -123,7 +123,7 @@ class DipPlans:
         self.client: PlanClient | None = None
         self._submitted = -1
         if self.lookahead > 0:
-            store, address = _share_store(ctx)
+            store, address = _share_store(ctx, timeout_s=spec.config.dip.dip_comm_timeout_s)
             self.client = PlanClient(store, replica=ctx.dp_rank)
             if ctx.rank == 0:
                 factory = planner_factory(spec)

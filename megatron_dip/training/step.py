@@ -108,6 +108,7 @@ class DipStep:
             tp_group=ctx.tp,
             replica_group=ctx.dp,
             on_instruction=self.recorder,
+            watch=ctx.watch,
         )
 
     def run(self, plan: Plan, samples: dict[int, list]) -> StepResult:
@@ -187,10 +188,11 @@ def run_stock(
         stack.enter_context(_timed_megatron_steps(spans))
         reports = pipe.run(forward_only=forward_only)
     if not forward_only and not overlap:
-        for c in model.ddp:
-            c.start_grad_sync()
-        for c in model.ddp:
-            c.finish_grad_sync()
+        with ctx.watch.phase("grad sync", group=ctx.dp, group_name="data-parallel group"):
+            for c in model.ddp:
+                c.start_grad_sync()
+            for c in model.ddp:
+                c.finish_grad_sync()
     return StepResult(list(reports or []), spans, started, time.time())
 
 
