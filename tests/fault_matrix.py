@@ -61,10 +61,10 @@ def descendants(pid: int) -> set[int]:
 
 def planner_parent(state: str) -> None:
     """Module docstring. Prints "planner PID" once the planner is in `state`."""
+    from test_planner_service import batch, make_planner
     from torch.distributed import TCPStore
 
     from megatron_dip.planner.service import PlannerService, StoreAddress
-    from test_planner_service import batch, make_planner
 
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = StoreAddress("127.0.0.1", master.port, 10.0)
@@ -98,6 +98,97 @@ def fault_rank(*, rank: int, world_size: int, data: str, extra: list[str]) -> di
     return {"error": None, "at": time.time(), "pid": os.getpid()}
 
 
+def rank_main(rank: int, world_size: int, store: str, out: str, data: str, extra: list[str]):
+    """One rank of a fault job, as torchrun would start it (own process, no multiprocessing):
+    the outcome goes to `out` as JSON."""
+    import json
+    import logging
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    result = fault_rank(rank=rank, world_size=world_size, data=data, extra=extra)
+    Path(out).write_text(json.dumps(result))
+
+
+class FaultJob:
+    """A 4-rank job of `rank_main` processes in `root`; `metrics` (rank 0's
+    --dip-metrics-json) tells how far it got."""
+
+    def __init__(self, root: Path, data: str, extra: list[str], world_size: int = 4) -> None:
+        import subprocess
+
+        self.root, self.world_size = root, world_size
+        root.mkdir(parents=True, exist_ok=True)
+        self.metrics = root / "metrics.jsonl"
+        extra = [*extra, "--dip-metrics-json", str(self.metrics)]
+        here = str(Path(__file__).resolve())
+        self.procs = []
+        for r in range(world_size):
+            with open(root / f"rank{r}.log", "w") as log:  # the child keeps its own copy
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            here,
+                            "rank",
+                            str(r),
+                            str(world_size),
+                            str(root / "store"),
+                            str(self.out(r)),
+                            data,
+                            *extra,
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=log,
+                    )  # fmt: skip
+                )
+
+    def out(self, rank: int) -> Path:
+        return self.root / f"rank{rank}.json"
+
+    def wait_iterations(self, n: int, bound: float) -> bool:
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            if self.metrics.exists() and len(self.metrics.read_text().splitlines()) >= n:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def outcomes(self, ranks, bound: float) -> dict[int, dict]:
+        """The JSON outcome of each of `ranks` that reported within `bound` seconds."""
+        import json
+
+        deadline, found = time.monotonic() + bound, {}
+        while True:
+            for r in ranks:
+                if r not in found and self.out(r).exists():
+                    try:
+                        found[r] = json.loads(self.out(r).read_text())
+                    except ValueError:  # still being written
+                        continue
+            if len(found) == len(ranks) or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    planner_parent(sys.argv[1])
+    if sys.argv[1] == "rank":
+        r, w, store, out, data, *rest = sys.argv[2:]
+        rank_main(int(r), int(w), store, out, data, rest)
+    else:
+        planner_parent(sys.argv[1])

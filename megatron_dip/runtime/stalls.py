@@ -126,7 +126,7 @@ def describe_stall(
         line += ". "
     if stalled:
         line += "Stalled: " + ", ".join(
-            f"rank {r} (no heartbeat for {grace_s:.0f} s: stopped, hung or dead; last "
+            f"rank {r} (no heartbeat for {grace_s:.1f} s: stopped, hung or dead; last "
             f"heartbeat {_where(beats.get(r))})"
             for r in stalled
         )
