@@ -20,7 +20,8 @@
   run at iteration 3 (--dip-max-nonfinite-iters' default), naming the iterations.
 * In-run calibration: the cost model's error falls after the first window; the calibration is
   identical on every rank and restored from the checkpoint.
-* Planner faults: killed, slow, raising planner processes. Each run completes on inline plans
+* Planner faults: killed, slow, raising, stopped (SIGSTOP: found by its heartbeat, killed) planner
+  processes. Each run completes on inline plans
   where the planner had none, restarts a dead planner, logs what happened, and its losses equal
   those of a run without a planner process (greedy plans are the same made anywhere).
 * The host-overhead measurement (`benchmark.overhead`) times zero-sleep emulated DIP and 1F1B
@@ -224,7 +225,7 @@ def test_ranks_that_formed_different_batches_stop_together(world):
     assert len(set(prints[:3])) == 1 and prints[3] != prints[0]
 
 
-@pytest.mark.parametrize("fault", ["killed", "slow", "raises"])
+@pytest.mark.parametrize("fault", ["killed", "slow", "raises", "stopped"])
 def test_training_survives_a_faulty_planner_with_the_same_losses(world, fault):
     undisturbed = world[0]["undisturbed"]
     assert undisturbed["variants"] == {"inline": 5}
@@ -241,7 +242,11 @@ def test_training_survives_a_faulty_planner_with_the_same_losses(world, fault):
         assert run["variants"] == {"inline": 5} and "restarting" not in log
         assert "planner restarts: 0" in log
         return
-    reason = "was killed by signal 9" if fault == "killed" else "failed with exit code 1"
+    reason = {
+        "killed": "was killed by signal 9",
+        "raises": "failed with exit code 1",
+        "stopped": "sent no heartbeat for",
+    }[fault]
     assert f"planner process {reason}" in log and "restarting it (restart 1)" in log
     assert "planner restarts: 1" in log
     if fault == "killed":

@@ -170,11 +170,15 @@ def planner_fault_runs(base: list[str], *, world_size: int) -> dict:
         "killed": PlannerFaults(kill_at_iteration=2),
         "slow": PlannerFaults(delay_s=SLOW_PLANNER_S),
         "raises": PlannerFaults(raise_at_iteration=0),
+        "stopped": PlannerFaults(stop_at_iteration=2),  # SIGSTOP: found by its heartbeat
     }
     for name, fault in faults.items():
+        extra = ["--dip-planner-timeout-s", "1"] if name == "stopped" else []
         with _captured_log() as messages:
             out[name] = run(
-                flags + ["--dip-lookahead", "2"], world_size=world_size, planner_faults=fault
+                flags + ["--dip-lookahead", "2", *extra],
+                world_size=world_size,
+                planner_faults=fault,
             )
         out[name]["log"] = list(messages)
     return out

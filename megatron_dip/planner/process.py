@@ -135,6 +135,7 @@ class PlannerProcess:
         self.pipe = FramedPipe(from_child_r, to_child_w)
         self.results: queue.Queue = queue.Queue()
         self.last_beat = time.monotonic()
+        self.beating = False  # no heartbeat yet: the process is still importing
         self.busy_s = 0.0  # the planning loop's time since its last progress, last heartbeat
         pump(self.pipe, self.results, self._on_message)
         self.send(setup)
@@ -142,6 +143,7 @@ class PlannerProcess:
     def _on_message(self, message: Any) -> bool:
         if isinstance(message, tuple) and message and message[0] == BEAT:
             self.last_beat, self.busy_s = time.monotonic(), float(message[1])
+            self.beating = True
             return True
         return False
 
@@ -251,12 +253,12 @@ def child_main(*, parent: int, read_fd: int, write_fd: int) -> None:
     """Body of the planner process after `BOOTSTRAP` (module docstring)."""
     _watch_parent(parent)
     pipe = FramedPipe(read_fd, write_fd)
+    channels = ChildChannels(pipe, started_at=time.time())
+    _heartbeat(channels)  # before unpickling the planner (its imports take a while)
     try:
-        make_planner, faults, started_at = pipe.recv()
+        make_planner, faults, channels.started_at = pipe.recv()
     except EOFError:
         return
-    channels = ChildChannels(pipe, started_at=started_at)
-    _heartbeat(channels)
     pump(pipe, channels.batches, channels.on_message, closed=None)  # None: stop
     from .service import planner_loop
 

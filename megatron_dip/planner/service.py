@@ -409,7 +409,8 @@ class PlannerService:
         if p is None or not p.is_alive():
             return
         silent, busy = p.silent_s(), p.busy_s + p.silent_s()
-        if silent > self.timeout_s:
+        # Before its first heartbeat the process imports: it gets the longer limit.
+        if silent > (self.timeout_s if p.beating else self.busy_limit_s):
             why = f"sent no heartbeat for {silent:.1f} s (stopped or hung)"
         elif busy > self.busy_limit_s:
             why = f"made no progress for {busy:.1f} s (deadlocked or far too slow)"
