@@ -217,6 +217,19 @@ def test_an_undecodable_image_on_some_ranks_stops_every_rank_together(world):
     assert re.search(r"id 'tiny\d+', image 'images/\d+\.png'", errors[0])
 
 
+def test_an_undecodable_image_in_skip_mode_is_named_once_and_the_run_goes_on(world):
+    runs = [res["decode_skip"] for res in world]
+    losses = runs[0]["losses"]
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    assert all(r["losses"] == losses for r in runs)
+    named = [m for r in runs for m in r["log"] if m.startswith("skipping sample")]
+    assert len(named) == 1, named  # by the first rank of the replica that loaded it
+    assert re.search(r"id 'tiny\d+', image 'images/\d+\.png'.*cannot decode image 0", named[0])
+    assert "no loss (--dip-bad-samples skip)" in named[0]
+    lines = [m for m in runs[0]["log"] if "consumed samples" in m]
+    assert "skipped samples: 1" in lines[0] and "skipped samples: 1" in lines[1], lines
+
+
 def test_ranks_that_formed_different_batches_stop_together(world):
     errors = [res["disagree"] for res in world]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors

@@ -122,6 +122,7 @@ def world4(
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
     out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
+    out["decode_skip"] = decode_skip_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
     if rank == 0:
         out["trace_files"] = sorted(p.name for p in Path(traces).glob("*.json"))
@@ -326,6 +327,19 @@ def decode_failure_run(flags: list[str], world_size: int) -> str | None:
     except BadSampleError as e:
         return str(e)
     return None
+
+
+def decode_skip_run(flags: list[str], world_size: int) -> dict:
+    """The same undecodable image under --dip-bad-samples skip: the run goes on (the sample
+    trains as a blank with no loss), with its log messages."""
+    with _captured_log() as messages:
+        out = run(
+            flags + ["--pipeline-model-parallel-size", "2", "--train-iters", "2",
+                     "--dip-lookahead", "0", "--dip-bad-samples", "skip", "--log-interval", "1"],
+            world_size=world_size,
+        )  # fmt: skip
+    out["log"] = list(messages)
+    return out
 
 
 def emulated_runs(*, tmp: str, world_size: int, rank: int) -> dict:

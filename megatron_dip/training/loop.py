@@ -92,6 +92,8 @@ class Trainer:
         )
         self.iteration = 0
         self.consumed = 0
+        self.blanked = 0  # samples trained as blank stand-ins (`_blank_samples`), all ranks
+        self.named_bad: set[str] = set()
         self.result = TrainResult()
         self.nonfinite = NonFiniteStreak(cfg.dip.dip_max_nonfinite_iters)
         self.writer = None
@@ -190,9 +192,28 @@ class Trainer:
             else:
                 result = self.dip.run(plan, samples)
         predicted = predicted_ops(plan, spec.cost_model, result.ops)
+        blanked = self._blank_samples(samples)
         with watch.phase("stats gather"):
-            stats = gather_stats(ctx, result, modules=self.modules, predicted=predicted)
+            stats = gather_stats(
+                ctx, result, modules=self.modules, predicted=predicted, blanked=blanked
+            )
         return batch, plan, variant, result, stats
+
+    def _blank_samples(self, samples: dict[int, list]) -> int:
+        """This replica's samples that failed to decode and run as blank stand-ins with no
+        loss (--dip-bad-samples skip; `Sample.bad`), each named once; counted on the replica's
+        first rank only (every rank of the replica loads them)."""
+        if self.ctx.pp_rank != 0 or self.ctx.tp_rank != 0:
+            return 0
+        bad = [s for mb in samples.values() for s in mb if getattr(s, "bad", None)]
+        for s in bad:
+            if s.bad not in self.named_bad:
+                self.named_bad.add(s.bad)
+                logger.warning(
+                    "skipping sample %s: %s; it trains as a blank of its planned shape with no "
+                    "loss (--dip-bad-samples %s)", s.sample_id, s.bad, self.spec.data.bad_samples,
+                )  # fmt: skip
+        return len(bad)
 
     def train_step(self) -> None:
         started = time.time()
@@ -208,6 +229,7 @@ class Trainer:
         self._calibrate(stats)
         self.iteration += 1
         self.consumed += batch.num_samples
+        self.blanked += stats.blanked
         seconds = time.time() - started
         it = self.iteration
         r = self.result
@@ -276,7 +298,7 @@ class Trainer:
                 planned_seconds=None if sim is None else sim.iteration_time,
                 cost_error=self.result.cost_error.get(it),
                 calibration_version=self.calibration.version,
-                skipped=self.stream.skipped, truncated=self.stream.truncated,
+                skipped=self.stream.skipped + self.blanked, truncated=self.stream.truncated,
             )
         )  # fmt: skip
         if logging_now:
