@@ -137,6 +137,8 @@ def test_resume_from_checkpoint_is_exact(world):
     assert world[0]["resume"]["first"] == 3 and sorted(resumed) == [4, 5, 6]
     for it in (4, 5, 6):
         assert resumed[it] == pytest.approx(full[it], rel=RTOL)
+    # the consumed-samples counter continues across the resume (the log line shows it)
+    assert world[0]["resume"]["consumed"] == {it: world[0]["dip"]["consumed"][it] for it in resumed}
     # evaluation continues the evaluation stream saved at iteration 3 (after the one at 2)
     full_eval, resumed_eval = world[0]["dip"]["eval"], world[0]["resume"]["eval"]
     assert sorted(resumed_eval) == [4, 6]

@@ -32,6 +32,7 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
         "losses": dict(result.losses),
         "eval": dict(result.eval_losses),
         "seconds": dict(result.seconds),
+        "consumed": dict(result.consumed),
         "planned": dict(result.planned),
         "bound": dict(result.bound_efficiency),
         "variants": dict(result.variants),

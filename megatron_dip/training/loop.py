@@ -59,6 +59,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # completed iteration -> lm loss
     eval_losses: dict[int, float] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
+    consumed: dict[int, int] = field(default_factory=dict)  # completed iteration -> samples
     planned: dict[int, float] = field(default_factory=dict)  # rank 0, logged iterations
     bound_efficiency: dict[int, float] = field(default_factory=dict)
     variants: Counter = field(default_factory=Counter)
@@ -234,6 +235,7 @@ class Trainer:
         it = self.iteration
         r = self.result
         r.losses[it], r.seconds[it] = stats.loss, seconds
+        r.consumed[it] = self.consumed
         r.variants[variant] += 1
         bound = stats.max_busy / max(stats.max_duration, 1e-9)
         r.bound_efficiency[it] = bound
@@ -292,6 +294,7 @@ class Trainer:
                 iteration=it, loss=stats.loss, lr=float(self.optimizer.param_groups[0]["lr"]),
                 grad_norm=None if norm is None else float(norm), seconds=seconds,
                 schedule_seconds=stats.max_duration, samples=batch.num_samples,
+                consumed=self.consumed,
                 tokens=batch_tokens(self.spec.model, batch)[self.spec.model.loss_module.name],
                 flops=model_flops(self.spec.model, self.spec.cost_model, batch),
                 bound_efficiency=bound, variant=variant,
