@@ -43,8 +43,9 @@ class ImageSource(Protocol):
         """(width, height) in pixels, without decoding the pixels."""
         ...
 
-    def open(self):
-        """The decoded image (a PIL image)."""
+    def open(self, *, target: tuple[int, int] | None = None):
+        """The decoded image (a PIL image); `target` (H, W): the size it is resized to, so a
+        huge JPEG may decode at a reduced scale (`image.draft`)."""
         ...
 
 
@@ -164,7 +165,7 @@ class ImageTextReader(RecordReader):
     def _decode(self, i: int, image: ImageSource, size: tuple[int, int]) -> np.ndarray:
         """Image `i` decoded and preprocessed to `size` (its header's), or BadSampleError."""
         try:
-            pixels = self.processor.preprocess(image.open())
+            pixels = self.processor.preprocess(image.open(target=size))
         except Exception as err:  # Pillow raises many types for broken files
             raise BadSampleError(f"cannot decode image {i}: {err}") from err
         if pixels.shape[1:] != size:
