@@ -253,6 +253,53 @@ def test_killed_planner_is_restarted_and_replans_what_is_ahead(store_address):
         service.close()
 
 
+def _restarted(service, caplog, timeout: float = 60.0) -> str:
+    """Call `ensure_alive` (as every iteration does) until the service restarted its planner;
+    the warning it logged."""
+    deadline = time.monotonic() + timeout
+    while service.restarts == 0:
+        assert time.monotonic() < deadline, "the unresponsive planner was never restarted"
+        service.ensure_alive()
+        time.sleep(0.1)
+    return next(r.getMessage() for r in caplog.records if "restarting it" in r.getMessage())
+
+
+def test_a_stopped_planner_is_found_by_its_heartbeat_killed_and_restarted(store_address, caplog):
+    address, master = store_address
+    service = PlannerService(functools.partial(make_planner, rollouts=4), address, timeout_s=1.0)
+    try:
+        service.submit(batch(0))
+        _wait_ready(master, 0, SEARCHED)
+        stopped = service.process
+        stopped.stop_signal()
+        message = _restarted(service, caplog)
+        assert (
+            "sent no heartbeat for" in message and "killed it; restarting it (restart 1)" in message
+        )
+        assert not stopped.is_alive() and service.process.is_alive()
+        service.submit(batch(1))
+        _wait_ready(master, 1, SEARCHED)  # the new process plans
+    finally:
+        service.close()
+
+
+def test_a_planner_stuck_in_one_plan_is_killed_and_restarted(store_address, caplog):
+    """Its heartbeat thread still beats (a Python-level hang): the loop's progress gives it away."""
+    address, _ = store_address
+    stuck = functools.partial(make_planner, rollouts=4, sleep_s=600.0)
+    service = PlannerService(stuck, address, timeout_s=5.0, busy_limit_s=2.0)
+    try:
+        service.submit(batch(0))
+        deadline = time.monotonic() + 60
+        while service.startup is None:  # up, so the time lost is the plan's, not the start's
+            assert time.monotonic() < deadline, "the planner never started"
+            time.sleep(0.05)
+        message = _restarted(service, caplog)
+        assert "made no progress for" in message and "restart 1" in message
+    finally:
+        service.close()
+
+
 def test_planner_never_loses_to_megatron_order_on_its_placement():
     """Text-only batches leave nothing to balance: the chosen plan simulates no slower than
     Megatron's interleaved order on the same placement (which the planner also builds)."""
