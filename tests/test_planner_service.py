@@ -264,21 +264,35 @@ def _restarted(service, caplog, timeout: float = 60.0) -> str:
     return next(r.getMessage() for r in caplog.records if "restarting it" in r.getMessage())
 
 
-def test_a_stopped_planner_is_found_by_its_heartbeat_killed_and_restarted(store_address, caplog):
+@pytest.mark.parametrize("state", ["starting", "idle", "planning"])
+def test_a_stopped_planner_is_found_by_its_heartbeat_killed_and_restarted(
+    store_address, caplog, state
+):
     address, master = store_address
-    service = PlannerService(functools.partial(make_planner, rollouts=4), address, timeout_s=1.0)
+    slow = 3.0 if state == "planning" else 0.0
+    factory = functools.partial(make_planner, rollouts=4, sleep_s=slow)
+    # A starting planner gets the busy limit for its first heartbeat; a running one, once it
+    # beats, the heartbeat timeout (the long busy limit keeps a slow search from counting).
+    busy = 3.0 if state == "starting" else 120.0
+    service = PlannerService(factory, address, timeout_s=2.0, busy_limit_s=busy)
     try:
-        service.submit(batch(0))
-        _wait_ready(master, 0, SEARCHED)
+        if state == "starting":
+            service.start()  # stopped before it could import much
+        else:
+            service.submit(batch(0))
+            if state == "idle":
+                _wait_ready(master, 0, SEARCHED)
+            else:  # inside its slow first plan
+                deadline = time.monotonic() + 60
+                while service.startup is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(1.0)
         stopped = service.process
         stopped.stop_signal()
         message = _restarted(service, caplog)
-        assert (
-            "sent no heartbeat for" in message and "killed it; restarting it (restart 1)" in message
-        )
+        assert "sent no heartbeat for" in message, message
+        assert "killed it; restarting it (restart 1)" in message
         assert not stopped.is_alive() and service.process.is_alive()
-        service.submit(batch(1))
-        _wait_ready(master, 1, SEARCHED)  # the new process plans
     finally:
         service.close()
 

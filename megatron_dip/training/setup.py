@@ -145,8 +145,12 @@ def initialize(spec: RunSpec) -> ParallelContext:
         single=single, device=device, created=created, owns_world=owns, channels=channels,
         **groups,
     )  # fmt: skip
-    ctx.watch = PhaseWatch.for_world(timeout_s=timeout_s)
-    ctx.watch.start()
+    try:
+        ctx.watch = PhaseWatch.for_world(timeout_s=timeout_s)
+    except (AttributeError, RuntimeError, ValueError) as e:  # a world without a default store
+        logger.warning("no store to watch the ranks through (%s): stalls are not named", e)
+    else:
+        ctx.watch.start()
     logger.debug("rank %d: tp %d dp %d pp %d", me, tp_rank, dp_rank, pp_rank)
     return ctx
 
