@@ -114,8 +114,12 @@ def rank_main(rank: int, world_size: int, store: str, out: str, data: str, extra
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=60),
     )  # fmt: skip
+    from megatron_dip.training.entry import exit_now
+
     result = fault_rank(rank=rank, world_size=world_size, data=data, extra=extra)
     Path(out).write_text(json.dumps(result))
+    if result["error"] is not None and result["error"].startswith("StallError"):
+        exit_now(1)  # as the entry point does
 
 
 class FaultJob:

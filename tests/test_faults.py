@@ -5,8 +5,9 @@ outlives the job (helpers: `fault_matrix.py`).
   5): every other rank stops within the timeout plus a few seconds with one `StallError` line
   naming its phase, its group and rank 2 as stalled; then (as torchrun does) rank 2 is killed,
   and no process of the job is left.
-* A killed rank (SIGKILL of rank 0, which hosts the plan store and the planner process): every
-  other rank names rank 0; the planner process dies with rank 0 within 5 s.
+* A killed rank (SIGKILL of rank 0, which hosts the plan store and the planner process, while
+  checkpoints are saved in the background): every other rank names rank 0; the planner and
+  the checkpoint writers die with their ranks within 5 s.
   Both jobs run at once (their waits are sleeps), sharing the machine's start-up time.
 * The planner process dies within 5 s of a SIGKILL of its rank while starting, idle or
   planning; no multiprocessing semaphore or resource tracker exists in the job.
@@ -108,7 +109,12 @@ def rank_faults(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("faults")
     data = str(make_tiny_llava_sample(tmp / "llava", num_samples=32, seed=0))
-    jobs = {name: FaultJob(tmp / name, data, FLAGS) for name in ("stall", "kill")}
+    # The killed job also saves in the background: its writer processes must go with it.
+    saves = ["--save", str(tmp / "ckpt"), "--save-interval", "2", "--async-save"]
+    jobs = {
+        "stall": FaultJob(tmp / "stall", data, FLAGS),
+        "kill": FaultJob(tmp / "kill", data, FLAGS + saves),
+    }
     faults = {"stall": (2, signal.SIGSTOP), "kill": (0, signal.SIGKILL)}
     out: dict = {}
     try:
