@@ -234,7 +234,12 @@ def test_a_truncated_jpeg_is_caught_where_it_is_decoded(tmp_path, mode):
 
 
 def test_fault_injection_raises_or_stalls_while_batches_keep_arriving():
-    from megatron_dip.planner.service import InjectedFaultError, PlannerFaults, _receive, _stall
+    from megatron_dip.planner.planner_loop import (
+        InjectedFaultError,
+        PlannerFaults,
+        _receive,
+        _stall,
+    )
 
     pending: list = []
     _receive(BatchMeta(2, ()), pending, PlannerFaults(raise_at_iteration=3))

@@ -260,7 +260,7 @@ def child_main(*, parent: int, read_fd: int, write_fd: int) -> None:
     except EOFError:
         return
     pump(pipe, channels.batches, channels.on_message, closed=None)  # None: stop
-    from .service import planner_loop
+    from .planner_loop import planner_loop
 
     planner_loop(make_planner, channels, faults=faults)
     os._exit(0)  # daemon threads may hold the pipe: leave at once
