@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_dip.runtime.errors import PipelineTimeoutError, StallError
 from megatron_dip.runtime.stalls import Phase, PhaseWatch, describe_stall, is_comm_failure
+from megatron_dip.training.checkpoint_dirs import CheckpointError
 
 
 def test_communication_failures_are_told_from_a_ranks_own_errors():
@@ -23,6 +24,8 @@ def test_communication_failures_are_told_from_a_ranks_own_errors():
     assert is_comm_failure(err)
     assert not is_comm_failure(ValueError("LLaVA record 3: cannot decode image 0"))
     assert not is_comm_failure(RuntimeError("shape mismatch in chunk llm0"))
+    late = CheckpointError("the writers did not finish within 600 s (--dip-comm-timeout-s)")
+    assert not is_comm_failure(late)  # our own errors name their cause already
 
 
 def _beat(store, prefix: str, rank: int, n: int, phase: str, iteration: int) -> None:

@@ -57,8 +57,10 @@ def is_comm_failure(error: BaseException) -> bool:
 
     if isinstance(error, (PipelineCommError, dist.DistError, TimeoutError, ConnectionError)):
         return True
+    # gloo and the stores raise plain RuntimeErrors; our own subclasses (CheckpointError,
+    # NonFiniteError, ...) already name their cause and pass through.
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(t in text for t in _COMM_TEXTS)
+    return type(error) is RuntimeError and any(t in text for t in _COMM_TEXTS)
 
 
 @dataclass(frozen=True)
