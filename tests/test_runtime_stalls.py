@@ -102,3 +102,27 @@ def test_other_errors_pass_through_a_phase_untouched(tmp_path):
     with pytest.raises(ValueError, match="bad sample"), watch.phase("sample agreement"):
         raise ValueError("bad sample")
     assert watch.current.name == "start-up"  # the phase ended with the block
+
+
+def test_on_nccl_a_phase_about_to_time_out_is_reported_before_the_watchdog(tmp_path, caplog):
+    """NCCL's watchdog aborts the process at the timeout, before Python sees an error: the
+    heartbeat thread logs the line shortly before (`early`). Here the phase simply outlasts
+    timeout - grace; rank 1 never beat (stalled)."""
+    import logging
+    import time
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    watch = PhaseWatch(store=store, rank=0, world_size=2, timeout_s=2.5, beat_s=0.1, early=True)
+    watch.start()
+    try:
+        level = caplog.at_level(logging.ERROR, logger="megatron_dip.runtime.stalls")
+        with level, watch.phase("grad sync", group_name="data-parallel group"):
+            deadline = time.monotonic() + 10
+            while "about to time out" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        watch.stop()
+    line = next(r.getMessage() for r in caplog.records if "about to time out" in r.getMessage())
+    assert line.startswith("error: rank 0: 'grad sync' of iteration 0 over the data-parallel")
+    assert "NCCL's watchdog aborts the rank at 2.5 s" in line
+    assert "Stalled: rank 1 (no heartbeat" in line

@@ -95,10 +95,12 @@ def describe_stall(
     beats: Mapping[int, Mapping[str, Any]],
     stalled: Sequence[int],
     grace_s: float,
+    outcome: str = "failed",
 ) -> str:
     """The one line every rank raises (module docstring). `reports`: the ranks that reported a
     failure, by rank ({phase, iteration, group, error, failed}); `beats`: every rank's last
-    heartbeat record; `stalled`: the ranks whose heartbeat did not move during the grace."""
+    heartbeat record; `stalled`: the ranks whose heartbeat did not move during the grace;
+    `outcome`: what happened to the phase ("failed", or "is about to time out")."""
     members = phase.ranks or tuple(sorted(set(beats) | set(reports) | {rank}))
 
     def state(r: int) -> Mapping[str, Any] | None:
@@ -117,7 +119,7 @@ def describe_stall(
     )
     line = (
         f"rank {rank}: {phase.name!r} of iteration {phase.iteration} over the {phase.group} "
-        f"{list(members)} failed ({cause}); arrived: {arrived}; "
+        f"{list(members)} {outcome} ({cause}); arrived: {arrived}; "
         f"not arrived: {absent_text or 'none'}. "
     )
     failed = {r: rep for r, rep in reports.items() if rep.get("failed")}
@@ -155,7 +157,14 @@ class PhaseWatch:
     """
 
     def __init__(
-        self, *, store, rank: int, world_size: int, timeout_s: float, beat_s: float | None = None
+        self,
+        *,
+        store,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        beat_s: float | None = None,
+        early: bool = False,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s = timeout_s
@@ -167,16 +176,21 @@ class PhaseWatch:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._beat = 0
+        # NCCL: its watchdog aborts the process at the timeout, before Python sees an error, so
+        # the heartbeat thread reports a phase that is about to time out (`_report_early`).
+        self.early = early
+        self._entered = time.monotonic()
+        self._early_done = False
 
     @classmethod
-    def for_world(cls, *, timeout_s: float) -> PhaseWatch:
-        """The watch of this process's torch.distributed world."""
+    def for_world(cls, *, timeout_s: float, early: bool = False) -> PhaseWatch:
+        """The watch of this process's torch.distributed world (`early`: on NCCL)."""
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
         return cls(
             store=store, rank=dist.get_rank(), world_size=dist.get_world_size(),
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, early=early,
         )  # fmt: skip
 
     # -- heartbeat -----------------------------------------------------------------------
@@ -194,6 +208,22 @@ class PhaseWatch:
     def _beat_loop(self) -> None:
         while not self._stopping.wait(self.beat_s):
             self._write_beat()
+            if self.early and not self._early_done and self.current is not IDLE:
+                age = time.monotonic() - self._entered
+                if age > self.timeout_s - self.grace_s - 2 * self.beat_s:
+                    self._early_done = True
+                    # Its own thread: this one must keep beating through the grace period.
+                    args = (self.current, age)
+                    threading.Thread(target=self._report_early, args=args, daemon=True).start()
+
+    def _report_early(self, phase: Phase, age: float) -> None:
+        """Log the stall line of a phase that NCCL's watchdog is about to end (`early`)."""
+        cause = TimeoutError(
+            f"waiting for {age:.0f} s; NCCL's watchdog aborts the rank at {self.timeout_s:g} s, "
+            "--dip-comm-timeout-s"
+        )
+        error = self.post_mortem(phase, cause, outcome="is about to time out")
+        logger.error("error: %s", error)
 
     def _write_beat(self) -> None:
         self._beat += 1
@@ -209,6 +239,7 @@ class PhaseWatch:
         failure inside becomes a `StallError` after the post-mortem."""
         outer = self.current
         self.current = Phase(name, self.iteration, group_name, _ranks(group, self.world_size))
+        self._entered, self._early_done = time.monotonic(), False
         try:
             yield self.current
         except StallError:
@@ -249,7 +280,9 @@ class PhaseWatch:
                     found[r] = json.loads(self.store.get(key))
         return found
 
-    def post_mortem(self, phase: Phase, error: BaseException) -> StallError:
+    def post_mortem(
+        self, phase: Phase, error: BaseException, *, outcome: str = "failed"
+    ) -> StallError:
         """Report, collect the others' reports and heartbeats for `grace_s`, and build the
         error this rank raises (module docstring)."""
         cause = _short(error)
@@ -271,7 +304,7 @@ class PhaseWatch:
         ]
         line = describe_stall(
             rank=self.rank, phase=phase, cause=cause, reports=reports, beats=beats,
-            stalled=stalled, grace_s=self.grace_s,
+            stalled=stalled, grace_s=self.grace_s, outcome=outcome,
         )  # fmt: skip
         return StallError(line, phase=phase.name, stalled=stalled)
 

@@ -146,7 +146,7 @@ def initialize(spec: RunSpec) -> ParallelContext:
         **groups,
     )  # fmt: skip
     try:
-        ctx.watch = PhaseWatch.for_world(timeout_s=timeout_s)
+        ctx.watch = PhaseWatch.for_world(timeout_s=timeout_s, early=spec.cuda)
     except (AttributeError, RuntimeError, ValueError) as e:  # a world without a default store
         logger.warning("no store to watch the ranks through (%s): stalls are not named", e)
     else:
