@@ -96,6 +96,20 @@ def test_without_a_stalled_or_failed_rank_the_line_says_so():
     assert "Stalled: none (every rank is alive" in line
 
 
+def test_an_error_raised_from_a_communication_failure_is_a_stall(tmp_path):
+    """A save that failed because a peer died (CheckpointError from gloo's error): the line
+    names the dead rank and keeps the checkpoint's message as the cause."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    watch = PhaseWatch(store=store, rank=0, world_size=2, timeout_s=2.0, beat_s=0.1)
+    with pytest.raises(StallError) as info, watch.phase("checkpoint publish"):
+        try:
+            raise RuntimeError("[gloo/pair.cc:553] Connection closed by peer")
+        except RuntimeError as e:
+            raise CheckpointError("saving iter_0000002.tmp failed (Connection closed)") from e
+    assert "failed (CheckpointError: saving iter_0000002.tmp failed" in str(info.value)
+    assert "Stalled: rank 1 (no heartbeat" in str(info.value)
+
+
 def test_other_errors_pass_through_a_phase_untouched(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     watch = PhaseWatch(store=store, rank=0, world_size=2, timeout_s=5.0)

@@ -63,6 +63,16 @@ def is_comm_failure(error: BaseException) -> bool:
     return type(error) is RuntimeError and any(t in text for t in _COMM_TEXTS)
 
 
+def _caused_by_comm(error: BaseException | None, depth: int = 4) -> bool:
+    """`is_comm_failure` of `error` or of what it was raised from (e.g. a CheckpointError
+    "saving ... failed" from gloo's "Connection closed by peer": the dead peer is the cause)."""
+    while error is not None and depth > 0:
+        if is_comm_failure(error):
+            return True
+        error, depth = error.__cause__, depth - 1
+    return False
+
+
 @dataclass(frozen=True)
 class Phase:
     """Where a rank is: a named step of iteration `iteration` over the global `ranks` of
@@ -245,7 +255,7 @@ class PhaseWatch:
         except StallError:
             raise
         except Exception as error:
-            if not is_comm_failure(error):
+            if not _caused_by_comm(error):
                 raise
             raise self.post_mortem(self.current, error) from error
         finally:
