@@ -88,6 +88,8 @@ class Phase:
 
 
 IDLE = Phase("start-up", 0)
+# Phases that mostly compute locally (building the model): long without being stuck.
+_NOT_EARLY = ("start-up",)
 
 
 def _where(record: Mapping[str, Any] | None) -> str:
@@ -218,7 +220,7 @@ class PhaseWatch:
     def _beat_loop(self) -> None:
         while not self._stopping.wait(self.beat_s):
             self._write_beat()
-            if self.early and not self._early_done and self.current is not IDLE:
+            if self.early and not self._early_done and self.current.name not in _NOT_EARLY:
                 age = time.monotonic() - self._entered
                 if age > self.timeout_s - self.grace_s - 2 * self.beat_s:
                     self._early_done = True
