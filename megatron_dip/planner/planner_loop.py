@@ -55,7 +55,8 @@ class PlannerFaults:
     `kill_at_iteration`: the service SIGKILLs the process as it submits this iteration (the
     system's OOM killer, an operator).
     `stop_at_iteration`: the service SIGSTOPs the process as it submits this iteration (a
-    planner that stops answering: the heartbeat must find it).
+    planner that stops answering: the heartbeat must find it), then waits out the heartbeat
+    timeout, so that the next check (at the same submit) finds it.
     """
 
     delay_s: float = 0.0

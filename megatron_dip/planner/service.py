@@ -246,6 +246,10 @@ class PlannerService:
                 "injected fault: stopping the planner process (iteration %d)", batch.iteration
             )
             self._process.stop_signal()
+            # Let the silence outlast the timeout, so the very next check finds it whatever
+            # the machine's speed (training never waits for a planner otherwise).
+            limit = self.timeout_s if self._process.beating else self.busy_limit_s
+            time.sleep(limit + 0.5)
 
     def submit(self, batch: BatchMeta) -> None:
         """Hand the metadata of an upcoming batch to the planner."""
