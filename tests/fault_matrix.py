@@ -70,15 +70,21 @@ def planner_parent(state: str) -> None:
     address = StoreAddress("127.0.0.1", master.port, 10.0)
     slow = state == "planning"
     factory = functools.partial(make_planner, rollouts=2, sleep_s=30.0 if slow else 0.0)
+    if state == "searching":  # with search worker processes of its own (forked)
+        factory = functools.partial(make_planner, rollouts=10**6, workers=2, budget_s=120.0)
     service = PlannerService(factory, address, lookahead=2)
     service.start()
-    if state in ("idle", "planning"):
+    if state in ("idle", "planning", "searching"):
         deadline = time.monotonic() + 120
         while service.startup is None and time.monotonic() < deadline:
             time.sleep(0.05)
-    if state == "planning":
+    if state in ("planning", "searching"):
         service.submit(batch(0))
-        time.sleep(1.0)  # the planner is inside its 30 s plan now
+        time.sleep(1.0)  # the planner is inside its 30 s plan (or 120 s search) now
+    if state == "searching":
+        deadline = time.monotonic() + 60
+        while len(descendants(os.getpid())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the planner and its two search workers
     print(f"planner {service.process.pid}", flush=True)
     time.sleep(600)
 

@@ -163,8 +163,9 @@ def test_no_process_of_a_failed_job_is_left(rank_faults, fault):
     assert res["semaphores"] == [] and res["trackers"] == []
 
 
-@pytest.mark.parametrize("state", ["starting", "idle", "planning"])
+@pytest.mark.parametrize("state", ["starting", "idle", "planning", "searching"])
 def test_planner_process_dies_with_its_rank_in_every_state(state):
+    """'searching': with --dip-planner-workers 2, the search workers the planner forked go too."""
     here = Path(__file__).parent
     parent = subprocess.Popen(
         [sys.executable, str(here / "fault_matrix.py"), state], stdout=subprocess.PIPE, text=True
@@ -173,6 +174,8 @@ def test_planner_process_dies_with_its_rank_in_every_state(state):
         planner = int(parent.stdout.readline().split()[1])
         family = descendants(parent.pid) | {planner}
         assert alive(planner)
+        if state == "searching":
+            assert len(family) >= 3, "the search workers did not start"
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
         gone = wait_gone(family, GONE_BOUND_S)

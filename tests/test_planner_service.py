@@ -40,6 +40,8 @@ def make_planner(
     sleep_s: float = 0.0,
     memory_gb: float | None = None,
     data_parallel: int = 1,
+    workers: int = 1,
+    budget_s: float = 60.0,
 ) -> DipPlanner:
     """A planner for the tiny VLM on 2 pipeline ranks (module-level: picklable for the service)."""
     model = tiny_vlm()
@@ -50,7 +52,7 @@ def make_planner(
         seq_length=SEQ,
         data_parallel=data_parallel,
         sub_sizes={"vit": 2},
-        search=SearchConfig(max_rollouts=rollouts, time_budget_s=60.0, seed=7),
+        search=SearchConfig(max_rollouts=rollouts, time_budget_s=budget_s, seed=7, workers=workers),
         memory_limit_bytes=None if memory_gb is None else memory_gb * 2**30,
     )
     planner = DipPlanner(model, cost, placement, config)

@@ -228,6 +228,19 @@ class _Value:
         self.value = value
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the thread that started it)
+    ends, and exit now if it already has: for processes forked by the planner (the search
+    workers), which do not inherit the planner's own setting (`BOOTSTRAP`)."""
+    import ctypes
+
+    parent = os.getppid()
+    with contextlib.suppress(Exception):  # not Linux: the pool ends with its planner's pipes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent or parent == 1:
+        os._exit(0)
+
+
 def _watch_parent(parent: int) -> None:
     def run() -> None:
         while os.getppid() == parent:
