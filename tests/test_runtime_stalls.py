@@ -116,6 +116,8 @@ def test_other_errors_pass_through_a_phase_untouched(tmp_path):
     with pytest.raises(ValueError, match="bad sample"), watch.phase("sample agreement"):
         raise ValueError("bad sample")
     assert watch.current.name == "start-up"  # the phase ended with the block
+    watch.report_failure(ValueError("bad sample"))  # what a failed run does before it raises
+    assert store.timeout.total_seconds() == 300  # the store keeps its own timeout
 
 
 def test_on_nccl_a_phase_about_to_time_out_is_reported_before_the_watchdog(tmp_path, caplog):

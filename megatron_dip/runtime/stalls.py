@@ -279,9 +279,16 @@ class PhaseWatch:
         self._report({**self.current.as_dict(), "error": _short(error), "failed": True})
 
     def _report(self, record: Mapping[str, Any]) -> None:
+        """Write this rank's report, waiting at most the grace period (a store hosted by a
+        stalled rank would block), then give the store its own timeout back (the process may
+        go on: tests run several jobs in one, a failed run reports before it raises)."""
         with contextlib.suppress(Exception):
-            self.store.set_timeout(timedelta(seconds=self.grace_s))
-            self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(record))
+            before = self.store.timeout
+            try:
+                self.store.set_timeout(timedelta(seconds=self.grace_s))
+                self.store.set(f"{self.prefix}/report/{self.rank}", json.dumps(record))
+            finally:
+                self.store.set_timeout(before)
 
     def _read(self, kind: str, ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
         found = {}
