@@ -6,9 +6,9 @@ encoder, our `DitLayer` for the DiT) is built at the shapes one tensor-parallel 
 single-rank process group: heads, key/value groups and FFN divided by TP, hidden size unchanged.
 The layers are then timed forward and backward on a grid of (instances per sub-microbatch,
 tokens per instance) through the modality's own `run_stack`, with the inputs the chunks give
-them (`Modality.profile_batch`: instances packed along the sequence, segment masks, rotary
-tables, and for the DiT its timestep embedding and caption encoding). Because the
-shard runs alone, the tensor-parallel collectives are NOT in the times: the profile says so
+them (`Modality.profile_batch`: instances packed along the sequence, packed-sequence
+parameters, rotary tables, and for the DiT its timestep embedding and caption encoding). Because
+the shard runs alone, the tensor-parallel collectives are NOT in the times: the profile says so
 (`tp_comm_included: false`) and the cost model adds its own TP communication term.
 
 On a GPU the times come from CUDA events after warm-up iterations; on the CPU from
@@ -38,14 +38,15 @@ from megatron_dip import megatron_compat
 from megatron_dip.cpu_support import apply_cpu_fixes, seed_model_parallel_rng
 from megatron_dip.modalities import modality_of
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
-from megatron_dip.planner.devices import DEVICES, PROFILE_FORMAT, load_profile
+from megatron_dip.planner.devices import PROFILE_FORMAT, load_profile, match_device
 
+from .models import attention
 from .models.common import ModelGroups, torch_dtype, transformer_config
 from .models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_CHOICES = ("auto", "te", "local", "sdpa")
+ATTENTION_CHOICES = ("auto", "te", "varlen", "segments")
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,11 @@ def default_grid(module: ModuleSpec) -> ProfileGrid:
 class ProfileConfig:
     """How to profile. `tensor_parallel`: TP size whose per-rank shard is timed. `layers`:
     layers in the timed stack (times are divided by it). `dtype`: "auto" is bfloat16 on a GPU,
-    float32 on the CPU. `attention`: "auto" (Transformer Engine when it imports, else the local
-    spec), "te", "local" (Megatron's unfused DotProductAttention) or "sdpa" (the local spec with
-    torch's scaled_dot_product_attention as core attention). `max_tokens`: skip grid points
-    whose sub-microbatch holds more tokens. `time_budget_s`: skip the remaining points once
-    profiling has run this long. `caption_tokens`: text tokens each DiT clip cross-attends to.
+    float32 on the CPU. `attention`: "auto" (Transformer Engine's THD attention when it imports,
+    else our packed attention's automatic kernel), "te", "varlen" (torch's FlashAttention varlen
+    kernel, CUDA) or "segments" (torch SDPA per segment): `resolve_attention`. `max_tokens`: skip
+    grid points whose sub-microbatch holds more tokens. `time_budget_s`: skip the remaining points
+    once profiling has run this long. `caption_tokens`: text tokens each DiT clip cross-attends to.
     """
 
     tensor_parallel: int = 1
@@ -133,47 +134,31 @@ class ProfileConfig:
 # Attention implementations
 
 
-class SdpaAttention(torch.nn.Module):
-    """Core attention by `torch.nn.functional.scaled_dot_product_attention`, with the signature
-    of Megatron's `DotProductAttention` (q [sq, b, np, hn], k/v [sk, b, ng, hn], a boolean
-    mask with True = masked -> [sq, b, np * hn]). No dropout: the models use none."""
-
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, **_) -> None:
-        super().__init__()
-        del layer_number, attn_mask_type, attention_type
-        self.scale = config.softmax_scale
-
-    def forward(self, query, key, value, attention_mask, **_) -> torch.Tensor:
-        sq, b, heads, dim = query.shape
-        groups = key.shape[2]
-        if heads != groups:  # grouped-query attention: repeat the key/value heads
-            key = key.repeat_interleave(heads // groups, dim=2)
-            value = value.repeat_interleave(heads // groups, dim=2)
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        mask = None if attention_mask is None else ~attention_mask
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale
-        )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
-
-
-def resolve_attention(name: str) -> tuple[bool, bool, str]:
-    """(use Transformer Engine, use SDPA, label naming the implementation) of an `attention`."""
+def resolve_attention(name: str) -> tuple[bool, str]:
+    """(use Transformer Engine, packed attention kernel of `models.attention`) of an
+    `attention` choice: "te" is Transformer Engine's THD attention, "varlen" / "segments" our
+    `PackedAttention` with that kernel, "auto" TE when it imports, else our automatic kernel."""
     if name == "auto":
-        name = "te" if megatron_compat.transformer_engine_available() else "local"
+        return megatron_compat.transformer_engine_available(), "auto"
     if name == "te":
         megatron_compat.resolve_use_te(True)  # RuntimeError when TE does not import
+        return True, "auto"
+    return False, name
+
+
+def attention_description(use_te: bool, kernel: str, *, device: torch.device) -> str:
+    """What the profiled layers run as attention (the profile's "attention" field)."""
+    if use_te and kernel == "auto":
         import transformer_engine
 
-        te = f"Transformer Engine {transformer_engine.__version__} (TEDotProductAttention)"
-        return True, False, te
-    if name == "sdpa":
-        return (
-            False,
-            True,
-            f"PyTorch SDPA (scaled_dot_product_attention, torch {torch.__version__})",
-        )
-    return False, False, "Megatron-Core DotProductAttention (local spec: unfused, masked softmax)"
+        return f"Transformer Engine {transformer_engine.__version__} (TEDotProductAttention, THD)"
+    if kernel == "auto":
+        kernel = "varlen" if device.type == "cuda" and attention.varlen_available() else "segments"
+    what = {
+        "varlen": "torch FlashAttention varlen_attn over the pack",
+        "segments": "torch SDPA per segment",
+    }[kernel]
+    return f"megatron-dip PackedAttention: {what} (torch {torch.__version__})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,15 +186,16 @@ def sharded_transformer_config(module: ModuleSpec, cfg: ProfileConfig, *, dtype:
 
 
 def build_layer_stack(
-    module: ModuleSpec, tconfig, *, use_te: bool, sdpa: bool, groups: ModelGroups
+    module: ModuleSpec, tconfig, *, use_te: bool, kernel: str, groups: ModelGroups
 ) -> torch.nn.ModuleList:
-    """`tconfig.num_layers` layers of `module`'s kind, as the model chunks build them."""
-    backend = megatron_compat.layer_backend(use_te)
-    if sdpa:
-        backend = dataclasses.replace(backend, core_attention=SdpaAttention)
-    return modality_of(module).layer_stack(
-        module, tconfig=tconfig, backend=backend, groups=groups, start=0, end=tconfig.num_layers
-    )
+    """`tconfig.num_layers` layers of `module`'s kind, as the model chunks build them (packed
+    attention with `kernel`, `models.attention.packed_backend`)."""
+    backend = attention.packed_backend(megatron_compat.layer_backend(use_te), kernel=kernel)
+    modality = modality_of(module)
+    return modality.layer_stack(
+        module, tconfig=tconfig, backend=backend, groups=groups, start=0,
+        end=tconfig.num_layers, causal=modality.causal,
+    )  # fmt: skip
 
 
 def _init_parameters(stack: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
@@ -232,7 +218,8 @@ def _layer_runner(
     module: ModuleSpec, stack: torch.nn.ModuleList, *, tokens: int, instances: int, cfg, device
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     """(run: hidden -> hidden through the stack, input hidden [S, 1, H]) for one grid point,
-    with the masks and side inputs the chunks give these layers (built once, outside timing)."""
+    with the packed-sequence parameters and side inputs the chunks give these layers (built
+    once, outside timing)."""
     modality = modality_of(module)
     dtype = next(stack.parameters()).dtype
     batch, extra = modality.profile_batch(
@@ -245,14 +232,7 @@ def _layer_runner(
     hidden = hidden.to(device=device, dtype=dtype)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return modality.run_stack(
-            module,
-            stack,
-            {**state, "hidden": x},
-            batch,
-            rotary_base=10000.0,
-            causal=modality.causal,
-        )
+        return modality.run_stack(module, stack, {**state, "hidden": x}, batch, rotary_base=1e4)
 
     return run, hidden
 
@@ -315,7 +295,7 @@ class _Run:
     groups: ModelGroups
     device: torch.device
     use_te: bool
-    sdpa: bool
+    kernel: str
     skipped: list
     deadline: float = math.inf  # time.monotonic() after which points are skipped
 
@@ -327,7 +307,9 @@ def _profile_module(module: ModuleSpec, grid: ProfileGrid, run: _Run) -> list[di
     """Per-layer times of `module` at every grid point that fits the run's limits."""
     cfg = run.cfg
     tconfig = sharded_transformer_config(module, cfg, dtype=cfg.resolved_dtype)
-    stack = build_layer_stack(module, tconfig, use_te=run.use_te, sdpa=run.sdpa, groups=run.groups)
+    stack = build_layer_stack(
+        module, tconfig, use_te=run.use_te, kernel=run.kernel, groups=run.groups
+    )
     stack.to(device=run.device, dtype=torch_dtype(cfg.resolved_dtype))
     _init_parameters(stack, seed=cfg.seed)
     stack.train()
@@ -399,7 +381,7 @@ def device_names() -> tuple[str, str]:
     if not torch.cuda.is_available():
         return "cpu", platform.processor() or platform.machine() or "cpu"
     full = torch.cuda.get_device_name()
-    return next((d for d in DEVICES if d in full), full), full
+    return match_device(full) or full, full
 
 
 def _single_rank_group() -> tuple[dist.ProcessGroup, bool]:
@@ -428,13 +410,14 @@ def profile_model(
     details.skipped); RuntimeError when that leaves no module at all.
     """
     modules = [model.module(name) for name in grids]  # KeyError names an unknown module
-    use_te, sdpa, attention = resolve_attention(cfg.attention)
+    use_te, kernel = resolve_attention(cfg.attention)
     on_cpu = apply_cpu_fixes()
     megatron_compat.ensure_global_memory_buffer()
     seed_model_parallel_rng(cfg.seed)
     world, created = _single_rank_group()
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-    run = _Run(cfg, ModelGroups(tp=world, cp=world), device, use_te, sdpa, [])
+    run = _Run(cfg, ModelGroups(tp=world, cp=world), device, use_te, kernel, [])
+    label = attention_description(use_te, kernel, device=device)
     # Each module's share of the time budget is proportional to its grid points; time a
     # module leaves unused passes to the next ones.
     sizes = [len(grids[m.name].points(cfg.max_tokens)) or 1 for m in modules]
@@ -450,7 +433,7 @@ def profile_model(
     measured = {name: pts for name, pts in measured.items() if pts}
     if not measured:
         raise RuntimeError(f"no grid point could be timed: {run.skipped}")
-    return _document(model, modules, run, attention, measured, details or {})
+    return _document(model, modules, run, label, measured, details or {})
 
 
 def _document(model, modules, run: _Run, attention: str, measured: dict, details) -> dict:

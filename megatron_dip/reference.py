@@ -93,9 +93,10 @@ class LocalPipeline:
         groups: ModelGroups,
         seq_length: int,
         seed: int,
+        pad_multiple: int = 1,
     ) -> None:
         self.model, self.chunks, self.config, self.groups = model, dict(chunks), config, groups
-        self.seq_length, self.seed = seq_length, seed
+        self.seq_length, self.seed, self.pad_multiple = seq_length, seed, pad_multiple
 
     @classmethod
     def build(
@@ -107,8 +108,11 @@ class LocalPipeline:
         seq_length: int,
         seed: int,
         ranges: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+        pad_multiple: int = 1,
     ) -> LocalPipeline:
-        """Build all chunks (`ranges[module]`: (start, end) per chunk; default one chunk)."""
+        """Build all chunks (`ranges[module]`: (start, end) per chunk; default one chunk).
+        `pad_multiple`: sub-microbatches padded to a multiple of it, as under sequence
+        parallelism (`batching.split_samples`)."""
         seed_model_parallel_rng(config.seed)
         ranges = dict(ranges or {})
         chunks = {
@@ -117,7 +121,10 @@ class LocalPipeline:
             )
             for m in model.modules
         }
-        return cls(model, chunks, config=config, groups=groups, seq_length=seq_length, seed=seed)
+        return cls(
+            model, chunks, config=config, groups=groups, seq_length=seq_length, seed=seed,
+            pad_multiple=pad_multiple,
+        )  # fmt: skip
 
     def all_chunks(self) -> list[ModelChunk]:
         return [c for chunks in self.chunks.values() for c in chunks]
@@ -125,6 +132,11 @@ class LocalPipeline:
     def zero_grad(self) -> None:
         for chunk in self.all_chunks():
             chunk.zero_grad(set_to_none=True)
+
+    def run_chunk(self, chunk: ModelChunk, inputs: list, batch, sub: SubMicrobatch) -> dict:
+        """One chunk's forward on `sub` (a subclass may wrap it, e.g. to measure memory)."""
+        del sub
+        return chunk(inputs=inputs, batch=batch)
 
     def _run_sub(self, samples, sub: SubMicrobatch, produced, deps, lookup, stages) -> None:
         batch = build_sub_batch(
@@ -137,7 +149,7 @@ class LocalPipeline:
             received = [_receive(s.outputs) for s in sources]
             for s, r in zip(sources, received):
                 s.consumers.append(r)
-            record = _Stage(stage, received, chunk(inputs=received, batch=batch))
+            record = _Stage(stage, received, self.run_chunk(chunk, received, batch, sub))
             stages.append(record)
             if c + 1 < len(chunks):
                 nxt = StageId(sub.module, c + 1, sub.microbatch, sub.index)
@@ -157,8 +169,9 @@ class LocalPipeline:
     ) -> tuple[list[_Stage], torch.Tensor, torch.Tensor]:
         """Forward of one microbatch; returns its stages, summed loss and loss-token count."""
         subs = split_samples(
-            self.model, samples, microbatch=microbatch, seq_length=self.seq_length, sizes=sizes
-        )
+            self.model, samples, microbatch=microbatch, seq_length=self.seq_length, sizes=sizes,
+            pad_multiple=self.pad_multiple,
+        )  # fmt: skip
         lookup_table = {s.work: s for s in subs}
 
         def lookup(work: WorkId) -> SubMicrobatch:
@@ -267,16 +280,19 @@ def reference_loss_and_grads(
     sizes: Mapping[str, int] | None = None,
     ranges: Mapping[str, Sequence[tuple[int, int]]] | None = None,
     per_token_loss: bool = False,
+    pad_multiple: int = 1,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and gradients of the whole model on a global batch, in one process, not pipelined.
 
     `seed` seeds the diffusion noise/timesteps; the weights come from `config.seed`
     (default `ModelConfig(seed=seed)`). `groups` must be of size 1 (e.g. a 1-process gloo
     world). Gradients are keyed by `global_param_name`, so any pipelined layout can be compared.
+    `pad_multiple`: pad every sub-microbatch to a multiple of it (padding changes nothing).
     """
     config = config or ModelConfig(seed=seed)
     pipe = LocalPipeline.build(
-        model, config=config, groups=groups, seq_length=seq_length, seed=seed, ranges=ranges
-    )
+        model, config=config, groups=groups, seq_length=seq_length, seed=seed, ranges=ranges,
+        pad_multiple=pad_multiple,
+    )  # fmt: skip
     loss = pipe.forward_backward(samples_per_microbatch, sizes=sizes, per_token_loss=per_token_loss)
     return float(loss), pipe.grads()

@@ -9,8 +9,9 @@
 # wheels, installed only if those do not import); megatron-core is installed from it with
 # --no-deps when it does not import. OUT_DIR: where the profiles and logs go (default: $OUT if
 # set, else tools/profiles). Writes vlm-s-tp4-<device>-<attention>.json (+ .log) for two
-# attention implementations: Transformer Engine (when it imports) or Megatron's local unfused
-# attention (what the model chunks run without TE), and PyTorch SDPA. Each profile run has a
+# attention implementations of the packed sequences: Transformer Engine's THD attention (when it
+# imports) and torch's FlashAttention varlen kernel, or, without TE, varlen and our SDPA per
+# segment (what the chunks fall back to). Each profile run has a
 # time budget, BUDGET_S seconds of timing (points past it are skipped and listed in the profile),
 # and a hard timeout: at most 2 x (BUDGET_S + 60 s) plus installation, 6.3 minutes by default.
 set -uo pipefail
@@ -33,12 +34,12 @@ assert torch.cuda.is_available(), "no CUDA device visible"
 print("torch", torch.__version__, "cuda", torch.version.cuda, "|", torch.cuda.get_device_name(),
       "| megatron-core", megatron.core.__version__)
 EOF
-device=$(python -c "import torch; n = torch.cuda.get_device_name(); \
-print(next((d for d in ('H200', 'H800', 'H100') if d in n), 'gpu').lower())")
+device=$(python -c "import torch; from megatron_dip.planner.devices import match_device; \
+print((match_device(torch.cuda.get_device_name()) or 'gpu').lower())")
 if python -c "import transformer_engine.pytorch" 2>/dev/null; then
-    attentions=(te sdpa)  # SDPA as well, in case TE's attention refuses our masks
+    attentions=(te varlen)  # varlen as well: what a TE-less deployment runs
 else
-    attentions=(sdpa local)  # SDPA first: what a TE-less deployment would use
+    attentions=(varlen segments)  # FlashAttention varlen first, then the per-segment fallback
 fi
 # One rank, no collective: gloo only needs an interface, the loopback one is enough.
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from megatron_dip.modelspec import PAPER_SETUPS, tiny_t2v
-from megatron_dip.planner.cost_model import CostModel, load_profile
-from megatron_dip.planner.devices import DEVICES, H100, H800, get_device
+from megatron_dip.planner.cost_model import CPU_KERNELS, CostModel, load_profile
+from megatron_dip.planner.devices import DEVICES, H100, H800, get_device, match_device
 from megatron_dip.schedule.ir import ChunkSpec, Recompute, SubMicrobatch
 
 VLM_S = PAPER_SETUPS["vlm-s"]  # ViT-5B + Llama3-8B, TP4
@@ -30,11 +31,19 @@ def _layer_ms(cm: CostModel, module: str, instances: int, tokens: int, pairs: in
 
 
 def test_device_presets() -> None:
-    assert get_device("h800") is H800 and set(DEVICES) == {"H100", "H200", "H800"}
+    assert get_device("h800") is H800 and set(DEVICES) == {"A100", "H100", "H200", "H800", "B200"}
     assert H800.nvlink_bandwidth < H100.nvlink_bandwidth
     assert DEVICES["H200"].hbm_bandwidth > H100.hbm_bandwidth
-    with pytest.raises(ValueError, match="H100, H200, H800"):
-        get_device("A100")
+    a100, b200 = DEVICES["A100"], DEVICES["B200"]
+    assert a100.peak_flops < H100.peak_flops < b200.peak_flops  # 312 / 989 / 2250 TFLOPS
+    assert a100.hbm_bandwidth < H100.hbm_bandwidth < b200.hbm_bandwidth
+    assert (a100.nvlink_bandwidth, b200.nvlink_bandwidth) == (600e9, 1800e9)
+    with pytest.raises(ValueError, match="A100, B200, H100, H200, H800"):
+        get_device("V100")
+    assert match_device("NVIDIA A100-SXM4-40GB") == "A100"
+    assert match_device("NVIDIA H100 80GB HBM3") == "H100"
+    assert match_device("NVIDIA B200") == "B200"
+    assert match_device("NVIDIA GeForce RTX 4090") is None
 
 
 def test_paper_vlm_layers_are_in_the_right_ballpark() -> None:
@@ -71,7 +80,7 @@ def test_attention_is_quadratic_in_segment_length() -> None:
 
 
 def test_recompute_trades_time_for_memory() -> None:
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, flash_attention=False)
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, kernels=CPU_KERNELS)
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
     modes = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     none, sel, full = (cm.stage_cost(chunk, sub, r) for r in modes)
@@ -79,31 +88,39 @@ def test_recompute_trades_time_for_memory() -> None:
     assert none.backward < sel.backward < full.backward
     assert full.backward == pytest.approx(none.backward + none.forward)
     assert none.activation_bytes > sel.activation_bytes > full.activation_bytes
-    # Full recompute keeps the chunk input only: tokens x hidden x 2 bytes.
+    # Full recompute keeps the chunk's input message only: tokens x hidden x 2 bytes.
     assert full.activation_bytes == 8192 * 4096 * 2
-    # With flash attention the scores are never stored, so selective saves almost nothing.
+    # SDPA per segment keeps each segment's output: selective recompute drops it (and the LSE).
+    heads, tp = 32, 4
+    core = 2 * 8192 * 4096 / tp + 4 * heads * 8192 / tp
+    assert none.activation_bytes - sel.activation_bytes == pytest.approx(8 * core, rel=1e-9)
+    # With flash attention only the log-sum-exp is dropped: selective saves almost nothing.
     flash = CostModel(VLM_S.model, H100, tensor_parallel=4)
     f_none, f_sel = (flash.stage_cost(chunk, sub, r) for r in (Recompute.NONE, Recompute.SELECTIVE))
     assert f_none.activation_bytes > f_sel.activation_bytes > 0.99 * f_none.activation_bytes
+    assert f_none.activation_bytes < none.activation_bytes  # the kernel matters
 
 
-def test_activation_memory_follows_korthikanti() -> None:
-    # Korthikanti et al.: sbh(34 + 5as/h) bytes per layer for MLP 4h with dropout. Without dropout
-    # (its two sbh masks and the as^2b mask + dropped scores) that is sbh(32 + 2as/h); for another
-    # FFN width the two 8sbh GELU terms become 2 * 2sbh * ffn/h.
+def test_activation_memory_counts_what_the_layers_keep() -> None:
+    """Per layer (bf16, flash attention, fused norms, ViT-5B: LayerNorm, GELU, 2-D rotary):
+    both norms' inputs and stats, QKV input and output, rotary Q, K and their cos / sin tables,
+    the out-projection input, fc1 input and output, fc2 input; the attention's log-sum-exp."""
     vit = PAPER_SETUPS["vlm-s"].model
-    cm = CostModel(vit, H100, flash_attention=False)
-    s, h, a = 4096, 1792, 16
-    got = cm.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
-    ffn = vit.module("vit").layer.ffn
-    # 4 norm/GEMM inputs, Q K V, out-proj input, 2 x ffn (GELU input and output); scores
-    want = 2 * s * h * (4 + 3 + 1 + 2 * ffn / h) + 2 * a * s * s
-    assert got == pytest.approx(want, rel=1e-6)
-    tp = CostModel(vit, H100, tensor_parallel=4, flash_attention=False)
-    sp = CostModel(vit, H100, tensor_parallel=4, sequence_parallel=True, flash_attention=False)
+    lay = vit.module("vit").layer
+    s, h, a, d, f = 4096, lay.hidden, lay.heads, lay.head_dim, lay.ffn
+    kv = 2 * lay.kv_groups * d / h
+    got = CostModel(vit, H100).stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
+    units = 2 + 2 + (1 + kv) + (1 + kv / 2) + 1 + 2 * f / h  # replicated; QKV, Q/K, proj, MLP
+    units += 4 * d / h + 2 * 2 * 4 / (2 * h)  # rotary tables; 2 fp32 stats of both norms
+    want = 2 * s * h * units + 4 * a * s
+    assert got == pytest.approx(want, rel=1e-9)
+    tp = CostModel(vit, H100, tensor_parallel=4)
+    sp = CostModel(vit, H100, tensor_parallel=4, sequence_parallel=True)
     bytes_tp = tp.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
     bytes_sp = sp.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
-    assert bytes_sp == pytest.approx(got / 4, rel=1e-6)
+    # Under SP everything but the rotary tables (applied on the gathered sequence) splits.
+    tables = 2 * s * h * 4 * d / h
+    assert bytes_sp == pytest.approx((got - tables) / 4 + tables, rel=1e-6)
     assert bytes_sp < bytes_tp < got
 
 
@@ -152,6 +169,16 @@ def test_dit_cross_attention_and_frozen_text_encoder() -> None:
     short = CostModel(t2v.model, H100, tensor_parallel=4, caption_tokens=64)
     long = CostModel(t2v.model, H100, tensor_parallel=4, caption_tokens=1024)
     assert _layer_ms(long, "dit", 4, 4 * 4096) > _layer_ms(short, "dit", 4, 4 * 4096)
+    # A sub-microbatch that carries its clips' caption tokens is priced on them, whatever
+    # caption_tokens (the fallback of per-module estimates) says.
+    few, many = (
+        replace(_sub("dit", 4, 4 * 4096), context_tokens=4 * n, context_pairs=4 * 4096 * n)
+        for n in (64, 1024)
+    )
+    for cm in (short, long):
+        assert cm.stage_cost(_mid("dit"), few) == short.stage_cost(_mid("dit"), few)
+        assert cm.stage_cost(_mid("dit"), many) == long.stage_cost(_mid("dit"), many)
+    assert short.stage_cost(_mid("dit"), many).forward > short.stage_cost(_mid("dit"), few).forward
     # The frozen text encoder runs forward only; the DiT forward and backward.
     text = short.stage_cost(ChunkSpec("text", 0, 0, 0, 32), _sub("text", 8, 8 * 256))
     assert short.module_time("text", instances=8, tokens=8 * 256) == pytest.approx(text.forward)
@@ -246,23 +273,31 @@ def test_block_and_uniform_recompute_follow_megatron_s_rules() -> None:
     """Megatron's --recompute-method on one 8-layer stage (Korthikanti et al.): block N keeps
     the 2sbh-byte input of its first N layers and every activation of the others, and
     recomputes N layer forwards; uniform N keeps one input per group of N layers and recomputes
-    every layer."""
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, flash_attention=False)
+    every layer. What the chunk's layers share (positions, packed-sequence offsets) stays, as
+    does the last chunk's head; only FULL (the whole chunk call recomputed) drops them."""
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
     none = cm.stage_cost(chunk, sub)
     layer_in = 8192 * 4096 * 2  # s * b * h * 2 bytes, replicated without sequence parallelism
-    per_layer = none.activation_bytes / 8  # a middle chunk: no output layers
+    per_layer = none.activation_bytes - cm.chunk_activation_bytes(
+        ChunkSpec("llm", 1, 1, 4, 11), sub
+    )
+    shared = none.activation_bytes - 8 * per_layer
+    assert per_layer > layer_in and 0 <= shared < per_layer
     layer_fwd = none.forward / 8
     block3 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 3)
-    assert block3.activation_bytes == pytest.approx(3 * layer_in + 5 * per_layer, abs=8)
+    assert block3.activation_bytes == pytest.approx(3 * layer_in + 5 * per_layer + shared, abs=8)
     assert block3.backward == pytest.approx(none.backward + 3 * layer_fwd)
     assert block3.forward == none.forward
     uniform3 = cm.stage_cost(chunk, sub, Recompute.UNIFORM, 3)
-    assert uniform3.activation_bytes == 3 * layer_in  # ceil(8 / 3) groups
+    assert uniform3.activation_bytes == pytest.approx(3 * layer_in + shared, abs=8)  # 3 groups
     assert uniform3.backward == pytest.approx(none.backward + none.forward)
     full = cm.stage_cost(chunk, sub, Recompute.FULL)
-    assert cm.stage_cost(chunk, sub, Recompute.UNIFORM, 8).activation_bytes == full.activation_bytes
-    assert cm.stage_cost(chunk, sub, Recompute.BLOCK, 8).activation_bytes == 8 * layer_in
+    assert full.activation_bytes == layer_in  # the received hidden state only
+    uniform8 = cm.stage_cost(chunk, sub, Recompute.UNIFORM, 8).activation_bytes
+    assert uniform8 == pytest.approx(full.activation_bytes + shared, abs=8)
+    block8 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 8).activation_bytes
+    assert block8 == pytest.approx(8 * layer_in + shared, abs=8)
     # More recomputed layers hold less and take longer, between none and full.
     blocks = [cm.stage_cost(chunk, sub, Recompute.BLOCK, n) for n in range(1, 9)]
     assert all(a.activation_bytes > b.activation_bytes for a, b in zip(blocks, blocks[1:]))
@@ -270,9 +305,9 @@ def test_block_and_uniform_recompute_follow_megatron_s_rules() -> None:
     assert (
         none.activation_bytes > blocks[0].activation_bytes and blocks[-1].backward <= full.backward
     )
-    # The last chunk keeps its head's logits under every method (Megatron recomputes layers only).
+    # The last chunk keeps its head's logits under the partial methods (layers only recomputed).
     last = ChunkSpec("llm", 3, 3, 24, 32)
-    logits = cm.chunk_activation_bytes(last, sub) - 8 * cm.chunk_activation_bytes(
-        ChunkSpec("llm", 1, 1, 4, 5), sub
-    )
-    assert cm.stage_cost(last, sub, Recompute.UNIFORM, 8).activation_bytes == layer_in + logits
+    logits = cm.chunk_activation_bytes(last, sub) - none.activation_bytes
+    assert logits > 0
+    last_uniform = cm.stage_cost(last, sub, Recompute.UNIFORM, 8).activation_bytes
+    assert last_uniform == pytest.approx(layer_in + shared + logits, abs=8)

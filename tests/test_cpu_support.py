@@ -332,3 +332,59 @@ def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_round_trips(w
         assert want["exp_avg_sq"].min() > 0
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+
+
+def _mixed_precision_optimizer(world, module, *, clip_grad: float):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = ProcessGroupCollection()
+    for name in ("dp", "dp_cp", "tp", "pp", "mp", "ep", "expt_dp", "tp_ep_pp", "intra_dist_opt"):
+        setattr(pgs, name, world)
+    module.config.bf16 = True
+    ddp = DistributedDataParallel(
+        config=module.config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        module=module,
+        pg_collection=pgs,
+    )
+    config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, clip_grad=clip_grad, bf16=True, params_dtype=torch.bfloat16
+    )
+    return ddp, get_megatron_optimizer(
+        config, [ddp], use_gloo_process_groups=False, pg_collection=pgs
+    )
+
+
+@needs_cpu_only
+def test_megatron_mixed_precision_optimizer_steps_bf16_weights_on_cpu(world):
+    """--bf16 on the CPU: Megatron's Float16OptimizerWithFloat16Params keeps fp32 master weights
+    of the bf16 parameters, clips their gradient and copies the update back (cpu_support's
+    fixes are all it needs)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    from megatron_dip.training.optim import optimizer_pairs
+
+    apply_cpu_fixes()
+    seed_model_parallel_rng(3)
+    model = _tiny_megatron_module().to(torch.bfloat16)
+    ddp, optimizer = _mixed_precision_optimizer(world, model, clip_grad=1e-3)
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    assert all(isinstance(o, Float16OptimizerWithFloat16Params) for o in parts)
+    pairs = optimizer_pairs(optimizer)
+    assert pairs and all(
+        p.dtype == torch.bfloat16 and m.dtype == torch.float32 for p, m, _ in pairs
+    )
+    before = {id(m): m.detach().clone() for _, m, _ in pairs}
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().mul(100).backward()
+    ddp.finish_grad_sync()
+    ok, norm, _ = optimizer.step()
+    assert ok and norm > 1e-3  # the norm before clipping: clipped down to --clip-grad
+    clipped = torch.cat([m.grad.flatten() for _, m, _ in pairs]).norm()
+    assert float(clipped) == pytest.approx(1e-3, rel=1e-2)
+    for p, m, _ in pairs:
+        assert not torch.equal(m, before[id(m)])  # the fp32 master moved ...
+        assert torch.equal(p, m.to(torch.bfloat16))  # ... and the bf16 weight is its copy

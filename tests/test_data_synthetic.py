@@ -1,7 +1,5 @@
 """Synthetic mixtures: one seeded stream for metadata and tensors, paper-like distributions."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -52,10 +50,14 @@ def test_stream_is_seeded_and_any_range_is_reproducible():
     assert src.metas([1023, 1024, 7, 2999]) == [a[1023], a[1024], a[7], a[2999]]
 
 
-def test_generate_meta_is_fast_at_paper_scale():
-    t0 = time.perf_counter()
+def test_generate_meta_at_paper_scale_is_seeded():
+    """10k paper-scale samples (the simulation's batches): the seed alone fixes them, and a
+    shorter draw is their prefix (no wall-clock assertion: speed belongs to benchmarks)."""
     metas = generate_meta("mixed", model=PAPER_VLM, num_samples=10_000, seed=0)
-    assert time.perf_counter() - t0 < 1.0 and len(metas) == 10_000
+    assert len(metas) == 10_000
+    assert generate_meta("mixed", model=PAPER_VLM, num_samples=10_000, seed=0) == metas
+    assert generate_meta("mixed", model=PAPER_VLM, num_samples=10_000, seed=1) != metas
+    assert generate_meta("mixed", model=PAPER_VLM, num_samples=100, seed=0) == metas[:100]
 
 
 def test_laion_packs_up_to_about_48_images_of_169_tokens():

@@ -360,8 +360,9 @@ def test_message_tensors_match_chunk_outputs_and_reject_others(groups):
     out = next(s for s in stages if s.stage == StageId("dit", 0, 0, 1)).outputs
     key = MessageKey(MessageKind.ACTIVATION, StageId("dit", 0, 0, 1), StageId("dit", 1, 0, 1))
     specs = message_tensors(model, key=key, sub_lookup=lookup, dtype="float64")
-    caption_tokens = len(samples[0].text) + len(samples[1].text)  # text sub 0 conditions dit sub 1
-    assert specs[2].shape == (caption_tokens, 1, 32)
+    # Text sub 0 (captions 0 and 1) conditions dit sub 1 (clip 1), which carries caption 1 only.
+    assert specs[2].shape == (len(samples[1].text), 1, 32) and specs[3].shape == (1,)
+    assert torch.equal(out["cond_index"], torch.tensor([1]))
     assert [(s.name, s.shape) for s in specs] == [(n, tuple(out[n].shape)) for n in out]
     grad_key = MessageKey(MessageKind.GRADIENT, key.producer, key.consumer)
     grads = message_tensors(model, key=grad_key, sub_lookup=lookup, dtype="float64")

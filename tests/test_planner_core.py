@@ -247,6 +247,34 @@ def test_memory_pass_picks_cheapest_mode_under_limit():
         )
 
 
+@pytest.mark.parametrize(("selective_time", "solved"), [(3.2, True), (3.001, False)])
+def test_the_recompute_milp_runs_only_where_it_can_save_a_percent(
+    monkeypatch, selective_time, solved
+):
+    """The MILP can save at most what the greedy answer adds: with selective recomputation
+    adding 4 x 0.2 s to rank 0's 12 s it is solved; adding 4 x 0.001 s (< 1%) it is not, and
+    the greedy answer stands."""
+    from megatron_dip.planner import memory
+
+    calls = []
+    exact = memory._exact
+    monkeypatch.setattr(memory, "_exact", lambda pb: calls.append(pb) or exact(pb))
+    g = unit_graph(single_module(2, 4))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    orders = list_schedule(g, priority=prio).orders
+    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    table = {none: (3.0, 100), sel: (selective_time, 60), full: (4.0, 10)}
+    choice = choose_recompute(
+        orders,
+        mode_cost=lambda s, m: table[m],
+        modes_of=lambda s: (none, sel, full),
+        keeps_activations=lambda s: True,
+        memory_limit=[250, 1000],
+    )
+    assert bool(calls) == solved
+    assert all(choice.of(StageId("m", 0, mb)) == sel for mb in range(4))
+
+
 def test_the_milps_native_output_stays_out_of_stdout(capfd, monkeypatch):
     """HiGHS prints some messages from C++ to descriptor 1 whatever `disp` says: a stand-in
     milp writes to the descriptor and through C's buffered stdio; neither reaches stdout,

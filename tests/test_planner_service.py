@@ -326,7 +326,7 @@ def test_planner_never_loses_to_megatron_order_on_its_placement():
     metas = generate_meta("text-only", model=tiny_vlm(), num_samples=48, seed=5, scale=0.05)
     batch = BatchMeta(0, tuple(metas))
     chosen = planner.plan_batch(batch)[0]
-    works = merge_submicrobatches(planner.layout(batch).replicas[0].works)
+    works = merge_submicrobatches(planner.model, planner.layout(batch).replicas[0].works)
     sub_of = {s.work: s for w in works for s in w.submicrobatches}
     alt = megatron_order_plan(
         planner.model,

@@ -2,11 +2,12 @@
 
 In-process on the CPU with the tiny models and tiny grids; the timed numbers themselves are
 noise here, so the tests check what is done with them (format, interpolation, fallback) and
-that the timed layers are the right ones (per-rank shapes, SDPA = local attention).
+that the timed layers are the right ones (per-rank shapes, packed attention = dense masks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import sys
@@ -59,7 +60,7 @@ def test_cli_writes_a_profile_load_profile_reads(vit_profile) -> None:
     profile = load_profile(vit_profile)
     assert profile.device == "cpu" and profile.dtype == "float32"
     assert profile.tensor_parallel == 1 and profile.tp_comm_included
-    assert profile.attention.startswith("Megatron-Core DotProductAttention")
+    assert profile.attention.startswith("megatron-dip PackedAttention: torch SDPA per segment")
     assert {"torch", "megatron_core", "python"} <= set(profile.software)
     assert set(profile.modules) == {"vit"}
     points = _points(vit_profile, "vit")
@@ -139,7 +140,7 @@ def test_tensor_parallel_shards_are_timed_without_collectives(tmp_path) -> None:
         profile_model(tiny_vlm(), {"llm": ProfileGrid((8,), (1,))}, cfg.__class__(time_budget_s=0))
 
 
-def _stack(module, cfg, groups, *, sdpa: bool):
+def _stack(module, cfg, groups, *, kernel: str):
     from megatron_dip.profiling import (
         _init_parameters,
         build_layer_stack,
@@ -147,16 +148,19 @@ def _stack(module, cfg, groups, *, sdpa: bool):
     )
 
     tconfig = sharded_transformer_config(module, cfg, dtype=cfg.dtype)
-    stack = build_layer_stack(module, tconfig, use_te=False, sdpa=sdpa, groups=groups)
+    stack = build_layer_stack(module, tconfig, use_te=False, kernel=kernel, groups=groups)
     stack.to(dtype=torch.float64)
     _init_parameters(stack, seed=5)
     return stack
 
 
 @pytest.mark.parametrize(("make", "name"), [(tiny_vlm, "llm"), (tiny_t2v, "dit")])
-def test_sharded_layers_and_sdpa_match_the_local_attention(single_rank_world, make, name) -> None:
-    """Per-rank weight shapes; SDPA attention gives the local attention's outputs and gradients
-    (grouped-query, causal and document masks for the LLM; cross-attention for the DiT)."""
+def test_sharded_layers_run_the_packed_attention_of_the_chunks(single_rank_world, make, name):
+    """Per-rank weight shapes; the profiled layers' packed attention gives the outputs and
+    gradients of the dense-mask attention (grouped-query, causal and documents for the LLM;
+    cross-attention for the DiT)."""
+    from attention_reference import dense_reference
+
     from megatron_dip import megatron_compat
     from megatron_dip.cpu_support import seed_model_parallel_rng
     from megatron_dip.models.common import ModelGroups
@@ -167,20 +171,21 @@ def test_sharded_layers_and_sdpa_match_the_local_attention(single_rank_world, ma
     module = make().module(name)
     groups = ModelGroups(tp=single_rank_world, cp=single_rank_world)
     cfg = ProfileConfig(tensor_parallel=2, layers=2, dtype="float64", caption_tokens=3)
-    local, sdpa = (_stack(module, cfg, groups, sdpa=s) for s in (False, True))
-    weights = dict(local.named_parameters())
+    results = []
+    for dense in (True, False):
+        with dense_reference() if dense else contextlib.nullcontext():
+            stack = _stack(module, cfg, groups, kernel="segments")
+            run, hidden = _layer_runner(module, stack, tokens=5, instances=2, cfg=cfg, device="cpu")
+            x = hidden.detach().requires_grad_(True)
+            out = run(x)
+            out.backward(torch.ones_like(out))
+        results.append((out.detach(), x.grad))
+    weights = dict(stack.named_parameters())
     qkv = "0.self_attention.linear_qkv.weight"
     kv_rows = 2 * 8 * (module.layer.kv_groups // 2)
     assert weights[qkv].shape == (2 * 8 + kv_rows, 32)  # 2 of 4 heads, hidden 32
     fc1 = 2 * 32 if module.layer.gated_mlp else 32  # ffn 64 / TP 2 (gate and up for SwiGLU)
     assert weights["0.mlp.linear_fc1.weight"].shape == (fc1, 32)
-    results = []
-    for stack in (local, sdpa):
-        run, hidden = _layer_runner(module, stack, tokens=5, instances=2, cfg=cfg, device="cpu")
-        x = hidden.detach().requires_grad_(True)
-        out = run(x)
-        out.backward(torch.ones_like(out))
-        results.append((out.detach(), x.grad))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-12)
 

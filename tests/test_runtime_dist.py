@@ -4,10 +4,12 @@ Two process launches in total (2 and 4 ranks, module-scoped fixtures); each runs
 of its world size in sequence (`test_runtime_scenarios.py`) and returns per-rank numbers: the
 gradient of every parameter by global name, loss reports, the normalised objective, buffers left
 over, recompute counts and data-parallel reduction points. Rank 0 also returns the single-process,
-non-pipelined reference (`models.reference`). Models are tiny and fp64, so "close" means
-rtol 1e-9 plus an atol of 1e-11 times the parameter gradient's largest magnitude. The PP=2 launch
-ends with the failure scenarios (`test_runtime_faults.py`): a bad plan on one rank, plans of
-different iterations, a stalled rank.
+non-pipelined reference (`megatron_dip.reference`), computed with the dense-mask attention the
+packed-sequence attention replaced (`attention_reference.dense_reference`): every plan, TP2 and
+sequence-parallel run of the packed path is compared with it. Models are tiny and fp64, so
+"close" means rtol 1e-9 plus an atol of 1e-11 times the parameter gradient's largest magnitude.
+The PP=2 launch ends with the failure scenarios (`test_runtime_faults.py`): a bad plan on one
+rank, plans of different iterations, a stalled rank.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 worker process (targets of `distributed_harness.run_world`).
 
 `world2` (pipeline size 2) and `world4` (PP=4; PP=2 x TP=2; PP=2 x DP=2) return, per rank, a
-dict scenario -> result; rank 0 also computes the single-process references ("ref:<batch>").
+dict scenario -> result; rank 0 also computes the single-process references ("ref:<batch>"), on
+the dense-mask attention (`attention_reference.dense_reference`).
 The test modules compare.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import test_runtime_setups as st
+from attention_reference import dense_reference
 from test_runtime_workers import (
     Groups,
     broadcast_plan,
@@ -50,9 +52,13 @@ def omni_microbatches():
 
 
 def _references(out: dict, single) -> None:
-    out["ref:vlm"] = reference(vlm_microbatches(), "vlm", single)
-    out["ref:t2v"] = reference(t2v_microbatches(), "t2v", single)
-    out["ref:omni"] = reference(omni_microbatches(), "omni", single)
+    """The single-process references, on the dense-mask attention the packed attention replaced
+    (`attention_reference`): every scenario (PP, TP2, sequence parallelism, DP) then checks the
+    packed path against it."""
+    with dense_reference():
+        out["ref:vlm"] = reference(vlm_microbatches(), "vlm", single)
+        out["ref:t2v"] = reference(t2v_microbatches(), "t2v", single)
+        out["ref:omni"] = reference(omni_microbatches(), "omni", single)
 
 
 def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:

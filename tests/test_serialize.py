@@ -85,7 +85,7 @@ def arbitrary_plans(draw):
         chunks = tuple(ChunkSpec(name, c, draw(st.integers(0, p - 1)), c, c + 1) for c in range(n))
         layouts.append(ModuleLayout(name, n, draw(st.booleans()), chunks))
     subs = {
-        (m, mb, i): SubMicrobatch(m, mb, i, i, i + 1, draw(_small), draw(_small), draw(_small))
+        (m, mb, i): SubMicrobatch(m, mb, i, i, i + 1, *(draw(_small) for _ in range(6)))
         for m, mb, i in draw(st.lists(st.tuples(st.sampled_from(modules), _small, _small)))
     }
     works = [WorkId(m, mb, i) for m, mb, i in subs]
@@ -191,6 +191,18 @@ def test_malformed_payload_with_valid_crc(data):
     body["msgs"] = []  # instructions now name messages that do not exist
     with pytest.raises(PlanError, match="malformed plan payload: IndexError"):
         plan_from_bytes(_framed(zlib.compress(json.dumps(body).encode())))
+
+
+def test_optional_sub_microbatch_fields_default_when_absent():
+    """Rows written before input/context tokens existed decode with their defaults (0)."""
+    sub = SubMicrobatch("dit", 0, 0, 0, 2, 40, 40, 800, 12, 9, 180)
+    plan = replace(build_1f1b_plan(num_ranks=1, num_microbatches=1), submicrobatches=(sub,))
+    data = plan_to_bytes(plan)
+    assert plan_from_bytes(data).submicrobatches == (sub,)
+    body = json.loads(zlib.decompress(data[17:]))
+    body["subs"] = [row[:6] for row in body["subs"]]
+    old = plan_from_bytes(_framed(zlib.compress(json.dumps(body).encode())))
+    assert old.submicrobatches == (replace(sub, input_tokens=0, context_tokens=0, context_pairs=0),)
 
 
 def test_unknown_instruction_cannot_be_serialized():

@@ -68,7 +68,7 @@ BAD = [
     (["--dip-data", "synthetic-t2v"], 1, "--dip-data", "diffusion"),
     (["--dip-data", "llava:/does/not/exist.json"], 1, "--dip-data", "does not exist"),
     (["--dip-data", "webdataset:/x"], 1, "--dip-data", "is not synthetic-MIXTURE"),
-    (["--bf16"], 1, "--bf16", "needs CUDA"),
+    (["--dip-attention", "varlen"], 1, "--dip-attention", "needs CUDA and --bf16"),
     (
         ["--recompute-method", "block"],
         1,
@@ -182,6 +182,69 @@ def test_cost_profile_that_does_not_parse_or_fit(tmp_path):
             {"tokens": 4, "instances": 1, "forward_ms": 1.0, "backward_ms": 2.0}]})])  # fmt: skip
     spec = _resolve(["--dip-cost-profile", _profile(tmp_path)])
     assert spec.cost_model.profile is not None
+
+
+def test_bf16_runs_on_the_cpu_and_prices_what_the_cpu_runs():
+    spec = _resolve(["--bf16"])
+    assert spec.dtype == "bfloat16" and spec.planner.dtype == "bfloat16"
+    cost = spec.cost_model
+    assert cost._ctx.dt == 2 and cost.kernels.attention == "segments"
+    assert not cost.kernels.fused_rms_norm  # torch's composite RMSNorm on the CPU
+    assert _resolve([]).dtype == "float32"
+
+
+class _FakeProperties:
+    total_memory = 40 * 2**30
+
+
+def _resolve_on_gpu(monkeypatch, name: str, extra=()):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: _FakeProperties())
+    return resolve(parse_config([*BASE, *extra]), world_size=1, cuda=True)
+
+
+def test_the_gpu_is_priced_as_its_preset_or_refused(monkeypatch, tmp_path):
+    """An A100 is priced as an A100 (with its own memory), not as an H100; a GPU that is no
+    preset is refused unless a profile measured on it is given."""
+    a100 = _resolve_on_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB").device
+    assert a100.name == "A100" and a100.peak_flops == 312e12
+    assert a100.memory_bytes == 40 * 2**30
+    assert _resolve_on_gpu(monkeypatch, "NVIDIA B200").device.name == "B200"
+    with pytest.raises(ConfigError, match="^--dip-device: the CUDA device 'NVIDIA L40S' is none"):
+        _resolve_on_gpu(monkeypatch, "NVIDIA L40S")
+    profiled = _resolve_on_gpu(
+        monkeypatch, "NVIDIA L40S", ["--dip-cost-profile", _profile(tmp_path)]
+    )
+    assert profiled.device.name == "NVIDIA L40S" and profiled.cost_model.profile is not None
+    named = _resolve_on_gpu(monkeypatch, "NVIDIA L40S", ["--dip-device", "A100"])
+    assert named.device.name == "A100"
+
+
+@pytest.mark.parametrize(
+    ("setup", "gpus"), [("vlm-s", 16), ("t2v-s", 16), ("vlm-m", 32), ("vlm-l", 64), ("t2v-l", 64)]
+)
+def test_paper_setup_launcher_submits_each_setup_at_its_real_size(setup, gpus):
+    """`scripts/train_paper_setup.sh` asks SLURM for the setup's GPUs, and the run's flags
+    resolve at that world size with the paper's TP x PP (one data-parallel replica)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_paper_setup.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--print", setup, "--train-iters", "2"],
+        capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    words = done.stdout.split()
+    nodes = int(re.fullmatch(r"--nodes=(\d+)", words[1]).group(1))
+    assert words[0] == "sbatch" and nodes * 8 == gpus
+    flags = words[words.index("--model") :]
+    spec = resolve(parse_config([*flags, "--lr", "1e-4"]), world_size=gpus, cuda=False)
+    assert spec.tensor_parallel * spec.pipeline_parallel == gpus and spec.data_parallel == 1
+    kind = "diffusion" if setup.startswith("t2v") else "vlm"
+    assert words[words.index("--model") - 1].endswith(f"train_{kind}_slurm.sbatch")
 
 
 def test_presets_fill_unset_flags_and_flags_win():

@@ -30,6 +30,7 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
     result = pretrain(spec)
     return {
         "losses": dict(result.losses),
+        "grad_norms": dict(result.grad_norms),
         "eval": dict(result.eval_losses),
         "seconds": dict(result.seconds),
         "consumed": dict(result.consumed),
@@ -107,6 +108,7 @@ def world4(
     )  # fmt: skip
     out.update(planner_fault_runs(base, world_size=world_size))
     out.update(optimizer_and_baseline_runs(base, tmp=tmp, world_size=world_size))
+    out.update(bf16_runs(base, tmp=tmp, world_size=world_size))
     out["t2v"] = run(
         ["--model", "tiny-t2v", "--pipeline-model-parallel-size", "2", "--train-iters", "2",
          "--lr", "1e-3", "--dip-lookahead", "0", "--global-batch-size", "2"],
@@ -312,6 +314,22 @@ def checkpoint_fault_runs(
         ),
     }  # fmt: skip
     return out
+
+
+def bf16_runs(base: list[str], *, tmp: str, world_size: int) -> dict:
+    """--bf16 on the CPU (Megatron's mixed-precision optimizer, bf16 messages, clipping):
+    10 iterations at PP=2 x DP=2 (compared with the float32 "dip" run, same data and LR
+    schedule) saving at iteration 5, resumed from it for 5 more (fp32 master weights restored);
+    float32 and bf16 at PP=1 x DP=4."""
+    ckpt = os.path.join(tmp, "bf16")
+    flags = base + ["--dip-lookahead", "0", "--train-iters", "10"]
+    pp2 = flags + ["--pipeline-model-parallel-size", "2", "--bf16"]
+    return {
+        "bf16_pp2": run(pp2 + ["--save", ckpt, "--save-interval", "5"], world_size=world_size),
+        "bf16_pp2_resume": run(pp2 + ["--load", ckpt, "--ckpt-step", "5"], world_size=world_size),
+        "fp32_pp1": run(flags, world_size=world_size),
+        "bf16_pp1": run(flags + ["--bf16"], world_size=world_size),
+    }
 
 
 def decode_failure_run(flags: list[str], world_size: int) -> str | None:

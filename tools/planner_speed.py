@@ -27,12 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dip.data.stream import BatchStream, StreamConfig
-from megatron_dip.data.synthetic import MIXTURES, SyntheticSource
 from megatron_dip.modelspec import PAPER_SETUPS
-from megatron_dip.planner.compare import Comparison, packing_limits
-from megatron_dip.planner.cost_model import CostModel
-from megatron_dip.planner.devices import get_device
+from megatron_dip.planner.paper import check_names, mixtures_for, paper_comparison
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.schedule.serialize import plan_to_bytes
 
@@ -40,7 +36,7 @@ logger = logging.getLogger("planner_speed")
 
 GREEDY_GOAL_S = 0.5
 FULL_GOAL_S = 2.0
-AUTO_MIXTURES = ("mixed", "laion", "obelics", "text-only", "omni", "t2v", "t2i")
+SPEED_MIXTURES = ("mixed", "laion", "obelics", "text-only", "omni", "t2v", "t2i")  # no blends
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,46 +56,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--digest", action="store_true", help="also print sha256 of the plans (equivalence checks)"
     )
     args = p.parse_args(argv)
-    for name in args.setups.split(","):
-        if name not in PAPER_SETUPS:
-            p.error(f"--setups: unknown setup {name!r}; known: {', '.join(PAPER_SETUPS)}")
-    if args.mixtures != "auto":
-        for name in args.mixtures.split(","):
-            if name not in MIXTURES:
-                p.error(f"--mixtures: unknown mixture {name!r}; known: {', '.join(MIXTURES)}")
+    error = check_names(args.setups, args.mixtures)
+    if error:
+        p.error(error)
     if args.batches < 1:
         p.error("--batches must be >= 1")
     return args
 
 
-def mixtures_for(setup_name: str, arg: str) -> list[str]:
-    """The mixtures of `arg` that suit the setup's model ("auto": every preset that does)."""
-    model = PAPER_SETUPS[setup_name].model
-    fitting = [m for m in AUTO_MIXTURES if MIXTURES[m].suits(model)]
-    return fitting if arg == "auto" else [m for m in arg.split(",") if m in fitting]
-
-
 def build_planner(setup_name: str, mixture: str, args: argparse.Namespace):
     """(planner, batch stream) as `tools/simulate_paper.py` builds them."""
-    setup = PAPER_SETUPS[setup_name]
-    device = get_device(args.device)
-    cost = CostModel(
-        setup.model,
-        device,
-        tensor_parallel=setup.tensor_parallel,
-        sequence_parallel=setup.tensor_parallel > 1,
-    )
-    limits = packing_limits(setup.model, setup.seq_length)
-    stream = BatchStream(
-        SyntheticSource(mixture, model=setup.model, seed=args.seed),
-        config=StreamConfig(
-            seed=args.seed, batch_microbatches=setup.global_batch_microbatches, limits=limits
-        ),
-    )
-    calibration = stream.peek(args.calibration_batches)
     # The rollout budget, never the clock, ends the search: the same plans on any machine.
     search = SearchConfig(max_rollouts=args.search_rollouts, time_budget_s=1e9, seed=args.seed)
-    cmp = Comparison.create(setup, cost, device=device, calibration=calibration, search=search)
+    cmp, stream = paper_comparison(
+        setup_name, mixture, device=args.device, seed=args.seed,
+        calibration_batches=args.calibration_batches, search=search,
+    )  # fmt: skip
     return cmp.planner(), stream
 
 
@@ -158,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(HEADER, flush=True)
     for setup_name in args.setups.split(","):
-        for mixture in mixtures_for(setup_name, args.mixtures):
+        for mixture in mixtures_for(setup_name, args.mixtures, auto=SPEED_MIXTURES):
             row = measure(setup_name, mixture, args, profiler)
             results.append(row)
             line = format_row(row) + (f"  {row['digest']}" if args.digest else "")

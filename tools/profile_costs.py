@@ -8,8 +8,9 @@ the shapes one tensor-parallel rank holds (`--tensor-parallel`, default the pape
 heads, key/value groups and FFN divided by it) and times one layer forward and backward on each
 grid point: INSTANCES instances of TOKENS tokens packed into one sub-microbatch. The TP
 collectives are not timed (one device): the profile says `tp_comm_included: false` and the cost
-model adds its TP communication term. Transformer Engine layers when TE imports, else the local
-spec (`--attention`). Works on the CPU too (slowly; dtype float32 there).
+model adds its TP communication term. Transformer Engine layers (THD attention) when TE imports,
+else the local spec with our packed attention (`--attention`: te, varlen = torch's FlashAttention
+varlen kernel, segments = SDPA per segment). Works on the CPU too (slowly; dtype float32 there).
 """
 
 from __future__ import annotations

@@ -25,28 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dip.data.stream import BatchStream, StreamConfig
-from megatron_dip.data.synthetic import MIXTURES, SyntheticSource
 from megatron_dip.modelspec import PAPER_SETUPS
-from megatron_dip.planner.compare import Comparison, packing_limits
-from megatron_dip.planner.cost_model import CostModel
-from megatron_dip.planner.devices import get_device
+from megatron_dip.planner.paper import check_names, mixtures_for, paper_comparison
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.study import Study, format_table
 
 logger = logging.getLogger("simulate_paper")
-
-AUTO_MIXTURES = (
-    "mixed",
-    "mixed-blend",
-    "laion",
-    "obelics",
-    "text-only",
-    "omni",
-    "t2v",
-    "t2i",
-    "t2v-blend",
-)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,47 +57,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--search-time-ms", type=float, default=10000)
     p.add_argument("--json", type=Path, help="write all results here")
     args = p.parse_args(argv)
-    for name in args.setups.split(","):
-        if name not in PAPER_SETUPS:
-            p.error(f"--setups: unknown setup {name!r}; known: {', '.join(PAPER_SETUPS)}")
-    if args.mixtures != "auto":
-        for name in args.mixtures.split(","):
-            if name not in MIXTURES:
-                p.error(f"--mixtures: unknown mixture {name!r}; known: {', '.join(MIXTURES)}")
+    error = check_names(args.setups, args.mixtures)
+    if error:
+        p.error(error)
     if args.batches < 1:
         p.error("--batches must be >= 1")
     return args
 
 
-def mixtures_for(setup_name: str, arg: str) -> list[str]:
-    """The mixtures of `arg` that fit the setup's model ("auto": the presets that do)."""
-    model = PAPER_SETUPS[setup_name].model
-    fitting = [m for m in AUTO_MIXTURES if MIXTURES[m].suits(model)]
-    return list(fitting) if arg == "auto" else [m for m in arg.split(",") if m in fitting]
-
-
 def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, Study]:
     """Simulate `args.batches` batches of one setup and mixture; returns the summary and study."""
-    setup = PAPER_SETUPS[setup_name]
-    device = get_device(args.device)
-    cost = CostModel(
-        setup.model,
-        device,
-        tensor_parallel=setup.tensor_parallel,
-        sequence_parallel=setup.tensor_parallel > 1,
-    )
-    limits = packing_limits(setup.model, setup.seq_length)
-    stream = BatchStream(
-        SyntheticSource(mixture, model=setup.model, seed=args.seed),
-        config=StreamConfig(
-            seed=args.seed, batch_microbatches=setup.global_batch_microbatches, limits=limits
-        ),
-    )
-    calibration = stream.peek(args.calibration_batches)
     search = SearchConfig(
         max_rollouts=args.search_rollouts, time_budget_s=args.search_time_ms / 1e3, seed=args.seed
     )
-    cmp = Comparison.create(setup, cost, device=device, calibration=calibration, search=search)
+    cmp, stream = paper_comparison(
+        setup_name, mixture, device=args.device, seed=args.seed,
+        calibration_batches=args.calibration_batches, search=search,
+    )  # fmt: skip
     study = Study()
     for _ in range(args.batches):
         study.add(cmp.run_batch(next(stream)))

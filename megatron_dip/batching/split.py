@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_dip.modalities import SampleInfo, modality_of
 from megatron_dip.modelspec import MultimodalSpec
@@ -84,22 +84,33 @@ def split_microbatch(
             tokens = sum(i.tokens for i in part)
             padded = modality.padded_tokens(m, tokens, seq_length=seq_length)
             pairs = modality.attention_pairs(m, samples, part, seq_length=seq_length)
+            context, context_pairs = modality.context(m, samples, part)
             subs.append(
                 SubMicrobatch(
-                    m.name,
-                    index,
-                    k,
-                    start,
-                    start + n,
-                    tokens,
-                    round_up(padded, pad_multiple),
-                    pairs,
+                    m.name, index, k, start, start + n, tokens, round_up(padded, pad_multiple),
+                    pairs, context_tokens=context, context_pairs=context_pairs,
                 )
-            )
+            )  # fmt: skip
             start += n
     deps = cross_module_dependencies(model, subs)
+    subs = with_input_tokens(model, subs, deps)
     info = MicrobatchInfo(index, tuple(s.sample_id for s in samples), seq_length)
     return MicrobatchWork(info, tuple(subs), deps)
+
+
+def with_input_tokens(
+    model: MultimodalSpec, subs: Sequence[SubMicrobatch], deps: Iterable[Dependency]
+) -> list[SubMicrobatch]:
+    """`subs` with `input_tokens` set: the rows of the hand-overs of the producer
+    sub-microbatches each one depends on (what its first chunk receives)."""
+    by_work = {s.work: s for s in subs}
+    rows: dict = defaultdict(int)
+    for d in deps:
+        producer = by_work[d.producer]
+        rows[d.consumer] += modality_of(model.module(producer.module)).hand_over_rows(
+            model.module(producer.module), producer
+        )
+    return [replace(s, input_tokens=rows[s.work]) if rows.get(s.work) else s for s in subs]
 
 
 def cross_module_dependencies(

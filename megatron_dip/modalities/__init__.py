@@ -25,7 +25,6 @@ from .base import (
     SampleArrays,
     SampleInfo,
     instances_overlap,
-    scatter_name,
 )
 from .registry import (
     check_model,
@@ -36,7 +35,7 @@ from .registry import (
     register,
     text_module,
 )
-from .scatter import ScatterProducer
+from .scatter import ScatterProducer, scatter_name
 
 __all__ = [
     "InstanceCounts",

@@ -9,7 +9,7 @@ convolutions on each segment on its own (kernel 3, padding 1, GELU; the second w
 at every segment. The layers are pre-LayerNorm with biases and a GELU MLP; each token attends to
 its own segment only. The last chunk normalises, merges every `merge` consecutive tokens into
 one vector (Qwen2-Audio pools 1500 -> 750) and projects it with a two-layer MLP into the LLM's
-hidden size: one row per LLM audio token (`base.scatter_name`).
+hidden size: one row per LLM audio token (`scatter.scatter_name`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .base import SampleArrays
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
 from .scatter import ScatterProducer
+from .stored import data_copy_bytes
 
 MEL_FRAMES_PER_SECOND = 100  # Whisper's 10 ms hop
 KERNEL = 3
@@ -42,6 +43,7 @@ class AudioModality(ScatterProducer):
     kind = "audio"
     instance = "audio segment"
     placeholder_role = "audio"
+    rotary = False  # sinusoidal positions, added in chunk 0
 
     def pool(self, spec: ModuleSpec) -> int:
         return spec.merge
@@ -81,6 +83,13 @@ class AudioModality(ScatterProducer):
             gemm(w.tokens, KERNEL * h, h, c, shard_in=False),  # conv 2 (strided)
             mem(w.tokens * h, 3, c),  # GELU, positions
         ]
+
+    def input_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        # conv1's output and GELU (the frames, stride x tokens), conv2's output: replicated on
+        # every tensor-parallel rank and before the sequence is split.
+        frames = w.tokens * spec.patch_size
+        mel = data_copy_bytes(frames * spec.in_channels, c)
+        return c.dt * w.tokens * spec.layer.hidden * (2 * spec.patch_size + 1) + mel
 
     def input_params(self, spec: ModuleSpec) -> int:
         h = spec.layer.hidden
@@ -122,16 +131,17 @@ class AudioModality(ScatterProducer):
         positions = sinusoidal_embedding(batch.positions[:, 0].to(torch.float64), hidden)
         return x + positions.to(x.dtype)
 
-    def run_stack(
-        self, spec, layers, state: dict, batch, *, rotary_base: float, causal: bool, groups=None
-    ):
-        from megatron_dip.models.common import cached, segment_mask
+    def run_stack(self, spec, layers, state: dict, batch, *, rotary_base: float):
+        from megatron_dip.models import attention
+        from megatron_dip.models.common import cached
 
-        del spec, rotary_base, groups  # absolute positions, added in chunk 0
-        mask = cached(batch, ("mask", causal), lambda: segment_mask(batch.segments, causal=causal))
+        del spec, rotary_base  # absolute positions, added in chunk 0
+        packed = cached(
+            batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
+        )
         hidden = state["hidden"]
         for layer in layers:
-            hidden, _ = layer(hidden, attention_mask=mask)
+            hidden, _ = layer(hidden, **packed)
         return hidden
 
     def build_sub_batch(

@@ -25,7 +25,7 @@ module whose instances are not text ("media": images, clips, audio segments) rea
 that scatters into its consumer's sequence ("scatter producer": ViT, audio encoder) owns a
 placeholder token id (`ModuleSpec.placeholder_id`): each of its instances occupies a run of
 placeholders as long as its `placeholders` count, and its hand-over is one tensor named
-`scatter_name(spec)` with one row per placeholder.
+`scatter_name(spec)` with one row per placeholder (`scatter.ScatterProducer`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import numpy as np
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch, TensorSpec, WorkId
 
-from .costs import CostContext, Op, Stored, Work, mlp_ops, self_attention_ops
-from .costs import transformer_layer_stored as _standard_stored
+from .costs import CostContext, Op, Work, mlp_ops, self_attention_ops
+from .stored import Stored, norm_stored, transformer_layer_stored
 
 INDEX_DTYPE = "int64"
 
@@ -101,21 +101,9 @@ class Instance:
 SubLookup = Callable[[WorkId], SubMicrobatch]
 
 
-def scatter_name(spec: ModuleSpec) -> str:
-    """Name of a scatter producer's hand-over tensor (one row per placeholder token)."""
-    return f"{spec.name}.embeddings"
-
-
 def instances_overlap(a: SubMicrobatch, b: SubMicrobatch) -> bool:
     """Whether two sub-microbatches of one microbatch share an instance index."""
     return a.instance_start < b.instance_end and b.instance_start < a.instance_end
-
-
-def placeholder_runs(text: np.ndarray, token: int) -> list[int]:
-    """Lengths of the maximal runs of `token` in `text`, in order."""
-    is_token = np.concatenate(([0], (np.asarray(text) == token).astype(np.int8), [0]))
-    edges = np.flatnonzero(np.diff(is_token))
-    return (edges[1::2] - edges[::2]).tolist()
 
 
 class Modality:
@@ -128,6 +116,8 @@ class Modality:
     reads_text: ClassVar[bool] = False  # instances come from the text (LLM, text encoder)
     whole_microbatch: ClassVar[bool] = False  # one sub-microbatch per microbatch (LLM)
     causal: ClassVar[bool] = False
+    rotary: ClassVar[bool] = True  # rotary position embeddings in the attention
+    cross_attends: ClassVar[bool] = False  # to a context (`SubMicrobatch.context_tokens`)
     rotary_axes: ClassVar[int] = 1
     normalization: ClassVar[str] = "LayerNorm"
     linear_bias: ClassVar[bool] = True
@@ -184,6 +174,15 @@ class Modality:
         del spec, samples, seq_length
         return sum(i.tokens * i.tokens for i in items)
 
+    def context(
+        self, spec: ModuleSpec, samples: Sequence[SampleInfo], items: Sequence[Instance]
+    ) -> tuple[int, int]:
+        """(context tokens, context pairs) of a sub-microbatch holding `items`: the tokens its
+        instances cross-attend to and the sum of instance tokens x context tokens (none here;
+        `SubMicrobatch.context_tokens`)."""
+        del spec, samples, items
+        return 0, 0
+
     def check_microbatch(
         self,
         spec: ModuleSpec,
@@ -239,6 +238,11 @@ class Modality:
         del sub, dtype
         raise ValueError(f"module {spec.name!r} ({spec.kind}) hands nothing over")
 
+    def hand_over_rows(self, spec: ModuleSpec, sub: SubMicrobatch) -> int:
+        """Rows (tokens) of the hand-over's main tensor, its first (`SubMicrobatch.input_tokens`
+        of the consumer)."""
+        return self.hand_over(spec, sub, dtype="float32")[0].shape[0]
+
     # -- loss (the module that feeds nobody) ----------------------------------------------------
 
     def packing_caps(self, spec: ModuleSpec, *, seq_length: int) -> dict[str, int | None]:
@@ -271,8 +275,9 @@ class Modality:
         return self_attention_ops(spec.layer, w, c, causal=self.causal) + mlp_ops(spec.layer, w, c)
 
     def layer_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> Stored:
-        """What one layer keeps for backward."""
-        return _standard_stored(spec.layer, w, c)
+        """What one layer keeps for backward (`stored.py`)."""
+        rms = self.normalization == "RMSNorm"
+        return transformer_layer_stored(spec.layer, w, c, rms=rms, rotary=self.rotary)
 
     def input_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
         """Forward operators of the input layers (charged to the first chunk)."""
@@ -284,12 +289,28 @@ class Modality:
         del spec, w, c
         return []
 
-    def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
-        """Bytes the output layers keep for backward: final-norm and head/projector inputs."""
-        return 2 * c.dt * w.tokens * spec.layer.hidden / c.rep
+    def input_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        """Bytes the input layers keep for backward beyond the input data (none here: the
+        embedding of token ids or patches keeps only its input, the sub-microbatch's data)."""
+        del spec, w, c
+        return 0.0
 
-    def full_recompute_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
-        """Bytes a chunk keeps under full recomputation: its input (and side inputs)."""
+    def chunk_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        """Bytes every chunk keeps once, shared by all its layers (none here)."""
+        del spec, w, c
+        return 0.0
+
+    def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        """Bytes the output layers keep for backward: the final norm's."""
+        rms = self.normalization == "RMSNorm"
+        return norm_stored(spec.layer.hidden, c, rms=rms).nbytes(spec.layer.hidden, w, c)
+
+    def received_bytes(self, spec: ModuleSpec, w: Work, c: CostContext, *, first: bool) -> float:
+        """Bytes of the messages a chunk receives and keeps until its backward (what full
+        recomputation keeps): the producers' hand-overs (`w.input_tokens` rows of this
+        module's hidden width) for the first chunk, the previous chunk's hidden states else."""
+        if first:
+            return c.dt * w.input_tokens * spec.layer.hidden
         return c.dt * w.tokens * spec.layer.hidden / c.rep
 
     def layer_params(self, spec: ModuleSpec) -> int:
@@ -324,35 +345,35 @@ class Modality:
             activation=self.activation(spec),
         )
 
-    def layer_stack(self, spec: ModuleSpec, *, tconfig, backend, groups, start: int, end: int):
+    def is_causal(self, chunk) -> bool:
+        """Whether the module's self-attention is causal within each segment."""
+        del chunk
+        return self.causal
+
+    def layer_stack(
+        self, spec: ModuleSpec, *, tconfig, backend, groups, start: int, end: int, causal: bool
+    ):
         """Megatron layers for global layers [start, end) (chunks and the profiler)."""
         from megatron_dip.models.common import build_transformer_layers, gpt_layer_spec
 
-        layer_spec = gpt_layer_spec(self.normalization, backend)
+        layer_spec = gpt_layer_spec(self.normalization, backend, causal=causal)
         return build_transformer_layers(
             spec=layer_spec, config=tconfig, groups=groups, start=start, end=end
         )
 
-    def run_stack(
-        self,
-        spec: ModuleSpec,
-        layers,
-        state: dict,
-        batch,
-        *,
-        rotary_base: float,
-        causal: bool,
-        groups=None,
-    ):
-        """`layers` on state["hidden"] with this modality's masks and rotary tables (cached in
-        the batch, shared by all chunks of the sub-microbatch). `groups`: the chunk's
-        `ModelGroups` (None: one rank, as the profiler runs)."""
-        from megatron_dip.models.common import cached, rotary_table, segment_mask
+    def run_stack(self, spec: ModuleSpec, layers, state: dict, batch, *, rotary_base: float):
+        """`layers` on state["hidden"] over the packed sequence of `batch` (every instance its
+        own attention segment, `models.attention`) with this modality's rotary tables; the
+        packed-sequence parameters and tables are cached in the batch, shared by all chunks of
+        the sub-microbatch."""
+        from megatron_dip.models import attention
+        from megatron_dip.models.common import cached, rotary_table
 
-        del groups
         dtype = state["hidden"].dtype
         head_dim = spec.layer.head_dim
-        mask = cached(batch, ("mask", causal), lambda: segment_mask(batch.segments, causal=causal))
+        packed = cached(
+            batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
+        )
         rotary = cached(
             batch,
             ("rotary", head_dim, rotary_base, dtype),
@@ -360,7 +381,7 @@ class Modality:
         )
         hidden = state["hidden"]
         for layer in layers:
-            hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+            hidden, _ = layer(hidden, rotary_pos_emb=rotary, **packed)
         return hidden
 
     def build_layers(self, chunk):
@@ -368,7 +389,7 @@ class Modality:
         c = chunk.chunk
         return self.layer_stack(
             chunk.module_spec, tconfig=chunk.config, backend=chunk.backend, groups=chunk.groups,
-            start=c.layer_start, end=c.layer_end,
+            start=c.layer_start, end=c.layer_end, causal=self.is_causal(chunk),
         )  # fmt: skip
 
     def build_pre(self, chunk):
@@ -386,9 +407,12 @@ class Modality:
     def run_layers(self, chunk, state: dict, batch):
         """The chunk's layers on state["hidden"]; returns the new hidden states."""
         return self.run_stack(
-            chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.model_config.rotary_base, causal=self.causal,
-        )  # fmt: skip
+            chunk.module_spec,
+            chunk.layers,
+            state,
+            batch,
+            rotary_base=chunk.model_config.rotary_base,
+        )
 
     def finish(self, chunk, state: dict, batch) -> dict:
         """Last chunk: output layers; the loss or the hand-over to the consumer."""

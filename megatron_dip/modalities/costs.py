@@ -3,10 +3,8 @@
 A modality describes one transformer layer (and its input and output layers) as a list of `Op`s:
 GEMMs, the attention core and memory-bound element-wise work, each with its FLOPs, bytes and the
 row count (GEMM rows, attention segment length) that drives its efficiency. The cost model
-(`planner.cost_model`) prices them with a roofline; the activation rules below follow
-Korthikanti et al. (Reducing Activation Recomputation in Large Transformer Models): per layer
-s*b*h bytes times a count of stored tensors, no dropout masks, and with flash attention storing
-only its log-sum-exp instead of the s^2 scores.
+(`planner.cost_model`) prices them with a roofline. What a layer keeps for backward is counted
+in `stored.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-LSE_BYTES = 4  # flash attention keeps one fp32 log-sum-exp per head and token
 LOGIT_BYTES = 4  # the vocab-parallel cross-entropy keeps fp32 logits
+ATTENTION_KERNELS = ("flash", "segments")
 
 
 class OpKind(enum.Enum):
@@ -37,11 +35,16 @@ class Op:
 
 @dataclass(frozen=True)
 class Work:
-    """What a layer computes on: tokens, instances, sum of squared attention segment lengths."""
+    """What a layer computes on: tokens, instances, sum of squared attention segment lengths;
+    the tokens its instances cross-attend to and the cross-attention's instance x context pairs;
+    the rows its first chunk receives from producers (`SubMicrobatch.context_tokens` ...)."""
 
     tokens: int
     instances: int
     pairs: float
+    context_tokens: int = 0
+    context_pairs: float = 0.0
+    input_tokens: int = 0
 
     @property
     def seg(self) -> float:
@@ -50,15 +53,37 @@ class Work:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """Which kernels run, as far as what they keep for backward differs.
+
+    `attention`: "flash" (Transformer Engine's THD attention, torch's FlashAttention varlen
+    kernel: the output, which is the out-projection's input, and a log-sum-exp per head and
+    token) or "segments" (torch's SDPA on each segment in turn, `models.attention`: also each
+    segment's own output, concatenated into a new tensor). `fused_rms_norm`: RMSNorm keeps its
+    input and statistics only (Transformer Engine, torch's CUDA kernel), else also its
+    normalised output (torch's composite RMSNorm on the CPU). `models.kernels.resolve_kernels`
+    says which run.
+    """
+
+    attention: str = "flash"
+    fused_rms_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention kernel must be one of {ATTENTION_KERNELS}, got {self.attention!r}"
+            )
+
+
+@dataclass(frozen=True)
 class CostContext:
     """How one pipeline rank runs a layer: tensor-parallel size, sequence parallelism, bytes per
-    element, caption tokens a DiT clip cross-attends to, and whether attention is flash."""
+    element, and the kernels (`Kernels`)."""
 
     tp: int
     sp: bool
     dt: int
-    caption: int
-    flash: bool
+    kernels: Kernels = Kernels()
 
     @property
     def rep(self) -> int:
@@ -114,51 +139,14 @@ def mlp_ops(layer, w: Work, c: CostContext) -> list[Op]:
 
 
 def cross_attention_ops(layer, w: Work, c: CostContext) -> list[Op]:
-    """Cross-attention of every token to its own instance's `c.caption` context tokens."""
-    h, t, text = layer.hidden, w.tokens, w.instances * c.caption
+    """Cross-attention of every token to its own instance's context tokens (`w.context_*`)."""
+    h, t, text = layer.hidden, w.tokens, w.context_tokens
+    kv = 2 * layer.kv_groups * layer.head_dim
     return [
         mem(t * h / c.rep, 2, c),
         gemm(t, h, h, c, shard_in=False),
-        gemm(text, h, 2 * h, c, shard_in=False),
-        attention_core(layer, t * c.caption, c.caption, c, causal=False),
+        gemm(text, h, kv, c, shard_in=False),
+        attention_core(layer, w.context_pairs, w.context_pairs / max(1, t), c, causal=False),
         gemm(t, h, h, c, shard_in=True),
         mem(t * h / c.rep, 3, c),
     ]
-
-
-def core_bytes(pairs: float, tokens: int, heads: int, c: CostContext) -> float:
-    """Bytes the attention core keeps for backward: the flash log-sum-exp, else the softmax."""
-    if c.flash:
-        return LSE_BYTES * heads * tokens / c.tp
-    return c.dt * heads * pairs / c.tp  # softmax output; no dropout in these models
-
-
-@dataclass(frozen=True)
-class Stored:
-    """Tensors one layer keeps for backward, in units of tokens x hidden: `replicated` ones
-    (split over TP only under sequence parallelism), `sharded` ones (split by heads / FFN), and
-    `core` bytes of attention cores (dropped under selective recompute)."""
-
-    replicated: float
-    sharded: float
-    core: float
-
-    def __add__(self, other: Stored) -> Stored:
-        return Stored(
-            self.replicated + other.replicated, self.sharded + other.sharded, self.core + other.core
-        )
-
-
-def transformer_layer_stored(layer, w: Work, c: CostContext) -> Stored:
-    """What a standard pre-norm transformer layer stores (self-attention + MLP)."""
-    kv = 2 * layer.kv_groups * layer.head_dim / layer.hidden
-    sharded = 1 + kv + 1  # Q, K, V and the out-projection input, split by heads
-    sharded += (3 if layer.gated_mlp else 2) * layer.ffn / layer.hidden  # fc1 output(s), act
-    # both norm inputs, QKV input, fc1 input: replicated without SP
-    return Stored(4.0, sharded, core_bytes(w.pairs, w.tokens, layer.heads, c))
-
-
-def stored_bytes(stored: Stored, layer, w: Work, c: CostContext, *, keep_core: bool) -> float:
-    """Bytes of `stored` for one layer; the attention cores only when `keep_core`."""
-    units = stored.replicated / c.rep + stored.sharded / c.tp
-    return c.dt * w.tokens * layer.hidden * units + (stored.core if keep_core else 0.0)

@@ -8,14 +8,15 @@ every clip token to its own caption (`models.dit_layer.DitLayer`, adaLN-Zero). A
 needs every text sub-microbatch whose captions overlap its clips (`consumes`).
 
 Messages: the conditioning travels with the activations. Chunk 0 computes "temb" [clips, hidden]
-(timestep embedding) and "cond" [caption tokens, 1, hidden] (projected text encoding of the
-producer captions, padding removed), with "cond_index" int64 [captions] (microbatch caption
-index of each caption in "cond"), and every chunk passes them on, so their gradients reach chunk
-0's embedders and, through "cond", a trainable text encoder. Under sequence parallelism only
-"hidden" is sharded. Loss: rectified flow — the model predicts the velocity noise - x0 from
-x_t = (1-t) x0 + t noise; per latent token the mean squared error over its p*p*C values, summed
-over real tokens. Noise and timesteps come from a generator seeded by (seed, sample id), never
-from a rank's global RNG, so every layout draws the same values.
+(timestep embedding) and "cond" [caption tokens, 1, hidden] (projected text encoding of its own
+clips' captions, in clip order, padding removed: `SubMicrobatch.context_tokens` rows), with
+"cond_index" int64 [clips] (microbatch caption index of each caption in "cond"), and every
+chunk passes them on, so their gradients reach chunk 0's embedders and, through "cond", a
+trainable text encoder. Under sequence parallelism only "hidden" is sharded. Loss: rectified
+flow — the model predicts the velocity noise - x0 from x_t = (1-t) x0 + t noise; per latent
+token the mean squared error over its p*p*C values, summed over real tokens. Noise and
+timesteps come from a generator seeded by (seed, sample id), never from a rank's global RNG, so
+every layout draws the same values.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megatron_dip.schedule.ir import SubMicrobatch, TensorSpec, WorkId
 
 from .base import (
     INDEX_DTYPE,
+    Instance,
     InstanceCounts,
     Modality,
     SampleArrays,
@@ -38,17 +40,16 @@ from .base import (
     SubLookup,
     instances_overlap,
 )
-from .costs import (
-    CostContext,
-    Op,
-    Stored,
-    Work,
-    core_bytes,
-    cross_attention_ops,
-    gemm,
-    mem,
-)
+from .costs import CostContext, Op, Work, cross_attention_ops, gemm, mem
 from .registry import register
+from .stored import (
+    Stored,
+    attention_core_stored,
+    data_copy_bytes,
+    mlp_stored,
+    norm_stored,
+    self_attention_stored,
+)
 
 TIMESTEP_FEATURES = 256  # sinusoidal timestep features (`ModelConfig.timestep_embed_dim`)
 
@@ -122,6 +123,7 @@ class DitModality(Modality):
     instance = "clip"
     rotary_axes = 3
     tp_blocks = 3
+    cross_attends = True
     message_names = ("hidden", "temb", "cond", "cond_index")
 
     def check_spec(self, spec: ModuleSpec, model: MultimodalSpec) -> None:
@@ -167,15 +169,18 @@ class DitModality(Modality):
     # -- messages and loss ------------------------------------------------------------------------
 
     def chunk_message(self, spec, model, sub, sub_lookup, *, dtype, seq) -> list[TensorSpec]:
+        condition_producers(model, sub, sub_lookup)  # raises unless its captions are produced
+        if sub.num_instances and sub.context_tokens < sub.num_instances:
+            raise ValueError(
+                f"{sub.work}: context_tokens {sub.context_tokens} for {sub.num_instances} clips: "
+                "the DiT's messages carry its clips' caption tokens (batching.split fills them)"
+            )
         hidden = spec.layer.hidden
-        producers = condition_producers(model, sub, sub_lookup)
-        cond_tokens = sum(p.tokens for p in producers)
-        captions = sum(p.num_instances for p in producers)
         return [
             TensorSpec("hidden", (seq(sub.padded_tokens), 1, hidden), dtype),
             TensorSpec("temb", (sub.num_instances, hidden), dtype),
-            TensorSpec("cond", (cond_tokens, 1, hidden), dtype),
-            TensorSpec("cond_index", (captions,), INDEX_DTYPE),
+            TensorSpec("cond", (sub.context_tokens, 1, hidden), dtype),
+            TensorSpec("cond_index", (sub.num_instances,), INDEX_DTYPE),
         ]
 
     def packing_caps(self, spec: ModuleSpec, *, seq_length: int) -> dict[str, int | None]:
@@ -190,6 +195,14 @@ class DitModality(Modality):
 
     # -- costs ----------------------------------------------------------------------------------
 
+    def context(
+        self, spec: ModuleSpec, samples: Sequence[SampleInfo], items: Sequence[Instance]
+    ) -> tuple[int, int]:
+        # Clip i is conditioned on caption i: the caption of the clip's own sample.
+        del spec
+        captions = [samples[i.sample_index].text_tokens for i in items]
+        return sum(captions), sum(i.tokens * n for i, n in zip(items, captions))
+
     def layer_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
         h = spec.layer.hidden
         return [
@@ -200,13 +213,24 @@ class DitModality(Modality):
         ]
 
     def layer_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> Stored:
-        lay = spec.layer
-        extra = Stored(
-            2 + 2,  # modulated norm outputs; cross-attention norm and Q-projection inputs
-            2 + 2 * w.instances * c.caption / max(1, w.tokens),  # cross Q, out-proj input; K, V
-            core_bytes(w.tokens * c.caption, w.tokens, lay.heads, c),
-        )
-        return super().layer_stored(spec, w, c) + extra
+        lay, h = spec.layer, spec.layer.hidden
+        norm = norm_stored(h, c, rms=False)  # norm1, the cross-attention norm, norm2
+        # Per token: the modulation gathered to the tokens (6 widths: shifts, scales, gates),
+        # 1 + scale and the norm's output of both blocks, the biased outputs of self-attention
+        # and MLP that the gates multiply, the cross-attention's Q input; Q and the
+        # out-projection input of the cross-attention (split by heads).
+        extra = Stored(replicated=6 + 2 + 2 + 2 + 1, sharded=2)
+        kv = 2 * lay.kv_groups * lay.head_dim / c.tp
+        fixed = c.dt * (w.instances * h + w.context_tokens * kv)  # SiLU(temb); cross K, V
+        return (
+            norm + self_attention_stored(lay, w, c, rotary=True) + norm + norm + mlp_stored(lay)
+            + extra + attention_core_stored(lay, w.tokens, c) + Stored(fixed=fixed)
+        )  # fmt: skip
+
+    def chunk_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        # temb and the clips' caption encodings, which every layer reads; token -> clip index.
+        h = spec.layer.hidden
+        return c.dt * (w.instances + w.context_tokens) * h + 8 * w.tokens / c.rep
 
     def input_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
         h, patch = spec.layer.hidden, spec.patch_size**2 * spec.in_channels
@@ -214,8 +238,20 @@ class DitModality(Modality):
             gemm(w.tokens, patch, h, c, shard_in=False),
             gemm(w.instances, TIMESTEP_FEATURES, h, c, shard_in=False),  # timestep embedding
             gemm(w.instances, h, h, c, shard_in=True),
-            gemm(w.instances * c.caption, spec.cond_hidden, h, c, shard_in=False),
+            gemm(w.context_tokens, spec.cond_hidden, h, c, shard_in=False),  # caption projection
+            gemm(w.context_tokens, h, h, c, shard_in=False),
         ]
+
+    def input_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        # Timestep MLP: sinusoidal features, fc1 output, SiLU output; caption MLP: its input
+        # (the clips' rows of the text encoding), fc1 output, GELU output.
+        h, patch = spec.layer.hidden, spec.patch_size**2 * spec.in_channels
+        per_clip = TIMESTEP_FEATURES + 2 * h
+        latents = data_copy_bytes(w.tokens * patch, c)  # the noised latents, x_embed's input
+        return (
+            c.dt * (w.instances * per_clip + w.context_tokens * (spec.cond_hidden + 2 * h))
+            + latents
+        )
 
     def output_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
         h, out = spec.layer.hidden, spec.patch_size**2 * spec.in_channels
@@ -225,9 +261,20 @@ class DitModality(Modality):
             gemm(w.tokens, h, out, c, shard_in=True),
         ]
 
-    def full_recompute_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
-        cond = c.dt * w.instances * c.caption * spec.layer.hidden / c.rep  # passed on, kept
-        return super().full_recompute_stored(spec, w, c) + cond
+    def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        # The final norm (on the shard), then on the gathered sequence: its output and 1 + scale
+        # of the modulation, the projection's input; SiLU(temb); the fp32 prediction error.
+        h, out = spec.layer.hidden, spec.patch_size**2 * spec.in_channels
+        tokens = norm_stored(h, c, rms=False) + Stored(whole=3.0)
+        loss = 4 * w.tokens * out + 8 * w.tokens
+        return tokens.nbytes(h, w, c) + c.dt * w.instances * h + loss
+
+    def received_bytes(self, spec: ModuleSpec, w: Work, c: CostContext, *, first: bool) -> float:
+        if first:  # the text encoder's "cond" of every caption it encoded, and "cond_index"
+            return c.dt * w.input_tokens * spec.cond_hidden + 8 * w.instances
+        h = spec.layer.hidden
+        carried = c.dt * (w.instances + w.context_tokens) * h + 8 * w.instances
+        return c.dt * w.tokens * h / c.rep + carried
 
     def layer_params(self, spec: ModuleSpec) -> int:
         h = spec.layer.hidden
@@ -249,11 +296,14 @@ class DitModality(Modality):
         layers = tuple(f"layers.{k}.modulation." for k in range(len(chunk.layers)))
         return (*layers, "post.final_modulation.", "post.final_linear.")
 
-    def layer_stack(self, spec: ModuleSpec, *, tconfig, backend, groups, start: int, end: int):
+    def layer_stack(
+        self, spec: ModuleSpec, *, tconfig, backend, groups, start: int, end: int, causal: bool
+    ):
         import torch
 
         from megatron_dip.models.dit_layer import DitLayer, dit_layer_specs
 
+        del causal  # self-attention within each clip, cross-attention to its caption
         specs = dit_layer_specs(backend, tp_group=groups.tp)
         return torch.nn.ModuleList(
             DitLayer(
@@ -292,8 +342,11 @@ class DitModality(Modality):
         )
 
     def _gather_cond(self, chunk, inputs: Sequence[Mapping[str, Any]], batch):
-        """Concatenate the producers' caption encodings without their padding."""
+        """The rows of the clips' own captions (in clip order) from the producers' caption
+        encodings (which may hold other clips' captions, and padding); their caption indices."""
         import torch
+
+        from megatron_dip.models.attention import caption_rows
 
         if not inputs:
             raise ValueError(f"{batch.sub.work}: the DiT needs the text encoder's output")
@@ -303,7 +356,9 @@ class DitModality(Modality):
             real = int(batch.caption_lengths[index].sum())
             pieces.append(message["cond"][:real])
             indices.append(index)
-        return torch.cat(pieces).to(chunk.dtype), torch.cat(indices)
+        rows = caption_rows(torch.cat(indices), batch.caption_lengths, batch.clip_caption)
+        cond = torch.cat(pieces).index_select(0, rows.to(chunk.device)).to(chunk.dtype)
+        return cond, batch.clip_caption.clone()
 
     def embed(self, chunk, inputs: Sequence[Mapping[str, Any]], batch) -> dict:
         from torch.nn import functional
@@ -319,39 +374,34 @@ class DitModality(Modality):
         return {"hidden": hidden, "temb": temb, "cond": cond, "cond_index": cond_index}
 
     @staticmethod
-    def cross_mask(cond_index, batch):
-        """Clip tokens see their own caption's rows of "cond"; padding tokens see row 0."""
-        import torch
+    def cross_attention_inputs(state: dict, batch):
+        """(caption rows in clip order, cross-attention keyword arguments): clip tokens attend to
+        their own caption's rows of "cond" (`models.attention.cross_attention_inputs`)."""
+        from megatron_dip.models import attention
 
-        missing = set(batch.clip_caption.tolist()) - set(cond_index.tolist())
-        if missing:
-            raise ValueError(f"{batch.sub.work}: captions {sorted(missing)} missing from cond")
-        rows = torch.repeat_interleave(cond_index, batch.caption_lengths[cond_index])
-        segments = batch.segments
-        caption = torch.where(
-            segments >= 0, batch.clip_caption[segments.clamp(min=0)], torch.full_like(segments, -2)
+        return attention.cross_attention_inputs(
+            segments=batch.segments,
+            clip_caption=batch.clip_caption,
+            caption_lengths=batch.caption_lengths,
+            cond_index=state["cond_index"],
+            cond=state["cond"],
         )
-        mask = caption[:, None] != rows[None, :]
-        mask[segments < 0, 0] = False
-        return mask[None, None]
 
-    def run_stack(
-        self, spec, layers, state: dict, batch, *, rotary_base: float, causal: bool, groups=None
-    ):
-        from megatron_dip.models.common import cached, rotary_table, segment_mask, sequence_slice
+    def run_stack(self, spec, layers, state: dict, batch, *, rotary_base: float, groups=None):
+        from megatron_dip.models import attention
+        from megatron_dip.models.common import cached, rotary_table, sequence_slice
 
-        del causal
         head_dim, dtype = spec.layer.head_dim, state["hidden"].dtype
-        self_mask = cached(batch, ("mask", False), lambda: segment_mask(batch.segments))
+        packed = cached(
+            batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
+        )
         rotary = cached(
             batch,
             ("rotary", head_dim, rotary_base, dtype),
             lambda: rotary_table(batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype),
         )
-        cond_index = state["cond_index"]
-        cross_mask = cached(
-            batch, ("cross", tuple(cond_index.tolist())), lambda: self.cross_mask(cond_index, batch)
-        )
+        # Once per chunk: "cond" in the cross-attention's kv segments (as sent, it already is).
+        cond, cross = self.cross_attention_inputs(state, batch)
         token_clip = batch.segments.clamp(min=0)
         if groups is not None:  # under sequence parallelism: this rank's tokens' clips
             token_clip = sequence_slice(token_clip, layers[0].config, groups)
@@ -361,9 +411,9 @@ class DitModality(Modality):
                 hidden,
                 temb=state["temb"],
                 token_clip=token_clip,
-                cond=state["cond"],
-                self_mask=self_mask,
-                cross_mask=cross_mask,
+                cond=cond,
+                self_attention=packed,
+                cross_attention=cross,
                 rotary=rotary,
             )
         return hidden
@@ -371,7 +421,7 @@ class DitModality(Modality):
     def run_layers(self, chunk, state: dict, batch):
         return self.run_stack(
             chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.model_config.rotary_base, causal=False, groups=chunk.groups,
+            rotary_base=chunk.model_config.rotary_base, groups=chunk.groups,
         )  # fmt: skip
 
     def finish(self, chunk, state: dict, batch) -> dict:

@@ -4,7 +4,7 @@ An instance is the microbatch's packed sequence (one sub-microbatch, padded to -
 padding attends only to itself). Layers are Megatron-Core `TransformerLayer`s from the GPT layer
 spec: RMSNorm, SwiGLU MLP, grouped-query attention and 1-D rotary embeddings with positions
 restarting at every document; attention is causal within each document. Chunk 0 embeds the
-tokens and scatters every producer's hand-over (`base.scatter_name`) into that producer's
+tokens and scatters every producer's hand-over (`scatter.scatter_name`) into that producer's
 placeholder positions; the last chunk normalises, projects to the vocabulary (tied to the input
 embedding or not) and sums the next-token cross entropy over the loss targets (`loss_targets`).
 `TextModality` holds what the LLM shares with the text encoder (`text_encoder.py`).
@@ -20,10 +20,11 @@ import numpy as np
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch
 
-from .base import Instance, Modality, SampleArrays, SampleInfo, scatter_name
+from .base import Instance, Modality, SampleArrays, SampleInfo
 from .costs import LOGIT_BYTES, CostContext, Op, OpKind, Work, gemm, mem
 from .registry import modality_of, register
-from .scatter import ScatterProducer
+from .scatter import ScatterProducer, scatter_name
+from .stored import Stored
 
 
 def loss_targets(
@@ -83,11 +84,6 @@ class TextModality(Modality):
     def input_params(self, spec: ModuleSpec) -> int:
         return spec.vocab_size * spec.layer.hidden
 
-    def is_causal(self, chunk) -> bool:
-        """Causal attention within each document / caption."""
-        del chunk
-        return True
-
     def build_pre(self, chunk):
         from megatron.core import tensor_parallel
 
@@ -105,12 +101,6 @@ class TextModality(Modality):
     def embed_tokens(self, chunk, batch):
         """[tokens, 1, hidden] token embeddings (before sequence parallelism)."""
         return chunk.pre.word_embeddings(batch.token_ids[None]).transpose(0, 1).contiguous()
-
-    def run_layers(self, chunk, state: dict, batch):
-        return self.run_stack(
-            chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.model_config.rotary_base, causal=self.is_causal(chunk),
-        )  # fmt: skip
 
 
 class LlmModality(TextModality):
@@ -208,8 +198,10 @@ class LlmModality(TextModality):
         ]
 
     def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        # The final norm, the head's input, the cross entropy's fp32 softmax of the logits.
+        head = Stored(replicated=1.0).nbytes(spec.layer.hidden, w, c)
         logits = LOGIT_BYTES * w.tokens * spec.vocab_size / c.tp
-        return super().output_stored(spec, w, c) + logits
+        return super().output_stored(spec, w, c) + head + logits
 
     def output_params(self, spec: ModuleSpec) -> int:
         return spec.vocab_size * spec.layer.hidden + spec.layer.hidden

@@ -1,10 +1,11 @@
 """Scatter producers: media encoders whose outputs replace their placeholder tokens in the
-consumer's sequence (ViT, audio encoder), the shared half of `vit.py` and `audio.py`.
+consumer's sequence (ViT, audio encoder), behind the `base.Modality` protocol.
 
-Each instance occupies a run of the producer's placeholder id (`ModuleSpec.placeholder_id`) as
-long as its consumer rows; the hand-over is one tensor named `base.scatter_name(spec)` with one
-row per placeholder. The last chunk normalises, merges `pool` consecutive tokens and projects
-them with a two-layer MLP into the consumer's hidden size.
+A scatter producer owns a placeholder token id (`ModuleSpec.placeholder_id`): each of its
+instances occupies a run of placeholders as long as its `placeholders` count, and its hand-over
+is one tensor named `scatter_name(spec)` with one row per placeholder. Its last chunk normalises,
+merges every `pool` consecutive tokens into one vector and projects it with a two-layer MLP into
+the consumer's hidden size.
 """
 
 from __future__ import annotations
@@ -17,8 +18,21 @@ import numpy as np
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch, TensorSpec
 
-from .base import InstanceCounts, Modality, SampleArrays, placeholder_runs, scatter_name
+from .base import InstanceCounts, Modality, SampleArrays
 from .costs import CostContext, Op, Work, gemm, mem
+from .stored import Stored
+
+
+def scatter_name(spec: ModuleSpec) -> str:
+    """Name of a scatter producer's hand-over tensor (one row per placeholder token)."""
+    return f"{spec.name}.embeddings"
+
+
+def placeholder_runs(text: np.ndarray, token: int) -> list[int]:
+    """Lengths of the maximal runs of `token` in `text`, in order."""
+    is_token = np.concatenate(([0], (np.asarray(text) == token).astype(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(is_token))
+    return (edges[1::2] - edges[::2]).tolist()
 
 
 class ScatterProducer(Modality):
@@ -117,8 +131,10 @@ class ScatterProducer(Modality):
         ]
 
     def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
-        rows = self.consumer_rows(spec, w.tokens)
-        return super().output_stored(spec, w, c) + 2 * c.dt * rows * spec.out_hidden / c.tp
+        # The final norm; the merger's input (the gathered sequence, pool tokens per row),
+        # fc1's output and fc2's input (rows x pool * hidden, split by TP).
+        merger = Stored(whole=1.0, sharded=2.0).nbytes(spec.layer.hidden, w, c)
+        return super().output_stored(spec, w, c) + merger
 
     def output_params(self, spec: ModuleSpec) -> int:
         h, width, out = spec.layer.hidden, self.pool(spec) * spec.layer.hidden, spec.out_hidden

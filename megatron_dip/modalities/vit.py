@@ -7,7 +7,7 @@ Images of a sub-microbatch are packed along the sequence; each patch attends to 
 own image only and carries a 2-D rotary position (row, column). Chunk 0 embeds the patches with a
 linear layer; the last chunk normalises, merges each window (contiguous by construction of
 `patchify_image`) and projects it with a two-layer MLP into the LLM's hidden size: one row per
-LLM image token (`base.scatter_name`).
+LLM image token (`scatter.scatter_name`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .base import SampleArrays
 from .costs import CostContext, Op, Work, gemm, mem
 from .registry import register
 from .scatter import ScatterProducer
+from .stored import data_copy_bytes
 
 
 def image_tokens(*, height: int, width: int, vit: ModuleSpec) -> tuple[int, int]:
@@ -93,6 +94,9 @@ class VitModality(ScatterProducer):
             gemm(w.tokens, patch, spec.layer.hidden, c, shard_in=False),
             mem(w.tokens * spec.layer.hidden, 3, c),
         ]
+
+    def input_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
+        return data_copy_bytes(w.tokens * spec.patch_size**2 * spec.in_channels, c)
 
     def input_params(self, spec: ModuleSpec) -> int:
         return (spec.patch_size**2 * spec.in_channels + 1) * spec.layer.hidden

@@ -24,13 +24,13 @@ and between the chunks of a module are this rank's contiguous shard of the seque
 [padded_tokens / TP, 1, hidden] (`batching.message_tensors`); chunk 0 scatters its embeddings
 (Megatron's `scatter_to_sequence_parallel_region`), the last chunk gathers the sequence after
 its final norm for the loss or the hand-over, and Megatron's layers all-gather / reduce-scatter
-around attention and MLP. Masks and rotary tables stay full-length (attention runs on the
-gathered sequence). Everything else — hand-overs, DiT "temb" / "cond" / "cond_index" — is
-replicated across the tensor-parallel ranks with complete, identical gradients. Parameters that
-see only a shard (norms, row-parallel biases) carry `sequence_parallel = True`; their gradients
-are summed over the TP group once per iteration by the runtime
-(`runtime.ddp.reduce_sequence_parallel_grads`). Sequence lengths must divide by TP (the planner
-pads sub-microbatches to a multiple of it; the LLM's seq_length must be one).
+around attention and MLP. Packed-sequence parameters and rotary tables stay full-length
+(attention runs on the gathered sequence, `attention.py`). Everything else — hand-overs, DiT
+"temb" / "cond" / "cond_index" — is replicated across the tensor-parallel ranks with complete,
+identical gradients. Parameters that see only a shard (norms, row-parallel biases) carry
+`sequence_parallel = True`; their gradients are summed over the TP group once per iteration by
+the runtime (`runtime.ddp.reduce_sequence_parallel_grads`). Sequence lengths must divide by TP
+(the planner pads sub-microbatches to a multiple of it; the LLM's seq_length must be one).
 
 Backward is plain autograd: the runtime calls `torch.autograd.backward` on the returned
 floating-point tensors with the gradient message (same names), and reads `.grad` of the
@@ -51,6 +51,7 @@ from megatron_dip.cpu_support import apply_cpu_fixes
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.schedule.ir import ChunkSpec
 
+from . import attention
 from .batch import SubBatch
 from .common import (
     ModelGroups,
@@ -104,9 +105,9 @@ class ModelChunk(MegatronModule):
         self.groups = groups
         self.parts = parts
         self.message_names = parts.message_names
+        backend = megatron_compat.layer_backend(megatron_compat.resolve_use_te(config.use_te))
         self.backend = sequence_parallel_backend(
-            megatron_compat.layer_backend(megatron_compat.resolve_use_te(config.use_te)),
-            self.config,
+            attention.packed_backend(backend, kernel=config.attention), self.config
         )
         self.global_aliases: dict[str, str] = {}
         self.layers = parts.build_layers(self)

@@ -1,4 +1,4 @@
-"""Shared pieces of the modality modules: configs, layer building, masks and rotary tables.
+"""Shared pieces of the modality modules: configs, layer building and rotary tables.
 
 Layers are Megatron-Core `TransformerLayer`s (or the DiT layer composed of Megatron-Core
 attention and MLP modules) built one by one with an explicit global `layer_number` and a
@@ -145,21 +145,21 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
     )
 
 
-def gpt_layer_spec(normalization: str, backend):
-    """Megatron's GPT layer spec (with `normalization`) with an arbitrary-mask self-attention.
+def gpt_layer_spec(normalization: str, backend, *, causal: bool):
+    """Megatron's GPT layer spec (with `normalization`) for packed sequences.
 
-    The stock spec's causal mask type would let the fused softmax kernel ignore our
-    causal + document mask; "arbitrary" always applies the mask we pass. When the backend's
-    norm is `SequenceParallelNorm` (local layers under sequence parallelism), the spec's
-    unfused norms (Megatron's `WrappedTorchNorm`, which refuses sequence parallelism) are
-    replaced by it.
+    Self-attention takes Megatron's packed-sequence mask type (`padding_causal` when `causal`,
+    else `padding`): every layer runs on `PackedSeqParams` (`models.attention`), never on a
+    dense mask. The core attention is the backend's (`attention.packed_backend` replaces the
+    local one, which refuses packed sequences). When the backend's norm is
+    `SequenceParallelNorm` (local layers under sequence parallelism), the spec's unfused norms
+    (Megatron's `WrappedTorchNorm`, which refuses sequence parallelism) are replaced by it.
     """
-    from megatron.core.transformer.enums import AttnMaskType
+    from .attention import mask_type
 
     spec = copy.deepcopy(backend.gpt_layer_spec(normalization=normalization))
     attention = spec.submodules.self_attention
-    attention.params = {**(attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary}
-    # The backend's core attention is the one the layers use (a replaced one, e.g. SDPA, too).
+    attention.params = {**(attention.params or {}), "attn_mask_type": mask_type(causal=causal)}
     attention.submodules.core_attention = backend.core_attention
     if backend.norm is SequenceParallelNorm:
         from megatron.core.transformer.identity_op import IdentityOp
@@ -323,21 +323,6 @@ def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
                         f"{name}.{attr}: tensor_model_parallel={param.tensor_model_parallel}, "
                         f"partition_dim={param.partition_dim}; {cls.__name__} splits dim {dim}"
                     )
-
-
-def segment_mask(
-    q_segments: torch.Tensor, k_segments: torch.Tensor | None = None, *, causal: bool = False
-) -> torch.Tensor:
-    """Boolean attention mask [1, 1, q, k], True = masked: attend only within one's segment.
-
-    Padding tokens (segment -1) attend among themselves, so no row is fully masked.
-    """
-    k_segments = q_segments if k_segments is None else k_segments
-    mask = q_segments[:, None] != k_segments[None, :]
-    if causal:
-        n = q_segments.shape[0]
-        mask = mask | torch.ones(n, n, dtype=torch.bool, device=mask.device).triu(1)
-    return mask[None, None]
 
 
 def rotary_table(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
+_ATTENTION = ("auto", "varlen", "segments")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class ModelConfig:
     different chunks their gradients must be summed with `reduce_tied_embedding_grads` over an
     explicit group, or building refuses.
     `use_te`: Transformer Engine layer specs (None: when transformer_engine imports).
+    `attention`: the packed-sequence attention kernel (`models.attention`): "auto" is Transformer
+    Engine's THD attention with TE layers, else ours (torch's FlashAttention varlen kernel where it
+    runs, else SDPA segment by segment); "varlen" / "segments" force our module with that kernel.
     """
 
     seed: int = 1234
@@ -35,11 +39,16 @@ class ModelConfig:
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = False
     timestep_embed_dim: int = 256
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.init_std <= 0:
             raise ValueError("ModelConfig.init_std must be positive")
+        if self.attention not in _ATTENTION:
+            raise ValueError(
+                f"ModelConfig.attention must be one of {_ATTENTION}, got {self.attention!r}"
+            )
         if self.timestep_embed_dim <= 0 or self.timestep_embed_dim % 2:
             raise ValueError("ModelConfig.timestep_embed_dim must be positive and even")

@@ -22,13 +22,13 @@ from megatron.core.transformer.attention import (
     SelfAttention,
     SelfAttentionSubmodules,
 )
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.nn import functional
 
+from .attention import mask_type
 from .common import ModelGroups, build_norm, without_sequence_parallel
 
 
@@ -49,7 +49,8 @@ def dit_layer_specs(backend, *, tp_group: torch.distributed.ProcessGroup) -> Dit
     Under sequence parallelism linear_kv is built without it: its input "cond" is replicated
     across the tensor-parallel ranks, not a sequence shard.
     """
-    arbitrary = {"attn_mask_type": AttnMaskType.arbitrary}
+    # Packed sequences (THD): within each clip, and clip -> its caption; never a dense mask.
+    packed = {"attn_mask_type": mask_type(causal=False)}
     column_in_group = functools.partial(backend.column_linear, tp_group=tp_group)
     kv_in_group = functools.partial(
         _column_without_sequence_parallel, column=backend.column_linear, tp_group=tp_group
@@ -57,7 +58,7 @@ def dit_layer_specs(backend, *, tp_group: torch.distributed.ProcessGroup) -> Dit
     return DitLayerSpecs(
         self_attention=ModuleSpec(
             module=SelfAttention,
-            params=arbitrary,
+            params=packed,
             submodules=SelfAttentionSubmodules(
                 linear_qkv=backend.column_linear,
                 core_attention=backend.core_attention,
@@ -68,7 +69,7 @@ def dit_layer_specs(backend, *, tp_group: torch.distributed.ProcessGroup) -> Dit
         ),
         cross_attention=ModuleSpec(
             module=CrossAttention,
-            params=arbitrary,
+            params=packed,
             submodules=CrossAttentionSubmodules(
                 linear_q=column_in_group,
                 linear_kv=kv_in_group,
@@ -132,11 +133,15 @@ class DitLayer(MegatronModule):
         temb: torch.Tensor,
         token_clip: torch.Tensor,
         cond: torch.Tensor,
-        self_mask: torch.Tensor,
-        cross_mask: torch.Tensor,
+        self_attention: dict,
+        cross_attention: dict,
         rotary: torch.Tensor,
     ) -> torch.Tensor:
         """hidden [P, 1, H], temb [clips, H], token_clip [P], cond [C, 1, H] -> [P, 1, H].
+
+        `self_attention` / `cross_attention`: the keyword arguments of the two attention blocks
+        (their `PackedSeqParams`, `models.attention`); cond holds the clips' caption rows in clip
+        order, as the cross-attention's packed parameters segment them.
 
         Under sequence parallelism hidden and token_clip are this rank's shard (P / TP tokens);
         temb and cond are replicated. The modulation then sees only this shard's tokens: its
@@ -149,12 +154,10 @@ class DitLayer(MegatronModule):
         mod = mod[token_clip][:, None, :]
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
         x = self.norm1(hidden) * (1 + scale1) + shift1
-        x = _with_bias(self.self_attention(x, attention_mask=self_mask, rotary_pos_emb=rotary))
+        x = _with_bias(self.self_attention(x, rotary_pos_emb=rotary, **self_attention))
         hidden = hidden + gate1 * x
         x = _with_bias(
-            self.cross_attention(
-                self.cross_norm(hidden), attention_mask=cross_mask, key_value_states=cond
-            )
+            self.cross_attention(self.cross_norm(hidden), key_value_states=cond, **cross_attention)
         )
         hidden = hidden + x
         x = self.norm2(hidden) * (1 + scale2) + shift2

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..batching import MicrobatchWork
+from ..batching.split import with_input_tokens
 from ..modelspec import MultimodalSpec
 from ..schedule.baselines import build_megatron_plan
 from ..schedule.ir import BatchTotals, Dependency, Placement, Plan, WorkId
@@ -73,7 +74,9 @@ def megatron_order_plan(
     return replace(plan, placement=placement, replica=replica)
 
 
-def merge_submicrobatches(works: Sequence[MicrobatchWork]) -> list[MicrobatchWork]:
+def merge_submicrobatches(
+    model: MultimodalSpec, works: Sequence[MicrobatchWork]
+) -> list[MicrobatchWork]:
     """The same microbatches with each module's sub-microbatches merged into one (Megatron runs
     a module's whole share of a microbatch at once)."""
     out = []
@@ -90,6 +93,8 @@ def merge_submicrobatches(works: Sequence[MicrobatchWork]) -> list[MicrobatchWor
                 tokens=sum(s.tokens for s in subs),
                 padded_tokens=sum(s.padded_tokens for s in subs),
                 attention_pairs=sum(s.attention_pairs for s in subs),
+                context_tokens=sum(s.context_tokens for s in subs),
+                context_pairs=sum(s.context_pairs for s in subs),
             )
             for subs in by_module.values()
         )
@@ -104,5 +109,5 @@ def merge_submicrobatches(works: Sequence[MicrobatchWork]) -> list[MicrobatchWor
                 }
             )
         )
-        out.append(MicrobatchWork(w.info, merged, deps))
+        out.append(MicrobatchWork(w.info, tuple(with_input_tokens(model, merged, deps)), deps))
     return out

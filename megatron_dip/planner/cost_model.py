@@ -11,10 +11,11 @@ parallelism: the same bytes) per parallel block in forward and again in backward
 
 Activation memory follows Korthikanti et al. (Reducing Activation Recomputation in Large
 Transformer Models): per layer s*b*h bytes times a per-module count of stored tensors, without
-dropout masks, and with flash attention storing only its log-sum-exp instead of the s^2 scores.
-What a layer of each kind computes and stores is its modality's (`Modality.layer_ops`,
-`layer_stored`, `input_ops`, `output_ops`, ...; the operator vocabulary is
-`modalities.costs`); this module prices it.
+dropout masks, counted as the layers really keep them for the kernels that run (`Kernels`:
+flash attention or SDPA per segment, fused or composite RMSNorm; `modalities.stored`, checked
+against autograd's saved tensors by `tests/test_memory_model.py`). What a layer of each kind
+computes and stores is its modality's (`Modality.layer_ops`, `layer_stored`, `input_ops`,
+`output_ops`, ...; the operator vocabulary is `modalities.costs`); this module prices it.
 
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
 
@@ -29,15 +30,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..modalities import check_model, modality_of
-from ..modalities.costs import CostContext, Op, OpKind, Work, stored_bytes
+from ..modalities.costs import CostContext, Kernels, Op, OpKind, Work
 from ..modelspec import ModuleSpec, MultimodalSpec
 from ..schedule.ir import ChunkSpec, Recompute, SubMicrobatch
 from .devices import CostProfile, DeviceSpec, load_profile
 from .overheads import NO_OVERHEADS, HostOverheads
 
-__all__ = ["CostModel", "CostProfile", "HostOverheads", "StageCost", "load_profile"]
+__all__ = [
+    "CPU_KERNELS",
+    "GPU_KERNELS",
+    "CostModel",
+    "CostProfile",
+    "HostOverheads",
+    "Kernels",
+    "StageCost",
+    "load_profile",
+]
 
 _CACHE_LIMIT = 200_000
+GPU_KERNELS = Kernels()  # Transformer Engine / FlashAttention, fused norms
+CPU_KERNELS = Kernels(attention="segments", fused_rms_norm=False)  # SDPA per segment, torch norms
 
 
 @dataclass(frozen=True)
@@ -62,11 +74,14 @@ def _bounded_put(cache: dict, key: tuple, value: object) -> None:
 class CostModel:
     """Per-stage time and activation memory of a multimodal model on one device type.
 
-    `tensor_parallel` / `sequence_parallel` describe one pipeline rank's TP group. `caption_tokens`
-    is the text length a DiT cross-attends to per clip. `profile` supplies measured per-layer
-    times that are preferred over the analytic ones for the modules it covers. `overheads`: the
-    runtime's host time per instruction, batch and message (`overheads.py`; not part of
-    `stage_cost`).
+    `tensor_parallel` / `sequence_parallel` describe one pipeline rank's TP group. `kernels`:
+    which attention and norm kernels the chunks run (what they keep for backward differs).
+    A DiT sub-microbatch cross-attends to its own clips' captions
+    (`SubMicrobatch.context_tokens`); `caption_tokens` per clip stands in only where a
+    sub-microbatch does not carry them (per-module estimates of placement and sizing).
+    `profile` supplies measured per-layer times that are preferred over the analytic ones for
+    the modules it covers. `overheads`: the runtime's host time per instruction, batch and
+    message (`overheads.py`; not part of `stage_cost`).
     """
 
     def __init__(
@@ -79,7 +94,7 @@ class CostModel:
         dtype_bytes: int = 2,
         profile: CostProfile | None = None,
         caption_tokens: int = 256,
-        flash_attention: bool = True,
+        kernels: Kernels = GPU_KERNELS,
         gemm_half_rows: int = 512,
         attention_efficiency: float = 0.75,
         p2p_bandwidth: float | None = None,
@@ -101,10 +116,10 @@ class CostModel:
         self.gemm_half_rows = gemm_half_rows
         self.attention_efficiency = attention_efficiency
         self.p2p_bandwidth = p2p_bandwidth or device.ib_bandwidth
+        self.caption_tokens = caption_tokens
+        self.kernels = kernels
         self.overheads = overheads
-        self._ctx = CostContext(
-            tensor_parallel, sequence_parallel, dtype_bytes, caption_tokens, flash_attention
-        )
+        self._ctx = CostContext(tensor_parallel, sequence_parallel, dtype_bytes, kernels)
         self._scale: dict[str, float] = {}
         self._layer_cache: dict[tuple, tuple[float, float, float]] = {}
         self._stage_cache: dict[tuple, StageCost] = {}  # unscaled
@@ -158,7 +173,13 @@ class CostModel:
         tokens = max(sub.tokens, sub.padded_tokens)
         n = max(1, sub.num_instances)
         pairs = sub.attention_pairs if sub.attention_pairs > 0 else tokens * tokens / n
-        return Work(tokens, n, float(pairs))
+        context, context_pairs = sub.context_tokens, float(sub.context_pairs)
+        cross = modality_of(self.model.module(sub.module)).cross_attends
+        if cross and context <= 0:  # a sub-microbatch that does not say (module_time, ...)
+            context, context_pairs = n * self.caption_tokens, float(tokens * self.caption_tokens)
+        if context_pairs <= 0:
+            context_pairs = float(tokens * context / n)
+        return Work(tokens, n, float(pairs), context, context_pairs, sub.input_tokens)
 
     def _analytic_layer(self, spec: ModuleSpec, w: Work) -> tuple[float, float, float]:
         """(forward, backward, attention-core forward) seconds of one layer, from the roofline."""
@@ -192,7 +213,9 @@ class CostModel:
 
         def analytic(tokens_per_instance: float) -> float:
             t = max(1, round(tokens_per_instance))
-            return self._analytic_layer(spec, Work(t, 1, float(t * t)))[0]
+            return self._analytic_layer(
+                spec, self._work(SubMicrobatch(spec.name, 0, 0, 0, 1, t, t, t * t))
+            )[0]
 
         return self.profile.layer_times(
             points,
@@ -261,41 +284,65 @@ class CostModel:
     ) -> int:
         """Bytes `chunk` holds for `sub` from the end of its forward to the end of its backward.
 
-        FULL keeps the chunk input only (plus the DiT conditioning it passes on); BLOCK N keeps
-        the inputs of its first N layers and every activation of the others; UNIFORM N keeps
-        the input of every group of N layers; the output head's logits are kept under every
-        strategy, as Megatron recomputes transformer layers only.
+        Every chunk keeps the messages it received (the producers' hand-overs, or the previous
+        chunk's output) until its backward; FULL keeps nothing else (the runtime recomputes the
+        whole chunk call, output layers included). Otherwise the layers' stored tensors (less
+        the attention cores' under SELECTIVE; BLOCK N and UNIFORM N: `_layers_stored`), what all
+        its layers share, and the input / output layers' own; a received hidden state is the
+        first layer's input, counted once.
         """
         spec = self.model.module(chunk.module)
         modality, w, c = modality_of(spec), self._work(sub), self._ctx
-        n = chunk.num_layers
-        stored = modality.layer_stored(spec, w, c)
-        full = stored_bytes(stored, spec.layer, w, c, keep_core=True)
-        entry = modality.full_recompute_stored(spec, w, c)  # a checkpoint's inputs
-        hidden = c.dt * w.tokens * spec.layer.hidden / c.rep  # of which: per checkpoint
+        first, last = chunk.layer_start == 0, chunk.layer_end == spec.num_layers
+        received = modality.received_bytes(spec, w, c, first=first)
         if recompute is Recompute.FULL:
-            total = entry
-        elif recompute is Recompute.BLOCK:
-            k = min(layers, n)
-            total = (k * hidden + entry - hidden if k else 0.0) + (n - k) * full
-        elif recompute is Recompute.UNIFORM:
-            total = -(-n // layers) * hidden + entry - hidden
+            return int(received)
+        total = self._layers_stored(spec, chunk.num_layers, w, recompute, layers)
+        if first:
+            total += (
+                received + modality.chunk_stored(spec, w, c) + modality.input_stored(spec, w, c)
+            )
+        elif chunk.num_layers:  # the received hidden state (and conditioning) are the layers'
+            total += received - modality.received_bytes(spec, w, c, first=False)
+            total += modality.chunk_stored(spec, w, c)
         else:
-            keep = recompute is Recompute.NONE
-            total = n * stored_bytes(stored, spec.layer, w, c, keep_core=keep)
-        if chunk.layer_end == spec.num_layers:
+            total += received
+        if last:
             total += modality.output_stored(spec, w, c)
         return int(total)
+
+    def _layers_stored(self, spec, n: int, w, recompute: Recompute, layers: int) -> float:
+        """Bytes the chunk's `n` transformer layers keep: all their stored tensors (less the
+        attention cores' under SELECTIVE), except for Megatron's partial recomputation: BLOCK N
+        checkpoints the first N layers one by one (each keeps its input hidden state), UNIFORM N
+        checkpoints groups of N layers (each group keeps its input)."""
+        c = self._ctx
+        stored = modality_of(spec).layer_stored(spec, w, c)
+        whole = stored.nbytes(
+            spec.layer.hidden, w, c, keep_core=recompute is not Recompute.SELECTIVE
+        )
+        hidden = c.dt * w.tokens * spec.layer.hidden / c.rep  # a checkpoint's input
+        if recompute is Recompute.BLOCK:
+            k = min(layers, n)
+            return k * hidden + (n - k) * whole
+        if recompute is Recompute.UNIFORM:
+            return -(-n // layers) * hidden
+        return n * whole
 
     def transfer_time(self, nbytes: int) -> float:
         """Seconds of one point-to-point message of `nbytes` between pipeline ranks."""
         return self.device.p2p_latency + nbytes / self.p2p_bandwidth
 
-    def module_time(self, module: str, *, instances: int, tokens: int) -> float:
+    def module_time(
+        self, module: str, *, instances: int, tokens: int, context_tokens: int = 0
+    ) -> float:
         """Forward (+ backward when the module needs one) seconds of the whole module on
-        `instances` instances holding `tokens` tokens, input and output layers included."""
+        `instances` instances holding `tokens` tokens (cross-attending to `context_tokens`;
+        0: `caption_tokens` per instance), input and output layers included."""
         spec = self.model.module(module)
-        sub = SubMicrobatch(module, 0, 0, 0, max(1, instances), tokens, tokens)
+        sub = SubMicrobatch(
+            module, 0, 0, 0, max(1, instances), tokens, tokens, context_tokens=context_tokens
+        )
         c = self.stage_cost(ChunkSpec(module, 0, 0, 0, spec.num_layers), sub)
         return c.forward + (c.backward if self.needs_backward(module) else 0.0)
 
@@ -308,7 +355,9 @@ class CostModel:
         spec = self.model.module(module)
         n = max(1, instances)
         tokens = n * tokens_per_instance
-        w = Work(tokens, n, float(n * tokens_per_instance**2))
+        w = self._work(
+            SubMicrobatch(module, 0, 0, 0, n, tokens, tokens, n * tokens_per_instance**2)
+        )
         flops = 3 * sum(o.flops for o in modality_of(spec).layer_ops(spec, w, self._ctx))
         fwd, bwd, _ = self._layer(spec, w)
         return min(1.0, flops / ((fwd + bwd + host_seconds) * self.device.peak_flops))

@@ -3,6 +3,13 @@
 Numbers are the vendors' SXM data-sheet figures (dense bf16, no sparsity). Link bandwidths are
 stored as the data sheet states them; the cost model derives what one direction of a transfer gets
 (`nvlink_unidirectional`), because pipeline messages and ring collectives move data one way per link.
+Sources: NVIDIA H100 / H200 Tensor Core GPU data sheets (SXM5: 989 TFLOPS bf16, 3.35 / 4.8 TB/s
+HBM, 900 GB/s NVLink); H800: the export variant's 400 GB/s NVLink; NVIDIA A100 Tensor Core GPU
+data sheet (SXM4 80 GB: 312 TFLOPS bf16, 2,039 GB/s HBM2e, 600 GB/s NVLink 3) with the DGX
+A100's 200 Gb/s HDR InfiniBand NIC per GPU; NVIDIA DGX / HGX B200 data sheets (per GPU at
+1,000 W: 2.25 PFLOPS dense bf16, i.e. 4.5 with sparsity; 180 GB HBM3e at 8 TB/s; 1.8 TB/s
+NVLink 5) with 400 Gb/s ConnectX-7 per GPU. `max_efficiency` (the share of the peak a large
+GEMM reaches) is our assumption, not a data-sheet number: calibrate it with a measured profile.
 """
 
 from __future__ import annotations
@@ -75,7 +82,13 @@ H800 = DeviceSpec(
     "H800", _HOPPER_BF16, 3350 * GB, 400 * GB, _IB_400G, _P2P_LATENCY, _GEMM_CAP, 80 * GIB
 )
 
-DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (H100, H200, H800)}
+A100 = DeviceSpec("A100", 312e12, 2039 * GB, 600 * GB, 25 * GB, _P2P_LATENCY, _GEMM_CAP, 80 * GIB)
+B200 = DeviceSpec(
+    "B200", 2250e12, 8000 * GB, 1800 * GB, _IB_400G, _P2P_LATENCY, _GEMM_CAP, 180 * GB
+)
+
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (A100, H100, H200, H800, B200)}
+DEVICE_NAMES: tuple[str, ...] = tuple(DEVICES)
 
 
 def get_device(name: str) -> DeviceSpec:
@@ -84,6 +97,13 @@ def get_device(name: str) -> DeviceSpec:
         if key.lower() == name.strip().lower():
             return spec
     raise ValueError(f"unknown device {name!r}; known devices: {', '.join(sorted(DEVICES))}")
+
+
+def match_device(full_name: str) -> str | None:
+    """The preset a CUDA device name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB") names,
+    None when it names none of them."""
+    upper = full_name.upper()
+    return next((d for d in DEVICES if d in upper), None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -156,9 +156,15 @@ class DipPlanner:
         """Estimated compute of one sample: every module's time on its share of the sample."""
         total = 0.0
         for m in self.model.modules:
-            tokens, n = modality_of(m).module_tokens(m, meta)
-            if n and tokens:
-                total += self.cost_model.module_time(m.name, instances=n, tokens=tokens)
+            modality = modality_of(m)
+            tokens, n = modality.module_tokens(m, meta)
+            if not (n and tokens):
+                continue
+            items = modality.microbatch_instances(m, [meta], seq_length=self.config.seq_length)
+            context, _ = modality.context(m, [meta], items)  # a DiT clip's caption
+            total += self.cost_model.module_time(
+                m.name, instances=n, tokens=tokens, context_tokens=context
+            )
         return total
 
     # -- planning ----------------------------------------------------------------------------
@@ -256,7 +262,7 @@ class DipPlanner:
         setting that fits (Megatron's flags: none, selective, block N, uniform, full), whichever
         simulates faster within the memory limit (per-peer channels: the runtime's
         communicators); Megatron's whenever it fits and `plan` does not (`over`)."""
-        merged = merge_submicrobatches(works)
+        merged = merge_submicrobatches(self.model, works)
         megatron_order = functools.cache(
             functools.partial(
                 self._megatron_order, merged, totals=totals, iteration=plan.iteration,
@@ -264,7 +270,12 @@ class DipPlanner:
             )
         )  # fmt: skip
         ours = simulate(plan, self.cost_model, channel=per_peer_channel)
-        if megatron_order(NO_RECOMPUTE) is None:
+        plain = megatron_order(NO_RECOMPUTE)
+        if plain is None:
+            return plan, ours.iteration_time
+        # Recomputation only lengthens Megatron's fixed order: when `plan` fits and is no slower
+        # than that order without any, no recompute setting of it can win.
+        if not over and ours.iteration_time <= self._simulated(plain):
             return plan, ours.iteration_time
         limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
         found = best_fitting_mode(
@@ -278,6 +289,9 @@ class DipPlanner:
             validate_plan(found[0])
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
+
+    def _simulated(self, plan: Plan) -> float:
+        return simulate(plan, self.cost_model, channel=per_peer_channel).iteration_time
 
     def _megatron_order(
         self,

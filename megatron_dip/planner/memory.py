@@ -112,6 +112,9 @@ def choose_recompute(
 MILP_MAX_STAGES = 120
 MILP_NODE_LIMIT = 200
 MILP_GUARD_TIME_S = 30.0
+# Nor when the greedy answer adds less than this share of the rank's compute: the MILP can save
+# at most what the greedy answer adds, and a solve costs ~0.1-1.5 s (most of a plan's time).
+MILP_MIN_GAIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -240,7 +243,10 @@ def _solve_rank(
         return all(held[a].sum() <= limit for a in pb.sets)
 
     best = _greedy(pb)
-    exact = _exact(pb)
+    if added(best) <= MILP_MIN_GAIN * float(pb.time[:, 0].sum()):
+        exact = None  # nothing worth a solve
+    else:
+        exact = _exact(pb)
     if exact is not None and fits(exact) and added(exact) < added(best):
         best = exact
     chosen = {pb.stages[i]: pb.modes[i][m] for i, m in enumerate(best) if m != 0}

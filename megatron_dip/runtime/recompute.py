@@ -9,7 +9,8 @@
   layers as one group), so each group keeps only its input and is recomputed in backward.
 * `SELECTIVE`: Megatron's "selective" recomputation, the attention core only: while the chunk
   runs, the `core_attention` module of every Megatron attention block is wrapped in the same
-  checkpoint, so scores, softmax and attention probabilities are recomputed in backward. Megatron's
+  checkpoint, so what the attention kernel keeps for backward (its log-sum-exp; SDPA per
+  segment also every segment's output) is recomputed in backward instead. Megatron's
   own switch (`Attention.checkpoint_core_attention`, fixed at construction from the config) is
   not used because it cannot vary per sub-microbatch and its `tensor_parallel.checkpoint` reads
   CUDA RNG states, which do not exist without a GPU. A chunk that defines

@@ -325,6 +325,12 @@ class SubMicrobatch:
     a multiple of the tensor-parallel size under sequence parallelism). `attention_pairs` is the
     sum of squared lengths of the attention segments (documents of a packed sequence, single
     images in a ViT), 0 meaning instances of equal length; it drives attention's quadratic cost.
+
+    Optional (0: none, or not known, e.g. plans written before they existed): `input_tokens`,
+    the rows of the producers' hand-overs its first chunk receives (an LLM's image/audio
+    embeddings, a DiT's caption encodings); `context_tokens`, the tokens its instances
+    cross-attend to (a DiT sub-microbatch: its own clips' captions); `context_pairs`, the sum
+    over its instances of instance tokens x context tokens (the cross-attention's work).
     """
 
     module: str
@@ -335,6 +341,9 @@ class SubMicrobatch:
     tokens: int
     padded_tokens: int
     attention_pairs: int = 0
+    input_tokens: int = 0
+    context_tokens: int = 0
+    context_pairs: int = 0
 
     @property
     def work(self) -> WorkId:

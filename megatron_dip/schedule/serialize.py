@@ -118,6 +118,9 @@ def _encode(plan: Plan) -> dict[str, Any]:
             s.tokens,
             s.padded_tokens,
             s.attention_pairs,
+            s.input_tokens,
+            s.context_tokens,
+            s.context_pairs,
         ]
         for s in plan.submicrobatches
     ]
@@ -198,6 +201,8 @@ class _Decoder:
     def plan(self, version: int) -> Plan:
         d = self.d
         iteration, replica, forward_only, name, _ = d["head"]
+        # Rows list the fields in order; rows written before the optional context fields existed
+        # are shorter and take their defaults.
         subs = tuple(
             SubMicrobatch(w.module, w.microbatch, w.sub, *map(int, rest))
             for w, rest in ((self.works[row[0]], row[1:]) for row in d["subs"])

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_dip.planner.devices import DEVICE_NAMES
+
 PRESET = " (default: from the --model preset)"
 
 
@@ -83,7 +85,12 @@ class ModelArgs:
         "--encoder-num-layers", None, "layers of the encoder (ViT or text encoder)" + PRESET
     )
     vocab_size: int | None = arg("--vocab-size", None, "text vocabulary size" + PRESET)
-    bf16: bool = arg("--bf16", False, "bfloat16 weights and activations (needs CUDA)")
+    bf16: bool = arg(
+        "--bf16",
+        False,
+        "bfloat16 weights, activations and messages; Megatron's mixed-precision optimizer keeps "
+        "fp32 master weights (GPUs and CPU)",
+    )
     init_method_std: float = arg("--init-method-std", 0.02, "std of the normal weight init")
     recompute_granularity: str | None = arg(
         "--recompute-granularity",
@@ -303,8 +310,18 @@ class DipArgs:
     dip_device: str = arg(
         "--dip-device",
         "auto",
-        "accelerator the cost model prices on (auto: the CUDA device's name, else H100)",
-        choices=("auto", "H100", "H200", "H800"),
+        "accelerator the cost model prices on (auto: the CUDA device's name, refused when it is "
+        "not a preset unless --dip-cost-profile is given; H100 on a CPU)",
+        choices=("auto", *DEVICE_NAMES),
+        megatron=False,
+    )
+    dip_attention: str = arg(
+        "--dip-attention",
+        "auto",
+        "packed-sequence attention kernel: auto (Transformer Engine's THD attention with TE, "
+        "else torch's FlashAttention varlen kernel on a GPU in 16-bit, else SDPA per segment), "
+        "varlen (needs CUDA and --bf16), segments (SDPA per segment, the CPU's)",
+        choices=("auto", "varlen", "segments"),
         megatron=False,
     )
     dip_trace_dir: str | None = arg(

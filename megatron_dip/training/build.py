@@ -84,6 +84,7 @@ def model_config(spec: RunSpec) -> ModelConfig:
         dtype=spec.dtype,
         init_std=spec.config.model.init_method_std,
         sequence_parallel=spec.sequence_parallel,
+        attention=spec.config.dip.dip_attention,
     )
 
 

@@ -57,6 +57,7 @@ class TrainResult:
     """What a run returns on every rank (tests and tools read it)."""
 
     losses: dict[int, float] = field(default_factory=dict)  # completed iteration -> lm loss
+    grad_norms: dict[int, float] = field(default_factory=dict)  # before clipping
     eval_losses: dict[int, float] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     consumed: dict[int, int] = field(default_factory=dict)  # completed iteration -> samples
@@ -236,6 +237,8 @@ class Trainer:
         r = self.result
         r.losses[it], r.seconds[it] = stats.loss, seconds
         r.consumed[it] = self.consumed
+        if norm is not None:
+            r.grad_norms[it] = float(norm)
         r.variants[variant] += 1
         bound = stats.max_busy / max(stats.max_duration, 1e-9)
         r.bound_efficiency[it] = bound

@@ -1,12 +1,12 @@
 """Optimizer and learning-rate schedule.
 
-On GPUs this is Megatron-Core's own optimizer (`get_megatron_optimizer`: fp32 master weights
-under --bf16, gradient clipping, --use-distributed-optimizer) with explicit process groups. On CPU
-without --use-distributed-optimizer `PlainAdamW` stands in: torch's AdamW on the DDP-reduced
-gradients, with Megatron's gradient-norm semantics (squares summed over the replica's
-model-parallel ranks, tensor-parallel duplicates counted once) and clipping. With it, Megatron's
-`DistributedOptimizer` runs on CPU too (`cpu_support` lets it accept CPU tensors). All expose
-`step() -> (ok, grad_norm, zeros)`, `param_groups` and `zero_grad()`, so Megatron-Core's
+On GPUs, and on the CPU under --bf16 or --use-distributed-optimizer, this is Megatron-Core's own
+optimizer (`get_megatron_optimizer`: `Float16OptimizerWithFloat16Params` with fp32 master weights
+under --bf16, gradient clipping, --use-distributed-optimizer) with explicit process groups
+(`cpu_support` lets it run on CPU tensors). On a float32 CPU run `PlainAdamW` stands in: torch's
+AdamW on the DDP-reduced gradients, with Megatron's gradient-norm semantics (squares summed over
+the replica's model-parallel ranks, tensor-parallel duplicates counted once) and clipping. All
+expose `step() -> (ok, grad_norm, zeros)`, `param_groups` and `zero_grad()`, so Megatron-Core's
 `OptimizerParamScheduler` drives any of them.
 
 Checkpoints hold the optimizer state in the weights' global coordinates (`optim_state.py`).
@@ -133,9 +133,11 @@ def megatron_optimizer(model: LocalModel, *, spec: RunSpec, ctx: ParallelContext
 
 
 def build_optimizer(model: LocalModel, *, spec: RunSpec, ctx: ParallelContext):
-    """Megatron-Core's optimizer on GPUs or when distributed, else `PlainAdamW` (module
+    """Megatron-Core's optimizer on GPUs, when distributed or under --bf16 (its
+    `Float16OptimizerWithFloat16Params`: fp32 master weights), else `PlainAdamW` (module
     docstring)."""
-    if spec.cuda or spec.config.parallel.use_distributed_optimizer:
+    megatron = spec.cuda or spec.config.parallel.use_distributed_optimizer
+    if megatron or spec.dtype != "float32":
         return megatron_optimizer(model, spec=spec, ctx=ctx)
     for _, p in model.named_parameters():
         p._dip_tp_rank = ctx.tp_rank  # read by the gradient norm

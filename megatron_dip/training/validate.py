@@ -10,6 +10,7 @@ deterministic resolution, so no rank starts while another refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -18,8 +19,14 @@ from dataclasses import dataclass, field
 from megatron_dip.batching import packing_limits
 from megatron_dip.data.packing import PackingLimits
 from megatron_dip.modelspec import MultimodalSpec
-from megatron_dip.planner.cost_model import CostModel
-from megatron_dip.planner.devices import DeviceSpec, get_device, load_profile
+from megatron_dip.planner.cost_model import GPU_KERNELS, CostModel, Kernels
+from megatron_dip.planner.devices import (
+    DEVICE_NAMES,
+    DeviceSpec,
+    get_device,
+    load_profile,
+    match_device,
+)
 from megatron_dip.planner.dip import PlannerConfig
 from megatron_dip.planner.overheads import NO_OVERHEADS, HostOverheads, load_overheads
 from megatron_dip.planner.search import SearchConfig
@@ -217,9 +224,9 @@ def check_checkpoints(config: TrainConfig) -> ResumePoint | None:
 
 
 def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
-    m = config.model
-    if m.bf16 and not cuda:
-        raise _fail("--bf16", "needs CUDA; CPU runs train in float32 (drop the flag)")
+    # --bf16 runs on the CPU too (torch computes bfloat16 there): Megatron's mixed-precision
+    # optimizer, bf16 messages and fp32 master weights are the same code as on GPUs.
+    del cuda
     recompute_mode(config)  # refuses a bad combination
 
 
@@ -329,18 +336,53 @@ def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] |
 
 
 def _device(config: TrainConfig, *, cuda: bool) -> DeviceSpec:
+    """The `DeviceSpec` the cost model prices on: --dip-device, else the CUDA device's preset
+    (with its real memory); a GPU that is no preset only with a measured --dip-cost-profile."""
     name = config.dip.dip_device
-    if name == "auto":
-        name = "H100"
-        if cuda:
-            import torch
+    if name != "auto":
+        return get_device(name)
+    if not cuda:
+        return get_device("H100")  # a CPU run plans (and emulates) for the paper's GPU
+    import torch
 
-            found = torch.cuda.get_device_name()
-            name = next((d for d in ("H200", "H800", "H100") if d in found), "H100")
-    return get_device(name)
+    found = torch.cuda.get_device_name()
+    memory = int(torch.cuda.get_device_properties(0).total_memory)
+    preset = match_device(found)
+    if preset is not None:
+        return dataclasses.replace(get_device(preset), memory_bytes=memory)
+    if config.dip.dip_cost_profile is None:
+        raise _fail(
+            "--dip-device",
+            f"the CUDA device {found!r} is none of the presets {', '.join(DEVICE_NAMES)}: "
+            "pricing it as one of them would plan with wrong times. Give a profile measured on "
+            "it (--dip-cost-profile, written by scripts/profile_gpu.sh or tools/profile_costs.py) "
+            "or name the closest preset with --dip-device NAME",
+        )
+    logger.warning(
+        "CUDA device %r is no preset: layer times come from --dip-cost-profile, communication "
+        "and memory-bound extras are priced at H100 rates",
+        found,
+    )
+    return dataclasses.replace(get_device("H100"), name=found, memory_bytes=memory)
 
 
-def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> CostModel:
+def _kernels(config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool) -> Kernels:
+    """The kernels the chunks will run (their saved tensors differ); an emulated run prices the
+    GPU run it stands for."""
+    from megatron_dip.models.kernels import resolve_kernels
+
+    if emulate:
+        return GPU_KERNELS
+    attention = config.dip.dip_attention
+    if attention == "varlen" and not (cuda and dtype == "bfloat16"):
+        raise _fail("--dip-attention", "varlen (FlashAttention) needs CUDA and --bf16")
+    kernel, fused = resolve_kernels(cuda=cuda, dtype=dtype, attention=attention)
+    return Kernels(attention=kernel, fused_rms_norm=fused)
+
+
+def _cost_model(
+    config: TrainConfig, model, device, *, tp: int, dtype: str, kernels: Kernels
+) -> CostModel:
     sp = config.parallel.sequence_parallel and tp > 1
     profile = None
     if config.dip.dip_cost_profile is not None:
@@ -365,6 +407,7 @@ def _cost_model(config: TrainConfig, model, device, *, tp: int, dtype: str) -> C
         dtype_bytes=2 if dtype == "bfloat16" else 4,
         profile=profile,
         overheads=_host_overheads(config),
+        kernels=kernels,
     )
 
 
@@ -442,7 +485,8 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     # An emulated run prices and shapes messages as the real (bf16, GPU) run it stands for.
     plan_dtype = "bfloat16" if emulate else dtype
     device = _device(config, cuda=cuda)
-    cost = _cost_model(config, model, device, tp=tp, dtype=plan_dtype)
+    kernels = _kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
+    cost = _cost_model(config, model, device, tp=tp, dtype=plan_dtype, kernels=kernels)
     limits = packing_limits(model, config.train.seq_length)
     layout = build_layout(
         config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dp=dp, dtype=plan_dtype,

@@ -1,0 +1,177 @@
+"""The activation memory a chunk really keeps for backward, next to what the cost model predicts.
+
+`saved_bytes` counts what autograd saves while a forward runs (`torch.autograd.graph.
+saved_tensors_hooks`): every saved tensor's storage, each storage once (views of one buffer,
+e.g. Q, K and V split from one projection, share it), leaving out parameters and the
+sub-microbatch's own input data, which live for the whole step whatever the chunk does. The
+messages a chunk received are added (each storage once too): the runtime keeps them until the
+chunk's backward (it sends their gradients), and under full recomputation they are all the
+chunk keeps (the non-reentrant checkpoint holds them, not autograd's saved tensors).
+
+`MeasuringPipeline` runs a whole model in one process (the reference pipeline, every chunk under
+the plan's recompute mode through the runtime's own `run_chunk`) and records, for every (chunk,
+sub-microbatch), the measured bytes and the cost model's `chunk_activation_bytes`. The memory
+test (`tests/test_memory_model.py`) compares them per module and recompute mode; the GPU check
+(`scripts/gpu_check.sh`) puts the same prediction next to `torch.cuda.max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dip.reference import LocalPipeline
+from megatron_dip.runtime.recompute import run_chunk
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute, RecomputeMode, SubMicrobatch
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    return str(t.device), storage.data_ptr()
+
+
+@dataclass
+class SavedBytes:
+    """Storages saved for backward while a `saved_bytes` block ran (module docstring)."""
+
+    excluded: set = field(default_factory=set)
+    storages: dict = field(default_factory=dict)  # key -> (nbytes, a tensor keeping it alive)
+
+    def add(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage (once) unless it is excluded."""
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        key = _storage_key(t)
+        if key not in self.excluded and key not in self.storages:
+            self.storages[key] = (t.untyped_storage().nbytes(), t)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for n, _ in self.storages.values())
+
+
+@contextlib.contextmanager
+def saved_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBytes]:
+    """Inside: every tensor autograd saves is counted by storage (module docstring); the
+    storages of `exclude` (parameters, input data) are not."""
+    record = SavedBytes(excluded={_storage_key(t) for t in exclude})
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        record.add(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield record
+
+
+def _tensors(value) -> Iterator[torch.Tensor]:
+    """Every tensor in nested lists/tuples/dicts."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+@dataclass(frozen=True)
+class ChunkMemory:
+    """One chunk forward: measured saved bytes and the cost model's prediction; on CUDA also the
+    allocator's growth over the forward and its peak above the start (0 elsewhere)."""
+
+    module: str
+    chunk: int
+    first: bool
+    last: bool
+    sub: SubMicrobatch
+    recompute: RecomputeMode
+    measured: int
+    predicted: int
+    allocated: int = 0
+    peak: int = 0
+
+
+@contextlib.contextmanager
+def cuda_memory(device: torch.device) -> Iterator[dict]:
+    """Inside: on CUDA, {"allocated", "peak"} filled at the exit with the allocator's growth
+    over the block and its peak above the start (`torch.cuda.max_memory_allocated`)."""
+    stats = {"allocated": 0, "peak": 0}
+    if device.type != "cuda":
+        yield stats
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    yield stats
+    torch.cuda.synchronize(device)
+    stats["allocated"] = torch.cuda.memory_allocated(device) - start
+    stats["peak"] = torch.cuda.max_memory_allocated(device) - start
+
+
+class MeasuringPipeline(LocalPipeline):
+    """`LocalPipeline` that measures every chunk forward under `recompute` and asks
+    `cost_model` for its prediction (module docstring)."""
+
+    recompute: RecomputeMode = NO_RECOMPUTE
+    cost_model = None
+    records: list
+
+    def run_chunk(self, chunk, inputs: list, batch, sub: SubMicrobatch) -> dict:
+        batch = batch.to(chunk.device)  # the data on the device before the forward, not in it
+        params = [p for p in chunk.parameters()]
+        data = [batch.segments, batch.positions, *batch.tensors.values()]
+        with cuda_memory(chunk.device) as cuda, saved_bytes(exclude=[*params, *data]) as record:
+            outputs = run_chunk(chunk, self.recompute[0], chunk, inputs, batch, self.recompute[1])
+        for t in _tensors(inputs):  # the runtime keeps received messages for the backward
+            record.add(t)
+        predicted = self.cost_model.chunk_activation_bytes(chunk.chunk, sub, *self.recompute)
+        self.records.append(
+            ChunkMemory(
+                chunk.chunk.module, chunk.chunk.index, chunk.is_first, chunk.is_last, sub,
+                self.recompute, record.nbytes, predicted, cuda["allocated"], cuda["peak"],
+            )
+        )  # fmt: skip
+        return outputs
+
+
+# Every recompute method; the partial ones with N = 2 (the middle chunk's layers are cut into
+# checkpointed and kept ones, or into groups).
+MEASURED_MODES: tuple[RecomputeMode, ...] = (
+    NO_RECOMPUTE,
+    (Recompute.SELECTIVE, 0),
+    (Recompute.FULL, 0),
+    (Recompute.BLOCK, 2),
+    (Recompute.UNIFORM, 2),
+)
+
+
+def mode_name(mode: RecomputeMode) -> str:
+    """ "none", "selective", "full", "block2", "uniform2"."""
+    return mode[0].value + (str(mode[1]) if mode[1] else "")
+
+
+def measure_model(
+    model,
+    microbatches,
+    *,
+    cost_model,
+    recompute: RecomputeMode,
+    config,
+    groups,
+    seq_length: int,
+    ranges=None,
+    sizes=None,
+) -> list[ChunkMemory]:
+    """Forward (and backward, freeing the graph) of `microbatches` with every chunk under
+    `recompute` ((method, N), as `Forward.mode`); one `ChunkMemory` per chunk forward."""
+    pipe = MeasuringPipeline.build(
+        model, config=config, groups=groups, seq_length=seq_length, seed=0, ranges=ranges
+    )
+    pipe.recompute, pipe.cost_model, pipe.records = recompute, cost_model, []
+    pipe.forward_backward(microbatches, sizes=sizes)
+    return pipe.records
