@@ -226,12 +226,12 @@ def test_log_line_shows_the_interval_error_and_version():
     for it, error in ((1, 0.9), (2, 0.3), (3, None)):
         log.add(IterationRecord(
             iteration=it, loss=4.0, lr=1e-3, grad_norm=None, seconds=0.5, schedule_seconds=0.4,
-            samples=4, tokens=100, flops=1e9, bound_efficiency=0.8, variant="inline",
-            cost_error=error, calibration_version=3,
+            samples=4, consumed=4 * it, tokens=100, flops=1e9, bound_efficiency=0.8,
+            variant="inline", cost_error=error, calibration_version=3,
         ))  # fmt: skip
     assert "cost-model error: 60.0% (calibration v3)" in log.line()
     log.add(IterationRecord(
         iteration=4, loss=4.0, lr=1e-3, grad_norm=None, seconds=0.5, schedule_seconds=0.4,
-        samples=4, tokens=100, flops=1e9, bound_efficiency=0.8, variant="inline",
+        samples=4, consumed=16, tokens=100, flops=1e9, bound_efficiency=0.8, variant="inline",
     ))  # fmt: skip
     assert "cost-model error: n/a (calibration v0)" in log.line()

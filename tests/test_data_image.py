@@ -118,3 +118,22 @@ def test_default_config_scales_pixels_to_minus_one_one_and_bounds_pixels():
         processor.target_size(height=1, width=500)
     with pytest.raises(ValueError, match="smaller than one grid unit"):
         ImageProcessor(ImageProcessorConfig(max_pixels=100), factor=16)
+
+
+def test_a_huge_jpeg_decodes_at_a_reduced_scale_and_an_ordinary_one_whole(tmp_path):
+    """Pillow's draft for photos of more than 64x their target's pixels (a 10000 x 10000 one
+    took about 1 s to decode whole); ordinary sizes and PNGs are decoded whole."""
+    from megatron_dip.data.llava import ImageFile
+
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 255, (1024, 768, 3), dtype=np.uint8)
+    Image.fromarray(big).save(tmp_path / "big.jpg", quality=90)
+    Image.fromarray(big).save(tmp_path / "big.png")
+    processor = ImageProcessor(ImageProcessorConfig(max_pixels=64 * 64), factor=16)
+    target = processor.target_size(height=1024, width=768)
+    reduced = ImageFile(tmp_path / "big.jpg").open(target=target)
+    assert reduced.size[0] < 768 and reduced.size[0] >= 2 * target[1]
+    assert reduced.size[1] >= 2 * target[0]
+    assert processor.preprocess(reduced).shape == (3, *target)
+    assert ImageFile(tmp_path / "big.png").open(target=target).size == (768, 1024)
+    assert ImageFile(tmp_path / "big.jpg").open(target=(1024, 768)).size == (768, 1024)

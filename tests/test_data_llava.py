@@ -186,7 +186,7 @@ def test_json_index_reads_every_record_by_offset(tmp_path, text):
     [
         ("[{}", "not closed|expected ','"),
         ("[1]", "record 0 at byte 1 is not an object"),
-        ('[{"a": 1},]', r"record 1: invalid JSON at byte 10"),
+        ('[{"a": 1},]', r"bad.json:1:11: invalid JSON in record 1 \(byte 10\): Expecting value"),
         ("[{}] x", "text after the JSON list"),
     ],
 )
@@ -195,6 +195,40 @@ def test_json_index_refuses_malformed_files_naming_the_byte(tmp_path, text, mess
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         JsonRecords(path)
+
+
+@pytest.mark.parametrize("lines", [False, True], ids=["list", "json-lines"])
+def test_malformed_json_is_one_line_naming_the_file_line_and_column(tmp_path, lines):
+    """Deep in a file read through a small window (the text before it was dropped): the line
+    and column are the file's, and the run stops before any process group, in one line."""
+    from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.validate import ConfigError, resolve
+
+    records = [json.dumps(r) for r in RECORDS]
+    records[30] = records[30].replace('"t": "', '"t": "\n', 1)  # a raw newline in a string
+    text = "\n".join(records) if lines else "[\n" + ",\n".join(records) + "\n]"
+    path = tmp_path / "bad.json"
+    path.write_text(text, encoding="utf-8")
+    line = 31 + (not lines)
+    column = len(records[30].split("\n")[0]) + 1  # where the string breaks
+    want = rf"{path}:{line}:{column}: invalid JSON in record 30 \(byte \d+\): Invalid control"
+    with pytest.raises(ValueError, match=want):
+        JsonRecords(path, chunk=7)
+    argv = [
+        "--model",
+        "tiny-vlm",
+        "--lr",
+        "1e-3",
+        "--train-iters",
+        "1",
+        "--dip-data",
+        f"llava:{path}",
+    ]
+    with pytest.raises(ConfigError) as info:
+        resolve(parse_config(argv), world_size=1, cuda=False)
+    message = str(info.value)
+    assert message.startswith(f"--dip-data: cannot read {path}:{line}:{column}: "), message
+    assert "\n" not in message and message.count(str(path)) == 1
 
 
 _RSS_PROBE = """

@@ -273,3 +273,38 @@ def test_the_recompute_milp_runs_only_where_it_can_save_a_percent(
     )
     assert bool(calls) == solved
     assert all(choice.of(StageId("m", 0, mb)) == sel for mb in range(4))
+
+
+def test_the_milps_native_output_stays_out_of_stdout(capfd, monkeypatch):
+    """HiGHS prints some messages from C++ to descriptor 1 whatever `disp` says: a stand-in
+    milp writes to the descriptor and through C's buffered stdio; neither reaches stdout,
+    what Python prints around the solve does."""
+    import ctypes
+    import os
+
+    import scipy.optimize
+
+    real, calls = scipy.optimize.milp, []
+
+    def chatty(*args, **kwargs):
+        os.write(1, b"HighsMipSolverData::raw\n")
+        ctypes.CDLL(None).printf(b"HighsMipSolverData::buffered\n")
+        calls.append(kwargs.get("options", {}).get("disp"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scipy.optimize, "milp", chatty)
+    g = unit_graph(single_module(2, 4))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    orders = list_schedule(g, priority=prio).orders
+    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
+    print("before the solve")
+    choose_recompute(
+        orders, mode_cost=lambda s, m: table[m], modes_of=lambda s: (none, sel, full),
+        keeps_activations=lambda s: True, memory_limit=[250, 1000],
+    )  # fmt: skip
+    print("after the solve")
+    out = capfd.readouterr().out
+    assert calls and calls[0] is False, "the MILP did not run"
+    assert "HighsMipSolverData" not in out
+    assert "before the solve" in out and "after the solve" in out

@@ -40,6 +40,8 @@ def make_planner(
     sleep_s: float = 0.0,
     memory_gb: float | None = None,
     data_parallel: int = 1,
+    workers: int = 1,
+    budget_s: float = 60.0,
 ) -> DipPlanner:
     """A planner for the tiny VLM on 2 pipeline ranks (module-level: picklable for the service)."""
     model = tiny_vlm()
@@ -50,7 +52,7 @@ def make_planner(
         seq_length=SEQ,
         data_parallel=data_parallel,
         sub_sizes={"vit": 2},
-        search=SearchConfig(max_rollouts=rollouts, time_budget_s=60.0, seed=7),
+        search=SearchConfig(max_rollouts=rollouts, time_budget_s=budget_s, seed=7, workers=workers),
         memory_limit_bytes=None if memory_gb is None else memory_gb * 2**30,
     )
     planner = DipPlanner(model, cost, placement, config)
@@ -249,6 +251,67 @@ def test_killed_planner_is_restarted_and_replans_what_is_ahead(store_address):
         _wait_ready(master, 1, SEARCHED)
         plan, variant = _client(address).fetch(1, inline=lambda: pytest.fail("planner restarted"))
         assert variant == SEARCHED and plan.iteration == 1
+    finally:
+        service.close()
+
+
+def _restarted(service, caplog, timeout: float = 60.0) -> str:
+    """Call `ensure_alive` (as every iteration does) until the service restarted its planner;
+    the warning it logged."""
+    deadline = time.monotonic() + timeout
+    while service.restarts == 0:
+        assert time.monotonic() < deadline, "the unresponsive planner was never restarted"
+        service.ensure_alive()
+        time.sleep(0.1)
+    return next(r.getMessage() for r in caplog.records if "restarting it" in r.getMessage())
+
+
+@pytest.mark.parametrize("state", ["starting", "idle", "planning"])
+def test_a_stopped_planner_is_found_by_its_heartbeat_killed_and_restarted(
+    store_address, caplog, state
+):
+    address, master = store_address
+    slow = 3.0 if state == "planning" else 0.0
+    factory = functools.partial(make_planner, rollouts=4, sleep_s=slow)
+    # A starting planner gets the busy limit for its first heartbeat; a running one, once it
+    # beats, the heartbeat timeout (the long busy limit keeps a slow search from counting).
+    busy = 3.0 if state == "starting" else 120.0
+    service = PlannerService(factory, address, timeout_s=2.0, busy_limit_s=busy)
+    try:
+        if state == "starting":
+            service.start()  # stopped before it could import much
+        else:
+            service.submit(batch(0))
+            if state == "idle":
+                _wait_ready(master, 0, SEARCHED)
+            else:  # inside its slow first plan
+                deadline = time.monotonic() + 60
+                while service.startup is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(1.0)
+        stopped = service.process
+        stopped.stop_signal()
+        message = _restarted(service, caplog)
+        assert "sent no heartbeat for" in message, message
+        assert "killed it; restarting it (restart 1)" in message
+        assert not stopped.is_alive() and service.process.is_alive()
+    finally:
+        service.close()
+
+
+def test_a_planner_stuck_in_one_plan_is_killed_and_restarted(store_address, caplog):
+    """Its heartbeat thread still beats (a Python-level hang): the loop's progress gives it away."""
+    address, _ = store_address
+    stuck = functools.partial(make_planner, rollouts=4, sleep_s=600.0)
+    service = PlannerService(stuck, address, timeout_s=5.0, busy_limit_s=2.0)
+    try:
+        service.submit(batch(0))
+        deadline = time.monotonic() + 60
+        while service.startup is None:  # up, so the time lost is the plan's, not the start's
+            assert time.monotonic() < deadline, "the planner never started"
+            time.sleep(0.05)
+        message = _restarted(service, caplog)
+        assert "made no progress for" in message and "restart 1" in message
     finally:
         service.close()
 

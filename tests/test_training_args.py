@@ -347,17 +347,18 @@ def test_entry_point_exits_2_on_a_bad_flag_without_initialising(monkeypatch, cap
 
 
 def test_log_line_has_megatrons_fields_and_ours():
+    """(Of a resumed run: the consumed-samples counter continues the checkpoint's 62.)"""
     from megatron_dip.training.log import IntervalLog, IterationRecord
 
     log = IntervalLog(train_iters=10, world_size=4, global_batch=8)
     for it, variant in ((1, "inline"), (2, "searched")):
         log.add(IterationRecord(
             iteration=it, loss=4.0 + it, lr=1e-3, grad_norm=0.5, seconds=0.5,
-            schedule_seconds=0.4, samples=10, tokens=1000, flops=2e12, bound_efficiency=0.8,
-            variant=variant, planned_seconds=0.38,
+            schedule_seconds=0.4, samples=10, consumed=62 + 10 * it, tokens=1000, flops=2e12,
+            bound_efficiency=0.8, variant=variant, planned_seconds=0.38,
         ))  # fmt: skip
     line = log.line()
-    for text in ("iteration      2/    10", "consumed samples:         20",
+    for text in ("iteration      2/    10", "consumed samples:         82",
                  "elapsed time per iteration (ms): 500.0", "lm loss: 5.500000E+00",
                  "grad norm: 0.500", "tokens/s: 2000", "TFLOP/s/GPU: 1",
                  "planned/measured (ms): 380.0/400.0", "bound efficiency: 80.0%",
@@ -389,7 +390,7 @@ def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_pat
     log = IntervalLog(train_iters=1, world_size=1, global_batch=1, tensorboard_dir=str(tmp_path))
     log.add(IterationRecord(
         iteration=1, loss=1.0, lr=0.1, grad_norm=0.2, seconds=1.0, schedule_seconds=0.9,
-        samples=1, tokens=1, flops=1.0, bound_efficiency=0.5, variant="inline",
+        samples=1, consumed=1, tokens=1, flops=1.0, bound_efficiency=0.5, variant="inline",
         planned_seconds=0.8,
     ))  # fmt: skip
     log.close()

@@ -20,7 +20,8 @@
   run at iteration 3 (--dip-max-nonfinite-iters' default), naming the iterations.
 * In-run calibration: the cost model's error falls after the first window; the calibration is
   identical on every rank and restored from the checkpoint.
-* Planner faults: killed, slow, raising planner processes. Each run completes on inline plans
+* Planner faults: killed, slow, raising, stopped (SIGSTOP: found by its heartbeat, killed) planner
+  processes. Each run completes on inline plans
   where the planner had none, restarts a dead planner, logs what happened, and its losses equal
   those of a run without a planner process (greedy plans are the same made anywhere).
 * The host-overhead measurement (`benchmark.overhead`) times zero-sleep emulated DIP and 1F1B
@@ -143,6 +144,8 @@ def test_resume_from_checkpoint_is_exact(world):
     assert world[0]["resume"]["first"] == 3 and sorted(resumed) == [4, 5, 6]
     for it in (4, 5, 6):
         assert resumed[it] == pytest.approx(full[it], rel=RTOL)
+    # the consumed-samples counter continues across the resume (the log line shows it)
+    assert world[0]["resume"]["consumed"] == {it: world[0]["dip"]["consumed"][it] for it in resumed}
     # evaluation continues the evaluation stream saved at iteration 3 (after the one at 2)
     full_eval, resumed_eval = world[0]["dip"]["eval"], world[0]["resume"]["eval"]
     assert sorted(resumed_eval) == [4, 6]
@@ -250,6 +253,19 @@ def test_an_undecodable_image_on_some_ranks_stops_every_rank_together(world):
     assert re.search(r"id 'tiny\d+', image 'images/\d+\.png'", errors[0])
 
 
+def test_an_undecodable_image_in_skip_mode_is_named_once_and_the_run_goes_on(world):
+    runs = [res["decode_skip"] for res in world]
+    losses = runs[0]["losses"]
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
+    assert all(r["losses"] == losses for r in runs)
+    named = [m for r in runs for m in r["log"] if m.startswith("skipping sample")]
+    assert len(named) == 1, named  # by the first rank of the replica that loaded it
+    assert re.search(r"id 'tiny\d+', image 'images/\d+\.png'.*cannot decode image 0", named[0])
+    assert "no loss (--dip-bad-samples skip)" in named[0]
+    lines = [m for m in runs[0]["log"] if "consumed samples" in m]
+    assert "skipped samples: 1" in lines[0] and "skipped samples: 1" in lines[1], lines
+
+
 def test_ranks_that_formed_different_batches_stop_together(world):
     errors = [res["disagree"] for res in world]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors
@@ -258,7 +274,7 @@ def test_ranks_that_formed_different_batches_stop_together(world):
     assert len(set(prints[:3])) == 1 and prints[3] != prints[0]
 
 
-@pytest.mark.parametrize("fault", ["killed", "slow", "raises"])
+@pytest.mark.parametrize("fault", ["killed", "slow", "raises", "stopped"])
 def test_training_survives_a_faulty_planner_with_the_same_losses(world, fault):
     undisturbed = world[0]["undisturbed"]
     assert undisturbed["variants"] == {"inline": 5}
@@ -275,7 +291,11 @@ def test_training_survives_a_faulty_planner_with_the_same_losses(world, fault):
         assert run["variants"] == {"inline": 5} and "restarting" not in log
         assert "planner restarts: 0" in log
         return
-    reason = "was killed by signal 9" if fault == "killed" else "failed with exit code 1"
+    reason = {
+        "killed": "was killed by signal 9",
+        "raises": "failed with exit code 1",
+        "stopped": "sent no heartbeat for",
+    }[fault]
     assert f"planner process {reason}" in log and "restarting it (restart 1)" in log
     assert "planner restarts: 1" in log
     if fault == "killed":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -193,11 +194,52 @@ def test_pixels_corrupt_past_the_header_fail_at_load_naming_the_record(tmp_path)
         ds.sample(1)
 
 
+def truncated_jpeg(root: Path, name: str, side: int = 32) -> str:
+    """A JPEG cut to two thirds (a crawl interrupted mid-file): its header and Pillow's
+    `verify()` pass, decoding fails."""
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(root / name)
+    data = (root / name).read_bytes()
+    (root / name).write_bytes(data[: len(data) * 2 // 3])
+    return name
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_a_truncated_jpeg_is_caught_where_it_is_decoded(tmp_path, mode):
+    """error: the record is named; skip: a blank image of the planned shape, no loss token,
+    and why (the training loop names it once and counts it)."""
+    from megatron_dip.data.image_text import ReaderConfig
+    from megatron_dip.data.llava import LlavaDataset
+    from megatron_dip.data.meta import sample_meta
+    from megatron_dip.modelspec import tiny_vlm
+
+    name = truncated_jpeg(tmp_path, "cut.jpg")
+    path = _llava(tmp_path, _record("cut", [name]), good=2)
+    ds = LlavaDataset(path, model=tiny_vlm(), config=ReaderConfig(on_bad_sample=mode))
+    meta = ds.meta(1)
+    assert meta is not None and meta.loss_tokens > 0  # nobody can tell from the header
+    if mode == "error":
+        with pytest.raises(BadSampleError, match=r"id 'cut', image 'cut.jpg'.*truncated"):
+            ds.sample(1)
+        return
+    sample = ds.sample(1)
+    assert re.search(r"id 'cut', image 'cut.jpg'.*cannot decode image 0: .*truncated", sample.bad)
+    assert not sample.labels_mask.any() and not sample.media["vit"][0].any()
+    blank = sample_meta(sample, model=tiny_vlm())
+    assert blank.instances == meta.instances and blank.text_tokens == meta.text_tokens
+    assert ds.sample(0).bad is None
+
+
 # -- planner faults ----------------------------------------------------------------------------
 
 
 def test_fault_injection_raises_or_stalls_while_batches_keep_arriving():
-    from megatron_dip.planner.service import InjectedFaultError, PlannerFaults, _receive, _stall
+    from megatron_dip.planner.planner_loop import (
+        InjectedFaultError,
+        PlannerFaults,
+        _receive,
+        _stall,
+    )
 
     pending: list = []
     _receive(BatchMeta(2, ()), pending, PlannerFaults(raise_at_iteration=3))

@@ -33,6 +33,7 @@ def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
         "grad_norms": dict(result.grad_norms),
         "eval": dict(result.eval_losses),
         "seconds": dict(result.seconds),
+        "consumed": dict(result.consumed),
         "planned": dict(result.planned),
         "bound": dict(result.bound_efficiency),
         "variants": dict(result.variants),
@@ -136,6 +137,7 @@ def world4(
     out.update(tied_embedding_runs(base, world_size=world_size))
     out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
+    out["decode_skip"] = decode_skip_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
     out["disagree"] = disagreeing_batch_error(rank)
     if rank == 0:
         out["trace_files"] = sorted(p.name for p in Path(traces).glob("*.json"))
@@ -184,11 +186,15 @@ def planner_fault_runs(base: list[str], *, world_size: int) -> dict:
         "killed": PlannerFaults(kill_at_iteration=2),
         "slow": PlannerFaults(delay_s=SLOW_PLANNER_S),
         "raises": PlannerFaults(raise_at_iteration=0),
+        "stopped": PlannerFaults(stop_at_iteration=2),  # SIGSTOP: found by its heartbeat
     }
     for name, fault in faults.items():
+        extra = ["--dip-planner-timeout-s", "1"] if name == "stopped" else []
         with _captured_log() as messages:
             out[name] = run(
-                flags + ["--dip-lookahead", "2"], world_size=world_size, planner_faults=fault
+                flags + ["--dip-lookahead", "2", *extra],
+                world_size=world_size,
+                planner_faults=fault,
             )
         out[name]["log"] = list(messages)
     return out
@@ -419,6 +425,19 @@ def decode_failure_run(flags: list[str], world_size: int) -> str | None:
     except BadSampleError as e:
         return str(e)
     return None
+
+
+def decode_skip_run(flags: list[str], world_size: int) -> dict:
+    """The same undecodable image under --dip-bad-samples skip: the run goes on (the sample
+    trains as a blank with no loss), with its log messages."""
+    with _captured_log() as messages:
+        out = run(
+            flags + ["--pipeline-model-parallel-size", "2", "--train-iters", "2",
+                     "--dip-lookahead", "0", "--dip-bad-samples", "skip", "--log-interval", "1"],
+            world_size=world_size,
+        )  # fmt: skip
+    out["log"] = list(messages)
+    return out
 
 
 def emulated_runs(*, tmp: str, world_size: int, rank: int) -> dict:

@@ -98,13 +98,16 @@ class EncodedImage:
         with Image.open(io.BytesIO(self.data)) as im:
             return im.size
 
-    def open(self):
-        """The decoded image."""
+    def open(self, *, target: tuple[int, int] | None = None):
+        """The decoded image (`target`: see `image_text.ImageSource.open`)."""
         from PIL import Image
+
+        from .image import draft
 
         if self.data is None:
             raise BadSampleError(f"{self.entry}: its bytes were not read")
         with Image.open(io.BytesIO(self.data)) as im:
+            draft(im, target)  # a huge JPEG decodes at a reduced scale
             return im.copy()  # decoded; converted by the image processor
 
 

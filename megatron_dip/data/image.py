@@ -137,6 +137,22 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
+DRAFT_OVERSIZE = 64  # see `draft`
+
+
+def draft(image, target: tuple[int, int] | None) -> None:
+    """Let an opened, not yet decoded JPEG decode at 1/2, 1/4 or 1/8 scale (Pillow's `draft`),
+    never below twice `target` (H, W) per side, when it has more than `DRAFT_OVERSIZE` times
+    the target's pixels: a full decode of a 10000 x 10000 photo costs about a second, and for
+    such sizes exactness to Qwen2-VL's full-size resize matters less than the step time.
+    Images of ordinary sizes, and other formats, are decoded whole."""
+    if target is None or image.format != "JPEG":
+        return
+    h, w = target
+    if image.width * image.height > DRAFT_OVERSIZE * h * w:
+        image.draft("RGB", (2 * w, 2 * h))
+
+
 class ImageProcessor:
     """`ImageProcessorConfig` applied to images for a ViT whose grid unit is `factor` pixels."""
 

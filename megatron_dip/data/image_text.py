@@ -43,8 +43,9 @@ class ImageSource(Protocol):
         """(width, height) in pixels, without decoding the pixels."""
         ...
 
-    def open(self):
-        """The decoded image (a PIL image)."""
+    def open(self, *, target: tuple[int, int] | None = None):
+        """The decoded image (a PIL image); `target` (H, W): the size it is resized to, so a
+        huge JPEG may decode at a reduced scale (`image.draft`)."""
         ...
 
 
@@ -144,18 +145,32 @@ class ImageTextReader(RecordReader):
     def _read_sample(self, index: int) -> Sample:
         record = self.record(index, pixels=True)
         sizes = self._sizes(record)
-        images = []
+        images, bad = [], None
         for i, (image, size) in enumerate(zip(record.images, sizes)):
             try:
-                images.append(self.processor.preprocess(image.open()))
-            except Exception as err:  # Pillow raises many types for broken files
-                raise BadSampleError(f"cannot decode image {i}: {err}") from err
-            if images[-1].shape[1:] != size:
-                raise BadSampleError(f"image {i} decodes to {images[-1].shape}, its header {size}")
+                images.append(self._decode(i, image, size))
+            except BadSampleError as err:
+                if self.config.on_bad_sample == "error":
+                    raise
+                # The plan counts on this sample's shapes: keep them, train on nothing.
+                images.append(np.zeros((3, *size), np.float32))
+                bad = bad or str(err)
         llm = [image_tokens(height=h, width=w, vit=self._vit)[1] for h, w in sizes]
         text, mask = self._encode(index, record, llm)
+        if bad is not None:
+            mask = np.zeros_like(mask)
         media = {} if self._vit is None else {self._vit.name: images}
-        return Sample(index, text, media, mask)
+        return Sample(index, text, media, mask, bad=bad)
+
+    def _decode(self, i: int, image: ImageSource, size: tuple[int, int]) -> np.ndarray:
+        """Image `i` decoded and preprocessed to `size` (its header's), or BadSampleError."""
+        try:
+            pixels = self.processor.preprocess(image.open(target=size))
+        except Exception as err:  # Pillow raises many types for broken files
+            raise BadSampleError(f"cannot decode image {i}: {err}") from err
+        if pixels.shape[1:] != size:
+            raise BadSampleError(f"image {i} decodes to {pixels.shape}, its header {size}")
+        return pixels
 
     def _encode(
         self, index: int, record: Record, llm_tokens: Sequence[int]

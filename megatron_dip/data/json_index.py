@@ -4,7 +4,7 @@ The file is read once, in chunks, and each top-level record's byte range is kept
 record, `index_bytes`); a record is parsed again when it is asked for (`records[i]`: one seek
 and one `json.loads`). Memory is the index plus one chunk, whatever the file's size, instead of
 the parsed list (about six times the file). Every record must be a JSON object; a malformed file
-is refused naming the byte offset.
+is refused in one line naming the file, the line and column (and byte offset) of the error.
 """
 
 from __future__ import annotations
@@ -23,6 +23,23 @@ import numpy as np
 CHUNK_BYTES = 1 << 20
 _SPACE = re.compile(r"\s*")
 _DECODER = json.JSONDecoder()
+
+
+class JsonSyntaxError(ValueError):
+    """Malformed JSON at byte offset `byte` of the file (`index_records` names the line)."""
+
+    def __init__(self, message: str, *, byte: int) -> None:
+        super().__init__(message)
+        self.msg, self.byte = message, byte
+
+
+def line_and_column(path: str | Path, byte: int) -> tuple[int, int]:
+    """1-based (line, column) of byte offset `byte` of a UTF-8 file (column in characters)."""
+    with open(path, "rb") as handle:
+        head = handle.read(byte)
+    line = head.count(b"\n") + 1
+    column = len(head[head.rfind(b"\n") + 1 :].decode("utf-8", errors="replace")) + 1
+    return line, column
 
 
 class _Scanner:
@@ -74,7 +91,8 @@ class _Scanner:
                 return value, self.base_char + end
             except json.JSONDecodeError as err:
                 if not self.more(factor):
-                    raise ValueError(f"invalid JSON at byte {self.byte_at(char)}: {err}") from None
+                    at = self.byte_at(self.base_char + err.pos)
+                    raise JsonSyntaxError(err.msg.removesuffix(" at"), byte=at) from None
                 factor *= 2  # a record longer than the window: read on faster
 
     def drop_before(self, char: int) -> None:
@@ -99,8 +117,12 @@ def index_records(path: str | Path, *, chunk: int = CHUNK_BYTES) -> tuple[np.nda
                 break
             try:
                 value, end = scan.decode(pos)
-            except ValueError as err:
-                raise ValueError(f"{path}: record {len(offsets)}: {err}") from None
+            except JsonSyntaxError as err:
+                line, column = line_and_column(path, err.byte)
+                raise ValueError(
+                    f"{path}:{line}:{column}: invalid JSON in record {len(offsets)} "
+                    f"(byte {err.byte}): {err.msg}"
+                ) from None
             if not isinstance(value, dict):
                 raise ValueError(
                     f"{path}: record {len(offsets)} at byte {scan.byte_at(pos)} is not an object"

@@ -48,10 +48,13 @@ class ImageFile:
             raise BadSampleError(f"cannot read image {self.path}: {err}") from err
         return size
 
-    def open(self):
+    def open(self, *, target: tuple[int, int] | None = None):
         from PIL import Image
 
+        from .image import draft
+
         with Image.open(self.path) as im:
+            draft(im, target)  # a huge JPEG decodes at a reduced scale
             return im.copy()  # decoded; converted by the image processor
 
 

@@ -7,8 +7,10 @@ lookahead costs little. A record that cannot be read is a `BadSampleError` namin
 and file; with `on_bad_sample="skip"` (or "truncate", whose too-long samples are cut instead, see
 `chat.fit_tokens`) it is logged once, counted in `skipped`, and its metadata is None, which
 `BatchStream` leaves out of every batch. Tensors are only built for records whose metadata was
-good; if building them fails after all (a file changed or is corrupt past its header) the error
-is raised in every mode, because a plan already counts on the sample.
+good; if building them fails after all (a file changed or is corrupt past its header, e.g. a
+truncated JPEG, which Pillow's `verify()` does not notice), "error" raises, naming the record;
+the other modes return a stand-in of the planned shapes (blank images) with no loss token,
+`Sample.bad` saying why, so the run goes on (a plan already counts on the sample).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 from megatron_dip.data.meta import sample_meta
@@ -118,6 +121,9 @@ class RecordReader:
             loaded = sample_meta(sample, model=self.model)
         except (OSError, ValueError) as err:
             raise BadSampleError(f"{self.describe(index)}: {err}") from err
+        if sample.bad is not None:  # a blank stand-in: the planned shapes, no loss tokens
+            sample = replace(sample, bad=f"{self.describe(index)}: {sample.bad}")
+            loaded = replace(loaded, loss_tokens=meta.loss_tokens)
         if loaded != meta:
             raise BadSampleError(
                 f"{self.describe(index)}: arrays do not match the metadata read before "

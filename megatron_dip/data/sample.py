@@ -163,3 +163,6 @@ class Sample:
     media: dict[str, list[np.ndarray]] = field(default_factory=dict)
     labels_mask: np.ndarray | None = None
     source: str | None = None  # the blended dataset (see `SampleMeta.source`)
+    # Why its media were replaced by blanks of the planned shape and its loss weight set to zero
+    # (an image that failed to decode under --dip-bad-samples skip); None for a good sample.
+    bad: str | None = None

@@ -337,6 +337,8 @@ class BatchStream(Iterator[BatchMeta]):
             sample = replace(self.source.sample(self._index(sid)), sample_id=sid)
             if self.config.check_meta:
                 seen = sample_meta(sample, model=self.source.model)
+                if sample.bad is not None:  # a blank stand-in: no loss tokens (records.py)
+                    seen = replace(seen, loss_tokens=by_id[sid].loss_tokens)
                 if seen != by_id[sid]:
                     raise ValueError(
                         f"sample {sid} (dataset index {self._index(sid)}) changed after "

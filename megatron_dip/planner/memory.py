@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, Recompute, RecomputeMode, StageId
+from .quiet import native_stdout_silenced
 
 logger = logging.getLogger(__name__)
 
@@ -202,13 +203,16 @@ def _exact(pb: _RankProblem) -> np.ndarray | None:
             i = local[int(st)]
             rows[r, i * k : (i + 1) * k] = pb.nbytes[st]
     one_mode = np.kron(np.eye(len(involved)), np.ones(k))
-    result = milp(
-        objective,
-        integrality=np.ones(len(objective)),
-        bounds=Bounds(0, 1),
-        constraints=[LinearConstraint(rows, -np.inf, upper), LinearConstraint(one_mode, 1, 1)],
-        options={"node_limit": MILP_NODE_LIMIT, "time_limit": MILP_GUARD_TIME_S},
-    )
+    with native_stdout_silenced():  # HiGHS prints some messages from C++ whatever `disp` says
+        result = milp(
+            objective,
+            integrality=np.ones(len(objective)),
+            bounds=Bounds(0, 1),
+            constraints=[LinearConstraint(rows, -np.inf, upper), LinearConstraint(one_mode, 1, 1)],
+            options={
+                "node_limit": MILP_NODE_LIMIT, "time_limit": MILP_GUARD_TIME_S, "disp": False,
+            },
+        )  # fmt: skip
     if "time limit" in str(result.message).lower():
         logger.warning(
             "recompute MILP hit its %.0f s guard (%d stages): this plan may differ between "

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+from .process import die_with_parent
+
 Unit = tuple[str, int]  # (module, microbatch)
 
 
@@ -203,7 +205,9 @@ def parallel_mcts_order(
         )
         for w in range(config.workers)
     ]
-    with ProcessPoolExecutor(max_workers=config.workers) as pool:
+    # The workers die with the planner process that forked them (a killed planner would
+    # otherwise leave them behind, reparented to init).
+    with ProcessPoolExecutor(max_workers=config.workers, initializer=die_with_parent) as pool:
         results = list(pool.map(_run_worker, [(constraints, score_factory, c) for c in configs]))
     best = min(results, key=lambda r: r.makespan)
     return SearchResult(

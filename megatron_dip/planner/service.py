@@ -18,12 +18,14 @@ every other rank reads the same decision, so all ranks run the same plan and nob
 search. "inline" means the training loop computes the greedy plan itself (deterministic, so every
 rank computes the same one). The planner stops improving an iteration once it is decided.
 
-The planner process touches neither the store nor torch: it plans from the batches (and
-calibrations) the service hands it through a queue and returns serialized plans through another;
-a publisher thread in the owning process puts them in the store (a greedy variant only while no
-variant of that iteration is ready, a searched one only while the iteration is undecided). So
-the process starts on numpy, scipy and numba imports alone, and its first plan is ready within
-seconds of the job's start (importing torch in it took longer than the first iterations).
+The planner process (`process.py`: a plain subprocess over two pipes that dies with its rank;
+its body: `planner_loop.py`) touches neither the store nor torch: it plans from the batches
+(and calibrations) the service sends it and returns serialized plans; a publisher thread in the
+owning process puts them in the store (a greedy variant only while no variant of that iteration
+is ready, a searched one only while the iteration is undecided). So the process starts on
+numpy, scipy and numba imports alone, and its first plan is ready within seconds of the job's
+start (importing torch in it took longer than the first iterations). A planner whose heartbeat
+stops, or whose loop stops making progress, is killed and restarted (`check_heartbeat`).
 
 Calibration: the service forwards the newest `dip/calibration` to the planner process with
 each batch it submits (ahead of it, when it changed); the process applies it to its base cost model (`CostModel.calibrated`) and tags what it returns with that
@@ -36,30 +38,24 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
-import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..data.sample import BatchMeta
 from ..schedule.ir import Plan
 from ..schedule.serialize import plan_from_bytes, plan_to_bytes
-from .list_scheduler import warm_up
+from .planner_loop import GREEDY, SEARCHED, UP, PlannerFaults
+from .process import CLOSED, PlannerProcess
 
 logger = logging.getLogger(__name__)
 
-GREEDY, SEARCHED, INLINE = "greedy", "searched", "inline"
-UP = "up"  # the planner process's first message: ready to plan
-# What the planner process must not need (seconds of imports before it can plan).
-HEAVY_MODULES = ("torch", "megatron.core")
+INLINE = "inline"
 CALIBRATION_KEY = "dip/calibration"
-IDLE_POLL_S = 1.0  # how often an idle planner checks that its parent is alive
 FAULTY_START_S = 120.0  # tests only: how long a service with PlannerFaults waits for its planner
+STORE_CONNECT_S = 30.0  # the publisher's connection to the plan store (a thread of the rank)
 
 
 def _key(iteration: int, *parts: object) -> str:
@@ -76,7 +72,7 @@ class StoreAddress:
 
     host: str
     port: int
-    timeout_s: float = 300.0
+    timeout_s: float = STORE_CONNECT_S
 
     def connect(self):
         from datetime import timedelta
@@ -124,158 +120,20 @@ def read_calibration(store) -> tuple[int, dict[str, float]] | None:
     return int(data["version"]), {str(k): float(v) for k, v in data["scales"].items()}
 
 
-class _Calibrated:
-    """The planner process's view of the calibration: re-points `planner.cost_model` at the
-    base cost model scaled by the newest factors the service sent."""
-
-    def __init__(self, planner) -> None:
-        self.planner = planner
-        self.base = planner.cost_model
-        self.version = 0
-
-    def apply(self, version: int, scales: Mapping[str, float]) -> None:
-        if version != self.version:
-            self.planner.cost_model = self.base.calibrated(dict(scales)) if scales else self.base
-            self.version = version
-            logger.info("planner: cost-model calibration version %d", version)
-
-
-@dataclass(frozen=True)
-class PlannerFaults:
-    """Fault injection, for tests only (no flag reaches it): how the FIRST planner process of a
-    `PlannerService` misbehaves. A restarted planner runs without faults, as a real one would
-    after a crash. With faults the service waits for that first process to be up before going
-    on (training never waits for a planner otherwise), so the faults hit a running planner
-    whatever the machine's speed.
-
-    `delay_s`: stall this long before each greedy plan (a slow planner; batches still arrive).
-    `raise_at_iteration`: raise on receiving this iteration's batch (the process dies of it).
-    `kill_at_iteration`: the service SIGKILLs the process as it submits this iteration (the
-    system's OOM killer, an operator).
-    """
-
-    delay_s: float = 0.0
-    raise_at_iteration: int | None = None
-    kill_at_iteration: int | None = None
-
-
-class InjectedFaultError(RuntimeError):
-    """What a planner process raises under `PlannerFaults.raise_at_iteration`."""
-
-
-def _receive(
-    item, pending: list, faults: PlannerFaults | None, calibration: _Calibrated | None = None
-) -> None:
-    """Queue a received batch for planning, or apply a calibration (raising under the
-    test-only `faults`)."""
-    if isinstance(item, tuple):  # ("calibration", version, scales)
-        if calibration is not None:
-            calibration.apply(item[1], item[2])
-        return
-    if faults is not None and faults.raise_at_iteration == item.iteration:
-        raise InjectedFaultError(f"injected planner fault at iteration {item.iteration}")
-    pending.append(item)
-
-
-def _stall(
-    faults: PlannerFaults, batches: mp.Queue, pending: list, calibration: _Calibrated | None = None
-) -> bool:
-    """The test-only delay before a plan; True when told to stop meanwhile. It keeps receiving
-    batches (into `pending`), so it delays plans, not shutdown."""
-    deadline = time.monotonic() + faults.delay_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            item = batches.get(timeout=left)
-        except queue.Empty:
-            break
-        if item is None:
-            return True
-        _receive(item, pending, faults, calibration)
-    return False
-
-
-@dataclass
-class _Channels:
-    """How the planner process talks to its service: batches and calibrations in, serialized
-    plans out, and the newest iteration the training has decided (shared integer)."""
-
-    batches: mp.Queue
-    results: mp.Queue
-    decided: Any  # multiprocessing.Value("q"): iterations <= this are decided
-    started_at: float = 0.0  # time.time() when the process was started
-
-    def undecided(self, batch: BatchMeta) -> bool:
-        return batch.iteration > self.decided.value
-
-    def send(self, planner, batch: BatchMeta, variant: str, version: int, search: bool) -> None:
-        plans = [p.plan for p in planner.plan_batch(batch, search=search)]
-        self.results.put((variant, batch.iteration, [plan_to_bytes(p) for p in plans], version))
-
-
-def planner_loop(
-    make_planner: Callable[[], object],
-    channels: _Channels,
-    *,
-    poll_s: float = 0.05,
-    faults: PlannerFaults | None = None,
-    up: Any = None,
-) -> None:
-    """Body of the planner process: greedy plans first for every pending batch, then search the
-    earliest undecided one. Ends on a None sentinel. `faults`: test-only misbehaviour; `up`: an
-    event set once the planner is ready to plan."""
-    built = time.monotonic()
-    planner = make_planner()
-    calibration = _Calibrated(planner)
-    warm_up()  # the scheduler kernel, before the first batch rather than in its plan
-    heavy = sorted(m for m in HEAVY_MODULES if m in sys.modules)
-    channels.results.put((UP, time.time() - channels.started_at, time.monotonic() - built, heavy))
-    if up is not None:
-        up.set()
-    parent = os.getppid()
-    pending: list[BatchMeta] = []
-    greedy: set[int] = set()
-    searched: set[int] = set()
-    while True:
-        if os.getppid() != parent:
-            return  # the training process is gone: do not outlive it
-        try:
-            item = channels.batches.get(timeout=poll_s if pending else IDLE_POLL_S)
-            if item is None:
-                return
-            _receive(item, pending, faults, calibration)
-            continue  # drain the queue before planning
-        except queue.Empty:
-            pass
-        pending = [b for b in pending if channels.undecided(b)]
-        for batch in list(pending):
-            if (
-                faults is not None
-                and faults.delay_s
-                and _stall(faults, channels.batches, pending, calibration)
-            ):
-                return
-            if batch.iteration not in greedy:
-                greedy.add(batch.iteration)
-                channels.send(planner, batch, GREEDY, calibration.version, search=False)
-        todo = [b for b in pending if b.iteration not in searched and channels.undecided(b)]
-        if todo and planner.config.use_search:
-            batch = todo[0]
-            searched.add(batch.iteration)
-            channels.send(planner, batch, SEARCHED, calibration.version, search=True)
-
-
 class _Publisher(threading.Thread):
     """Thread of the owning process: puts what its planner process returns into the store."""
 
-    def __init__(self, address: StoreAddress, results: mp.Queue, process) -> None:
+    def __init__(self, address: StoreAddress, process: PlannerProcess) -> None:
         super().__init__(name="dip-plan-publisher", daemon=True)
-        self.address, self.results, self.process = address, results, process
+        self.address, self.results, self.process = address, process.results, process
         self.stopping = threading.Event()
+        self.up = threading.Event()  # set once the process reported it can plan
         self.published: list[tuple[int, str]] = []  # (iteration, variant), for tests and logs
         self.startup: dict | None = None  # what the process reported once it could plan
 
     def _up(self, seconds: float, build_s: float, heavy: list[str]) -> None:
         self.startup = {"seconds": seconds, "planner_build_s": build_s, "heavy_modules": heavy}
+        self.up.set()
         logger.info(
             "planner process ready %.1f s after its start (planner built in %.2f s)%s",
             seconds,
@@ -296,8 +154,8 @@ class _Publisher(threading.Thread):
                 if not self.process.is_alive():
                     return  # nothing more will come; a restart brings its own publisher
                 continue
-            except (EOFError, OSError):
-                return  # the process died mid-message
+            if item is CLOSED:
+                return  # the process is gone (possibly mid-message)
             if item[0] == UP:
                 self._up(*item[1:])
                 continue
@@ -321,7 +179,14 @@ def _exit_reason(code: int | None) -> str:
 
 class PlannerService:
     """Owns the planner process (on one rank per job), publishes what it plans (a thread of
-    this process) and restarts it if it dies."""
+    this process) and restarts it if it dies or stops answering.
+
+    `timeout_s` (--dip-planner-timeout-s): a planner whose heartbeat is silent this long
+    (stopped, or stuck holding its interpreter), or whose planning loop makes no progress for
+    `busy_limit_s` (a deadlock; default 3 x `timeout_s`), is killed and restarted like one that
+    crashed. Call `start`, `submit` and `ensure_alive` from one thread that lives as long as the
+    service (the planner dies with the thread that started it: `process.py`).
+    """
 
     def __init__(
         self,
@@ -330,6 +195,8 @@ class PlannerService:
         *,
         lookahead: int = 2,
         faults: PlannerFaults | None = None,
+        timeout_s: float = 20.0,
+        busy_limit_s: float | None = None,
     ) -> None:
         if lookahead < 0:
             raise ValueError(f"--dip-lookahead must be >= 0, got {lookahead}")
@@ -337,50 +204,60 @@ class PlannerService:
         self.address = address
         self.lookahead = lookahead
         self.faults = faults  # tests only: misbehaviour of the first planner process
-        self._ctx = mp.get_context("spawn")
-        self._channels: _Channels | None = None
-        self._decided = self._ctx.Value("q", -1)
-        self._process: mp.process.BaseProcess | None = None
+        self.timeout_s = timeout_s
+        self.busy_limit_s = busy_limit_s if busy_limit_s is not None else 3 * timeout_s
+        self._decided = -1
+        self._process: PlannerProcess | None = None
         self._publisher: _Publisher | None = None
         self._submitted: list[BatchMeta] = []
         self._calibration: tuple | None = None  # the newest ("calibration", version, scales)
         self._store = None  # a store client of this process, to read `dip/calibration`
+        self._unresponsive: str | None = None  # why the current process was killed, if it was
         self.restarts = 0
 
     def start(self) -> None:
-        self._channels = _Channels(
-            self._ctx.Queue(), self._ctx.Queue(), self._decided, started_at=time.time()
-        )
         faults = self.faults if self.restarts == 0 else None
-        up = self._ctx.Event() if faults is not None else None
-        self._process = self._ctx.Process(
-            target=planner_loop,
-            args=(self.make_planner, self._channels),
-            kwargs={"faults": faults, "up": up},
-            name="dip-planner",
-            daemon=True,
-        )
-        self._process.start()
-        self._publisher = _Publisher(self.address, self._channels.results, self._process)
+        self._unresponsive = None
+        self._process = PlannerProcess((self.make_planner, faults, time.time()))
+        self._publisher = _Publisher(self.address, self._process)
         self._publisher.start()
-        if up is not None and not up.wait(timeout=FAULTY_START_S):  # tests only: see PlannerFaults
+        if faults is not None and not self._publisher.up.wait(timeout=FAULTY_START_S):
             logger.warning("the fault-injected planner was not up within %.0f s", FAULTY_START_S)
+        if self._decided >= 0:
+            self._process.send(("decided", self._decided))
         if self._calibration is not None:
-            self._channels.batches.put(self._calibration)
+            self._process.send(self._calibration)
         for batch in self._submitted:  # a restarted planner re-plans what is still ahead
-            self._channels.batches.put(batch)
+            self._process.send(batch)
+
+    def _inject(self, batch: BatchMeta) -> None:
+        """Tests only: kill or stop the first planner process at its iteration."""
+        f = self.faults
+        if f is None or self.restarts or self._process is None:
+            return
+        if f.kill_at_iteration == batch.iteration:
+            logger.warning(
+                "injected fault: killing the planner process (iteration %d)", batch.iteration
+            )
+            self._process.kill()
+            self._process.join(timeout=5)
+        if f.stop_at_iteration == batch.iteration:
+            logger.warning(
+                "injected fault: stopping the planner process (iteration %d)", batch.iteration
+            )
+            self._process.stop_signal()
+            # Let the silence outlast the timeout, so the very next check finds it whatever
+            # the machine's speed (training never waits for a planner otherwise).
+            limit = self.timeout_s if self._process.beating else self.busy_limit_s
+            time.sleep(limit + 0.5)
 
     def submit(self, batch: BatchMeta) -> None:
         """Hand the metadata of an upcoming batch to the planner."""
-        kill = self.faults.kill_at_iteration if self.faults is not None else None
-        if kill == batch.iteration and self.restarts == 0 and self._process is not None:
-            logger.warning("injected fault: killing the planner process (iteration %d)", kill)
-            self._process.kill()
-            self._process.join(timeout=5)
+        self._inject(batch)
         self.ensure_alive()
         self._forward_calibration()
         self._submitted = [*self._submitted[-self.lookahead :], batch]
-        self._channels.batches.put(batch)
+        self._process.send(batch)
 
     def _forward_calibration(self) -> None:
         """Send the planner the newest `dip/calibration`, if it changed, ahead of the next batch."""
@@ -389,31 +266,58 @@ class PlannerService:
         found = read_calibration(self._store)
         if found is not None and (self._calibration is None or found[0] != self._calibration[1]):
             self._calibration = ("calibration", *found)
-            self._channels.batches.put(self._calibration)
+            self._process.send(self._calibration)
 
     def decided(self, iteration: int) -> None:
         """Iteration `iteration` (and every earlier one) runs a plan already: the planner stops
         working on it."""
-        with self._decided.get_lock():
-            self._decided.value = max(self._decided.value, iteration)
+        if iteration > self._decided:
+            self._decided = iteration
+            if self._process is not None:
+                self._process.send(("decided", iteration))
+
+    def check_heartbeat(self) -> None:
+        """Kill the planner process if it stopped answering (class docstring); the next
+        `ensure_alive` restarts it."""
+        p = self._process
+        if p is None or not p.is_alive():
+            return
+        silent, busy = p.silent_s(), p.busy_s + p.silent_s()
+        # Before its first heartbeat the process imports: it gets the longer limit.
+        if silent > (self.timeout_s if p.beating else self.busy_limit_s):
+            why = f"sent no heartbeat for {silent:.1f} s (stopped or hung)"
+        elif busy > self.busy_limit_s:
+            why = f"made no progress for {busy:.1f} s (deadlocked or far too slow)"
+        else:
+            return
+        self._unresponsive = why
+        p.kill()
+        p.join(timeout=5)
 
     def ensure_alive(self) -> bool:
-        """Restart the planner process if it died; True when a restart happened."""
+        """Restart the planner process if it died or stopped answering; True when a restart
+        happened."""
+        self.check_heartbeat()
         if self._process is not None and self._process.is_alive():
             return False
         if self._process is not None:
             self.restarts += 1
+            reason = self._unresponsive or _exit_reason(self._process.exitcode)
+            killed = "; killed it" if self._unresponsive else ""
             logger.warning(
-                "planner process %s; restarting it (restart %d); iterations without a plan "
+                "planner process %s%s; restarting it (restart %d); iterations without a plan "
                 "ready meanwhile are planned inline",
-                _exit_reason(self._process.exitcode),
+                reason,
+                killed,
                 self.restarts,
             )
+            self._stop_publisher()
+            self._process.close()
         self.start()
         return True
 
     @property
-    def process(self) -> mp.process.BaseProcess | None:
+    def process(self) -> PlannerProcess | None:
         return self._process
 
     @property
@@ -422,17 +326,22 @@ class PlannerService:
         after its start, planner build seconds, heavy modules it imported), None before."""
         return self._publisher.startup if self._publisher is not None else None
 
+    def _stop_publisher(self) -> None:
+        if self._publisher is not None:
+            self._publisher.stopping.set()
+            self._publisher.join(timeout=5)
+
     def close(self) -> None:
         if self._process is None:
             return
         if self._process.is_alive():
-            self._channels.batches.put(None)
+            self._process.send(None)
             self._process.join(timeout=5)
             if self._process.is_alive():
                 self._process.kill()
-        if self._publisher is not None:
-            self._publisher.stopping.set()
-            self._publisher.join(timeout=5)
+                self._process.join(timeout=5)
+        self._stop_publisher()
+        self._process.close()
         self._process = None
 
 

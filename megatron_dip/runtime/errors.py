@@ -8,7 +8,10 @@
 * `PipelineTimeoutError` (a `PipelineCommError`): a blocking wait ran past the timeout
   (`P2PConfig.timeout_s`, the training flag `--dip-comm-timeout-s`);
 * `PlanRejectedError` (a `schedule.PlanError`): this rank's plan passed its checks, but another
-  rank rejected its own plan, or the ranks hold different plans (`checks.agree_on_plan`).
+  rank rejected its own plan, or the ranks hold different plans (`checks.agree_on_plan`);
+* `StallError`: a phase of the training loop (a collective, a store wait, the schedule) failed
+  to communicate; names the phase, the group, the ranks that did and did not arrive and the
+  ranks that stalled (`stalls.PhaseWatch`).
 """
 
 from __future__ import annotations
@@ -51,4 +54,19 @@ class PlanRejectedError(PlanError):
     """Another rank rejected its plan, or the ranks' plans differ: nobody communicates."""
 
 
-__all__ = ["MessageError", "PipelineCommError", "PipelineTimeoutError", "PlanRejectedError"]
+class StallError(RuntimeError):
+    """A phase of the training loop failed to communicate (module docstring). `phase`: its
+    name; `stalled`: the global ranks whose heartbeat stopped (empty: none did)."""
+
+    def __init__(self, message: str, *, phase: str, stalled: list[int]) -> None:
+        super().__init__(message)
+        self.phase, self.stalled = phase, list(stalled)
+
+
+__all__ = [
+    "MessageError",
+    "PipelineCommError",
+    "PipelineTimeoutError",
+    "PlanRejectedError",
+    "StallError",
+]

@@ -77,6 +77,7 @@ from .iteration import IterationResult
 from .loss import LossConfig, LossTracker, reduction_averages
 from .p2p import P2PConfig, check_message
 from .recompute import run_chunk
+from .stalls import NoWatch, PhaseWatch
 from .timing import InstructionClock, InstructionHook
 from .transport import Transport
 
@@ -143,6 +144,8 @@ class Executor:
     replica its own plan); when given, the plan verdict is agreed over them too, so every rank
     of the job must then construct its Executor for the step. `on_instruction`: the timing hook
     `(index, instruction, start, end)` (`timing.py`), called at the end of `run()`.
+    `watch`: the training loop's named phases (`stalls.PhaseWatch`): the data-parallel
+    gradient reduction runs as phase "grad sync".
     """
 
     def __init__(
@@ -159,8 +162,11 @@ class Executor:
         tp_group: torch.distributed.ProcessGroup | None = None,
         replica_group: torch.distributed.ProcessGroup | None = None,
         on_instruction: InstructionHook | None = None,
+        watch: PhaseWatch | NoWatch | None = None,
     ) -> None:
         check_handlers()
+        self.watch = watch if watch is not None else NoWatch()
+        self.replica_group = replica_group
         self.plan = plan
         self.config = config
         self.rank = pp_group.rank()
@@ -249,8 +255,11 @@ class Executor:
             self._start_syncs(-1)
             self._run_instructions(clock)
             self.transport.finish()
-            for chunk in self._ddp.values():
-                chunk.finish_grad_sync()
+            with self.watch.phase(
+                "grad sync", group=self.replica_group, group_name="data-parallel group"
+            ):
+                for chunk in self._ddp.values():
+                    chunk.finish_grad_sync()
             if not self.plan.forward_only:
                 # Sequence-parallel parameters (norms) saw one sequence shard per TP rank.
                 reduce_sequence_parallel_grads([self.chunks[k] for k in sorted(self.chunks)])

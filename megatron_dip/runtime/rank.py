@@ -29,6 +29,7 @@ from .data import BatchSource
 from .executor import Executor, ExecutorConfig
 from .iteration import IterationResult
 from .p2p import ChannelGroups, PipelineP2P
+from .stalls import NoWatch, PhaseWatch
 from .timing import InstructionHook
 from .transport import TransportFactory
 
@@ -56,6 +57,7 @@ class RankRuntime:
     `replica_group`: the plan verdict is also agreed over them (every rank of those groups must
     then run the iteration). `embedding_group`: the ranks holding tied LLM embeddings (None:
     untied). `on_instruction`: the per-instruction timing hook (`timing.SpanRecorder`, ...).
+    `watch`: the training loop's named phases (`stalls.PhaseWatch`), None outside training.
     `config`: the executor's options (default `ExecutorConfig()`).
     """
 
@@ -74,7 +76,9 @@ class RankRuntime:
         replica_group: dist.ProcessGroup | None = None,
         embedding_group: dist.ProcessGroup | None = None,
         on_instruction: InstructionHook | None = None,
+        watch: PhaseWatch | NoWatch | None = None,
     ) -> None:
+        self.watch = watch
         self.placement = placement
         self.pp_group = pp_group
         self.chunks = list(chunks)
@@ -107,6 +111,7 @@ class RankRuntime:
             tp_group=self.tp_group,
             replica_group=self.replica_group,
             on_instruction=self.on_instruction,
+            watch=self.watch,
         )
 
     def run(self, plan: Plan, samples: Samples) -> IterationResult:

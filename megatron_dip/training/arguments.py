@@ -95,6 +95,14 @@ class DipArgs:
         "batches planned ahead by the planner process (0: no planner process, plan inline)",
         megatron=False,
     )
+    dip_planner_timeout_s: float = arg(
+        "--dip-planner-timeout-s",
+        20.0,
+        "a planner process silent for this many seconds (stopped, hung), or whose planning "
+        "loop makes no progress for 3 times as long (deadlocked), is killed and restarted "
+        "(counted like a crash); iterations meanwhile are planned inline",
+        megatron=False,
+    )
     dip_memory_limit_gb: float | None = arg(
         "--dip-memory-limit-gb",
         None,

@@ -210,7 +210,9 @@ def batch_fingerprint(batch: BatchMeta) -> int:
     return zlib.crc32(repr((batch.iteration, batch.samples)).encode()) & 0x7FFFFFFF
 
 
-def load_agreed(load: Callable[[], T], *, batch: BatchMeta, rank: int, device, group=None) -> T:
+def load_agreed(
+    load: Callable[[], T], *, batch: BatchMeta, rank: int, device, group=None, wait=None
+) -> T:
     """`load()` (this rank's samples of `batch`), with the outcome agreed by every rank of
     `group` (default: the world) before any of them goes on into the pipeline.
 
@@ -218,7 +220,8 @@ def load_agreed(load: Callable[[], T], *, batch: BatchMeta, rank: int, device, g
     otherwise leave its peers waiting for it forever, and a rank that formed another batch (its
     metadata read differently, e.g. a file readable on some ranks only) would train on other
     data. One small all-gather per iteration; on either, every rank raises the same error,
-    naming the ranks at fault and their reasons.
+    naming the ranks at fault and their reasons. `wait(work)`: waits for the all-gather
+    (`PhaseWatch.wait`, bounded by --dip-comm-timeout-s); default: an unbounded wait.
     """
     import torch
     import torch.distributed as dist
@@ -231,7 +234,11 @@ def load_agreed(load: Callable[[], T], *, batch: BatchMeta, rank: int, device, g
         [0 if error is None else 1, batch_fingerprint(batch)], dtype=torch.int64, device=device
     )
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+    if wait is None:
+        work.wait()
+    else:
+        wait(work)
     prints = [int(row[1]) for row in rows]
     if len(set(prints)) > 1:
         raise BadSampleError(

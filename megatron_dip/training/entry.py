@@ -4,15 +4,19 @@
 A bad flag ends the process with exit status 2 and one line naming the flag, before
 torch.distributed is initialised (so a job launched with bad flags fails fast on every rank
 instead of hanging in a collective). A checkpoint that cannot be loaded (corrupt, of another
-model) and a run whose loss stays non-finite end it with exit status 1 and one line.
+model), a run whose loss stays non-finite and a rank that stalled or died (`StallError`, naming
+the phase, the group and the stalled rank) end it with exit status 1 and one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .arguments import TrainConfig, parse_config
 from .validate import ConfigError, RunSpec, resolve
@@ -64,15 +68,32 @@ def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:
     except ConfigError as e:
         logger.error("error: %s", e)
         return 2
+    from megatron_dip.runtime.errors import StallError
+
     from .checkpoint_dirs import CheckpointError
     from .nonfinite import NonFiniteError
 
     try:
         train(spec)
+    except StallError as e:
+        logger.error("error: %s", e)
+        exit_now(1)
     except (CheckpointError, NonFiniteError) as e:
         logger.error("error: %s", e)
         return 1
     return 0
+
+
+def exit_now(status: int) -> NoReturn:
+    """End this process at once, after flushing the log: a rank that stopped over a stall
+    would otherwise wait in the process groups' destructors for the operations it had posted
+    to its stalled peers to time out (seconds, up to --dip-comm-timeout-s), and outlive the
+    job. The training state is already released (`loop.pretrain`'s cleanup ran)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def train(spec: RunSpec):

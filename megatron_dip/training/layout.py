@@ -81,7 +81,8 @@ def calibration_batches(
             data, model, seed=t.seed, global_batch_size=t.global_batch_size, limits=limits
         )
     except (ImportError, OSError, ValueError) as e:
-        raise _fail("--dip-data", f"cannot read {data.value}: {e}") from None
+        text = str(e) if str(e).startswith(str(data.value)) else f"{data.value}: {e}"
+        raise _fail("--dip-data", f"cannot read {text}") from None
     try:  # the stream bounds its search for usable samples, so this cannot spin
         return stream.peek(CALIBRATION_BATCHES)
     except StreamError as e:

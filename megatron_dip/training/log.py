@@ -37,6 +37,7 @@ class IterationRecord:
     seconds: float  # whole iteration, rank 0
     schedule_seconds: float  # forward/backward schedule only, rank 0
     samples: int
+    consumed: int  # samples consumed by the run so far, across resumes (Megatron's counter)
     tokens: int
     flops: float
     bound_efficiency: float
@@ -76,7 +77,7 @@ class IntervalLog:
     def add(self, record: IterationRecord) -> None:
         self.records.append(record)
         self.variants[record.variant] += 1
-        self.consumed_samples += record.samples
+        self.consumed_samples = record.consumed
         if self._writer is not None:
             self._scalars(record)
 

@@ -7,6 +7,11 @@ the rank loads only the samples of its replica's microbatches, runs its program 
 timings, steps the optimizer and the LR schedule. Before the first iteration every pipeline
 communication path is warmed up once.
 
+Every blocking step runs as a named phase of `ctx.watch` (`runtime.stalls.PhaseWatch`): when a
+rank stalls or dies, every other rank stops within --dip-comm-timeout-s plus a few seconds with
+one line naming the phase, its group, the ranks that did and did not arrive and the rank that
+stalled.
+
 Calibration: each iteration's gathered per-module measured and predicted compute times feed
 `planner.calibration.Calibration` (all but the process's first, warm-up iteration); at the end of
 every --dip-calibration-window iterations the new
@@ -26,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_dip.planner.calibration import Calibration
 from megatron_dip.planner.simulator import simulate
+from megatron_dip.runtime.errors import StallError
 
 from . import checkpoint
 from .backend import select_backend
@@ -55,6 +61,7 @@ class TrainResult:
     grad_norms: dict[int, float] = field(default_factory=dict)  # before clipping
     eval_losses: dict[int, float] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
+    consumed: dict[int, int] = field(default_factory=dict)  # completed iteration -> samples
     planned: dict[int, float] = field(default_factory=dict)  # rank 0, logged iterations
     bound_efficiency: dict[int, float] = field(default_factory=dict)
     variants: Counter = field(default_factory=Counter)
@@ -88,6 +95,8 @@ class Trainer:
         )
         self.iteration = 0
         self.consumed = 0
+        self.blanked = 0  # samples trained as blank stand-ins (`_blank_samples`), all ranks
+        self.named_bad: set[str] = set()
         self.result = TrainResult()
         self.nonfinite = NonFiniteStreak(cfg.dip.dip_max_nonfinite_iters)
         self.writer = None
@@ -123,10 +132,11 @@ class Trainer:
             # Megatron-LM's behaviour: --load of an empty directory starts from scratch.
             logger.warning("--load %s: no checkpoint there yet, training from scratch", c.load)
             return
-        restored = checkpoint.load(
-            resume.path, spec=self.spec, ctx=self.ctx, model=self.model,
-            optimizer=self.optimizer, scheduler=self.scheduler,
-        )  # fmt: skip
+        with self.ctx.watch.phase("checkpoint load"):
+            restored = checkpoint.load(
+                resume.path, spec=self.spec, ctx=self.ctx, model=self.model,
+                optimizer=self.optimizer, scheduler=self.scheduler,
+            )  # fmt: skip
         self.iteration = restored.iteration
         self.consumed = restored.consumed_samples
         if restored.stream is not None:
@@ -156,6 +166,10 @@ class Trainer:
             self.optimizer.reload_model_params()  # Megatron: fp32 masters from the new weights
 
     def save(self) -> None:
+        with self.ctx.watch.phase("checkpoint save"):
+            self._save()
+
+    def _save(self) -> None:
         checkpoint.save(
             self.spec.config.checkpoint.save, iteration=self.iteration, spec=self.spec,
             ctx=self.ctx, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -168,47 +182,74 @@ class Trainer:
     # -- one iteration --------------------------------------------------------------------
 
     def _forward_backward(self, stream, *, evaluation: bool) -> tuple:
-        spec, ctx = self.spec, self.ctx
+        spec, ctx, watch = self.spec, self.ctx, self.ctx.watch
         if self.plans is not None and not evaluation:
             self.plans.ahead(stream)
         batch = next(stream)
-        if self.plans is None:
-            plan, variant = stock_plan(spec, batch, ctx.dp_rank), spec.schedule
-        elif evaluation:
-            plan, variant = self.plans.eval_plan(batch), "eval"
-        else:
-            plan, variant = self.plans.plan(batch)
+        with watch.phase("plan fetch", group_name="plan store of rank 0, world"):
+            if self.plans is None:
+                plan, variant = stock_plan(spec, batch, ctx.dp_rank), spec.schedule
+            elif evaluation:
+                plan, variant = self.plans.eval_plan(batch), "eval"
+            else:
+                plan, variant = self.plans.plan(batch)
         # Every rank agrees that its samples loaded before any of them enters the pipeline.
-        samples = load_agreed(
-            lambda: self.backend.samples_for(stream, batch, plan),
-            batch=batch, rank=ctx.rank, device=ctx.device,
-        )  # fmt: skip
-        if self.dip is None:
-            result = run_stock(
-                spec, ctx, self.model, self.backend, plan, samples, forward_only=evaluation
-            )
-        else:
-            result = self.dip.run(plan, samples)
+        with watch.phase("sample agreement"):
+            samples = load_agreed(
+                lambda: self.backend.samples_for(stream, batch, plan),
+                batch=batch, rank=ctx.rank, device=ctx.device, wait=watch.wait,
+            )  # fmt: skip
+        with watch.phase("pipeline schedule", group=ctx.pp, group_name="pipeline group"):
+            if self.dip is None:
+                result = run_stock(
+                    spec, ctx, self.model, self.backend, plan, samples, forward_only=evaluation
+                )
+            else:
+                result = self.dip.run(plan, samples)
         predicted = predicted_ops(plan, spec.cost_model, result.ops)
-        stats = gather_stats(ctx, result, modules=self.modules, predicted=predicted)
+        blanked = self._blank_samples(samples)
+        with watch.phase("stats gather"):
+            stats = gather_stats(
+                ctx, result, modules=self.modules, predicted=predicted, blanked=blanked
+            )
         return batch, plan, variant, result, stats
+
+    def _blank_samples(self, samples: dict[int, list]) -> int:
+        """This replica's samples that failed to decode and run as blank stand-ins with no
+        loss (--dip-bad-samples skip; `Sample.bad`), each named once; counted on the replica's
+        first rank only (every rank of the replica loads them)."""
+        if self.ctx.pp_rank != 0 or self.ctx.tp_rank != 0:
+            return 0
+        bad = [s for mb in samples.values() for s in mb if getattr(s, "bad", None)]
+        for s in bad:
+            if s.bad not in self.named_bad:
+                self.named_bad.add(s.bad)
+                logger.warning(
+                    "skipping sample %s: %s; it trains as a blank of its planned shape with no "
+                    "loss (--dip-bad-samples %s)", s.sample_id, s.bad, self.spec.data.bad_samples,
+                )  # fmt: skip
+        return len(bad)
 
     def train_step(self) -> None:
         started = time.time()
+        self.ctx.watch.iteration = self.iteration + 1
         self.model.zero_grad()
         self.optimizer.zero_grad()
         batch, plan, variant, result, stats = self._forward_backward(self.stream, evaluation=False)
         if self.spec.is_stock and self.spec.config.model.calculate_per_token_loss:
             scale_gradients(self.model, 1.0 / max(stats.loss_tokens, 1.0))
-        ok, norm, _ = self.optimizer.step()
+        with self.ctx.watch.phase("optimizer step", group=self.ctx.mp, group_name="model group"):
+            ok, norm, _ = self.optimizer.step()
         self.scheduler.step(1)
         self._calibrate(stats)
         self.iteration += 1
         self.consumed += batch.num_samples
+        self.blanked += stats.blanked
         seconds = time.time() - started
         it = self.iteration
         r = self.result
         r.losses[it], r.seconds[it] = stats.loss, seconds
+        r.consumed[it] = self.consumed
         if norm is not None:
             r.grad_norms[it] = float(norm)
         r.variants[variant] += 1
@@ -221,10 +262,12 @@ class Trainer:
             self.nonfinite.observe(it, loss=stats.loss, grad_norm=norm)
         except NonFiniteError:
             if self.writer is not None:  # every rank stops here: publish the earlier saves
-                self.writer.wait()
+                with self.ctx.watch.phase("checkpoint publish"):
+                    self.writer.wait()
             raise
         if self.writer is not None:
-            self.writer.poll()  # publish background saves that have finished
+            with self.ctx.watch.phase("checkpoint publish"):
+                self.writer.poll()  # publish background saves that have finished
 
     def _calibrate(self, stats) -> None:
         """Record the cost model's error on this iteration, then feed the calibration window
@@ -267,13 +310,14 @@ class Trainer:
                 iteration=it, loss=stats.loss, lr=float(self.optimizer.param_groups[0]["lr"]),
                 grad_norm=None if norm is None else float(norm), seconds=seconds,
                 schedule_seconds=stats.max_duration, samples=batch.num_samples,
+                consumed=self.consumed,
                 tokens=batch_tokens(self.spec.model, batch)[self.spec.model.loss_module.name],
                 flops=model_flops(self.spec.model, self.spec.cost_model, batch),
                 bound_efficiency=bound, variant=variant,
                 planned_seconds=None if sim is None else sim.iteration_time,
                 cost_error=self.result.cost_error.get(it),
                 calibration_version=self.calibration.version,
-                skipped=self.stream.skipped, truncated=self.stream.truncated,
+                skipped=self.stream.skipped + self.blanked, truncated=self.stream.truncated,
             )
         )  # fmt: skip
         if logging_now:
@@ -299,7 +343,8 @@ class Trainer:
         ctx = self.ctx
         mine = (ctx.dp_rank, ctx.tp_rank, ctx.pp_rank, result.spans)
         out = [None] * ctx.world_size if ctx.rank == 0 else None
-        dist.gather_object(mine, out, dst=0)
+        with ctx.watch.phase("trace gather"):
+            dist.gather_object(mine, out, dst=0)
         if ctx.rank != 0:
             return None
         rows = sorted((pp, spans) for dp, tp, pp, spans in out if dp == 0 and tp == 0)
@@ -331,7 +376,8 @@ class Trainer:
             self.load()
         if self.plans is not None:
             self.plans.ahead(self.stream)  # the first batches, before the warm-up
-        warm_up_pipeline(self.ctx, pipeline_peers(self.spec.placement, self.ctx.pp_rank))
+        with self.ctx.watch.phase("pipeline warm-up"):
+            warm_up_pipeline(self.ctx, pipeline_peers(self.spec.placement, self.ctx.pp_rank))
         self.result.first_iteration = self.iteration
         saved_at = None
         while self.iteration < cfg.train.train_iters:
@@ -349,7 +395,8 @@ class Trainer:
         if cfg.checkpoint.save and saved_at != self.iteration:
             self.save()
         if self.writer is not None:
-            self.writer.wait()
+            with self.ctx.watch.phase("checkpoint publish"):
+                self.writer.wait()
             self.result.checkpoints = [str(p) for p in self.writer.published]
         self.result.last_iteration = self.iteration
         self.result.calibration = self.calibration.state_dict()
@@ -388,10 +435,16 @@ def pretrain(spec: RunSpec) -> TrainResult:
     ctx = initialize(spec)
     trainer, completed = None, False
     try:
-        trainer = Trainer(spec, ctx)
+        with ctx.watch.phase("start-up"):
+            trainer = Trainer(spec, ctx)
         result = trainer.run()
         completed = True
         return result
+    except StallError:
+        raise
+    except Exception as error:  # the other ranks name this rank's error, not its absence
+        ctx.watch.report_failure(error)
+        raise
     finally:
         if trainer is not None:
             trainer.close(completed=completed)

@@ -77,19 +77,27 @@ class GlobalStats:
     max_duration: float  # the slowest rank's schedule time
     measured: dict[str, float]
     predicted: dict[str, float]
+    blanked: int = 0  # samples trained as blank stand-ins this iteration (all replicas)
 
 
 def gather_stats(
-    ctx: ParallelContext, result: StepResult, *, modules: list[str], predicted: Mapping[str, float]
+    ctx: ParallelContext,
+    result: StepResult,
+    *,
+    modules: list[str],
+    predicted: Mapping[str, float],
+    blanked: int = 0,
 ) -> GlobalStats:
-    """All-gather every rank's loss sums, busy time and per-module times (module docstring)."""
+    """All-gather every rank's loss sums, busy time and per-module times (module docstring);
+    `blanked`: this rank's count of blank stand-in samples (count each on one rank only)."""
     loss, tokens = result.loss_totals() if ctx.tp_rank == 0 else (0.0, 0.0)
     measured = measured_ops(result.ops)
-    row = [loss, tokens, result.busy, result.ended - result.started]
+    row = [loss, tokens, result.busy, result.ended - result.started, blanked]
     row += [measured.get(m, 0.0) for m in modules] + [predicted.get(m, 0.0) for m in modules]
     mine = torch.tensor(row, dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(rows, mine)
+    # Bounded by --dip-comm-timeout-s whatever the world group's own timeout is.
+    ctx.watch.wait(dist.all_gather(rows, mine, async_op=True))
     table = torch.stack(rows)
     n = len(modules)
     total_tokens = float(table[:, 1].sum())
@@ -98,8 +106,9 @@ def gather_stats(
         loss_tokens=total_tokens,
         max_busy=float(table[:, 2].max()),
         max_duration=float(table[:, 3].max()),
-        measured={m: float(table[:, 4 + i].sum()) for i, m in enumerate(modules)},
-        predicted={m: float(table[:, 4 + n + i].sum()) for i, m in enumerate(modules)},
+        blanked=int(table[:, 4].sum()),
+        measured={m: float(table[:, 5 + i].sum()) for i, m in enumerate(modules)},
+        predicted={m: float(table[:, 5 + n + i].sum()) for i, m in enumerate(modules)},
     )
 
 

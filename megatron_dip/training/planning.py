@@ -123,13 +123,17 @@ class DipPlans:
         self.client: PlanClient | None = None
         self._submitted = -1
         if self.lookahead > 0:
-            store, address = _share_store(ctx)
+            store, address = _share_store(ctx, timeout_s=spec.config.dip.dip_comm_timeout_s)
             self.client = PlanClient(store, replica=ctx.dp_rank)
             if ctx.rank == 0:
                 factory = planner_factory(spec)
+                d = spec.config.dip
                 self.service = PlannerService(
-                    factory, address, lookahead=self.lookahead, faults=spec.planner_faults
-                )
+                    factory, address, lookahead=self.lookahead, faults=spec.planner_faults,
+                    timeout_s=d.dip_planner_timeout_s,
+                    # a plan may take the search budget on top
+                    busy_limit_s=3 * d.dip_planner_timeout_s + d.dip_search_time_ms / 1e3,
+                )  # fmt: skip
                 self.service.start()
 
     def calibrate(self, *, version: int, scales: dict[str, float]) -> None:
@@ -145,6 +149,7 @@ class DipPlans:
         """Rank 0 hands the next --dip-lookahead batches' metadata to the planner process."""
         if self.service is None:
             return
+        self.service.ensure_alive()  # restarts a planner that died or stopped answering
         for batch in stream.peek(self.lookahead):
             if batch.iteration > self._submitted:
                 self.service.submit(batch)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_dip.cpu_support import seed_model_parallel_rng
 from megatron_dip.runtime.p2p import ChannelGroups
+from megatron_dip.runtime.stalls import NoWatch, PhaseWatch
 
 from .validate import RunSpec
 
@@ -49,13 +50,18 @@ class ParallelContext:
     # The ranks of this pipeline holding copies of a tied LLM embedding (its first and last
     # chunk; Megatron's embedding group); None on the others and without tied copies.
     embedding: dist.ProcessGroup | None = None
+    # Named phases, heartbeat and stall post-mortem of this rank (runtime/stalls.py).
+    watch: PhaseWatch | NoWatch = field(default_factory=NoWatch)
 
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == 0
 
     def destroy(self) -> None:
-        """Destroy the groups this run created (and the world group if it created it)."""
+        """Stop the heartbeat; destroy the groups this run created (and the world group if
+        it created it)."""
+        if isinstance(self.watch, PhaseWatch):
+            self.watch.stop()
         for g in self.created:
             dist.destroy_process_group(g)
         self.created.clear()
@@ -166,6 +172,12 @@ def initialize(spec: RunSpec) -> ParallelContext:
         single=single, device=device, created=created, owns_world=owns, channels=channels,
         embedding=embedding, **groups,
     )  # fmt: skip
+    try:
+        ctx.watch = PhaseWatch.for_world(timeout_s=timeout_s, early=spec.cuda)
+    except (AttributeError, RuntimeError, ValueError) as e:  # a world without a default store
+        logger.warning("no store to watch the ranks through (%s): stalls are not named", e)
+    else:
+        ctx.watch.start()
     logger.debug("rank %d: tp %d dp %d pp %d", me, tp_rank, dp_rank, pp_rank)
     return ctx
 

@@ -109,6 +109,7 @@ class DipStep:
             replica_group=ctx.dp,
             on_instruction=self.recorder,
             embedding_group=ctx.embedding,
+            watch=ctx.watch,
         )
 
     def run(self, plan: Plan, samples: dict[int, list]) -> StepResult:
@@ -188,14 +189,16 @@ def run_stock(
         stack.enter_context(_timed_megatron_steps(spans))
         reports = pipe.run(forward_only=forward_only)
     if not forward_only and not overlap:
-        for c in model.ddp:
-            c.start_grad_sync()
-        for c in model.ddp:
-            c.finish_grad_sync()
+        with ctx.watch.phase("grad sync", group=ctx.dp, group_name="data-parallel group"):
+            for c in model.ddp:
+                c.start_grad_sync()
+            for c in model.ddp:
+                c.finish_grad_sync()
     if not forward_only and ctx.embedding is not None:
         from megatron_dip.models.chunk import reduce_tied_embedding_grads
 
-        reduce_tied_embedding_grads(model.inner, group=ctx.embedding)
+        with ctx.watch.phase("grad sync", group=ctx.embedding, group_name="embedding group"):
+            reduce_tied_embedding_grads(model.inner, group=ctx.embedding)
     return StepResult(list(reports or []), spans, started, time.time())
 
 

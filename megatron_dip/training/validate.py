@@ -295,6 +295,12 @@ def _check_dip(config: TrainConfig) -> None:
             f"must be > 0 seconds (how long a blocking pipeline wait may take), "
             f"got {d.dip_comm_timeout_s}",
         )
+    if not d.dip_planner_timeout_s > 0:
+        raise _fail(
+            "--dip-planner-timeout-s",
+            f"must be > 0 seconds (how long the planner process may stay silent), "
+            f"got {d.dip_planner_timeout_s}",
+        )
     half = max(1, (os.cpu_count() or 2) // 2)
     if not 1 <= d.dip_planner_workers <= half:
         raise _fail(

@@ -1,0 +1,204 @@
+"""Helpers, no tests: the processes of `test_faults.py`'s fault matrix.
+
+* `planner_parent(state)`: a stand-in rank that starts a `PlannerService` and brings its planner
+  process to `state` (starting, idle, planning), prints the planner's pid, then waits to be
+  killed (the test SIGKILLs it and times how long the planner outlives it);
+* `fault_rank(...)`: one rank of a 4-process tiny-vlm PP2 x DP2 training job whose fault (a
+  rank that stops or dies at iteration 3) the test injects from outside;
+* `alive(pid)` / `wait_gone(pids, bound)`: whether processes are gone (zombies count as gone).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+TINY = [
+    "--model", "tiny-vlm", "--global-batch-size", "4", "--dip-image-size", "32", "--lr", "1e-3",
+    "--pipeline-model-parallel-size", "2", "--log-interval", "1", "--seed", "7",
+]  # fmt: skip
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids, bound: float) -> float | None:
+    """Seconds until every process of `pids` is gone, None if some outlive `bound`."""
+    start = time.monotonic()
+    while time.monotonic() - start < bound:
+        if not any(alive(p) for p in pids):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def planner_parent(state: str) -> None:
+    """Module docstring. Prints "planner PID" once the planner is in `state`."""
+    from test_planner_service import batch, make_planner
+    from torch.distributed import TCPStore
+
+    from megatron_dip.planner.service import PlannerService, StoreAddress
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = StoreAddress("127.0.0.1", master.port, 10.0)
+    slow = state == "planning"
+    factory = functools.partial(make_planner, rollouts=2, sleep_s=30.0 if slow else 0.0)
+    if state == "searching":  # with search worker processes of its own (forked)
+        factory = functools.partial(make_planner, rollouts=10**6, workers=2, budget_s=120.0)
+    service = PlannerService(factory, address, lookahead=2)
+    service.start()
+    if state in ("idle", "planning", "searching"):
+        deadline = time.monotonic() + 120
+        while service.startup is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if state in ("planning", "searching"):
+        service.submit(batch(0))
+        time.sleep(1.0)  # the planner is inside its 30 s plan (or 120 s search) now
+    if state == "searching":
+        deadline = time.monotonic() + 60
+        while len(descendants(os.getpid())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the planner and its two search workers
+    print(f"planner {service.process.pid}", flush=True)
+    time.sleep(600)
+
+
+def fault_rank(*, rank: int, world_size: int, data: str, extra: list[str]) -> dict:
+    """One rank of the fault job (a `distributed_harness` target that reports its error)."""
+    from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.loop import pretrain
+    from megatron_dip.training.validate import resolve
+
+    argv = [*TINY, "--dip-data", f"llava:{data}", *extra]
+    spec = resolve(parse_config(argv), world_size=world_size, cuda=False)
+    try:
+        pretrain(spec)
+    except Exception as e:  # the line this rank ends with, and when
+        return {"error": f"{type(e).__name__}: {e}", "at": time.time(), "pid": os.getpid()}
+    return {"error": None, "at": time.time(), "pid": os.getpid()}
+
+
+def rank_main(rank: int, world_size: int, store: str, out: str, data: str, extra: list[str]):
+    """One rank of a fault job, as torchrun would start it (own process, no multiprocessing):
+    the outcome goes to `out` as JSON."""
+    import json
+    import logging
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    from megatron_dip.training.entry import exit_now
+
+    result = fault_rank(rank=rank, world_size=world_size, data=data, extra=extra)
+    Path(out).write_text(json.dumps(result))
+    if result["error"] is not None and result["error"].startswith("StallError"):
+        exit_now(1)  # as the entry point does
+
+
+class FaultJob:
+    """A 4-rank job of `rank_main` processes in `root`; `metrics` (rank 0's
+    --dip-metrics-json) tells how far it got."""
+
+    def __init__(self, root: Path, data: str, extra: list[str], world_size: int = 4) -> None:
+        import subprocess
+
+        self.root, self.world_size = root, world_size
+        root.mkdir(parents=True, exist_ok=True)
+        self.metrics = root / "metrics.jsonl"
+        extra = [*extra, "--dip-metrics-json", str(self.metrics)]
+        here = str(Path(__file__).resolve())
+        self.procs = []
+        for r in range(world_size):
+            with open(root / f"rank{r}.log", "w") as log:  # the child keeps its own copy
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            here,
+                            "rank",
+                            str(r),
+                            str(world_size),
+                            str(root / "store"),
+                            str(self.out(r)),
+                            data,
+                            *extra,
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=log,
+                    )  # fmt: skip
+                )
+
+    def out(self, rank: int) -> Path:
+        return self.root / f"rank{rank}.json"
+
+    def wait_iterations(self, n: int, bound: float) -> bool:
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            if self.metrics.exists() and len(self.metrics.read_text().splitlines()) >= n:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def outcomes(self, ranks, bound: float) -> dict[int, dict]:
+        """The JSON outcome of each of `ranks` that reported within `bound` seconds."""
+        import json
+
+        deadline, found = time.monotonic() + bound, {}
+        while True:
+            for r in ranks:
+                if r not in found and self.out(r).exists():
+                    try:
+                        found[r] = json.loads(self.out(r).read_text())
+                    except ValueError:  # still being written
+                        continue
+            if len(found) == len(ranks) or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    if sys.argv[1] == "rank":
+        r, w, store, out, data, *rest = sys.argv[2:]
+        rank_main(int(r), int(w), store, out, data, rest)
+    else:
+        planner_parent(sys.argv[1])

@@ -1,0 +1,186 @@
+"""Fault-injection matrix: every fault ends with one clear line on every rank, and no process
+outlives the job (helpers: `fault_matrix.py`).
+
+* A stalled rank (SIGSTOP of rank 2 of tiny-vlm PP2 x DP2 at iteration 3, --dip-comm-timeout-s
+  5): every other rank stops within the timeout plus a few seconds with one `StallError` line
+  naming its phase, its group and rank 2 as stalled; then (as torchrun does) rank 2 is killed,
+  and no process of the job is left.
+* A killed rank (SIGKILL of rank 0, which hosts the plan store and the planner process, while
+  checkpoints are saved in the background): every other rank names rank 0; the planner and
+  the checkpoint writers die with their ranks within 5 s.
+  Both jobs run at once (their waits are sleeps), sharing the machine's start-up time.
+* The planner process dies within 5 s of a SIGKILL of its rank while starting, idle or
+  planning; no multiprocessing semaphore or resource tracker exists in the job.
+* (Stopped, killed and raising planner processes during training, truncated images and
+  malformed JSON: test_training_dist.py, test_training_faults.py, test_data_llava.py.)
+
+The measured times go to the test log (`-s`): time-to-exit per fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fault_matrix import FaultJob, alive, descendants, wait_gone
+
+pytestmark = pytest.mark.distributed
+logger = logging.getLogger(__name__)
+
+TIMEOUT_S = 5
+# Generous bounds that prove "no hang" on a loaded 2-core machine (the done-when is timeout +
+# 10 s per rank; the measured times are logged).
+LINE_BOUND_S = TIMEOUT_S + 40
+GONE_BOUND_S = 5.0
+FLAGS = [
+    "--train-iters", "400", "--dip-comm-timeout-s", str(TIMEOUT_S), "--dip-lookahead", "2",
+    "--dip-search-time-ms", "0",
+]  # fmt: skip
+
+
+def _semaphores(pids) -> list[str]:
+    """multiprocessing semaphores mapped by `pids` (POSIX named semaphores live in /dev/shm)."""
+    found = []
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        found += [line.split()[-1] for line in maps.splitlines() if "/sem." in line]
+    return found
+
+
+def _inject(job: FaultJob, rank: int, sig: int) -> dict:
+    assert job.wait_iterations(3, 300), "the job did not reach iteration 3"
+    pids = {p.pid for p in job.procs}
+    family = set().union(*(descendants(p) for p in pids)) | pids
+    state = {
+        "family": family,
+        "planner": descendants(job.procs[0].pid),
+        "semaphores": _semaphores(family),
+        "trackers": [p for p in family if "resource_tracker" in _cmdline(p)],
+    }
+    state["t0"] = time.time()
+    os.kill(job.procs[rank].pid, sig)
+    return state
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _track(jobs: dict, faults: dict, out: dict, bound: float) -> None:
+    """Poll every job at once until each surviving rank reported and every process except
+    the stopped rank is gone (or `bound` passes): when each happened, in seconds after the
+    fault (both jobs' waits overlap)."""
+    deadline = time.monotonic() + bound
+    for res in out.values():
+        res["exit_s"], res["gone_s"] = {}, None
+    while time.monotonic() < deadline:
+        busy = False
+        for name, job in jobs.items():
+            res, target = out[name], faults[name][0]
+            others = [r for r in range(job.world_size) if r != target]
+            for r, o in job.outcomes([r for r in others if r not in res["exit_s"]], 0).items():
+                res["outcomes"][r] = o
+                res["exit_s"][r] = o["at"] - res["t0"]
+            survivors = res["family"] - {job.procs[target].pid}
+            if res["gone_s"] is None and not any(alive(p) for p in survivors):
+                res["gone_s"] = time.time() - res["t0"]
+            busy |= res["gone_s"] is None or len(res["exit_s"]) < len(others)
+        if not busy:
+            return
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def rank_faults(tmp_path_factory) -> dict:
+    from megatron_dip.data.tiny_llava import make_tiny_llava_sample
+
+    tmp = tmp_path_factory.mktemp("faults")
+    data = str(make_tiny_llava_sample(tmp / "llava", num_samples=32, seed=0))
+    # The killed job also saves in the background: its writer processes must go with it.
+    saves = ["--save", str(tmp / "ckpt"), "--save-interval", "2", "--async-save"]
+    jobs = {
+        "stall": FaultJob(tmp / "stall", data, FLAGS),
+        "kill": FaultJob(tmp / "kill", data, FLAGS + saves),
+    }
+    faults = {"stall": (2, signal.SIGSTOP), "kill": (0, signal.SIGKILL)}
+    out: dict = {}
+    try:
+        for name, job in jobs.items():
+            out[name] = {**_inject(job, *faults[name]), "outcomes": {}}
+        _track(jobs, faults, out, LINE_BOUND_S)
+        stopped = jobs["stall"].procs[2]
+        stopped.kill()  # as torchrun does once the other ranks failed
+        out["stall"]["stalled_gone_s"] = wait_gone(out["stall"]["family"], GONE_BOUND_S)
+        for name, res in out.items():
+            logger.warning(
+                "fault %s: the line on every rank after %s s; every process gone after %s s",
+                name, {r: round(s, 1) for r, s in sorted(res["exit_s"].items())},
+                None if res["gone_s"] is None else round(res["gone_s"], 1),
+            )  # fmt: skip
+    finally:
+        for job in jobs.values():
+            job.kill()
+    return out
+
+
+@pytest.mark.parametrize("fault", ["stall", "kill"])
+def test_every_rank_names_the_rank_that_stalled_or_died(rank_faults, fault):
+    res = rank_faults[fault]
+    target = 2 if fault == "stall" else 0
+    others = [r for r in range(4) if r != target]
+    assert sorted(res["outcomes"]) == others, f"ranks that reported: {sorted(res['outcomes'])}"
+    for r in others:
+        line = res["outcomes"][r]["error"]
+        assert line is not None and line.startswith("StallError: "), line
+        assert "\n" not in line
+        assert re.search(rf"Stalled: rank {target} \(no heartbeat", line), line
+        assert re.match(rf"StallError: rank {r}: '[a-z -]+' of iteration \d+ over the ", line)
+        assert "arrived: [" in line and "not arrived:" in line
+        assert res["exit_s"][r] < LINE_BOUND_S
+
+
+@pytest.mark.parametrize("fault", ["stall", "kill"])
+def test_no_process_of_a_failed_job_is_left(rank_faults, fault):
+    res = rank_faults[fault]
+    assert res["planner"], "rank 0 had no planner process to check"
+    assert res["gone_s"] is not None, "processes outlived the job"
+    assert res["gone_s"] <= max(res["exit_s"].values()) + GONE_BOUND_S
+    if fault == "stall":
+        assert res["stalled_gone_s"] is not None
+    assert res["semaphores"] == [] and res["trackers"] == []
+
+
+@pytest.mark.parametrize("state", ["starting", "idle", "planning", "searching"])
+def test_planner_process_dies_with_its_rank_in_every_state(state):
+    """'searching': with --dip-planner-workers 2, the search workers the planner forked go too."""
+    here = Path(__file__).parent
+    parent = subprocess.Popen(
+        [sys.executable, str(here / "fault_matrix.py"), state], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        planner = int(parent.stdout.readline().split()[1])
+        family = descendants(parent.pid) | {planner}
+        assert alive(planner)
+        if state == "searching":
+            assert len(family) >= 3, "the search workers did not start"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        gone = wait_gone(family, GONE_BOUND_S)
+        logger.warning("planner %s: gone %s s after its rank was killed", state, gone)
+        assert gone is not None, f"the planner outlived its rank by more than {GONE_BOUND_S} s"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
