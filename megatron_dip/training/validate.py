@@ -10,7 +10,6 @@ deterministic resolution, so no rank starts while another refuses.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -19,16 +18,11 @@ from dataclasses import dataclass, field
 from megatron_dip.batching import packing_limits
 from megatron_dip.data.packing import PackingLimits
 from megatron_dip.modelspec import MultimodalSpec
-from megatron_dip.planner.cost_model import GPU_KERNELS, CostModel, Kernels
+from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import (
-    DEVICE_NAMES,
     DeviceSpec,
-    get_device,
-    load_profile,
-    match_device,
 )
 from megatron_dip.planner.dip import PlannerConfig
-from megatron_dip.planner.overheads import NO_OVERHEADS, HostOverheads, load_overheads
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
@@ -42,6 +36,7 @@ from .config_error import fail as _fail
 from .data_config import data_spec, model_spec
 from .data_source import DataSpec
 from .presets import RunPreset, get_run_preset
+from .pricing import run_cost_model, run_device, run_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -342,102 +337,6 @@ def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] |
     return sizes
 
 
-def _device(config: TrainConfig, *, cuda: bool) -> DeviceSpec:
-    """The `DeviceSpec` the cost model prices on: --dip-device, else the CUDA device's preset
-    (with its real memory); a GPU that is no preset only with a measured --dip-cost-profile."""
-    name = config.dip.dip_device
-    if name != "auto":
-        return get_device(name)
-    if not cuda:
-        return get_device("H100")  # a CPU run plans (and emulates) for the paper's GPU
-    import torch
-
-    found = torch.cuda.get_device_name()
-    memory = int(torch.cuda.get_device_properties(0).total_memory)
-    preset = match_device(found)
-    if preset is not None:
-        return dataclasses.replace(get_device(preset), memory_bytes=memory)
-    if config.dip.dip_cost_profile is None:
-        raise _fail(
-            "--dip-device",
-            f"the CUDA device {found!r} is none of the presets {', '.join(DEVICE_NAMES)}: "
-            "pricing it as one of them would plan with wrong times. Give a profile measured on "
-            "it (--dip-cost-profile, written by scripts/profile_gpu.sh or tools/profile_costs.py) "
-            "or name the closest preset with --dip-device NAME",
-        )
-    logger.warning(
-        "CUDA device %r is no preset: layer times come from --dip-cost-profile, communication "
-        "and memory-bound extras are priced at H100 rates",
-        found,
-    )
-    return dataclasses.replace(get_device("H100"), name=found, memory_bytes=memory)
-
-
-def _kernels(config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool) -> Kernels:
-    """The kernels the chunks will run (their saved tensors differ); an emulated run prices the
-    GPU run it stands for."""
-    from megatron_dip.models.kernels import resolve_kernels
-
-    if emulate:
-        return GPU_KERNELS
-    attention = config.dip.dip_attention
-    if attention == "varlen" and not (cuda and dtype == "bfloat16"):
-        raise _fail("--dip-attention", "varlen (FlashAttention) needs CUDA and --bf16")
-    kernel, fused = resolve_kernels(cuda=cuda, dtype=dtype, attention=attention)
-    return Kernels(attention=kernel, fused_rms_norm=fused)
-
-
-def _cost_model(
-    config: TrainConfig, model, device, *, tp: int, dtype: str, kernels: Kernels
-) -> CostModel:
-    sp = config.parallel.sequence_parallel and tp > 1
-    profile = None
-    if config.dip.dip_cost_profile is not None:
-        try:
-            profile = load_profile(config.dip.dip_cost_profile)
-            profile.check_compatible(tensor_parallel=tp)
-        except ValueError as e:
-            raise _fail("--dip-cost-profile", str(e)) from None
-        unknown = (
-            set(profile.modules) - {m.name for m in model.modules} - {m.kind for m in model.modules}
-        )
-        if unknown:
-            raise _fail(
-                "--dip-cost-profile",
-                f"profile covers modules {sorted(unknown)} the model does not have",
-            )
-    return CostModel(
-        model,
-        device,
-        tensor_parallel=tp,
-        sequence_parallel=sp,
-        dtype_bytes=2 if dtype == "bfloat16" else 4,
-        profile=profile,
-        overheads=_host_overheads(config),
-        kernels=kernels,
-    )
-
-
-def _host_overheads(config: TrainConfig) -> HostOverheads:
-    """--dip-host-overheads: the measured host seconds of the run's runtime (DIP's executor, or
-    Megatron's stock schedules where the file has their fit), in the run's time units (an
-    emulated run plans in the preset's time: host seconds / --dip-emulate-scale; the zero-sleep
-    floor, scale 0, keeps them as they are)."""
-    path = config.dip.dip_host_overheads
-    if path is None:
-        return NO_OVERHEADS
-    try:
-        found = load_overheads(path)
-    except ValueError as e:
-        raise _fail("--dip-host-overheads", str(e)) from None
-    stock = config.dip.dip_schedule != "dip" and found.stock is not None
-    measured = found.stock if stock else found.dip
-    scale = config.dip.dip_emulate_scale
-    if config.dip.dip_emulate_compute and scale > 0:
-        return measured.scaled(1.0 / scale)
-    return measured
-
-
 def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
     if not config.parallel.sequence_parallel:
         return
@@ -511,9 +410,9 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     dtype = "bfloat16" if config.model.bf16 else "float32"
     # An emulated run prices and shapes messages as the real (bf16, GPU) run it stands for.
     plan_dtype = "bfloat16" if emulate else dtype
-    device = _device(config, cuda=cuda)
-    kernels = _kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
-    cost = _cost_model(config, model, device, tp=tp, dtype=plan_dtype, kernels=kernels)
+    device = run_device(config, cuda=cuda)
+    kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
+    cost = run_cost_model(config, model, device, tp=tp, dtype=plan_dtype, kernels=kernels)
     limits = packing_limits(model, config.train.seq_length)
     layout = build_layout(
         config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dp=dp, dtype=plan_dtype,
