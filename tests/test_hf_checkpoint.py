@@ -12,6 +12,7 @@ import pytest
 import torch
 from hf_models import llm_only, save_llama, save_qwen2, save_qwen2_vl
 from safetensors.torch import load_file
+from test_models import _TensorParallelRank
 
 from megatron_dip.hf.names import decoder_maps
 from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk
@@ -28,19 +29,6 @@ def _tool():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-class _TensorParallelRank:
-    """Rank `rank` of a tensor-parallel group of `size`, as layers see it while being built."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 def _filled(folder, world, tp):
