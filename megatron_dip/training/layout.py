@@ -43,7 +43,7 @@ from megatron_dip.planner.static_baselines import (
     stock_pipeline,
 )
 from megatron_dip.planner.submicrobatch import choose_sub_sizes
-from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute
+from megatron_dip.schedule.ir import Placement, Recompute
 
 from .arguments import TrainConfig
 from .data_source import DataSpec, make_stream
@@ -279,13 +279,6 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
     return chosen
 
 
-def _uniform(config: TrainConfig) -> tuple | None:
-    from .validate import recompute_mode
-
-    mode = recompute_mode(config)
-    return None if mode == NO_RECOMPUTE else mode
-
-
 def build_layout(
     config: TrainConfig,
     model: MultimodalSpec,
@@ -299,8 +292,11 @@ def build_layout(
     dtype: str,
     sub_sizes: Mapping[str, int] | None,
     device,
+    uniform_recompute: tuple | None = None,
 ) -> Layout:
-    """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit."""
+    """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit;
+    `uniform_recompute`: the run planner's starting recompute mode (Megatron's flags), which
+    the placement search's planners start from too."""
     batches = calibration_batches(config, model, data, limits)
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]
     whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)
@@ -316,7 +312,7 @@ def build_layout(
         split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
         sizing = _Sizing(
             config, model, cost_model, batches, split, workload, sizes, limits,
-            tp=tp, pp=pp, dp=dp, dtype=dtype, device=device, recompute=_uniform(config),
+            tp=tp, pp=pp, dp=dp, dtype=dtype, device=device, recompute=uniform_recompute,
         )  # fmt: skip
         chosen = _dip_placement(sizing, segments, given=given)
     except ValueError as e:

@@ -414,10 +414,12 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
     cost = run_cost_model(config, model, device, tp=tp, dtype=plan_dtype, kernels=kernels)
     limits = packing_limits(model, config.train.seq_length)
+    recompute = recompute_mode(config)
+    uniform = None if recompute == NO_RECOMPUTE else recompute
     layout = build_layout(
         config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dp=dp, dtype=plan_dtype,
         sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
-        device=device if cuda or emulate else None,
+        device=device if cuda or emulate else None, uniform_recompute=uniform,
     )  # fmt: skip
     _check_tied_embeddings(config, model, layout.placement)
     d = config.dip
@@ -426,7 +428,6 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         workers=d.dip_planner_workers,
         seed=config.train.seed,
     )
-    recompute = recompute_mode(config)
     planner = PlannerConfig(
         seq_length=config.train.seq_length,
         data_parallel=dp,
@@ -437,7 +438,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         sequence_parallel=config.parallel.sequence_parallel and tp > 1,
         dtype=plan_dtype,
         use_search=d.dip_search_time_ms > 0,
-        uniform_recompute=None if recompute == NO_RECOMPUTE else recompute,
+        uniform_recompute=uniform,
         packing=limits,
     )
     resume, pretrained = check_checkpoints(config, model)  # last: it creates --save
