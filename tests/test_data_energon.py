@@ -305,6 +305,30 @@ def test_converter_names_or_skips_records_whose_images_are_missing(tmp_path):
     assert [m.sample_id for m in _source(tmp_path / "lenient").metas(range(2))] == [0, 1]
 
 
+def test_converter_keeps_images_inside_the_root_and_skips_non_utf8_records(tmp_path):
+    """A `../` image path and a Latin-1 byte: named (strict) or skipped (--skip-bad); the
+    outside path converts with allow_outside_paths; --split-ratio leaves a val split."""
+    path = make_tiny_llava_sample(tmp_path / "llava", num_samples=4, seed=6)
+    records = json.loads(path.read_text())
+    (tmp_path / "outside.png").write_bytes((path.parent / records[0]["image"]).read_bytes())
+    records[1]["image"] = "../outside.png"
+    text = json.dumps(records, indent=1).encode()
+    path.write_bytes(text.replace(b'"id": "tiny00003"', b'"id": "tiny\xe900003"', 1))
+    with pytest.raises(energon.BadSampleError, match=r"record 1 .*leads outside the dataset root"):
+        write_llava_energon(path, tmp_path / "strict")
+    assert write_llava_energon(path, tmp_path / "lenient", skip_bad=True) == (2, 2)
+    allowed = write_llava_energon(
+        path,
+        tmp_path / "outside",
+        skip_bad=True,
+        allow_outside_paths=True,
+        split_ratio="2,1,0",
+        samples_per_shard=1,
+    )
+    assert allowed == (3, 1)
+    assert energon.has_samples(str(tmp_path / "outside"), split="val")
+
+
 def _jpeg(height: int, width: int, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     out = io.BytesIO()
