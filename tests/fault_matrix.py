@@ -5,11 +5,16 @@
   killed (the test SIGKILLs it and times how long the planner outlives it);
 * `fault_rank(...)`: one rank of a 4-process tiny-vlm PP2 x DP2 training job whose fault (a
   rank that stops or dies at iteration 3) the test injects from outside;
-* `alive(pid)` / `wait_gone(pids, bound)`: whether processes are gone (zombies count as gone).
+* `LauncherJob`: a real `torchrun --standalone` job of `pretrain_vlm_dip.py` (tiny-vlm PP2, two
+  ranks, a planner process on rank 0); torchrun's agent hosts the job's store, and the test
+  SIGKILLs it (the launcher's death);
+* `alive(pid)` / `wait_gone(pids, bound)`: whether processes are gone (zombies count as gone);
+  `gone_after(pids, bound)`: when each one went.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -39,6 +44,17 @@ def wait_gone(pids, bound: float) -> float | None:
             return time.monotonic() - start
         time.sleep(0.05)
     return None
+
+
+def gone_after(pids, bound: float) -> dict[int, float | None]:
+    """Seconds until each process of `pids` is gone (None: it outlived `bound`)."""
+    start, left, found = time.monotonic(), set(pids), {}
+    while left and time.monotonic() - start < bound:
+        for pid in [p for p in left if not alive(p)]:
+            found[pid] = time.monotonic() - start
+            left.discard(pid)
+        time.sleep(0.05)
+    return {**found, **dict.fromkeys(left)}
 
 
 def descendants(pid: int) -> set[int]:
@@ -193,6 +209,50 @@ class FaultJob:
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+class LauncherJob:
+    """A torchrun job of the real entry point (module docstring); its log (torchrun's and the
+    ranks' stderr, which they inherit) is `log`."""
+
+    def __init__(self, root: Path, data: str, extra: list[str], nproc: int = 2) -> None:
+        import subprocess
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.metrics, self.log = root / "metrics.jsonl", root / "torchrun.log"
+        entry = Path(__file__).resolve().parents[1] / "pretrain_vlm_dip.py"
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(entry), *TINY, "--dip-data", f"llava:{data}",
+            *extra, "--dip-metrics-json", str(self.metrics),
+        ]  # fmt: skip
+        with open(self.log, "w") as log:
+            self.launcher = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_iterations(self, n: int, bound: float) -> bool:
+        return FaultJob.wait_iterations(self, n, bound)
+
+    def ranks(self) -> set[int]:
+        """The rank processes (torchrun's children)."""
+        return {p for p in descendants(self.launcher.pid) if _parent(p) == self.launcher.pid}
+
+    def kill(self, family=()) -> None:
+        """SIGKILL the launcher and whatever is left of it and of `family` (the processes of
+        the job, taken while the launcher lived: its orphans are no longer below it)."""
+        import signal
+
+        for pid in [self.launcher.pid, *descendants(self.launcher.pid), *family]:
+            if alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.launcher.wait()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

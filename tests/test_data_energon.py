@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -302,3 +303,83 @@ def test_converter_names_or_skips_records_whose_images_are_missing(tmp_path):
         write_llava_energon(path, tmp_path / "strict")
     assert write_llava_energon(path, tmp_path / "lenient", skip_bad=True) == (2, 1)
     assert [m.sample_id for m in _source(tmp_path / "lenient").metas(range(2))] == [0, 1]
+
+
+def test_converter_keeps_images_inside_the_root_and_skips_non_utf8_records(tmp_path):
+    """A `../` image path and a Latin-1 byte: named (strict) or skipped (--skip-bad); the
+    outside path converts with allow_outside_paths; --split-ratio leaves a val split."""
+    path = make_tiny_llava_sample(tmp_path / "llava", num_samples=4, seed=6)
+    records = json.loads(path.read_text())
+    (tmp_path / "outside.png").write_bytes((path.parent / records[0]["image"]).read_bytes())
+    records[1]["image"] = "../outside.png"
+    text = json.dumps(records, indent=1).encode()
+    path.write_bytes(text.replace(b'"id": "tiny00003"', b'"id": "tiny\xe900003"', 1))
+    with pytest.raises(energon.BadSampleError, match=r"record 1 .*leads outside the dataset root"):
+        write_llava_energon(path, tmp_path / "strict")
+    assert write_llava_energon(path, tmp_path / "lenient", skip_bad=True) == (2, 2)
+    allowed = write_llava_energon(
+        path,
+        tmp_path / "outside",
+        skip_bad=True,
+        allow_outside_paths=True,
+        split_ratio="2,1,0",
+        samples_per_shard=1,
+    )
+    assert allowed == (3, 1)
+    assert energon.has_samples(str(tmp_path / "outside"), split="val")
+
+
+def _jpeg(height: int, width: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "JPEG")
+    return out.getvalue()
+
+
+def test_a_header_corrupt_after_prepare_blanks_the_sample_in_skip_mode(tmp_path):
+    """The index's media metadata planned the sample; its JPEG header was then corrupted in
+    the shard (same length, so the tar index holds): skip trains a blank of the planned shape
+    with no loss and says why; error names the sample."""
+    images = [_jpeg(24, 40, i) for i in range(4)]
+    samples = [
+        {"__key__": f"j{i}", "jpg": image, "txt": f"caption {i}".encode()}
+        for i, image in enumerate(images)
+    ]
+    root = _shards(tmp_path / "jpeg", samples, per_shard=4)
+    prepare(root, sample_type="CaptioningSample", field_map={"image": "jpg", "caption": "txt"})
+    shard = root / "part-000000.tar"
+    data = shard.read_bytes()
+    at = data.index(images[2])
+    shard.write_bytes(data[:at] + b"\0" * 16 + data[at + 16 :])  # its SOI and APP0 markers
+    skip = _source(root, slots=1, config=ReaderConfig(on_bad_sample="skip"))
+    metas = skip.metas(list(range(4)))
+    assert all(m is not None for m in metas)  # planned from the index: the header is not read
+    samples = [skip.sample(p) for p in range(4)]
+    bad = [s for s in samples if s.bad is not None]
+    assert len(bad) == 1 and "cannot identify image file" in bad[0].bad
+    assert "Energon sample" in bad[0].bad and "part-000000.tar" in bad[0].bad
+    assert not bad[0].labels_mask.any() and not bad[0].media["vit"][0].any()
+    for sample, meta in zip(samples, metas):  # the planned shapes, blank or not
+        seen = sample_meta(sample, model=MODEL)
+        assert dataclasses.replace(seen, loss_tokens=meta.loss_tokens) == meta
+    strict = _source(root, slots=1)
+    position = next(p for p, s in enumerate(samples) if s.bad is not None)
+    with pytest.raises(energon.BadSampleError, match=r"Energon sample \d+ \(part-000000.tar"):
+        strict.sample(position)
+
+
+def test_evaluation_without_a_val_split_says_so(datasets, caplog):
+    from megatron_dip.training.data_source import DataSpec
+
+    only_train = DataSpec.parse(f"energon:{datasets['caption']}", scale=1.0, image_size=32)
+    with caplog.at_level(logging.WARNING):
+        only_train.source(MODEL, seed=0)
+        assert caplog.text == ""
+        only_train.source(MODEL, seed=0, evaluation=True)
+    assert f"energon:{datasets['caption']} has no validation split" in caplog.text
+    assert "'val' split has no samples" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        split = DataSpec.parse(f"energon:{datasets['split']}", scale=1.0, image_size=32)
+        split.source(MODEL, seed=0, evaluation=True)
+    assert "no validation split" not in caplog.text

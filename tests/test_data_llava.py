@@ -272,3 +272,125 @@ def test_reader_memory_grows_with_the_index_not_the_file(tmp_path):
     (small, _), (large, index) = peaks[10_000], peaks[100_000]
     assert index == 100_000 * 16
     assert large - small < 2 * index, (small, large, index)
+
+
+def _latin1_record(tmp_path, *, lines: bool):
+    """A LLaVA file whose record 2 holds a Latin-1 byte ("café" written as 0xe9)."""
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(tmp_path / "0000.png")
+    records = [json.dumps(_record(f"r{i}", gpt=f"cat {i}")) for i in range(4)]
+    text = "\n".join(records) if lines else "[\n" + ",\n".join(records) + "\n]"
+    data = text.encode().replace(b'"cat 2"', b'"caf\xe9 2"')
+    path = tmp_path / "data.json"
+    path.write_bytes(data)
+    return path, data.index(b"\xe9")
+
+
+@pytest.mark.parametrize("lines", [False, True], ids=["list", "json-lines"])
+def test_a_non_utf8_byte_spoils_only_its_record(tmp_path, lines, caplog):
+    """skip: that record is skipped (counted, logged once naming it, its file and line);
+    error: one line naming the file, the line, the record and the byte."""
+    path, at = _latin1_record(tmp_path, lines=lines)
+    line = 4 if not lines else 3
+    config = ReaderConfig(on_bad_sample="skip")
+    with caplog.at_level(logging.WARNING):
+        ds = LlavaDataset(path, model=MODEL, config=config)
+        metas = [ds.meta(i) for i in range(4)] + [ds.meta(2)]
+    assert [m is None for m in metas] == [False, False, True, False, True] and ds.skipped == 1
+    skips = [r.getMessage() for r in caplog.records if "skipping bad record" in r.getMessage()]
+    assert len(skips) == 1, skips
+    assert f"LLaVA record 2 of {path}: {path}:{line}:" in skips[0]
+    assert f"record 2 is not UTF-8 text (byte 0xe9 at offset {at})" in skips[0]
+    with pytest.raises(ValueError) as info:
+        LlavaDataset(path, model=MODEL)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}:") and "\n" not in message
+    assert f"record 2 is not UTF-8 text (byte 0xe9 at offset {at})" in message
+    assert message.endswith("--dip-bad-samples skip")
+
+
+def test_image_paths_stay_inside_the_dataset_root(tmp_path, caplog):
+    """A `../` path to a real file outside the root, and an absolute one: refused (error),
+    skipped (skip), read with allow_outside_paths (--dip-allow-outside-paths)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(tmp_path / "outside.png")
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(root / "0000.png")
+    (root / "sub").mkdir()
+    records = [
+        _record("in"),
+        _record("up", image="../outside.png"),
+        _record("abs", image=str(tmp_path / "outside.png")),
+        _record("down-up", image="sub/../0000.png"),  # stays inside: fine
+    ]
+    path = _write(root, records)
+    strict = LlavaDataset(path, model=MODEL)
+    for index, name in [(1, "'../outside.png'"), (2, repr(str(tmp_path / "outside.png")))]:
+        with pytest.raises(BadSampleError) as info:
+            strict.meta(index)
+        message = str(info.value)
+        assert message.startswith(f"LLaVA record {index} of {path} (id ")
+        assert (
+            f"path {name} leads outside the dataset root {root} (to {tmp_path}/outside.png)"
+            in message
+        )
+        assert message.endswith("--dip-allow-outside-paths")
+    assert strict.meta(3) is not None
+    skip = LlavaDataset(path, model=MODEL, config=ReaderConfig(on_bad_sample="skip"))
+    with caplog.at_level(logging.WARNING):
+        assert [skip.meta(i) is None for i in range(4)] == [False, True, True, False]
+    assert skip.skipped == 2 and "id 'up'" in caplog.text and "leads outside" in caplog.text
+    allowed = LlavaDataset(path, model=MODEL, config=ReaderConfig(allow_outside_paths=True))
+    assert all(allowed.meta(i) is not None for i in range(4))
+    assert allowed.sample(1).media["vit"][0].shape == allowed.sample(0).media["vit"][0].shape
+
+
+def _resolve(*flags):
+    from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.validate import resolve
+
+    argv = ["--model", "tiny-vlm", "--lr", "1e-3", "--train-iters", "1", "--global-batch-size",
+            "2", "--dip-image-size", "32", *flags]  # fmt: skip
+    return resolve(parse_config(argv), world_size=1, cuda=False)
+
+
+def test_each_bad_record_is_logged_once_per_rank(mixed_quality, caplog):
+    """The run's readers (the start-up check of the first batches, training, evaluation)
+    share one log: each bad record is named once; the missing validation split too."""
+    from megatron_dip.training.data_source import make_stream
+
+    records = json.loads(mixed_quality.read_text())
+    path = _write(mixed_quality.parent, records + [_record(f"ok{i}") for i in range(8)])
+    with caplog.at_level(logging.WARNING):
+        spec = _resolve("--dip-data", f"llava:{path}", "--dip-bad-samples", "skip")
+        for evaluation in (False, True):
+            stream = make_stream(
+                spec.data, spec.model, seed=1, global_batch_size=2, limits=spec.limits,
+                evaluation=evaluation,
+            )  # fmt: skip
+            for _ in range(3):  # every record, more than once
+                next(stream)
+    skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    for rid in ("missing", "broken", "two-tags", "no-conv"):
+        assert sum(f"id '{rid}'" in s for s in skips) == 1, (rid, skips)
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evaluation:")]
+    assert len(notes) == 1 and f"llava:{path} has no validation split" in notes[0]
+    assert "not held out" in notes[0]
+
+
+def test_the_outside_paths_flag_reaches_the_reader(tmp_path):
+    path = make_tiny_llava_sample(tmp_path / "llava", num_samples=4, seed=0)
+    assert not _resolve("--dip-data", f"llava:{path}").data.reader_config().allow_outside_paths
+    spec = _resolve("--dip-data", f"llava:{path}", "--dip-allow-outside-paths")
+    assert spec.data.reader_config().allow_outside_paths
+
+
+def test_a_non_utf8_record_stops_the_run_at_start_up_in_one_line(tmp_path):
+    from megatron_dip.training.validate import ConfigError
+
+    path, _ = _latin1_record(tmp_path, lines=True)
+    with pytest.raises(ConfigError) as info:
+        _resolve("--dip-data", f"llava:{path}")
+    message = str(info.value)
+    assert message.startswith(f"--dip-data: cannot read {path}:3:") and "\n" not in message
+    assert "record 2 is not UTF-8" in message
+    assert _resolve("--dip-data", f"llava:{path}", "--dip-bad-samples", "skip") is not None

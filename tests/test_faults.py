@@ -11,6 +11,10 @@ outlives the job (helpers: `fault_matrix.py`).
   Both jobs run at once (their waits are sleeps), sharing the machine's start-up time.
 * The planner process dies within 5 s of a SIGKILL of its rank while starting, idle or
   planning; no multiprocessing semaphore or resource tracker exists in the job.
+* The launcher dies (SIGKILL of torchrun, whose agent hosts the job's store, during a real
+  `torchrun pretrain_vlm_dip.py` tiny-vlm PP2 job with a planner process): every rank logs one
+  "lost the job's store" line and ends, and so does the planner, within 10 s (not left training
+  unsupervised to the end of the run).
 * (Stopped, killed and raising planner processes during training, truncated images and
   malformed JSON: test_training_dist.py, test_training_faults.py, test_data_llava.py.)
 
@@ -29,7 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_matrix import FaultJob, alive, descendants, wait_gone
+from fault_matrix import FaultJob, LauncherJob, alive, descendants, gone_after, wait_gone
 
 pytestmark = pytest.mark.distributed
 logger = logging.getLogger(__name__)
@@ -39,6 +43,9 @@ TIMEOUT_S = 5
 # 10 s per rank; the measured times are logged).
 LINE_BOUND_S = TIMEOUT_S + 40
 GONE_BOUND_S = 5.0
+# A real torchrun job (two ranks, PP2, a planner process): its agent hosts the job's store.
+LAUNCHER_FLAGS = ["--train-iters", "400", "--dip-lookahead", "2", "--dip-search-time-ms", "0"]
+LAUNCHER_BOUND_S = 30.0  # proves "not left training"; the done-when (10 s) is in the log
 FLAGS = [
     "--train-iters", "400", "--dip-comm-timeout-s", str(TIMEOUT_S), "--dip-lookahead", "2",
     "--dip-search-time-ms", "0",
@@ -115,9 +122,12 @@ def rank_faults(tmp_path_factory) -> dict:
         "stall": FaultJob(tmp / "stall", data, FLAGS),
         "kill": FaultJob(tmp / "kill", data, FLAGS + saves),
     }
+    launcher = LauncherJob(tmp / "launcher", data, LAUNCHER_FLAGS)
     faults = {"stall": (2, signal.SIGSTOP), "kill": (0, signal.SIGKILL)}
     out: dict = {}
     try:
+        # First (the others train on meanwhile): it is over within seconds of its fault.
+        out["launcher"] = _kill_launcher(launcher)
         for name, job in jobs.items():
             out[name] = {**_inject(job, *faults[name]), "outcomes": {}}
         _track(jobs, faults, out, LINE_BOUND_S)
@@ -125,6 +135,8 @@ def rank_faults(tmp_path_factory) -> dict:
         stopped.kill()  # as torchrun does once the other ranks failed
         out["stall"]["stalled_gone_s"] = wait_gone(out["stall"]["family"], GONE_BOUND_S)
         for name, res in out.items():
+            if name == "launcher":
+                continue
             logger.warning(
                 "fault %s: the line on every rank after %s s; every process gone after %s s",
                 name, {r: round(s, 1) for r, s in sorted(res["exit_s"].items())},
@@ -133,7 +145,30 @@ def rank_faults(tmp_path_factory) -> dict:
     finally:
         for job in jobs.values():
             job.kill()
+        launcher.kill(out.get("launcher", {}).get("family", ()))
     return out
+
+
+def _kill_launcher(job: LauncherJob) -> dict:
+    """SIGKILL torchrun once its job trains; when each rank and the planner went after it."""
+    assert job.wait_iterations(1, 300), job.log.read_text()[-3000:]
+    ranks = job.ranks()
+    family = descendants(job.launcher.pid)
+    os.kill(job.launcher.pid, signal.SIGKILL)
+    job.launcher.wait()
+    gone = gone_after(family, LAUNCHER_BOUND_S)
+    planners = family - ranks  # rank 0's planner process (and any checkpoint writer)
+    res = {"family": family, "ranks": ranks, "planners": planners, "gone": gone}
+    logger.warning(
+        "fault launcher: ranks gone after %s s; planner gone after %s s",
+        [_round(gone[p]) for p in sorted(ranks)], [_round(gone[p]) for p in sorted(planners)],
+    )  # fmt: skip
+    res["log"] = job.log.read_text()
+    return res
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 @pytest.mark.parametrize("fault", ["stall", "kill"])
@@ -161,6 +196,18 @@ def test_no_process_of_a_failed_job_is_left(rank_faults, fault):
     if fault == "stall":
         assert res["stalled_gone_s"] is not None
     assert res["semaphores"] == [] and res["trackers"] == []
+
+
+def test_every_rank_and_its_planner_end_when_the_launcher_dies(rank_faults):
+    res = rank_faults["launcher"]
+    assert len(res["ranks"]) == 2 and res["planners"], f"{res['ranks']}, {res['planners']}"
+    assert all(s is not None for s in res["gone"].values()), f"left running: {res['gone']}"
+    for rank in range(2):
+        lines = [ln for ln in res["log"].splitlines() if f"rank {rank}: lost the job's store" in ln]
+        assert len(lines) == 1, res["log"][-3000:]
+        assert "(hosted by the torchrun agent at localhost:" in lines[0], lines[0]
+        assert "stops now, in '" in lines[0], lines[0]
+    assert "Traceback" not in res["log"], res["log"][-3000:]
 
 
 @pytest.mark.parametrize("state", ["starting", "idle", "planning", "searching"])

@@ -142,3 +142,68 @@ def test_on_nccl_a_phase_about_to_time_out_is_reported_before_the_watchdog(tmp_p
     assert line.startswith("error: rank 0: 'grad sync' of iteration 0 over the data-parallel")
     assert "NCCL's watchdog aborts the rank at 2.5 s" in line
     assert "Stalled: rank 1 (no heartbeat" in line
+
+
+class _FlakyStore:
+    """A file store whose connection can be cut (`down`): every call then fails as a TCPStore's
+    does once its host died."""
+
+    def __init__(self, path) -> None:
+        self.inner, self.down, self.calls = dist.FileStore(str(path), 1), False, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+
+        def call(*args):
+            self.calls += 1
+            if self.down:
+                raise dist.DistNetworkError("Broken pipe")
+            return method(*args)
+
+        return call
+
+
+def test_a_rank_that_loses_the_jobs_store_says_so_and_stops(tmp_path):
+    """torchrun's agent (the store's host) is SIGKILLed: the heartbeat's writes fail, and after
+    two failed beats the rank logs one line naming the store and its phase (then, outside
+    tests, it exits: the real launcher kill is in test_faults.py)."""
+    from megatron_dip.runtime.stalls import describe_store_host
+
+    store, lost = _FlakyStore(tmp_path / "store"), []
+    done = threading.Event()
+    host = describe_store_host({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "n1",
+                                "MASTER_PORT": "29500"})  # fmt: skip
+    watch = PhaseWatch(
+        store=store, rank=3, world_size=4, timeout_s=5.0, beat_s=0.05, store_host=host,
+        on_store_lost=lambda line: (lost.append(line), done.set()),
+    )  # fmt: skip
+    watch.start()
+    try:
+        with watch.phase("optimizer step"):
+            store.down = True
+            assert done.wait(60), "the heartbeat did not notice the lost store"
+    finally:
+        watch.stop()
+    assert len(lost) == 1 and watch.store_lost
+    line = lost[0]
+    assert line.startswith(
+        "rank 3: lost the job's store (hosted by the torchrun agent at n1:29500)"
+    )
+    assert "DistNetworkError: Broken pipe" in line and "in 'optimizer step' of iteration 0" in line
+    assert (
+        describe_store_host({"MASTER_ADDR": "n1", "MASTER_PORT": "1"}) == "hosted by rank 0 at n1:1"
+    )
+
+
+def test_one_failed_heartbeat_is_not_a_lost_store(tmp_path):
+    """A single failed write (a store busy for a moment) is retried and forgotten."""
+    store, lost = _FlakyStore(tmp_path / "store"), []
+    watch = PhaseWatch(store=store, rank=0, world_size=1, timeout_s=5.0, beat_s=0.05,
+                       on_store_lost=lost.append)  # fmt: skip
+    store.down = True
+    assert not watch._write_beat()
+    store.down = False
+    assert watch._write_beat() and watch._failing is None
+    store.down = True
+    assert not watch._write_beat() and not watch._store_gone()  # one attempt: not yet
+    assert lost == []

@@ -2,7 +2,7 @@
 dataset that trains with `--dip-data energon:OUT_DIR`.
 
     python tools/llava_to_energon.py --json llava/data.json --out energon/ [--image-root DIR]
-        [--samples-per-shard 1000] [--skip-bad]
+        [--samples-per-shard 1000] [--skip-bad] [--allow-outside-paths] [--split-ratio 95,5,0]
 
 Writes crude WebDataset shards (a `json` part with the record's conversations, the image files'
 bytes unchanged), runs `energon prepare` on them (with the images' media metadata, so the
@@ -34,6 +34,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--skip-bad", action="store_true", help="skip records whose images cannot be read"
     )
+    parser.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="let image paths lead outside the image folder ('../', absolute paths)",
+    )
+    parser.add_argument(
+        "--split-ratio",
+        default="1,0,0",
+        help="Energon's train,val,test parts (e.g. 95,5,0: a validation split for evaluation)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     write_llava_energon(
@@ -42,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         image_root=args.image_root,
         samples_per_shard=args.samples_per_shard,
         skip_bad=args.skip_bad,
+        allow_outside_paths=args.allow_outside_paths,
+        split_ratio=args.split_ratio,
     )
 
 

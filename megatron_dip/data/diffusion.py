@@ -26,13 +26,19 @@ from __future__ import annotations
 import json
 import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from megatron_dip.data.json_index import JsonRecords
-from megatron_dip.data.records import BadSampleError, OnBadSample, RecordReader
+from megatron_dip.data.records import (
+    BadSampleError,
+    OnBadSample,
+    RecordReader,
+    SkipLog,
+    inside_root,
+)
 from megatron_dip.data.sample import InstanceCounts, Sample, SampleMeta
 from megatron_dip.data.tokenizer import TokenizerSpec, load_tokenizer
 from megatron_dip.modalities import text_module
@@ -49,6 +55,8 @@ class LatentConfig:
 
     on_bad_sample: OnBadSample = "error"
     tokenizer: TokenizerSpec = TokenizerSpec()
+    allow_outside_paths: bool = False  # --dip-allow-outside-paths (`records.inside_root`)
+    skip_log: SkipLog | None = field(default=None, compare=False)  # the run's (records.py)
 
 
 def latent_shape(path: Path) -> tuple[tuple[int, ...], np.dtype]:
@@ -90,15 +98,20 @@ class LatentDataset(RecordReader):
             )
         self._dit = dits[0]
         self._records = JsonRecords(self.root / CAPTIONS_FILE)
+        if config.on_bad_sample == "error":
+            self._records.refuse_not_utf8()
         super().__init__(
-            model=model, num_samples=len(self._records), on_bad_sample=config.on_bad_sample
-        )
+            model=model, num_samples=len(self._records), on_bad_sample=config.on_bad_sample,
+            skip_log=config.skip_log,
+        )  # fmt: skip
 
     def record_id(self, index: int) -> str:
         """The record's own "id" field (or its index when it has none)."""
         return str(self._records[index].get("id", index))
 
     def describe(self, index: int) -> str:
+        if index in self._records.not_utf8:  # it cannot be parsed to name its id
+            return f"latent record {index} of {self._records.path}"
         latent = self._records[index].get("latent")
         return f"latent record {index} (id {self.record_id(index)!r}, latent {latent!r})"
 
@@ -106,7 +119,7 @@ class LatentDataset(RecordReader):
         latent = self._records[index].get("latent")
         if not isinstance(latent, str):
             raise BadSampleError("'latent' must be a path")
-        return self.root / latent
+        return inside_root(self.root, latent, allow_outside=self.config.allow_outside_paths)
 
     def _caption(self, index: int) -> np.ndarray:
         caption = self._records[index].get("caption")

@@ -18,9 +18,9 @@ import json
 import logging
 from pathlib import Path
 
-from .json_index import JsonRecords
+from .json_index import JsonRecords, NotUtf8Error
 from .llava import image_names
-from .records import BadSampleError
+from .records import BadSampleError, inside_root
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +50,15 @@ def prepare(
     logger.debug("energon prepare %s:\n%s", path, out.getvalue())
 
 
-def _sample(record: dict, index: int, image_root: Path) -> dict:
+def _sample(record: dict, index: int, image_root: Path, *, allow_outside: bool = False) -> dict:
     """One shard sample of a LLaVA record (module docstring)."""
     parts = {}
     for j, name in enumerate(image_names(record)):
         ext = Path(name).suffix.lower().lstrip(".") or "jpg"
         try:
-            parts[f"img{j}.{ext}"] = (image_root / name).read_bytes()
-        except OSError as err:
+            path = inside_root(image_root, name, allow_outside=allow_outside)
+            parts[f"img{j}.{ext}"] = path.read_bytes()
+        except (OSError, BadSampleError) as err:
             raise BadSampleError(f"record {index} (id {record.get('id')!r}): {err}") from err
     meta = {
         "id": record.get("id", index),
@@ -74,10 +75,14 @@ def write_llava_energon(
     image_root: str | Path | None = None,
     samples_per_shard: int = 1000,
     skip_bad: bool = False,
+    allow_outside_paths: bool = False,
+    split_ratio: str = "1,0,0",
 ) -> tuple[int, int]:
     """Convert a LLaVA JSON (or JSON Lines) file and its images into a prepared Energon dataset
     at `out_dir`; returns (samples written, records skipped). A record whose image cannot be
-    read stops the conversion naming it, or is skipped with `skip_bad`."""
+    read, whose image path leaves the image root (unless `allow_outside_paths`) or that is not
+    UTF-8 stops the conversion naming it, or is skipped with `skip_bad`. `split_ratio`: Energon's
+    train,val,test parts (e.g. "95,5,0" keeps a validation split for evaluation)."""
     import webdataset
 
     if samples_per_shard < 1:
@@ -89,18 +94,19 @@ def write_llava_energon(
     written = skipped = 0
     pattern = str(out / "llava-%06d.tar")
     with webdataset.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0) as writer:
-        for index, record in enumerate(records):
+        for index in range(len(records)):
             try:
-                writer.write(_sample(record, index, root))
+                record = records[index]
+                writer.write(_sample(record, index, root, allow_outside=allow_outside_paths))
                 written += 1
-            except BadSampleError as err:
+            except (BadSampleError, NotUtf8Error) as err:
                 if not skip_bad:
                     raise
                 logger.warning("skipping %s", err)
                 skipped += 1
     if not written:
         raise ValueError(f"{json_path}: no record could be converted")
-    prepare(out, sample_type="CrudeWebdataset")
+    prepare(out, sample_type="CrudeWebdataset", split_ratio=split_ratio)
     _add_subflavors(out / ".nv-meta" / "dataset.yaml", LLAVA_SUBFLAVORS)
     logger.info("wrote %d samples (%d skipped) to %s", written, skipped, out)
     return written, skipped

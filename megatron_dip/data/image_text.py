@@ -19,7 +19,7 @@ any loss token is bad too (it would train nothing).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -31,7 +31,7 @@ from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 
 from .chat import Turn, fit_tokens, make_encoder
 from .image import ImageProcessor, ImageProcessorConfig
-from .records import BadSampleError, OnBadSample, RecordReader
+from .records import BadSampleError, OnBadSample, RecordReader, SkipLog
 from .sample import InstanceCounts, Sample, SampleMeta
 from .tokenizer import ByteTokenizer, TokenizerSpec, load_tokenizer
 
@@ -60,12 +60,16 @@ class Record:
 @dataclass(frozen=True)
 class ReaderConfig:
     """How records become samples: tokenizer and prompt format, image preprocessing, bad
-    samples and the truncation length."""
+    samples and the truncation length; whether image paths may leave the dataset root
+    (--dip-allow-outside-paths); the run's `SkipLog` (every reader of a run's data shares
+    one, so each bad record is logged once per rank)."""
 
     tokenizer: TokenizerSpec = TokenizerSpec()
     image: ImageProcessorConfig = ImageProcessorConfig()
     on_bad_sample: OnBadSample = "error"
     max_tokens: int | None = None
+    allow_outside_paths: bool = False
+    skip_log: SkipLog | None = field(default=None, compare=False)
 
 
 def image_module(model: MultimodalSpec) -> ModuleSpec | None:
@@ -112,7 +116,10 @@ class ImageTextReader(RecordReader):
             config.image.check_vit(patch=self._vit.patch_size, merge=self._vit.merge)
             factor = self._vit.patch_size * self._vit.merge
             self.processor = ImageProcessor(config.image, factor=factor)
-        super().__init__(model=model, num_samples=num_samples, on_bad_sample=config.on_bad_sample)
+        super().__init__(
+            model=model, num_samples=num_samples, on_bad_sample=config.on_bad_sample,
+            skip_log=config.skip_log,
+        )  # fmt: skip
 
     def record(self, index: int, *, pixels: bool) -> Record:
         """Record `index`; `pixels=False`: its images need only tell their size."""
@@ -144,23 +151,38 @@ class ImageTextReader(RecordReader):
 
     def _read_sample(self, index: int) -> Sample:
         record = self.record(index, pixels=True)
-        sizes = self._sizes(record)
-        images, bad = [], None
+        sizes, bad = self._planned_sizes(index, record)
+        images = []
         for i, (image, size) in enumerate(zip(record.images, sizes)):
+            pixels = None
             try:
-                images.append(self._decode(i, image, size))
+                if bad is None:  # once one image is bad, the sample trains on nothing
+                    pixels = self._decode(i, image, size)
             except BadSampleError as err:
                 if self.config.on_bad_sample == "error":
                     raise
-                # The plan counts on this sample's shapes: keep them, train on nothing.
-                images.append(np.zeros((3, *size), np.float32))
-                bad = bad or str(err)
+                bad = str(err)
+            # The plan counts on this sample's shapes: keep them, train on nothing.
+            images.append(np.zeros((3, *size), np.float32) if pixels is None else pixels)
         llm = [image_tokens(height=h, width=w, vit=self._vit)[1] for h, w in sizes]
         text, mask = self._encode(index, record, llm)
         if bad is not None:
             mask = np.zeros_like(mask)
         media = {} if self._vit is None else {self._vit.name: images}
         return Sample(index, text, media, mask, bad=bad)
+
+    def _planned_sizes(
+        self, index: int, record: Record
+    ) -> tuple[list[tuple[int, int]], str | None]:
+        """The images' sizes from their headers, and None; or, when a header cannot be read
+        (an Energon image corrupt after `energon prepare`, whose metadata came from the index)
+        outside "error" mode, the sizes the metadata was planned with and why."""
+        try:
+            return self._sizes(record), None
+        except BadSampleError as err:
+            if self.config.on_bad_sample == "error":
+                raise
+            return self._sizes(self.record(index, pixels=False)), str(err)
 
     def _decode(self, i: int, image: ImageSource, size: tuple[int, int]) -> np.ndarray:
         """Image `i` decoded and preprocessed to `size` (its header's), or BadSampleError."""

@@ -5,6 +5,12 @@ record, `index_bytes`); a record is parsed again when it is asked for (`records[
 and one `json.loads`). Memory is the index plus one chunk, whatever the file's size, instead of
 the parsed list (about six times the file). Every record must be a JSON object; a malformed file
 is refused in one line naming the file, the line and column (and byte offset) of the error.
+
+A byte that is not UTF-8 (a record written in Latin-1, a corrupt sector) spoils only its record:
+the file is decoded with `surrogateescape`, so the structure around it still parses, and the
+record is listed in `JsonRecords.not_utf8` (record -> file offset of its first such byte);
+reading it raises `NotUtf8Error` naming the record, its line and the byte. The reader decides
+(an error naming the file and record, or a counted skip: `llava.LlavaDataset`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import os
 import re
 from array import array
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +29,7 @@ import numpy as np
 
 CHUNK_BYTES = 1 << 20
 _SPACE = re.compile(r"\s*")
+_ESCAPED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, after surrogateescape
 _DECODER = json.JSONDecoder()
 
 
@@ -31,6 +39,10 @@ class JsonSyntaxError(ValueError):
     def __init__(self, message: str, *, byte: int) -> None:
         super().__init__(message)
         self.msg, self.byte = message, byte
+
+
+class NotUtf8Error(ValueError):
+    """A record holding a byte that is not UTF-8 (module docstring)."""
 
 
 def line_and_column(path: str | Path, byte: int) -> tuple[int, int]:
@@ -47,8 +59,9 @@ class _Scanner:
 
     def __init__(self, handle, chunk: int) -> None:
         self.handle, self.chunk = handle, chunk
-        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
         self.text, self.eof = "", False
+        self.escaped: deque[int] = deque()  # character positions of bytes that are not UTF-8
         self.base_char = 0  # characters dropped from the front of `text`
         self.cursor_char = self.cursor_byte = 0  # a known (character, byte) position pair
 
@@ -58,13 +71,24 @@ class _Scanner:
             return False
         data = self.handle.read(self.chunk * factor)
         self.eof = not data
-        self.text += self.utf8.decode(data, final=self.eof)
+        new = self.utf8.decode(data, final=self.eof)
+        start = self.base_char + len(self.text)
+        self.escaped += [start + m.start() for m in _ESCAPED.finditer(new)]
+        self.text += new
         return bool(data)
+
+    def first_escaped(self, start: int, end: int) -> int | None:
+        """The first character position in [start, end) that is a non-UTF-8 byte, or None
+        (forgets the positions before `start`: records are indexed in order)."""
+        while self.escaped and self.escaped[0] < start:
+            self.escaped.popleft()
+        return self.escaped[0] if self.escaped and self.escaped[0] < end else None
 
     def byte_at(self, char: int) -> int:
         """Byte offset of absolute character position `char` (moving forward only)."""
         local = self.cursor_char - self.base_char
-        self.cursor_byte += len(self.text[local : char - self.base_char].encode("utf-8"))
+        piece = self.text[local : char - self.base_char]
+        self.cursor_byte += len(piece.encode("utf-8", "surrogateescape"))
         self.cursor_char = char
         return self.cursor_byte
 
@@ -103,9 +127,12 @@ class _Scanner:
             self.base_char += cut
 
 
-def index_records(path: str | Path, *, chunk: int = CHUNK_BYTES) -> tuple[np.ndarray, np.ndarray]:
-    """(byte offsets, byte lengths) int64 of every record of a JSON list or JSON Lines file."""
-    offsets, lengths = array("q"), array("q")
+def index_records(
+    path: str | Path, *, chunk: int = CHUNK_BYTES
+) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
+    """(byte offsets, byte lengths) int64 of every record of a JSON list or JSON Lines file,
+    and the records holding a byte that is not UTF-8 (record -> file offset of that byte)."""
+    offsets, lengths, not_utf8 = array("q"), array("q"), {}
     with open(path, "rb") as handle:
         scan = _Scanner(handle, chunk)
         pos = scan.skip_space(0)
@@ -127,7 +154,10 @@ def index_records(path: str | Path, *, chunk: int = CHUNK_BYTES) -> tuple[np.nda
                 raise ValueError(
                     f"{path}: record {len(offsets)} at byte {scan.byte_at(pos)} is not an object"
                 )
+            bad = scan.first_escaped(pos, end)
             start = scan.byte_at(pos)
+            if bad is not None:
+                not_utf8[len(offsets)] = scan.byte_at(bad)
             offsets.append(start)
             lengths.append(scan.byte_at(end) - start)
             pos = scan.skip_space(end)
@@ -143,7 +173,8 @@ def index_records(path: str | Path, *, chunk: int = CHUNK_BYTES) -> tuple[np.nda
             raise ValueError(f"{path}: the JSON list is not closed")
         if listed and scan.peek(scan.skip_space(pos + 1)) != "":
             raise ValueError(f"{path}: text after the JSON list")
-    return np.frombuffer(offsets, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64)
+    arrays = np.frombuffer(offsets, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64)
+    return *arrays, not_utf8
 
 
 class JsonRecords(Sequence[dict]):
@@ -151,7 +182,7 @@ class JsonRecords(Sequence[dict]):
 
     def __init__(self, path: str | Path, *, chunk: int = CHUNK_BYTES) -> None:
         self.path = Path(path)
-        self._offsets, self._lengths = index_records(self.path, chunk=chunk)
+        self._offsets, self._lengths, self.not_utf8 = index_records(self.path, chunk=chunk)
         self._handle = None
         self._pid = -1
 
@@ -171,9 +202,32 @@ class JsonRecords(Sequence[dict]):
     def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
         if not 0 <= index < len(self):
             raise IndexError(f"record {index} outside [0, {len(self)})")
+        if index in self.not_utf8:
+            raise NotUtf8Error(self.why_not_utf8(index))
         handle = self._file()
         handle.seek(int(self._offsets[index]))
         return json.loads(handle.read(int(self._lengths[index])))
+
+    def why_not_utf8(self, index: int) -> str:
+        """What is wrong with record `index` of `not_utf8`: the byte, its line and offset."""
+        at = self.not_utf8[index]
+        with open(self.path, "rb") as handle:
+            handle.seek(at)
+            byte = handle.read(1)
+        line, column = line_and_column(self.path, at)
+        return (
+            f"{self.path}:{line}:{column}: record {index} is not UTF-8 text (byte "
+            f"0x{byte.hex()} at offset {at})"
+        )
+
+    def refuse_not_utf8(self) -> None:
+        """ValueError naming the first record that is not UTF-8 (for "error" mode), if any."""
+        if self.not_utf8:
+            first, more = min(self.not_utf8), len(self.not_utf8) - 1
+            raise ValueError(
+                f"{self.why_not_utf8(first)}{f' (and {more} more records)' if more else ''}; "
+                "skip such records with --dip-bad-samples skip"
+            )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return (self[i] for i in range(len(self)))

@@ -16,6 +16,13 @@ Text, loss mask and images follow `image_text` (the run's tokenizer and prompt f
 byte tokenizer: BOS, each turn's text with the image runs, a human turn ended by a newline, a gpt
 turn by EOS, the loss on gpt turns and their EOS). Every image file is opened and verified when
 its metadata is read (the header gives its size; the pixels are decoded only for the sample).
+
+Image paths stay inside the image root: a path that leaves it (`../`, an absolute path) makes its
+record bad (an error or a skip) unless `ReaderConfig.allow_outside_paths`
+(--dip-allow-outside-paths). The check is on the path as written (normalised, not resolved), so
+symbolic links the dataset's owner put inside the root are followed. A record holding a byte
+that is not UTF-8 is bad too (`json_index`); in "error" mode the file is refused when it is
+opened, naming the first such record.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from megatron_dip.modelspec import MultimodalSpec
 from .chat import llava_turns
 from .image_text import ImageTextReader, ReaderConfig, Record
 from .json_index import JsonRecords
-from .records import BadSampleError
+from .records import BadSampleError, inside_root
 
 
 @dataclass(frozen=True)
@@ -72,29 +79,36 @@ class LlavaDataset(ImageTextReader):
         self.json_path = Path(json_path)
         self.image_root = Path(image_root) if image_root is not None else self.json_path.parent
         self.records = JsonRecords(self.json_path)
-        super().__init__(
-            model=model, num_samples=len(self.records), config=config or ReaderConfig()
-        )
+        config = config or ReaderConfig()
+        if config.on_bad_sample == "error":
+            self.records.refuse_not_utf8()
+        super().__init__(model=model, num_samples=len(self.records), config=config)
 
     def record_id(self, index: int) -> str:
         """The record's own "id" field (or its index when it has none)."""
         return str(self.records[index].get("id", index))
 
     def image_paths(self, index: int) -> list[Path]:
-        """Absolute paths of the record's images, in order."""
-        return [self.image_root / n for n in image_names(self.records[index])]
+        """Absolute paths of the record's images, in order (BadSampleError for a path that
+        leaves the image root, unless allowed: module docstring)."""
+        allow = self.config.allow_outside_paths
+        names = image_names(self.records[index])
+        return [inside_root(self.image_root, n, allow_outside=allow) for n in names]
 
     def describe(self, index: int) -> str:
+        where = f"LLaVA record {index} of {self.json_path}"
+        if index in self.records.not_utf8:  # it cannot be parsed to name its id
+            return where
         image = self.records[index].get("image")
         shown = repr(image)
         if isinstance(image, list) and len(image) > 3:  # keep messages readable
             shown = f"[{image[0]!r}, {image[1]!r}, ... {len(image)} images]"
-        return f"LLaVA record {index} (id {self.record_id(index)!r}, image {shown})"
+        return f"{where} (id {self.record_id(index)!r}, image {shown})"
 
     def record(self, index: int, *, pixels: bool) -> Record:
         del pixels  # files are opened lazily either way
         raw = self.records[index]
-        images = tuple(ImageFile(self.image_root / n) for n in image_names(raw))
+        images = tuple(ImageFile(path) for path in self.image_paths(index))
         return Record(llava_turns(raw.get("conversations")), images)
 
 

@@ -6,7 +6,9 @@ a pure function of the record, so an evicted one is read again identically), so 
 lookahead costs little. A record that cannot be read is a `BadSampleError` naming the record id
 and file; with `on_bad_sample="skip"` (or "truncate", whose too-long samples are cut instead, see
 `chat.fit_tokens`) it is logged once, counted in `skipped`, and its metadata is None, which
-`BatchStream` leaves out of every batch. Tensors are only built for records whose metadata was
+`BatchStream` leaves out of every batch. A run reads its data through several readers (the
+start-up check of the first batches, training, evaluation); they share one `SkipLog`, so each
+bad record is logged once per rank however many of them meet it. Tensors are only built for records whose metadata was
 good; if building them fails after all (a file changed or is corrupt past its header, e.g. a
 truncated JPEG, which Pillow's `verify()` does not notice), "error" raises, naming the record;
 the other modes return a stand-in of the planned shapes (blank images) with no loss token,
@@ -16,9 +18,11 @@ the other modes return a stand-in of the planned shapes (blank images) with no l
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal
 
 from megatron_dip.data.meta import sample_meta
@@ -36,10 +40,44 @@ class BadSampleError(ValueError):
     """A record that cannot become a sample; the message names its id and file."""
 
 
+def inside_root(root: Path, name: str, *, allow_outside: bool) -> Path:
+    """`root / name`, normalised; BadSampleError when it leaves `root` (`../`, an absolute
+    path) unless `allow_outside` (--dip-allow-outside-paths). The path as written is checked,
+    not resolved: symbolic links placed inside the root by the dataset's owner are followed."""
+    path, top = Path(os.path.normpath(root / name)), Path(os.path.normpath(root))
+    if not allow_outside and not path.is_relative_to(top):
+        raise BadSampleError(
+            f"path {name!r} leads outside the dataset root {top} (to {path}); allow such paths "
+            "with --dip-allow-outside-paths"
+        )
+    return path
+
+
+class SkipLog:
+    """The skip messages a run has logged (module docstring): `first(message)` is True once
+    per message. Shared by readers and streams of one run; a reader without one logs each of
+    its own bad records once."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()  # (no lock: it travels in pickled specs; a race logs twice)
+
+    def first(self, message: str) -> bool:
+        new = message not in self._seen
+        self._seen.add(message)
+        return new
+
+
 class RecordReader:
     """Base of the readers: subclasses implement `_read_meta`, `_read_sample`, `describe`."""
 
-    def __init__(self, *, model: MultimodalSpec, num_samples: int, on_bad_sample: OnBadSample):
+    def __init__(
+        self,
+        *,
+        model: MultimodalSpec,
+        num_samples: int,
+        on_bad_sample: OnBadSample,
+        skip_log: SkipLog | None = None,
+    ):
         if on_bad_sample not in BAD_SAMPLE_POLICIES:
             raise ValueError(
                 f"on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {on_bad_sample!r}"
@@ -47,6 +85,7 @@ class RecordReader:
         self.model = model
         self.num_samples = num_samples
         self.on_bad_sample = on_bad_sample
+        self.skip_log = skip_log if skip_log is not None else SkipLog()
         self._metas: OrderedDict[int, SampleMeta] = OrderedDict()
         self._bad: set[int] = set()  # skipped records (few; kept for good)
         self._truncated: set[int] = set()  # records whose text was cut (see `note_truncated`)
@@ -69,7 +108,8 @@ class RecordReader:
         """Record (and log once) that record `index`'s text was cut from `tokens` to `kept`."""
         if index not in self._truncated:
             self._truncated.add(index)
-            logger.info("truncated %s from %d to %d tokens", self.describe(index), tokens, kept)
+            if self.skip_log.first(f"truncated {self.describe(index)}"):
+                logger.info("truncated %s from %d to %d tokens", self.describe(index), tokens, kept)
 
     def describe(self, index: int) -> str:
         """How error messages name record `index` (id and file)."""
@@ -99,7 +139,8 @@ class RecordReader:
             message = f"{self.describe(index)}: {err}"
             if self.on_bad_sample == "error":
                 raise BadSampleError(message) from err
-            logger.warning("skipping bad record %s", message)
+            if self.skip_log.first(message):
+                logger.warning("skipping bad record %s", message)
             self._bad.add(index)
             return None
         self._metas[index] = meta

@@ -257,11 +257,14 @@ class BatchStream(Iterator[BatchMeta]):
         """Why `meta` fits in no microbatch, or None."""
         return None if self.config.limits is None else oversize_reason(meta, self.config.limits)
 
-    def _where(self, position: int) -> str:
+    def _record(self, position: int) -> str:
+        """How the source names the record at stream position `position`."""
         index = self._index(position)
         describe = getattr(self.source, "describe", None)
-        record = describe(index) if describe is not None else f"dataset index {index}"
-        return f"stream position {position} ({record})"
+        return describe(index) if describe is not None else f"dataset index {index}"
+
+    def _where(self, position: int) -> str:
+        return f"stream position {position} ({self._record(position)})"
 
     def _refuse_or_log(self, position: int, reason: str, *, skip: bool) -> None:
         """Raise for an oversize sample under on_oversize="error"; else log it once."""
@@ -270,7 +273,9 @@ class BatchStream(Iterator[BatchMeta]):
             raise StreamError(message, oversize=True, position=position)
         if skip or not self._first_skip(position):
             return  # the reader logged its own skips, with their reason, once
-        logger.warning("skipping %s: %s", self._where(position), reason)
+        shared = getattr(self.source, "skip_log", None)  # the run's other streams meet it too
+        if shared is None or shared.first(f"{self._record(position)}: {reason}"):
+            logger.warning("skipping %s: %s", self._where(position), reason)
 
     def _first_skip(self, position: int) -> bool:
         """Whether the sample at `position` is skipped for the first time: once per record of

@@ -18,7 +18,16 @@ also runs a heartbeat thread that writes a counter and its current phase into th
 arrive, and the stalled ranks (`describe_stall`). A rank that fails with any other error reports
 it too (`report_failure`), so its peers name it instead of the connection it closed.
 
-Cost: nothing per collective; one store write per rank every `beat_s` seconds (at most 2 s).
+The heartbeat also notices when the job's store itself is gone (its host, torchrun's agent or
+rank 0, was killed): gloo's connections between the ranks outlive it, so the ranks would train
+on with nobody to stop them. Each beat writes and then reads its key back (a write alone is
+buffered by the socket and "succeeds" once after the host died); once the beats have failed for
+`LOST_AFTER_S` (a confirming retry every `RETRY_S`), the rank logs one line naming the store and
+its host and ends the process (`on_store_lost`; its planner process and checkpoint writers die
+with it). Worst case after the host's death: one beat interval plus `LOST_AFTER_S`, about 2.5 s.
+
+Cost: nothing per collective; one store write and one check per rank every `beat_s` seconds
+(at most 2 s).
 On NCCL a timed-out collective reaches us only if the watchdog lets it raise (see
 docs/training.md, "When a rank stalls": TORCH_NCCL_BLOCKING_WAIT / TORCH_NCCL_ASYNC_ERROR_HANDLING).
 """
@@ -29,9 +38,11 @@ import contextlib
 import itertools
 import json
 import logging
+import os
+import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,6 +59,9 @@ _COMM_TEXTS = (
 # Each run in a process gets its own store keys (tests run many runs on one store).
 _GENERATIONS = itertools.count()
 MAX_BEAT_S = 2.0
+# The store counts as lost once every beat failed for this long (at least two attempts).
+LOST_AFTER_S = 0.5
+RETRY_S = 0.5  # how soon a failed beat is retried (each failure prints a C++ warning)
 
 
 def is_comm_failure(error: BaseException) -> bool:
@@ -177,8 +191,14 @@ class PhaseWatch:
         timeout_s: float,
         beat_s: float | None = None,
         early: bool = False,
+        store_host: str = "its host",
+        on_store_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        # Who hosts the store (for the line), and what to do once it is lost (default: end
+        # the process: `exit_unsupervised`; tests record the line instead).
+        self.store_host = store_host
+        self.on_store_lost = on_store_lost or exit_unsupervised
         self.timeout_s = timeout_s
         self.beat_s = beat_s if beat_s is not None else min(MAX_BEAT_S, max(0.2, timeout_s / 10))
         self.grace_s = max(1.0, 3 * self.beat_s)
@@ -193,6 +213,8 @@ class PhaseWatch:
         self.early = early
         self._entered = time.monotonic()
         self._early_done = False
+        self._failing: tuple[float, int, BaseException] | None = None  # since, attempts, last
+        self.store_lost = False
 
     @classmethod
     def for_world(cls, *, timeout_s: float, early: bool = False) -> PhaseWatch:
@@ -202,7 +224,7 @@ class PhaseWatch:
         store = dist.distributed_c10d._get_default_store()
         return cls(
             store=store, rank=dist.get_rank(), world_size=dist.get_world_size(),
-            timeout_s=timeout_s, early=early,
+            timeout_s=timeout_s, early=early, store_host=describe_store_host(os.environ),
         )  # fmt: skip
 
     # -- heartbeat -----------------------------------------------------------------------
@@ -218,8 +240,12 @@ class PhaseWatch:
             self._thread.join(timeout=self.beat_s + 1)
 
     def _beat_loop(self) -> None:
-        while not self._stopping.wait(self.beat_s):
-            self._write_beat()
+        while not self._stopping.wait(self.beat_s if self._failing is None else RETRY_S):
+            if not self._write_beat():
+                if self._store_gone():
+                    self._lose_store()
+                    return
+                continue
             if self.early and not self._early_done and self.current.name not in _NOT_EARLY:
                 age = time.monotonic() - self._entered
                 if age > self.timeout_s - self.grace_s - 2 * self.beat_s:
@@ -237,11 +263,38 @@ class PhaseWatch:
         error = self.post_mortem(phase, cause, outcome="is about to time out")
         logger.error("error: %s", error)
 
-    def _write_beat(self) -> None:
+    def _write_beat(self) -> bool:
+        """Write this rank's heartbeat and read it back; False (remembered in `_failing`)
+        when the store did not answer."""
         self._beat += 1
         record = {"n": self._beat, **self.current.as_dict()}
-        with contextlib.suppress(Exception):  # the store may be gone at the end of a failed job
-            self.store.set(f"{self.prefix}/beat/{self.rank}", json.dumps(record))
+        key = f"{self.prefix}/beat/{self.rank}"
+        try:
+            self.store.set(key, json.dumps(record))
+            self.store.check([key])  # a reply: the set alone may sit in a dead socket's buffer
+        except Exception as error:
+            since, attempts, _ = self._failing or (time.monotonic(), 0, error)
+            self._failing = (since, attempts + 1, error)
+            return False
+        self._failing = None
+        return True
+
+    def _store_gone(self) -> bool:
+        since, attempts, _ = self._failing
+        return attempts >= 2 and time.monotonic() - since >= LOST_AFTER_S
+
+    def _lose_store(self) -> None:
+        """The store is gone (module docstring): one line, then `on_store_lost`."""
+        since, attempts, error = self._failing
+        self.store_lost = True
+        line = (
+            f"rank {self.rank}: lost the job's store ({self.store_host}): {attempts} heartbeats "
+            f"over {time.monotonic() - since:.1f} s failed ({_short(error, 120)}); its host is "
+            f"gone and nothing supervises this rank any more, so it stops now, in "
+            f"{self.current.name!r} of iteration {self.current.iteration}"
+        )
+        logger.error("error: %s", line)
+        self.on_store_lost(line)
 
     # -- phases --------------------------------------------------------------------------
 
@@ -328,6 +381,27 @@ class PhaseWatch:
         return StallError(line, phase=phase.name, stalled=stalled)
 
 
+def describe_store_host(environ: Mapping[str, str]) -> str:
+    """Who hosts this process's torch.distributed store, from the launcher's variables: the
+    torchrun agent (TORCHELASTIC_USE_AGENT_STORE), else rank 0 (env:// rendezvous)."""
+    address = f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return f"hosted by the torchrun agent at {address}"
+    if "MASTER_ADDR" in environ:
+        return f"hosted by rank 0 at {address}"
+    return "hosted by the process that created it"
+
+
+def exit_unsupervised(line: str) -> None:
+    """End this process at once (from the heartbeat thread, whatever the main thread waits
+    in), after flushing the log: exit status 1, as a stalled rank's."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
+
+
 def _ranks(group, world_size: int) -> tuple[int, ...]:
     """Global ranks of `group` (None: the world)."""
     if group is None:
@@ -354,4 +428,7 @@ class NoWatch:
         pass
 
 
-__all__ = ["NoWatch", "Phase", "PhaseWatch", "describe_stall", "is_comm_failure"]
+__all__ = [
+    "NoWatch", "Phase", "PhaseWatch", "describe_stall", "describe_store_host",
+    "exit_unsupervised", "is_comm_failure",
+]  # fmt: skip

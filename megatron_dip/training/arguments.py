@@ -261,6 +261,13 @@ class DipArgs:
         choices=("error", "skip", "truncate"),
         megatron=False,
     )
+    dip_allow_outside_paths: bool = arg(
+        "--dip-allow-outside-paths",
+        False,
+        "let image (and latent) paths of a llava:/latents: dataset lead outside its directory "
+        "('../', absolute paths); without it such a record is bad (--dip-bad-samples)",
+        megatron=False,
+    )
     dip_max_nonfinite_iters: int = arg(
         "--dip-max-nonfinite-iters",
         3,

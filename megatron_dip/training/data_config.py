@@ -206,7 +206,7 @@ def data_spec(
             d.dip_data, scale=d.dip_data_scale, image_size=d.dip_image_size,
             bad_samples=d.dip_bad_samples, tokenizer=tokenizer_spec, image=image,
             max_tokens=_max_sample_tokens(config), slots=dp * config.data.num_workers,
-            cooker=d.dip_energon_cooker,
+            cooker=d.dip_energon_cooker, allow_outside_paths=d.dip_allow_outside_paths,
         )  # fmt: skip
         data.check_model(model)
     except ValueError as e:

@@ -41,7 +41,7 @@ from typing import TypeVar
 
 from megatron_dip.data.image import DEFAULT_MAX_PIXELS, ImageProcessorConfig
 from megatron_dip.data.packing import PackingLimits
-from megatron_dip.data.records import BAD_SAMPLE_POLICIES, BadSampleError
+from megatron_dip.data.records import BAD_SAMPLE_POLICIES, BadSampleError, SkipLog
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream, SampleSource, StreamConfig
 from megatron_dip.data.synthetic import MIXTURES
@@ -89,6 +89,9 @@ class DataSpec:
     max_tokens: int | None = None  # --dip-max-sample-tokens (truncate: --seq-length)
     slots: int = 1  # Energon: DP x --num-workers
     cooker: str | None = None  # --dip-energon-cooker
+    allow_outside_paths: bool = False  # --dip-allow-outside-paths
+    # Every reader of the run's data logs each bad record once, through this (records.py).
+    skip_log: SkipLog = field(default_factory=SkipLog, compare=False, repr=False)
 
     @classmethod
     def parse(
@@ -152,7 +155,8 @@ class DataSpec:
 
         return ReaderConfig(
             tokenizer=self.tokenizer, image=self.image, on_bad_sample=self.bad_samples,
-            max_tokens=self.max_tokens,
+            max_tokens=self.max_tokens, allow_outside_paths=self.allow_outside_paths,
+            skip_log=self.skip_log,
         )  # fmt: skip
 
     def source(self, model: MultimodalSpec, *, seed: int, evaluation: bool = False) -> SampleSource:
@@ -166,19 +170,39 @@ class DataSpec:
         if self.kind == "llava":
             from megatron_dip.data.llava import LlavaDataset
 
+            if evaluation:
+                self._note_no_validation_split("a LLaVA file has no validation split")
             return LlavaDataset(self.value, model=model, config=self.reader_config())
         if self.kind == "energon":
             from megatron_dip.data.energon import EnergonSource, has_samples
 
             split = "val" if evaluation and has_samples(self.value, split="val") else "train"
+            if evaluation and split == "train":
+                self._note_no_validation_split("its 'val' split has no samples")
             return EnergonSource(
                 self.value, model=model, config=self.reader_config(), seed=seed,
                 slots=self.slots, split=split, cooker=self.cooker,
             )  # fmt: skip
         from megatron_dip.data.diffusion import LatentConfig, LatentDataset
 
-        config = LatentConfig(on_bad_sample=self.bad_samples, tokenizer=self.tokenizer)
+        if evaluation:
+            self._note_no_validation_split("a latents directory has no validation split")
+
+        config = LatentConfig(
+            on_bad_sample=self.bad_samples, tokenizer=self.tokenizer,
+            allow_outside_paths=self.allow_outside_paths, skip_log=self.skip_log,
+        )  # fmt: skip
         return LatentDataset(self.value, model=model, config=config)
+
+    def _note_no_validation_split(self, why: str) -> None:
+        """Say that evaluation reads the training data (Megatron-LM evaluates on the blend's
+        validation split; a run without one still evaluates, but not on held-out data)."""
+        logger.warning(
+            "evaluation: --dip-data %s:%s has no validation split (%s): evaluating on its "
+            "training data in another order, so the validation loss is not held out; for a "
+            "held-out loss give Energon data with a 'val' split",
+            self.kind, self.value, why,
+        )  # fmt: skip
 
 
 def make_stream(

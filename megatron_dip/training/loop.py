@@ -438,6 +438,10 @@ def pretrain(spec: RunSpec) -> TrainResult:
         with ctx.watch.phase("start-up"):
             trainer = Trainer(spec, ctx)
         result = trainer.run()
+        # Without torchrun rank 0 hosts the job's store: no rank may still be working when it
+        # leaves, or its heartbeat would take the store's loss for the launcher's death.
+        with ctx.watch.phase("finish"):
+            dist.barrier()
         completed = True
         return result
     except StallError:
