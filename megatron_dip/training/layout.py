@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -28,7 +29,7 @@ from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.compare import activation_limits, average_workload
-from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.placement import (
     PlacementCandidate,
     build_dip_placement,
@@ -47,6 +48,7 @@ from megatron_dip.schedule.ir import Placement, Recompute
 
 from .arguments import TrainConfig
 from .data_source import DataSpec, make_stream
+from .planner_config import planner_config, scoring_config
 
 logger = logging.getLogger(__name__)
 
@@ -230,19 +232,13 @@ class _Sizing:
             limit = self.memory_limit(cand.placement)
         except ConfigError:
             return math.inf
-        config = PlannerConfig(
-            seq_length=self.config.train.seq_length,
-            data_parallel=self.dp,
-            sub_sizes=self.sub_sizes,
-            memory_limit_bytes=limit,
-            tensor_parallel=self.tp,
-            sequence_parallel=self.config.parallel.sequence_parallel and self.tp > 1,
-            dtype=self.dtype,
-            use_search=False,
-            strict_memory=False,
-            packing=self.limits,
-            uniform_recompute=self.recompute,
-        )
+        config = scoring_config(
+            planner_config(
+                self.config, data_parallel=self.dp, tensor_parallel=self.tp,
+                sub_sizes=self.sub_sizes, memory_limit=limit, dtype=self.dtype,
+                packing=self.limits, uniform_recompute=self.recompute,
+            )
+        )  # fmt: skip
         planner = DipPlanner(
             self.model, self.cost_model, cand.placement, config, stage_units=cand.stage_units
         )
@@ -270,12 +266,17 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
             model, cost, num_ranks=pp, workload=sizing.workload, segments=segments
         )
         return PlacementCandidate("--dip-segments" if given else "rule", placement)
+    started = time.perf_counter()  # for the log only: the choice depends on the data alone
     static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
     chosen, scores = choose_dip_placement(
         model, cost, num_ranks=pp, workload=sizing.workload, unit_instances=sizing.sub_sizes,
         evaluate=sizing.score, extra=static_candidates(static),
     )  # fmt: skip
-    logger.info("placement %r chosen; simulated seconds per candidate: %s", chosen.name, scores)
+    logger.info(
+        "start-up placement search: %d candidates scored in %.1f s; placement %r chosen; "
+        "simulated seconds per candidate: %s",
+        len(scores), time.perf_counter() - started, chosen.name, scores,
+    )  # fmt: skip
     return chosen
 
 
