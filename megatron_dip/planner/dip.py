@@ -202,8 +202,11 @@ class DipPlanner:
         totals: BatchTotals,
         forward_only: bool = False,
         search: bool | None = None,
+        quick: bool = False,
     ) -> ReplicaPlan:
-        """Schedule the microbatches of one replica and return its validated plan."""
+        """Schedule the microbatches of one replica and return its validated plan; `quick`:
+        one list schedule, no search and no Megatron-order candidate, the memory pass only if
+        that schedule cannot fit (`fallback_plan`)."""
         started = time.perf_counter()
         subs = tuple(s for w in works for s in w.submicrobatches)
         deps = tuple(d for w in works for d in w.dependencies)
@@ -211,8 +214,9 @@ class DipPlanner:
         sub_of = {s.work: s for s in subs}
         use_search = self.config.use_search if search is None else search
         schedule, result, choice, errors = self._schedule(
-            dataflow, sub_of, forward_only=forward_only, use_search=use_search
-        )
+            dataflow, sub_of, forward_only=forward_only, use_search=use_search and not quick,
+            quick=quick,
+        )  # fmt: skip
         tensors = functools.partial(self._tensors, sub_of)
         programs = add_communication(
             schedule.orders, dataflow, tensors=tensors, compute_time=schedule.duration
@@ -231,7 +235,7 @@ class DipPlanner:
         )
         validate_plan(plan)
         simulated = None
-        if self.config.megatron_candidate and not forward_only:
+        if self.config.megatron_candidate and not forward_only and not quick:
             plan, simulated = self._best_of(
                 plan, works, totals=totals, replica=replica, over=schedule.overcommitted
             )
@@ -253,7 +257,8 @@ class DipPlanner:
         """A plan of one replica in milliseconds, for an iteration the planner process has no
         plan ready for: Megatron's order on this placement under the fastest uniform recompute
         setting that fits (no list schedule, memory pass or search); the greedy plan only where
-        Megatron's order does not apply to the batch or no setting of it fits. Deterministic:
+        Megatron's order does not apply to the batch or no setting of it fits (one list schedule,
+        `plan_replica(quick=True)`). Deterministic:
         made once (on one rank) and shared, it is what every rank runs."""
         works = layout.replicas[replica].works
         merged = merge_submicrobatches(self.model, works)
@@ -275,7 +280,9 @@ class DipPlanner:
             if found is not None:
                 validate_plan(found[0])
                 return found[0]
-        return self.plan_layout(layout, replica, search=False).plan
+        return self.plan_replica(
+            works, iteration=layout.iteration, replica=replica, totals=layout.totals, quick=True
+        ).plan
 
     def _best_of(
         self,
@@ -379,7 +386,13 @@ class DipPlanner:
         return found
 
     def _schedule(
-        self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool, use_search: bool
+        self,
+        dataflow: Dataflow,
+        sub_of: Mapping,
+        *,
+        forward_only: bool,
+        use_search: bool,
+        quick: bool = False,
     ) -> tuple[ListSchedule, SearchResult, RecomputeChoice, list[MemoryLimitError]]:
         """The list schedule of the searched order, with the recompute choice that fits the
         memory limit best, and the memory pass's errors (for the caller's report)."""
@@ -389,7 +402,8 @@ class DipPlanner:
         search = self._search(graph, dataflow, limits, use_search=use_search)
         schedule = self._list_schedule(graph, search.order, limits, choice)
         errors: list[MemoryLimitError] = []
-        if self.config.optimize_memory and limits is not None and not forward_only:
+        trade = not quick or schedule.overcommitted  # quick: only what it takes to fit
+        if self.config.optimize_memory and limits is not None and not forward_only and trade:
             for candidate in self._recompute_candidates(
                 dataflow, sub_of, search.order, limits, errors=errors
             ):
