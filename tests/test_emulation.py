@@ -330,17 +330,19 @@ def test_fit_recovers_known_overheads_from_measured_plans(dip) -> None:
         fit_overheads(points[:1])
 
 
-def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path) -> None:
+def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path, caplog) -> None:
     """The benchmark's smoke test (tiny-vlm, no launch): the stock runs carry their strongest
     configuration's flags, DIP runs the planner's granularity with the host overheads, every
     run shares the scale and the overheads file; the table and summaries come out."""
     import importlib.util
+    import logging
     import sys
     from pathlib import Path
 
-    from megatron_dip.benchmark.bench import BENCH_PRESETS, RunSummary
+    from megatron_dip.benchmark.bench import BENCH_PRESETS, RunSummary, resolve_run
     from megatron_dip.planner.overheads import HostOverheads, OverheadsFile, save_overheads
     from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.layout import placement_flag
     from megatron_dip.training.validate import recompute_mode
 
     path = Path(__file__).resolve().parent.parent / "tools" / "bench_schedules.py"
@@ -368,7 +370,13 @@ def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path
         assert fitting[key] == min(fitting.values())
     dip_flags = runs[2]["flags"]
     segments = dip_flags[dip_flags.index("--dip-segments") + 1]
-    assert segments == ",".join(f"{k}={v}" for k, v in runs[2]["granularity"]["segments"].items())
+    chosen = runs[2]["granularity"]["placement"]
+    assert segments == placement_flag(chosen, runs[2]["granularity"]["segments"])
+    # The run places as the tool's search chose, without searching again (static ones too).
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+        again = resolve_run(dip_flags, world_size=2)
+    assert "start-up placement search" not in caplog.text
+    assert (again.stage_units is not None) == chosen.startswith("static ")
     rows = [
         {"label": r["label"], "summary": RunSummary(r["label"], t, t, t, 0.0, t, t / 2, 0, 3)}
         for r, t in zip(runs, (3.0, 2.0, 1.0))

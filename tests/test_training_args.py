@@ -61,6 +61,12 @@ BAD = [
     (["--dip-search-time-ms", "-5"], 1, "--dip-search-time-ms", ">= 0"),
     (["--dip-segments", "vit=0"], 1, "--dip-segments", "MODULE=N"),
     (["--dip-segments", "foo=1"], 1, "--dip-segments", "unknown module"),
+    (
+        ["--pipeline-model-parallel-size", "2", "--dip-segments", "static:nope"],
+        2,
+        "--dip-segments",
+        "unknown static placement 'static:nope'; known: static:stock-v1",
+    ),
     (["--dip-memory-limit-gb", "1e-9"], 1, "--dip-memory-limit-gb", "no plan fits"),
     (["--dip-memory-limit-gb", "0"], 1, "--dip-memory-limit-gb", "> 0"),
     (["--dip-host-overheads", "/does/not/exist.json"], 1, "--dip-host-overheads", "cannot read"),
@@ -413,12 +419,24 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(mo
             base=base,
         )
     (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
-    chosen, scores = record.args
+    count, _seconds, chosen, flag, scores = record.args
+    assert count == len(scores)
     assert {"static stock v1", "static cost-split v1", "static cost-split v2"} <= set(scores)
     assert scores[chosen] == min(scores.values())
     static = chosen.startswith("static ")
     assert (spec.stage_units is not None) == static and (spec.segments == {}) == static
     assert make_planner(spec).stage_units == spec.stage_units
+    # The logged --dip-segments value gives the same placement without searching again.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+        again = _resolve(
+            ["--pipeline-model-parallel-size", "2", "--dip-segments", flag],
+            world_size=2,
+            base=base,
+        )
+    assert not [r for r in caplog.records if "chosen" in r.getMessage()]
+    assert again.placement == spec.placement and again.stage_units == spec.stage_units
+    assert again.sub_sizes == spec.sub_sizes
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,8 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
         dip += ["--dip-search-time-ms", str(args.search_time_ms)]
         runs.append(
             {"label": "dip", "flags": flags + dip, "simulated": None,
-             "granularity": {"segments": spec.segments, "sub_sizes": spec.sub_sizes}}
+             "granularity": {"segments": spec.segments, "sub_sizes": spec.sub_sizes,
+                             "placement": spec.placement_name}}
         )  # fmt: skip
     return runs, scale
 

@@ -2,7 +2,7 @@
 
 A `BenchPreset` names a paper setup as an emulated cluster: one process per pipeline rank (the
 paper's TP is folded into the cost model) and the data mixture. DIP runs the planner's own
-granularity (segments, sub-microbatch sizes): `dip_run_flags` resolves the DIP run once, with the
+granularity (segments, sub-microbatch sizes): `dip_run_flags` resolves the DIP run once (its start-up placement search), with the
 measured host overheads (--dip-host-overheads) when given, and hands its choice to the run and to
 its zero-sleep floor; `dip_flags` are only for explicit overrides. Before launching,
 `strongest_stock` picks, for each stock schedule, the strongest configuration a Megatron user could
@@ -239,8 +239,11 @@ def dip_run_flags(flags: Sequence[str], *, world_size: int) -> tuple[list[str], 
     """The planner's own granularity of the DIP run with `flags` (resolved once: with host
     overheads the candidates are simulated), as explicit flags for the run and its floor, and
     the resolved spec."""
+    from megatron_dip.training.layout import placement_flag
+
     spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
-    segments = ",".join(f"{k}={v}" for k, v in spec.segments.items())
+    # The search's choice as a flag (a static placement too): the runs do not search again.
+    segments = placement_flag(spec.placement_name, spec.segments)
     sizes = ",".join(f"{k}={v}" for k, v in spec.sub_sizes.items())
     out = ["--dip-segments", segments]
     return (out + ["--dip-sub-microbatch-size", sizes] if sizes else out), spec

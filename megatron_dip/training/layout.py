@@ -54,6 +54,18 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_BATCHES = 4
 SCORED_BATCHES = 2  # of them, planned greedily per placement candidate
+# --dip-segments static:NAME: the static placement the start-up search names "static NAME"
+# (e.g. static:cost-split-v1), without the search (`placement_flag` writes it).
+STATIC_PREFIX = "static:"
+
+
+def placement_flag(name: str, segments: Mapping[str, int]) -> str:
+    """The --dip-segments value that gives a run the placement the start-up search chose
+    (`name`: its candidate name, `segments`: DIP's segments per module, {} on a static one),
+    so that a later run of the same job need not search again."""
+    if name.startswith("static "):
+        return STATIC_PREFIX + name.removeprefix("static ").replace(" ", "-")
+    return ",".join(f"{k}={v}" for k, v in segments.items())
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class Layout:
     stage_units: list | None
     segments: dict[str, int]  # DIP's segments per module ({} on a static placement)
     memory_limit: list[float] | None
+    placement_name: str = ""  # the start-up search's name of the placement (`placement_flag`)
 
 
 def _fail(flag: str, message: str) -> ValueError:
@@ -246,9 +259,11 @@ class _Sizing:
 
 
 def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
-    """(segments, given): --dip-segments as given, else the latency rule's."""
+    """(segments, given): --dip-segments as given, else the latency rule's (also for
+    static:NAME, whose sub-microbatch sizes are the search's)."""
     given = config.dip.dip_segments
-    override = {} if given in (None, "auto") else parse_segments(given)
+    named = given is not None and given.startswith(STATIC_PREFIX)
+    override = {} if given in (None, "auto") or named else parse_segments(given)
     return (
         (override, True)
         if override
@@ -256,11 +271,27 @@ def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
     )
 
 
+def _named_static(sizing: _Sizing, flag: str) -> PlacementCandidate:
+    """The static placement --dip-segments static:NAME names (no search)."""
+    static = static_pipelines(
+        sizing.model, sizing.cost_model, num_ranks=sizing.pp, workload=sizing.workload
+    )
+    known = {placement_flag(c.name, {}): c for c in static_candidates(static)}
+    if flag not in known:
+        raise _fail(
+            "--dip-segments", f"unknown static placement {flag!r}; known: {', '.join(known)}"
+        )
+    return known[flag]
+
+
 def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
-    """The placement of `segments` (`given`: --dip-segments), or for PP > 1 the start-up
-    search: DIP's segment counts (`segments`, the latency rule's, among them) and the static
-    Megatron placements, scored by simulated greedy plans."""
+    """The placement of `segments` (`given`: --dip-segments; static:NAME names a static one),
+    or for PP > 1 the start-up search: DIP's segment counts (`segments`, the latency rule's,
+    among them) and the static Megatron placements, scored by simulated greedy plans."""
     model, cost, pp = sizing.model, sizing.cost_model, sizing.pp
+    flag = sizing.config.dip.dip_segments or ""
+    if flag.startswith(STATIC_PREFIX):
+        return _named_static(sizing, flag)
     if given or pp == 1:  # one rank: nothing to place, the rule's chunks are all there is
         placement, _ = build_dip_placement(
             model, cost, num_ranks=pp, workload=sizing.workload, segments=segments
@@ -272,10 +303,12 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         model, cost, num_ranks=pp, workload=sizing.workload, unit_instances=sizing.sub_sizes,
         evaluate=sizing.score, extra=static_candidates(static),
     )  # fmt: skip
+    segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
-        "start-up placement search: %d candidates scored in %.1f s; placement %r chosen; "
-        "simulated seconds per candidate: %s",
-        len(scores), time.perf_counter() - started, chosen.name, scores,
+        "start-up placement search: %d candidates scored in %.1f s; placement %r chosen "
+        "(--dip-segments %s skips the search); simulated seconds per candidate: %s",
+        len(scores), time.perf_counter() - started, chosen.name,
+        placement_flag(chosen.name, segments), scores,
     )  # fmt: skip
     return chosen
 
@@ -326,4 +359,4 @@ def build_layout(
     segments = {}
     if chosen.stage_units is None:  # DIP's own placement: segments per module
         segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
-    return Layout(sizes, chosen.placement, chosen.stage_units, segments, limit)
+    return Layout(sizes, chosen.placement, chosen.stage_units, segments, limit, chosen.name)

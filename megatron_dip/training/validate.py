@@ -68,6 +68,7 @@ class RunSpec:
     planner: PlannerConfig
     memory_limit_bytes: list[float] | None
     segments: dict[str, int] = field(default_factory=dict)
+    placement_name: str = ""  # the start-up search's name of the placement (layout.Layout)
     # Tests only, set with dataclasses.replace (no flag): misbehaviour of the planner process.
     planner_faults: PlannerFaults | None = None
     # --dip-emulate-compute: the duration scale of the sleeping chunks (None: real compute).
@@ -443,6 +444,7 @@ def resolve(
         limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
         placement=layout.placement, stage_units=layout.stage_units, planner=planner,
         memory_limit_bytes=layout.memory_limit, segments=layout.segments, recompute=recompute,
+        placement_name=layout.placement_name,
         resume=resume, pretrained=pretrained,
     )  # fmt: skip
 
