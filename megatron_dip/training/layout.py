@@ -37,7 +37,11 @@ from megatron_dip.planner.placement import (
     parse_segments,
     segments_per_module,
 )
-from megatron_dip.planner.placement_search import greedy_score, static_candidates
+from megatron_dip.planner.placement_search import (
+    greedy_score,
+    rank_load_bound,
+    static_candidates,
+)
 from megatron_dip.planner.static_baselines import (
     one_list_pipeline,
     static_pipelines,
@@ -245,6 +249,15 @@ class _Sizing:
             limit = self.memory_limit(cand.placement)
         except ConfigError:
             return math.inf
+        planner = self.planner(cand, limit)
+        return greedy_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
+
+    def bound(self, cand: PlacementCandidate) -> float:
+        """`rank_load_bound` of the scored batches: no score of `cand` is lower."""
+        return rank_load_bound(self.planner(cand, None), self.batches[:SCORED_BATCHES])
+
+    def planner(self, cand: PlacementCandidate, limit: list[float] | None) -> DipPlanner:
+        """The run's planner (greedy, `scoring_config`) on the candidate placement."""
         config = scoring_config(
             planner_config(
                 self.config, data_parallel=self.dp, tensor_parallel=self.tp,
@@ -252,10 +265,9 @@ class _Sizing:
                 packing=self.limits, uniform_recompute=self.recompute,
             )
         )  # fmt: skip
-        planner = DipPlanner(
+        return DipPlanner(
             self.model, self.cost_model, cand.placement, config, stage_units=cand.stage_units
         )
-        return greedy_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
 
 
 def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
@@ -301,7 +313,7 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
     static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
     chosen, scores = choose_dip_placement(
         model, cost, num_ranks=pp, workload=sizing.workload, unit_instances=sizing.sub_sizes,
-        evaluate=sizing.score, extra=static_candidates(static),
+        evaluate=sizing.score, extra=static_candidates(static), bound=sizing.bound,
     )  # fmt: skip
     segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
