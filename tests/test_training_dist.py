@@ -21,9 +21,9 @@
 * In-run calibration: the cost model's error falls after the first window; the calibration is
   identical on every rank and restored from the checkpoint.
 * Planner faults: killed, slow, raising, stopped (SIGSTOP: found by its heartbeat, killed) planner
-  processes. Each run completes on inline plans
-  where the planner had none, restarts a dead planner, logs what happened, and its losses equal
-  those of a run without a planner process (greedy plans are the same made anywhere).
+  processes. Each run completes on rank 0's shared fallback plans where the planner had none,
+  restarts a dead planner, logs what happened, and its losses equal those of a run without a
+  planner process (up to the accumulation order of the fallback plans), the same on every rank.
 * The host-overhead measurement (`benchmark.overhead`) times zero-sleep emulated DIP and 1F1B
   iterations on the training's own step.
 """
@@ -280,8 +280,11 @@ def test_training_survives_a_faulty_planner_with_the_same_losses(world, fault):
     assert undisturbed["variants"] == {"inline": 5}
     run = world[0][fault]
     assert sorted(run["losses"]) == list(range(1, 6))
-    assert run["losses"] == undisturbed["losses"]  # the same plans, so bit-identical
-    for rank in world[1:]:  # every rank ran the same plans
+    # The planner process's plans are the undisturbed run's greedy plans; a late iteration runs
+    # rank 0's fallback (Megatron's order on the placement): the same loss up to the order its
+    # gradients accumulate in.
+    assert run["losses"] == pytest.approx(undisturbed["losses"], rel=RTOL)
+    for rank in world[1:]:  # every rank ran the same plans (the fallback made once, shared)
         assert rank[fault]["losses"] == run["losses"]
         assert rank[fault]["variants"] == run["variants"]
     assert sum(run["variants"].values()) == 5 and run["variants"].get("inline", 0) >= 1
