@@ -174,7 +174,7 @@ def _captured_log():
 def planner_fault_runs(base: list[str], *, world_size: int) -> dict:
     """Greedy plans only (no search), so a plan is the same whether the planner process made it
     or the ranks inline: a run without a planner process, then runs whose planner is killed,
-    slow, or raises. Each returns its log messages."""
+    slow, or raises (late iterations: rank 0's shared fallback). Each returns its log."""
     from megatron_dip.planner.service import PlannerFaults
 
     flags = base + [
