@@ -274,6 +274,16 @@ def test_ranks_that_formed_different_batches_stop_together(world):
     assert len(set(prints[:3])) == 1 and prints[3] != prints[0]
 
 
+def test_the_start_up_sizing_runs_on_rank_0_and_reaches_every_rank(world):
+    """The entry point's sizing step (placement search) is computed once, on rank 0, and its
+    result, or its configuration error, reaches every rank."""
+    for rank, res in enumerate(world):
+        shared = res["shared_sizing"]
+        assert shared["got"] == {"placement": "static:cost-split-v1", "by": 0}
+        assert shared["calls"] == ([0] if rank == 0 else [])
+        assert shared["error"] == "--dip-segments: refused on rank 0"
+
+
 @pytest.mark.parametrize("fault", ["killed", "slow", "raises", "stopped"])
 def test_training_survives_a_faulty_planner_with_the_same_losses(world, fault):
     undisturbed = world[0]["undisturbed"]

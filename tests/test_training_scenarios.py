@@ -115,6 +115,7 @@ def world4(
         ],
         world_size=world_size,
     )  # fmt: skip
+    out["shared_sizing"] = shared_sizing_run()
     out.update(planner_fault_runs(base, world_size=world_size))
     out.update(optimizer_and_baseline_runs(base, tmp=tmp, world_size=world_size))
     out.update(bf16_runs(base, tmp=tmp, world_size=world_size))
@@ -169,6 +170,32 @@ def _captured_log():
         loggers[1].removeHandler(handler)
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def shared_sizing_run() -> dict:
+    """`setup.shared_by_rank0`, as the entry point sizes a job: computed on rank 0 alone and
+    handed to every rank; rank 0's configuration error raised on every rank."""
+    import torch.distributed as dist
+
+    from megatron_dip.training.config_error import ConfigError
+    from megatron_dip.training.setup import shared_by_rank0
+
+    calls = []
+
+    def compute() -> dict:
+        calls.append(dist.get_rank())
+        return {"placement": "static:cost-split-v1", "by": dist.get_rank()}
+
+    def refuse() -> None:
+        raise ConfigError("--dip-segments: refused on rank 0")
+
+    got = shared_by_rank0(compute, cuda=False, timeout_s=60.0)
+    try:
+        shared_by_rank0(refuse, cuda=False, timeout_s=60.0)
+        error = None
+    except ConfigError as e:
+        error = str(e)
+    return {"got": got, "calls": calls, "error": error}
 
 
 def planner_fault_runs(base: list[str], *, world_size: int) -> dict:
