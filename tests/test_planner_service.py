@@ -267,6 +267,29 @@ def test_a_late_plan_is_made_once_on_rank_0_and_shared(store_address):
     assert planner.fallback_plan(four, 0).name == "dip (megatron order)"
 
 
+def test_the_fallback_fits_the_memory_limit_without_a_simulation():
+    """Megatron's order as the fallback, under a limit below what it holds without
+    recomputation: a recompute setting is chosen from the order's own activation count (equal
+    to the simulator's peaks), and the plan fits in simulation."""
+    from megatron_dip.planner.fallback import activation_peaks
+
+    free = make_planner()
+    four = free.layout(batch(4, samples=20))
+    plain = free.fallback_plan(four, 0)
+    cost = free.cost_model
+    peaks = activation_peaks(plain, cost)
+    assert peaks == list(simulate(plain, cost).peak_activation_bytes)
+    limit_gb = 0.7 * max(peaks) / 2**30
+    tight = make_planner(memory_gb=limit_gb)
+    plan = tight.fallback_plan(tight.layout(batch(4, samples=20)), 0)
+    assert plan.name == "dip (megatron order)"
+    sim = simulate(plan, cost)
+    assert max(sim.peak_activation_bytes) <= limit_gb * 2**30
+    assert activation_peaks(plan, cost) == list(sim.peak_activation_bytes)
+    modes = {i.recompute for p in plan.programs for i in p.instructions if hasattr(i, "recompute")}
+    assert modes and Recompute.NONE not in modes
+
+
 def _wait_any_ready(store, iteration: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not store.check([f"dip/{iteration}/ready"]):

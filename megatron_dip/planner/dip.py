@@ -273,34 +273,12 @@ class DipPlanner:
 
     def fallback_plan(self, layout: BatchLayout, replica: int) -> Plan:
         """A plan of one replica in milliseconds, for an iteration the planner process has no
-        plan ready for: Megatron's order on this placement under the fastest uniform recompute
-        setting that fits (no list schedule, memory pass or search); the greedy plan only where
-        Megatron's order does not apply to the batch or no setting of it fits (one list schedule,
-        `plan_replica(quick=True)`). Deterministic:
-        made once (on one rank) and shared, it is what every rank runs."""
-        works = layout.replicas[replica].works
-        merged = merge_submicrobatches(self.model, works)
-        megatron_order = functools.cache(
-            functools.partial(
-                self._megatron_order, merged, totals=layout.totals, iteration=layout.iteration,
-                replica=replica,
-            )
-        )  # fmt: skip
-        if megatron_order(NO_RECOMPUTE) is not None:
-            limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
-            found = best_fitting_mode(
-                megatron_order,
-                layers=max_chunk_layers(self.placement),
-                cost_model=self.cost_model,
-                limits=limits,
-                channel=per_peer_channel,
-            )
-            if found is not None:
-                validate_plan(found[0])
-                return found[0]
-        return self.plan_replica(
-            works, iteration=layout.iteration, replica=replica, totals=layout.totals, quick=True
-        ).plan
+        plan ready for: Megatron's order on this placement under the cheapest uniform recompute
+        setting that fits, else one list schedule (`planner.fallback`). Deterministic: made
+        once (on one rank) and shared, it is what every rank runs."""
+        from .fallback import fallback_plan
+
+        return fallback_plan(self, layout, replica)
 
     def _best_of(
         self,
