@@ -342,7 +342,7 @@ def test_the_recompute_milp_has_no_clock_in_it(monkeypatch):
     real, options = scipy.optimize.milp, []
 
     def spy(*args, **kwargs):
-        options.append(kwargs["options"])
+        options.append(dict(kwargs["options"]))  # copied: milp consumes its options
         return real(*args, **kwargs)
 
     monkeypatch.setattr(scipy.optimize, "milp", spy)
