@@ -176,12 +176,15 @@ def test_chunks_sleep_at_least_the_cost_model_time_and_wait_for_remote_stamps(
 
 def test_summary_and_stock_choices(dip) -> None:
     records = [
-        {"iteration": i, "schedule_seconds": t, "predicted_s": 1.0, "bound_s": 0.5, "variant": v}
-        for i, (t, v) in enumerate([(9.0, "inline"), (1.0, "inline"), (2.0, "searched"),
-                                    (3.0, "searched")], start=1)
+        {"iteration": i, "schedule_seconds": t, "predicted_s": 1.0, "bound_s": 0.5, "variant": v,
+         "seconds": t + w + 0.5, "plan_wait_seconds": w}
+        for i, (t, v, w) in enumerate([(9.0, "inline", 0.0), (1.0, "inline", 20.0),
+                                       (2.0, "searched", 0.0), (3.0, "searched", 0.0)], start=1)
     ]  # fmt: skip
     s = summarize("dip", records, warmup=1)
-    assert (s.median_s, s.p90_s, s.inline_plans, s.iterations) == (2.0, 3.0, 1, 3)
+    # The headline is what the user waited: the inline iteration's 20 s wait counts there.
+    assert (s.elapsed_s, s.elapsed_p90_s, s.inline_plans, s.iterations) == (3.5, 21.5, 1, 3)
+    assert (s.median_s, s.schedule_s, s.plan_wait_s) == (3.5, 2.0, 0.0)
     with pytest.raises(ValueError, match="no iteration after"):
         summarize("dip", records, warmup=4)
     (choice,) = strongest_stock(FLAGS, world_size=2, batches=1, schedules=["1f1b"])
@@ -327,17 +330,19 @@ def test_fit_recovers_known_overheads_from_measured_plans(dip) -> None:
         fit_overheads(points[:1])
 
 
-def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path) -> None:
+def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path, caplog) -> None:
     """The benchmark's smoke test (tiny-vlm, no launch): the stock runs carry their strongest
     configuration's flags, DIP runs the planner's granularity with the host overheads, every
     run shares the scale and the overheads file; the table and summaries come out."""
     import importlib.util
+    import logging
     import sys
     from pathlib import Path
 
-    from megatron_dip.benchmark.bench import BENCH_PRESETS, RunSummary
+    from megatron_dip.benchmark.bench import BENCH_PRESETS, RunSummary, resolve_run
     from megatron_dip.planner.overheads import HostOverheads, OverheadsFile, save_overheads
     from megatron_dip.training.arguments import parse_config
+    from megatron_dip.training.layout import placement_flag
     from megatron_dip.training.validate import recompute_mode
 
     path = Path(__file__).resolve().parent.parent / "tools" / "bench_schedules.py"
@@ -365,9 +370,15 @@ def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path
         assert fitting[key] == min(fitting.values())
     dip_flags = runs[2]["flags"]
     segments = dip_flags[dip_flags.index("--dip-segments") + 1]
-    assert segments == ",".join(f"{k}={v}" for k, v in runs[2]["granularity"]["segments"].items())
+    chosen = runs[2]["granularity"]["placement"]
+    assert segments == placement_flag(chosen, runs[2]["granularity"]["segments"])
+    # The run places as the tool's search chose, without searching again (static ones too).
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+        again = resolve_run(dip_flags, world_size=2)
+    assert "start-up placement search" not in caplog.text
+    assert (again.stage_units is not None) == chosen.startswith("static ")
     rows = [
-        {"label": r["label"], "summary": RunSummary(r["label"], t, t, t, t / 2, 0, 3)}
+        {"label": r["label"], "summary": RunSummary(r["label"], t, t, t, 0.0, t, t / 2, 0, 3)}
         for r, t in zip(runs, (3.0, 2.0, 1.0))
     ]
     table = tool.format_table(rows)

@@ -308,3 +308,53 @@ def test_the_milps_native_output_stays_out_of_stdout(capfd, monkeypatch):
     assert calls and calls[0] is False, "the MILP did not run"
     assert "HighsMipSolverData" not in out
     assert "before the solve" in out and "after the solve" in out
+
+
+def test_the_memory_pass_undoes_greedy_upgrades_that_became_unnecessary(monkeypatch):
+    """Alive-sets {a, b} and {b, c} over a limit of 100: greedy relieves the first by
+    recomputing a (the best bytes per second there), then the second by b, which relieves the
+    first too; a's upgrade is undone, only b recomputes (the exact solver is off here)."""
+    from megatron_dip.planner import memory
+
+    monkeypatch.setattr(memory, "_exact", lambda pb: None)
+    a, b, c = (StageId("m", 0, k) for k in range(3))
+    order = [Forward(a), Forward(b), Backward(a), Forward(c), Backward(b), Backward(c)]
+    none, sel = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0)
+    sel_time = {a: 1.0, b: 1.1, c: 1.2}
+    choice = choose_recompute(
+        [order],
+        mode_cost=lambda s, m: (0.0, 60) if m == none else (sel_time[s], 30),
+        modes_of=lambda s: (none, sel),
+        keeps_activations=lambda s: True,
+        memory_limit=[100],
+    )
+    assert [choice.of(s) for s in (a, b, c)] == [none, sel, none]
+    assert choice.added_time == pytest.approx(1.1)
+
+
+def test_the_recompute_milp_has_no_clock_in_it(monkeypatch):
+    """The exact solver is bounded by its node count alone (no time limit: a loaded rank
+    would stop it elsewhere than an idle one), and only small problems reach it."""
+    import scipy.optimize
+
+    from megatron_dip.planner import memory
+
+    real, options = scipy.optimize.milp, []
+
+    def spy(*args, **kwargs):
+        options.append(dict(kwargs["options"]))  # copied: milp consumes its options
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scipy.optimize, "milp", spy)
+    g = unit_graph(single_module(2, 4))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    orders = list_schedule(g, priority=prio).orders
+    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
+    choose_recompute(
+        orders, mode_cost=lambda s, m: table[m], modes_of=lambda s: (none, sel, full),
+        keeps_activations=lambda s: True, memory_limit=[250, 1000],
+    )  # fmt: skip
+    assert options and all("time_limit" not in o for o in options)
+    assert all(o["node_limit"] == memory.MILP_NODE_LIMIT for o in options)
+    assert memory.MILP_MAX_STAGES <= 64

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -28,7 +29,8 @@ from megatron_dip.planner.service import (
     StoreAddress,
 )
 from megatron_dip.planner.simulator import simulate
-from megatron_dip.schedule.serialize import plan_to_bytes
+from megatron_dip.schedule.ir import Recompute
+from megatron_dip.schedule.serialize import plan_from_bytes, plan_to_bytes
 from megatron_dip.schedule.validate import validate_plan
 
 SEQ = 256
@@ -128,6 +130,64 @@ def test_memory_limit_is_respected_in_simulation():
     )
 
 
+class _SlowedRank:
+    """This process as a slow, loaded rank: every clock read jumps `step_s` ahead (a rank that
+    is descheduled between any two reads) and a busy thread competes for the interpreter."""
+
+    def __init__(self, monkeypatch, step_s: float) -> None:
+        self.offset, self.step_s = 0.0, step_s
+        for name in ("monotonic", "perf_counter", "time"):
+            monkeypatch.setattr(time, name, self._warped(getattr(time, name)))
+        self.stop = threading.Event()
+        self.hog = threading.Thread(target=self._spin, daemon=True)
+
+    def _warped(self, real):
+        def now() -> float:
+            self.offset += self.step_s
+            return real() + self.offset
+
+        return now
+
+    def _spin(self) -> None:
+        while not self.stop.is_set():
+            sum(range(1000))
+
+    def __enter__(self):
+        self.hog.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.hog.join()
+
+
+def test_ranks_slowed_differently_make_identical_plans(monkeypatch):
+    """What the ranks must agree on depends on the batch alone: the greedy plan and the
+    fallback plan of one batch, with the memory pass binding (recompute chosen), are the same
+    bytes on an idle rank, twice, and on a rank slowed by 1000 s per clock read and a busy
+    thread."""
+    free = make_planner().plan_batch(batch(2), search=False)[0]
+    limit_gb = 0.6 * max(simulate(free.plan, make_planner().cost_model).peak_activation_bytes)
+    limit_gb /= 2**30
+
+    def plans() -> tuple[bytes, bytes]:
+        planner = make_planner(memory_gb=limit_gb)
+        greedy = planner.plan_batch(batch(2), search=False)[0].plan
+        fallback = planner.fallback_plan(planner.layout(batch(2)), 0)
+        return plan_to_bytes(greedy), plan_to_bytes(fallback)
+
+    idle = plans()
+    assert idle == plans()
+    with monkeypatch.context() as m, _SlowedRank(m, step_s=1000.0):
+        assert plans() == idle
+    greedy = plan_from_bytes(idle[0])
+    assert any(
+        getattr(i, "recompute", Recompute.NONE) is not Recompute.NONE
+        for p in greedy.programs
+        for i in p.instructions
+    )  # the memory pass chose recomputation: the part that used to hang on the clock
+
+
 # -- the service ---------------------------------------------------------------------------------
 
 
@@ -177,6 +237,57 @@ def test_service_delivers_one_plan_to_every_rank_and_falls_back_inline(store_add
         assert not master.check(["dip/0/decision"])
     finally:
         service.close()
+
+
+def test_a_late_plan_is_made_once_on_rank_0_and_shared(store_address):
+    """Nothing ready for iteration 4: rank 0 makes the fallback (Megatron's order on the
+    placement) for every replica and publishes it; rank 1 reads it and plans nothing."""
+    address, master = store_address
+    planner, made = make_planner(), []
+
+    def fallbacks():
+        made.append(4)
+        return [planner.fallback_plan(planner.layout(batch(4)), 0)]
+
+    rank0 = PlanClient(address.connect(), replica=0, shares_fallback=True)
+    rank1 = PlanClient(address.connect(), replica=0, shares_fallback=False)
+    p0, v0 = rank0.fetch(4, fallbacks)
+    p1, v1 = rank1.fetch(4, lambda: pytest.fail("only rank 0 plans a late iteration"))
+    assert v0 == v1 == INLINE and made == [4]
+    assert plan_to_bytes(p0) == plan_to_bytes(p1)
+    # Five microbatches on two ranks: Megatron's interleaved order does not apply, the fallback
+    # is the quick list schedule (no search, no candidates).
+    assert p0.name == "dip" and p0.iteration == 4
+    validate_plan(p1)
+    rank0.cleanup(4, num_replicas=1)
+    assert not master.check(["dip/4/inline/0"])
+    # Four microbatches: Megatron's order applies, and that is the fallback.
+    four = planner.layout(batch(4, samples=20))
+    assert len(four.replicas[0].works) == 4
+    assert planner.fallback_plan(four, 0).name == "dip (megatron order)"
+
+
+def test_the_fallback_fits_the_memory_limit_without_a_simulation():
+    """Megatron's order as the fallback, under a limit below what it holds without
+    recomputation: a recompute setting is chosen from the order's own activation count (equal
+    to the simulator's peaks), and the plan fits in simulation."""
+    from megatron_dip.planner.fallback import activation_peaks
+
+    free = make_planner()
+    four = free.layout(batch(4, samples=20))
+    plain = free.fallback_plan(four, 0)
+    cost = free.cost_model
+    peaks = activation_peaks(plain, cost)
+    assert peaks == list(simulate(plain, cost).peak_activation_bytes)
+    limit_gb = 0.7 * max(peaks) / 2**30
+    tight = make_planner(memory_gb=limit_gb)
+    plan = tight.fallback_plan(tight.layout(batch(4, samples=20)), 0)
+    assert plan.name == "dip (megatron order)"
+    sim = simulate(plan, cost)
+    assert max(sim.peak_activation_bytes) <= limit_gb * 2**30
+    assert activation_peaks(plan, cost) == list(sim.peak_activation_bytes)
+    modes = {i.recompute for p in plan.programs for i in p.instructions if hasattr(i, "recompute")}
+    assert modes and Recompute.NONE not in modes
 
 
 def _wait_any_ready(store, iteration: int, timeout: float = 120.0) -> None:

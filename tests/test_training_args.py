@@ -61,6 +61,12 @@ BAD = [
     (["--dip-search-time-ms", "-5"], 1, "--dip-search-time-ms", ">= 0"),
     (["--dip-segments", "vit=0"], 1, "--dip-segments", "MODULE=N"),
     (["--dip-segments", "foo=1"], 1, "--dip-segments", "unknown module"),
+    (
+        ["--pipeline-model-parallel-size", "2", "--dip-segments", "static:nope"],
+        2,
+        "--dip-segments",
+        "unknown static placement 'static:nope'; known: static:stock-v1",
+    ),
     (["--dip-memory-limit-gb", "1e-9"], 1, "--dip-memory-limit-gb", "no plan fits"),
     (["--dip-memory-limit-gb", "0"], 1, "--dip-memory-limit-gb", "> 0"),
     (["--dip-host-overheads", "/does/not/exist.json"], 1, "--dip-host-overheads", "cannot read"),
@@ -400,25 +406,58 @@ def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize("model", ["tiny-vlm", "tiny-t2v"])
-def test_startup_placement_search_scores_static_placements_and_keeps_the_best(model, caplog):
+def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
+    model, caplog, monkeypatch
+):
     """Without --dip-segments, DIP's placement is the best-scoring of its segment counts and
     the static Megatron placements; a static one keeps its virtual stages for the planner."""
+    from megatron_dip.training import layout
     from megatron_dip.training.planning import make_planner
 
     base = ["--model", model, "--train-iters", "2", "--lr", "1"]
+    bounds, scored = {}, {}
+    real_bound, real_score = layout._Sizing.bound, layout._Sizing.score
+
+    def bound(self, cand):
+        bounds[cand.name] = real_bound(self, cand)
+        return bounds[cand.name]
+
+    def score(self, cand):
+        scored[cand.name] = real_score(self, cand)
+        return scored[cand.name]
+
+    monkeypatch.setattr(layout._Sizing, "bound", bound)
+    monkeypatch.setattr(layout._Sizing, "score", score)
     with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
         spec = _resolve(
             ["--pipeline-model-parallel-size", "2", "--dip-segments", "auto"],
             world_size=2,
             base=base,
         )
+    # The bound is one (no candidate scores below it); candidates skipped had a bound above
+    # the best score, so they could not have won.
+    assert set(scored) <= set(bounds) and scored
+    assert all(bounds[n] <= scored[n] * (1 + 1e-9) for n in scored)
+    assert all(bounds[n] > min(scored.values()) for n in set(bounds) - set(scored))
     (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
-    chosen, scores = record.args
-    assert {"static stock v1", "static cost-split v1", "static cost-split v2"} <= set(scores)
+    count, _seconds, chosen, flag, scores = record.args
+    assert count == len(scores)
+    assert {"static stock v1", "static cost-split v1", "static cost-split v2"} <= set(bounds)
     assert scores[chosen] == min(scores.values())
     static = chosen.startswith("static ")
     assert (spec.stage_units is not None) == static and (spec.segments == {}) == static
     assert make_planner(spec).stage_units == spec.stage_units
+    # The logged --dip-segments value gives the same placement without searching again.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+        again = _resolve(
+            ["--pipeline-model-parallel-size", "2", "--dip-segments", flag],
+            world_size=2,
+            base=base,
+        )
+    assert not [r for r in caplog.records if "chosen" in r.getMessage()]
+    assert again.placement == spec.placement and again.stage_units == spec.stage_units
+    assert again.sub_sizes == spec.sub_sizes
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ planner processes during training).
 * An empty dataset or one with no usable sample: a clear error, not a hang.
 * Pixels corrupt past a valid header pass the metadata check and fail at load, naming the record.
 * Planner fault injection (`PlannerFaults`) and the plans it leaves the ranks to make: a greedy
-  plan is the same made by the planner service or inline.
+  plan is the same made by the planner service or inline (--dip-lookahead 0: on every rank).
 * A loss or gradient norm non-finite for --dip-max-nonfinite-iters consecutive iterations stops
   the run naming them (the distributed run that does: test_training_dist.py).
 """

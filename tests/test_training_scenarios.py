@@ -115,6 +115,7 @@ def world4(
         ],
         world_size=world_size,
     )  # fmt: skip
+    out["shared_sizing"] = shared_sizing_run()
     out.update(planner_fault_runs(base, world_size=world_size))
     out.update(optimizer_and_baseline_runs(base, tmp=tmp, world_size=world_size))
     out.update(bf16_runs(base, tmp=tmp, world_size=world_size))
@@ -171,10 +172,36 @@ def _captured_log():
             lg.setLevel(level)
 
 
+def shared_sizing_run() -> dict:
+    """`setup.shared_by_rank0`, as the entry point sizes a job: computed on rank 0 alone and
+    handed to every rank; rank 0's configuration error raised on every rank."""
+    import torch.distributed as dist
+
+    from megatron_dip.training.config_error import ConfigError
+    from megatron_dip.training.setup import shared_by_rank0
+
+    calls = []
+
+    def compute() -> dict:
+        calls.append(dist.get_rank())
+        return {"placement": "static:cost-split-v1", "by": dist.get_rank()}
+
+    def refuse() -> None:
+        raise ConfigError("--dip-segments: refused on rank 0")
+
+    got = shared_by_rank0(compute, cuda=False, timeout_s=60.0)
+    try:
+        shared_by_rank0(refuse, cuda=False, timeout_s=60.0)
+        error = None
+    except ConfigError as e:
+        error = str(e)
+    return {"got": got, "calls": calls, "error": error}
+
+
 def planner_fault_runs(base: list[str], *, world_size: int) -> dict:
     """Greedy plans only (no search), so a plan is the same whether the planner process made it
     or the ranks inline: a run without a planner process, then runs whose planner is killed,
-    slow, or raises. Each returns its log messages."""
+    slow, or raises (late iterations: rank 0's shared fallback). Each returns its log."""
     from megatron_dip.planner.service import PlannerFaults
 
     flags = base + [

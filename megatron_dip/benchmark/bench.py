@@ -2,7 +2,7 @@
 
 A `BenchPreset` names a paper setup as an emulated cluster: one process per pipeline rank (the
 paper's TP is folded into the cost model) and the data mixture. DIP runs the planner's own
-granularity (segments, sub-microbatch sizes): `dip_run_flags` resolves the DIP run once, with the
+granularity (segments, sub-microbatch sizes): `dip_run_flags` resolves the DIP run once (its start-up placement search), with the
 measured host overheads (--dip-host-overheads) when given, and hands its choice to the run and to
 its zero-sleep floor; `dip_flags` are only for explicit overrides. Before launching,
 `strongest_stock` picks, for each stock schedule, the strongest configuration a Megatron user could
@@ -239,8 +239,11 @@ def dip_run_flags(flags: Sequence[str], *, world_size: int) -> tuple[list[str], 
     """The planner's own granularity of the DIP run with `flags` (resolved once: with host
     overheads the candidates are simulated), as explicit flags for the run and its floor, and
     the resolved spec."""
+    from megatron_dip.training.layout import placement_flag
+
     spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
-    segments = ",".join(f"{k}={v}" for k, v in spec.segments.items())
+    # The search's choice as a flag (a static placement too): the runs do not search again.
+    segments = placement_flag(spec.placement_name, spec.segments)
     sizes = ",".join(f"{k}={v}" for k, v in spec.sub_sizes.items())
     out = ["--dip-segments", segments]
     return (out + ["--dip-sub-microbatch-size", sizes] if sizes else out), spec
@@ -287,15 +290,26 @@ def auto_scale(
 
 @dataclass(frozen=True)
 class RunSummary:
-    """One schedule's measured and predicted numbers over the measured iterations."""
+    """One schedule's measured and predicted numbers over the measured iterations.
+
+    `elapsed_s` is what a user waits per iteration (the training loop's own clock: plan fetch
+    and any planning wait, data, schedule, optimizer); `schedule_s` the forward/backward
+    schedule alone; `plan_wait_s` the wait for the plan. Medians; p90 of the elapsed time."""
 
     label: str
-    median_s: float
-    p90_s: float
+    elapsed_s: float
+    elapsed_p90_s: float
+    schedule_s: float
+    plan_wait_s: float
     predicted_s: float | None
     bound_s: float | None
     inline_plans: int
     iterations: int
+
+    @property
+    def median_s(self) -> float:
+        """The headline: the elapsed iteration."""
+        return self.elapsed_s
 
 
 def _p90(values: Sequence[float]) -> float:
@@ -304,18 +318,21 @@ def _p90(values: Sequence[float]) -> float:
 
 
 def summarize(label: str, records: Sequence[Mapping], *, warmup: int) -> RunSummary:
-    """Median / p90 schedule time of the iterations after `warmup`, with the simulator's
-    prediction and bound (medians) and the plans that fell back to inline planning."""
+    """Medians of the elapsed iteration, its schedule and plan wait over the iterations after
+    `warmup` (p90 of the elapsed one), with the simulator's prediction and bound (medians) and
+    the plans that fell back to inline planning."""
     measured = [r for r in records if r["iteration"] > warmup]
     if not measured:
         raise ValueError(f"{label}: no iteration after the {warmup} warm-up iterations")
-    times = [r["schedule_seconds"] for r in measured]
+    elapsed = [r["seconds"] for r in measured]
     predicted = [r["predicted_s"] for r in measured if "predicted_s" in r]
     bounds = [r["bound_s"] for r in measured if "bound_s" in r]
     return RunSummary(
         label=label,
-        median_s=statistics.median(times),
-        p90_s=_p90(times),
+        elapsed_s=statistics.median(elapsed),
+        elapsed_p90_s=_p90(elapsed),
+        schedule_s=statistics.median(r["schedule_seconds"] for r in measured),
+        plan_wait_s=statistics.median(r.get("plan_wait_seconds", 0.0) for r in measured),
         predicted_s=statistics.median(predicted) if predicted else None,
         bound_s=statistics.median(bounds) if bounds else None,
         inline_plans=sum(r.get("variant") == "inline" for r in measured),

@@ -38,16 +38,19 @@ def measured_spans(trace_path: Path) -> dict[int, list[tuple[str, bool, float, f
 
 def _bars(ax, rows: Sequence[dict]) -> None:
     labels = [r["label"] for r in rows]
-    medians = [r["summary"].median_s for r in rows]
-    p90 = [r["summary"].p90_s - r["summary"].median_s for r in rows]
+    medians = [r["summary"].elapsed_s for r in rows]
+    p90 = [r["summary"].elapsed_p90_s - r["summary"].elapsed_s for r in rows]
     colours = ["#2ca02c" if lab == "dip" else "#7f7f7f" for lab in labels]
     ax.barh(range(len(rows)), medians, xerr=p90, color=colours)
     for i, r in enumerate(rows):
+        ax.plot([r["summary"].schedule_s] * 2, [i - 0.4, i + 0.4], "b-", linewidth=1)
         if r["summary"].predicted_s:
             ax.plot([r["summary"].predicted_s] * 2, [i - 0.4, i + 0.4], "k--", linewidth=1)
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("iteration time (s): median, p90 whisker; dashed: simulated")
+    ax.set_xlabel(
+        "elapsed iteration (s): median, p90 whisker; blue: schedule time; dashed: simulated"
+    )
 
 
 def _timeline(ax, spans: dict[int, list]) -> None:

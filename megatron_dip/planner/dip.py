@@ -10,10 +10,12 @@ Everything here works on metadata only; the runtime is never imported.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..batching import BatchLayout, LayoutConfig, MessageShapes, MicrobatchWork, layout_batch
@@ -126,6 +128,9 @@ class DipPlanner:
         # Per plan (keyed by its sub-microbatch table): message tensors and stage costs, asked
         # for several times each by the graph, memory and communication passes.
         self._memo: tuple = (None, {}, {})
+        # CPU seconds spent per pass over this planner's plans (`tools/planner_speed.py`):
+        # statistics only, nothing planned depends on them.
+        self.pass_seconds: Counter[str] = Counter()
         self.shapes = MessageShapes(
             model,
             dtype=config.dtype,
@@ -147,10 +152,20 @@ class DipPlanner:
             data_parallel=c.data_parallel,
         )
 
+    @contextlib.contextmanager
+    def _pass(self, name: str) -> Iterator[None]:
+        """Count the CPU time of the block as pass `name` (`pass_seconds`)."""
+        started = time.process_time()
+        try:
+            yield
+        finally:
+            self.pass_seconds[name] += time.process_time() - started
+
     def layout(self, batch: BatchMeta) -> BatchLayout:
         """The global batch over the replicas: samples balanced by estimated cost, each
         replica's share packed and cut into sub-microbatches."""
-        return layout_batch(self.model, batch, self.layout_config, cost=self.sample_cost)
+        with self._pass("layout"):
+            return layout_batch(self.model, batch, self.layout_config, cost=self.sample_cost)
 
     def sample_cost(self, meta: SampleMeta) -> float:
         """Estimated compute of one sample: every module's time on its share of the sample."""
@@ -202,8 +217,11 @@ class DipPlanner:
         totals: BatchTotals,
         forward_only: bool = False,
         search: bool | None = None,
+        quick: bool = False,
     ) -> ReplicaPlan:
-        """Schedule the microbatches of one replica and return its validated plan."""
+        """Schedule the microbatches of one replica and return its validated plan; `quick`:
+        one list schedule, no search and no Megatron-order candidate, the memory pass only if
+        that schedule cannot fit (`fallback_plan`)."""
         started = time.perf_counter()
         subs = tuple(s for w in works for s in w.submicrobatches)
         deps = tuple(d for w in works for d in w.dependencies)
@@ -211,12 +229,14 @@ class DipPlanner:
         sub_of = {s.work: s for s in subs}
         use_search = self.config.use_search if search is None else search
         schedule, result, choice, errors = self._schedule(
-            dataflow, sub_of, forward_only=forward_only, use_search=use_search
-        )
+            dataflow, sub_of, forward_only=forward_only, use_search=use_search and not quick,
+            quick=quick,
+        )  # fmt: skip
         tensors = functools.partial(self._tensors, sub_of)
-        programs = add_communication(
-            schedule.orders, dataflow, tensors=tensors, compute_time=schedule.duration
-        )
+        with self._pass("communication"):
+            programs = add_communication(
+                schedule.orders, dataflow, tensors=tensors, compute_time=schedule.duration
+            )
         plan = Plan(
             iteration=iteration,
             placement=self.placement,
@@ -229,12 +249,14 @@ class DipPlanner:
             forward_only=forward_only,
             name="dip",
         )
-        validate_plan(plan)
+        with self._pass("validation"):
+            validate_plan(plan)
         simulated = None
-        if self.config.megatron_candidate and not forward_only:
-            plan, simulated = self._best_of(
-                plan, works, totals=totals, replica=replica, over=schedule.overcommitted
-            )
+        if self.config.megatron_candidate and not forward_only and not quick:
+            with self._pass("candidates"):
+                plan, simulated = self._best_of(
+                    plan, works, totals=totals, replica=replica, over=schedule.overcommitted
+                )
         overcommitted = schedule.overcommitted and plan.name == "dip"
         if overcommitted:
             self._overcommitted(schedule, errors)
@@ -248,6 +270,15 @@ class DipPlanner:
             simulated,
             overcommitted=overcommitted,
         )
+
+    def fallback_plan(self, layout: BatchLayout, replica: int) -> Plan:
+        """A plan of one replica in milliseconds, for an iteration the planner process has no
+        plan ready for: Megatron's order on this placement under the cheapest uniform recompute
+        setting that fits, else one list schedule (`planner.fallback`). Deterministic: made
+        once (on one rank) and shared, it is what every rank runs."""
+        from .fallback import fallback_plan
+
+        return fallback_plan(self, layout, replica)
 
     def _best_of(
         self,
@@ -351,20 +382,32 @@ class DipPlanner:
         return found
 
     def _schedule(
-        self, dataflow: Dataflow, sub_of: Mapping, *, forward_only: bool, use_search: bool
+        self,
+        dataflow: Dataflow,
+        sub_of: Mapping,
+        *,
+        forward_only: bool,
+        use_search: bool,
+        quick: bool = False,
     ) -> tuple[ListSchedule, SearchResult, RecomputeChoice, list[MemoryLimitError]]:
         """The list schedule of the searched order, with the recompute choice that fits the
         memory limit best, and the memory pass's errors (for the caller's report)."""
         limits = self._memory_limits()
         choice = self._uniform_choice()
-        graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
-        search = self._search(graph, dataflow, limits, use_search=use_search)
-        schedule = self._list_schedule(graph, search.order, limits, choice)
+        with self._pass("list schedule"):
+            graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
+        with self._pass("search"):
+            search = self._search(graph, dataflow, limits, use_search=use_search)
+        with self._pass("list schedule"):
+            schedule = self._list_schedule(graph, search.order, limits, choice)
         errors: list[MemoryLimitError] = []
-        if self.config.optimize_memory and limits is not None and not forward_only:
-            for candidate in self._recompute_candidates(
-                dataflow, sub_of, search.order, limits, errors=errors
-            ):
+        trade = not quick or schedule.overcommitted  # quick: only what it takes to fit
+        if self.config.optimize_memory and limits is not None and not forward_only and trade:
+            with self._pass("memory pass"):
+                candidates = self._recompute_candidates(
+                    dataflow, sub_of, search.order, limits, errors=errors
+                )
+            for candidate in candidates:
                 if schedule.overcommitted or candidate[0].makespan < schedule.makespan:
                     schedule, choice = candidate
         return schedule, search, choice, errors

@@ -4,7 +4,9 @@ Given the order a rank runs its stages in, the activations alive after each forw
 Choosing recompute mode m for a stage (one chunk on one sub-microbatch) changes both the bytes it
 keeps until its backward and the time that backward takes. We pick one mode per stage so that
 every alive-set fits under the limit at the least added time: only the stages alive at the peaks
-need recomputing. A 0/1 integer programme per rank, solved with HiGHS (scipy.optimize.milp).
+need recomputing. Per rank: a greedy choice (then undoing upgrades that became unnecessary),
+improved by the exact 0/1 integer programme (HiGHS, scipy.optimize.milp) only where it is small;
+the work is bounded by problem size and node count, never by the clock (see MILP_MAX_STAGES).
 
 The modes of a stage are `stage_modes(layers)`: none, selective, Megatron's block method over the
 first layer and over half of the chunk's layers (partial recomputation inside a chunk), and full;
@@ -103,17 +105,17 @@ def choose_recompute(
     return RecomputeChoice(modes, added)
 
 
-# The exact MILP is solved only when this few stages need a decision (HiGHS slows down sharply
-# beyond); the greedy answer stands otherwise and is the fallback when the solver finds nothing.
-# The solver's effort is bounded by branch-and-bound nodes, not wall time: every rank plans the
-# same batch (inline plans, restarted planners) and must get the same answer however loaded its
-# CPU is. A wall-clock limit made the chosen recompute modes, and so the plan bytes, depend on
-# timing. The time limit is only a guard against a pathological solve.
-MILP_MAX_STAGES = 120
+# The memory pass is bounded by work, never by the clock: every result the ranks must agree on
+# (plans made inline, by a restarted planner, or on another machine) depends on its input only.
+# The greedy answer (relieve the fullest alive-set by the upgrade saving most bytes per second,
+# then undo upgrades that turned out unnecessary) always stands; the exact 0/1 programme (HiGHS)
+# improves on it only where it is small enough to finish within its node budget in milliseconds
+# (HiGHS is deterministic for a given node limit; no time limit is set). A wall-clock limit made
+# the chosen recompute modes, and so the plan bytes, depend on a rank's load (issue 22).
+MILP_MAX_STAGES = 48
 MILP_NODE_LIMIT = 200
-MILP_GUARD_TIME_S = 30.0
-# Nor when the greedy answer adds less than this share of the rank's compute: the MILP can save
-# at most what the greedy answer adds, and a solve costs ~0.1-1.5 s (most of a plan's time).
+# Nor when the greedy answer adds less than this share of the rank's compute: the exact solver
+# can save at most what the greedy answer adds (the bound), so a solve cannot pay for itself.
 MILP_MIN_GAIN = 0.01
 
 
@@ -184,15 +186,39 @@ def _greedy(pb: _RankProblem) -> np.ndarray:
         mode[st] = m
 
 
+def _undo_unneeded(pb: _RankProblem, mode: np.ndarray) -> np.ndarray:
+    """Step each upgraded stage (costliest upgrade first) back to the cheapest mode that keeps
+    every alive-set under the limit: a greedy upgrade made early can become unnecessary once
+    later upgrades relieved the same sets. Deterministic (ties by stage index)."""
+    mode = mode.copy()
+    member = np.zeros((len(pb.sets), len(pb.stages)), dtype=bool)
+    for i, alive in enumerate(pb.sets):
+        member[i, alive] = True
+    rows = np.arange(len(pb.stages))
+    used = member @ pb.nbytes[rows, mode]
+    upgraded = [int(i) for i in np.flatnonzero(mode)]
+    upgraded.sort(key=lambda i: (-(pb.time[i, mode[i]] - pb.time[i, 0]), i))
+    for i in upgraded:
+        for m in range(mode[i]):  # cheapest first
+            if pb.time[i, m] >= pb.time[i, mode[i]]:
+                continue
+            grow = pb.nbytes[i, m] - pb.nbytes[i, mode[i]]
+            if np.all(used[member[:, i]] + grow <= pb.limit):
+                used[member[:, i]] += grow
+                mode[i] = m
+                break
+    return mode
+
+
 def _exact(pb: _RankProblem) -> np.ndarray | None:
     """The MILP over the stages of the over-limit sets (HiGHS); None when too big or unsolved."""
     # Imported here: scipy.optimize takes seconds to import on a loaded machine, and the
     # planner process should be ready before the first iterations (most plans never get here).
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
     involved = np.unique(np.concatenate(pb.sets))
     if len(involved) > MILP_MAX_STAGES:
         return None
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     k = pb.time.shape[1]
     local = {int(st): i for i, st in enumerate(involved)}
     objective = (pb.time[involved] - pb.time[involved, :1]).ravel()
@@ -209,16 +235,7 @@ def _exact(pb: _RankProblem) -> np.ndarray | None:
             integrality=np.ones(len(objective)),
             bounds=Bounds(0, 1),
             constraints=[LinearConstraint(rows, -np.inf, upper), LinearConstraint(one_mode, 1, 1)],
-            options={
-                "node_limit": MILP_NODE_LIMIT, "time_limit": MILP_GUARD_TIME_S, "disp": False,
-            },
-        )  # fmt: skip
-    if "time limit" in str(result.message).lower():
-        logger.warning(
-            "recompute MILP hit its %.0f s guard (%d stages): this plan may differ between "
-            "runs; lower MILP_MAX_STAGES",
-            MILP_GUARD_TIME_S,
-            len(involved),
+            options={"node_limit": MILP_NODE_LIMIT, "disp": False},
         )
     if result.x is None or result.status not in (0, 1):
         return None
@@ -242,7 +259,7 @@ def _solve_rank(
         held = pb.nbytes[rows, mode]
         return all(held[a].sum() <= limit for a in pb.sets)
 
-    best = _greedy(pb)
+    best = _undo_unneeded(pb, _greedy(pb))
     if added(best) <= MILP_MIN_GAIN * float(pb.time[:, 0].sum()):
         exact = None  # nothing worth a solve
     else:

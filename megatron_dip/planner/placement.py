@@ -243,13 +243,16 @@ def choose_dip_placement(
     evaluate: Callable[[PlacementCandidate], float],
     segments: Mapping[str, int] | None = None,
     extra: Sequence[PlacementCandidate] = (),
+    bound: Callable[[PlacementCandidate], float] | None = None,
 ) -> tuple[PlacementCandidate, dict[str, float]]:
     """The candidate that makes `evaluate` (e.g. the simulated iteration time of planned
     calibration batches) smallest: DIP placements of several segment counts (the latency rule
     K_i = floor(T_i / T_min) among them) and the `extra` ones (the static Megatron placements,
     so the choice is never slower on those batches than the strongest static one). An explicit
-    `segments` (--dip-segments) skips the search. Returns the candidate and every candidate's
-    score (for the log)."""
+    `segments` (--dip-segments) skips the search. `bound(c)`: a lower bound on `evaluate(c)`;
+    candidates are then scored in the order of their bounds and one whose bound exceeds the
+    best score so far is not scored (it cannot win): the same choice for less work. Returns the
+    candidate and the scores of the candidates scored (for the log)."""
     if segments:
         placement, _ = build_dip_placement(
             model, cost_model, num_ranks=num_ranks, workload=workload, segments=segments
@@ -266,9 +269,18 @@ def choose_dip_placement(
         )
         candidates.append(PlacementCandidate(_segments_name(cand), placement))
     candidates += list(extra)
+    if bound is not None:  # stable: equal bounds keep the candidates' order
+        bounds = [bound(c) for c in candidates]
+        order = sorted(range(len(candidates)), key=bounds.__getitem__)
+        candidates = [candidates[i] for i in order]
+        bounds = [bounds[i] for i in order]
     scores: dict[str, float] = {}
     best = None
-    for cand in candidates:
+    for i, cand in enumerate(candidates):
+        if bound is not None and best is not None and bounds[i] > best[0][0]:
+            logger.debug("placement %s skipped: bound %.4g > best %.4g", cand.name, bounds[i],
+                         best[0][0])  # fmt: skip
+            continue
         score = evaluate(cand)
         scores[cand.name] = score
         # Ties go to fewer chunks: fewer messages on a real network.

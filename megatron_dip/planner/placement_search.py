@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from ..data.sample import BatchMeta
 from ..schedule.engine import ChannelFn, per_peer_channel
+from ..schedule.ir import NO_RECOMPUTE
+from .candidates import merge_submicrobatches
 from .dip import DipPlanner
 from .placement import PlacementCandidate
 from .simulator import simulate
@@ -47,4 +49,24 @@ def greedy_score(
     return sum(times) / len(times)
 
 
-__all__ = ["greedy_score", "static_candidates"]
+def rank_load_bound(planner: DipPlanner, batches: Sequence[BatchMeta]) -> float:
+    """A lower bound on `greedy_score` for the planner's placement: the mean over `batches` of
+    the busiest rank's compute on the first replica, each module's share of a microbatch priced
+    whole (no plan of that work, split or not, recomputing or not, with host overheads or
+    without, takes less). The start-up search skips a candidate whose bound exceeds the best
+    score found (`choose_dip_placement`): the same choice as scoring it, for less work."""
+    cost, placement, model = planner.cost_model, planner.placement, planner.model
+    loads = []
+    for batch in batches:
+        works = merge_submicrobatches(model, planner.layout(batch).replicas[0].works)
+        per_rank = [0.0] * placement.num_ranks
+        for sub in (s for w in works for s in w.submicrobatches):
+            backward = cost.needs_backward(sub.module)
+            for chunk in placement.module(sub.module).chunks:
+                c = cost.stage_cost(chunk, sub, *NO_RECOMPUTE)
+                per_rank[chunk.rank] += c.forward + (c.backward if backward else 0.0)
+        loads.append(max(per_rank))
+    return sum(loads) / len(loads)
+
+
+__all__ = ["greedy_score", "rank_load_bound", "static_candidates"]

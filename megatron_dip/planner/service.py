@@ -15,8 +15,10 @@ data-parallel replica:
 A training rank about to run iteration `it` calls `PlanClient.decide(it)`: the first rank's
 compare-and-set fixes the variant from what is ready at that moment ("inline" if nothing is), and
 every other rank reads the same decision, so all ranks run the same plan and nobody waits for the
-search. "inline" means the training loop computes the greedy plan itself (deterministic, so every
-rank computes the same one). The planner stops improving an iteration once it is decided.
+search. "inline" means the training ranks plan it themselves: in a job, rank 0 makes a cheap
+fallback plan (Megatron's order on the placement, milliseconds) for every replica once and shares
+it through `dip/{it}/inline/{replica}` (`PlanClient.shares_fallback`). The planner stops
+improving an iteration once it is decided.
 
 The planner process (`process.py`: a plain subprocess over two pipes that dies with its rank;
 its body: `planner_loop.py`) touches neither the store nor torch: it plans from the batches
@@ -346,11 +348,18 @@ class PlannerService:
 
 
 class PlanClient:
-    """What a training rank uses to obtain the plan of an iteration."""
+    """What a training rank uses to obtain the plan of an iteration.
 
-    def __init__(self, store, *, replica: int) -> None:
+    `shares_fallback`: who plans an iteration the planner had nothing ready for. None: every
+    rank calls its own `inline` (deterministic, so the same plan; tests, single-rank runs).
+    True: this rank (rank 0) calls `inline` for the plans of every replica and publishes them
+    (`dip/{it}/inline/{replica}`); False: this rank reads its replica's from there. So a late
+    plan is made once per job, not once per rank."""
+
+    def __init__(self, store, *, replica: int, shares_fallback: bool | None = None) -> None:
         self.store = store
         self.replica = replica
+        self.shares_fallback = shares_fallback
         self.inline_count = 0
         # Calibration version of the last fetched plan (None: planned inline by the caller).
         self.plan_calibration: int | None = None
@@ -362,17 +371,20 @@ class PlanClient:
         decided = self.store.compare_set(_key(iteration, "decision"), "", ready)
         return decided.decode() if isinstance(decided, bytes) else str(decided)
 
-    def fetch(self, iteration: int, inline: Callable[[], Plan]) -> tuple[Plan, str]:
-        """The plan this rank's replica runs at `iteration` and its variant. `inline` computes
-        the greedy plan when the planner had nothing ready (counted and logged)."""
+    def fetch(self, iteration: int, inline: Callable[[], Plan | list[Plan]]) -> tuple[Plan, str]:
+        """The plan this rank's replica runs at `iteration` and its variant. `inline` plans the
+        iteration when the planner had nothing ready (counted and logged): this replica's plan,
+        or with `shares_fallback=True` every replica's (a list)."""
         variant = self.decide(iteration)
         self.plan_calibration = None
         if variant == INLINE:
             self.inline_count += 1
             logger.warning(
-                "iteration %d: no plan ready from the planner, planning inline", iteration
+                "iteration %d: no plan ready from the planner, planning inline%s",
+                iteration,
+                "" if self.shares_fallback is None else " (once, on rank 0)",
             )
-            return inline(), variant
+            return self._fallback(iteration, inline), variant
         started = time.monotonic()
         data = self.store.get(_key(iteration, variant, self.replica))
         plan = plan_from_bytes(data)
@@ -392,8 +404,28 @@ class PlanClient:
         )
         return plan, variant
 
+    def _fallback(self, iteration: int, inline: Callable[[], Plan | list[Plan]]) -> Plan:
+        """The inline plan: computed here, or made once on rank 0 and shared (class doc)."""
+        if self.shares_fallback is None:
+            return inline()
+        if self.shares_fallback:
+            plans = inline()
+            for replica, plan in enumerate(plans):
+                self.store.set(_key(iteration, INLINE, replica), plan_to_bytes(plan))
+            return plans[self.replica]
+        try:  # bounded by the store's timeout (--dip-comm-timeout-s)
+            data = self.store.get(_key(iteration, INLINE, self.replica))
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"iteration {iteration}: rank 0 published no fallback plan for replica "
+                f"{self.replica} within the plan store's timeout: {e}"
+            ) from None
+        return plan_from_bytes(data)
+
     def cleanup(self, iteration: int, *, num_replicas: int) -> None:
         """Delete an iteration's keys once every rank has fetched its plan."""
+        for r in range(num_replicas):
+            self.store.delete_key(_key(iteration, INLINE, r))
         for variant in (GREEDY, SEARCHED):
             for r in range(num_replicas):
                 self.store.delete_key(_key(iteration, variant, r))

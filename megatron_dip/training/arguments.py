@@ -70,7 +70,8 @@ class DipArgs:
         None,
         "pipeline segments per module, e.g. vit=1,llm=2, or auto: chosen at start-up among "
         "segment counts and the static Megatron placements by simulated plans of the first "
-        "batches (the default where the --model preset gives none)",
+        "batches (the default where the --model preset gives none; the log names the choice "
+        "as a value of this flag, e.g. static:cost-split-v1 for a static placement)",
         megatron=False,
     )
     dip_sub_microbatch_size: str | None = arg(

@@ -53,10 +53,21 @@ def world_size_from_env() -> int:
 
 
 def validated(config: TrainConfig, *, world_size: int) -> RunSpec:
-    """`resolve` with the machine's CUDA availability."""
+    """`resolve` with the machine's CUDA availability; under torchrun with several processes,
+    the sizing step (start-up placement search) runs on rank 0 and is shared with the others."""
+    import functools
+
     import torch
 
-    return resolve(config, world_size=world_size, cuda=torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    shared = None
+    if world_size > 1 and "RANK" in os.environ:
+        from .setup import shared_by_rank0
+
+        shared = functools.partial(
+            shared_by_rank0, cuda=cuda, timeout_s=config.dip.dip_comm_timeout_s
+        )
+    return resolve(config, world_size=world_size, cuda=cuda, shared=shared)
 
 
 def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:

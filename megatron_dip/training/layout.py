@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -28,7 +29,7 @@ from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.compare import activation_limits, average_workload
-from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.placement import (
     PlacementCandidate,
     build_dip_placement,
@@ -36,7 +37,11 @@ from megatron_dip.planner.placement import (
     parse_segments,
     segments_per_module,
 )
-from megatron_dip.planner.placement_search import greedy_score, static_candidates
+from megatron_dip.planner.placement_search import (
+    greedy_score,
+    rank_load_bound,
+    static_candidates,
+)
 from megatron_dip.planner.static_baselines import (
     one_list_pipeline,
     static_pipelines,
@@ -47,11 +52,24 @@ from megatron_dip.schedule.ir import Placement, Recompute
 
 from .arguments import TrainConfig
 from .data_source import DataSpec, make_stream
+from .planner_config import planner_config, scoring_config
 
 logger = logging.getLogger(__name__)
 
 CALIBRATION_BATCHES = 4
 SCORED_BATCHES = 2  # of them, planned greedily per placement candidate
+# --dip-segments static:NAME: the static placement the start-up search names "static NAME"
+# (e.g. static:cost-split-v1), without the search (`placement_flag` writes it).
+STATIC_PREFIX = "static:"
+
+
+def placement_flag(name: str, segments: Mapping[str, int]) -> str:
+    """The --dip-segments value that gives a run the placement the start-up search chose
+    (`name`: its candidate name, `segments`: DIP's segments per module, {} on a static one),
+    so that a later run of the same job need not search again."""
+    if name.startswith("static "):
+        return STATIC_PREFIX + name.removeprefix("static ").replace(" ", "-")
+    return ",".join(f"{k}={v}" for k, v in segments.items())
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,7 @@ class Layout:
     stage_units: list | None
     segments: dict[str, int]  # DIP's segments per module ({} on a static placement)
     memory_limit: list[float] | None
+    placement_name: str = ""  # the start-up search's name of the placement (`placement_flag`)
 
 
 def _fail(flag: str, message: str) -> ValueError:
@@ -230,29 +249,33 @@ class _Sizing:
             limit = self.memory_limit(cand.placement)
         except ConfigError:
             return math.inf
-        config = PlannerConfig(
-            seq_length=self.config.train.seq_length,
-            data_parallel=self.dp,
-            sub_sizes=self.sub_sizes,
-            memory_limit_bytes=limit,
-            tensor_parallel=self.tp,
-            sequence_parallel=self.config.parallel.sequence_parallel and self.tp > 1,
-            dtype=self.dtype,
-            use_search=False,
-            strict_memory=False,
-            packing=self.limits,
-            uniform_recompute=self.recompute,
-        )
-        planner = DipPlanner(
+        planner = self.planner(cand, limit)
+        return greedy_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
+
+    def bound(self, cand: PlacementCandidate) -> float:
+        """`rank_load_bound` of the scored batches: no score of `cand` is lower."""
+        return rank_load_bound(self.planner(cand, None), self.batches[:SCORED_BATCHES])
+
+    def planner(self, cand: PlacementCandidate, limit: list[float] | None) -> DipPlanner:
+        """The run's planner (greedy, `scoring_config`) on the candidate placement."""
+        config = scoring_config(
+            planner_config(
+                self.config, data_parallel=self.dp, tensor_parallel=self.tp,
+                sub_sizes=self.sub_sizes, memory_limit=limit, dtype=self.dtype,
+                packing=self.limits, uniform_recompute=self.recompute,
+            )
+        )  # fmt: skip
+        return DipPlanner(
             self.model, self.cost_model, cand.placement, config, stage_units=cand.stage_units
         )
-        return greedy_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
 
 
 def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
-    """(segments, given): --dip-segments as given, else the latency rule's."""
+    """(segments, given): --dip-segments as given, else the latency rule's (also for
+    static:NAME, whose sub-microbatch sizes are the search's)."""
     given = config.dip.dip_segments
-    override = {} if given in (None, "auto") else parse_segments(given)
+    named = given is not None and given.startswith(STATIC_PREFIX)
+    override = {} if given in (None, "auto") or named else parse_segments(given)
     return (
         (override, True)
         if override
@@ -260,22 +283,45 @@ def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
     )
 
 
+def _named_static(sizing: _Sizing, flag: str) -> PlacementCandidate:
+    """The static placement --dip-segments static:NAME names (no search)."""
+    static = static_pipelines(
+        sizing.model, sizing.cost_model, num_ranks=sizing.pp, workload=sizing.workload
+    )
+    known = {placement_flag(c.name, {}): c for c in static_candidates(static)}
+    if flag not in known:
+        raise _fail(
+            "--dip-segments", f"unknown static placement {flag!r}; known: {', '.join(known)}"
+        )
+    return known[flag]
+
+
 def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
-    """The placement of `segments` (`given`: --dip-segments), or for PP > 1 the start-up
-    search: DIP's segment counts (`segments`, the latency rule's, among them) and the static
-    Megatron placements, scored by simulated greedy plans."""
+    """The placement of `segments` (`given`: --dip-segments; static:NAME names a static one),
+    or for PP > 1 the start-up search: DIP's segment counts (`segments`, the latency rule's,
+    among them) and the static Megatron placements, scored by simulated greedy plans."""
     model, cost, pp = sizing.model, sizing.cost_model, sizing.pp
+    flag = sizing.config.dip.dip_segments or ""
+    if flag.startswith(STATIC_PREFIX):
+        return _named_static(sizing, flag)
     if given or pp == 1:  # one rank: nothing to place, the rule's chunks are all there is
         placement, _ = build_dip_placement(
             model, cost, num_ranks=pp, workload=sizing.workload, segments=segments
         )
         return PlacementCandidate("--dip-segments" if given else "rule", placement)
+    started = time.perf_counter()  # for the log only: the choice depends on the data alone
     static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
     chosen, scores = choose_dip_placement(
         model, cost, num_ranks=pp, workload=sizing.workload, unit_instances=sizing.sub_sizes,
-        evaluate=sizing.score, extra=static_candidates(static),
+        evaluate=sizing.score, extra=static_candidates(static), bound=sizing.bound,
     )  # fmt: skip
-    logger.info("placement %r chosen; simulated seconds per candidate: %s", chosen.name, scores)
+    segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
+    logger.info(
+        "start-up placement search: %d candidates scored in %.1f s; placement %r chosen "
+        "(--dip-segments %s skips the search); simulated seconds per candidate: %s",
+        len(scores), time.perf_counter() - started, chosen.name,
+        placement_flag(chosen.name, segments), scores,
+    )  # fmt: skip
     return chosen
 
 
@@ -325,4 +371,4 @@ def build_layout(
     segments = {}
     if chosen.stage_units is None:  # DIP's own placement: segments per module
         segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
-    return Layout(sizes, chosen.placement, chosen.stage_units, segments, limit)
+    return Layout(sizes, chosen.placement, chosen.stage_units, segments, limit, chosen.name)

@@ -107,6 +107,7 @@ class Trainer:
                 timeout_s=cfg.dip.dip_comm_timeout_s,
             )
         self.modules = [m.name for m in spec.model.modules]
+        self.plan_wait = 0.0  # seconds the last iteration waited for its plan (metrics)
         self.log = IntervalLog(
             train_iters=cfg.train.train_iters,
             world_size=ctx.world_size,
@@ -186,6 +187,7 @@ class Trainer:
         if self.plans is not None and not evaluation:
             self.plans.ahead(stream)
         batch = next(stream)
+        asked = time.perf_counter()
         with watch.phase("plan fetch", group_name="plan store of rank 0, world"):
             if self.plans is None:
                 plan, variant = stock_plan(spec, batch, ctx.dp_rank), spec.schedule
@@ -193,6 +195,7 @@ class Trainer:
                 plan, variant = self.plans.eval_plan(batch), "eval"
             else:
                 plan, variant = self.plans.plan(batch)
+        self.plan_wait = time.perf_counter() - asked
         # Every rank agrees that its samples loaded before any of them enters the pipeline.
         with watch.phase("sample agreement"):
             samples = load_agreed(
@@ -333,7 +336,7 @@ class Trainer:
         record = {
             "iteration": self.iteration, "schedule": self.spec.schedule, "variant": variant,
             "loss": stats.loss, "seconds": seconds, "schedule_seconds": stats.max_duration,
-            "busy_seconds": stats.max_busy,
+            "busy_seconds": stats.max_busy, "plan_wait_seconds": self.plan_wait,
         }  # fmt: skip
         record.update(self.backend.metrics(plan, sim=sim, channel=result.channel))
         append_record(self.spec.config.dip.dip_metrics_json, record)

@@ -3,8 +3,10 @@
 DIP (`DipPlans`): rank 0 runs the planner service (a separate process planning the next
 --dip-lookahead batches from `BatchStream.peek`, greedy first, then searched), delivering through a
 TCPStore that rank 0 hosts; every rank asks `PlanClient.fetch` for its replica's plan; when nothing
-is ready, all ranks compute the same greedy plan inline (counted). With --dip-lookahead 0 there is
-no planner process and every plan is computed inline.
+is ready, rank 0 makes a fallback plan for every replica once (`DipPlanner.fallback_plan`:
+Megatron's order on the chosen placement, milliseconds) and shares it through the store (counted
+as inline). With --dip-lookahead 0 there is no planner process and every rank computes the same
+greedy plan itself (deterministic: the planner's work is bounded by its input, never the clock).
 
 Calibration (`DipPlans.calibrate`): every rank applies the same per-module scale factors, at the
 same iteration, to its inline planner's cost model; rank 0 also publishes them (versioned) to the
@@ -124,7 +126,7 @@ class DipPlans:
         self._submitted = -1
         if self.lookahead > 0:
             store, address = _share_store(ctx, timeout_s=spec.config.dip.dip_comm_timeout_s)
-            self.client = PlanClient(store, replica=ctx.dp_rank)
+            self.client = PlanClient(store, replica=ctx.dp_rank, shares_fallback=ctx.rank == 0)
             if ctx.rank == 0:
                 factory = planner_factory(spec)
                 d = spec.config.dip
@@ -161,11 +163,15 @@ class DipPlans:
         def inline() -> Plan:
             return replica_plan(self.planner, batch, self.ctx.dp_rank).plan
 
+        def fallbacks() -> list[Plan]:  # rank 0, for every replica (`PlanClient`)
+            layout = self.planner.layout(batch)
+            return [self.planner.fallback_plan(layout, r) for r in range(self.spec.data_parallel)]
+
         self.plan_calibration = self.calibration_version  # inline plans use the current one
         if self.client is None:
             plan, variant = inline(), INLINE
         else:
-            plan, variant = self.client.fetch(batch.iteration, inline)
+            plan, variant = self.client.fetch(batch.iteration, fallbacks)
             if self.service is not None:
                 self.service.decided(batch.iteration)
             if self.client.plan_calibration is not None:

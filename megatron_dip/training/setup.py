@@ -78,17 +78,53 @@ def global_rank(*, tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -
     return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 
+_WORLD_CREATED_HERE = [False]  # whether init_distributed made the world group (ours to destroy)
+
+
 def init_distributed(*, cuda: bool, timeout_s: float = 600.0) -> bool:
     """Initialise torch.distributed from torchrun's environment unless already done; returns
-    whether this call created the world group."""
+    whether the world group is ours (this module created it, now or at start-up for
+    `shared_by_rank0`), so the run's context destroys it."""
     if dist.is_initialized():
-        return False
+        return _WORLD_CREATED_HERE[0]
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    _WORLD_CREATED_HERE[0] = True
     logger.info("initialised torch.distributed (%s, world %d)", backend, dist.get_world_size())
     return True
+
+
+def shared_by_rank0(compute, *, cuda: bool, timeout_s: float):
+    """`compute()` run on rank 0 only and its result (or its ConfigError) handed to every rank:
+    the start-up sizing and placement search runs once per job, not once per rank. Creates the
+    world group (`init_distributed`); the wait is bounded by the world group's timeout."""
+    from .config_error import ConfigError
+
+    init_distributed(cuda=cuda, timeout_s=timeout_s)
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", compute())]
+        except ConfigError as e:
+            box = [("config", str(e))]
+        except Exception as e:  # the others must not wait for a result that never comes
+            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=0)
+            raise
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: rank 0's start-up sizing (placement search) did not "
+            f"arrive within {timeout_s:.0f} s (--dip-comm-timeout-s): {e}"
+        ) from None
+    kind, value = box[0]
+    if kind == "config":
+        raise ConfigError(value)
+    if kind == "error":
+        raise RuntimeError(f"rank 0 failed in the start-up sizing: {value}")
+    return value
 
 
 def _layouts(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:

@@ -10,9 +10,11 @@ deterministic resolution, so no rank starts while another refuses.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_dip.batching import packing_limits
@@ -23,7 +25,6 @@ from megatron_dip.planner.devices import (
     DeviceSpec,
 )
 from megatron_dip.planner.dip import PlannerConfig
-from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute, RecomputeMode
@@ -35,6 +36,7 @@ from .config_error import ConfigError
 from .config_error import fail as _fail
 from .data_config import data_spec, model_spec
 from .data_source import DataSpec
+from .planner_config import planner_config
 from .presets import RunPreset, get_run_preset
 from .pricing import run_cost_model, run_device, run_kernels
 
@@ -66,6 +68,7 @@ class RunSpec:
     planner: PlannerConfig
     memory_limit_bytes: list[float] | None
     segments: dict[str, int] = field(default_factory=dict)
+    placement_name: str = ""  # the start-up search's name of the placement (layout.Layout)
     # Tests only, set with dataclasses.replace (no flag): misbehaviour of the planner process.
     planner_faults: PlannerFaults | None = None
     # --dip-emulate-compute: the duration scale of the sleeping chunks (None: real compute).
@@ -386,8 +389,12 @@ def _check_tied_embeddings(config: TrainConfig, model: MultimodalSpec, placement
             )
 
 
-def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
-    """Check `config` for a world of `world_size` processes and build the `RunSpec`."""
+def resolve(
+    config: TrainConfig, *, world_size: int, cuda: bool, shared: Callable | None = None
+) -> RunSpec:
+    """Check `config` for a world of `world_size` processes and build the `RunSpec`.
+    `shared(compute)`: how the ranks of a job share the sizing step (`build_layout`, with its
+    start-up placement search): computed on one rank and handed to the others (default: here)."""
     from .layout import build_layout  # the placement and sizing step
 
     config, preset = apply_preset(config)
@@ -416,31 +423,18 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
     limits = packing_limits(model, config.train.seq_length)
     recompute = recompute_mode(config)
     uniform = None if recompute == NO_RECOMPUTE else recompute
-    layout = build_layout(
-        config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dp=dp, dtype=plan_dtype,
-        sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
+    sizing = functools.partial(
+        build_layout, config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dp=dp,
+        dtype=plan_dtype, sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
         device=device if cuda or emulate else None, uniform_recompute=uniform,
     )  # fmt: skip
+    layout = sizing() if shared is None else shared(sizing)
     _check_tied_embeddings(config, model, layout.placement)
-    d = config.dip
-    search = SearchConfig(
-        time_budget_s=d.dip_search_time_ms / 1e3,
-        workers=d.dip_planner_workers,
-        seed=config.train.seed,
-    )
-    planner = PlannerConfig(
-        seq_length=config.train.seq_length,
-        data_parallel=dp,
-        sub_sizes=layout.sub_sizes,
-        search=search,
-        memory_limit_bytes=layout.memory_limit,
-        tensor_parallel=tp,
-        sequence_parallel=config.parallel.sequence_parallel and tp > 1,
-        dtype=plan_dtype,
-        use_search=d.dip_search_time_ms > 0,
+    planner = planner_config(
+        config, data_parallel=dp, tensor_parallel=tp, sub_sizes=layout.sub_sizes,
+        memory_limit=layout.memory_limit, dtype=plan_dtype, packing=limits,
         uniform_recompute=uniform,
-        packing=limits,
-    )
+    )  # fmt: skip
     resume, pretrained = check_checkpoints(config, model)  # last: it creates --save
     return RunSpec(
         config=config, preset=preset, model=model, world_size=world_size,
@@ -450,6 +444,7 @@ def resolve(config: TrainConfig, *, world_size: int, cuda: bool) -> RunSpec:
         limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
         placement=layout.placement, stage_units=layout.stage_units, planner=planner,
         memory_limit_bytes=layout.memory_limit, segments=layout.segments, recompute=recompute,
+        placement_name=layout.placement_name,
         resume=resume, pretrained=pretrained,
     )  # fmt: skip
 
