@@ -96,7 +96,10 @@ class Architecture:
     (Qwen2-VL: a bias-free Conv3d with temporal kernel 2, i.e. frames stacked per patch);
     `rotary_layout` of multi-axis rotary positions: "interleaved" (frequency slot j rotates with
     axis j mod A) or "blocked" (Qwen2-VL's vision tower: the first slots with the rows, the
-    next with the columns).
+    next with the columns); `qk_norm`: an RMSNorm over each query and key head before the
+    rotary embedding (Qwen3; Megatron's qk_layernorm); `family`: the Hugging Face model type the
+    module was read from ("mistral", "qwen3", ...; written back on export), None where the
+    options alone name it.
     """
 
     rotary_base: float = 10000.0
@@ -108,6 +111,8 @@ class Architecture:
     activation: str | None = None
     patch_embedding: str = "linear"
     rotary_layout: str = "interleaved"
+    qk_norm: bool = False
+    family: str | None = None
 
     def __post_init__(self) -> None:
         if self.rotary_layout not in ROTARY_LAYOUTS:

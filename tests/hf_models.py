@@ -25,8 +25,8 @@ def _common(**extra) -> dict:
     return {
         "hidden_size": HIDDEN, "intermediate_size": FFN, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "num_hidden_layers": LAYERS, "vocab_size": VOCAB,
-        "max_position_embeddings": 1024, **extra,
-    }  # fmt: skip
+        "max_position_embeddings": 1024,
+    } | extra  # fmt: skip
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -67,6 +67,33 @@ def save_qwen2(folder: Path, *, seed: int = 0):
     return _save(Qwen2ForCausalLM(config), folder, seed)
 
 
+def save_qwen3(folder: Path, *, seed: int = 0, tied: bool = True):
+    """A tiny Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim 16 != hidden / heads = 8, tied
+    like the small Qwen3 models, rope base 1e6) saved to `folder`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        **_common(rms_norm_eps=1e-6, tie_word_embeddings=tied, head_dim=16),
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    return _save(Qwen3ForCausalLM(config), folder, seed)
+
+
+def save_mistral(folder: Path, *, seed: int = 0, sliding_window: int | None = None):
+    """A tiny MistralForCausalLM (no sliding window unless asked, rope base 1e6, odd ffn 72)
+    saved to `folder`."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=False, intermediate_size=72)
+    config = MistralConfig(
+        **fields, sliding_window=sliding_window,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    return _save(MistralForCausalLM(config), folder, seed)
+
+
 def _save(model, folder: Path, seed: int, **save):
     _randomise(model, seed)
     model.eval()
@@ -94,12 +121,14 @@ IMAGE_TOKEN_ID = 5  # Qwen2-VL's image placeholder in the tiny vocabulary (6-8: 
 VISION_PATCH, VISION_MERGE = 4, 2
 
 
-def save_qwen2_vl(folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN_ID):
+def save_qwen2_vl(
+    folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN_ID, tied: bool = False
+):
     """A tiny Qwen2VLForConditionalGeneration (vision tower 2 x 32, 4-px patches, 2x2 merge,
     quick_gelu; Qwen2 LLM with M-RoPE sections 2/1/1 of its 4 frequency slots) saved."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    text = _common(rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None)
+    text = _common(rms_norm_eps=1e-6, bos_token_id=None)
     text["eos_token_id"] = None
     text["rope_parameters"] = {
         "rope_type": "default",
@@ -114,6 +143,6 @@ def save_qwen2_vl(folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN
     config = Qwen2VLConfig(
         text_config=text, vision_config=vision, image_token_id=image_token,
         video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
-        bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, tie_word_embeddings=tied,
     )  # fmt: skip
     return _save(Qwen2VLForConditionalGeneration(config), folder, seed)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import llm_only, save_llama, save_qwen2, save_qwen2_vl
+from hf_models import llm_only, save_llama, save_mistral, save_qwen2, save_qwen2_vl, save_qwen3
 from safetensors.torch import load_file
 from test_models import _TensorParallelRank
 
@@ -74,8 +74,10 @@ def test_each_tensor_parallel_rank_reads_only_its_slices(tmp_path, single_rank_w
 
 
 @pytest.mark.parametrize(
-    "make", [lambda d: save_llama(d, tied=False), lambda d: save_llama(d, tied=True), save_qwen2],
-    ids=["llama", "llama-tied", "qwen2"],
+    "make",
+    [lambda d: save_llama(d, tied=False), lambda d: save_llama(d, tied=True), save_qwen2,
+     save_qwen3, save_mistral],
+    ids=["llama", "llama-tied", "qwen2", "qwen3", "mistral"],
 )  # fmt: skip
 def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     tmp_path, make, caplog, single_rank_world

@@ -98,6 +98,20 @@ def test_qwen2_with_qkv_biases_matches_transformers(tmp_path, groups):
     assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
 
 
+def test_qwen3_with_qk_norms_and_explicit_head_dim_matches_transformers(tmp_path, groups):
+    from hf_models import save_qwen3
+
+    hf_model = save_qwen3(tmp_path)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
+def test_mistral_without_a_sliding_window_matches_transformers(tmp_path, groups):
+    from hf_models import save_mistral
+
+    hf_model = save_mistral(tmp_path)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
 def test_the_architecture_options_matter(tmp_path, groups):
     """Without the llama3 scaling (what the presets built before) the logits differ: the
     comparison above can fail."""

@@ -99,6 +99,13 @@ def _layer_maps(spec: ModuleSpec, ours: str, hf: str) -> list[TensorMap]:
         maps.append(
             TensorMap(f"{ours}self_attention.linear_qkv.bias", qkv_pieces(attn, "bias", spec))
         )
+    if spec.arch.qk_norm:  # Qwen3: one RMSNorm weight of head_dim for all query heads, one for keys
+        for our_norm, hf_norm in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+            maps.append(
+                TensorMap(
+                    f"{ours}self_attention.{our_norm}.weight", (Piece(f"{attn}{hf_norm}.weight"),)
+                )
+            )
     return maps
 
 

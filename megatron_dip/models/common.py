@@ -153,7 +153,7 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
     )
 
 
-def gpt_layer_spec(normalization: str, backend, *, causal: bool):
+def gpt_layer_spec(normalization: str, backend, *, causal: bool, qk_norm: bool = False):
     """Megatron's GPT layer spec (with `normalization`) for packed sequences.
 
     Self-attention takes Megatron's packed-sequence mask type (`padding_causal` when `causal`,
@@ -162,6 +162,8 @@ def gpt_layer_spec(normalization: str, backend, *, causal: bool):
     local one, which refuses packed sequences). When the backend's norm is
     `SequenceParallelNorm` (local layers under sequence parallelism), the spec's unfused norms
     (Megatron's `WrappedTorchNorm`, which refuses sequence parallelism) are replaced by it.
+    `qk_norm`: the backend's norm over each query and key head (Megatron's q_layernorm /
+    k_layernorm, built by its attention with the head size; `mark_qk_norm_weights`).
     """
     from .attention import mask_type
 
@@ -169,6 +171,9 @@ def gpt_layer_spec(normalization: str, backend, *, causal: bool):
     attention = spec.submodules.self_attention
     attention.params = {**(attention.params or {}), "attn_mask_type": mask_type(causal=causal)}
     attention.submodules.core_attention = backend.core_attention
+    if qk_norm:
+        attention.submodules.q_layernorm = backend.norm
+        attention.submodules.k_layernorm = backend.norm
     if backend.norm is SequenceParallelNorm:
         from megatron.core.transformer.identity_op import IdentityOp
 
@@ -287,6 +292,15 @@ def build_transformer_layers(
         build_module(spec, config=config, layer_number=i + 1, pg_collection=collection)
         for i in range(start, end)
     )
+
+
+def mark_qk_norm_weights(layers: torch.nn.Module) -> None:
+    """Mark the q/k norm weights (`gpt_layer_spec(qk_norm=True)`) for the tensor-parallel
+    gradient sum: replicated, but each TP rank's heads give only part of their gradient (what
+    Megatron's `_allreduce_layernorm_grads` sums for q_layernorm / k_layernorm too)."""
+    for name, param in layers.named_parameters():
+        if ".q_layernorm." in f".{name}" or ".k_layernorm." in f".{name}":
+            param.sequence_parallel = True
 
 
 def build_norm(backend, tconfig, hidden: int):
