@@ -11,7 +11,7 @@ messages, costs, chunk and loss — lives in that modality's own file, found thr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 # Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
 # another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.validate).
@@ -467,3 +467,23 @@ def tiny_t2v(
         train_text=train_text,
         latent_channels=4,
     )
+
+
+def module_record(spec: ModuleSpec) -> dict:
+    """A JSON-able record of `spec` (its every field; `module_from_record` inverts it): what a
+    checkpoint keeps of the modules it was saved from."""
+    return asdict(spec)
+
+
+def module_from_record(record: dict) -> ModuleSpec:
+    """The `ModuleSpec` of a `module_record` (ValueError on a malformed one)."""
+    try:
+        fields = dict(record)
+        arch = dict(fields.pop("arch"))
+        if arch.get("rope_scaling") is not None:
+            arch["rope_scaling"] = RopeScaling(**arch["rope_scaling"])
+        return ModuleSpec(
+            layer=LayerShape(**fields.pop("layer")), arch=Architecture(**arch), **fields
+        )
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a module record ({e}): {record}") from None

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, RopeScaling
+from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, MultimodalSpec, RopeScaling
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 VLM_MODEL_TYPES = ("qwen2_vl",)
@@ -324,3 +324,14 @@ FAMILIES = {
     "qwen3": "Qwen3 dense decoders (per-head q/k RMSNorm, explicit head_dim)",
     "qwen2_vl": "Qwen2-VL: vision tower + merger as the ViT, M-RoPE Qwen2 decoder as the LLM",
 }
+
+
+def model_of_config(config: dict[str, Any], *, where: str = CONFIG_FILE) -> MultimodalSpec:
+    """The model a Hugging Face folder is on its own (no --model preset): its decoder as the
+    module "llm", and a VLM's vision tower as "vit" feeding it."""
+    kind = config.get("model_type")
+    llm = ModuleSpec("llm", "llm", **text_module_fields(config, where=where))
+    if kind not in VLM_MODEL_TYPES:
+        return MultimodalSpec(f"hf-{kind}", (llm,))
+    vit = ModuleSpec("vit", "vit", feeds="llm", **vision_module_fields(config, where=where))
+    return MultimodalSpec(f"hf-{kind}", (vit, llm))
