@@ -45,12 +45,15 @@ def save_llama(
     seed: int = 0,
     layers: int = LAYERS,
     shard_size: str | None = None,
+    vocab: int = VOCAB,
 ):
     """A tiny LlamaForCausalLM (rope base 5e5, eps 1e-5, llama3 scaling) saved to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rope = {"rope_theta": 500000.0, **(LLAMA3_SCALING if scaling else {"rope_type": "default"})}
-    fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=tied, num_hidden_layers=layers)
+    fields = _common(
+        rms_norm_eps=1e-5, tie_word_embeddings=tied, num_hidden_layers=layers, vocab_size=vocab
+    )
     config = LlamaConfig(**fields, rope_parameters=rope)
     save = {"max_shard_size": shard_size} if shard_size else {}
     return _save(LlamaForCausalLM(config), folder, seed, **save)

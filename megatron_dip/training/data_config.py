@@ -104,7 +104,7 @@ def _placeholder(spec, tokenizer: Tokenizer) -> int | None:
 def _model(config: TrainConfig, base: MultimodalSpec, tokenizer: Tokenizer) -> MultimodalSpec:
     m = config.model
     model = apply_architecture(config, base)
-    from_hf = set(hf_folders(config, base))  # their vocabulary is the checkpoint's
+    from_hf = hf_folders(config, base)  # their vocabulary is the checkpoint's
     loss = model.loss_module.name
     tp = config.parallel.tensor_model_parallel_size or 1
     changed = []
@@ -118,8 +118,8 @@ def _model(config: TrainConfig, base: MultimodalSpec, tokenizer: Tokenizer) -> M
             if spec.name in from_hf and layers != spec.num_layers:
                 raise _fail(
                     flag,
-                    f"{layers} contradicts num_hidden_layers / depth {spec.num_layers} of module "
-                    f"{spec.name!r}'s config.json (--dip-hf-config); drop the flag",
+                    f"{layers} contradicts num_hidden_layers / depth {spec.num_layers} in "
+                    f"{from_hf[spec.name]}/config.json (module {spec.name!r}); drop the flag",
                 )
             updates["num_layers"] = layers
         if spec.vocab_size > 0:

@@ -76,17 +76,17 @@ def _groups(*, tp: int, pp: int):
 
 
 def check_import(model: MultimodalSpec, *, save, tp: int, pp: int, world_size: int) -> None:
-    """What an import refuses before it builds anything, each in one line: a world that is not
-    TP x PP processes, a TP that does not divide a sharded size, a PP beyond a module's layers,
+    """What an import refuses before it builds anything, each in one line: a TP that does not
+    divide a sharded size, a world that is not TP x PP processes, a PP beyond a module's layers,
     and a --save directory that holds checkpoints already (they would be overwritten)."""
     from .validate import check_tensor_parallel
 
+    check_tensor_parallel(model, tp)
     if world_size != tp * pp:
         raise ValueError(
             f"world size {world_size} != TP x PP = {tp} x {pp}: start the import on "
             f"{tp * pp} processes (torchrun --nproc-per-node {tp * pp}) or change the sizes"
         )
-    check_tensor_parallel(model, tp)
     for m in model.modules:
         if m.num_layers < pp:
             raise ValueError(f"module {m.name!r}: {m.num_layers} layers cannot fill PP={pp} stages")
