@@ -55,8 +55,8 @@ class LayerShape:
         return self.heads * self.head_dim
 
 
-ACTIVATIONS = ("gelu", "quick_gelu", "silu")  # silu with gated_mlp: SwiGLU
-PATCH_EMBEDDINGS = ("linear", "conv3d")
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu")  # silu with gated_mlp: SwiGLU
+PATCH_EMBEDDINGS = ("linear", "conv2d", "conv3d")
 ROTARY_LAYOUTS = ("interleaved", "blocked")
 
 
@@ -100,6 +100,16 @@ class Architecture:
     rotary embedding (Qwen3; Megatron's qk_layernorm); `family`: the Hugging Face model type the
     module was read from ("mistral", "qwen3", ...; written back on export), None where the
     options alone name it.
+
+    Vision towers of CLIP / SigLIP (LLaVA): `learned_positions` > 0: a learned table of that
+    many absolute positions added to the patch embeddings (no rotary), one per patch of the
+    base-resolution image (plus the class token's); `class_token`: a learned class embedding
+    before each image's patches (CLIP); `keep_class_token`: the hand-over keeps its row
+    (LLaVA's vision_feature_select_strategy "full"; "default" drops it); `pre_norm`: a
+    LayerNorm on the embeddings before the first layer (CLIP's pre_layrnorm); `final_norm`:
+    the norm before the projector (False: LLaVA reads a layer's hidden states as they are);
+    `projector_hidden`: the projector's inner width (None: its input width, Qwen2-VL; LLaVA:
+    the LLM's hidden size); `patch_bias`: a "conv2d" patch embedding with a bias (SigLIP).
     """
 
     rotary_base: float = 10000.0
@@ -113,6 +123,13 @@ class Architecture:
     rotary_layout: str = "interleaved"
     qk_norm: bool = False
     family: str | None = None
+    learned_positions: int = 0
+    class_token: bool = False
+    keep_class_token: bool = False
+    pre_norm: bool = False
+    final_norm: bool = True
+    projector_hidden: int | None = None
+    patch_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.rotary_layout not in ROTARY_LAYOUTS:

@@ -149,3 +149,55 @@ def save_qwen2_vl(
         bos_token_id=None, eos_token_id=None, tie_word_embeddings=tied,
     )  # fmt: skip
     return _save(Qwen2VLForConditionalGeneration(config), folder, seed)
+
+
+LLAVA_IMAGE = 16  # base resolution of the tiny LLaVA towers: 4 x 4 patches of 4 px
+
+
+def save_llava(
+    folder: Path, *, tower: str = "clip", seed: int = 0, image_token: int = IMAGE_TOKEN_ID,
+    strategy: str | None = None, text: str = "llama",
+):  # fmt: skip
+    """A tiny LlavaForConditionalGeneration saved to `folder` with its image processor: a CLIP
+    tower (3 layers of 24, class token, pre-norm, quick_gelu, vision_feature_layer -2: the
+    first 2 used) or a SigLIP one (gelu-tanh, no class token, "full" strategy); a Llama (or
+    Mistral / Qwen2) LLM; LLaVA's two-layer GELU projector."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    text_config = _common(model_type=text, rms_norm_eps=1e-5, bos_token_id=None)
+    text_config.update(eos_token_id=None, pad_token_id=None)
+    vision = {
+        "model_type": f"{tower}_vision_model", "hidden_size": 24, "intermediate_size": 40,
+        "num_attention_heads": 4, "num_hidden_layers": 3, "image_size": LLAVA_IMAGE,
+        "patch_size": 4,
+    }  # fmt: skip
+    if strategy is None:
+        strategy = "default" if tower == "clip" else "full"
+    config = LlavaConfig(
+        text_config=text_config, vision_config=vision, image_token_id=image_token,
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=-2 if tower == "clip" else -1, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = _save(LlavaForConditionalGeneration(config), folder, seed)
+    llava_processor(tower).save_pretrained(folder)
+    return model
+
+
+def llava_processor(tower: str):
+    """transformers' own image processor of the tiny LLaVA towers (PIL back-end)."""
+    if tower == "clip":
+        from transformers import CLIPImageProcessorPil
+
+        size = {"shortest_edge": LLAVA_IMAGE}
+        crop = {"height": LLAVA_IMAGE, "width": LLAVA_IMAGE}
+        return CLIPImageProcessorPil(size=size, crop_size=crop)
+    from transformers import SiglipImageProcessorPil
+
+    return SiglipImageProcessorPil(size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+
+
+def hf_vlm_model(folder: Path) -> MultimodalSpec:
+    """Our ViT + LLM model of a Hugging Face VLM folder alone (`hf.config.model_of_config`)."""
+    from megatron_dip.hf.config import model_of_config
+
+    return model_of_config(read_config(folder))

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 from distributed_harness import run_world
-from hf_models import save_llama, save_qwen2_vl
+from hf_models import save_llama, save_mistral, save_qwen2_vl, save_qwen3
 
 pytestmark = pytest.mark.distributed
 
@@ -97,6 +97,9 @@ def world(tmp_path_factory) -> list[dict]:
     energon, tokenizer = _energon_with_hf_tokenizer(tmp)
     save_llama(tmp / "hf_llama", tied=False, layers=4)
     save_qwen2_vl(tmp / "hf_qwen2_vl", image_token=1)  # the byte tokenizer's image id
+    families = {"qwen3": save_qwen3, "mistral": save_mistral}
+    for family, save in families.items():
+        save(tmp / f"hf_{family}")
     return run_world(
         world_size=4,
         target="test_training_scenarios:world4",
@@ -108,6 +111,7 @@ def world(tmp_path_factory) -> list[dict]:
             "tokenizer": tokenizer,
             "hf_llama": str(tmp / "hf_llama"),
             "hf_qwen2_vl": str(tmp / "hf_qwen2_vl"),
+            "hf_families": {f: str(tmp / f"hf_{f}") for f in families},
         },  # fmt: skip
         timeout=600,
         daemon=False,  # rank 0 starts the planner process
@@ -457,3 +461,35 @@ def test_an_imported_qwen2_vl_trains_alike_at_tp2_pp2_and_pp1(world):
     tp2pp2, pp1 = world[0]["vl_tp2pp2"], world[0]["vl_pp1"]
     assert tp2pp2["first"] == pp1["first"] == 0 and sorted(pp1["losses"]) == [1, 2]
     assert tp2pp2["losses"] == pytest.approx(pp1["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_a_family_imported_at_tp2_pp2_matches_transformers(world, family, single_rank_world):
+    """Qwen3 and Mistral imported alone (no --model) by 4 ranks at TP=2 x PP=2, each writing its
+    slices: loaded into one TP=1 chunk, the logits of transformers' model within 1e-4."""
+    from hf_models import llm_only
+    from test_hf_parity import TOLERANCE, _documents, _our_logits_and_loss, _reference
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dip.cpu_support import seed_model_parallel_rng
+    from megatron_dip.modalities import build_module_chunks
+    from megatron_dip.models import ModelConfig
+    from megatron_dip.models.chunk import ModelGroups
+    from megatron_dip.training.checkpoint import load_weights
+
+    result = world[0][f"import_{family}"]
+    assert [w[f"import_{family}"]["rc"] for w in world] == [0] * 4
+    folder = Path(result["save"]).parent / f"hf_{family}"
+    seed_model_parallel_rng(0)
+    model = llm_only(folder)
+    groups = ModelGroups(tp=single_rank_world, cp=single_rank_world)
+    (chunk,) = build_module_chunks(
+        model, "llm", [(0, model.module("llm").num_layers)], config=ModelConfig(), groups=groups
+    )
+    assert load_weights(result["save"], model=model, chunks=[chunk]) == 0
+    docs = _documents()
+    ours, _, _ = _our_logits_and_loss(model, chunk, docs)
+    theirs, _ = _reference(AutoModelForCausalLM.from_pretrained(folder).eval(), docs)
+    assert float((ours[: len(docs[0])] - theirs[0]).abs().max()) <= TOLERANCE
+    start = len(docs[0])
+    assert float((ours[start : start + len(docs[1])] - theirs[1]).abs().max()) <= TOLERANCE

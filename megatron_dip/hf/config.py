@@ -17,7 +17,10 @@ from typing import Any
 from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, MultimodalSpec, RopeScaling
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-VLM_MODEL_TYPES = ("qwen2_vl",)
+VLM_MODEL_TYPES = ("qwen2_vl", "llava")
+LLAVA_TOWERS = ("clip_vision_model", "siglip_vision_model")
+# Hugging Face vision activations -> ours.
+_VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # The text config of a VLM (nested under "text_config") and the text family it is.
 _TEXT_OF_VLM = {"qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2"}
 CONFIG_FILE = "config.json"
@@ -129,13 +132,76 @@ def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> d
 
 
 def vision_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of the vision tower of a Qwen2-VL or LLaVA config."""
+    if config.get("model_type") not in VLM_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {config.get('model_type')!r} has no vision tower "
+                         f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
+    if config["model_type"] == "llava":
+        return llava_vision_fields(config, where=where)
+    return qwen2_vl_vision_fields(config, where=where)
+
+
+def _llava_feature_layers(config: dict[str, Any], vision: dict, where: str) -> int:
+    """The tower's layers LLaVA uses: those up to `vision_feature_layer` (hidden_states[k]:
+    k = 0 the embeddings, -1 the last layer's output; the later layers are never run)."""
+    index = config.get("vision_feature_layer", -2)
+    if not isinstance(index, int):
+        raise ValueError(f"{where}: vision_feature_layer {index!r}: one layer only (not a list)")
+    total = int(vision["num_hidden_layers"])
+    used = total + 1 + index if index < 0 else index
+    if not 1 <= used <= total:
+        raise ValueError(f"{where}: vision_feature_layer {index} outside the {total} layers")
+    return used
+
+
+def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a LLaVA vision tower and projector: a CLIP tower (class token,
+    learned positions, pre-norm, quick_gelu) or a SigLIP one (learned positions, no class
+    token, gelu-tanh, Conv2d bias), the layers up to `vision_feature_layer`, no final norm,
+    `vision_feature_select_strategy` ("default" drops the class token), the two-layer GELU
+    projector into the LLM's width; base resolution only."""
+    vision, text = config["vision_config"], config["text_config"]
+    tower = vision.get("model_type", "clip_vision_model")
+    if tower not in LLAVA_TOWERS:
+        raise ValueError(f"{where}: vision tower {tower!r}; supported: {', '.join(LLAVA_TOWERS)}")
+    clip = tower == "clip_vision_model"
+    strategy = config.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full") or (strategy == "default" and not clip):
+        raise ValueError(
+            f"{where}: vision_feature_select_strategy {strategy!r} with a {tower} is not "
+            "supported (CLIP: default or full; SigLIP, which has no class token to drop: full)"
+        )
+    act = _VISION_ACTS.get(vision.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh"))
+    if act is None or config.get("projector_hidden_act", "gelu") != "gelu":
+        raise ValueError(f"{where}: vision hidden_act {vision.get('hidden_act')!r} / projector "
+                         f"{config.get('projector_hidden_act')!r}; supported: "
+                         f"{', '.join(_VISION_ACTS)} / gelu")  # fmt: skip
+    if not config.get("multimodal_projector_bias", True):
+        raise ValueError(f"{where}: multimodal_projector_bias false is not supported")
+    patch, side = int(vision["patch_size"]), int(vision["image_size"])
+    hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
+    out = int(text["hidden_size"])
+    arch = Architecture(
+        norm_eps=float(vision.get("layer_norm_eps", 1e-5 if clip else 1e-6)), activation=act,
+        patch_embedding="conv2d", patch_bias=not clip,
+        learned_positions=(side // patch) ** 2 + clip, class_token=clip,
+        keep_class_token=clip and strategy == "full", pre_norm=clip, final_norm=False,
+        projector_hidden=out,
+    )  # fmt: skip
+    token = config.get("image_token_id", config.get("image_token_index"))
+    return {
+        "num_layers": _llava_feature_layers(config, vision, where),
+        "layer": LayerShape(hidden, int(vision["intermediate_size"]), heads, heads),
+        "patch_size": patch, "in_channels": int(vision.get("num_channels", 3)), "merge": 1,
+        "out_hidden": out, "placeholder_id": int(token), "arch": arch,
+    }  # fmt: skip
+
+
+def qwen2_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
     """`ModuleSpec` fields of a Qwen2-VL vision tower (the `vision_config` of a Qwen2-VL
     config): layers, shape, patch and merge sizes, the LLM width it projects to, its
     placeholder (`image_token_id`) and options (LayerNorm 1e-6, quick_gelu, Conv3d patches,
     blocked 2-D rotary)."""
-    if config.get("model_type") not in VLM_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {config.get('model_type')!r} has no vision tower "
-                         f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
     vision = config["vision_config"]
     if int(vision.get("temporal_patch_size", 2)) != 2:
         raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
@@ -323,6 +389,8 @@ FAMILIES = {
     "qwen2": "Qwen2 / Qwen2.5 decoders (q/k/v biases)",
     "qwen3": "Qwen3 dense decoders (per-head q/k RMSNorm, explicit head_dim)",
     "qwen2_vl": "Qwen2-VL: vision tower + merger as the ViT, M-RoPE Qwen2 decoder as the LLM",
+    "llava": "LLaVA (base resolution): CLIP or SigLIP tower + two-layer projector as the ViT, "
+    "Llama / Mistral / Qwen2 as the LLM",
 }
 
 

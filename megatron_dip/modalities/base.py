@@ -390,13 +390,16 @@ class Modality:
         packed = cached(
             batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
         )
-        rotary = cached(
-            batch,
-            ("rotary", head_dim, rotary_base, spec.arch, dtype),
-            lambda: rotary_of(
-                spec.arch, batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype
-            ),
-        )
+        # Learned absolute positions (CLIP, SigLIP) are added to the embeddings: no rotary.
+        rotary = None
+        if not spec.arch.learned_positions:
+            rotary = cached(
+                batch,
+                ("rotary", head_dim, rotary_base, spec.arch, dtype),
+                lambda: rotary_of(
+                    spec.arch, batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype
+                ),
+            )
         hidden = state["hidden"]
         for layer in layers:
             hidden, _ = layer(hidden, rotary_pos_emb=rotary, **packed)

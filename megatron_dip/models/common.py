@@ -95,7 +95,33 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-_ACTIVATIONS = {"gelu": functional.gelu, "quick_gelu": quick_gelu, "silu": functional.silu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (SigLIP's gelu_pytorch_tanh)."""
+    return functional.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {
+    "gelu": functional.gelu, "gelu_tanh": gelu_tanh, "quick_gelu": quick_gelu,
+    "silu": functional.silu,
+}  # fmt: skip
+
+
+class LearnedPositions(torch.nn.Module):
+    """A learned absolute position table added to a vision tower's patch embeddings (CLIP,
+    SigLIP), and CLIP's class embedding, which takes the rows marked as class tokens."""
+
+    def __init__(self, rows: int, hidden: int, *, class_token: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(rows, hidden, dtype=dtype))
+        self.class_embedding = None
+        if class_token:
+            self.class_embedding = torch.nn.Parameter(torch.empty(hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, class_rows: torch.Tensor):
+        """x [T, hidden] with the class embedding at `class_rows`, plus row `index` [T]."""
+        if self.class_embedding is not None:
+            x = torch.where(class_rows[:, None], self.class_embedding.to(x.dtype), x)
+        return x + self.weight[index]
 
 
 class Parts(torch.nn.Module):
@@ -400,16 +426,17 @@ def sinusoidal_embedding(values: torch.Tensor, dim: int, *, max_period: float = 
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-def build_merger(chunk, *, width: int, out: int):
+def build_merger(chunk, *, width: int, out: int, inner: int | None = None):
     """The two-layer projector of a scatter producer (merged tokens of `width` -> `out`): a
-    column-parallel fc1 (width -> width) and a row-parallel fc2 (width -> out). It runs on the
-    gathered sequence, so without sequence parallelism."""
+    column-parallel fc1 (width -> inner, default width) and a row-parallel fc2 (inner -> out).
+    It runs on the gathered sequence, so without sequence parallelism."""
     from megatron.core import tensor_parallel
 
     config = without_sequence_parallel(chunk.config)
+    inner = width if inner is None else inner
     fc1 = tensor_parallel.ColumnParallelLinear(
         width,
-        width,
+        inner,
         config=config,
         init_method=chunk.config.init_method,
         bias=True,
@@ -417,7 +444,7 @@ def build_merger(chunk, *, width: int, out: int):
         tp_group=chunk.groups.tp,
     )
     fc2 = tensor_parallel.RowParallelLinear(
-        width,
+        inner,
         out,
         config=config,
         init_method=chunk.config.init_method,
