@@ -262,16 +262,20 @@ def test_llava_towers_and_projector_match_transformers(tmp_path, groups, tower, 
             model, m.name, [(0, m.num_layers)], config=config, groups=groups
         )
         assert fill_chunk(chunks[m.name], source, module_maps(m, source.where)) == []
+    compare_llava(model, chunks, hf_model, tower=tower, tokens=tokens)
+
+
+def compare_llava(model, chunks, hf_model, *, tower: str, tokens: int) -> None:
+    """Our ViT and LLM `chunks` (one each) against the Hugging Face LLaVA `hf_model` on two
+    processed images in one sequence: image features, logits and loss to 1e-4."""
+    strategy = hf_model.config.vision_feature_select_strategy
     sample, pixels = _llava_sample(np.random.default_rng(5), tower, tokens=tokens)
     per_image = 16 + (tower == "clip")  # patches and the class token
     with torch.no_grad():
         vit_batch = build_sub_batch(
-            model,
-            [sample],
-            SubMicrobatch("vit", 0, 0, 0, 2, per_image * 2, 40),
-            seq_length=SEQ,
+            model, [sample], SubMicrobatch("vit", 0, 0, 0, 2, per_image * 2, 40), seq_length=SEQ,
             seed=0,
-        )
+        )  # fmt: skip
         handed = chunks["vit"](inputs=[], batch=vit_batch)
         ids = torch.from_numpy(sample.text)[None]
         pixel_values = torch.from_numpy(np.stack(pixels))
