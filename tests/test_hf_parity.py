@@ -224,10 +224,10 @@ def test_qwen2_vl_options_keep_chunking_invariance(tmp_path, groups):
     assert all(g.abs().sum() > 0 for g in one[1].values())
 
 
-def _llava_sample(rng, tower: str, *, tokens: int) -> tuple[Sample, list]:
+def _llava_sample(rng, tower: str, *, tokens: int, placeholder: int) -> tuple[Sample, list]:
     """Text, an image, text, another image, text; the images through transformers' own
     processor (non-square pictures: CLIP resizes the short side and crops, SigLIP squashes)."""
-    from hf_models import IMAGE_TOKEN_ID, llava_processor
+    from hf_models import llava_processor
     from PIL import Image
 
     pictures = [
@@ -235,8 +235,8 @@ def _llava_sample(rng, tower: str, *, tokens: int) -> tuple[Sample, list]:
         for h, w in ((20, 27), (31, 18))
     ]
     pixels = [llava_processor(tower)(p, return_tensors="np")["pixel_values"][0] for p in pictures]
-    text = [rng.integers(9, VOCAB, 7), np.full(tokens, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 5)]
-    text += [np.full(tokens, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 6)]
+    text = [rng.integers(9, VOCAB, 7), np.full(tokens, placeholder), rng.integers(9, VOCAB, 5)]
+    text += [np.full(tokens, placeholder), rng.integers(9, VOCAB, 6)]
     sample = Sample(0, np.concatenate(text).astype(np.int64), {"vit": pixels})
     return sample, pixels
 
@@ -269,7 +269,10 @@ def compare_llava(model, chunks, hf_model, *, tower: str, tokens: int) -> None:
     """Our ViT and LLM `chunks` (one each) against the Hugging Face LLaVA `hf_model` on two
     processed images in one sequence: image features, logits and loss to 1e-4."""
     strategy = hf_model.config.vision_feature_select_strategy
-    sample, pixels = _llava_sample(np.random.default_rng(5), tower, tokens=tokens)
+    placeholder = model.module("vit").placeholder_id
+    sample, pixels = _llava_sample(
+        np.random.default_rng(5), tower, tokens=tokens, placeholder=placeholder
+    )
     per_image = 16 + (tower == "clip")  # patches and the class token
     with torch.no_grad():
         vit_batch = build_sub_batch(
@@ -283,7 +286,7 @@ def compare_llava(model, chunks, hf_model, *, tower: str, tokens: int) -> None:
             pixel_values, vision_feature_layer=hf_model.config.vision_feature_layer,
             vision_feature_select_strategy=strategy,
         ).pooler_output  # fmt: skip
-        labels = ids.masked_fill(ids == model.module("vit").placeholder_id, -100)
+        labels = ids.masked_fill(ids == placeholder, -100)
         out_hf = hf_model(input_ids=ids, pixel_values=pixel_values, labels=labels)
     embeds = torch.cat(list(features), dim=0)
     assert embeds.shape[0] == 2 * tokens

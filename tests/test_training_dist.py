@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 from distributed_harness import run_world
-from hf_models import save_llama, save_llava, save_mistral, save_qwen2_vl, save_qwen3
+from hf_models import save_llama, save_qwen2_vl
 
 pytestmark = pytest.mark.distributed
 
@@ -97,13 +97,6 @@ def world(tmp_path_factory) -> list[dict]:
     energon, tokenizer = _energon_with_hf_tokenizer(tmp)
     save_llama(tmp / "hf_llama", tied=False, layers=4)
     save_qwen2_vl(tmp / "hf_qwen2_vl", image_token=1)  # the byte tokenizer's image id
-    families = {
-        "qwen3": save_qwen3, "mistral": save_mistral,
-        "llava": lambda d: save_llava(d, image_token=1),  # the byte tokenizer's image id
-        "llava_siglip": lambda d: save_llava(d, tower="siglip", image_token=1),
-    }  # fmt: skip
-    for family, save in families.items():
-        save(tmp / f"hf_{family}")
     return run_world(
         world_size=4,
         target="test_training_scenarios:world4",
@@ -115,7 +108,6 @@ def world(tmp_path_factory) -> list[dict]:
             "tokenizer": tokenizer,
             "hf_llama": str(tmp / "hf_llama"),
             "hf_qwen2_vl": str(tmp / "hf_qwen2_vl"),
-            "hf_families": {f: str(tmp / f"hf_{f}") for f in families},
         },  # fmt: skip
         timeout=600,
         daemon=False,  # rank 0 starts the planner process
@@ -465,71 +457,3 @@ def test_an_imported_qwen2_vl_trains_alike_at_tp2_pp2_and_pp1(world):
     tp2pp2, pp1 = world[0]["vl_tp2pp2"], world[0]["vl_pp1"]
     assert tp2pp2["first"] == pp1["first"] == 0 and sorted(pp1["losses"]) == [1, 2]
     assert tp2pp2["losses"] == pytest.approx(pp1["losses"], rel=1e-5)
-
-
-def _imported_chunks(world, family: str, groups):
-    """(model, {module: one chunk}, folder) of `family`'s TP=2 x PP=2 import, loaded at TP=1."""
-    from hf_models import hf_vlm_model
-
-    from megatron_dip.cpu_support import seed_model_parallel_rng
-    from megatron_dip.modalities import build_module_chunks
-    from megatron_dip.models import ModelConfig
-    from megatron_dip.training.checkpoint import load_weights
-
-    result = world[0][f"import_{family}"]
-    assert [w[f"import_{family}"]["rc"] for w in world] == [0] * 4
-    folder = Path(result["save"]).parent / f"hf_{family}"
-    seed_model_parallel_rng(0)
-    model = hf_vlm_model(folder)
-    chunks = {}
-    for m in model.modules:
-        (chunks[m.name],) = build_module_chunks(
-            model, m.name, [(0, m.num_layers)], config=ModelConfig(), groups=groups
-        )
-    assert load_weights(result["save"], model=model, chunks=list(chunks.values())) == 0
-    return model, chunks, folder
-
-
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
-def test_a_family_imported_at_tp2_pp2_matches_transformers(world, family, single_rank_world):
-    """Qwen3 and Mistral imported alone (no --model) by 4 ranks at TP=2 x PP=2, each writing its
-    slices: loaded into one TP=1 chunk, the logits of transformers' model within 1e-4."""
-    from test_hf_parity import TOLERANCE, _documents, _our_logits_and_loss, _reference
-    from transformers import AutoModelForCausalLM
-
-    from megatron_dip.models.chunk import ModelGroups
-
-    groups = ModelGroups(tp=single_rank_world, cp=single_rank_world)
-    model, chunks, folder = _imported_chunks(world, family, groups)
-    docs = _documents()
-    ours, _, _ = _our_logits_and_loss(model, chunks["llm"], docs)
-    theirs, _ = _reference(AutoModelForCausalLM.from_pretrained(folder).eval(), docs)
-    start = 0
-    for doc, ref in zip(docs, theirs, strict=True):
-        assert float((ours[start : start + len(doc)] - ref).abs().max()) <= TOLERANCE
-        start += len(doc)
-
-
-@pytest.mark.parametrize("family, tower", [("llava", "clip"), ("llava_siglip", "siglip")])
-def test_llava_imported_at_tp2_pp2_matches_transformers(world, family, tower, single_rank_world):
-    """LLaVA (CLIP / SigLIP tower + Llama) imported alone by 4 ranks at TP=2 x PP=2: features,
-    logits and loss of transformers' model (on its own processor's images) within 1e-4."""
-    from test_hf_parity import compare_llava
-    from transformers import LlavaForConditionalGeneration
-
-    from megatron_dip.models.chunk import ModelGroups
-
-    groups = ModelGroups(tp=single_rank_world, cp=single_rank_world)
-    model, chunks, folder = _imported_chunks(world, family, groups)
-    hf_model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
-    compare_llava(model, chunks, hf_model, tower=tower, tokens=16)
-
-
-def test_an_imported_llava_fine_tunes_under_dip_with_falling_loss(world):
-    """A LLaVA (CLIP tower + Llama) imported at TP=2 x PP=2 and fine-tuned under DIP on the 4
-    ranks at TP=2 x PP=2 from iteration 0: every weight from the checkpoint, falling loss."""
-    tuned = world[0]["llava"]
-    assert tuned["first"] == 0 and sorted(tuned["losses"]) == list(range(1, 7))
-    losses = tuned["losses"]
-    assert losses[6] < losses[1] - 0.05, losses
-    assert all(w["llava_kept"] == [] for w in world)

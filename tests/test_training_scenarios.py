@@ -58,7 +58,6 @@ def world4(
     tokenizer: str,
     hf_llama: str,
     hf_qwen2_vl: str,
-    hf_families: dict | None = None,
 ) -> dict:
     """DIP at PP=2 x DP=2 for 20 iterations with the planner process, checkpoints (saved in the
     background), evaluation and traces; then resume at iteration 3 (same layout and at PP=4);
@@ -135,9 +134,6 @@ def world4(
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
     out.update(finetune_runs(base, hf=hf_llama, tmp=tmp, world_size=world_size))
     out.update(qwen2_vl_runs(base, hf=hf_qwen2_vl, tmp=tmp, world_size=world_size))
-    out.update(family_imports(hf_families or {}, tmp=tmp))
-    if hf_families and "llava" in hf_families:
-        out.update(llava_runs(base, hf=hf_families["llava"], tmp=tmp, world_size=world_size))
     out.update(tied_embedding_runs(base, world_size=world_size))
     out["overhead"] = overhead_measurement(world_size=world_size, rank=rank)
     out["decode"] = decode_failure_run(COMMON + ["--dip-data", f"llava:{bad_data}"], world_size)
@@ -290,38 +286,6 @@ def qwen2_vl_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dic
         "vl_tp2pp2": run(tuned + tp2pp2, world_size=world_size),
         "vl_pp1": run(tuned, world_size=world_size),
     }
-
-
-def family_imports(folders: dict[str, str], *, tmp: str) -> dict:
-    """tools/hf_checkpoint.py's import at TP=2 x PP=2 on these 4 ranks of each Hugging Face
-    folder alone (no --model); the test compares the checkpoints with transformers."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "tools" / "hf_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("hf_checkpoint_tool", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    out = {}
-    for family, folder in folders.items():
-        save = os.path.join(tmp, f"import_{family}")
-        argv = ["import", "--dip-hf-config", folder, "--save", save]
-        argv += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-        out[f"import_{family}"] = {"rc": tool.main(argv), "save": save}
-    return out
-
-
-def llava_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dict:
-    """A LLaVA model (CLIP tower + Llama) imported at TP=2 x PP=2 with the tiny-vlm preset's
-    flags and fine-tuned under DIP at TP=2 x PP=2 for 6 iterations on images processed by its
-    own preprocessor_config.json (CLIP's resize + crop to the base resolution)."""
-    imported = os.path.join(tmp, "hf_llava_import")
-    flags = base + ["--dip-hf-config", hf, "--dip-image-processor", hf, "--dip-lookahead", "0"]
-    flags += ["--dip-segments", "vit=1,llm=1", "--calculate-per-token-loss"]
-    flags += ["--dip-calibration-frozen"]
-    result = _import(flags, save=imported, tp=2, pp=2)
-    tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    tuned = flags + tp2pp2 + ["--pretrained-checkpoint", imported, "--train-iters", "6"]
-    return {"llava": run(tuned, world_size=world_size), "llava_kept": list(result.initialised)}
 
 
 def tied_embedding_runs(base: list[str], *, world_size: int) -> dict:
