@@ -11,7 +11,7 @@ messages, costs, chunk and loss — lives in that modality's own file, found thr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 # Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
 # another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.validate).
@@ -55,8 +55,8 @@ class LayerShape:
         return self.heads * self.head_dim
 
 
-ACTIVATIONS = ("gelu", "quick_gelu", "silu")  # silu with gated_mlp: SwiGLU
-PATCH_EMBEDDINGS = ("linear", "conv3d")
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu")  # silu with gated_mlp: SwiGLU
+PATCH_EMBEDDINGS = ("linear", "conv2d", "conv3d")
 ROTARY_LAYOUTS = ("interleaved", "blocked")
 
 
@@ -96,7 +96,20 @@ class Architecture:
     (Qwen2-VL: a bias-free Conv3d with temporal kernel 2, i.e. frames stacked per patch);
     `rotary_layout` of multi-axis rotary positions: "interleaved" (frequency slot j rotates with
     axis j mod A) or "blocked" (Qwen2-VL's vision tower: the first slots with the rows, the
-    next with the columns).
+    next with the columns); `qk_norm`: an RMSNorm over each query and key head before the
+    rotary embedding (Qwen3; Megatron's qk_layernorm); `family`: the Hugging Face model type the
+    module was read from ("mistral", "qwen3", ...; written back on export), None where the
+    options alone name it.
+
+    Vision towers of CLIP / SigLIP (LLaVA): `learned_positions` > 0: a learned table of that
+    many absolute positions added to the patch embeddings (no rotary), one per patch of the
+    base-resolution image (plus the class token's); `class_token`: a learned class embedding
+    before each image's patches (CLIP); `keep_class_token`: the hand-over keeps its row
+    (LLaVA's vision_feature_select_strategy "full"; "default" drops it); `pre_norm`: a
+    LayerNorm on the embeddings before the first layer (CLIP's pre_layrnorm); `final_norm`:
+    the norm before the projector (False: LLaVA reads a layer's hidden states as they are);
+    `projector_hidden`: the projector's inner width (None: its input width, Qwen2-VL; LLaVA:
+    the LLM's hidden size); `patch_bias`: a "conv2d" patch embedding with a bias (SigLIP).
     """
 
     rotary_base: float = 10000.0
@@ -108,6 +121,15 @@ class Architecture:
     activation: str | None = None
     patch_embedding: str = "linear"
     rotary_layout: str = "interleaved"
+    qk_norm: bool = False
+    family: str | None = None
+    learned_positions: int = 0
+    class_token: bool = False
+    keep_class_token: bool = False
+    pre_norm: bool = False
+    final_norm: bool = True
+    projector_hidden: int | None = None
+    patch_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.rotary_layout not in ROTARY_LAYOUTS:
@@ -462,3 +484,23 @@ def tiny_t2v(
         train_text=train_text,
         latent_channels=4,
     )
+
+
+def module_record(spec: ModuleSpec) -> dict:
+    """A JSON-able record of `spec` (its every field; `module_from_record` inverts it): what a
+    checkpoint keeps of the modules it was saved from."""
+    return asdict(spec)
+
+
+def module_from_record(record: dict) -> ModuleSpec:
+    """The `ModuleSpec` of a `module_record` (ValueError on a malformed one)."""
+    try:
+        fields = dict(record)
+        arch = dict(fields.pop("arch"))
+        if arch.get("rope_scaling") is not None:
+            arch["rope_scaling"] = RopeScaling(**arch["rope_scaling"])
+        return ModuleSpec(
+            layer=LayerShape(**fields.pop("layer")), arch=Architecture(**arch), **fields
+        )
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a module record ({e}): {record}") from None

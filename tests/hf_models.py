@@ -25,8 +25,8 @@ def _common(**extra) -> dict:
     return {
         "hidden_size": HIDDEN, "intermediate_size": FFN, "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS, "num_hidden_layers": LAYERS, "vocab_size": VOCAB,
-        "max_position_embeddings": 1024, **extra,
-    }  # fmt: skip
+        "max_position_embeddings": 1024,
+    } | extra  # fmt: skip
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -45,12 +45,15 @@ def save_llama(
     seed: int = 0,
     layers: int = LAYERS,
     shard_size: str | None = None,
+    vocab: int = VOCAB,
 ):
     """A tiny LlamaForCausalLM (rope base 5e5, eps 1e-5, llama3 scaling) saved to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rope = {"rope_theta": 500000.0, **(LLAMA3_SCALING if scaling else {"rope_type": "default"})}
-    fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=tied, num_hidden_layers=layers)
+    fields = _common(
+        rms_norm_eps=1e-5, tie_word_embeddings=tied, num_hidden_layers=layers, vocab_size=vocab
+    )
     config = LlamaConfig(**fields, rope_parameters=rope)
     save = {"max_shard_size": shard_size} if shard_size else {}
     return _save(LlamaForCausalLM(config), folder, seed, **save)
@@ -65,6 +68,33 @@ def save_qwen2(folder: Path, *, seed: int = 0):
         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
     )
     return _save(Qwen2ForCausalLM(config), folder, seed)
+
+
+def save_qwen3(folder: Path, *, seed: int = 0, tied: bool = True):
+    """A tiny Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim 16 != hidden / heads = 8, tied
+    like the small Qwen3 models, rope base 1e6) saved to `folder`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        **_common(rms_norm_eps=1e-6, tie_word_embeddings=tied, head_dim=16),
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    return _save(Qwen3ForCausalLM(config), folder, seed)
+
+
+def save_mistral(folder: Path, *, seed: int = 0, sliding_window: int | None = None):
+    """A tiny MistralForCausalLM (no sliding window unless asked, rope base 1e6, odd ffn 72)
+    saved to `folder`."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=False, intermediate_size=72)
+    config = MistralConfig(
+        **fields, sliding_window=sliding_window,
+        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    return _save(MistralForCausalLM(config), folder, seed)
 
 
 def _save(model, folder: Path, seed: int, **save):
@@ -94,12 +124,14 @@ IMAGE_TOKEN_ID = 5  # Qwen2-VL's image placeholder in the tiny vocabulary (6-8: 
 VISION_PATCH, VISION_MERGE = 4, 2
 
 
-def save_qwen2_vl(folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN_ID):
+def save_qwen2_vl(
+    folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN_ID, tied: bool = False
+):
     """A tiny Qwen2VLForConditionalGeneration (vision tower 2 x 32, 4-px patches, 2x2 merge,
     quick_gelu; Qwen2 LLM with M-RoPE sections 2/1/1 of its 4 frequency slots) saved."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    text = _common(rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None)
+    text = _common(rms_norm_eps=1e-6, bos_token_id=None)
     text["eos_token_id"] = None
     text["rope_parameters"] = {
         "rope_type": "default",
@@ -114,6 +146,58 @@ def save_qwen2_vl(folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN
     config = Qwen2VLConfig(
         text_config=text, vision_config=vision, image_token_id=image_token,
         video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
-        bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, tie_word_embeddings=tied,
     )  # fmt: skip
     return _save(Qwen2VLForConditionalGeneration(config), folder, seed)
+
+
+LLAVA_IMAGE = 16  # base resolution of the tiny LLaVA towers: 4 x 4 patches of 4 px
+
+
+def save_llava(
+    folder: Path, *, tower: str = "clip", seed: int = 0, image_token: int = IMAGE_TOKEN_ID,
+    strategy: str | None = None, text: str = "llama",
+):  # fmt: skip
+    """A tiny LlavaForConditionalGeneration saved to `folder` with its image processor: a CLIP
+    tower (3 layers of 24, class token, pre-norm, quick_gelu, vision_feature_layer -2: the
+    first 2 used) or a SigLIP one (gelu-tanh, no class token, "full" strategy); a Llama (or
+    Mistral / Qwen2) LLM; LLaVA's two-layer GELU projector."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    text_config = _common(model_type=text, rms_norm_eps=1e-5, bos_token_id=None)
+    text_config.update(eos_token_id=None, pad_token_id=None)
+    vision = {
+        "model_type": f"{tower}_vision_model", "hidden_size": 24, "intermediate_size": 40,
+        "num_attention_heads": 4, "num_hidden_layers": 3, "image_size": LLAVA_IMAGE,
+        "patch_size": 4,
+    }  # fmt: skip
+    if strategy is None:
+        strategy = "default" if tower == "clip" else "full"
+    config = LlavaConfig(
+        text_config=text_config, vision_config=vision, image_token_id=image_token,
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=-2 if tower == "clip" else -1, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = _save(LlavaForConditionalGeneration(config), folder, seed)
+    llava_processor(tower).save_pretrained(folder)
+    return model
+
+
+def llava_processor(tower: str):
+    """transformers' own image processor of the tiny LLaVA towers (PIL back-end)."""
+    if tower == "clip":
+        from transformers import CLIPImageProcessorPil
+
+        size = {"shortest_edge": LLAVA_IMAGE}
+        crop = {"height": LLAVA_IMAGE, "width": LLAVA_IMAGE}
+        return CLIPImageProcessorPil(size=size, crop_size=crop)
+    from transformers import SiglipImageProcessorPil
+
+    return SiglipImageProcessorPil(size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+
+
+def hf_vlm_model(folder: Path) -> MultimodalSpec:
+    """Our ViT + LLM model of a Hugging Face VLM folder alone (`hf.config.model_of_config`)."""
+    from megatron_dip.hf.config import model_of_config
+
+    return model_of_config(read_config(folder))

@@ -258,6 +258,27 @@ def test_a_blend_of_two_datasets_delivers_its_weights(datasets):
     _check_consistent(src, [p for p in range(40) if draws[p] == 1][:3])
 
 
+def test_the_blend_is_logged_with_weights_and_its_realised_shares_counted(datasets, caplog):
+    """The start-up log names each dataset with its weight and share; `realised_shares` (the
+    interval line's --dip-log-blend) counts what the blend drew, incrementally and from 0."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="megatron_dip.data.energon"):
+        src = _source(datasets["blend"])
+    line = next(r.getMessage() for r in caplog.records if "share 75.0%" in r.getMessage())
+    assert f"{datasets['caption']}: weight 0.75, share 75.0%" in line
+    assert f"{datasets['vqa']}: weight 0.25, share 25.0%" in line
+    draws = [src.locate(p)[0] for p in range(400)]
+    expected = [draws.count(0) / 400, draws.count(1) / 400]
+    assert src.realised_shares(150) == pytest.approx(
+        [draws[:150].count(0) / 150, draws[:150].count(1) / 150]
+    )
+    assert src.realised_shares(400) == pytest.approx(expected)  # counted on from 150
+    assert src.realised_shares(10) == pytest.approx(
+        [draws[:10].count(0) / 10, draws[:10].count(1) / 10]
+    )
+
+
 def test_the_stream_resumes_exactly_and_refuses_another_order(datasets):
     def stream(slots=2):
         return BatchStream(

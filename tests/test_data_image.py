@@ -137,3 +137,22 @@ def test_a_huge_jpeg_decodes_at_a_reduced_scale_and_an_ordinary_one_whole(tmp_pa
     assert processor.preprocess(reduced).shape == (3, *target)
     assert ImageFile(tmp_path / "big.png").open(target=target).size == (768, 1024)
     assert ImageFile(tmp_path / "big.jpg").open(target=(1024, 768)).size == (768, 1024)
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("size", [(20, 27), (31, 18), (16, 16), (300, 41)])
+def test_clip_and_siglip_processor_configs_give_transformers_pixels(tmp_path, tower, size):
+    """The fixed-resolution policies of LLaVA's towers read from the preprocessor_config.json
+    that transformers writes: CLIP's short-side resize + centre crop, SigLIP's resize to
+    height x width; the pixels of its PIL processor (its default without torchvision)."""
+    from hf_models import llava_processor
+
+    theirs = llava_processor(tower)
+    theirs.save_pretrained(tmp_path)
+    config = ImageProcessorConfig.from_file(tmp_path)
+    assert config.fixed_size == (16, 16)
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 255, (*size, 3), dtype=np.uint8))
+    ours = ImageProcessor(config, factor=4).preprocess(image)
+    expected = theirs(image, return_tensors="np")["pixel_values"][0]
+    assert ours.shape == expected.shape == (3, 16, 16)
+    assert float(np.abs(ours - expected).max()) < 1e-5

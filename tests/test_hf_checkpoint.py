@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import llm_only, save_llama, save_qwen2, save_qwen2_vl
+from hf_models import llm_only, save_llama, save_mistral, save_qwen2, save_qwen2_vl, save_qwen3
 from safetensors.torch import load_file
 from test_models import _TensorParallelRank
 
@@ -74,8 +74,10 @@ def test_each_tensor_parallel_rank_reads_only_its_slices(tmp_path, single_rank_w
 
 
 @pytest.mark.parametrize(
-    "make", [lambda d: save_llama(d, tied=False), lambda d: save_llama(d, tied=True), save_qwen2],
-    ids=["llama", "llama-tied", "qwen2"],
+    "make",
+    [lambda d: save_llama(d, tied=False), lambda d: save_llama(d, tied=True), save_qwen2,
+     save_qwen3, save_mistral],
+    ids=["llama", "llama-tied", "qwen2", "qwen3", "mistral"],
 )  # fmt: skip
 def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     tmp_path, make, caplog, single_rank_world
@@ -202,3 +204,178 @@ def test_import_and_export_refuse_missing_flags(tmp_path, single_rank_world):
     with pytest.raises(SystemExit, match="--module"):
         tool.main(["export", "--model", "tiny-vlm", "--load", str(tmp_path), "--hf-out", "x"])
     assert tool.main(["import", "--model", "tiny-vlm", "--dip-hf-config", str(tmp_path)]) == 2
+
+
+def test_a_tied_qwen2_vl_as_transformers_5_saves_it_round_trips_tied(tmp_path, single_rank_world):
+    """Trip-wire 1: tie_word_embeddings only at the top level (text settings nested in
+    text_config): imported tied, exported without an lm_head, the same logits."""
+    import json
+
+    hf = tmp_path / "hf"
+    original = save_qwen2_vl(hf, tied=True)
+    saved = json.loads((hf / "config.json").read_text())
+    assert saved["tie_word_embeddings"] and "tie_word_embeddings" not in saved["text_config"]
+    tool = _tool()
+    assert tool.main(["import", "--dip-hf-config", str(hf), "--save", str(tmp_path / "o")]) == 0
+    out = tmp_path / "exported"
+    args = ["export", "--load", str(tmp_path / "o"), "--module", "vit,llm", "--hf-out", str(out)]
+    assert tool.main(args) == 0
+    after = load_file(out / "model.safetensors")
+    assert "lm_head.weight" not in after
+    assert sorted(after) == sorted(load_file(hf / "model.safetensors"))
+    from transformers import Qwen2VLForConditionalGeneration
+
+    loaded = Qwen2VLForConditionalGeneration.from_pretrained(out).eval()
+    ids = torch.arange(9, 40)[None]
+    kwargs = {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int)}
+    with torch.no_grad():
+        assert torch.equal(loaded(**kwargs).logits, original(**kwargs).logits)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-layers", "2"], "--num-layers: 2 contradicts num_hidden_layers / depth 3"),
+        (["--rotary-base", "10000"], "--rotary-base: 10000.0 contradicts 500000.0 in"),
+        (["--hidden-size", "4096"], "--hidden-size: 4096 contradicts 32 in"),
+    ],
+)
+def test_megatron_flags_contradicting_config_json_are_refused(
+    tmp_path, flags, message, caplog, single_rank_world
+):
+    """Trip-wire 2: one line naming the flag and both values; nothing is written. A flag that
+    agrees with config.json (or that it leaves open) still applies."""
+    hf = tmp_path / "hf"
+    save_llama(hf, tied=False)
+    tool = _tool()
+    save = tmp_path / "ours"
+    with caplog.at_level(logging.ERROR):
+        assert tool.main(["import", "--dip-hf-config", str(hf), "--save", str(save), *flags]) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert message in line and f"{hf}" in line and "\n" not in line
+    assert not save.exists()
+    agreeing = ["--rotary-base", "500000", "--num-layers", "3", "--hidden-size", "32"]
+    assert tool.main(["import", "--dip-hf-config", str(hf), "--save", str(save), *agreeing]) == 0
+
+
+def test_export_writes_the_checkpoints_own_architecture_and_refuses_another_models(
+    tmp_path, caplog, single_rank_world
+):
+    """Trip-wire 3: without --dip-hf-config the config.json is the checkpoint's (not the
+    preset's); flags of another model are refused in one line naming both signatures."""
+    import json
+
+    hf = tmp_path / "hf"
+    save_qwen3(hf)
+    tool = _tool()
+    assert tool.main(["import", "--dip-hf-config", str(hf), "--save", str(tmp_path / "o")]) == 0
+    out = tmp_path / "exported"
+    args = ["export", "--load", str(tmp_path / "o"), "--module", "llm", "--hf-out", str(out)]
+    assert tool.main([*args, "--model", "tiny-vlm"]) == 2  # the preset's LLM: another model
+    assert "was saved as ['llm', 'llm', 3, 32, 64, 4, 128]" in caplog.text
+    assert not out.exists()
+    assert tool.main(args) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"]) == (
+        "qwen3", 32, 3,
+    )  # fmt: skip
+    assert (config["head_dim"], config["tie_word_embeddings"]) == (16, True)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"
+
+
+def test_export_carries_tokenizer_configs_and_the_source_dtype(tmp_path, single_rank_world):
+    """Trip-wire 4: a bf16 source comes back bf16 (config and tensors agree), with its
+    generation and preprocessor configs and the --tokenizer-model tokenizer."""
+    import json
+
+    from megatron_dip.data.tiny_tokenizer import make_tiny_tokenizer
+
+    hf = tmp_path / "hf"
+    save_llama(hf, tied=False, vocab=512).to(torch.bfloat16).save_pretrained(hf)
+    (hf / "preprocessor_config.json").write_text('{"image_processor_type": "X"}')
+    assert (hf / "generation_config.json").is_file()
+    tokenizer = make_tiny_tokenizer(tmp_path / "tok", ["a tiny corpus of words", "more words"])
+    tool = _tool()
+    flags = ["--dip-hf-config", str(hf)]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "o")]) == 0
+    out = tmp_path / "exported"
+    args = ["export", *flags, "--load", str(tmp_path / "o"), "--hf-out", str(out)]
+    tok = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
+    assert tool.main([*args, *tok]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, after[k]) for k, t in before.items())
+    assert (out / "preprocessor_config.json").read_text() == '{"image_processor_type": "X"}'
+    assert (out / "generation_config.json").is_file() and (out / "tokenizer.json").is_file()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out)("more words").input_ids
+
+
+def test_help_lists_every_flag_and_family_and_a_typo_is_one_line(capsys):
+    """Trip-wire 5: --help names the families and the model flags; a mistyped flag one line."""
+    tool = _tool()
+    with pytest.raises(SystemExit):
+        tool.main(["--help"])
+    text = capsys.readouterr().out
+    for family in ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl"):
+        assert f"  {family} " in text
+    for flag in ("--dip-hf-config", "--hf-dtype", "--num-layers", "--tokenizer-model", "--save"):
+        assert flag in text
+    with pytest.raises(SystemExit):
+        tool.main(["import", "--hiden-size", "3"])
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "unrecognized arguments: --hiden-size 3" in err
+
+
+def test_an_llm_only_import_builds_only_the_llm(tmp_path, caplog, single_rank_world):
+    """Trip-wire 5: no --model: only the folder's LLM is built and saved (nothing initialised),
+    and training loads it per module."""
+    from megatron_dip.training import checkpoint_io
+    from megatron_dip.training.checkpoint_dirs import find_resume
+
+    hf = tmp_path / "hf"
+    save_llama(hf, tied=False)
+    tool = _tool()
+    with caplog.at_level(logging.INFO):
+        assert tool.main(["import", "--dip-hf-config", str(hf), "--save", str(tmp_path / "o")]) == 0
+    assert "initialised" not in caplog.text
+    saved = checkpoint_io.tensor_metadata(find_resume(tmp_path / "o", None).path)
+    assert saved and all(k.startswith("llm.") for k in saved)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tensor-model-parallel-size", "3"], "TP=3 does not divide the heads (4)"),
+        (["--pipeline-model-parallel-size", "2"], "world size 1 != TP x PP = 1 x 2"),
+    ],
+)
+def test_sizes_that_cannot_import_are_one_line(tmp_path, flags, message, caplog, single_rank_world):
+    """Trip-wire 6: divisibility and world size, before anything is built."""
+    hf = tmp_path / "hf"
+    save_llama(hf, tied=False)
+    with caplog.at_level(logging.ERROR):
+        args = ["import", "--dip-hf-config", str(hf), "--save", str(tmp_path / "o"), *flags]
+        assert _tool().main(args) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert message in line and "\n" not in line
+
+
+def test_import_into_a_directory_with_checkpoints_is_refused(tmp_path, caplog, single_rank_world):
+    """Trip-wire 6: a second import into the same --save would overwrite its iter_0."""
+    hf = tmp_path / "hf"
+    save_llama(hf, tied=False)
+    tool = _tool()
+    args = ["import", "--dip-hf-config", str(hf), "--save", str(tmp_path / "o")]
+    assert tool.main(args) == 0
+    before = sorted(p.stat().st_mtime_ns for p in (tmp_path / "o").rglob("*") if p.is_file())
+    with caplog.at_level(logging.ERROR):
+        assert tool.main(args) == 2
+    assert "holds checkpoints already (iterations [0])" in caplog.text
+    after = sorted(p.stat().st_mtime_ns for p in (tmp_path / "o").rglob("*") if p.is_file())
+    assert before == after

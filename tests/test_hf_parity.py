@@ -98,6 +98,20 @@ def test_qwen2_with_qkv_biases_matches_transformers(tmp_path, groups):
     assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
 
 
+def test_qwen3_with_qk_norms_and_explicit_head_dim_matches_transformers(tmp_path, groups):
+    from hf_models import save_qwen3
+
+    hf_model = save_qwen3(tmp_path)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
+def test_mistral_without_a_sliding_window_matches_transformers(tmp_path, groups):
+    from hf_models import save_mistral
+
+    hf_model = save_mistral(tmp_path)
+    assert _compare(tmp_path, hf_model, groups) <= TOLERANCE
+
+
 def test_the_architecture_options_matter(tmp_path, groups):
     """Without the llama3 scaling (what the presets built before) the logits differ: the
     comparison above can fail."""
@@ -208,3 +222,84 @@ def test_qwen2_vl_options_keep_chunking_invariance(tmp_path, groups):
     for name, grad in one[1].items():
         torch.testing.assert_close(grad, split[1][name], rtol=1e-9, atol=1e-12, msg=name)
     assert all(g.abs().sum() > 0 for g in one[1].values())
+
+
+def _llava_sample(rng, tower: str, *, tokens: int, placeholder: int) -> tuple[Sample, list]:
+    """Text, an image, text, another image, text; the images through transformers' own
+    processor (non-square pictures: CLIP resizes the short side and crops, SigLIP squashes)."""
+    from hf_models import llava_processor
+    from PIL import Image
+
+    pictures = [
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        for h, w in ((20, 27), (31, 18))
+    ]
+    pixels = [llava_processor(tower)(p, return_tensors="np")["pixel_values"][0] for p in pictures]
+    text = [rng.integers(9, VOCAB, 7), np.full(tokens, placeholder), rng.integers(9, VOCAB, 5)]
+    text += [np.full(tokens, placeholder), rng.integers(9, VOCAB, 6)]
+    sample = Sample(0, np.concatenate(text).astype(np.int64), {"vit": pixels})
+    return sample, pixels
+
+
+@pytest.mark.parametrize(
+    "tower, strategy, tokens",
+    [("clip", "default", 16), ("clip", "full", 17), ("siglip", "full", 16)],
+)
+def test_llava_towers_and_projector_match_transformers(tmp_path, groups, tower, strategy, tokens):
+    """LLaVA with a CLIP tower (class token, learned positions, pre-norm, quick_gelu, features
+    of layer -2, with and without the class token) or a SigLIP one (gelu-tanh, patch bias),
+    the two-layer projector and a Llama LLM: image features, logits and loss to 1e-4."""
+    from hf_models import hf_vlm_model, save_llava
+
+    from megatron_dip.hf.names import module_maps
+
+    hf_model = save_llava(tmp_path, tower=tower, strategy=strategy)
+    model = hf_vlm_model(tmp_path)
+    source, config = SafetensorsFolder(tmp_path), ModelConfig(dtype="float32")
+    chunks = {}
+    for m in model.modules:
+        (chunks[m.name],) = build_module_chunks(
+            model, m.name, [(0, m.num_layers)], config=config, groups=groups
+        )
+        assert fill_chunk(chunks[m.name], source, module_maps(m, source.where)) == []
+    compare_llava(model, chunks, hf_model, tower=tower, tokens=tokens)
+
+
+def compare_llava(model, chunks, hf_model, *, tower: str, tokens: int) -> None:
+    """Our ViT and LLM `chunks` (one each) against the Hugging Face LLaVA `hf_model` on two
+    processed images in one sequence: image features, logits and loss to 1e-4."""
+    strategy = hf_model.config.vision_feature_select_strategy
+    placeholder = model.module("vit").placeholder_id
+    sample, pixels = _llava_sample(
+        np.random.default_rng(5), tower, tokens=tokens, placeholder=placeholder
+    )
+    per_image = 16 + (tower == "clip")  # patches and the class token
+    with torch.no_grad():
+        vit_batch = build_sub_batch(
+            model, [sample], SubMicrobatch("vit", 0, 0, 0, 2, per_image * 2, 40), seq_length=SEQ,
+            seed=0,
+        )  # fmt: skip
+        handed = chunks["vit"](inputs=[], batch=vit_batch)
+        ids = torch.from_numpy(sample.text)[None]
+        pixel_values = torch.from_numpy(np.stack(pixels))
+        features = hf_model.model.get_image_features(
+            pixel_values, vision_feature_layer=hf_model.config.vision_feature_layer,
+            vision_feature_select_strategy=strategy,
+        ).pooler_output  # fmt: skip
+        labels = ids.masked_fill(ids == placeholder, -100)
+        out_hf = hf_model(input_ids=ids, pixel_values=pixel_values, labels=labels)
+    embeds = torch.cat(list(features), dim=0)
+    assert embeds.shape[0] == 2 * tokens
+    assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
+    llm = chunks["llm"]
+    batch = build_sub_batch(
+        model, [sample], SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ), seq_length=SEQ, seed=0
+    )
+    with torch.no_grad():
+        state = llm.parts.embed(llm, [handed], batch)
+        hidden = llm.post.final_norm(llm.parts.run_layers(llm, state, batch))
+        ours, _ = llm.post.output_layer(hidden)
+        out = llm(inputs=[handed], batch=batch)
+    n = len(sample.text)
+    assert float((ours[:n, 0] - out_hf.logits[0]).abs().max()) <= TOLERANCE
+    assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(out_hf.loss), rel=1e-5)

@@ -54,9 +54,12 @@ def test_hf_config_gives_the_llm_and_the_vit_follows(tmp_path):
     assert llm.arch.tie_embeddings and llm.arch.norm_eps == 1e-6
     assert llm.arch.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 512)
     assert spec.model.module("vit").out_hidden == 48  # the projector feeds the new width
-    # --num-layers still wins over the config (a shorter model for a test run)
-    shorter = _resolve("--dip-hf-config", str(tmp_path), "--num-layers", "2", *ONE_LLM_CHUNK)
-    assert shorter.model.module("llm").num_layers == 2
+    # a --num-layers that contradicts the config is refused (it would import a truncated
+    # model), one that agrees applies
+    with pytest.raises(ConfigError, match="^--num-layers: 2 contradicts .* 3 in .*config.json"):
+        _resolve("--dip-hf-config", str(tmp_path), "--num-layers", "2", *ONE_LLM_CHUNK)
+    same = _resolve("--dip-hf-config", str(tmp_path), "--num-layers", "3", *ONE_LLM_CHUNK)
+    assert same.model.module("llm").num_layers == 3
     with pytest.raises(ConfigError, match="^--use-distributed-optimizer: .*tied .* 2 chunks"):
         _resolve("--dip-hf-config", str(tmp_path), "--use-distributed-optimizer")
     untied = _resolve("--dip-hf-config", str(tmp_path), "--untie-embeddings-and-output-weights")

@@ -16,7 +16,12 @@ The model is what training builds from the same flags (--model, --dip-hf-config,
 `--load DIR --finetune` or `--pretrained-checkpoint DIR` at any TP / PP / DIP placement (the
 import's own TP x PP only shapes how the import is spread over processes). Modules or tensors the
 Hugging Face folders lack (the ViT and projector of a Llama-3 + ViT model) are initialised as in
-training, and named in the log. Supported: Llama / Qwen2 decoders as the LLM or text encoder.
+training, and named in the log. Without --model the model is the Hugging Face folder alone (its
+LLM, a VLM's ViT too; load it in training with --dip-pretrained llm=DIR). Megatron-LM flags that
+contradict config.json are refused; an import never writes into a directory holding
+checkpoints. The export writes config.json from the checkpoint's own module records (checked
+against the flags when given), in the source's dtype, with the source folder's generation,
+preprocessor and tokenizer files (and --tokenizer-model's tokenizer).
 """
 
 from __future__ import annotations
@@ -33,27 +38,81 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 logger = logging.getLogger("hf_checkpoint")
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """(this tool's arguments, the training flags that define the model)."""
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+class _Parser(argparse.ArgumentParser):
+    """A mistyped flag is one line (the full usage is --help's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
+def _families() -> str:
+    from megatron_dip.hf.config import FAMILIES
+
+    rows = "\n".join(f"  {name:10s} {text}" for name, text in FAMILIES.items())
+    return f"Hugging Face families (config.json model_type):\n{rows}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """This tool's flags, then the training flags (the same as training takes: those that
+    define the model, its layout, tokenizer and checkpoints matter here, the others are
+    accepted so that a training launch's flags can be reused)."""
+    from megatron_dip.training.arguments import add_arguments
+
+    p = _Parser(
+        description=__doc__, epilog=_families(), allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("command", choices=("import", "export"))
     p.add_argument(
-        "--module", default=None, help="export: the module to write (an LLM or text encoder)"
-    )
+        "--module", default=None,
+        help="export: the modules to write (an LLM or text encoder, or vit,llm for a VLM; "
+        "default: those --dip-hf-config names)",
+    )  # fmt: skip
     p.add_argument("--hf-out", default=None, help="export: the Hugging Face folder to write")
-    return p.parse_known_args(argv)
+    p.add_argument(
+        "--hf-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        help="export: the dtype of the written weights (default: the source folder's, else the "
+        "checkpoint's)",
+    )  # fmt: skip
+    return add_arguments(p)
 
 
-def _model_and_config(flags: list[str]):
-    from megatron_dip.training.arguments import parse_config
+def parse_args(argv: list[str] | None):
+    """(this tool's arguments, the training config of the model flags)."""
+    from megatron_dip.training.arguments import TrainConfig
+
+    args = build_parser().parse_args(argv)
+    return args, TrainConfig.from_namespace(args)
+
+
+def _model_and_config(config):
+    """The model the flags describe: the --model preset's, or without one the model of the
+    --dip-hf-config folder alone (its LLM; a VLM's ViT too), nothing else built."""
+    from megatron_dip.hf.config import model_of_config, parse_hf_config_flag, read_config
+    from megatron_dip.training.config_error import fail
     from megatron_dip.training.data_config import model_spec
     from megatron_dip.training.validate import apply_preset
 
-    config, preset = apply_preset(parse_config(flags))
-    model, _, _ = model_spec(config, preset)
-    return model, config
+    if config.model.model is not None:
+        config, preset = apply_preset(config)
+        return model_spec(config, preset)[0], config
+    folders = parse_hf_config_flag(config.architecture.dip_hf_config, modules=["llm", "vit"])
+    if len(set(folders.values())) != 1:
+        raise fail(
+            "--model", "choose a preset, or name one Hugging Face folder: --dip-hf-config DIR"
+        )
+    folder = next(iter(folders.values()))
+    try:
+        base = model_of_config(read_config(folder), where=f"{folder}/config.json")
+    except ValueError as e:
+        raise fail("--dip-hf-config", str(e)) from None
+    p = config.parallel
+    config = config.replace(
+        tensor_model_parallel_size=p.tensor_model_parallel_size or 1,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size or 1,
+        dip_hf_config=folder,
+    )  # fmt: skip
+    return model_spec(config, None, base=base)[0], config
 
 
 def _init_world() -> bool:
@@ -102,15 +161,16 @@ def run_export(args, config, model) -> int:
 
     if config.checkpoint.load is None or args.hf_out is None:
         raise SystemExit("export: --load DIR and --hf-out DIR are required")
-    folders = hf_folders(config, model)
+    folders = hf_folders(config, model) if model is not None else {}
     modules = args.module.split(",") if args.module else list(folders)
     if not modules:
         raise SystemExit("export: name the modules with --module (or --dip-hf-config)")
     sources = {folders[m] for m in modules if m in folders}
-    template = read_config(sources.pop()) if len(sources) == 1 else None
+    source = sources.pop() if len(sources) == 1 else None
     export_hf(
         model=model, load=config.checkpoint.load, modules=modules, out=args.hf_out,
-        step=config.checkpoint.ckpt_step, template=template,
+        step=config.checkpoint.ckpt_step, template=None if source is None else read_config(source),
+        source=source, tokenizer=config.data.tokenizer_model, dtype=args.hf_dtype,
     )  # fmt: skip
     return 0
 
@@ -119,19 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     import torch.distributed as dist
 
+    from megatron_dip.training.checkpoint_dirs import CheckpointError
     from megatron_dip.training.config_error import ConfigError
 
-    args, flags = parse_args(argv)
+    args, config = parse_args(argv)
+    created = False
     try:
-        model, config = _model_and_config(flags)
-    except ConfigError as e:
-        logger.error("%s", e)
-        return 2
-    created = _init_world()
-    try:
+        model = None
+        if args.command == "import" or config.model.model or config.architecture.dip_hf_config:
+            model, config = _model_and_config(config)
+        created = _init_world()
         if args.command == "import":
             return run_import(config, model)
         return run_export(args, config, model)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        logger.error("%s", e)  # one line, naming the flag, file or size at fault
+        return 2
     finally:
         if created:
             dist.destroy_process_group()

@@ -398,6 +398,8 @@ class EnergonSource:
         ]
         self.weights = _weights(loaded)
         self.blend = BlendOrder(self.weights, seed=seed)
+        self._share_counts = (0, np.zeros(len(self.parts), np.int64))  # `realised_shares`
+        logger.info("%s (%s): %s", path, split, self.blend_description())
         self.orders = []
         for d, part in enumerate(self.parts):
             if not part.num_samples:
@@ -409,6 +411,26 @@ class EnergonSource:
                 max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
             )
             self.orders.append(SliceOrder(slices, seed=seed, tag=d))
+
+    def blend_description(self) -> str:
+        """Each dataset of the blend with its weight, its share of the draws and its size."""
+        total = sum(self.weights)
+        return "; ".join(
+            f"{part.name}: weight {w:g}, share {w / total:.1%}, {part.num_samples} samples"
+            for part, w in zip(self.parts, self.weights, strict=True)
+        )
+
+    def realised_shares(self, positions: int) -> list[float]:
+        """The share of each dataset among stream positions [0, positions): what the blend
+        drew so far (deterministic: the blend order is a function of the seed). Counted on
+        from the last call's positions."""
+        counted, counts = self._share_counts
+        if positions < counted:
+            counted, counts = 0, np.zeros(len(self.parts), np.int64)
+        for position in range(counted, positions):
+            counts[self.blend.locate(position)[0]] += 1
+        self._share_counts = (positions, counts)
+        return (counts / max(1, positions)).tolist()
 
     def locate(self, position: int) -> tuple[int, int]:
         """(dataset, index in it) of stream position `position`."""

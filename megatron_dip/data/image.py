@@ -70,6 +70,12 @@ class ImageProcessorConfig:
     patch_size: int | None = None
     merge_size: int | None = None
     source: str = "defaults"
+    # Fixed-resolution policies (LLaVA's towers) instead of Qwen2-VL's dynamic one: CLIP's
+    # resize of the short side to `shortest_edge`, then a centre crop to `crop` (H, W);
+    # SigLIP's resize to `resize` (H, W).
+    shortest_edge: int | None = None
+    crop: tuple[int, int] | None = None
+    resize: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_pixels < 1 or (self.min_pixels is not None and self.min_pixels < 1):
@@ -93,26 +99,26 @@ class ImageProcessorConfig:
             raise ValueError(f"--dip-image-processor: cannot read {file}: {err}") from None
         size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
         fields: dict[str, Any] = {"source": str(file)}
+        fixed = _fixed_policy(raw, size)
+        if fixed:
+            fields.update(fixed, **_normalisation(raw))
+            return cls(**fields)
         max_pixels = raw.get("max_pixels", size.get("longest_edge", size.get("max_pixels")))
         min_pixels = raw.get("min_pixels", size.get("shortest_edge", size.get("min_pixels")))
         if max_pixels is not None:
             fields["max_pixels"] = int(max_pixels)
         if min_pixels is not None:
             fields["min_pixels"] = int(min_pixels)
-        if raw.get("do_normalize", True):
-            for key in ("image_mean", "image_std"):
-                if key in raw:
-                    fields[key] = tuple(float(v) for v in raw[key])
-        else:
-            fields.update(image_mean=(0.0,) * 3, image_std=(1.0,) * 3)
-        if not raw.get("do_rescale", True):
-            fields["rescale_factor"] = 1.0
-        elif "rescale_factor" in raw:
-            fields["rescale_factor"] = float(raw["rescale_factor"])
-        for key in ("resample", "patch_size", "merge_size"):
+        fields.update(_normalisation(raw))
+        for key in ("patch_size", "merge_size"):
             if raw.get(key) is not None:
                 fields[key] = int(raw[key])
         return cls(**fields)
+
+    @property
+    def fixed_size(self) -> tuple[int, int] | None:
+        """(H, W) of every processed image under a fixed-resolution policy, else None."""
+        return self.crop or self.resize
 
     def check_vit(self, *, patch: int, merge: int) -> None:
         """ValueError unless the config's grid unit is the ViT's (patch x merge pixels)."""
@@ -124,6 +130,40 @@ class ImageProcessorConfig:
                 f"{self.merge_size} = {self.patch_size * self.merge_size} pixels per grid unit, "
                 f"the ViT's is {patch} x {merge} = {patch * merge}"
             )
+
+
+def _fixed_policy(raw: dict[str, Any], size: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a CLIP-style (short-side resize + centre crop) or SigLIP-style (resize to
+    height x width) processor config; {} for Qwen2-VL's dynamic resolution."""
+    crop = raw.get("crop_size")
+    if raw.get("do_center_crop") and isinstance(crop, dict) and "shortest_edge" in size:
+        return {
+            "shortest_edge": int(size["shortest_edge"]),
+            "crop": (int(crop["height"]), int(crop["width"])),
+            "max_pixels": int(crop["height"]) * int(crop["width"]),
+        }
+    if "height" in size and "width" in size and "max_pixels" not in raw:
+        shape = (int(size["height"]), int(size["width"]))
+        return {"resize": shape, "max_pixels": shape[0] * shape[1]}
+    return {}
+
+
+def _normalisation(raw: dict[str, Any]) -> dict[str, Any]:
+    """Mean, std, rescale factor and resampling of a processor config."""
+    out: dict[str, Any] = {}
+    if raw.get("do_normalize", True):
+        out.update(
+            {k: tuple(float(v) for v in raw[k]) for k in ("image_mean", "image_std") if k in raw}
+        )
+    else:
+        out.update(image_mean=(0.0,) * 3, image_std=(1.0,) * 3)
+    if not raw.get("do_rescale", True):
+        out["rescale_factor"] = 1.0
+    elif "rescale_factor" in raw:
+        out["rescale_factor"] = float(raw["rescale_factor"])
+    if raw.get("resample") is not None:
+        out["resample"] = int(raw["resample"])
+    return out
 
 
 def to_rgb(image):
@@ -169,7 +209,10 @@ class ImageProcessor:
     def target_size(self, *, height: int, width: int) -> tuple[int, int]:
         """(H, W) an image of `height` x `width` pixels is resized to: `smart_resize`, whose
         one-unit floor on the short side can exceed max_pixels for very elongated images; then
-        the long side is cut back so that max_pixels holds (the only departure from Qwen2-VL)."""
+        the long side is cut back so that max_pixels holds (the only departure from Qwen2-VL).
+        A fixed-resolution policy (CLIP, SigLIP) gives its size whatever the image's."""
+        if self.config.fixed_size is not None:
+            return self.config.fixed_size
         h, w = smart_resize(
             height,
             width,
@@ -185,14 +228,28 @@ class ImageProcessor:
                 w = max(unit, limit // h // unit * unit)
         return h, w
 
+    def resized_size(self, *, height: int, width: int) -> tuple[int, int]:
+        """(H, W) of the resize before any crop: CLIP's short side at `shortest_edge` (the
+        long one scaled and truncated, as transformers' get_resize_output_image_size)."""
+        edge = self.config.shortest_edge
+        if edge is None:
+            return self.target_size(height=height, width=width)
+        if height <= width:
+            return edge, int(edge * width / height)
+        return int(edge * height / width), edge
+
     def preprocess(self, image) -> np.ndarray:
         """A PIL image -> float32 [3, H, W] (RGB, resized, rescaled, normalised)."""
         from PIL import Image
 
-        height, width = self.target_size(height=image.height, width=image.width)
+        height, width = self.resized_size(height=image.height, width=image.width)
         rgb = to_rgb(image)
         if (rgb.height, rgb.width) != (height, width):
             rgb = rgb.resize((width, height), Image.Resampling(self.config.resample))
         pixels = np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1)
+        if self.config.crop is not None:  # transformers' centre crop: offsets rounded down
+            (ch, cw), (h, w) = self.config.crop, pixels.shape[1:]
+            top, left = max(0, (h - ch) // 2), max(0, (w - cw) // 2)
+            pixels = pixels[:, top : top + ch, left : left + cw]
         pixels = pixels * np.float32(self.config.rescale_factor)
         return np.ascontiguousarray((pixels - self._mean) / self._std, dtype=np.float32)

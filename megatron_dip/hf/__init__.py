@@ -2,9 +2,10 @@
 (`config`), the correspondence between Hugging Face tensor names and our global parameter names
 (`names`), and reading / writing safetensors by slices (`weights`).
 
-Supported: Llama and Qwen2 decoders as the LLM or as the text-to-video text encoder (model_type
-"llama", "qwen2"), and Qwen2-VL (model_type "qwen2_vl": vision tower + merger as the ViT, its
-Qwen2 decoder with M-RoPE as the LLM). `config` and `names` are torch-free; `weights` imports
-torch and safetensors.
+Supported (`config.FAMILIES`): Llama, Mistral (no sliding window), Qwen2 and Qwen3 decoders as
+the LLM or as the text-to-video text encoder; Qwen2-VL (vision tower + merger as the ViT, its
+Qwen2 decoder with M-RoPE as the LLM); LLaVA at base resolution (a CLIP or SigLIP tower and the
+two-layer projector as the ViT, a Llama / Mistral / Qwen2 LLM). `config` and `names` are
+torch-free; `weights` imports torch and safetensors.
 The importer and exporter are `tools/hf_checkpoint.py`.
 """

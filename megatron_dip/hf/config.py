@@ -1,6 +1,6 @@
 """Module shapes and architecture options from a Hugging Face `config.json` (torch-free).
 
-`text_module_fields(config)` turns a Llama / Qwen2 decoder's config into the `ModuleSpec` fields
+`text_module_fields(config)` turns a Llama / Mistral / Qwen2 / Qwen3 decoder's config into the `ModuleSpec` fields
 it fixes (layers, `LayerShape`, vocabulary, `Architecture`), for the LLM or the text encoder.
 `parse_hf_config_flag` reads `--dip-hf-config` ("DIR" or "llm=DIR,vit=DIR"). Anything the
 config asks for that our layers cannot compute (sliding windows, MLP biases, other rope types)
@@ -14,10 +14,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, RopeScaling
+from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, MultimodalSpec, RopeScaling
 
-TEXT_MODEL_TYPES = ("llama", "qwen2")
-VLM_MODEL_TYPES = ("qwen2_vl",)
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+VLM_MODEL_TYPES = ("qwen2_vl", "llava")
+LLAVA_TOWERS = ("clip_vision_model", "siglip_vision_model")
+# Hugging Face vision activations -> ours.
+_VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+# The text config of a VLM (nested under "text_config") and the text family it is.
+_TEXT_OF_VLM = {"qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2"}
 CONFIG_FILE = "config.json"
 
 
@@ -55,23 +60,44 @@ def _rope(config: dict[str, Any], where: str) -> tuple[float, RopeScaling | None
     return float(base), scaling
 
 
-def _refuse_unsupported(config: dict[str, Any], where: str) -> None:
+def _refuse_unsupported(config: dict[str, Any], kind: str, where: str) -> None:
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {config['hidden_act']!r}; only silu (SwiGLU)")
     if config.get("mlp_bias"):
         raise ValueError(f"{where}: mlp_bias is not supported")
     if config.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window is not supported (full attention only)")
+    window = config.get("sliding_window") if kind == "mistral" else None
+    if window is not None and window < int(config.get("max_position_embeddings") or 0):
+        raise ValueError(
+            f"{where}: sliding_window {window} (< max_position_embeddings "
+            f"{config.get('max_position_embeddings')}) is not supported: full attention only"
+        )
+    if kind in ("llama", "mistral", "qwen3") and config.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias (o_proj bias) is not supported")
+
+
+def _tied(config: dict[str, Any]) -> bool:
+    """Whether the output head is the input embedding: a VLM's top-level tie_word_embeddings
+    (where transformers 5 writes it; its text_config then has none) over its text config's."""
+    text = config.get("text_config") or {}
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(text.get("tie_word_embeddings", False))
 
 
 def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
-    """`ModuleSpec` fields of a Llama / Qwen2 decoder config (a Qwen2-VL config's text part
-    too): num_layers, layer, vocab_size, arch."""
+    """`ModuleSpec` fields of a Llama / Mistral / Qwen2 / Qwen3 decoder config (a Qwen2-VL
+    config's text part too): num_layers, layer, vocab_size, arch."""
+    tied = _tied(config)
     config = dict(config.get("text_config") or config)
-    kind = config.get("model_type")
-    if kind not in (*TEXT_MODEL_TYPES, *VLM_MODEL_TYPES, "qwen2_vl_text"):
-        raise ValueError(f"{where}: model_type {kind!r}; supported: {', '.join(TEXT_MODEL_TYPES)}")
-    _refuse_unsupported(config, where)
+    kind = _TEXT_OF_VLM.get(config.get("model_type"), config.get("model_type"))
+    if kind not in TEXT_MODEL_TYPES:
+        raise ValueError(
+            f"{where}: model_type {config.get('model_type')!r}; supported: "
+            f"{', '.join((*TEXT_MODEL_TYPES, *VLM_MODEL_TYPES))}"
+        )
+    _refuse_unsupported(config, kind, where)
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = config.get("head_dim") or hidden // heads
     layer = LayerShape(
@@ -91,12 +117,12 @@ def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> d
         rope_scaling=scaling,
         mrope_sections=None if sections is None else tuple(sections),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        # Qwen2 always has q/k/v biases; Llama has them with attention_bias (then o_proj too).
-        qkv_bias=kind != "llama" or bool(config.get("attention_bias")),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; the others none (attention_bias is refused above).
+        qkv_bias=kind == "qwen2",
+        tie_embeddings=tied,
+        qk_norm=kind == "qwen3",
+        family=kind if kind in ("mistral", "qwen3") else None,
     )
-    if kind == "llama" and config.get("attention_bias"):
-        raise ValueError(f"{where}: attention_bias (o_proj bias) is not supported")
     return {
         "num_layers": int(config["num_hidden_layers"]),
         "layer": layer,
@@ -106,13 +132,76 @@ def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> d
 
 
 def vision_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of the vision tower of a Qwen2-VL or LLaVA config."""
+    if config.get("model_type") not in VLM_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {config.get('model_type')!r} has no vision tower "
+                         f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
+    if config["model_type"] == "llava":
+        return llava_vision_fields(config, where=where)
+    return qwen2_vl_vision_fields(config, where=where)
+
+
+def _llava_feature_layers(config: dict[str, Any], vision: dict, where: str) -> int:
+    """The tower's layers LLaVA uses: those up to `vision_feature_layer` (hidden_states[k]:
+    k = 0 the embeddings, -1 the last layer's output; the later layers are never run)."""
+    index = config.get("vision_feature_layer", -2)
+    if not isinstance(index, int):
+        raise ValueError(f"{where}: vision_feature_layer {index!r}: one layer only (not a list)")
+    total = int(vision["num_hidden_layers"])
+    used = total + 1 + index if index < 0 else index
+    if not 1 <= used <= total:
+        raise ValueError(f"{where}: vision_feature_layer {index} outside the {total} layers")
+    return used
+
+
+def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a LLaVA vision tower and projector: a CLIP tower (class token,
+    learned positions, pre-norm, quick_gelu) or a SigLIP one (learned positions, no class
+    token, gelu-tanh, Conv2d bias), the layers up to `vision_feature_layer`, no final norm,
+    `vision_feature_select_strategy` ("default" drops the class token), the two-layer GELU
+    projector into the LLM's width; base resolution only."""
+    vision, text = config["vision_config"], config["text_config"]
+    tower = vision.get("model_type", "clip_vision_model")
+    if tower not in LLAVA_TOWERS:
+        raise ValueError(f"{where}: vision tower {tower!r}; supported: {', '.join(LLAVA_TOWERS)}")
+    clip = tower == "clip_vision_model"
+    strategy = config.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full") or (strategy == "default" and not clip):
+        raise ValueError(
+            f"{where}: vision_feature_select_strategy {strategy!r} with a {tower} is not "
+            "supported (CLIP: default or full; SigLIP, which has no class token to drop: full)"
+        )
+    act = _VISION_ACTS.get(vision.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh"))
+    if act is None or config.get("projector_hidden_act", "gelu") != "gelu":
+        raise ValueError(f"{where}: vision hidden_act {vision.get('hidden_act')!r} / projector "
+                         f"{config.get('projector_hidden_act')!r}; supported: "
+                         f"{', '.join(_VISION_ACTS)} / gelu")  # fmt: skip
+    if not config.get("multimodal_projector_bias", True):
+        raise ValueError(f"{where}: multimodal_projector_bias false is not supported")
+    patch, side = int(vision["patch_size"]), int(vision["image_size"])
+    hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
+    out = int(text["hidden_size"])
+    arch = Architecture(
+        norm_eps=float(vision.get("layer_norm_eps", 1e-5 if clip else 1e-6)), activation=act,
+        patch_embedding="conv2d", patch_bias=not clip,
+        learned_positions=(side // patch) ** 2 + clip, class_token=clip,
+        keep_class_token=clip and strategy == "full", pre_norm=clip, final_norm=False,
+        projector_hidden=out,
+    )  # fmt: skip
+    token = config.get("image_token_id", config.get("image_token_index"))
+    return {
+        "num_layers": _llava_feature_layers(config, vision, where),
+        "layer": LayerShape(hidden, int(vision["intermediate_size"]), heads, heads),
+        "patch_size": patch, "in_channels": int(vision.get("num_channels", 3)), "merge": 1,
+        "out_hidden": out, "placeholder_id": int(token), "arch": arch,
+    }  # fmt: skip
+
+
+def qwen2_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
     """`ModuleSpec` fields of a Qwen2-VL vision tower (the `vision_config` of a Qwen2-VL
     config): layers, shape, patch and merge sizes, the LLM width it projects to, its
     placeholder (`image_token_id`) and options (LayerNorm 1e-6, quick_gelu, Conv3d patches,
     blocked 2-D rotary)."""
-    if config.get("model_type") not in VLM_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {config.get('model_type')!r} has no vision tower "
-                         f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
     vision = config["vision_config"]
     if int(vision.get("temporal_patch_size", 2)) != 2:
         raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
@@ -155,12 +244,30 @@ def parse_hf_config_flag(text: str | None, *, modules: list[str]) -> dict[str, s
     return out
 
 
-def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, Any]:
-    """The `config.json` of module `spec` (an LLM or a text encoder) as a Hugging Face Llama
-    (no q/k/v biases) or Qwen2 (biases) model: the inverse of `text_module_fields`."""
+def text_family(spec: ModuleSpec) -> str:
+    """The Hugging Face model type of a text module: its `Architecture.family`, else qwen2
+    (q/k/v biases) or llama."""
+    if spec.arch.family is not None:
+        return spec.arch.family
+    return "qwen2" if spec.arch.qkv_bias else "llama"
+
+
+_CLASS_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def hf_text_config(
+    spec: ModuleSpec, *, max_positions: int = 8192, dtype: str = "float32"
+) -> dict[str, Any]:
+    """The `config.json` of module `spec` (an LLM or a text encoder) as a Hugging Face Llama,
+    Mistral, Qwen2 or Qwen3 model (`text_family`): the inverse of `text_module_fields`."""
     lay, arch = spec.layer, spec.arch
-    qwen = arch.qkv_bias
-    kind = "qwen2" if qwen else "llama"
+    kind = text_family(spec)
+    if (kind == "qwen2") != arch.qkv_bias or (kind == "qwen3") != arch.qk_norm:
+        raise ValueError(
+            f"module {spec.name!r}: a {kind} model has {'' if kind == 'qwen2' else 'no '}q/k/v "
+            f"biases and {'' if kind == 'qwen3' else 'no '}q/k norms (qkv_bias={arch.qkv_bias}, "
+            f"qk_norm={arch.qk_norm})"
+        )
     head = "ForCausalLM" if spec.kind == "llm" else "Model"
     rope: dict[str, Any] = {"rope_theta": arch.rotary_base, "rope_type": "default"}
     if arch.rope_scaling is not None:
@@ -173,7 +280,7 @@ def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, 
     if arch.mrope_sections is not None:
         rope["mrope_section"] = list(arch.mrope_sections)
     config = {
-        "architectures": [("Qwen2" if qwen else "Llama") + head],
+        "architectures": [_CLASS_NAMES[kind] + head],
         "model_type": kind,
         "hidden_size": lay.hidden,
         "intermediate_size": lay.ffn,
@@ -190,10 +297,18 @@ def hf_text_config(spec: ModuleSpec, *, max_positions: int = 8192) -> dict[str, 
         "rope_parameters": rope,
         "rope_theta": arch.rotary_base,
         "rope_scaling": None if arch.rope_scaling is None else rope,
-        "torch_dtype": "float32",
+        # transformers 5 writes "dtype", older releases "torch_dtype": both, alike
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
-    if not qwen:
-        config.update(attention_bias=False, mlp_bias=False)
+    if kind in ("llama", "mistral", "qwen3"):
+        config.update(attention_bias=False)
+    if kind == "llama":
+        config.update(mlp_bias=False)
+    if kind == "mistral":
+        config.update(sliding_window=None)
+    if kind in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None)
     return config
 
 
@@ -202,10 +317,12 @@ def _ratio(ffn: int, hidden: int) -> int | float:
     return ffn // hidden if ffn % hidden == 0 else ffn / hidden
 
 
-def hf_qwen2_vl_config(vit: ModuleSpec, llm: ModuleSpec) -> dict[str, Any]:
+def hf_qwen2_vl_config(
+    vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32"
+) -> dict[str, Any]:
     """The `config.json` of a Qwen2-VL model made of our `vit` and `llm` (the inverse of
     `vision_module_fields` and `text_module_fields`)."""
-    text = hf_text_config(llm)
+    text = hf_text_config(llm, dtype=dtype)
     del text["architectures"]
     text["model_type"] = "qwen2_vl_text"
     vision = {
@@ -222,6 +339,8 @@ def hf_qwen2_vl_config(vit: ModuleSpec, llm: ModuleSpec) -> dict[str, Any]:
         "vision_config": vision,
         "image_token_id": vit.placeholder_id,
         "tie_word_embeddings": llm.arch.tie_embeddings,
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
 
 
@@ -262,3 +381,25 @@ def describes(config: dict[str, Any], kind: str) -> bool:
     if kind == "vit":
         return model_type in VLM_MODEL_TYPES
     return kind in FIELDS_OF_KIND and model_type in (*TEXT_MODEL_TYPES, *VLM_MODEL_TYPES)
+
+
+FAMILIES = {
+    "llama": "Llama 2 / 3 / 3.1 / 3.2 decoders (llama3 rope scaling, tied or untied)",
+    "mistral": "Mistral decoders without a sliding window (sliding_window null)",
+    "qwen2": "Qwen2 / Qwen2.5 decoders (q/k/v biases)",
+    "qwen3": "Qwen3 dense decoders (per-head q/k RMSNorm, explicit head_dim)",
+    "qwen2_vl": "Qwen2-VL: vision tower + merger as the ViT, M-RoPE Qwen2 decoder as the LLM",
+    "llava": "LLaVA (base resolution): CLIP or SigLIP tower + two-layer projector as the ViT, "
+    "Llama / Mistral / Qwen2 as the LLM",
+}
+
+
+def model_of_config(config: dict[str, Any], *, where: str = CONFIG_FILE) -> MultimodalSpec:
+    """The model a Hugging Face folder is on its own (no --model preset): its decoder as the
+    module "llm", and a VLM's vision tower as "vit" feeding it."""
+    kind = config.get("model_type")
+    llm = ModuleSpec("llm", "llm", **text_module_fields(config, where=where))
+    if kind not in VLM_MODEL_TYPES:
+        return MultimodalSpec(f"hf-{kind}", (llm,))
+    vit = ModuleSpec("vit", "vit", feeds="llm", **vision_module_fields(config, where=where))
+    return MultimodalSpec(f"hf-{kind}", (vit, llm))

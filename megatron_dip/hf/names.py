@@ -99,13 +99,20 @@ def _layer_maps(spec: ModuleSpec, ours: str, hf: str) -> list[TensorMap]:
         maps.append(
             TensorMap(f"{ours}self_attention.linear_qkv.bias", qkv_pieces(attn, "bias", spec))
         )
+    if spec.arch.qk_norm:  # Qwen3: one RMSNorm weight of head_dim for all query heads, one for keys
+        for our_norm, hf_norm in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+            maps.append(
+                TensorMap(
+                    f"{ours}self_attention.{our_norm}.weight", (Piece(f"{attn}{hf_norm}.weight"),)
+                )
+            )
     return maps
 
 
 def decoder_prefix(names) -> str:
     """Where a decoder's tensors lie in a checkpoint holding `names`: "model." (*ForCausalLM),
     "model.language_model." (transformers-5 Qwen2-VL) or "" (a bare LlamaModel / Qwen2Model)."""
-    for prefix in ("model.language_model.", "model.", ""):
+    for prefix in ("model.language_model.", "language_model.model.", "model.", ""):
         if f"{prefix}embed_tokens.weight" in names:
             return prefix
     raise ValueError("no embed_tokens.weight in the checkpoint: not a Llama / Qwen2 decoder")
@@ -179,11 +186,74 @@ def vision_maps(spec: ModuleSpec, *, hf_prefix: str = "model.visual.") -> dict[s
     return _with_aliases(maps)
 
 
+def _first_prefix(names, prefixes: tuple[str, ...], leaf: str, what: str) -> str:
+    for prefix in prefixes:
+        if f"{prefix}{leaf}" in names:
+            return prefix
+    raise ValueError(f"no {prefixes[-1]}{leaf} in the checkpoint: not a {what}")
+
+
+def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
+    """{our global name: TensorMap} of a LLaVA CLIP / SigLIP tower (its first
+    `spec.num_layers` layers) and projector, wherever the checkpoint keeps them (transformers
+    5's "model.vision_tower." or the Hub's "vision_tower.[vision_model.]")."""
+    m = spec.name
+    p = _first_prefix(
+        names, ("model.vision_tower.vision_model.", "model.vision_tower.",
+                "vision_tower.vision_model.", "vision_tower."),
+        "embeddings.patch_embedding.weight", "LLaVA model",
+    )  # fmt: skip
+    proj = _first_prefix(
+        names, ("model.multi_modal_projector.", "multi_modal_projector."), "linear_1.weight",
+        "LLaVA model (no projector)",
+    )  # fmt: skip
+    kernel = (spec.in_channels, spec.patch_size, spec.patch_size)
+    emb = f"{p}embeddings."
+    maps = [
+        TensorMap(f"{m}.pre.patch_embed.weight", (Piece(f"{emb}patch_embedding.weight"),), kernel),
+        TensorMap(f"{m}.pre.positions.weight", (Piece(f"{emb}position_embedding.weight"),)),
+    ]
+    if spec.arch.patch_bias:
+        maps.append(TensorMap(f"{m}.pre.patch_embed.bias", (Piece(f"{emb}patch_embedding.bias"),)))
+    if spec.arch.class_token:
+        maps.append(
+            TensorMap(f"{m}.pre.positions.class_embedding", (Piece(f"{emb}class_embedding"),))
+        )
+    if spec.arch.pre_norm:
+        for leaf in ("weight", "bias"):
+            maps.append(TensorMap(f"{m}.pre.pre_norm.{leaf}", (Piece(f"{p}pre_layrnorm.{leaf}"),)))
+    ours_hf = {
+        "input_layernorm": "layer_norm1", "pre_mlp_layernorm": "layer_norm2",
+        "self_attention.linear_proj": "self_attn.out_proj", "mlp.linear_fc1": "mlp.fc1",
+        "mlp.linear_fc2": "mlp.fc2",
+    }  # fmt: skip
+    for i in range(spec.num_layers):
+        ours, hf = f"{m}.layers.{i}.", f"{p}encoder.layers.{i}."
+        for leaf in ("weight", "bias"):
+            for our_name, hf_name in ours_hf.items():
+                maps.append(
+                    TensorMap(f"{ours}{our_name}.{leaf}", (Piece(f"{hf}{hf_name}.{leaf}"),))
+                )
+            qkv = qkv_pieces(f"{hf}self_attn.", leaf, spec)
+            maps.append(TensorMap(f"{ours}self_attention.linear_qkv.{leaf}", qkv))
+    for leaf in ("weight", "bias"):
+        for our_name, hf_name in (("merger_fc1", "linear_1"), ("merger_fc2", "linear_2")):
+            maps.append(
+                TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{proj}{hf_name}.{leaf}"),))
+            )
+    return _with_aliases(maps)
+
+
 def module_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
     """The maps of module `spec` in a checkpoint holding tensor `names` (where its tensors lie is
     read from the names; an untied head of a tied checkpoint reads the input embedding)."""
+    if spec.kind == "vit" and spec.arch.learned_positions:
+        return llava_vision_maps(spec, names)
     if spec.kind == "vit":
         return vision_maps(spec, hf_prefix=vision_prefix(names))
     prefix = decoder_prefix(names)
-    head = "lm_head.weight" if "lm_head.weight" in names else f"{prefix}embed_tokens.weight"
+    head = next(
+        (h for h in ("lm_head.weight", "language_model.lm_head.weight") if h in names),
+        f"{prefix}embed_tokens.weight",
+    )
     return decoder_maps(spec, hf_prefix=prefix, head=head)

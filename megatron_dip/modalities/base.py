@@ -321,7 +321,9 @@ class Modality:
         lay = spec.layer
         h, q, kv = lay.hidden, lay.attention_width, 2 * lay.kv_groups * lay.head_dim
         qkv_bias = (q + kv) if spec.arch.qkv_bias and not self.linear_bias else 0
-        return h * (q + kv) + q * h + h * lay.ffn * (3 if lay.gated_mlp else 2) + 2 * h + qkv_bias
+        qk_norm = 2 * lay.head_dim if spec.arch.qk_norm else 0
+        mlp = h * lay.ffn * (3 if lay.gated_mlp else 2)
+        return h * (q + kv) + q * h + mlp + 2 * h + qkv_bias + qk_norm
 
     def input_params(self, spec: ModuleSpec) -> int:
         """Parameters of the input layers."""
@@ -358,12 +360,20 @@ class Modality:
         self, spec: ModuleSpec, *, tconfig, backend, groups, start: int, end: int, causal: bool
     ):
         """Megatron layers for global layers [start, end) (chunks and the profiler)."""
-        from megatron_dip.models.common import build_transformer_layers, gpt_layer_spec
+        from megatron_dip.models.common import (
+            build_transformer_layers,
+            gpt_layer_spec,
+            mark_qk_norm_weights,
+        )
 
-        layer_spec = gpt_layer_spec(self.normalization, backend, causal=causal)
-        return build_transformer_layers(
+        qk_norm = spec.arch.qk_norm
+        layer_spec = gpt_layer_spec(self.normalization, backend, causal=causal, qk_norm=qk_norm)
+        layers = build_transformer_layers(
             spec=layer_spec, config=tconfig, groups=groups, start=start, end=end
         )
+        if qk_norm:
+            mark_qk_norm_weights(layers)
+        return layers
 
     def run_stack(self, spec: ModuleSpec, layers, state: dict, batch, *, rotary_base: float):
         """`layers` on state["hidden"] over the packed sequence of `batch` (every instance its
@@ -380,13 +390,16 @@ class Modality:
         packed = cached(
             batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
         )
-        rotary = cached(
-            batch,
-            ("rotary", head_dim, rotary_base, spec.arch, dtype),
-            lambda: rotary_of(
-                spec.arch, batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype
-            ),
-        )
+        # Learned absolute positions (CLIP, SigLIP) are added to the embeddings: no rotary.
+        rotary = None
+        if not spec.arch.learned_positions:
+            rotary = cached(
+                batch,
+                ("rotary", head_dim, rotary_base, spec.arch, dtype),
+                lambda: rotary_of(
+                    spec.arch, batch.positions, head_dim=head_dim, base=rotary_base, dtype=dtype
+                ),
+            )
         hidden = state["hidden"]
         for layer in layers:
             hidden, _ = layer(hidden, rotary_pos_emb=rotary, **packed)

@@ -130,10 +130,11 @@ class ScatterProducer(Modality):
     def output_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
         h, rows = spec.layer.hidden, self.consumer_rows(spec, w.tokens)
         width = self.pool(spec) * h
+        inner = spec.arch.projector_hidden or width
         return [
             mem(w.tokens * h / c.rep, 2, c),  # final norm
-            gemm(rows, width, width, c, shard_in=False),  # merger fc1 (column-parallel)
-            gemm(rows, width, spec.out_hidden, c, shard_in=True),  # merger fc2 (row-parallel)
+            gemm(rows, width, inner, c, shard_in=False),  # merger fc1 (column-parallel)
+            gemm(rows, inner, spec.out_hidden, c, shard_in=True),  # merger fc2 (row-parallel)
         ]
 
     def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
@@ -144,7 +145,9 @@ class ScatterProducer(Modality):
 
     def output_params(self, spec: ModuleSpec) -> int:
         h, width, out = spec.layer.hidden, self.pool(spec) * spec.layer.hidden, spec.out_hidden
-        return width * width + width + width * out + out + 2 * h  # merger and final LayerNorm
+        inner = spec.arch.projector_hidden or width
+        norm = 2 * h if spec.arch.final_norm else 0
+        return width * inner + inner + inner * out + out + norm  # merger and final LayerNorm
 
     # -- torch parts --------------------------------------------------------------------------
 
@@ -158,11 +161,20 @@ class ScatterProducer(Modality):
         """[tokens, hidden] input embeddings of the sub-microbatch's instances."""
         raise NotImplementedError
 
+    def handed_rows(self, chunk, hidden, batch):
+        """The rows of the real tokens' final hidden states [T, 1, hidden] that are handed
+        over (all of them here; a ViT drops its class tokens)."""
+        del chunk, batch
+        return hidden
+
     def finish(self, chunk, state: dict, batch) -> dict:
         from torch.nn import functional
 
         m = chunk.module_spec
-        hidden = chunk.gather_sequence(chunk.post.final_norm(state["hidden"]))[: batch.num_real]
+        hidden = state["hidden"]
+        if m.arch.final_norm:
+            hidden = chunk.post.final_norm(hidden)
+        hidden = self.handed_rows(chunk, chunk.gather_sequence(hidden)[: batch.num_real], batch)
         merged = hidden.reshape(-1, 1, m.layer.hidden * self.pool(m))
         hidden, _ = chunk.post.merger_fc1(merged)
         hidden, _ = chunk.post.merger_fc2(functional.gelu(hidden))
@@ -172,6 +184,11 @@ class ScatterProducer(Modality):
         from megatron_dip.models.common import Parts, build_merger, build_norm
 
         m = chunk.module_spec
-        fc1, fc2 = build_merger(chunk, width=m.layer.hidden * self.pool(m), out=m.out_hidden)
-        norm = build_norm(chunk.backend, chunk.config, m.layer.hidden)
+        fc1, fc2 = build_merger(
+            chunk, width=m.layer.hidden * self.pool(m), out=m.out_hidden,
+            inner=m.arch.projector_hidden,
+        )  # fmt: skip
+        norm = (
+            build_norm(chunk.backend, chunk.config, m.layer.hidden) if m.arch.final_norm else None
+        )
         return Parts(final_norm=norm, merger_fc1=fc1, merger_fc2=fc2)

@@ -12,6 +12,7 @@ LLM image token (`scatter.scatter_name`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,9 +28,11 @@ from .stored import data_copy_bytes
 
 
 def image_tokens(*, height: int, width: int, vit: ModuleSpec) -> tuple[int, int]:
-    """(ViT patches, LLM tokens) of an image of `height` x `width` pixels.
+    """(ViT tokens, LLM tokens) of an image of `height` x `width` pixels: its patches (and a
+    class token, CLIP), and the merged patches (and the class token where it is kept).
 
-    Raises ValueError unless both sides are positive multiples of patch_size * merge.
+    Raises ValueError unless both sides are positive multiples of patch_size * merge, and, for
+    a ViT with learned positions, unless the image is at its base resolution.
     """
     unit = vit.patch_size * vit.merge
     if height <= 0 or width <= 0 or height % unit or width % unit:
@@ -37,16 +40,35 @@ def image_tokens(*, height: int, width: int, vit: ModuleSpec) -> tuple[int, int]
             f"image {height}x{width} is not a multiple of patch*merge = {unit} pixels per side"
         )
     patches = (height // vit.patch_size) * (width // vit.patch_size)
-    return patches, patches // (vit.merge * vit.merge)
+    extra = int(vit.arch.class_token)
+    if vit.arch.learned_positions and patches + extra != vit.arch.learned_positions:
+        side = math.isqrt(vit.arch.learned_positions - extra) * vit.patch_size
+        raise ValueError(
+            f"image {height}x{width}: the ViT's learned positions cover {side}x{side} pixels (its "
+            "base resolution; anyres tiling is not supported): resize the images to it "
+            "(--dip-image-processor with the model's preprocessor_config.json)"
+        )
+    kept = extra if vit.arch.keep_class_token else 0
+    return patches + extra, patches // (vit.merge * vit.merge) + kept
 
 
 TEMPORAL_PATCH = 2  # frames per Conv3d patch ("conv3d" patch embedding; an image is repeated)
 
 
+def patch_frames(spec: ModuleSpec) -> int:
+    """Frames per flattened patch in `patchify_image`'s channel-first layout: 2 for "conv3d",
+    1 for "conv2d" (a Conv2d kernel [C, p, p]), 0 for "linear" (channels last)."""
+    return {"conv3d": TEMPORAL_PATCH, "conv2d": 1}.get(spec.arch.patch_embedding, 0)
+
+
 def patch_width(spec: ModuleSpec) -> int:
     """Values of one flattened patch: p*p*C, or C*2*p*p for the "conv3d" patch embedding."""
-    frames = TEMPORAL_PATCH if spec.arch.patch_embedding == "conv3d" else 1
-    return spec.patch_size**2 * spec.in_channels * frames
+    return spec.patch_size**2 * spec.in_channels * max(1, patch_frames(spec))
+
+
+def patch_bias(spec: ModuleSpec) -> bool:
+    """Whether the patch embedding has a bias (linear; conv2d with `patch_bias`, SigLIP)."""
+    return spec.arch.patch_embedding == "linear" or spec.arch.patch_bias
 
 
 def patchify_image(
@@ -90,7 +112,16 @@ class VitModality(ScatterProducer):
     def check_spec(self, spec: ModuleSpec, model: MultimodalSpec) -> None:
         if spec.out_hidden <= 0:
             raise ValueError(f"module {spec.name!r}: a vit needs out_hidden (the LLM's hidden)")
+        if spec.arch.class_token and (spec.merge != 1 or not spec.arch.learned_positions):
+            raise ValueError(
+                f"module {spec.name!r}: a class token needs merge 1 and learned positions"
+            )
         super().check_spec(spec, model)
+
+    def consumer_rows(self, spec: ModuleSpec, tokens: int) -> int:
+        if spec.arch.class_token and not spec.arch.keep_class_token:
+            return tokens - tokens // spec.arch.learned_positions  # one class token per image
+        return super().consumer_rows(spec, tokens)
 
     def counts_of(self, spec: ModuleSpec, arrays: Sequence[np.ndarray]) -> list[int]:
         patches = []
@@ -118,8 +149,9 @@ class VitModality(ScatterProducer):
         return data_copy_bytes(w.tokens * spec.patch_size**2 * spec.in_channels, c)
 
     def input_params(self, spec: ModuleSpec) -> int:
-        bias = spec.arch.patch_embedding == "linear"
-        return (patch_width(spec) + bias) * spec.layer.hidden
+        a, h = spec.arch, spec.layer.hidden
+        positions = (a.learned_positions + a.class_token + 2 * a.pre_norm) * h
+        return (patch_width(spec) + patch_bias(spec)) * h + positions
 
     def consumer_grid(self, spec: ModuleSpec, array: np.ndarray) -> tuple[int, int, int]:
         """(frames, rows, columns) of an image's tokens in the LLM (M-RoPE positions)."""
@@ -131,16 +163,34 @@ class VitModality(ScatterProducer):
     def build_pre(self, chunk):
         import torch
 
-        from megatron_dip.models.common import Parts
+        from megatron_dip.models.common import LearnedPositions, Parts
 
-        m = chunk.module_spec
+        m, a = chunk.module_spec, chunk.module_spec.arch
         # Replicated on every tensor-parallel rank: small, and its input is not sharded. A
-        # Conv3d with kernel = stride = (frames, p, p) is this linear map on flattened patches.
-        bias = m.arch.patch_embedding == "linear"
-        return Parts(patch_embed=torch.nn.Linear(patch_width(m), m.layer.hidden, bias=bias))
+        # Conv2d / Conv3d with kernel = stride is this linear map on flattened patches.
+        embed = torch.nn.Linear(patch_width(m), m.layer.hidden, bias=patch_bias(m))
+        positions = pre_norm = None
+        if a.learned_positions:
+            positions = LearnedPositions(
+                a.learned_positions, m.layer.hidden, class_token=a.class_token, dtype=chunk.dtype
+            )
+        if a.pre_norm:  # on the whole sequence, before sequence parallelism: a plain LayerNorm
+            pre_norm = torch.nn.LayerNorm(m.layer.hidden, eps=a.norm_eps, dtype=chunk.dtype)
+        return Parts(patch_embed=embed, positions=positions, pre_norm=pre_norm)
 
     def embed_media(self, chunk, batch):
-        return chunk.pre.patch_embed(batch.patches.to(chunk.dtype))
+        hidden = chunk.pre.patch_embed(batch.patches.to(chunk.dtype))
+        if chunk.module_spec.arch.learned_positions:
+            hidden = chunk.pre.positions(hidden, batch.positions[:, 0], batch.class_rows)
+        if chunk.module_spec.arch.pre_norm:
+            hidden = chunk.pre.pre_norm(hidden)
+        return hidden
+
+    def handed_rows(self, chunk, hidden, batch):
+        a = chunk.module_spec.arch
+        if not a.class_token or a.keep_class_token:
+            return hidden
+        return hidden[~batch.class_rows[: hidden.shape[0]]]  # LLaVA's "default": no class rows
 
     def build_sub_batch(
         self,
@@ -164,24 +214,41 @@ class VitModality(ScatterProducer):
                 raise ValueError(
                     f"{sub.work}: image with {img.shape[0]} channels, the ViT takes {spec.in_channels}"
                 )
-        frames = TEMPORAL_PATCH if spec.arch.patch_embedding == "conv3d" else 0
+        frames = patch_frames(spec)
         pieces = [
             patchify_image(img, patch=spec.patch_size, merge=spec.merge, frames=frames)
             for img in images
         ]
+        if spec.arch.learned_positions:
+            pieces = [_with_learned_positions(p, spec) for p, _ in pieces]
         counts = [p.shape[0] for p, _ in pieces]
         check_tokens(sub, counts, None)
         total = sub.padded_tokens
         width = patch_width(spec)
         patches = padded([p.astype(np.float32) for p, _ in pieces] or [np.zeros((0, width))], total)
-        positions = padded([pos for _, pos in pieces] or [np.zeros((0, 2), np.int64)], total)
+        axes = 1 if spec.arch.learned_positions else 2
+        positions = padded([pos for _, pos in pieces] or [np.zeros((0, axes), np.int64)], total)
+        tensors = {"patches": torch.from_numpy(patches.astype(np.float32))}
+        if spec.arch.learned_positions:
+            tensors["class_rows"] = torch.from_numpy(padded(
+                [pos[:, 0] == 0 if spec.arch.class_token else pos[:, 0] < 0 for _, pos in pieces]
+                or [np.zeros(0, bool)], total, False,
+            ))  # fmt: skip
         return SubBatch(
             sub=sub,
             kind=self.kind,
             segments=torch.from_numpy(segment_ids(counts, total)),
             positions=torch.from_numpy(positions.astype(np.int64)),
-            tensors={"patches": torch.from_numpy(patches.astype(np.float32))},
+            tensors=tensors,
         )
+
+
+def _with_learned_positions(patches: np.ndarray, spec: ModuleSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(patches with a zero row first for the class token (CLIP), [N, 1] indices into the
+    learned position table: 0 the class token's, then the patches row by row)."""
+    if spec.arch.class_token:
+        patches = np.concatenate([np.zeros((1, patches.shape[1]), patches.dtype), patches])
+    return patches, np.arange(patches.shape[0], dtype=np.int64)[:, None]
 
 
 VIT = register(VitModality())

@@ -95,7 +95,33 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-_ACTIVATIONS = {"gelu": functional.gelu, "quick_gelu": quick_gelu, "silu": functional.silu}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (SigLIP's gelu_pytorch_tanh)."""
+    return functional.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {
+    "gelu": functional.gelu, "gelu_tanh": gelu_tanh, "quick_gelu": quick_gelu,
+    "silu": functional.silu,
+}  # fmt: skip
+
+
+class LearnedPositions(torch.nn.Module):
+    """A learned absolute position table added to a vision tower's patch embeddings (CLIP,
+    SigLIP), and CLIP's class embedding, which takes the rows marked as class tokens."""
+
+    def __init__(self, rows: int, hidden: int, *, class_token: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(rows, hidden, dtype=dtype))
+        self.class_embedding = None
+        if class_token:
+            self.class_embedding = torch.nn.Parameter(torch.empty(hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, class_rows: torch.Tensor):
+        """x [T, hidden] with the class embedding at `class_rows`, plus row `index` [T]."""
+        if self.class_embedding is not None:
+            x = torch.where(class_rows[:, None], self.class_embedding.to(x.dtype), x)
+        return x + self.weight[index]
 
 
 class Parts(torch.nn.Module):
@@ -153,7 +179,7 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
     )
 
 
-def gpt_layer_spec(normalization: str, backend, *, causal: bool):
+def gpt_layer_spec(normalization: str, backend, *, causal: bool, qk_norm: bool = False):
     """Megatron's GPT layer spec (with `normalization`) for packed sequences.
 
     Self-attention takes Megatron's packed-sequence mask type (`padding_causal` when `causal`,
@@ -162,6 +188,8 @@ def gpt_layer_spec(normalization: str, backend, *, causal: bool):
     local one, which refuses packed sequences). When the backend's norm is
     `SequenceParallelNorm` (local layers under sequence parallelism), the spec's unfused norms
     (Megatron's `WrappedTorchNorm`, which refuses sequence parallelism) are replaced by it.
+    `qk_norm`: the backend's norm over each query and key head (Megatron's q_layernorm /
+    k_layernorm, built by its attention with the head size; `mark_qk_norm_weights`).
     """
     from .attention import mask_type
 
@@ -169,6 +197,9 @@ def gpt_layer_spec(normalization: str, backend, *, causal: bool):
     attention = spec.submodules.self_attention
     attention.params = {**(attention.params or {}), "attn_mask_type": mask_type(causal=causal)}
     attention.submodules.core_attention = backend.core_attention
+    if qk_norm:
+        attention.submodules.q_layernorm = backend.norm
+        attention.submodules.k_layernorm = backend.norm
     if backend.norm is SequenceParallelNorm:
         from megatron.core.transformer.identity_op import IdentityOp
 
@@ -289,6 +320,15 @@ def build_transformer_layers(
     )
 
 
+def mark_qk_norm_weights(layers: torch.nn.Module) -> None:
+    """Mark the q/k norm weights (`gpt_layer_spec(qk_norm=True)`) for the tensor-parallel
+    gradient sum: replicated, but each TP rank's heads give only part of their gradient (what
+    Megatron's `_allreduce_layernorm_grads` sums for q_layernorm / k_layernorm too)."""
+    for name, param in layers.named_parameters():
+        if ".q_layernorm." in f".{name}" or ".k_layernorm." in f".{name}":
+            param.sequence_parallel = True
+
+
 def build_norm(backend, tconfig, hidden: int):
     """A norm module of this backend (LayerNorm or RMSNorm as the config says)."""
     return backend.norm(config=tconfig, hidden_size=hidden, eps=tconfig.layernorm_epsilon)
@@ -386,16 +426,17 @@ def sinusoidal_embedding(values: torch.Tensor, dim: int, *, max_period: float = 
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-def build_merger(chunk, *, width: int, out: int):
+def build_merger(chunk, *, width: int, out: int, inner: int | None = None):
     """The two-layer projector of a scatter producer (merged tokens of `width` -> `out`): a
-    column-parallel fc1 (width -> width) and a row-parallel fc2 (width -> out). It runs on the
-    gathered sequence, so without sequence parallelism."""
+    column-parallel fc1 (width -> inner, default width) and a row-parallel fc2 (inner -> out).
+    It runs on the gathered sequence, so without sequence parallelism."""
     from megatron.core import tensor_parallel
 
     config = without_sequence_parallel(chunk.config)
+    inner = width if inner is None else inner
     fc1 = tensor_parallel.ColumnParallelLinear(
         width,
-        width,
+        inner,
         config=config,
         init_method=chunk.config.init_method,
         bias=True,
@@ -403,7 +444,7 @@ def build_merger(chunk, *, width: int, out: int):
         tp_group=chunk.groups.tp,
     )
     fc2 = tensor_parallel.RowParallelLinear(
-        width,
+        inner,
         out,
         config=config,
         init_method=chunk.config.init_method,

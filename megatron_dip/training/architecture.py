@@ -3,7 +3,8 @@
 Applied to the `--model` preset's modules in this order, each later source winning:
 `--dip-hf-config` (a Hugging Face folder's config.json, `hf.config`), `--dip-arch`
 (MODULE.KEY=VALUE for any module), then Megatron-LM's flags (--hidden-size, --rotary-base,
---norm-epsilon, ...), which apply to the loss module as --num-layers does, and the freeze flags
+--norm-epsilon, ...), which apply to the loss module as --num-layers does (refused where they
+contradict the module's config.json: `refuse_contradictions`), and the freeze flags
 (--freeze-LM, --freeze-ViT, --dip-freeze). Producers' `out_hidden` and consumers' `cond_hidden`
 follow the hidden sizes of the modules they connect.
 """
@@ -151,6 +152,37 @@ def _megatron_changes(config: TrainConfig, spec: ModuleSpec) -> tuple[dict, dict
     return shape, arch
 
 
+# Field of LayerShape / Architecture -> the Megatron-LM flag that sets it.
+_FLAG_OF = {
+    "hidden": "--hidden-size", "ffn": "--ffn-hidden-size", "heads": "--num-attention-heads",
+    "kv_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+    "rotary_base": "--rotary-base", "norm_eps": "--norm-epsilon", "qkv_bias": "--add-qkv-bias",
+    "rope_scaling": "--use-rope-scaling",
+}  # fmt: skip
+
+
+def refuse_contradictions(spec: ModuleSpec, changes: dict, *, folder: str) -> None:
+    """Megatron-LM flags that contradict the module's Hugging Face config.json are refused
+    (a launch script reused for another model would otherwise import a different model): one
+    line naming the flag, both values and the file. Flags config.json leaves open still apply;
+    --untie-embeddings-and-output-weights is a choice (the head starts as the embedding)."""
+    current = {**dataclasses.asdict(spec.layer), **dataclasses.asdict(spec.arch)}
+    current["kv_channels"] = spec.layer.head_dim
+    current["rope_scaling"] = spec.arch.rope_scaling
+    for field, value in changes.items():
+        if field == "tie_embeddings" or current.get(field) == value:
+            continue
+        raise _fail(
+            _FLAG_OF.get(field, field),
+            f"{_shown(value)} contradicts {_shown(current.get(field))} in {folder}/config.json "
+            f"(module {spec.name!r}); drop the flag or pass the value config.json gives",
+        )
+
+
+def _shown(value: Any) -> str:
+    return "llama3 scaling" if isinstance(value, RopeScaling) else repr(value)
+
+
 def _connect_hidden_sizes(model: MultimodalSpec) -> MultimodalSpec:
     """Producers hand over at their consumer's hidden size; a consumer conditioned on a producer
     (the DiT's `cond_hidden`) reads the producer's."""
@@ -195,6 +227,9 @@ def apply_architecture(config: TrainConfig, model: MultimodalSpec) -> Multimodal
         model = model.replace_module(name, layer=spec.layer, arch=spec.arch)
     loss = model.loss_module
     shape, arch = _megatron_changes(config, loss)
+    folder = hf_folders(config, model).get(loss.name)
+    if folder is not None:
+        refuse_contradictions(loss, {**shape, **arch}, folder=folder)
     spec = _changed(loss, shape=shape, arch=arch, flag="--hidden-size/--rotary-base/...")
     model = model.replace_module(loss.name, layer=spec.layer, arch=spec.arch)
     for name in frozen_modules(config, model):

@@ -276,6 +276,13 @@ class DipArgs:
         "whose loss or gradient norm is NaN or infinite (0: never stop)",
         megatron=False,
     )
+    dip_log_blend: bool = arg(
+        "--dip-log-blend",
+        False,
+        "add each Energon dataset's realised share of the samples drawn so far to the log line "
+        "(the start-up log names each dataset of a metadataset with its weight and share)",
+        megatron=False,
+    )
     dip_metrics_json: str | None = arg(
         "--dip-metrics-json",
         None,

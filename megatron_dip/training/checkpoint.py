@@ -11,7 +11,8 @@ What one checkpoint holds (the files: `checkpoint_io`; the directories and track
 * each rank's RNG states (python, numpy, torch, CUDA) as one `ShardedObject` per rank, restored
   only when the world layout is the same;
 * the common state (`common.pt`, rank 0): "megatron_dip" (format, content "training" or
-  "weights", iteration, model signature, layout, schedule, flags), "training" (consumed samples,
+  "weights", iteration, model signature, layout, schedule, flags, the modules' records:
+  `modelspec.module_record`), "training" (consumed samples,
   LR schedule, positions of the training and evaluation data streams, cost-model calibration:
   a resumed run recalibrates at the same iterations) and Adam's step.
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dip.models.sharded import chunks_sharded_state_dict
-from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.modelspec import ModuleSpec, MultimodalSpec, module_record
 from megatron_dip.runtime.checks import unwrap_chunk
 
 from . import checkpoint_files, checkpoint_io, optim_state
@@ -67,12 +68,14 @@ class Restored:
     eval_stream: dict | None = None  # None: no evaluation had run before the save
 
 
+def module_signature(m: ModuleSpec) -> list:
+    """One module's entry of `model_signature`."""
+    return [m.name, m.kind, m.num_layers, m.layer.hidden, m.layer.ffn, m.layer.heads, m.vocab_size]
+
+
 def model_signature(model: MultimodalSpec) -> list:
     """What must match between a checkpoint and the model loading it (shapes per module)."""
-    return [
-        [m.name, m.kind, m.num_layers, m.layer.hidden, m.layer.ffn, m.layer.heads, m.vocab_size]
-        for m in model.modules
-    ]
+    return [module_signature(m) for m in model.modules]
 
 
 def _rng_state() -> dict:
@@ -131,6 +134,7 @@ def save(
         "format": FORMAT, "content": "training", "iteration": iteration,
         "model": model_signature(spec.model), "layout": _layout(spec),
         "schedule": spec.schedule, "flags": spec.config.flat(),
+        "modules": [module_record(m) for m in spec.model.modules],
     }  # fmt: skip
     training = {
         "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
@@ -252,7 +256,7 @@ def save_weights(
     header = {
         "format": FORMAT, "content": "weights", "iteration": iteration,
         "model": model_signature(model), "layout": {"world_size": dist.get_world_size()},
-        "schedule": None, "flags": None,
+        "schedule": None, "flags": None, "modules": [module_record(m) for m in model.modules],
     }  # fmt: skip
     state = {
         "model": chunks_sharded_state_dict(inner, data_parallel_rank=dp_rank),

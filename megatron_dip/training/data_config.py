@@ -101,11 +101,10 @@ def _placeholder(spec, tokenizer: Tokenizer) -> int | None:
     return token
 
 
-def _model(config: TrainConfig, preset: RunPreset, tokenizer: Tokenizer) -> MultimodalSpec:
+def _model(config: TrainConfig, base: MultimodalSpec, tokenizer: Tokenizer) -> MultimodalSpec:
     m = config.model
-    base = preset.model()
     model = apply_architecture(config, base)
-    from_hf = set(hf_folders(config, base))  # their vocabulary is the checkpoint's
+    from_hf = hf_folders(config, base)  # their vocabulary is the checkpoint's
     loss = model.loss_module.name
     tp = config.parallel.tensor_model_parallel_size or 1
     changed = []
@@ -113,9 +112,15 @@ def _model(config: TrainConfig, preset: RunPreset, tokenizer: Tokenizer) -> Mult
         updates = {}
         layers = m.num_layers if spec.name == loss else m.encoder_num_layers
         if layers is not None:
+            flag = "--num-layers" if spec.name == loss else "--encoder-num-layers"
             if layers < 1:
-                flag = "--num-layers" if spec.name == loss else "--encoder-num-layers"
                 raise _fail(flag, f"must be >= 1, got {layers}")
+            if spec.name in from_hf and layers != spec.num_layers:
+                raise _fail(
+                    flag,
+                    f"{layers} contradicts num_hidden_layers / depth {spec.num_layers} in "
+                    f"{from_hf[spec.name]}/config.json (module {spec.name!r}); drop the flag",
+                )
             updates["num_layers"] = layers
         if spec.vocab_size > 0:
             hf_vocab = spec.vocab_size if spec.name in from_hf else None
@@ -217,8 +222,11 @@ def data_spec(
 
 
 def model_spec(
-    config: TrainConfig, preset: RunPreset
+    config: TrainConfig, preset: RunPreset | None, *, base: MultimodalSpec | None = None
 ) -> tuple[MultimodalSpec, TokenizerSpec, Tokenizer]:
-    """The checked model of `preset` under the flags, with the run's tokenizer."""
+    """The checked model of `preset` (or of `base`, e.g. a Hugging Face folder's own model)
+    under the flags, with the run's tokenizer."""
     tokenizer_spec, tokenizer = run_tokenizer(config)
-    return _model(config, preset, tokenizer), tokenizer_spec, tokenizer
+    if base is None:
+        base = preset.model()
+    return _model(config, base, tokenizer), tokenizer_spec, tokenizer

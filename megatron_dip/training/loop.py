@@ -324,12 +324,24 @@ class Trainer:
             )
         )  # fmt: skip
         if logging_now:
-            logger.info(self.log.line())
+            logger.info(self.log.line() + self._blend_shares())
         if cfg.dip.dip_metrics_json:
             self._write_metrics(plan, variant, stats, seconds, sim, result)
         if spans is not None:
             planned = sim or simulate(plan, self.spec.cost_model, channel=result.channel)
             write_trace(cfg.dip.dip_trace_dir, it, planned, spans)
+
+    def _blend_shares(self) -> str:
+        """--dip-log-blend: " | blend: NAME 49.8%, ..." of the samples consumed so far (sources
+        without a blend, e.g. LLaVA JSON, give nothing)."""
+        shares = getattr(self.stream.source, "realised_shares", None)
+        if not self.spec.config.dip.dip_log_blend or shares is None:
+            return ""
+        names = [p.name for p in self.stream.source.parts]
+        got = shares(self.consumed)
+        return " | blend: " + ", ".join(
+            f"{n} {100 * v:.1f}%" for n, v in zip(names, got, strict=True)
+        )
 
     def _write_metrics(self, plan, variant: str, stats, seconds: float, sim, result) -> None:
         """One line of --dip-metrics-json (see `metrics_file`); the backend adds its fields."""

@@ -353,7 +353,8 @@ def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
         )
 
 
-def _check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
+def check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
+    """ConfigError naming --tensor-model-parallel-size unless TP divides every sharded size."""
     for m in model.modules:
         lay = m.layer
         for what, value in (("heads", lay.heads), ("kv groups", lay.kv_groups), ("FFN", lay.ffn)):
@@ -411,7 +412,7 @@ def resolve(
     _check_training(config)
     _check_platform(config, cuda=cuda)
     _check_dip(config)
-    _check_tensor_parallel(model, tp)
+    check_tensor_parallel(model, tp)
     _check_sequence_parallel(config, tp)
     data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     dtype = "bfloat16" if config.model.bf16 else "float32"
