@@ -267,6 +267,15 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
+def load_hint(path: Path) -> str:
+    """What to load instead of a damaged checkpoint `path`."""
+    root = path.parent
+    others = [i for i in complete_iterations(root) if iteration_dir(root, i) != path]
+    if not others:
+        return f" (--load {root}: no other complete checkpoint there to pick with --ckpt-step)"
+    return f" (--load {root}: pick another checkpoint, e.g. --ckpt-step {others[-1]})"
+
+
 def check_train_iters(resume: ResumePoint | None, train_iters: int) -> None:
     """A loaded iteration past --train-iters is a mistake (nothing would train, and a save would
     rewrite the checkpoint under the same name)."""

@@ -212,9 +212,12 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
     after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
     --train-iters against the file system (`checkpoint_dirs`, `finetune`)."""
     from .finetune import pretrained_sources
+    from .resume_checks import check_resume
 
     c = config.checkpoint
     try:
+        if c.load:
+            checkpoint_dirs.check_load_exists(c.load, save=c.save)
         resume = checkpoint_dirs.find_resume(c.load, c.ckpt_step) if c.load else None
         resume, pretrained = pretrained_sources(config, model, resume)
         checkpoint_dirs.check_train_iters(resume, config.train.train_iters)
@@ -222,6 +225,7 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
             checkpoint_dirs.check_save(c.save, load=None if c.finetune else c.load)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    check_resume(config, resume)
     return resume, pretrained
 
 
