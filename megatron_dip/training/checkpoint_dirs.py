@@ -288,9 +288,10 @@ def check_train_iters(resume: ResumePoint | None, train_iters: int) -> None:
 
 
 def newer_than(root: str | Path, iteration: int) -> list[int]:
-    """Complete checkpoints under `root` newer than `iteration` (a run resumed from an older
-    one overwrites them when it gets there)."""
-    return [i for i in complete_iterations(root) if i > iteration]
+    """Complete checkpoints under `root` (verified or not) newer than `iteration` (a run
+    resumed from an older one replaces them when it gets there)."""
+    found = {*complete_iterations(root), *unverified_iterations(root)}
+    return sorted(i for i in found if i > iteration)
 
 
 def write_atomically(path: Path, text: str) -> None:
