@@ -179,16 +179,22 @@ def test_a_load_that_does_not_exist_is_refused_unless_it_is_save(tmp_path):
 
 
 def test_an_unreadable_manifest_names_the_ckpt_step_to_use(trained, tmp_path):
+    """What `checkpoint.load` checks first, on every rank."""
     import shutil
+
+    from megatron_dip.training.checkpoint_dirs import load_hint
+    from megatron_dip.training.checkpoint_files import verify
 
     root = tmp_path / "two"
     shutil.copytree(trained / "iter_0000002", root / "iter_0000001")
     shutil.copytree(trained / "iter_0000002", root / "iter_0000002")
     (root / TRACKER).write_text("2")
-    (root / "iter_0000002" / "checksums.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"checksums.json: unreadable checksum manifest .*"
-                       r"pick another checkpoint, e\.g\. --ckpt-step 1"):  # fmt: skip
-        _spec("--load", str(root), "--train-iters", "3")
+    bad = root / "iter_0000002"
+    (bad / "checksums.json").write_text("{not json")
+    assert _spec("--load", str(root), "--train-iters", "3").resume.iteration == 2  # the load's
+    with pytest.raises(CheckpointError, match=r"checksums.json: unreadable checksum manifest .*"
+                       rf"\(--load {root}: pick another checkpoint, e\.g\. --ckpt-step 1\)$"):  # fmt: skip
+        verify(bad, hint=load_hint(bad))
 
 
 # -- the lock on --save ----------------------------------------------------------------------

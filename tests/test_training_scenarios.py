@@ -132,6 +132,7 @@ def world4(
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
+    out.update(kept_history_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
     out.update(finetune_runs(base, hf=hf_llama, tmp=tmp, world_size=world_size))
     out.update(qwen2_vl_runs(base, hf=hf_qwen2_vl, tmp=tmp, world_size=world_size))
     out.update(tied_embedding_runs(base, world_size=world_size))
@@ -393,6 +394,78 @@ def checkpoint_fault_runs(
         ),
     }  # fmt: skip
     return out
+
+
+def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_size: int) -> dict:
+    """What a run keeps when it goes wrong (issue 26): a copy of DIP's iteration-3 checkpoint
+    continued with --lr 1e30 saving every iteration (the streak stops it at iteration 7); a
+    save whose writes fail with ENOSPC on rank 1 only; a --save another job holds (a process
+    of rank 0's holding its lock). The line each rank ended with (and when), and the
+    directories afterwards."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dip.training.checkpoint_dirs import TRACKER, CheckpointError
+    from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.save_lock import SaveLockedError
+
+    streak, full, locked = Path(tmp, "streak"), Path(tmp, "full"), Path(tmp, "locked")
+    holder = None
+    if rank == 0:
+        shutil.copytree(Path(ckpt, "iter_0000003"), streak / "iter_0000003")
+        (streak / TRACKER).write_text("3")
+        locked.mkdir()
+        code = ("import sys, time; from megatron_dip.training.save_lock import SaveLock, "
+                "this_process; SaveLock(sys.argv[1]).acquire(this_process('job-42')); "
+                "print('held', flush=True); time.sleep(600)")  # fmt: skip
+        holder = subprocess.Popen(
+            [sys.executable, "-c", code, str(locked)], stdout=subprocess.PIPE, text=True
+        )
+        assert holder.stdout.readline().strip() == "held"
+    dist.barrier()
+    flags = base + ["--pipeline-model-parallel-size", "2", "--dip-lookahead", "0"]
+    out: dict = {}
+    started = time.time()
+    out["streak"] = _first_line_of(
+        NonFiniteError, flags + ["--load", str(streak), "--save", str(streak), "--lr", "1e30",
+                                 "--override-opt_param-scheduler", "--train-iters", "9",
+                                 "--save-interval", "1"], world_size,
+    )  # fmt: skip
+    out["streak_s"] = time.time() - started
+    dist.barrier()
+    out["streak_dirs"] = sorted(p.name for p in streak.iterdir() if not p.name.startswith("."))
+    out["streak_tracker"] = (streak / TRACKER).read_text()
+    original = filesystem_async._write_item
+    if rank == 1:
+        filesystem_async._write_item = _disk_full
+    try:
+        out["disk_full"] = _first_line_of(
+            CheckpointError, flags + ["--save", str(full), "--train-iters", "1"], world_size
+        )
+    finally:
+        filesystem_async._write_item = original
+    dist.barrier()
+    out["disk_full_dirs"] = sorted(p.name for p in full.iterdir() if not p.name.startswith("."))
+    started = time.time()
+    out["locked"] = _first_line_of(
+        SaveLockedError, flags + ["--save", str(locked), "--train-iters", "1"], world_size
+    )
+    out["locked_s"] = time.time() - started
+    dist.barrier()
+    if holder is not None:
+        out["holder"] = holder.pid
+        holder.kill()
+        holder.wait()
+    return out
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
 
 
 def bf16_runs(base: list[str], *, tmp: str, world_size: int) -> dict:

@@ -9,19 +9,26 @@ Inside a checkpoint directory (Megatron-LM's torch_dist layout plus one file of 
     __R_T.distcp         rank R's shards, writer thread T (each rank writes only its own)
     checksums.json       MANIFEST (`checkpoint_files`): size and sha256 of every file above
 
-Saving (`CheckpointWriter.save`, collective): rank 0 creates `iter_N.tmp`; `dist_checkpointing.save`
+Saving (`CheckpointWriter.save`, collective): rank 0 checks the free space against the newest
+checkpoint's size and creates `iter_N.tmp` (every rank learns the outcome); `dist_checkpointing.save`
 plans the write (`FullyParallelSaveStrategyWrapper` over the data-parallel group spreads the
 replicated weights' writing over the replicas) and returns an `AsyncRequest`; that request runs in
 a forked writer process (Megatron's `AsyncCallsQueue`), which writes the rank's files, then
 hashes them. `--async-save` lets training continue meanwhile (the next iterations finalize it);
-otherwise the save waits. The finalize step gathers the digests; rank 0 hashes the common files,
-writes the manifest, renames `iter_N.tmp` to `iter_N` and then rewrites the tracker, each
-atomically. A crash at any point leaves the previous checkpoint and tracker intact.
+otherwise the save waits. The finalize step first exchanges every rank's outcome: when a write
+failed anywhere, rank 0 removes `iter_N.tmp` and every rank raises the same line naming the rank,
+the cause (no space left, permission, I/O error...) and the file. Otherwise rank 0 hashes the
+common files, writes the manifest and renames `iter_N.tmp` to `iter_N` and rewrites the tracker,
+each atomically; a training save (`verify=True`) is renamed to `iter_N.unverified` instead and
+published only when `judge` says that the weights it holds trained with a finite loss (the loop
+judges each checkpoint by the iteration after it). A crash at any point leaves the previous
+checkpoint and tracker intact.
 
 Processes: dist_checkpointing's writer sends its results through a multiprocessing Manager queue
 whose server process it spawns at the first save (about 5 s) and which outlives a killed rank
-(reparented to PID 1). Here a file next to the checkpoint carries those results instead
-(`_FileResultsQueue`), so no server process exists; the forked writer process watches its parent
+(reparented to PID 1). Here a file in the local temporary directory carries those results instead
+(`_FileResultsQueue`; with each rank's digests or write error: the checkpoint's own disk may be
+the full one), so no server process exists; the forked writer process watches its parent
 and exits, with its own writer children, within a second of the rank's death, and fails the save
 when one of its file writers dies (dist_checkpointing's would wait for it forever). Waiting for
 the writers is bounded (`CheckpointWriter(timeout_s=...)`, --dip-comm-timeout-s in training); a
@@ -35,7 +42,6 @@ the requested keys and global shapes are checked against the checkpoint's index,
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import logging
@@ -54,17 +60,21 @@ import torch.distributed as dist
 from megatron_dip import megatron_compat
 
 from .checkpoint_dirs import (
-    MANIFEST,
-    TRACKER,
     CheckpointError,
     check_free_space,
-    fsync_dir,
     iteration_dir,
     newest_checkpoint,
     unverified_dir,
-    write_atomically,
 )
-from .checkpoint_files import digests, manifest_text
+from .checkpoint_files import digests
+from .checkpoint_publish import (
+    complete_on_rank0,
+    describe_error,
+    iteration_of,
+    reason,
+    rename_and_track,
+    replace_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +290,7 @@ class CheckpointWriter:
         if not failed:
             self._gathered = everyone
             return
-        (self._local / _RESULTS.format(iteration=_iteration_of(final))).unlink(missing_ok=True)
+        (self._local / _RESULTS.format(iteration=iteration_of(final))).unlink(missing_ok=True)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
@@ -298,11 +308,11 @@ class CheckpointWriter:
         outcome = [None]
         if dist.get_rank() == 0:
             try:
-                _complete_on_rank0(tmp, final, self._gathered)
+                complete_on_rank0(tmp, final, self._gathered)
                 if self.verify:
-                    _replace_dir(tmp, unverified_dir(final.parent, iteration))
+                    replace_dir(tmp, unverified_dir(final.parent, iteration))
                 else:
-                    _rename_and_track(tmp, final, iteration)
+                    rename_and_track(tmp, final, iteration)
             except (CheckpointError, OSError) as e:
                 outcome = [str(e)]
         dist.broadcast_object_list(outcome, src=0)  # every rank stops, or none
@@ -346,7 +356,7 @@ class CheckpointWriter:
         outcome = [None]
         if dist.get_rank() == 0:
             try:
-                _rename_and_track(path, final, iteration)
+                rename_and_track(path, final, iteration)
             except OSError as e:
                 outcome = [f"publishing {path} failed on rank 0: {describe_error(e, path)}"]
         dist.broadcast_object_list(outcome, src=0)
@@ -409,7 +419,7 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as e:
             where = self.pending.pop(0) if self.pending else "a checkpoint"
             raise CheckpointError(
-                f"saving {where} failed ({_reason(e)}); the previous checkpoint and the "
+                f"saving {where} failed ({reason(e)}); the previous checkpoint and the "
                 "tracker are unchanged"
             ) from e
 
@@ -431,71 +441,6 @@ class CheckpointWriter:
         self.pending.clear()
         self.writing.clear()
         shutil.rmtree(self._local, ignore_errors=True)
-
-
-def _reason(error: BaseException) -> str:
-    """The last line of an error's text (dist_checkpointing's hold whole tracebacks)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
-
-def _complete_on_rank0(tmp: Path, final: Path, gathered: list) -> None:
-    """The manifest of a written checkpoint: every rank's digests and those of the common
-    files, checked against the files in `tmp`."""
-    manifest: dict[str, list] = {}
-    for found in gathered:
-        manifest.update(found)
-    written = {p.name for p in tmp.iterdir() if p.name.endswith(".distcp")}
-    if written != set(manifest):
-        raise CheckpointError(
-            f"saving {final}: the ranks hashed {sorted(manifest)} but {tmp} holds {sorted(written)}"
-        )
-    common = [p for p in tmp.iterdir() if p.is_file() and not p.name.endswith((".distcp", ".part"))]
-    manifest.update(digests(common))
-    write_atomically(tmp / MANIFEST, manifest_text(manifest))
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst`, replacing an older `dst` (a rerun reached that iteration again)."""
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(src, dst)
-    fsync_dir(dst.parent)
-
-
-def _rename_and_track(src: Path, final: Path, iteration: int) -> None:
-    """Publish: rename `src` to `final` (an older `final` is replaced only once the new one is
-    in place), then rewrite the tracker."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # a rerun from an older checkpoint reached this iteration again
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(src, final)
-    fsync_dir(final.parent)
-    write_atomically(final.parent / TRACKER, str(iteration))
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _iteration_of(final: Path) -> int:
-    return int(final.name.split("_", 1)[1])
-
-
-_CAUSES = {
-    errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-    errno.EACCES: "permission denied", errno.EPERM: "permission denied",
-    errno.EIO: "I/O error", errno.EROFS: "read-only file system",
-}  # fmt: skip
-
-
-def describe_error(error: BaseException, where: Path) -> str:
-    """The cause of a failed write in words, with its errno name and the file (or `where`)."""
-    seen, e = set(), error
-    while e is not None and not isinstance(e, OSError) and id(e) not in seen:
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    if isinstance(e, OSError) and e.errno is not None:
-        cause = _CAUSES.get(e.errno, e.strerror or str(e))
-        return f"{cause} ({errno.errorcode.get(e.errno, e.errno)}) writing {e.filename or where}"
-    return f"{_reason(error)} (writing {where})"
 
 
 def tensor_metadata(path: Path) -> dict:

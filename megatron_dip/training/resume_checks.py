@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint_dirs import CheckpointError, ResumePoint, load_hint
+from .checkpoint_dirs import CheckpointError, ResumePoint
 from .config_error import ConfigError
 
 # What a checkpoint's LR schedule holds (`OptimizerParamScheduler.state_dict()`'s keys) and the
@@ -78,13 +78,15 @@ DATA_FLAGS = {
 
 def check_resume(config, resume: ResumePoint | None) -> None:
     """Refuse (`ConfigError`, one line) a resume whose data configuration or LR schedule differs
-    from the checkpoint's (module docstring); reads only the checkpoint's common state, after
-    checking it against the manifest."""
+    from the checkpoint's (module docstring); reads only the checkpoint's common state, once it
+    matches the manifest (a damaged checkpoint is the load's to name)."""
     c = config.checkpoint
     if resume is None or c.finetune:
         return
     common = _common_state(resume.path)
-    header = common.get("megatron_dip", {})
+    header = common.get("megatron_dip") if isinstance(common, dict) else None
+    if not isinstance(header, dict):
+        return
     if header.get("content") != "training":
         return
     saved_flags = header.get("flags") or {}
@@ -117,17 +119,17 @@ def check_resume(config, resume: ResumePoint | None) -> None:
         )
 
 
-def _common_state(path: Path) -> dict:
-    """The common state of checkpoint `path`, its file checked against the manifest first."""
+def _common_state(path: Path) -> dict | None:
+    """The common state of checkpoint `path` once its file matches the manifest; None when it
+    cannot be read (the load verifies every file and names the damage, on every rank)."""
     from . import checkpoint_files, checkpoint_io
 
-    hint = load_hint(path)
     try:
         manifest = checkpoint_files.read_manifest(path)
-        names = [n for n in manifest if n == "common.pt"]
-        problems = checkpoint_files.check_files(path, manifest, names)
-        if problems:
-            raise CheckpointError(problems[0])
+        if "common.pt" not in manifest or checkpoint_files.check_files(
+            path, manifest, ["common.pt"]
+        ):
+            return None
         return checkpoint_io.load_common(path)
-    except CheckpointError as e:
-        raise ConfigError(f"{e}{hint}") from None
+    except CheckpointError:
+        return None
