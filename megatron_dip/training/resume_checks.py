@@ -7,8 +7,9 @@ group exists (so a mismatch is one line, exit status 2, before any work).
   --override-opt_param-scheduler (the flags win; the iteration count stays the checkpoint's) or
   --use-checkpoint-opt_param-scheduler (the checkpoint wins) says which wins. Without the
   optimizer state (--no-load-optim, --finetune) the schedule starts afresh from the flags.
-* The data order: --seed, the batch and sequence sizes and the data flags that form the stream a
-  checkpoint continues (`DATA_FLAGS`); a change is one line naming the flag and both values.
+* The data order: --seed, the batch and sequence sizes and whether oversize samples stop the run
+  (`DATA_FLAGS`: what the data stream a checkpoint continues was formed with); a change is one
+  line naming the flag and both values.
 """
 
 from __future__ import annotations
@@ -68,12 +69,17 @@ def scheduler_state_to_load(scheduler, saved: dict) -> dict:
 
 
 # The flags whose change breaks the continuation of the data stream a checkpoint saved (its
-# order, batches and packing): `BatchStream.load_state_dict` would refuse them after loading.
+# order, batch and packing: `StreamConfig.signature`), which `BatchStream.load_state_dict` would
+# refuse only after loading. Not the data paths: the data may move.
 DATA_FLAGS = {
     "seed": "--seed", "global_batch_size": "--global-batch-size", "seq_length": "--seq-length",
-    "dip_data": "--dip-data", "dip_data_scale": "--dip-data-scale",
-    "dip_image_size": "--dip-image-size",
+    "dip_bad_samples": "--dip-bad-samples",
 }  # fmt: skip
+
+
+def _data_value(key: str, value):
+    """What of a data flag's value the stream depends on (--dip-bad-samples: error or not)."""
+    return value == "error" if key == "dip_bad_samples" else value
 
 
 def check_resume(config, resume: ResumePoint | None) -> None:
@@ -92,7 +98,9 @@ def check_resume(config, resume: ResumePoint | None) -> None:
     saved_flags = header.get("flags") or {}
     mine = config.flat()
     for key, flag in DATA_FLAGS.items():
-        if key in saved_flags and saved_flags[key] != mine.get(key):
+        if key in saved_flags and _data_value(key, saved_flags[key]) != _data_value(
+            key, mine.get(key)
+        ):
             raise ConfigError(
                 f"{flag}: {mine.get(key)!r} here, {saved_flags[key]!r} in the checkpoint "
                 f"{resume.path}: the data order it saved would not continue; pass "
