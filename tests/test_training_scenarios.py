@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -429,20 +430,22 @@ def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_
         assert holder.stdout.readline().strip() == "held"
     dist.barrier()
     flags = base + ["--pipeline-model-parallel-size", "2", "--dip-lookahead", "0"]
+    metrics = Path(tmp, "streak_metrics.jsonl")  # rank 0's, one line per iteration
     out: dict = {}
-    started = time.time()
     out["streak"] = _first_line_of(
         NonFiniteError, flags + ["--load", str(streak), "--save", str(streak), "--lr", "1e30",
                                  "--override-opt_param-scheduler", "--train-iters", "9",
-                                 "--save-interval", "1"], world_size,
+                                 "--save-interval", "1", "--dip-metrics-json", str(metrics)],
+        world_size,
     )  # fmt: skip
-    out["streak_s"] = time.time() - started
+    # From the streak's last iteration (its metrics line) to this rank's stop line.
+    out["streak_exit_s"] = time.time() - metrics.stat().st_mtime
     dist.barrier()
     out["streak_dirs"] = sorted(p.name for p in streak.iterdir() if not p.name.startswith("."))
     out["streak_tracker"] = (streak / TRACKER).read_text()
-    original = filesystem_async._write_item
+    original, failed_at = filesystem_async._write_item, Path(tmp, "disk_full_at")
     if rank == 1:
-        filesystem_async._write_item = _disk_full
+        filesystem_async._write_item = functools.partial(_disk_full, failed_at)
     try:
         out["disk_full"] = _first_line_of(
             CheckpointError, flags + ["--save", str(full), "--train-iters", "1"], world_size
@@ -450,13 +453,17 @@ def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_
     finally:
         filesystem_async._write_item = original
     dist.barrier()
+    out["disk_full_exit_s"] = time.time() - failed_at.stat().st_mtime  # fault -> line
     out["disk_full_dirs"] = sorted(p.name for p in full.iterdir() if not p.name.startswith("."))
     started = time.time()
     out["locked"] = _first_line_of(
         SaveLockedError, flags + ["--save", str(locked), "--train-iters", "1"], world_size
     )
-    out["locked_s"] = time.time() - started
+    out["locked_exit_s"] = time.time() - started  # launch of the run (not the process) -> line
     dist.barrier()
+    if rank == 0:  # the times each fault took to stop the ranks (for the issue's note)
+        timings = {k: v for k, v in out.items() if k.endswith("_exit_s")}
+        Path(tmp, "kept_history_timings.json").write_text(json.dumps(timings))
     if holder is not None:
         out["holder"] = holder.pid
         holder.kill()
@@ -464,7 +471,9 @@ def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_
     return out
 
 
-def _disk_full(*args, **kwargs):
+def _disk_full(failed_at: Path, *args, **kwargs):
+    """dist_checkpointing's file write on a full disk (`failed_at` records when)."""
+    failed_at.touch()
     raise OSError(28, "No space left on device")
 
 
