@@ -56,6 +56,11 @@ def trained(single_rank_world, tmp_path_factory) -> tuple[Path, str]:
     """Two iterations saved into `DIR` with --load DIR --save DIR (the auto-resume idiom's first
     run); the checkpoint of iteration 2, verified by a forward pass over the next batch; and
     what the run logged."""
+    import torch
+
+    # torch may be imported first right here, after conftest's per-test thread setting: intra-op
+    # threads on the shared cores made this run 30x slower.
+    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("trained") / "ckpt"
     records: list[str] = []
     handler = logging.Handler(logging.INFO)
