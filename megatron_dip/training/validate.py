@@ -216,7 +216,9 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
 
     c = config.checkpoint
     try:
-        if c.load:
+        if c.load and not (c.pretrained_checkpoint or c.dip_pretrained):
+            # (with pretrained weights, a --load that is not there yet is Megatron's idiom for
+            # "fine-tune from them until this run has its own checkpoints")
             checkpoint_dirs.check_load_exists(c.load, save=c.save)
         resume = checkpoint_dirs.find_resume(c.load, c.ckpt_step) if c.load else None
         resume, pretrained = pretrained_sources(config, model, resume)
