@@ -402,7 +402,8 @@ def test_a_corrupted_checkpoint_stops_every_rank_naming_the_file(world):
     assert re.search(r"corrupt/iter_0000003/__\d+_\d+\.distcp: sha256 differs from the "
                      r"manifest \(corrupted\)", errors[0]), errors[0]  # fmt: skip
     assert "--ckpt-step" in errors[0] and "\n" not in errors[0]
-    assert all(res["corrupt_untouched"] for res in world)
+    assert all(res["corrupt_untouched"] for res in world)  # but the --save lock, released:
+    assert world[0]["corrupt_lock_released"]
 
 
 def test_a_loss_that_stays_nan_stops_the_run(world):

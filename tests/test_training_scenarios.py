@@ -359,6 +359,13 @@ def _first_line_of(error: type, argv: list[str], world_size: int) -> str | None:
     return None
 
 
+def _listing(root: Path) -> list:
+    """Every file under `root` with its mtime, but the --save lock the run held (`save_lock`)."""
+    from megatron_dip.training.save_lock import LOCK_FILE
+
+    return sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*") if p.name != LOCK_FILE)
+
+
 def checkpoint_fault_runs(
     base: list[str], *, ckpt: str, tmp: str, rank: int, world_size: int
 ) -> dict:
@@ -371,6 +378,7 @@ def checkpoint_fault_runs(
 
     from megatron_dip.training.checkpoint_dirs import CheckpointError
     from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.save_lock import LOCK_FILE
 
     corrupt = Path(tmp, "corrupt")
     if rank == 0:
@@ -381,15 +389,15 @@ def checkpoint_fault_runs(
         data[len(data) // 2 : len(data) // 2 + 4096] = os.urandom(4096)
         shard.write_bytes(bytes(data))
     dist.barrier()
-    listing = sorted((str(p), p.stat().st_mtime_ns) for p in corrupt.rglob("*"))
+    listing = _listing(corrupt)
     flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "6", "--dip-lookahead", "0"]
     out = {
         "corrupt": _first_line_of(
             CheckpointError, base + flags + ["--load", str(corrupt), "--save", str(corrupt)],
             world_size,
         ),
-        "corrupt_untouched": listing == sorted((str(p), p.stat().st_mtime_ns) for p in
-                                               corrupt.rglob("*")),
+        "corrupt_untouched": listing == _listing(corrupt),
+        "corrupt_lock_released": (corrupt / LOCK_FILE).read_text() == "",
         "nonfinite": _first_line_of(
             NonFiniteError, base + flags + ["--init-method-std", "1e30"], world_size
         ),
