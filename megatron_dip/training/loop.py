@@ -108,10 +108,8 @@ class Trainer:
                 timeout_s=cfg.dip.dip_comm_timeout_s,
                 verify=True,  # published once the next iteration trains finitely on them
             )
-        # The checkpoint this run loaded and whether its first iteration was finite (None:
-        # not yet known, or nothing loaded).
-        self.loaded: tuple | None = None
-        self.loaded_finite: bool | None = None
+        self.loaded: tuple | None = None  # (path, iteration) of the checkpoint --load read
+        self.loaded_finite: bool | None = None  # its weights' first iteration was finite
         self.modules = [m.name for m in spec.model.modules]
         self.log = IntervalLog(
             train_iters=cfg.train.train_iters,
@@ -135,9 +133,8 @@ class Trainer:
             self._load_pretrained()
             return
         if resume is None:
-            # Megatron-LM's auto-resume idiom (--save DIR --load DIR): the first run of a job
-            # finds nothing there yet (a --load that does not exist and is not --save is refused
-            # by validation).
+            # Megatron-LM's auto-resume idiom (--save DIR --load DIR): a job's first run (other
+            # --load that does not exist: refused by validation).
             if self.ctx.is_logging_rank:
                 logger.warning("--load %s: no checkpoint there yet: starting from scratch", c.load)
             return
@@ -293,8 +290,7 @@ class Trainer:
                 self.writer.judge(iteration, ok)
 
     def _stop_advice(self) -> str:
-        """What the non-finite stop line adds (`nonfinite.resume_advice`), once the saves that
-        were in flight are written (and published when verified)."""
+        """The end of the non-finite stop line (`resume_advice`), once saves in flight are in."""
         verified, rejected = None, []
         if self.loaded is not None and self.loaded_finite:
             verified = self.loaded
@@ -308,9 +304,8 @@ class Trainer:
         return resume_advice(verified, rejected, saving=self.writer is not None)
 
     def _verify_final_save(self) -> None:
-        """The save after the last iteration has no next iteration to verify it: a forward-only
-        pass over the next training batch does (the loss its weights give must be finite).
-        That batch is never trained on (the checkpoint's data position is before it)."""
+        """The save after the last iteration has no next iteration: a forward-only pass over the
+        next training batch verifies it (its data position is before that batch)."""
         it = self.iteration
         if self.writer is None or it not in {*self.writer.writing, *self.writer.staged}:
             return
