@@ -134,7 +134,7 @@ def test_dip_run_evaluates_traces_and_checkpoints(world):
     )
     assert world[0]["trace_spans"] > 20
     assert "iter_0000003" in world[0]["ckpt_dirs"] and "iter_0000020" in world[0]["ckpt_dirs"]
-    assert not any(d.endswith((".tmp", ".old")) for d in world[0]["ckpt_dirs"])
+    assert not any(d.endswith((".tmp", ".old", ".unverified")) for d in world[0]["ckpt_dirs"])
     assert sum(dip["variants"].values()) == 20
     assert all(0.0 < b <= 1.0 for b in dip["bound"].values())
 
@@ -415,7 +415,8 @@ def test_a_corrupted_checkpoint_stops_every_rank_naming_the_file(world):
     assert re.search(r"corrupt/iter_0000003/__\d+_\d+\.distcp: sha256 differs from the "
                      r"manifest \(corrupted\)", errors[0]), errors[0]  # fmt: skip
     assert "--ckpt-step" in errors[0] and "\n" not in errors[0]
-    assert all(res["corrupt_untouched"] for res in world)
+    assert all(res["corrupt_untouched"] for res in world)  # but the --save lock, released:
+    assert world[0]["corrupt_lock_released"]
 
 
 def test_a_loss_that_stays_nan_stops_the_run(world):
@@ -423,6 +424,45 @@ def test_a_loss_that_stays_nan_stops_the_run(world):
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors
     assert errors[0].startswith("iterations 1-3: loss nan")
     assert "(--dip-max-nonfinite-iters 3)" in errors[0]
+
+
+def test_a_non_finite_streak_never_moves_the_tracker_to_poisoned_weights(world):
+    """--lr 1e30 from iteration 3's checkpoint: iteration 4 (its weights) is finite, 5-7 are
+    not; the checkpoints of 4, 5 and 6 never trained with a finite loss and stay unpublished;
+    every rank's stop line names iteration 3's as the one to resume from (the 1-rank tests in
+    test_checkpoint_training.py resume from it)."""
+    errors = [res["streak"] for res in world]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    assert errors[0].startswith("iterations 5-7: loss "), errors[0]
+    assert "The last verified checkpoint is " in errors[0], errors[0]
+    assert "streak/iter_0000003 (iteration 3, its weights trained with a finite loss)" in errors[0]
+    unpublished = [f"iter_{i:07d}.unverified" for i in (4, 5, 6)]
+    assert errors[0].endswith(": " + ", ".join(unpublished)), errors[0]
+    assert world[0]["streak_tracker"] == "3"
+    assert world[0]["streak_dirs"] == [
+        "iter_0000003",
+        *unpublished,
+        "latest_checkpointed_iteration.txt",
+    ]
+
+
+def test_a_save_that_fails_on_one_rank_is_one_line_on_every_rank(world):
+    errors = [res["disk_full"] for res in world]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    assert re.fullmatch(
+        r"saving \S+/full/iter_0000001\.tmp failed on rank 1: no space left on device \(ENOSPC\) "
+        r"writing \S+/full/iter_0000001\.tmp; the partial iter_0000001\.tmp was removed; the "
+        r"previous checkpoint and the tracker are unchanged",
+        errors[0],
+    ), errors[0]
+    assert world[0]["disk_full_dirs"] == []
+
+
+def test_a_second_job_on_one_save_directory_is_refused_naming_the_holder(world):
+    errors = [res["locked"] for res in world]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    assert re.match(rf"--save \S+/locked: another job \(host \S+, pid {world[0]['holder']}, job "
+                    r"job-42, started [\d:\- ]+\) holds its lock", errors[0]), errors[0]  # fmt: skip
 
 
 def test_host_overheads_are_measured_on_the_training_step(world):

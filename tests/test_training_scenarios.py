@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -133,6 +134,7 @@ def world4(
     out.update(emulated_runs(tmp=tmp, world_size=world_size, rank=rank))
     out.update(energon_runs(energon=energon, tokenizer=tokenizer, tmp=tmp, world_size=world_size))
     out.update(checkpoint_fault_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
+    out.update(kept_history_runs(base, ckpt=ckpt, tmp=tmp, rank=rank, world_size=world_size))
     out.update(finetune_runs(base, hf=hf_llama, tmp=tmp, world_size=world_size))
     out.update(qwen2_vl_runs(base, hf=hf_qwen2_vl, tmp=tmp, world_size=world_size))
     out.update(tied_embedding_runs(base, world_size=world_size))
@@ -384,6 +386,13 @@ def _first_line_of(error: type, argv: list[str], world_size: int) -> str | None:
     return None
 
 
+def _listing(root: Path) -> list:
+    """Every file under `root` with its mtime, but the --save lock the run held (`save_lock`)."""
+    from megatron_dip.training.save_lock import LOCK_FILE
+
+    return sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*") if p.name != LOCK_FILE)
+
+
 def checkpoint_fault_runs(
     base: list[str], *, ckpt: str, tmp: str, rank: int, world_size: int
 ) -> dict:
@@ -396,6 +405,7 @@ def checkpoint_fault_runs(
 
     from megatron_dip.training.checkpoint_dirs import CheckpointError
     from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.save_lock import LOCK_FILE
 
     corrupt = Path(tmp, "corrupt")
     if rank == 0:
@@ -406,20 +416,100 @@ def checkpoint_fault_runs(
         data[len(data) // 2 : len(data) // 2 + 4096] = os.urandom(4096)
         shard.write_bytes(bytes(data))
     dist.barrier()
-    listing = sorted((str(p), p.stat().st_mtime_ns) for p in corrupt.rglob("*"))
+    listing = _listing(corrupt)
     flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "6", "--dip-lookahead", "0"]
     out = {
         "corrupt": _first_line_of(
             CheckpointError, base + flags + ["--load", str(corrupt), "--save", str(corrupt)],
             world_size,
         ),
-        "corrupt_untouched": listing == sorted((str(p), p.stat().st_mtime_ns) for p in
-                                               corrupt.rglob("*")),
+        "corrupt_untouched": listing == _listing(corrupt),
+        "corrupt_lock_released": (corrupt / LOCK_FILE).read_text() == "",
         "nonfinite": _first_line_of(
             NonFiniteError, base + flags + ["--init-method-std", "1e30"], world_size
         ),
     }  # fmt: skip
     return out
+
+
+def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_size: int) -> dict:
+    """What a run keeps when it goes wrong (issue 26): a copy of DIP's iteration-3 checkpoint
+    continued with --lr 1e30 saving every iteration (the streak stops it at iteration 7); a
+    save whose writes fail with ENOSPC on rank 1 only; a --save another job holds (a process
+    of rank 0's holding its lock). The line each rank ended with (and when), and the
+    directories afterwards."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dip.training.checkpoint_dirs import TRACKER, CheckpointError
+    from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.save_lock import SaveLockedError
+
+    streak, full, locked = Path(tmp, "streak"), Path(tmp, "full"), Path(tmp, "locked")
+    holder = None
+    if rank == 0:
+        shutil.copytree(Path(ckpt, "iter_0000003"), streak / "iter_0000003")
+        (streak / TRACKER).write_text("3")
+        locked.mkdir()
+        code = ("import sys, time; from megatron_dip.training.save_lock import SaveLock, "
+                "this_process; SaveLock(sys.argv[1]).acquire(this_process('job-42')); "
+                "print('held', flush=True); time.sleep(600)")  # fmt: skip
+        holder = subprocess.Popen(
+            [sys.executable, "-c", code, str(locked)], stdout=subprocess.PIPE, text=True
+        )
+        assert holder.stdout.readline().strip() == "held"
+    dist.barrier()
+    flags = base + ["--pipeline-model-parallel-size", "2", "--dip-lookahead", "0"]
+    metrics = Path(tmp, "streak_metrics.jsonl")  # rank 0's, one line per iteration
+    out: dict = {}
+    out["streak"] = _first_line_of(
+        NonFiniteError, flags + ["--load", str(streak), "--save", str(streak), "--lr", "1e30",
+                                 "--override-opt_param-scheduler", "--train-iters", "9",
+                                 "--save-interval", "1", "--dip-metrics-json", str(metrics)],
+        world_size,
+    )  # fmt: skip
+    # From the streak's last iteration (its metrics line) to this rank's stop line.
+    out["streak_exit_s"] = time.time() - metrics.stat().st_mtime
+    dist.barrier()
+    out["streak_dirs"] = sorted(p.name for p in streak.iterdir() if not p.name.startswith("."))
+    out["streak_tracker"] = (streak / TRACKER).read_text()
+    original, failed_at = filesystem_async._write_item, Path(tmp, "disk_full_at")
+    if rank == 1:
+        filesystem_async._write_item = functools.partial(_disk_full, failed_at)
+    try:
+        out["disk_full"] = _first_line_of(
+            CheckpointError, flags + ["--save", str(full), "--train-iters", "1"], world_size
+        )
+    finally:
+        filesystem_async._write_item = original
+    dist.barrier()
+    out["disk_full_exit_s"] = time.time() - failed_at.stat().st_mtime  # fault -> line
+    out["disk_full_dirs"] = sorted(p.name for p in full.iterdir() if not p.name.startswith("."))
+    started = time.time()
+    out["locked"] = _first_line_of(
+        SaveLockedError, flags + ["--save", str(locked), "--train-iters", "1"], world_size
+    )
+    out["locked_exit_s"] = time.time() - started  # launch of the run (not the process) -> line
+    dist.barrier()
+    if rank == 0:  # the times each fault took to stop the ranks (for the issue's note)
+        timings = {k: v for k, v in out.items() if k.endswith("_exit_s")}
+        Path(tmp, "kept_history_timings.json").write_text(json.dumps(timings))
+    if holder is not None:
+        out["holder"] = holder.pid
+        holder.kill()
+        holder.wait()
+    return out
+
+
+def _disk_full(failed_at: Path, *args, **kwargs):
+    """dist_checkpointing's file write on a full disk (`failed_at` records when)."""
+    failed_at.touch()
+    raise OSError(28, "No space left on device")
 
 
 def bf16_runs(base: list[str], *, tmp: str, world_size: int) -> dict:

@@ -44,11 +44,11 @@ from .build import LocalModel
 from .checkpoint_dirs import (
     FORMAT,
     CheckpointError,
-    complete_iterations,
     find_resume,
-    iteration_dir,
+    load_hint,
 )
 from .checkpoint_io import CheckpointWriter
+from .resume_checks import scheduler_state_to_load
 from .setup import ParallelContext
 from .validate import RunSpec
 
@@ -169,15 +169,6 @@ def check_header(common: Mapping, path: Path, model: MultimodalSpec | None) -> d
     return dict(header)
 
 
-def _hint(path: Path) -> str:
-    """What to load instead of a damaged checkpoint `path`."""
-    root = path.parent
-    others = [i for i in complete_iterations(root) if iteration_dir(root, i) != path]
-    if not others:
-        return f" (--load {root}: no other complete checkpoint there to pick with --ckpt-step)"
-    return f" (--load {root}: pick another checkpoint, e.g. --ckpt-step {others[-1]})"
-
-
 def load(
     path: Path,
     *,
@@ -189,7 +180,7 @@ def load(
 ) -> Restored:
     """Load `path` into this rank's chunks, optimizer, scheduler and RNG (module docstring);
     collective. Every file is checked against the manifest first."""
-    checkpoint_files.verify(path, hint=_hint(path))
+    checkpoint_files.verify(path, hint=load_hint(path))
     common = checkpoint_io.load_common(path)
     header = check_header(common, path, spec.model)
     c = spec.config.checkpoint
@@ -219,7 +210,9 @@ def load(
         optimizer.reload_model_params()  # Megatron: fp32 masters from the loaded weights
     if set_steps is not None:
         set_steps(common["optimizer_common"]["step"] or 0)
-        scheduler.load_state_dict(common["training"]["scheduler"])
+        scheduler.load_state_dict(
+            scheduler_state_to_load(scheduler, common["training"]["scheduler"])
+        )
     if "rng" in request:
         _set_rng_state(loaded["rng"])
     if not training:

@@ -8,9 +8,14 @@ flag and the file. Layout (Megatron-LM's names; the inside of an iteration direc
     DIR/latest_checkpointed_iteration.txt    the newest complete checkpoint, written last, atomically
     DIR/iter_0000100/                         one complete checkpoint (`MANIFEST` inside it)
     DIR/iter_0000100.tmp/                     a save in progress (or one a crash interrupted)
+    DIR/iter_0000100.unverified/              complete, not yet trained on (or never trained on
+                                              with a finite loss): loading ignores it
 
-An `iter_*` directory exists only once complete: a save writes into `.tmp`, writes the manifest,
-renames, and only then rewrites the tracker.
+An `iter_*` directory exists only once complete and verified: a training save writes into
+`.tmp`, writes the manifest, renames it to `.unverified`, and once the next iteration, computed
+with the saved weights, has a finite loss and gradient norm renames it to `iter_N` and only then
+rewrites the tracker (`checkpoint_io`). The tracker therefore never names weights that have not
+trained with a finite loss.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +32,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "checksums.json"
 FORMAT = "megatron-dip-checkpoint/3"
 _ITER = re.compile(r"^iter_(\d{7,})$")
+UNVERIFIED = ".unverified"
+_UNVERIFIED = re.compile(r"^iter_(\d{7,})\.unverified$")
 _OLD_FORMATS = ("megatron-dip-checkpoint/1", "megatron-dip-checkpoint/2")
 
 
@@ -56,6 +64,19 @@ def complete_iterations(root: str | Path) -> list[int]:
         if m and (p / MANIFEST).is_file():
             found.append(int(m.group(1)))
     return sorted(found)
+
+
+def unverified_iterations(root: str | Path) -> list[int]:
+    """Iterations of the complete but unverified checkpoints under `root` (`.unverified`)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [_UNVERIFIED.match(p.name) for p in root.iterdir()]
+    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / MANIFEST).is_file())
+
+
+def unverified_dir(root: str | Path, iteration: int) -> Path:
+    return iteration_dir(root, iteration).with_suffix(UNVERIFIED)
 
 
 def _old_format(path: Path) -> str | None:
@@ -178,7 +199,7 @@ def check_save(save: str | Path, *, load: str | Path | None) -> None:
     except OSError as e:
         raise CheckpointError(f"--save {save}: not writable ({e.strerror or e})") from None
     _refuse_old_format("--save", save)
-    found = complete_iterations(save)
+    found = sorted({*complete_iterations(save), *unverified_iterations(save)})
     same = load is not None and Path(load).resolve() == save.resolve()
     if (found or (save / TRACKER).exists()) and not same:
         held = f"iterations {_listing(found)}" if found else TRACKER
@@ -187,6 +208,72 @@ def check_save(save: str | Path, *, load: str | Path | None) -> None:
             f"saving would mix two runs in one directory: pass --load {save} to resume, or "
             "choose another --save"
         )
+
+
+def check_load_exists(load: str | Path, *, save: str | Path | None) -> None:
+    """A --load that does not exist is a typo unless it is --save (Megatron-LM's auto-resume
+    idiom `--save DIR --load DIR`: the first run of a job starts from scratch there)."""
+    load = Path(load)
+    if load.exists():
+        return
+    if save is not None and Path(save).resolve() == load.resolve():
+        return
+    also = f" and is not --save ({save})" if save is not None else " (and there is no --save)"
+    raise CheckpointError(
+        f"--load {load}: does not exist{also}: check the path; to start from scratch drop "
+        "--load, or pass the same directory as --save and --load to resume it when it exists"
+    )
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the files of one checkpoint directory."""
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+
+
+def newest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, verified or not (None: none yet)."""
+    found = [(i, iteration_dir(root, i)) for i in complete_iterations(root)]
+    found += [(i, unverified_dir(root, i)) for i in unverified_iterations(root)]
+    return max(found)[1] if found else None
+
+
+def check_free_space(root: str | Path, iteration: int, last: Path | None) -> str | None:
+    """Before the save of `iteration` under `root`: refuses (`CheckpointError` naming both
+    sizes) when the free space there is below the size of `last` (the newest checkpoint: this
+    one will be as large); returns a warning when it is below twice that (the next save will
+    not fit), else None."""
+    if last is None or not last.is_dir():
+        return None
+    needed, free = checkpoint_bytes(last), shutil.disk_usage(root).free
+    if free < needed:
+        raise CheckpointError(
+            f"--save {root}: {_size(free)} free, but the last checkpoint ({last.name}) took "
+            f"{_size(needed)}: the save of iteration {iteration} would not fit; nothing was "
+            "written (the previous checkpoint and the tracker are unchanged): free space there "
+            "and resume"
+        )
+    if free < 2 * needed:
+        return (
+            f"--save {root}: {_size(free)} free, the last checkpoint ({last.name}) took "
+            f"{_size(needed)}: the save after the one of iteration {iteration} will not fit"
+        )
+    return None
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def load_hint(path: Path) -> str:
+    """What to load instead of a damaged checkpoint `path`."""
+    root = path.parent
+    others = [i for i in complete_iterations(root) if iteration_dir(root, i) != path]
+    if not others:
+        return f" (--load {root}: no other complete checkpoint there to pick with --ckpt-step)"
+    return f" (--load {root}: pick another checkpoint, e.g. --ckpt-step {others[-1]})"
 
 
 def check_train_iters(resume: ResumePoint | None, train_iters: int) -> None:
@@ -201,9 +288,10 @@ def check_train_iters(resume: ResumePoint | None, train_iters: int) -> None:
 
 
 def newer_than(root: str | Path, iteration: int) -> list[int]:
-    """Complete checkpoints under `root` newer than `iteration` (a run resumed from an older
-    one overwrites them when it gets there)."""
-    return [i for i in complete_iterations(root) if i > iteration]
+    """Complete checkpoints under `root` (verified or not) newer than `iteration` (a run
+    resumed from an older one replaces them when it gets there)."""
+    found = {*complete_iterations(root), *unverified_iterations(root)}
+    return sorted(i for i in found if i > iteration)
 
 
 def write_atomically(path: Path, text: str) -> None:

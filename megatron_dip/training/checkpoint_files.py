@@ -96,7 +96,10 @@ def verify(path: Path, *, hint: str = "") -> None:
     """Check every file of a checkpoint against its manifest; collective when torch.distributed
     is initialised (each rank checks a share), single-process otherwise. Raises the same
     `CheckpointError` on every rank, naming the first bad file (`hint`: what to do instead)."""
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)  # every rank reads the same file: the same outcome
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{hint}") from None
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     problems = check_files(path, manifest, _share(manifest, rank, world))

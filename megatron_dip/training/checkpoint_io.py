@@ -9,19 +9,26 @@ Inside a checkpoint directory (Megatron-LM's torch_dist layout plus one file of 
     __R_T.distcp         rank R's shards, writer thread T (each rank writes only its own)
     checksums.json       MANIFEST (`checkpoint_files`): size and sha256 of every file above
 
-Saving (`CheckpointWriter.save`, collective): rank 0 creates `iter_N.tmp`; `dist_checkpointing.save`
+Saving (`CheckpointWriter.save`, collective): rank 0 checks the free space against the newest
+checkpoint's size and creates `iter_N.tmp` (every rank learns the outcome); `dist_checkpointing.save`
 plans the write (`FullyParallelSaveStrategyWrapper` over the data-parallel group spreads the
 replicated weights' writing over the replicas) and returns an `AsyncRequest`; that request runs in
 a forked writer process (Megatron's `AsyncCallsQueue`), which writes the rank's files, then
 hashes them. `--async-save` lets training continue meanwhile (the next iterations finalize it);
-otherwise the save waits. The finalize step gathers the digests; rank 0 hashes the common files,
-writes the manifest, renames `iter_N.tmp` to `iter_N` and then rewrites the tracker, each
-atomically. A crash at any point leaves the previous checkpoint and tracker intact.
+otherwise the save waits. The finalize step first exchanges every rank's outcome: when a write
+failed anywhere, rank 0 removes `iter_N.tmp` and every rank raises the same line naming the rank,
+the cause (no space left, permission, I/O error...) and the file. Otherwise rank 0 hashes the
+common files, writes the manifest and renames `iter_N.tmp` to `iter_N` and rewrites the tracker,
+each atomically; a training save (`verify=True`) is renamed to `iter_N.unverified` instead and
+published only when `judge` says that the weights it holds trained with a finite loss (the loop
+judges each checkpoint by the iteration after it). A crash at any point leaves the previous
+checkpoint and tracker intact.
 
 Processes: dist_checkpointing's writer sends its results through a multiprocessing Manager queue
 whose server process it spawns at the first save (about 5 s) and which outlives a killed rank
-(reparented to PID 1). Here a file next to the checkpoint carries those results instead
-(`_FileResultsQueue`), so no server process exists; the forked writer process watches its parent
+(reparented to PID 1). Here a file in the local temporary directory carries those results instead
+(`_FileResultsQueue`; with each rank's digests or write error: the checkpoint's own disk may be
+the full one), so no server process exists; the forked writer process watches its parent
 and exits, with its own writer children, within a second of the rank's death, and fails the save
 when one of its file writers dies (dist_checkpointing's would wait for it forever). Waiting for
 the writers is bounded (`CheckpointWriter(timeout_s=...)`, --dip-comm-timeout-s in training); a
@@ -42,6 +49,7 @@ import os
 import pickle
 import queue
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -52,21 +60,28 @@ import torch.distributed as dist
 from megatron_dip import megatron_compat
 
 from .checkpoint_dirs import (
-    MANIFEST,
-    TRACKER,
     CheckpointError,
-    fsync_dir,
+    check_free_space,
     iteration_dir,
-    write_atomically,
+    newest_checkpoint,
+    unverified_dir,
 )
-from .checkpoint_files import digests, manifest_text
+from .checkpoint_files import digests
+from .checkpoint_publish import (
+    complete_on_rank0,
+    describe_error,
+    iteration_of,
+    reason,
+    rename_and_track,
+    replace_dir,
+)
 
 logger = logging.getLogger(__name__)
 
 WRITER_THREADS = 2  # files per rank and checkpoint (Megatron-LM's default thread count)
-_DIGESTS = ".sha256_rank_{rank:05d}.json"  # a rank's digests, until the manifest holds them
-_RESULTS = ".write_results_rank_{rank:05d}.pkl"
-_TEMPORARY = (".sha256_rank_", ".write_results_rank_")
+_OUTCOME = "outcome_{iteration:07d}.json"  # a rank's digests or write error (local temp dir)
+_RESULTS = "write_results_{iteration:07d}.pkl"  # dist_checkpointing's results (local temp dir)
+_KEPT = "the previous checkpoint and the tracker are unchanged"
 _WATCH_S = 0.5
 
 
@@ -82,7 +97,12 @@ class _FileResultsQueue:
         del block, timeout
         tmp = self.path.with_name(self.path.name + ".part")
         with open(tmp, "wb") as f:
-            pickle.dump(item, f)
+            try:
+                pickle.dump(item, f)
+            except (pickle.PicklingError, TypeError, AttributeError):  # an exotic exception
+                f.seek(0)
+                f.truncate()
+                pickle.dump(RuntimeError(repr(item)), f)
         os.replace(tmp, self.path)
 
     def get_nowait(self):
@@ -93,6 +113,14 @@ class _FileResultsQueue:
             raise queue.Empty from None
         self.path.unlink()
         return item
+
+    def peek(self):
+        """The item put, left in place (None: nothing yet or unreadable)."""
+        try:
+            with open(self.path, "rb") as f:
+                return pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError):
+            return None
 
     def get(self, block: bool = True, timeout: float | None = None):
         del block, timeout
@@ -126,20 +154,24 @@ def _watch_writer(parent: int) -> None:
     os._exit(1)
 
 
-def _write_and_hash(write: Callable, digest_path: Path, rank_pid: int, *args) -> None:
+def _write_and_hash(write: Callable, outcome: Path, rank_pid: int, *args) -> None:
     """dist_checkpointing's write function (`args`: rank, write buckets, results queue), then
-    the digests of the files it wrote. Runs in the forked writer process."""
+    the digests of the files it wrote, or the error that stopped it, into `outcome` (a local
+    file: the checkpoint's disk may be the one that is full). Runs in the forked writer."""
     if os.getpid() != rank_pid:
         threading.Thread(target=_watch_writer, args=(rank_pid,), daemon=True).start()
-    write(*args)
-    files = [Path(bucket[0]) for bucket in args[1]]
+    where = Path(args[1][0][0]).parent if args[1] else outcome
     try:
-        found = digests(files)
-    except OSError as e:
-        found = {"error": f"cannot hash {e.filename}: {e.strerror}"}
-    tmp = digest_path.with_name(digest_path.name + ".part")
+        write(*args)
+        result = args[2].peek() if isinstance(args[2], _FileResultsQueue) else None
+        if isinstance(result, BaseException):
+            raise result
+        found = digests(Path(bucket[0]) for bucket in args[1])
+    except Exception as e:  # what the rank reports (`CheckpointWriter._agree`)
+        found = {"error": describe_error(e, where)}
+    tmp = outcome.with_name(outcome.name + ".part")
     tmp.write_text(json.dumps(found))
-    os.replace(tmp, digest_path)
+    os.replace(tmp, outcome)
 
 
 class CheckpointWriter:
@@ -153,7 +185,12 @@ class CheckpointWriter:
     """
 
     def __init__(
-        self, *, group: dist.ProcessGroup | None, async_save: bool, timeout_s: float = 600.0
+        self,
+        *,
+        group: dist.ProcessGroup | None,
+        async_save: bool,
+        timeout_s: float = 600.0,
+        verify: bool = False,
     ) -> None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -164,6 +201,13 @@ class CheckpointWriter:
         self.published: list[Path] = []
         self.pending: list[Path] = []  # the `.tmp` directories of saves not yet published
         self.timeout_s = timeout_s
+        self.verify = verify
+        self.writing: dict[int, Path] = {}  # iteration -> `.tmp` of a save in flight
+        self.staged: dict[int, Path] = {}  # iteration -> `.unverified`, awaiting its verdict
+        self.verdicts: dict[int, bool] = {}  # verdicts that came before the write finished
+        self.rejected: list[Path] = []  # `.unverified` checkpoints that failed verification
+        self._gathered: list = []
+        self._local = Path(tempfile.gettempdir()) / f"megatron_dip_save_{os.getpid()}"
 
     def _strategy(self):
         from megatron.core.dist_checkpointing.serialization import (
@@ -187,56 +231,146 @@ class CheckpointWriter:
         final = iteration_dir(root, iteration)
         tmp = final.with_name(final.name + ".tmp")
         rank = dist.get_rank()
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
+        self._prepare(tmp, iteration)
+        self._local.mkdir(parents=True, exist_ok=True)
+        outcome = self._local / _OUTCOME.format(iteration=iteration)
+        outcome.unlink(missing_ok=True)
         megatron_compat.install_write_results_queue(
-            _FileResultsQueue(tmp / _RESULTS.format(rank=rank))
+            _FileResultsQueue(self._local / _RESULTS.format(iteration=iteration))
         )
         request = dist_checkpointing.save(
             sharded_state_dict, str(tmp), sharded_strategy=self._strategy(),
             async_sharded_save=True,
         )  # fmt: skip
         if request.async_fn is not None:
-            write = functools.partial(
-                _write_and_hash, request.async_fn, tmp / _DIGESTS.format(rank=rank), os.getpid()
-            )
+            write = functools.partial(_write_and_hash, request.async_fn, outcome, os.getpid())
             request = request._replace(async_fn=write)
+        else:  # nothing for this rank to write
+            outcome.write_text("{}")
+        request.finalize_fns.insert(0, functools.partial(self._agree, tmp, final, outcome, rank))
         request.finalize_fns.append(functools.partial(self._publish, tmp, final, iteration))
         self.calls.schedule_async_request(request)
         self.pending.append(tmp)
+        self.writing[iteration] = tmp
         if not self.async_save:
             self.wait()
         return final
 
-    def _publish(self, tmp: Path, final: Path, iteration: int) -> None:
-        """Finalize step of a save on every rank (after dist_checkpointing's): the manifest,
-        the rename and the tracker (module docstring)."""
-        rank = dist.get_rank()
-        mine = tmp / _DIGESTS.format(rank=rank)
-        found = json.loads(mine.read_text()) if mine.exists() else {}
-        mine.unlink(missing_ok=True)
-        gathered = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(found, gathered, dst=0)
-        outcome = [None]
-        if rank == 0:
+    def _prepare(self, tmp: Path, iteration: int) -> None:
+        """Rank 0 checks the free space and creates `tmp`; every rank learns the outcome (one
+        identical error everywhere, instead of rank 0 alone failing before a collective)."""
+        outcome: list = [None, None]
+        if dist.get_rank() == 0:
             try:
-                _publish_on_rank0(tmp, final, iteration, gathered)
+                outcome[1] = check_free_space(tmp.parent, iteration, newest_checkpoint(tmp.parent))
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except CheckpointError as e:
+                outcome[0] = str(e)
+            except OSError as e:
+                outcome[0] = f"saving {tmp} failed on rank 0: {describe_error(e, tmp)}; " + _KEPT
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise CheckpointError(outcome[0])
+        if outcome[1] is not None and dist.get_rank() == 0:
+            logger.warning(outcome[1])
+
+    def _agree(self, tmp: Path, final: Path, outcome: Path, rank: int) -> None:
+        """First finalize step on every rank (the writers of every rank have finished): the
+        ranks exchange their writers' outcomes; when any failed, rank 0 removes the partial
+        `tmp` and every rank raises the same one-line error naming the cause and the file."""
+        try:
+            found = json.loads(outcome.read_text())
+        except (OSError, ValueError):
+            found = {"error": "its writer process ended without a result (killed?)"}
+        outcome.unlink(missing_ok=True)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+        failed = [(r, f["error"]) for r, f in enumerate(everyone) if "error" in f]
+        if not failed:
+            self._gathered = everyone
+            return
+        (self._local / _RESULTS.format(iteration=iteration_of(final))).unlink(missing_ok=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        first, why = failed[0]
+        more = f" (and on ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise CheckpointError(
+            f"saving {tmp} failed on rank {first}{more}: {why}; the partial {tmp.name} was "
+            f"removed; " + _KEPT
+        )
+
+    def _publish(self, tmp: Path, final: Path, iteration: int) -> None:
+        """Last finalize step of a save on every rank (after dist_checkpointing's): the
+        manifest, then the rename to `iter_N` and the tracker, or (`verify`) to `.unverified`
+        until `judge` has its verdict (module docstring)."""
+        outcome = [None]
+        if dist.get_rank() == 0:
+            try:
+                complete_on_rank0(tmp, final, self._gathered)
+                if self.verify:
+                    replace_dir(tmp, unverified_dir(final.parent, iteration))
+                else:
+                    rename_and_track(tmp, final, iteration)
             except (CheckpointError, OSError) as e:
                 outcome = [str(e)]
         dist.broadcast_object_list(outcome, src=0)  # every rank stops, or none
         if outcome[0] is not None:
             raise CheckpointError(outcome[0])
         self.pending.remove(tmp)
+        self.writing.pop(iteration, None)
+        if not self.verify:
+            self.published.append(final)
+            logger.info("saved checkpoint of iteration %d to %s", iteration, final)
+            return
+        self.staged[iteration] = unverified_dir(final.parent, iteration)
+        logger.debug("checkpoint of iteration %d written, awaiting verification", iteration)
+
+    # -- verification (training saves) ----------------------------------------------------
+
+    def judge(self, iteration: int, finite: bool) -> None:
+        """The verdict on the checkpoint of `iteration` (collective, the same on every rank):
+        whether the weights it holds have since trained with a finite loss and gradient norm.
+        A finished save is published (or kept unverified) now, one in flight once written."""
+        if iteration in self.writing or iteration in self.staged:
+            self.verdicts[iteration] = finite
+        self._settle()
+
+    def _settle(self) -> None:
+        for iteration in sorted(set(self.staged) & set(self.verdicts)):
+            path, finite = self.staged.pop(iteration), self.verdicts.pop(iteration)
+            if finite:
+                self._promote(path, iteration)
+                continue
+            self.rejected.append(path)
+            if dist.get_rank() == 0:
+                logger.warning(
+                    "checkpoint of iteration %d kept unpublished as %s: the next iteration, "
+                    "computed with its weights, had a non-finite loss or gradient norm (loading "
+                    "ignores it; the tracker is unchanged)", iteration, path,
+                )  # fmt: skip
+
+    def _promote(self, path: Path, iteration: int) -> None:
+        final = iteration_dir(path.parent, iteration)
+        outcome = [None]
+        if dist.get_rank() == 0:
+            try:
+                rename_and_track(path, final, iteration)
+            except OSError as e:
+                outcome = [f"publishing {path} failed on rank 0: {describe_error(e, path)}"]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise CheckpointError(outcome[0])
         self.published.append(final)
-        logger.info("saved checkpoint of iteration %d to %s", iteration, final)
+        logger.info("saved checkpoint of iteration %d to %s (verified)", iteration, final)
 
     def poll(self) -> None:
         """Finalize the saves whose writers have finished (collective: every rank, every
         iteration, while saves are in flight)."""
         if self.calls.get_num_unfinalized_calls():
             self._finalize(blocking=False)
+            self._settle()
 
     def wait(self) -> None:
         """Block until every save is published (collective), at most `timeout_s`."""
@@ -244,6 +378,9 @@ class CheckpointWriter:
         while self.calls.get_num_unfinalized_calls():
             self._finalize(blocking=False)
             if not self.calls.get_num_unfinalized_calls():
+                self._settle()
+                with contextlib.suppress(OSError):
+                    self._local.rmdir()  # empty once every save is finalized
                 return
             self._stop_if_late(time.monotonic() - start)
             time.sleep(0.05)
@@ -282,7 +419,7 @@ class CheckpointWriter:
         except (Exception, CheckpointException) as e:
             where = self.pending.pop(0) if self.pending else "a checkpoint"
             raise CheckpointError(
-                f"saving {where} failed ({_reason(e)}); the previous checkpoint and the "
+                f"saving {where} failed ({reason(e)}); the previous checkpoint and the "
                 "tracker are unchanged"
             ) from e
 
@@ -302,45 +439,8 @@ class CheckpointWriter:
                 process.join(timeout=5)
         self.calls.async_calls.clear()
         self.pending.clear()
-
-
-def _reason(error: BaseException) -> str:
-    """The last line of an error's text (dist_checkpointing's hold whole tracebacks)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
-
-
-def _publish_on_rank0(tmp: Path, final: Path, iteration: int, gathered: list) -> None:
-    manifest: dict[str, list] = {}
-    for rank, found in enumerate(gathered):
-        if "error" in found:
-            raise CheckpointError(f"saving {final}: rank {rank}: {found['error']}")
-        manifest.update(found)
-    written = {p.name for p in tmp.iterdir() if p.name.endswith(".distcp")}
-    if written != set(manifest):
-        raise CheckpointError(
-            f"saving {final}: the ranks hashed {sorted(manifest)} but {tmp} holds {sorted(written)}"
-        )
-    common = [
-        p
-        for p in tmp.iterdir()
-        if p.is_file() and not p.name.endswith((".distcp", ".part")) and not _ours(p.name)
-    ]
-    manifest.update(digests(common))
-    write_atomically(tmp / MANIFEST, manifest_text(manifest))
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # a rerun from an older checkpoint reached this iteration again
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    write_atomically(final.parent / TRACKER, str(iteration))
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _ours(name: str) -> bool:
-    """A temporary file of a save in progress (digests, write results)."""
-    return name.startswith(_TEMPORARY)
+        self.writing.clear()
+        shutil.rmtree(self._local, ignore_errors=True)
 
 
 def tensor_metadata(path: Path) -> dict:

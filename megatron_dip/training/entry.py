@@ -2,7 +2,7 @@
 
 `main(argv, default_model=...)` is what `pretrain_vlm_dip.py` and `pretrain_diffusion_dip.py` call.
 A bad flag ends the process with exit status 2 and one line naming the flag, before
-torch.distributed is initialised (so a job launched with bad flags fails fast on every rank
+torch.distributed is initialised (a --save directory another job holds: 2 as well, right after) (so a job launched with bad flags fails fast on every rank
 instead of hanging in a collective). A checkpoint that cannot be loaded (corrupt, of another
 model), a run whose loss stays non-finite and a rank that stalled or died (`StallError`, naming
 the phase, the group and the stalled rank) end it with exit status 1 and one line.
@@ -86,6 +86,9 @@ def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:
 
     try:
         train(spec)
+    except ConfigError as e:  # refused at start-up (another job holds --save)
+        logger.error("error: %s", e)
+        return 2
     except StallError as e:
         logger.error("error: %s", e)
         exit_now(1)

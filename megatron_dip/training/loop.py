@@ -36,16 +36,17 @@ from megatron_dip.runtime.errors import StallError
 from . import checkpoint
 from .backend import select_backend
 from .build import LocalModel, build_model
-from .checkpoint_dirs import newer_than
+from .checkpoint_dirs import CheckpointError, newer_than
 from .checkpoint_io import CheckpointWriter
 from .data_source import load_agreed, make_stream
 from .finetune import load_pretrained
 from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record
-from .nonfinite import NonFiniteError, NonFiniteStreak
+from .nonfinite import NonFiniteError, NonFiniteStreak, finite, resume_advice
 from .optim import build_optimizer, build_scheduler
 from .planning import DipPlans, stock_plan
+from .save_lock import SaveLockedError, hold_save_lock
 from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
 from .step import DipStep, StepResult, run_stock, scale_gradients
 from .validate import RunSpec
@@ -105,7 +106,10 @@ class Trainer:
                 group=ctx.dp,
                 async_save=cfg.checkpoint.async_save,
                 timeout_s=cfg.dip.dip_comm_timeout_s,
+                verify=True,  # published once the next iteration trains finitely on them
             )
+        self.loaded: tuple | None = None  # (path, iteration) of the checkpoint --load read
+        self.loaded_finite: bool | None = None  # its weights' first iteration was finite
         self.modules = [m.name for m in spec.model.modules]
         self.plan_wait = 0.0  # seconds the last iteration waited for its plan (metrics)
         self.log = IntervalLog(
@@ -130,8 +134,10 @@ class Trainer:
             self._load_pretrained()
             return
         if resume is None:
-            # Megatron-LM's behaviour: --load of an empty directory starts from scratch.
-            logger.warning("--load %s: no checkpoint there yet, training from scratch", c.load)
+            # Megatron-LM's auto-resume idiom (--save DIR --load DIR): a job's first run (other
+            # --load that does not exist: refused by validation).
+            if self.ctx.is_logging_rank:
+                logger.warning("--load %s: no checkpoint there yet: starting from scratch", c.load)
             return
         with self.ctx.watch.phase("checkpoint load"):
             restored = checkpoint.load(
@@ -139,12 +145,19 @@ class Trainer:
                 optimizer=self.optimizer, scheduler=self.scheduler,
             )  # fmt: skip
         self.iteration = restored.iteration
+        self.loaded = (resume.path, resume.iteration)
         self.consumed = restored.consumed_samples
-        if restored.stream is not None:
-            self.stream.load_state_dict(restored.stream)
-        if restored.eval_stream is not None:  # evaluation continues where it stopped
-            self.eval_stream = self._stream(evaluation=True)
-            self.eval_stream.load_state_dict(restored.eval_stream)
+        try:  # validation compared the data flags; this names any other change in one line
+            if restored.stream is not None:
+                self.stream.load_state_dict(restored.stream)
+            if restored.eval_stream is not None:  # evaluation continues where it stopped
+                self.eval_stream = self._stream(evaluation=True)
+                self.eval_stream.load_state_dict(restored.eval_stream)
+        except ValueError as e:
+            raise CheckpointError(
+                f"{resume.path}: its data position cannot continue in this run ({e}); resume "
+                "with the data flags it was saved with, or --finetune to take its weights only"
+            ) from None
         if restored.calibration is not None:
             self.calibration.load_state_dict(restored.calibration)
         if self.plans is not None:  # frozen or not, plan with the restored factors
@@ -261,16 +274,51 @@ class Trainer:
         if not ok:
             logger.warning("iteration %d: update skipped (gradient norm %s)", it, norm)
         self._report(batch, plan, variant, result, stats, seconds, norm, bound)
+        self._judge(it - 1, finite(stats.loss) and finite(None if norm is None else float(norm)))
         try:
             self.nonfinite.observe(it, loss=stats.loss, grad_norm=norm)
-        except NonFiniteError:
-            if self.writer is not None:  # every rank stops here: publish the earlier saves
-                with self.ctx.watch.phase("checkpoint publish"):
-                    self.writer.wait()
-            raise
+        except NonFiniteError as error:
+            raise NonFiniteError(str(error) + self._stop_advice()) from None
         if self.writer is not None:
             with self.ctx.watch.phase("checkpoint publish"):
                 self.writer.poll()  # publish background saves that have finished
+
+    def _judge(self, iteration: int, ok: bool) -> None:
+        """Iteration `iteration + 1` computed with the weights saved after `iteration`: their
+        checkpoint (saved by this run, or the one it loaded) is verified when `ok`."""
+        if self.loaded is not None and iteration == self.loaded[1]:
+            self.loaded_finite = ok
+        if self.writer is not None:
+            with self.ctx.watch.phase("checkpoint publish"):
+                self.writer.judge(iteration, ok)
+
+    def _stop_advice(self) -> str:
+        """The end of the non-finite stop line (`resume_advice`), once saves in flight are in."""
+        verified, rejected = None, []
+        if self.loaded is not None and self.loaded_finite:
+            verified = self.loaded
+        if self.writer is not None:  # every rank stops here: finish the earlier saves
+            with self.ctx.watch.phase("checkpoint publish"):
+                self.writer.wait()
+            rejected = [*self.writer.rejected, *self.writer.staged.values()]
+            if self.writer.published:
+                path = self.writer.published[-1]
+                verified = (path, int(path.name.split("_", 1)[1]))
+        return resume_advice(verified, rejected, saving=self.writer is not None)
+
+    def _verify_final_save(self) -> None:
+        """The save after the last iteration has no next iteration: a forward-only pass over the
+        next training batch verifies it (its data position is before that batch)."""
+        it = self.iteration
+        if self.writer is None or it not in {*self.writer.writing, *self.writer.staged}:
+            return
+        *_, stats = self._forward_backward(self.stream, evaluation=True)
+        if self.ctx.is_logging_rank:
+            logger.info(
+                "checkpoint of iteration %d: the next batch's loss with its weights is %.4f "
+                "(forward only, to verify it)", it, stats.loss,
+            )  # fmt: skip
+        self._judge(it, finite(stats.loss))
 
     def _calibrate(self, stats) -> None:
         """Record the cost model's error on this iteration, then feed the calibration window
@@ -410,6 +458,7 @@ class Trainer:
         if cfg.checkpoint.save and saved_at != self.iteration:
             self.save()
         if self.writer is not None:
+            self._verify_final_save()
             with self.ctx.watch.phase("checkpoint publish"):
                 self.writer.wait()
             self.result.checkpoints = [str(p) for p in self.writer.published]
@@ -448,8 +497,10 @@ def pretrain(spec: RunSpec) -> TrainResult:
         it = spec.resume.iteration
         return TrainResult(first_iteration=it, last_iteration=it)
     ctx = initialize(spec)
-    trainer, completed = None, False
+    trainer, completed, lock = None, False, None
     try:
+        if spec.config.checkpoint.save:  # one job at a time on --save, before any work
+            lock = hold_save_lock(spec.config.checkpoint.save, rank=ctx.rank)
         with ctx.watch.phase("start-up"):
             trainer = Trainer(spec, ctx)
         result = trainer.run()
@@ -459,7 +510,7 @@ def pretrain(spec: RunSpec) -> TrainResult:
             dist.barrier()
         completed = True
         return result
-    except StallError:
+    except (StallError, SaveLockedError):
         raise
     except Exception as error:  # the other ranks name this rank's error, not its absence
         ctx.watch.report_failure(error)
@@ -467,4 +518,6 @@ def pretrain(spec: RunSpec) -> TrainResult:
     finally:
         if trainer is not None:
             trainer.close(completed=completed)
+        if lock is not None:
+            lock.release()
         ctx.destroy()

@@ -191,6 +191,18 @@ class TrainArgs:
     adam_beta2: float = arg("--adam-beta2", 0.999, "AdamW beta2")
     adam_eps: float = arg("--adam-eps", 1e-8, "AdamW epsilon")
     seed: int = arg("--seed", 1234, "seed of weights, data order and diffusion noise")
+    override_opt_param_scheduler: bool = arg(
+        "--override-opt_param-scheduler",
+        False,
+        "on resume, the LR schedule of these flags (--lr, --min-lr, --lr-warmup-iters, "
+        "--lr-decay-iters/--train-iters, --lr-decay-style, --weight-decay) replaces the "
+        "checkpoint's; its iteration count is kept",
+    )
+    use_checkpoint_opt_param_scheduler: bool = arg(
+        "--use-checkpoint-opt_param-scheduler",
+        False,
+        "on resume, keep the checkpoint's LR schedule whatever these flags say",
+    )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .build import LocalModel
+from .resume_checks import schedule_of
 from .setup import ParallelContext
 from .validate import RunSpec
 
@@ -154,15 +155,11 @@ def build_scheduler(optimizer, *, spec: RunSpec):
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters,
-        lr_decay_steps=t.lr_decay_iters or t.train_iters,
-        lr_decay_style=t.lr_decay_style,
-        start_wd=t.weight_decay,
-        end_wd=t.weight_decay,
+        **schedule_of(t),
         wd_incr_steps=t.train_iters,
         wd_incr_style="constant",
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
     )
 
 

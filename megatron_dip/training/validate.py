@@ -215,9 +215,14 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
     after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
     --train-iters against the file system (`checkpoint_dirs`, `finetune`)."""
     from .finetune import pretrained_sources
+    from .resume_checks import check_resume
 
     c = config.checkpoint
     try:
+        if c.load and not (c.pretrained_checkpoint or c.dip_pretrained):
+            # (with pretrained weights, a --load that is not there yet is Megatron's idiom for
+            # "fine-tune from them until this run has its own checkpoints")
+            checkpoint_dirs.check_load_exists(c.load, save=c.save)
         resume = checkpoint_dirs.find_resume(c.load, c.ckpt_step) if c.load else None
         resume, pretrained = pretrained_sources(config, model, resume)
         checkpoint_dirs.check_train_iters(resume, config.train.train_iters)
@@ -225,6 +230,7 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
             checkpoint_dirs.check_save(c.save, load=None if c.finetune else c.load)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
+    check_resume(config, resume)
     return resume, pretrained
 
 
