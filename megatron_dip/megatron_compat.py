@@ -42,11 +42,16 @@ _STATE: dict[str, Any] = {}  # one-time warnings
 
 
 def _megatron_dir() -> Path | None:
-    """Directory of the `megatron` package, found without importing `megatron.core`."""
+    """Directory of the `megatron` package that `import megatron.core` will use, found without
+    importing it. `megatron` is a namespace package (megatron-energon adds `megatron/energon`):
+    the first of its directories holding `core/` is the one Python imports `megatron.core` from."""
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(next(iter(spec.submodule_search_locations)))
+    for location in spec.submodule_search_locations:
+        if (Path(location) / "core" / "__init__.py").exists():
+            return Path(location)
+    return None
 
 
 def _unavailable_kernel(name: str) -> Any:
@@ -91,21 +96,81 @@ def install_triton_stand_in() -> bool:
 install_triton_stand_in()
 
 
-def megatron_core_version() -> tuple[int, ...]:
-    """The installed megatron-core version as a tuple of ints, e.g. (0, 16, 1)."""
-    import importlib.metadata  # local: ~15 ms, and importing this module must stay cheap
+SUPPORTED_RANGE = ((0, 16, 1), (0, 20))  # megatron-core >= 0.16.1, < 0.20 (as setup.py)
 
-    try:
-        text = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        from megatron.core import package_info
 
-        text = package_info.__version__
+def _version_tuple(text: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string: "0.19.2" -> (0, 19, 2), "0.16.0rc0" -> (0, 16, 0)."""
     parts = []
     for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
         parts.append(int(digits or 0))
     return tuple(parts)
+
+
+def _package_info_version(root: Path) -> tuple[int, ...] | None:
+    """MAJOR.MINOR.PATCH read from `megatron/core/package_info.py` without importing it."""
+    import ast
+
+    try:
+        tree = ast.parse((root / "core" / "package_info.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return None
+    values: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+                values[target.id] = node.value.value
+    if not all(isinstance(values.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
+        return None
+    return (values["MAJOR"], values["MINOR"], values["PATCH"])
+
+
+@functools.cache
+def megatron_core_version() -> tuple[int, ...] | None:
+    """The megatron-core version `import megatron.core` will load, e.g. (0, 16, 1); None when
+    megatron-core is not installed.
+
+    Read from that package's `package_info.py` (a Megatron-LM checkout on PYTHONPATH has no
+    distribution metadata, and may shadow an installed wheel), else from the metadata.
+    """
+    import importlib.metadata  # local: ~15 ms, and importing this module must stay cheap
+
+    root = _megatron_dir()
+    if root is not None:
+        version = _package_info_version(root)
+        if version is not None:
+            return version
+    try:
+        return _version_tuple(importlib.metadata.version("megatron-core"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_megatron_core_version(version: tuple[int, ...] | None) -> None:
+    """Raise ImportError for a megatron-core outside the supported range (None: not installed,
+    which only the parts that use Megatron-Core notice)."""
+    low, high = SUPPORTED_RANGE
+    if version is None or low <= version < high:
+        return
+    found = ".".join(map(str, version))
+    where = _megatron_dir()
+    raise ImportError(
+        f"megatron-dip supports megatron-core >= {'.'.join(map(str, low))}, < "
+        f"{'.'.join(map(str, high))}; found {found}"
+        + (f" at {where}" if where is not None else "")
+        + ". Install a supported release (pip install 'megatron-core>=0.16.1,<0.20': 0.16.1 on "
+        "Python 3.11, 0.19.x on Python 3.12)."
+    )
+
+
+# At `import megatron_dip`: a clear error instead of TypeErrors deep inside Megatron calls.
+check_megatron_core_version(megatron_core_version())
 
 
 @functools.cache
@@ -153,6 +218,26 @@ def get_forward_backward_func(
             f"megatron-core {megatron_core_version()} has no schedule_pg_collection argument"
         )
     return schedules.get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
+
+
+def process_group_collection(**groups: Any) -> Any:
+    """Megatron's `ProcessGroupCollection` holding exactly `groups` (e.g. `tp=..., pp=...`).
+
+    The explicit-groups mechanism of 0.16.1 and 0.19.x alike (schedules, DDP, optimizer and
+    layers read their groups from it instead of `parallel_state`). A name this megatron-core
+    does not know raises ValueError. A group not given is unset: 0.16 raises AttributeError
+    when Megatron reads it, 0.19 returns None.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(**groups)
+
+
+def pipeline_communicator(pp_group: Any, config: Any) -> Any:
+    """Megatron's `P2PCommunicator` over `pp_group` (the stock schedules' `p2p_communicator`)."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return P2PCommunicator(pp_group=pp_group, config=config)
 
 
 def backward_step(
