@@ -18,6 +18,8 @@ Differences handled here (feature-detected, not version-compared, where the API 
 * dist_checkpointing's torch_dist writer takes its results queue from a module global that it
   fills, at the first save, with a multiprocessing Manager queue (a server process that
   outlives a killed rank): `install_write_results_queue()` puts another queue there;
+* 0.19's asynchronous save defaults to nvidia-resiliency-ext's writer: `async_save_kwargs()`
+  selects Megatron-Core's own (the only one 0.16 has);
 * dist_checkpointing reads and writes through multi-storage-client whenever that package
   imports (megatron-energon brings it), which also records metrics on every read; checkpoints
   here are POSIX paths: `use_posix_checkpoint_files()` turns it off (Megatron-LM's
@@ -343,9 +345,13 @@ def install_write_results_queue(results_queue: Any) -> bool:
     installed megatron-core keeps the queue elsewhere: saving then works as Megatron's does."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not hasattr(filesystem_async, "_get_write_results_queue") or not hasattr(
-        filesystem_async, "_results_queue"
-    ):
+    # The getter that fills the global: `_get_write_results_queue` (0.16),
+    # `get_write_results_queue` (0.19).
+    getter = any(
+        hasattr(filesystem_async, name)
+        for name in ("_get_write_results_queue", "get_write_results_queue")
+    )
+    if not getter or not hasattr(filesystem_async, "_results_queue"):
         if not _STATE.get("results_queue_warned"):
             logger.warning(
                 "this megatron-core keeps dist_checkpointing's write results elsewhere: its "
@@ -355,6 +361,23 @@ def install_write_results_queue(results_queue: Any) -> bool:
         return False
     filesystem_async._results_queue = results_queue
     return True
+
+
+def async_save_kwargs() -> dict[str, Any]:
+    """Keyword arguments for `dist_checkpointing.save(..., async_sharded_save=True)` that select
+    Megatron-Core's own asynchronous writer (`FileSystemWriterAsync` in a forked process).
+
+    0.19 added `async_strategy`, defaulting to "nvrx" (nvidia-resiliency-ext, which raises
+    ModuleNotFoundError where that package is missing); "mcore" is the writer 0.16 always uses
+    and the one `install_write_results_queue` redirects.
+    """
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
 
 
 def use_posix_checkpoint_files() -> None:

@@ -10,7 +10,6 @@ back: that is exactly the pairing megatron's own bookkeeping makes.
 from __future__ import annotations
 
 import re
-import types
 
 import pytest
 import torch

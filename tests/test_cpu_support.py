@@ -104,8 +104,6 @@ def _tiny_megatron_module():
 
 def test_stock_schedule_runs_after_fixes(world):
     """forward_backward_no_pipelining allocates `device="cuda"` tensors: works after the fixes."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     apply_cpu_fixes()
     seed_model_parallel_rng(3)
     model = _tiny_megatron_module()
@@ -115,7 +113,7 @@ def test_stock_schedule_runs_after_fixes(world):
         out = module(next(iterator))
         return out, lambda o: (o.pow(2).sum(), {"loss": o.pow(2).sum().detach()})
 
-    pgs = ProcessGroupCollection(
+    pgs = megatron_compat.process_group_collection(
         tp=world, cp=world, pp=world, dp_cp=world, embd=None, pos_embd=None
     )
     schedule = megatron_compat.get_forward_backward_func(pp_size=1, vp_size=None)

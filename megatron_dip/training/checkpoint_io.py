@@ -196,7 +196,7 @@ class CheckpointWriter:
         )
         request = dist_checkpointing.save(
             sharded_state_dict, str(tmp), sharded_strategy=self._strategy(),
-            async_sharded_save=True,
+            async_sharded_save=True, **megatron_compat.async_save_kwargs(),
         )  # fmt: skip
         if request.async_fn is not None:
             write = functools.partial(
