@@ -18,6 +18,8 @@ Differences handled here (feature-detected, not version-compared, where the API 
 * dist_checkpointing's torch_dist writer takes its results queue from a module global that it
   fills, at the first save, with a multiprocessing Manager queue (a server process that
   outlives a killed rank): `install_write_results_queue()` puts another queue there;
+* 0.19 keeps the common state inside the torch_dist shards instead of `common.pt`:
+  `common_state_file()` says which;
 * 0.19's asynchronous save defaults to nvidia-resiliency-ext's writer: `async_save_kwargs()`
   selects Megatron-Core's own (the only one 0.16 has);
 * dist_checkpointing reads and writes through multi-storage-client whenever that package
@@ -378,6 +380,19 @@ def async_save_kwargs() -> dict[str, Any]:
     if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
         return {"async_strategy": "mcore"}
     return {}
+
+
+def common_state_file() -> str | None:
+    """The file in which `dist_checkpointing.save` writes the common (non-sharded) state:
+    "common.pt" (rank 0, through 0.16), or None where it is one more object in the torch_dist
+    shards (0.19; `dist_checkpointing.load_common_state_dict` reads either)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    if hasattr(serialization, "_legacy_common_state_exists"):  # the reader of both layouts
+        return None
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    return COMMON_STATE_FNAME
 
 
 def use_posix_checkpoint_files() -> None:
