@@ -123,11 +123,29 @@ def test_weights_of_another_model_are_refused(groups, copy):
         load_weights(copy, model=t2v, chunks=_chunks(groups, _one, model=t2v))
 
 
+def _common_state_file(path: Path) -> str:
+    """The file holding the common state: `common.pt` (megatron-core 0.16), or the torch_dist
+    shard that .metadata names for the "common_state" object (0.19)."""
+    if megatron_compat.common_state_file():
+        return megatron_compat.common_state_file()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(path)).read_metadata().storage_data
+    (name,) = {
+        info.relative_path
+        for key, info in storage.items()
+        if key.fqn.split("/")[0] == "common_state"
+    }
+    return name
+
+
 def _damage(path: Path, kind: str) -> str:
     """Damage one file of the checkpoint at `path` as `kind` says; the file's name."""
     shard = max(path.glob("__*.distcp"), key=lambda p: p.stat().st_size)
     target = {"flipped": shard, "truncated": shard, "missing": shard}.get(kind)
-    if kind in ("metadata.json", "common.pt", ".metadata"):
+    if kind == "common state":
+        target, kind = path / _common_state_file(path), "truncated"
+    if kind in ("metadata.json", ".metadata"):
         target, kind = path / kind, "truncated"
     data = bytearray(target.read_bytes())
     if kind == "flipped":  # 4 KB of random bytes in the middle, size unchanged
@@ -148,7 +166,7 @@ def _damage(path: Path, kind: str) -> str:
         ("truncated", "truncated"),
         ("missing", "missing"),
         ("metadata.json", "truncated"),
-        ("common.pt", "truncated"),
+        ("common state", "truncated"),
         (".metadata", "truncated"),
     ],
 )
