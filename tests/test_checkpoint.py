@@ -287,9 +287,15 @@ def test_an_aborted_save_stops_its_writer_and_publishes_nothing(groups, tmp_path
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     writer_class = filesystem_async.FileSystemWriterAsync
-    monkeypatch.setattr(
-        writer_class, "write_preloaded_data_multiproc", staticmethod(_still_writing)
-    )
+    save_function_and_args = writer_class.get_save_function_and_args
+
+    def _stalled_save_function(self):
+        # The function the writer process runs (`write_preloaded_data_multiproc` on
+        # megatron-core 0.16, `..._multithread` on 0.19) never returns.
+        save_fn, preload_fn, args = save_function_and_args(self)
+        return (_still_writing if save_fn is not None else None), preload_fn, args
+
+    monkeypatch.setattr(writer_class, "get_save_function_and_args", _stalled_save_function)
     before = _processes()
     writer = CheckpointWriter(group=None, async_save=True)
     state = {"model": LocalModel(_chunks(groups, _two)).sharded_state_dict(data_parallel_rank=0)}
