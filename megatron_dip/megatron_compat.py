@@ -18,6 +18,10 @@ Differences handled here (feature-detected, not version-compared, where the API 
 * dist_checkpointing's torch_dist writer takes its results queue from a module global that it
   fills, at the first save, with a multiprocessing Manager queue (a server process that
   outlives a killed rank): `install_write_results_queue()` puts another queue there;
+* 0.19 keeps the common state inside the torch_dist shards instead of `common.pt`:
+  `common_state_file()` says which;
+* 0.19's asynchronous save defaults to nvidia-resiliency-ext's writer: `async_save_kwargs()`
+  selects Megatron-Core's own (the only one 0.16 has);
 * dist_checkpointing reads and writes through multi-storage-client whenever that package
   imports (megatron-energon brings it), which also records metrics on every read; checkpoints
   here are POSIX paths: `use_posix_checkpoint_files()` turns it off (Megatron-LM's
@@ -42,11 +46,16 @@ _STATE: dict[str, Any] = {}  # one-time warnings
 
 
 def _megatron_dir() -> Path | None:
-    """Directory of the `megatron` package, found without importing `megatron.core`."""
+    """Directory of the `megatron` package that `import megatron.core` will use, found without
+    importing it. `megatron` is a namespace package (megatron-energon adds `megatron/energon`):
+    the first of its directories holding `core/` is the one Python imports `megatron.core` from."""
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(next(iter(spec.submodule_search_locations)))
+    for location in spec.submodule_search_locations:
+        if (Path(location) / "core" / "__init__.py").exists():
+            return Path(location)
+    return None
 
 
 def _unavailable_kernel(name: str) -> Any:
@@ -91,21 +100,81 @@ def install_triton_stand_in() -> bool:
 install_triton_stand_in()
 
 
-def megatron_core_version() -> tuple[int, ...]:
-    """The installed megatron-core version as a tuple of ints, e.g. (0, 16, 1)."""
-    import importlib.metadata  # local: ~15 ms, and importing this module must stay cheap
+SUPPORTED_RANGE = ((0, 16, 1), (0, 20))  # megatron-core >= 0.16.1, < 0.20 (as setup.py)
 
-    try:
-        text = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        from megatron.core import package_info
 
-        text = package_info.__version__
+def _version_tuple(text: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string: "0.19.2" -> (0, 19, 2), "0.16.0rc0" -> (0, 16, 0)."""
     parts = []
     for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
         parts.append(int(digits or 0))
     return tuple(parts)
+
+
+def _package_info_version(root: Path) -> tuple[int, ...] | None:
+    """MAJOR.MINOR.PATCH read from `megatron/core/package_info.py` without importing it."""
+    import ast
+
+    try:
+        tree = ast.parse((root / "core" / "package_info.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return None
+    values: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+                values[target.id] = node.value.value
+    if not all(isinstance(values.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
+        return None
+    return (values["MAJOR"], values["MINOR"], values["PATCH"])
+
+
+@functools.cache
+def megatron_core_version() -> tuple[int, ...] | None:
+    """The megatron-core version `import megatron.core` will load, e.g. (0, 16, 1); None when
+    megatron-core is not installed.
+
+    Read from that package's `package_info.py` (a Megatron-LM checkout on PYTHONPATH has no
+    distribution metadata, and may shadow an installed wheel), else from the metadata.
+    """
+    import importlib.metadata  # local: ~15 ms, and importing this module must stay cheap
+
+    root = _megatron_dir()
+    if root is not None:
+        version = _package_info_version(root)
+        if version is not None:
+            return version
+    try:
+        return _version_tuple(importlib.metadata.version("megatron-core"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_megatron_core_version(version: tuple[int, ...] | None) -> None:
+    """Raise ImportError for a megatron-core outside the supported range (None: not installed,
+    which only the parts that use Megatron-Core notice)."""
+    low, high = SUPPORTED_RANGE
+    if version is None or low <= version < high:
+        return
+    found = ".".join(map(str, version))
+    where = _megatron_dir()
+    raise ImportError(
+        f"megatron-dip supports megatron-core >= {'.'.join(map(str, low))}, < "
+        f"{'.'.join(map(str, high))}; found {found}"
+        + (f" at {where}" if where is not None else "")
+        + ". Install a supported release (pip install 'megatron-core>=0.16.1,<0.20': 0.16.1 on "
+        "Python 3.11, 0.19.x on Python 3.12)."
+    )
+
+
+# At `import megatron_dip`: a clear error instead of TypeErrors deep inside Megatron calls.
+check_megatron_core_version(megatron_core_version())
 
 
 @functools.cache
@@ -153,6 +222,26 @@ def get_forward_backward_func(
             f"megatron-core {megatron_core_version()} has no schedule_pg_collection argument"
         )
     return schedules.get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
+
+
+def process_group_collection(**groups: Any) -> Any:
+    """Megatron's `ProcessGroupCollection` holding exactly `groups` (e.g. `tp=..., pp=...`).
+
+    The explicit-groups mechanism of 0.16.1 and 0.19.x alike (schedules, DDP, optimizer and
+    layers read their groups from it instead of `parallel_state`). A name this megatron-core
+    does not know raises ValueError. A group not given is unset: 0.16 raises AttributeError
+    when Megatron reads it, 0.19 returns None.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(**groups)
+
+
+def pipeline_communicator(pp_group: Any, config: Any) -> Any:
+    """Megatron's `P2PCommunicator` over `pp_group` (the stock schedules' `p2p_communicator`)."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return P2PCommunicator(pp_group=pp_group, config=config)
 
 
 def backward_step(
@@ -258,9 +347,13 @@ def install_write_results_queue(results_queue: Any) -> bool:
     installed megatron-core keeps the queue elsewhere: saving then works as Megatron's does."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not hasattr(filesystem_async, "_get_write_results_queue") or not hasattr(
-        filesystem_async, "_results_queue"
-    ):
+    # The getter that fills the global: `_get_write_results_queue` (0.16),
+    # `get_write_results_queue` (0.19).
+    getter = any(
+        hasattr(filesystem_async, name)
+        for name in ("_get_write_results_queue", "get_write_results_queue")
+    )
+    if not getter or not hasattr(filesystem_async, "_results_queue"):
         if not _STATE.get("results_queue_warned"):
             logger.warning(
                 "this megatron-core keeps dist_checkpointing's write results elsewhere: its "
@@ -270,6 +363,36 @@ def install_write_results_queue(results_queue: Any) -> bool:
         return False
     filesystem_async._results_queue = results_queue
     return True
+
+
+def async_save_kwargs() -> dict[str, Any]:
+    """Keyword arguments for `dist_checkpointing.save(..., async_sharded_save=True)` that select
+    Megatron-Core's own asynchronous writer (`FileSystemWriterAsync` in a forked process).
+
+    0.19 added `async_strategy`, defaulting to "nvrx" (nvidia-resiliency-ext, which raises
+    ModuleNotFoundError where that package is missing); "mcore" is the writer 0.16 always uses
+    and the one `install_write_results_queue` redirects.
+    """
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
+
+
+def common_state_file() -> str | None:
+    """The file in which `dist_checkpointing.save` writes the common (non-sharded) state:
+    "common.pt" (rank 0, through 0.16), or None where it is one more object in the torch_dist
+    shards (0.19; `dist_checkpointing.load_common_state_dict` reads either)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    if hasattr(serialization, "_legacy_common_state_exists"):  # the reader of both layouts
+        return None
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    return COMMON_STATE_FNAME
 
 
 def use_posix_checkpoint_files() -> None:

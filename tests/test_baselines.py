@@ -10,13 +10,13 @@ back: that is exactly the pairing megatron's own bookkeeping makes.
 from __future__ import annotations
 
 import re
-import types
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from megatron_dip import megatron_compat
 from megatron_dip.schedule import (
     BatchTotals,
     ChunkSpec,
@@ -45,6 +45,7 @@ from megatron_dip.schedule.baselines import megatron_schedule_table
 
 schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
 from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
@@ -61,10 +62,11 @@ class _Group:
         return self._size
 
 
-class _FakeP2P:
-    """Stands in for megatron's P2PCommunicator: sends vanish, receives return a dummy."""
+class _FakeP2P(P2PCommunicator):
+    """Megatron's P2PCommunicator (its stage properties: `total_stages`, `current_stage`, ...
+    on 0.19) whose sends vanish and whose receives return a dummy; no process group needed."""
 
-    def __init__(self, pp_group: _Group, config, vp_size: int | None) -> None:
+    def __init__(self, pp_group: _Group, config, vp_size: int | None) -> None:  # no super()
         self.pp_group = pp_group
         self.config = config
         self.virtual_pipeline_model_parallel_size = vp_size
@@ -102,7 +104,8 @@ def run_megatron(monkeypatch):
         calls.append((True, chunk, current_microbatch))
         return [("marker", chunk, current_microbatch)], 0
 
-    def fake_backward(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    def fake_backward(input_tensor, output_tensor, output_tensor_grad, *model_type_config):
+        # (model_type, config) on megatron-core 0.16, (config,) on 0.19
         _, chunk, mb = output_tensor[0]
         calls.append((False, chunk, mb))
 
@@ -130,7 +133,9 @@ def run_megatron(monkeypatch):
         )
         pp = _Group(rank, p)
         one = _Group(0, 1)
-        pgs = types.SimpleNamespace(tp=one, cp=one, embd=None, pos_embd=None, pp=pp, dp_cp=one)
+        pgs = megatron_compat.process_group_collection(
+            tp=one, cp=one, embd=None, pos_embd=None, pp=pp, dp_cp=one
+        )
         # What megatron dispatches to: no pipelining for P = 1, interleaved iff V is given.
         func = schedules.get_forward_backward_func(p, v)
         chunks = [_Chunk(config) for _ in range(v or 1)]

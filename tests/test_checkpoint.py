@@ -31,6 +31,7 @@ import torch
 from megatron.core import dist_checkpointing
 from test_models import CFG
 
+from megatron_dip import megatron_compat
 from megatron_dip.modalities import build_module_chunks
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
@@ -86,8 +87,9 @@ def test_weights_load_under_another_chunking_and_nothing_is_left_behind(groups, 
     assert path == tmp_path / "iter_0000004" and (tmp_path / TRACKER).read_text() == "4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", TRACKER]
     files = sorted(p.name for p in path.iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, "common.pt",
-                     "metadata.json"]  # fmt: skip
+    common = [megatron_compat.common_state_file()] if megatron_compat.common_state_file() else []
+    assert files == sorted([".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, *common,
+                            "metadata.json"])  # fmt: skip
     assert sorted(checkpoint_files.read_manifest(path)) == [f for f in files if f != MANIFEST]
     assert _processes() <= before  # no Manager, no writer left
     other = _chunks(groups, _one, seed=99)
@@ -121,11 +123,29 @@ def test_weights_of_another_model_are_refused(groups, copy):
         load_weights(copy, model=t2v, chunks=_chunks(groups, _one, model=t2v))
 
 
+def _common_state_file(path: Path) -> str:
+    """The file holding the common state: `common.pt` (megatron-core 0.16), or the torch_dist
+    shard that .metadata names for the "common_state" object (0.19)."""
+    if megatron_compat.common_state_file():
+        return megatron_compat.common_state_file()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(path)).read_metadata().storage_data
+    (name,) = {
+        info.relative_path
+        for key, info in storage.items()
+        if key.fqn.split("/")[0] == "common_state"
+    }
+    return name
+
+
 def _damage(path: Path, kind: str) -> str:
     """Damage one file of the checkpoint at `path` as `kind` says; the file's name."""
     shard = max(path.glob("__*.distcp"), key=lambda p: p.stat().st_size)
     target = {"flipped": shard, "truncated": shard, "missing": shard}.get(kind)
-    if kind in ("metadata.json", "common.pt", ".metadata"):
+    if kind == "common state":
+        target, kind = path / _common_state_file(path), "truncated"
+    if kind in ("metadata.json", ".metadata"):
         target, kind = path / kind, "truncated"
     data = bytearray(target.read_bytes())
     if kind == "flipped":  # 4 KB of random bytes in the middle, size unchanged
@@ -146,7 +166,7 @@ def _damage(path: Path, kind: str) -> str:
         ("truncated", "truncated"),
         ("missing", "missing"),
         ("metadata.json", "truncated"),
-        ("common.pt", "truncated"),
+        ("common state", "truncated"),
         (".metadata", "truncated"),
     ],
 )
@@ -267,9 +287,15 @@ def test_an_aborted_save_stops_its_writer_and_publishes_nothing(groups, tmp_path
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     writer_class = filesystem_async.FileSystemWriterAsync
-    monkeypatch.setattr(
-        writer_class, "write_preloaded_data_multiproc", staticmethod(_still_writing)
-    )
+    save_function_and_args = writer_class.get_save_function_and_args
+
+    def _stalled_save_function(self):
+        # The function the writer process runs (`write_preloaded_data_multiproc` on
+        # megatron-core 0.16, `..._multithread` on 0.19) never returns.
+        save_fn, preload_fn, args = save_function_and_args(self)
+        return (_still_writing if save_fn is not None else None), preload_fn, args
+
+    monkeypatch.setattr(writer_class, "get_save_function_and_args", _stalled_save_function)
     before = _processes()
     writer = CheckpointWriter(group=None, async_save=True)
     state = {"model": LocalModel(_chunks(groups, _two)).sharded_state_dict(data_parallel_rank=0)}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,8 +106,6 @@ def _tiny_megatron_module():
 
 def test_stock_schedule_runs_after_fixes(world):
     """forward_backward_no_pipelining allocates `device="cuda"` tensors: works after the fixes."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     apply_cpu_fixes()
     seed_model_parallel_rng(3)
     model = _tiny_megatron_module()
@@ -115,7 +115,7 @@ def test_stock_schedule_runs_after_fixes(world):
         out = module(next(iterator))
         return out, lambda o: (o.pow(2).sum(), {"loss": o.pow(2).sum().detach()})
 
-    pgs = ProcessGroupCollection(
+    pgs = megatron_compat.process_group_collection(
         tp=world, cp=world, pp=world, dp_cp=world, embd=None, pos_embd=None
     )
     schedule = megatron_compat.get_forward_backward_func(pp_size=1, vp_size=None)
@@ -199,6 +199,53 @@ def test_package_import_installs_compat_first_and_stays_light():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_version_is_read_from_the_megatron_that_imports():
+    import importlib.metadata
+
+    from megatron.core import package_info
+
+    version = megatron_compat.megatron_core_version()
+    assert version == tuple(package_info.VERSION[:3])
+    assert version == megatron_compat._version_tuple(importlib.metadata.version("megatron-core"))
+    assert megatron_compat._version_tuple("0.16.0rc0.dev100085") == (0, 16, 0)
+    assert megatron_compat._version_tuple("0.19.2") == (0, 19, 2)
+
+
+@pytest.mark.parametrize("version", [(0, 16, 1), (0, 17, 0), (0, 19, 2), (0, 19, 99), None])
+def test_supported_megatron_core_versions_pass(version):
+    megatron_compat.check_megatron_core_version(version)
+
+
+@pytest.mark.parametrize("version", [(0, 15, 3), (0, 16, 0), (0, 20, 0), (1, 0, 0)])
+def test_unsupported_megatron_core_versions_are_refused(version):
+    found = ".".join(map(str, version))
+    with pytest.raises(ImportError, match=rf">= 0\.16\.1, < 0\.20; found {found}"):
+        megatron_compat.check_megatron_core_version(version)
+
+
+def test_import_refuses_an_unsupported_megatron_core(tmp_path):
+    """`import megatron_dip` with a megatron-core 0.20 first on the path: one clear error
+    naming the version and where it is, before anything calls into Megatron."""
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text('MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = ""\n')
+    repo = Path(megatron_compat.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])}
+    result = subprocess.run(
+        [sys.executable, "-c", "import megatron_dip"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "ImportError: megatron-dip supports megatron-core >= 0.16.1, < 0.20; found 0.20.0" in (
+        result.stderr
+    )
+    assert str(tmp_path / "megatron") in result.stderr
 
 
 def test_triton_stand_in_only_when_triton_is_missing(monkeypatch, tmp_path):

@@ -64,7 +64,8 @@ def world4(
     background), evaluation and traces; then resume at iteration 3 (same layout and at PP=4);
     then the stock schedules; an Energon dataset with a Hugging Face tokenizer, saved and
     resumed."""
-    import torch
+
+    from megatron_dip.training import checkpoint_io
 
     # The trainer's planner service is a child process: the fixture runs non-daemonic workers.
     logging.getLogger("megatron").setLevel(logging.ERROR)
@@ -150,7 +151,7 @@ def world4(
         )
         out["trace_spans"] = sum(e.get("ph") == "X" for e in events)
         out["ckpt_dirs"] = sorted(p.name for p in Path(ckpt).iterdir())
-        common = torch.load(Path(ckpt, "iter_0000003", "common.pt"))
+        common = checkpoint_io.load_common(Path(ckpt, "iter_0000003"))
         out["ckpt3_calibration"] = common["training"]["calibration"]
     return out
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional
 
+from megatron_dip import megatron_compat
 from megatron_dip.modelspec import ModuleSpec, RopeScaling
 
 from .config import ModelConfig
@@ -68,9 +69,7 @@ class ModelGroups:
         `pp` is None on purpose: with a pipeline size of 1 in the config, the layer offset is 0
         whatever the pipeline rank.
         """
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        return ProcessGroupCollection(tp=self.tp, cp=self.cp, pp=None)
+        return megatron_compat.process_group_collection(tp=self.tp, cp=self.cp, pp=None)
 
 
 @dataclass(frozen=True)

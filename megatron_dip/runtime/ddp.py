@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dip import megatron_compat
+
 from .checks import unwrap_chunk
 
 
@@ -36,12 +38,9 @@ class DataParallelGroups:
 
     def collection(self):
         """Megatron's `ProcessGroupCollection` for the DDP wrapper."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        pgs = ProcessGroupCollection()
-        pgs.dp, pgs.dp_cp, pgs.tp, pgs.pp = self.dp, self.dp, self.tp, self.pp
-        pgs.ep, pgs.expt_dp = self.single, self.single
-        return pgs
+        return megatron_compat.process_group_collection(
+            dp=self.dp, dp_cp=self.dp, tp=self.tp, pp=self.pp, ep=self.single, expt_dp=self.single
+        )
 
 
 def default_ddp_config():

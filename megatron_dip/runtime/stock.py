@@ -365,22 +365,20 @@ class StockPipeline:
         )
 
     def _collection(self):
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        pgs = ProcessGroupCollection()
-        pgs.tp, pgs.cp, pgs.dp_cp = self.single, self.single, self.single
-        pgs.embd, pgs.pos_embd, pgs.pp = None, None, self.pp_group
-        return pgs
+        one = self.single
+        return megatron_compat.process_group_collection(
+            tp=one, cp=one, dp_cp=one, embd=None, pos_embd=None, pp=self.pp_group
+        )
 
     def run(self, *, forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
         """One iteration of the stock schedule; returns Megatron's loss reports. Gradients of
         sequence-parallel parameters are then summed over the TP group (as the executor does)."""
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
         func = megatron_compat.get_forward_backward_func(pp_size=self.pp_size, vp_size=self.vp_size)
         kwargs: dict[str, Any] = {"pg_collection": self._collection()}
         if self.pp_size > 1:
-            kwargs["p2p_communicator"] = P2PCommunicator(pp_group=self.pp_group, config=self.config)
+            kwargs["p2p_communicator"] = megatron_compat.pipeline_communicator(
+                self.pp_group, self.config
+            )
         iters = [iter(self.microbatches) for _ in self.stages]
         model: Any = self.stages if self.vp_size else self.stages[0]
         data: Any = iters if self.vp_size else iters[0]

@@ -4,7 +4,8 @@ published only when complete and verified before they are read.
 Inside a checkpoint directory (Megatron-LM's torch_dist layout plus one file of ours):
 
     metadata.json        dist_checkpointing's: backend "torch_dist" and its version
-    common.pt            the common (non-sharded) state, written by rank 0
+    common.pt            the common (non-sharded) state, written by rank 0 (megatron-core 0.16;
+                         0.19 writes it into rank 0's shards: `megatron_compat.common_state_file`)
     .metadata            torch.distributed.checkpoint's index: every tensor's chunks and files
     __R_T.distcp         rank R's shards, writer thread T (each rank writes only its own)
     checksums.json       MANIFEST (`checkpoint_files`): size and sha256 of every file above
@@ -240,7 +241,7 @@ class CheckpointWriter:
         )
         request = dist_checkpointing.save(
             sharded_state_dict, str(tmp), sharded_strategy=self._strategy(),
-            async_sharded_save=True,
+            async_sharded_save=True, **megatron_compat.async_save_kwargs(),
         )  # fmt: skip
         if request.async_fn is not None:
             write = functools.partial(_write_and_hash, request.async_fn, outcome, os.getpid())
