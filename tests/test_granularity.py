@@ -106,7 +106,7 @@ def test_the_run_scores_its_placement_search_with_the_host_overheads(tiny, tmp_p
         with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
             resolve_run([*_TINY, *extra], world_size=2)
         (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
-        scores.append(record.args[1])
+        scores.append(record.args[-1])  # {candidate: simulated s}, last in the line
     free, heavy = scores
     assert set(free) == set(heavy) and all(heavy[n] > free[n] for n in free)
     # Explicit segments are never second-guessed.

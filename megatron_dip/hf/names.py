@@ -154,6 +154,24 @@ def _fused_qkv_pieces(name: str, spec: ModuleSpec) -> tuple[Piece, ...]:
     )
 
 
+def _tower_layer_maps(
+    spec: ModuleSpec, hf_layers: str, ours_hf: dict[str, str], qkv
+) -> list[TensorMap]:
+    """The maps of a vision tower's layers (weights and biases): `ours_hf` renames the plain
+    tensors below `hf_layers`{i}.; `qkv(hf_layer_prefix, leaf)` gives the fused qkv's pieces,
+    which each tower's checkpoint stores its own way."""
+    maps = []
+    for i in range(spec.num_layers):
+        ours, hf = f"{spec.name}.layers.{i}.", f"{hf_layers}{i}."
+        for leaf in ("weight", "bias"):
+            for our_name, hf_name in ours_hf.items():
+                maps.append(
+                    TensorMap(f"{ours}{our_name}.{leaf}", (Piece(f"{hf}{hf_name}.{leaf}"),))
+                )
+            maps.append(TensorMap(f"{ours}self_attention.linear_qkv.{leaf}", qkv(hf, leaf)))
+    return maps
+
+
 def vision_maps(spec: ModuleSpec, *, hf_prefix: str = "model.visual.") -> dict[str, TensorMap]:
     """{our global name: TensorMap} of a Qwen2-VL vision tower (patch embedding, blocks, and
     the merger: ln_q -> our final norm, mlp.0 / mlp.2 -> merger_fc1 / merger_fc2) as `spec`."""
@@ -167,15 +185,10 @@ def vision_maps(spec: ModuleSpec, *, hf_prefix: str = "model.visual.") -> dict[s
         "self_attention.linear_proj": "attn.proj", "mlp.linear_fc1": "mlp.fc1",
         "mlp.linear_fc2": "mlp.fc2",
     }  # fmt: skip
-    for i in range(spec.num_layers):
-        ours, hf = f"{m}.layers.{i}.", f"{p}blocks.{i}."
-        for leaf in ("weight", "bias"):
-            for our_name, hf_name in ours_hf.items():
-                maps.append(
-                    TensorMap(f"{ours}{our_name}.{leaf}", (Piece(f"{hf}{hf_name}.{leaf}"),))
-                )
-            qkv = _fused_qkv_pieces(f"{hf}attn.qkv.{leaf}", spec)
-            maps.append(TensorMap(f"{ours}self_attention.linear_qkv.{leaf}", qkv))
+    maps += _tower_layer_maps(
+        spec, f"{p}blocks.", ours_hf,
+        lambda hf, leaf: _fused_qkv_pieces(f"{hf}attn.qkv.{leaf}", spec),
+    )  # fmt: skip
     for leaf in ("weight", "bias"):
         for our_name, hf_name in (
             ("final_norm", "ln_q"), ("merger_fc1", "mlp.0"), ("merger_fc2", "mlp.2"),
@@ -227,15 +240,10 @@ def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
         "self_attention.linear_proj": "self_attn.out_proj", "mlp.linear_fc1": "mlp.fc1",
         "mlp.linear_fc2": "mlp.fc2",
     }  # fmt: skip
-    for i in range(spec.num_layers):
-        ours, hf = f"{m}.layers.{i}.", f"{p}encoder.layers.{i}."
-        for leaf in ("weight", "bias"):
-            for our_name, hf_name in ours_hf.items():
-                maps.append(
-                    TensorMap(f"{ours}{our_name}.{leaf}", (Piece(f"{hf}{hf_name}.{leaf}"),))
-                )
-            qkv = qkv_pieces(f"{hf}self_attn.", leaf, spec)
-            maps.append(TensorMap(f"{ours}self_attention.linear_qkv.{leaf}", qkv))
+    maps += _tower_layer_maps(
+        spec, f"{p}encoder.layers.", ours_hf,
+        lambda hf, leaf: qkv_pieces(f"{hf}self_attn.", leaf, spec),
+    )  # fmt: skip
     for leaf in ("weight", "bias"):
         for our_name, hf_name in (("merger_fc1", "linear_1"), ("merger_fc2", "linear_2")):
             maps.append(

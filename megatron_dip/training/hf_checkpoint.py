@@ -99,6 +99,26 @@ def check_import(model: MultimodalSpec, *, save, tp: int, pp: int, world_size: i
         )
 
 
+def _agreed_check(model: MultimodalSpec, *, save, tp: int, pp: int) -> None:
+    """`check_import` on every rank, its verdicts gathered before any rank writes: a rank that
+    checks after another has started `save/iter_0.tmp` must not see that as a foreign
+    checkpoint, and every rank raises the same line when any rank refuses."""
+    from .config_error import ConfigError
+
+    kinds = {k.__name__: k for k in (ConfigError, CheckpointError, ValueError)}
+    try:
+        check_import(model, save=save, tp=tp, pp=pp, world_size=dist.get_world_size())
+        verdict = None
+    except tuple(kinds.values()) as e:
+        verdict = (next(n for n, k in kinds.items() if isinstance(e, k)), str(e))
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, verdict)
+    refused = next((v for v in verdicts if v is not None), None)
+    if refused is not None:
+        kind, message = refused
+        raise kinds[kind](message)
+
+
 def _listing(found: list[int]) -> str:
     return f"iterations {found}" if found else "an iteration directory or tracker"
 
@@ -118,7 +138,7 @@ def import_hf(
     from megatron_dip.modalities import build_chunk
     from megatron_dip.models.config import ModelConfig
 
-    check_import(model, save=save, tp=tp, pp=pp, world_size=dist.get_world_size())
+    _agreed_check(model, save=save, tp=tp, pp=pp)
     rank = dist.get_rank()
     groups = _groups(tp=tp, pp=pp)
     seed_model_parallel_rng(seed, tp_rank=rank % tp)
