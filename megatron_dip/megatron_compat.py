@@ -365,6 +365,32 @@ def install_write_results_queue(results_queue: Any) -> bool:
     return True
 
 
+def record_write_errors() -> list[BaseException]:
+    """Keep the exception of each failed write bucket of dist_checkpointing's torch_dist writer
+    in the returned list (this process's; emptied by the caller), whatever the writer makes of
+    it. 0.19's multithreaded writer replaces it by a RuntimeError that names only its type,
+    losing the errno (no space left, permission) that the failed-save line must name; 0.16's
+    carries it. Wraps `FileSystemWriterAsync.write_preloaded_data` (both releases) once."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    errors = _STATE.setdefault("write_errors", [])
+    write = FileSystemWriterAsync.write_preloaded_data
+    if getattr(write, "records_errors", False):
+        return errors
+
+    def write_recording_errors(*args, **kwargs):
+        output = write(*args, **kwargs)  # (bucket index, results or the exception) or None
+        if isinstance(output, tuple) and isinstance(output[-1], BaseException):
+            errors.append(output[-1])
+        return output
+
+    write_recording_errors.records_errors = True
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_recording_errors)
+    return errors
+
+
 def async_save_kwargs() -> dict[str, Any]:
     """Keyword arguments for `dist_checkpointing.save(..., async_sharded_save=True)` that select
     Megatron-Core's own asynchronous writer (`FileSystemWriterAsync` in a forked process).

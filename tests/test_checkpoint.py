@@ -126,17 +126,7 @@ def test_weights_of_another_model_are_refused(groups, copy):
 def _common_state_file(path: Path) -> str:
     """The file holding the common state: `common.pt` (megatron-core 0.16), or the torch_dist
     shard that .metadata names for the "common_state" object (0.19)."""
-    if megatron_compat.common_state_file():
-        return megatron_compat.common_state_file()
-    from torch.distributed.checkpoint import FileSystemReader
-
-    storage = FileSystemReader(str(path)).read_metadata().storage_data
-    (name,) = {
-        info.relative_path
-        for key, info in storage.items()
-        if key.fqn.split("/")[0] == "common_state"
-    }
-    return name
+    return checkpoint_io.common_state_files(path)[-1]
 
 
 def _damage(path: Path, kind: str) -> str:

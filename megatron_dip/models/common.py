@@ -158,6 +158,9 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
         activation_func=_ACTIVATIONS[style.activation],
         add_bias_linear=style.bias,
         add_qkv_bias=style.bias or module.arch.qkv_bias,
+        # Per-head q/k norms (Qwen3): the layer spec builds them; 0.19 refuses a spec with
+        # q_layernorm unless the config says so too.
+        qk_layernorm=module.arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,

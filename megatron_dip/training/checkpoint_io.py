@@ -162,6 +162,8 @@ def _write_and_hash(write: Callable, outcome: Path, rank_pid: int, *args) -> Non
     if os.getpid() != rank_pid:
         threading.Thread(target=_watch_writer, args=(rank_pid,), daemon=True).start()
     where = Path(args[1][0][0]).parent if args[1] else outcome
+    bucket_errors = megatron_compat.record_write_errors()
+    bucket_errors.clear()
     try:
         write(*args)
         result = args[2].peek() if isinstance(args[2], _FileResultsQueue) else None
@@ -169,7 +171,7 @@ def _write_and_hash(write: Callable, outcome: Path, rank_pid: int, *args) -> Non
             raise result
         found = digests(Path(bucket[0]) for bucket in args[1])
     except Exception as e:  # what the rank reports (`CheckpointWriter._agree`)
-        found = {"error": describe_error(e, where)}
+        found = {"error": describe_error(e, where, also=bucket_errors)}
     tmp = outcome.with_name(outcome.name + ".part")
     tmp.write_text(json.dumps(found))
     os.replace(tmp, outcome)
@@ -484,6 +486,24 @@ def load_sharded(sharded_state_dict: dict, path: Path, *, saved: dict | None = N
 
     check_keys(path, sharded_state_dict, tensor_metadata(path) if saved is None else saved)
     return dist_checkpointing.load(sharded_state_dict, str(path))
+
+
+def common_state_files(path: Path) -> list[str]:
+    """The files of checkpoint `path` that its common state is read from: `common.pt`
+    (megatron-core 0.16), or `.metadata` and the torch_dist shard it names for the
+    "common_state" object (0.19); empty where `.metadata` cannot be read (a damaged checkpoint
+    is the load's to name)."""
+    name = megatron_compat.common_state_file()
+    if name:
+        return [name]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception:  # unreadable .metadata: the load's verification names it
+        return []
+    shards = {i.relative_path for k, i in storage.items() if k.fqn.split("/")[0] == "common_state"}
+    return [".metadata", *sorted(shards)]
 
 
 def load_common(path: Path) -> dict:

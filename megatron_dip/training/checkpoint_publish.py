@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from .checkpoint_dirs import MANIFEST, TRACKER, CheckpointError, fsync_dir, write_atomically
@@ -69,12 +70,16 @@ _CAUSES = {
 }  # fmt: skip
 
 
-def describe_error(error: BaseException, where: Path) -> str:
-    """The cause of a failed write in words, with its errno name and the file (or `where`)."""
+def describe_error(error: BaseException, where: Path, also: Iterable[BaseException] = ()) -> str:
+    """The cause of a failed write in words, with its errno name and the file (or `where`):
+    the OSError behind `error`, else the first of `also` (what the writer's buckets raised,
+    where the writer does not chain them)."""
     seen, e = set(), error
     while e is not None and not isinstance(e, OSError) and id(e) not in seen:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
+    if not isinstance(e, OSError):
+        e = next((x for x in also if isinstance(x, OSError)), e)
     if isinstance(e, OSError) and e.errno is not None:
         cause = _CAUSES.get(e.errno, e.strerror or str(e))
         return f"{cause} ({errno.errorcode.get(e.errno, e.errno)}) writing {e.filename or where}"

@@ -134,9 +134,10 @@ def _common_state(path: Path) -> dict | None:
 
     try:
         manifest = checkpoint_files.read_manifest(path)
-        if "common.pt" not in manifest or checkpoint_files.check_files(
-            path, manifest, ["common.pt"]
-        ):
+        files = checkpoint_io.common_state_files(path)
+        if not files or any(f not in manifest for f in files):
+            return None
+        if checkpoint_files.check_files(path, manifest, files):
             return None
         return checkpoint_io.load_common(path)
     except CheckpointError:
