@@ -26,11 +26,18 @@ Differences handled here (feature-detected, not version-compared, where the API 
   imports (megatron-energon brings it), which also records metrics on every read; checkpoints
   here are POSIX paths: `use_posix_checkpoint_files()` turns it off (Megatron-LM's
   --disable-msc).
+* Without CUDA, Megatron-Core's fused elementwise kernels (`megatron.core.jit.jit_fuser`, which is
+  `torch.compile` on torch >= 2.2) would import torch's compiler stack (dynamo and inductor) at
+  `import megatron.core`, about 5 s of CPU per process, for kernels that are fused only on GPUs:
+  `EagerFusionsWithoutCuda` runs Megatron's own `disable_jit_fuser()` as that module loads, so the
+  same functions run eagerly (the same arithmetic, unfused). With CUDA nothing changes.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import logging
 import sys
@@ -96,8 +103,59 @@ def install_triton_stand_in() -> bool:
     return True
 
 
+_JIT = "megatron.core.jit"
+
+
+class _DisableFuserAfterLoad(importlib.abc.Loader):
+    """Loads `megatron.core.jit` with its own loader, then calls its `disable_jit_fuser()`
+    before any module can decorate a function with the fuser."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        module.disable_jit_fuser()
+
+
+class EagerFusionsWithoutCuda(importlib.abc.MetaPathFinder):
+    """Finds `megatron.core.jit` on machines without CUDA and loads it with its fuser
+    disabled (module docstring); defers to the normal import everywhere else."""
+
+    def find_spec(
+        self, fullname: str, path: Any, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _JIT:
+            return None
+        import torch  # megatron.core.jit imports it first thing anyway
+
+        if torch.cuda.is_available():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        if not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _DisableFuserAfterLoad(spec.loader)
+        return spec
+
+
+def install_eager_fusions_without_cuda() -> bool:
+    """Put `EagerFusionsWithoutCuda` first on `sys.meta_path` (once); False when
+    `megatron.core.jit` was imported already (its fused functions are compiled by then)."""
+    if _JIT in sys.modules:
+        return False
+    if not any(isinstance(f, EagerFusionsWithoutCuda) for f in sys.meta_path):
+        sys.meta_path.insert(0, EagerFusionsWithoutCuda())
+    return True
+
+
 # Must run before the first `import megatron.core` anywhere in the process.
 install_triton_stand_in()
+install_eager_fusions_without_cuda()
 
 
 SUPPORTED_RANGE = ((0, 16, 1), (0, 20))  # megatron-core >= 0.16.1, < 0.20 (as setup.py)

@@ -201,6 +201,26 @@ def test_package_import_installs_compat_first_and_stays_light():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@needs_cpu_only
+def test_megatron_fusions_run_eagerly_without_cuda(monkeypatch):
+    """Without CUDA, Megatron's `jit_fuser` is its own no-op decorator from the moment
+    `megatron.core.jit` loads (megatron_dip is imported first, as in every process of ours), so
+    its fused functions are plain Python functions and torch's compiler stack is never
+    imported; with CUDA the finder steps aside and Megatron loads as it is."""
+    import megatron.core
+    from megatron.core import jit
+    from megatron.core.fusions import fused_bias_gelu
+
+    assert jit.jit_fuser is jit.noop_decorator
+    assert type(fused_bias_gelu.bias_gelu) is types.FunctionType
+    finder = megatron_compat.EagerFusionsWithoutCuda()
+    assert finder.find_spec("megatron.core.utils", None) is None
+    spec = finder.find_spec("megatron.core.jit", list(megatron.core.__path__))
+    assert isinstance(spec.loader, megatron_compat._DisableFuserAfterLoad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert finder.find_spec("megatron.core.jit", list(megatron.core.__path__)) is None
+
+
 def test_version_is_read_from_the_megatron_that_imports():
     import importlib.metadata
 
