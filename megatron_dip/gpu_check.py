@@ -52,9 +52,9 @@ _BYTES = {"bfloat16": 2, "float32": 4}
 def _train(model: str, *, attention: str, iterations: int, cuda: bool, extra=()) -> dict:
     """One training run of `model` on this single rank (`extra` flags: --bf16, ...); its losses
     and gradient norms."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.loop import pretrain
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
+    from megatron_dip.training.iteration.loop import pretrain
 
     argv = [
         "--model", model, "--train-iters", str(iterations), "--lr", "1e-3",
@@ -128,7 +128,7 @@ def memory_check(
     from megatron_dip.models.chunk import ModelGroups
     from megatron_dip.planner.cost_model import CostModel, Kernels
     from megatron_dip.planner.devices import H100
-    from megatron_dip.training.presets import get_run_preset
+    from megatron_dip.training.config.presets import get_run_preset
 
     kernel, fused = resolve_kernels(cuda=cuda, dtype=dtype)
     kernels = Kernels(attention=kernel, fused_rms_norm=fused)

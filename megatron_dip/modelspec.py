@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 # Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
-# another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.validate).
+# another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.config.validate).
 PAD_TOKEN = 0  # default padding id of the packed text sequences
 IMAGE_TOKEN = 1  # default placeholder id of a vision encoder's instances in the LLM sequence
 

@@ -107,9 +107,9 @@ def planner_parent(state: str) -> None:
 
 def fault_rank(*, rank: int, world_size: int, data: str, extra: list[str]) -> dict:
     """One rank of the fault job (a `distributed_harness` target that reports its error)."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.loop import pretrain
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
+    from megatron_dip.training.iteration.loop import pretrain
 
     argv = [*TINY, "--dip-data", f"llava:{data}", *extra]
     spec = resolve(parse_config(argv), world_size=world_size, cuda=False)

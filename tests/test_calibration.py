@@ -107,7 +107,7 @@ def _ops(plan, scale_of, *, tuples: bool = False):
 
 
 def test_calibrated_cost_model_predicts_what_was_measured():
-    from megatron_dip.training.metrics import measured_ops, predicted_ops
+    from megatron_dip.training.iteration.metrics import measured_ops, predicted_ops
 
     machine = {"vit": 300.0, "llm": 40.0}  # e.g. a CPU against the H100 data sheet
     cost = make_planner().cost_model
@@ -150,9 +150,9 @@ def test_calibrated_plans_are_faster_on_the_measured_machine():
 
 @pytest.fixture(scope="module")
 def run_spec():
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.data_source import make_stream
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.data_source import make_stream
+    from megatron_dip.training.config.validate import resolve
 
     argv = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3", "--dip-lookahead", "0",
             "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]  # fmt: skip
@@ -166,8 +166,8 @@ def run_spec():
 
 
 def test_inline_plans_deterministic_and_follow_the_calibration(run_spec):
-    from megatron_dip.training.planning import DipPlans, replica_plan
-    from megatron_dip.training.planning import make_planner as spec_planner
+    from megatron_dip.training.iteration.planning import DipPlans, replica_plan
+    from megatron_dip.training.iteration.planning import make_planner as spec_planner
 
     spec, batches = run_spec
     ctx = types.SimpleNamespace(rank=0, dp_rank=0)
@@ -220,7 +220,7 @@ def test_service_plans_with_the_newest_calibration_and_tags_it(store_address):  
 
 
 def test_log_line_shows_the_interval_error_and_version():
-    from megatron_dip.training.log import IntervalLog, IterationRecord
+    from megatron_dip.training.iteration.log import IntervalLog, IterationRecord
 
     log = IntervalLog(train_iters=10, world_size=2, global_batch=4)
     for it, error in ((1, 0.9), (2, 0.3), (3, None)):

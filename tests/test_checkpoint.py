@@ -36,12 +36,17 @@ from megatron_dip.modalities import build_module_chunks
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import tiny_t2v, tiny_vlm
-from megatron_dip.training import checkpoint_files, checkpoint_io, optim_state
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.build import LocalModel
-from megatron_dip.training.checkpoint import load_weights, save_weights
-from megatron_dip.training.checkpoint_dirs import MANIFEST, TRACKER, CheckpointError
-from megatron_dip.training.checkpoint_io import CheckpointWriter
+from megatron_dip.training.assembly.build import LocalModel
+from megatron_dip.training.checkpoint.dirs import MANIFEST, TRACKER, CheckpointError
+from megatron_dip.training.checkpoint.state import (
+    checksums,
+    load_weights,
+    optim_state,
+    save_weights,
+    storage,
+)
+from megatron_dip.training.checkpoint.storage import CheckpointWriter
+from megatron_dip.training.config.arguments import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,7 +95,7 @@ def test_weights_load_under_another_chunking_and_nothing_is_left_behind(groups, 
     common = [megatron_compat.common_state_file()] if megatron_compat.common_state_file() else []
     assert files == sorted([".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, *common,
                             "metadata.json"])  # fmt: skip
-    assert sorted(checkpoint_files.read_manifest(path)) == [f for f in files if f != MANIFEST]
+    assert sorted(checksums.read_manifest(path)) == [f for f in files if f != MANIFEST]
     assert _processes() <= before  # no Manager, no writer left
     other = _chunks(groups, _one, seed=99)
     fresh = _weights(other)
@@ -126,7 +131,7 @@ def test_weights_of_another_model_are_refused(groups, copy):
 def _common_state_file(path: Path) -> str:
     """The file holding the common state: `common.pt` (megatron-core 0.16), or the torch_dist
     shard that .metadata names for the "common_state" object (0.19)."""
-    return checkpoint_io.common_state_files(path)[-1]
+    return storage.common_state_files(path)[-1]
 
 
 def _damage(path: Path, kind: str) -> str:
@@ -176,16 +181,16 @@ def test_a_missing_or_unreadable_manifest_is_named(copy):
     path = copy / "iter_0000000"
     (path / MANIFEST).write_text('{"sha256": {"common.pt": [1')
     with pytest.raises(CheckpointError, match=rf"{MANIFEST}: unreadable checksum manifest"):
-        checkpoint_files.verify(path)
+        checksums.verify(path)
     (path / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        checkpoint_files.verify(path)
+        checksums.verify(path)
 
 
 def _train_one_iteration(*flags: str) -> float:
     """The iteration-1 loss of tiny-vlm trained in this process (a one-rank world)."""
-    from megatron_dip.training.loop import pretrain
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.validate import resolve
+    from megatron_dip.training.iteration.loop import pretrain
 
     argv = ["--model", "tiny-vlm", "--train-iters", "1", "--lr", "1e-3", "--seed", "7"]
     argv += ["--global-batch-size", "2", "--dip-lookahead", "0", *flags]
@@ -212,7 +217,7 @@ def test_training_starts_from_weights_only_checkpoints(groups, tmp_path):
 
 
 def _plain_adamw(chunks):
-    from megatron_dip.training.optim import PlainAdamW
+    from megatron_dip.training.assembly.optim import PlainAdamW
 
     model = LocalModel(list(chunks))
     spec = SimpleNamespace(config=parse_config(["--lr", "1e-2", "--train-iters", "3"]))
@@ -246,8 +251,8 @@ def test_adam_moments_and_step_load_into_another_chunking(groups, tmp_path):
         fresh, model2.param_layouts(), dp_rank=0, saved_keys=saved_keys
     )
     assert not masters  # float32 parameters are their own masters
-    checkpoint_files.verify(path)
-    checkpoint_io.load_sharded({"optimizer": request}, path)
+    checksums.verify(path)
+    storage.load_sharded({"optimizer": request}, path)
     set_steps(common["step"])
     want, got = _moments(model, optimizer), _moments(model2, fresh)
     assert set(want) == set(got)
@@ -265,7 +270,7 @@ def test_an_asynchronous_save_is_invisible_until_finalized(groups, tmp_path):
     assert (tmp_path / "iter_0000005.tmp").is_dir()
     writer.wait()
     assert writer.published == [final] and (tmp_path / TRACKER).read_text() == "5"
-    checkpoint_files.verify(final)
+    checksums.verify(final)
 
 
 def _still_writing(*args, **kwargs):
@@ -330,7 +335,7 @@ import psutil, torch, torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron_dip.cpu_support import apply_cpu_fixes
-from megatron_dip.training.checkpoint_io import CheckpointWriter
+from megatron_dip.training.checkpoint.storage import CheckpointWriter
 
 root = sys.argv[1]
 dist.init_process_group("gloo", store=dist.FileStore(root + "/store", 1), rank=0, world_size=1)

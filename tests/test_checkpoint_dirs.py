@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.checkpoint_dirs import (
+from megatron_dip.training.checkpoint.dirs import (
     MANIFEST,
     TRACKER,
     CheckpointError,
     find_resume,
     iteration_dir,
 )
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 BASE = ["--model", "tiny-vlm", "--lr", "1e-3"]
 
@@ -122,7 +122,7 @@ def test_save_into_another_runs_checkpoints_is_refused_unless_loaded(tmp_path):
 
 def test_train_iters_below_the_loaded_iteration(tmp_path, caplog):
     """Past it: refused; equal: one line, nothing trained, no process group, nothing saved."""
-    from megatron_dip.training.loop import pretrain
+    from megatron_dip.training.iteration.loop import pretrain
 
     root = _saved(tmp_path, 3, tracker=3)
     with pytest.raises(ConfigError, match=r"^--train-iters 2: the checkpoint to load .* is at "

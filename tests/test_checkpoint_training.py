@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.checkpoint_dirs import TRACKER, CheckpointError
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.checkpoint.dirs import TRACKER, CheckpointError
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
@@ -46,7 +46,7 @@ def _spec(*flags: str):
 
 
 def _train(*flags: str):
-    from megatron_dip.training.loop import pretrain
+    from megatron_dip.training.iteration.loop import pretrain
 
     return pretrain(_spec(*flags))
 
@@ -99,7 +99,7 @@ def test_a_non_finite_streak_publishes_only_verified_checkpoints(trained, tmp_pa
     finite loss and stay unpublished; resuming from 2 as the line says trains finitely."""
     import shutil
 
-    from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.iteration.nonfinite import NonFiniteError
 
     root = tmp_path / "ckpt"
     shutil.copytree(trained[0], root)
@@ -125,7 +125,7 @@ def test_a_non_finite_streak_publishes_only_verified_checkpoints(trained, tmp_pa
 
 
 def test_a_run_without_any_verified_checkpoint_says_so(single_rank_world, tmp_path):
-    from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.iteration.nonfinite import NonFiniteError
 
     with pytest.raises(NonFiniteError, match=r"No checkpoint of this run trained with a finite "
                        r"loss: start again, e\.g\. with a lower --lr.*: iter_0000001\.unverified$"):  # fmt: skip
@@ -201,8 +201,8 @@ def test_an_unreadable_manifest_names_the_ckpt_step_to_use(trained, tmp_path):
     trained = trained[0]
     import shutil
 
-    from megatron_dip.training.checkpoint_dirs import load_hint
-    from megatron_dip.training.checkpoint_files import verify
+    from megatron_dip.training.checkpoint.checksums import verify
+    from megatron_dip.training.checkpoint.dirs import load_hint
 
     root = tmp_path / "two"
     shutil.copytree(trained / "iter_0000002", root / "iter_0000001")
@@ -220,7 +220,7 @@ def test_an_unreadable_manifest_names_the_ckpt_step_to_use(trained, tmp_path):
 
 _HOLDER = """
 import sys, time
-from megatron_dip.training.save_lock import SaveLock, this_process
+from megatron_dip.training.checkpoint.save_lock import SaveLock, this_process
 SaveLock(sys.argv[1]).acquire(this_process("job-42"))
 print("held", flush=True)
 time.sleep(600)
@@ -240,7 +240,7 @@ def _holder(root: Path) -> subprocess.Popen:
 
 
 def test_a_second_job_on_one_save_is_refused_naming_the_holder(single_rank_world, tmp_path):
-    from megatron_dip.training.save_lock import SaveLockedError
+    from megatron_dip.training.checkpoint.save_lock import SaveLockedError
 
     holder = _holder(tmp_path)
     try:
@@ -256,8 +256,8 @@ def test_a_second_job_on_one_save_is_refused_naming_the_holder(single_rank_world
 @pytest.mark.parametrize("locks", [True, False], ids=["fcntl", "no fcntl"])
 def test_a_dead_holders_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch, locks):
     """Without fcntl locks (the file system refuses them) the lock file's content decides."""
-    from megatron_dip.training import save_lock
-    from megatron_dip.training.save_lock import SaveLock, SaveLockedError, this_process
+    from megatron_dip.training.checkpoint.save_lock import SaveLock, SaveLockedError, this_process
+    from megatron_dip.training.checkpoint.state import save_lock
 
     if not locks:
 
@@ -283,8 +283,13 @@ def test_a_dead_holders_lock_is_taken_over_and_a_live_one_refused(tmp_path, monk
 def test_a_holder_on_another_host_without_locks_names_the_file_to_delete(tmp_path, monkeypatch):
     import json
 
-    from megatron_dip.training import save_lock
-    from megatron_dip.training.save_lock import LOCK_FILE, SaveLock, SaveLockedError, this_process
+    from megatron_dip.training.checkpoint.save_lock import (
+        LOCK_FILE,
+        SaveLock,
+        SaveLockedError,
+        this_process,
+    )
+    from megatron_dip.training.checkpoint.state import save_lock
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -319,7 +324,7 @@ def test_a_failed_write_names_the_cause_and_removes_the_partial_save(
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megatron_dip.cpu_support import apply_cpu_fixes
-    from megatron_dip.training.checkpoint_io import CheckpointWriter
+    from megatron_dip.training.checkpoint.storage import CheckpointWriter
 
     apply_cpu_fixes()
     tmp = tmp_path / "iter_0000002.tmp"
@@ -347,16 +352,14 @@ def test_a_training_save_that_cannot_fit_stops_the_run_keeping_the_last(
     that fills up during a training save: test_training_dist.py, on one rank of four)."""
     import shutil
 
-    from megatron_dip.training import checkpoint_dirs
+    from megatron_dip.training.checkpoint.state import dirs
 
     root = tmp_path / "ckpt"
     shutil.copytree(trained[0], root)
-    size = checkpoint_dirs.checkpoint_bytes(root / "iter_0000002")
+    size = dirs.checkpoint_bytes(root / "iter_0000002")
     usage = shutil.disk_usage(root)
     free = iter([size + 1, size - 1])
-    monkeypatch.setattr(
-        checkpoint_dirs.shutil, "disk_usage", lambda _: usage._replace(free=next(free))
-    )
+    monkeypatch.setattr(dirs.shutil, "disk_usage", lambda _: usage._replace(free=next(free)))
     flags = ["--load", str(root), "--save", str(root), "--save-interval", "1"]
     flags += ["--lr-decay-iters", "2", "--train-iters", "4"]  # the checkpoint's decay
     with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError) as info:

@@ -23,8 +23,8 @@ from megatron_dip.data.stream import BatchStream, StreamConfig
 from megatron_dip.data.tiny_llava import make_tiny_llava_sample
 from megatron_dip.data.tiny_tokenizer import make_tiny_tokenizer
 from megatron_dip.data.tokenizer import TokenizerSpec, load_tokenizer, padded_vocab_size
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 CONVERSATION = (
     Turn("system", "Be brief."),

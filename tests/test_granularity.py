@@ -43,7 +43,7 @@ def tiny():
     from megatron_dip.batching import LayoutConfig, pack
     from megatron_dip.benchmark.bench import first_batches, resolve_run
     from megatron_dip.planner.compare import average_workload
-    from megatron_dip.training.layout import split_all
+    from megatron_dip.training.config.layout import split_all
 
     spec = resolve_run(_TINY, world_size=2)
     batches = first_batches(spec, 1)
@@ -103,7 +103,7 @@ def test_the_run_scores_its_placement_search_with_the_host_overheads(tiny, tmp_p
     scores = []
     for extra in ([], ["--dip-host-overheads", str(path)]):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+        with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
             resolve_run([*_TINY, *extra], world_size=2)
         (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
         scores.append(record.args[-1])  # {candidate: simulated s}, last in the line

@@ -335,8 +335,8 @@ def test_help_lists_every_flag_and_family_and_a_typo_is_one_line(capsys):
 def test_an_llm_only_import_builds_only_the_llm(tmp_path, caplog, single_rank_world):
     """Trip-wire 5: no --model: only the folder's LLM is built and saved (nothing initialised),
     and training loads it per module."""
-    from megatron_dip.training import checkpoint_io
-    from megatron_dip.training.checkpoint_dirs import find_resume
+    from megatron_dip.training.checkpoint.dirs import find_resume
+    from megatron_dip.training.checkpoint.state import storage
 
     hf = tmp_path / "hf"
     save_llama(hf, tied=False)
@@ -344,7 +344,7 @@ def test_an_llm_only_import_builds_only_the_llm(tmp_path, caplog, single_rank_wo
     with caplog.at_level(logging.INFO):
         assert tool.main(["import", "--dip-hf-config", str(hf), "--save", str(tmp_path / "o")]) == 0
     assert "initialised" not in caplog.text
-    saved = checkpoint_io.tensor_metadata(find_resume(tmp_path / "o", None).path)
+    saved = storage.tensor_metadata(find_resume(tmp_path / "o", None).path)
     assert saved and all(k.startswith("llm.") for k in saved)
 
 

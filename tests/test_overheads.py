@@ -154,7 +154,7 @@ def test_emulated_chunks_sleep_compute_only_and_the_prediction_pays_host_seconds
     from megatron_dip.benchmark.bench import first_batches, resolve_run
     from megatron_dip.emulation import EmulatedBatchSource, EmulationConfig
     from megatron_dip.emulation.timing import ScaledCostModel
-    from megatron_dip.training.planning import make_planner, replica_plan
+    from megatron_dip.training.iteration.planning import make_planner, replica_plan
 
     measured = HostOverheads(2e-3, 1e-3, 4e-4)
     path = tmp_path / "o.json"
@@ -187,7 +187,7 @@ def test_emulated_chunks_sleep_compute_only_and_the_prediction_pays_host_seconds
 
 def test_the_flag_names_itself_and_the_file(tmp_path) -> None:
     from megatron_dip.benchmark.bench import resolve_run
-    from megatron_dip.training.validate import ConfigError
+    from megatron_dip.training.config.validate import ConfigError
 
     path = tmp_path / "missing.json"
     with pytest.raises(ConfigError, match=r"^--dip-host-overheads: cannot read .*missing\.json"):

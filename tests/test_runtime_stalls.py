@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_dip.runtime.errors import PipelineTimeoutError, StallError
 from megatron_dip.runtime.stalls import Phase, PhaseWatch, describe_stall, is_comm_failure
-from megatron_dip.training.checkpoint_dirs import CheckpointError
+from megatron_dip.training.checkpoint.dirs import CheckpointError
 
 
 def test_communication_failures_are_told_from_a_ranks_own_errors():

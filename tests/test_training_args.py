@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_dip.schedule.ir import Recompute
-from megatron_dip.training import arguments as args_module
-from megatron_dip.training.arguments import TrainConfig, build_parser, parse_config
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config import arguments as args_module
+from megatron_dip.training.config.arguments import TrainConfig, build_parser, parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 BASE = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3"]
 
@@ -282,7 +282,7 @@ def test_presets_fill_unset_flags_and_flags_win():
 
 
 def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():
-    from megatron_dip.training.build import model_config
+    from megatron_dip.training.assembly.build import model_config
 
     spec = _resolve(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
     assert spec.sequence_parallel and spec.planner.sequence_parallel
@@ -354,7 +354,7 @@ def test_entry_point_exits_2_on_a_bad_flag_without_initialising(monkeypatch, cap
 
 def test_log_line_has_megatrons_fields_and_ours():
     """(Of a resumed run: the consumed-samples counter continues the checkpoint's 62.)"""
-    from megatron_dip.training.log import IntervalLog, IterationRecord
+    from megatron_dip.training.iteration.log import IntervalLog, IterationRecord
 
     log = IntervalLog(train_iters=10, world_size=4, global_batch=8)
     for it, variant in ((1, "inline"), (2, "searched")):
@@ -376,7 +376,7 @@ def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_pat
     import sys
     import types
 
-    from megatron_dip.training.log import IntervalLog, IterationRecord
+    from megatron_dip.training.iteration.log import IntervalLog, IterationRecord
 
     written = []
 
@@ -411,8 +411,8 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 ):
     """Without --dip-segments, DIP's placement is the best-scoring of its segment counts and
     the static Megatron placements; a static one keeps its virtual stages for the planner."""
-    from megatron_dip.training import layout
-    from megatron_dip.training.planning import make_planner
+    from megatron_dip.training.config import layout
+    from megatron_dip.training.iteration.planning import make_planner
 
     base = ["--model", model, "--train-iters", "2", "--lr", "1"]
     bounds, scored = {}, {}
@@ -428,7 +428,7 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 
     monkeypatch.setattr(layout._Sizing, "bound", bound)
     monkeypatch.setattr(layout._Sizing, "score", score)
-    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
         spec = _resolve(
             ["--pipeline-model-parallel-size", "2", "--dip-segments", "auto"],
             world_size=2,
@@ -449,7 +449,7 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
     assert make_planner(spec).stage_units == spec.stage_units
     # The logged --dip-segments value gives the same placement without searching again.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
         again = _resolve(
             ["--pipeline-model-parallel-size", "2", "--dip-segments", flag],
             world_size=2,
@@ -473,6 +473,6 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 def test_recompute_flags_are_read_back_as_their_mode(mode) -> None:
     """The benchmark passes the strongest stock configuration's recompute setting as Megatron's
     flags: they must mean that setting again."""
-    from megatron_dip.training.validate import recompute_flags, recompute_mode
+    from megatron_dip.training.config.validate import recompute_flags, recompute_mode
 
     assert recompute_mode(parse_config(recompute_flags(mode))) == mode

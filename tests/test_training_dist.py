@@ -52,7 +52,7 @@ def _with_undecodable_first_sample(directory) -> str:
     from megatron_dip.batching import packing_limits
     from megatron_dip.data.tiny_llava import make_tiny_llava_sample
     from megatron_dip.modelspec import tiny_vlm
-    from megatron_dip.training.data_source import DataSpec, make_stream
+    from megatron_dip.training.config.data_source import DataSpec, make_stream
 
     path = make_tiny_llava_sample(directory, num_samples=16, seed=1)
     model = tiny_vlm()

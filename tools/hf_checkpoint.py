@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     """This tool's flags, then the training flags (the same as training takes: those that
     define the model, its layout, tokenizer and checkpoints matter here, the others are
     accepted so that a training launch's flags can be reused)."""
-    from megatron_dip.training.arguments import add_arguments
+    from megatron_dip.training.config.arguments import add_arguments
 
     p = _Parser(
         description=__doc__, epilog=_families(), allow_abbrev=False,
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None):
     """(this tool's arguments, the training config of the model flags)."""
-    from megatron_dip.training.arguments import TrainConfig
+    from megatron_dip.training.config.arguments import TrainConfig
 
     args = build_parser().parse_args(argv)
     return args, TrainConfig.from_namespace(args)
@@ -89,9 +89,9 @@ def _model_and_config(config):
     """The model the flags describe: the --model preset's, or without one the model of the
     --dip-hf-config folder alone (its LLM; a VLM's ViT too), nothing else built."""
     from megatron_dip.hf.config import model_of_config, parse_hf_config_flag, read_config
-    from megatron_dip.training.config_error import fail
-    from megatron_dip.training.data_config import model_spec
-    from megatron_dip.training.validate import apply_preset
+    from megatron_dip.training.config.config_error import fail
+    from megatron_dip.training.config.data_config import model_spec
+    from megatron_dip.training.config.validate import apply_preset
 
     if config.model.model is not None:
         config, preset = apply_preset(config)
@@ -130,8 +130,8 @@ def _init_world() -> bool:
 
 
 def run_import(config, model) -> int:
-    from megatron_dip.training.architecture import hf_folders
-    from megatron_dip.training.hf_checkpoint import import_hf
+    from megatron_dip.training.checkpoint.huggingface import import_hf
+    from megatron_dip.training.config.architecture import hf_folders
 
     if config.checkpoint.save is None:
         raise SystemExit("import: --save DIR is required")
@@ -156,8 +156,8 @@ def run_import(config, model) -> int:
 
 def run_export(args, config, model) -> int:
     from megatron_dip.hf.config import read_config
-    from megatron_dip.training.architecture import hf_folders
-    from megatron_dip.training.hf_checkpoint import export_hf
+    from megatron_dip.training.checkpoint.huggingface import export_hf
+    from megatron_dip.training.config.architecture import hf_folders
 
     if config.checkpoint.load is None or args.hf_out is None:
         raise SystemExit("export: --load DIR and --hf-out DIR are required")
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     import torch.distributed as dist
 
-    from megatron_dip.training.checkpoint_dirs import CheckpointError
-    from megatron_dip.training.config_error import ConfigError
+    from megatron_dip.training.checkpoint.dirs import CheckpointError
+    from megatron_dip.training.config.config_error import ConfigError
 
     args, config = parse_args(argv)
     created = False

@@ -42,7 +42,7 @@ from megatron_dip.benchmark.overhead import (
 )
 from megatron_dip.planner.overheads import OverheadsFile, save_overheads
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.training.presets import get_run_preset
+from megatron_dip.training.config.presets import get_run_preset
 
 logger = logging.getLogger("measure_overhead")
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,9 +5,9 @@
 
 For each benchmark preset (`megatron_dip.benchmark.bench.BENCH_PRESETS`: the emulated runs of
 `tools/bench_schedules.py`), the tool resolves the DIP run exactly as training does
-(`training.validate.resolve`: the start-up sizing and placement search, the sub-microbatch sizes
+(`training.config.validate.resolve`: the start-up sizing and placement search, the sub-microbatch sizes
 it picks, the memory limit, the host overheads priced in, Megatron's recompute flags as the
-starting mode) and builds the planner with the run's own factory (`training.planning.
+starting mode) and builds the planner with the run's own factory (`training.iteration.planning.
 planner_factory`), then plans the run's first batches three ways:
 
 * *fallback*: `DipPlanner.fallback_plan`, what rank 0 plans when the planner process has nothing
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_dip.benchmark.bench import BENCH_PRESETS, first_batches, resolve_run
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.schedule.serialize import plan_to_bytes
-from megatron_dip.training.planning import planner_factory
+from megatron_dip.training.iteration.planning import planner_factory
 
 logger = logging.getLogger("planner_speed")
 

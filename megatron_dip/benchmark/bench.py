@@ -116,15 +116,15 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
 
 def resolve_run(flags: Sequence[str], *, world_size: int):
     """The `RunSpec` a run with `flags` would have (no process group is created)."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
 
     return resolve(parse_config(list(flags)), world_size=world_size, cuda=False)
 
 
 def first_batches(spec, count: int) -> list:
     """The run's first `count` global batches (metadata), as its training stream draws them."""
-    from megatron_dip.training.data_source import make_stream
+    from megatron_dip.training.config.data_source import make_stream
 
     t = spec.config.train
     stream = make_stream(
@@ -143,7 +143,7 @@ def stock_results(spec, batches: Sequence) -> list[list]:
     from megatron_dip.planner.compare import activation_limits
     from megatron_dip.planner.static_baselines import StaticPipeline
     from megatron_dip.planner.stock_configs import StockWork, evaluate_stock
-    from megatron_dip.training.planning import make_planner
+    from megatron_dip.training.iteration.planning import make_planner
 
     planner = make_planner(spec)
     pipe = StaticPipeline(
@@ -189,7 +189,7 @@ class StockChoice:
 
     def flags(self) -> list[str]:
         """The run's flags: schedule, placement and Megatron's recompute flags."""
-        from megatron_dip.training.validate import recompute_flags
+        from megatron_dip.training.config.validate import recompute_flags
 
         out = ["--dip-schedule", self.schedule, "--dip-stock-placement", self.placement]
         return out + recompute_flags(self.mode)
@@ -201,7 +201,7 @@ def strongest_stock(
     """For each stock schedule, the strongest configuration (placement x recompute setting,
     `stock_configs.strongest`) whose activations fit on each of the run's first `batches`
     batches: what a Megatron user would tune, simulated."""
-    from megatron_dip.training.validate import ConfigError
+    from megatron_dip.training.config.validate import ConfigError
 
     choices = []
     for schedule in schedules:
@@ -239,7 +239,7 @@ def dip_run_flags(flags: Sequence[str], *, world_size: int) -> tuple[list[str], 
     """The planner's own granularity of the DIP run with `flags` (resolved once: with host
     overheads the candidates are simulated), as explicit flags for the run and its floor, and
     the resolved spec."""
-    from megatron_dip.training.layout import placement_flag
+    from megatron_dip.training.config.layout import placement_flag
 
     spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
     # The search's choice as a flag (a static placement too): the runs do not search again.
@@ -275,7 +275,7 @@ def auto_scale(
     """The emulation scale at which DIP's shortest instruction of the first batches (greedy
     plans; `shortest_kept` with `share`) lasts `min_op_s` (stock instructions are whole
     microbatches: longer)."""
-    from megatron_dip.training.planning import make_planner, replica_plan
+    from megatron_dip.training.iteration.planning import make_planner, replica_plan
 
     spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
     planner = make_planner(spec)

@@ -105,7 +105,7 @@ class ImageTextReader(RecordReader):
             raise ValueError(
                 f"module {self._vit.name!r}'s placeholder id {image_id} is not the tokenizer's "
                 f"image token ({own}); build the model with the tokenizer's ids "
-                "(training.validate does)"
+                "(training.config.validate does)"
             )
         self.encoder = make_encoder(
             self.tokenizer, config.tokenizer.prompt_format, image_id=image_id

@@ -5,7 +5,7 @@ Hugging Face tokenizer (`hf_tokenizer.HuggingFaceTokenizer`); without them the r
 `ByteTokenizer` below, the default of the tiny presets. Both answer the `Tokenizer` protocol:
 vocabulary size, special ids (pad, eos, bos, and the placeholder of each media role: "image",
 "audio") and encoding. The model's pad and placeholder ids are taken from the run's tokenizer
-(`training.validate`), never from global constants.
+(`training.config.validate`), never from global constants.
 
 The byte tokenizer is a tiny, deterministic, offline tokenizer: printable ASCII characters plus a
 lossless byte escape. It exists so that the readers, tests and the CPU quick start need no

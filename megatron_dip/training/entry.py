@@ -18,8 +18,8 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
-from .arguments import TrainConfig, parse_config
-from .validate import ConfigError, RunSpec, resolve
+from .config.arguments import TrainConfig, parse_config
+from .config.validate import ConfigError, RunSpec, resolve
 
 logger = logging.getLogger("megatron_dip.training")
 
@@ -62,7 +62,7 @@ def validated(config: TrainConfig, *, world_size: int) -> RunSpec:
     cuda = torch.cuda.is_available()
     shared = None
     if world_size > 1 and "RANK" in os.environ:
-        from .setup import shared_by_rank0
+        from .assembly.setup import shared_by_rank0
 
         shared = functools.partial(
             shared_by_rank0, cuda=cuda, timeout_s=config.dip.dip_comm_timeout_s
@@ -81,8 +81,8 @@ def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:
         return 2
     from megatron_dip.runtime.errors import StallError
 
-    from .checkpoint_dirs import CheckpointError
-    from .nonfinite import NonFiniteError
+    from .checkpoint.dirs import CheckpointError
+    from .iteration.nonfinite import NonFiniteError
 
     try:
         train(spec)
@@ -112,7 +112,7 @@ def exit_now(status: int) -> NoReturn:
 
 def train(spec: RunSpec):
     """Train a validated run on this process (process groups are created here)."""
-    from .loop import pretrain
+    from .iteration.loop import pretrain
 
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info(

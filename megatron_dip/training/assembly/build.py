@@ -23,8 +23,8 @@ from megatron_dip.models.sharded import ParamLayout, chunk_layouts, chunks_shard
 from megatron_dip.runtime.checks import unwrap_chunk
 from megatron_dip.runtime.ddp import DataParallelGroups, wrap_chunks_ddp
 
+from ..config.validate import RunSpec
 from .setup import ParallelContext
-from .validate import RunSpec
 
 if TYPE_CHECKING:
     from .backend import ComputeBackend

@@ -13,8 +13,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from .checkpoint_dirs import MANIFEST, TRACKER, CheckpointError, fsync_dir, write_atomically
-from .checkpoint_files import digests, manifest_text
+from .checksums import digests, manifest_text
+from .dirs import MANIFEST, TRACKER, CheckpointError, fsync_dir, write_atomically
 
 
 def reason(error: BaseException) -> str:

@@ -60,15 +60,15 @@ import torch.distributed as dist
 
 from megatron_dip import megatron_compat
 
-from .checkpoint_dirs import (
+from .checksums import digests
+from .dirs import (
     CheckpointError,
     check_free_space,
     iteration_dir,
     newest_checkpoint,
     unverified_dir,
 )
-from .checkpoint_files import digests
-from .checkpoint_publish import (
+from .publish import (
     complete_on_rank0,
     describe_error,
     iteration_of,

@@ -27,10 +27,10 @@ from megatron_dip.schedule.engine import ChannelFn, single_channel
 from megatron_dip.schedule.graph import Dataflow
 from megatron_dip.schedule.ir import Plan
 
-from .backend import ComputeBackend
-from .build import LocalModel
-from .setup import ParallelContext
-from .validate import RunSpec
+from ..assembly.backend import ComputeBackend
+from ..assembly.build import LocalModel
+from ..assembly.setup import ParallelContext
+from ..config.validate import RunSpec
 
 
 @dataclass

@@ -33,23 +33,23 @@ from megatron_dip.planner.calibration import Calibration
 from megatron_dip.planner.simulator import simulate
 from megatron_dip.runtime.errors import StallError
 
-from . import checkpoint
-from .backend import select_backend
-from .build import LocalModel, build_model
-from .checkpoint_dirs import CheckpointError, newer_than
-from .checkpoint_io import CheckpointWriter
-from .data_source import load_agreed, make_stream
-from .finetune import load_pretrained
+from ..assembly.backend import select_backend
+from ..assembly.build import LocalModel, build_model
+from ..assembly.optim import build_optimizer, build_scheduler
+from ..assembly.setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
+from ..checkpoint import state as checkpoint
+from ..checkpoint.dirs import CheckpointError, newer_than
+from ..checkpoint.finetune import load_pretrained
+from ..checkpoint.save_lock import SaveLockedError, hold_save_lock
+from ..checkpoint.storage import CheckpointWriter
+from ..config.data_source import load_agreed, make_stream
+from ..config.validate import RunSpec
 from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record
 from .nonfinite import NonFiniteError, NonFiniteStreak, finite, resume_advice
-from .optim import build_optimizer, build_scheduler
 from .planning import DipPlans, stock_plan
-from .save_lock import SaveLockedError, hold_save_lock
-from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
 from .step import DipStep, StepResult, run_stock, scale_gradients
-from .validate import RunSpec
 
 logger = logging.getLogger("megatron_dip.training")
 

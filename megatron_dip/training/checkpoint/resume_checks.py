@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint_dirs import CheckpointError, ResumePoint
-from .config_error import ConfigError
+from ..config.config_error import ConfigError
+from .dirs import CheckpointError, ResumePoint
 
 # What a checkpoint's LR schedule holds (`OptimizerParamScheduler.state_dict()`'s keys) and the
 # flag that sets each.
@@ -130,15 +130,15 @@ def check_resume(config, resume: ResumePoint | None) -> None:
 def _common_state(path: Path) -> dict | None:
     """The common state of checkpoint `path` once its file matches the manifest; None when it
     cannot be read (the load verifies every file and names the damage, on every rank)."""
-    from . import checkpoint_files, checkpoint_io
+    from . import checksums, storage
 
     try:
-        manifest = checkpoint_files.read_manifest(path)
-        files = checkpoint_io.common_state_files(path)
+        manifest = checksums.read_manifest(path)
+        files = storage.common_state_files(path)
         if not files or any(f not in manifest for f in files):
             return None
-        if checkpoint_files.check_files(path, manifest, files):
+        if checksums.check_files(path, manifest, files):
             return None
-        return checkpoint_io.load_common(path)
+        return storage.load_common(path)
     except CheckpointError:
         return None

@@ -33,7 +33,13 @@ import torch
 
 from megatron_dip.models.sharded import ParamLayout
 
-from .optim import distributed_parts, group_of, optimizer_pairs, set_step, uses_group_steps
+from ..assembly.optim import (
+    distributed_parts,
+    group_of,
+    optimizer_pairs,
+    set_step,
+    uses_group_steps,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from megatron_dip.runtime.transport import TransportFactory
 from megatron_dip.schedule.engine import ChannelFn
 from megatron_dip.schedule.ir import Plan
 
+from ..config.validate import RunSpec
+from ..iteration.planning import tensor_fn
 from .build import megatron_chunks
-from .planning import tensor_fn
 from .setup import ParallelContext
-from .validate import RunSpec
 
 
 class ComputeBackend(Protocol):

@@ -22,9 +22,9 @@ import logging
 
 from megatron_dip.modelspec import MultimodalSpec
 
-from . import checkpoint_dirs
-from .arguments import TrainConfig
-from .checkpoint_dirs import CheckpointError, ResumePoint
+from ..config.arguments import TrainConfig
+from . import dirs
+from .dirs import CheckpointError, ResumePoint
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def parse_dip_pretrained(text: str | None, model: MultimodalSpec) -> dict[str, s
 
 def _required(flag: str, folder: str) -> ResumePoint:
     try:
-        point = checkpoint_dirs.find_resume(folder, None)
+        point = dirs.find_resume(folder, None)
     except CheckpointError as e:
         raise CheckpointError(f"{flag}: {e}") from None
     if point is None:
@@ -86,17 +86,17 @@ def load_pretrained(sources, *, model: MultimodalSpec, chunks, data_parallel_ran
     module's tensors with the same global shapes (checked, naming the tensor)."""
     from megatron_dip.models.sharded import chunks_sharded_state_dict
 
-    from . import checkpoint_files, checkpoint_io
-    from .checkpoint import check_header
+    from . import checksums, storage
+    from .state import check_header
 
     for module, point in sources:
-        checkpoint_files.verify(point.path)
+        checksums.verify(point.path)
         whole = module == WHOLE_MODEL
-        common = checkpoint_io.load_common(point.path)
+        common = storage.load_common(point.path)
         check_header(common, point.path, model if whole else None)
         mine = [c for c in chunks if whole or c.chunk.module == module]
         request = {"model": chunks_sharded_state_dict(mine, data_parallel_rank=data_parallel_rank)}
-        checkpoint_io.load_sharded(request, point.path)
+        storage.load_sharded(request, point.path)
         logger.info(
             "loaded pretrained weights of %s from %s (iteration %d)",
             "the model" if whole else f"module {module!r}", point.path, point.iteration,

@@ -22,7 +22,7 @@ from megatron_dip.modalities import modality_of
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.schedule.ir import NO_RECOMPUTE, Backward, ChunkSpec, Forward, Plan, StageId
 
-from .setup import ParallelContext
+from ..assembly.setup import ParallelContext
 from .step import StepResult
 
 

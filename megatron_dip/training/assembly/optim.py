@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from megatron_dip import megatron_compat
 
+from ..checkpoint.resume_checks import schedule_of
+from ..config.validate import RunSpec
 from .build import LocalModel
-from .resume_checks import schedule_of
 from .setup import ParallelContext
-from .validate import RunSpec
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute, RecomputeMode
 
-from . import checkpoint_dirs
+from ..checkpoint import dirs
+from ..checkpoint.dirs import CheckpointError, ResumePoint
 from .arguments import TrainConfig
-from .checkpoint_dirs import CheckpointError, ResumePoint
 from .config_error import ConfigError
 from .config_error import fail as _fail
 from .data_config import data_spec, model_spec
@@ -214,20 +214,20 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
     """(the checkpoint --load resumes from or None, the pretrained weights to start from),
     after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
     --train-iters against the file system (`checkpoint_dirs`, `finetune`)."""
-    from .finetune import pretrained_sources
-    from .resume_checks import check_resume
+    from ..checkpoint.finetune import pretrained_sources
+    from ..checkpoint.resume_checks import check_resume
 
     c = config.checkpoint
     try:
         if c.load and not (c.pretrained_checkpoint or c.dip_pretrained):
             # (with pretrained weights, a --load that is not there yet is Megatron's idiom for
             # "fine-tune from them until this run has its own checkpoints")
-            checkpoint_dirs.check_load_exists(c.load, save=c.save)
-        resume = checkpoint_dirs.find_resume(c.load, c.ckpt_step) if c.load else None
+            dirs.check_load_exists(c.load, save=c.save)
+        resume = dirs.find_resume(c.load, c.ckpt_step) if c.load else None
         resume, pretrained = pretrained_sources(config, model, resume)
-        checkpoint_dirs.check_train_iters(resume, config.train.train_iters)
+        dirs.check_train_iters(resume, config.train.train_iters)
         if c.save is not None:
-            checkpoint_dirs.check_save(c.save, load=None if c.finetune else c.load)
+            dirs.check_save(c.save, load=None if c.finetune else c.load)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     check_resume(config, resume)

@@ -43,8 +43,8 @@ from megatron_dip.planner.stock_configs import with_recompute
 from megatron_dip.schedule.baselines import build_megatron_plan
 from megatron_dip.schedule.ir import Plan
 
-from .setup import ParallelContext
-from .validate import RunSpec
+from ..assembly.setup import ParallelContext
+from ..config.validate import RunSpec
 
 logger = logging.getLogger(__name__)
 

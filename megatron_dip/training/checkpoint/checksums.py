@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .checkpoint_dirs import MANIFEST, CheckpointError
+from .dirs import MANIFEST, CheckpointError
 
 _CHUNK = 16 << 20
 _THREADS = 2

@@ -39,18 +39,18 @@ from megatron_dip.models.sharded import chunks_sharded_state_dict
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec, module_record
 from megatron_dip.runtime.checks import unwrap_chunk
 
-from . import checkpoint_files, checkpoint_io, optim_state
-from .build import LocalModel
-from .checkpoint_dirs import (
+from ..assembly.build import LocalModel
+from ..assembly.setup import ParallelContext
+from ..config.validate import RunSpec
+from . import checksums, optim_state, storage
+from .dirs import (
     FORMAT,
     CheckpointError,
     find_resume,
     load_hint,
 )
-from .checkpoint_io import CheckpointWriter
 from .resume_checks import scheduler_state_to_load
-from .setup import ParallelContext
-from .validate import RunSpec
+from .storage import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +180,8 @@ def load(
 ) -> Restored:
     """Load `path` into this rank's chunks, optimizer, scheduler and RNG (module docstring);
     collective. Every file is checked against the manifest first."""
-    checkpoint_files.verify(path, hint=load_hint(path))
-    common = checkpoint_io.load_common(path)
+    checksums.verify(path, hint=load_hint(path))
+    common = storage.load_common(path)
     header = check_header(common, path, spec.model)
     c = spec.config.checkpoint
     training = header["content"] == "training"
@@ -190,7 +190,7 @@ def load(
             f"{path}: holds model weights only (no optimizer or training state): pass "
             "--no-load-optim to start the optimizer and LR schedule afresh from them"
         )
-    saved = checkpoint_io.tensor_metadata(path)
+    saved = storage.tensor_metadata(path)
     saved_keys = set(saved)
     request: dict = {"model": model.sharded_state_dict(data_parallel_rank=ctx.dp_rank)}
     masters, set_steps = False, None
@@ -205,7 +205,7 @@ def load(
         )
     if training and not c.no_load_rng and header["layout"] == _layout(spec):
         request["rng"] = _rng_object(ctx, None)
-    loaded = checkpoint_io.load_sharded(request, path, saved=saved)
+    loaded = storage.load_sharded(request, path, saved=saved)
     if not masters and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # Megatron: fp32 masters from the loaded weights
     if set_steps is not None:
@@ -275,10 +275,10 @@ def load_weights(
     resume = find_resume(root, step)
     if resume is None:
         raise CheckpointError(f"{root}: no checkpoint there")
-    checkpoint_files.verify(resume.path)
-    check_header(checkpoint_io.load_common(resume.path), resume.path, model)
+    checksums.verify(resume.path)
+    check_header(storage.load_common(resume.path), resume.path, model)
     inner = [unwrap_chunk(c) for c in chunks]
     dp_rank = data_parallel_group.rank() if data_parallel_group is not None else 0
     request = {"model": chunks_sharded_state_dict(inner, data_parallel_rank=dp_rank)}
-    checkpoint_io.load_sharded(request, resume.path)
+    storage.load_sharded(request, resume.path)
     return resume.iteration

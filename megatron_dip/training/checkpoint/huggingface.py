@@ -31,8 +31,8 @@ from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import MultimodalSpec, module_from_record
 from megatron_dip.schedule.ir import ChunkSpec
 
-from .checkpoint import save_weights
-from .checkpoint_dirs import TRACKER, CheckpointError, complete_iterations, find_resume
+from .dirs import TRACKER, CheckpointError, complete_iterations, find_resume
+from .state import save_weights
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def check_import(model: MultimodalSpec, *, save, tp: int, pp: int, world_size: i
     """What an import refuses before it builds anything, each in one line: a TP that does not
     divide a sharded size, a world that is not TP x PP processes, a PP beyond a module's layers,
     and a --save directory that holds checkpoints already (they would be overwritten)."""
-    from .validate import check_tensor_parallel
+    from ..config.validate import check_tensor_parallel
 
     check_tensor_parallel(model, tp)
     if world_size != tp * pp:
@@ -103,7 +103,7 @@ def _agreed_check(model: MultimodalSpec, *, save, tp: int, pp: int) -> None:
     """`check_import` on every rank, its verdicts gathered before any rank writes: a rank that
     checks after another has started `save/iter_0.tmp` must not see that as a foreign
     checkpoint, and every rank raises the same line when any rank refuses."""
-    from .config_error import ConfigError
+    from ..config.config_error import ConfigError
 
     kinds = {k.__name__: k for k in (ConfigError, CheckpointError, ValueError)}
     try:
@@ -173,9 +173,9 @@ def _full_tensors(path: Path, maps) -> dict[str, torch.Tensor]:
     holds)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from . import checkpoint_io
+    from . import storage
 
-    saved = checkpoint_io.tensor_metadata(path)
+    saved = storage.tensor_metadata(path)
     keys = [k for k in maps if k in saved]
     if not keys:
         raise CheckpointError(f"{path}: none of the module's tensors (another model's checkpoint?)")
@@ -185,7 +185,7 @@ def _full_tensors(path: Path, maps) -> dict[str, torch.Tensor]:
         )
         for k in keys
     }
-    checkpoint_io.load_sharded(request, path, saved=saved)
+    storage.load_sharded(request, path, saved=saved)
     return {k: t.data for k, t in request.items()}
 
 
@@ -227,10 +227,10 @@ def saved_model(path: Path, flags: MultimodalSpec | None, modules: list[str]) ->
     model the flags build (`flags`, None: no --model given) for the exported `modules`: a
     mismatch is refused in one line naming both. A checkpoint without records (saved before
     they were kept) is exported as the flags' model after the same check of its signature."""
-    from . import checkpoint_io
-    from .checkpoint import check_header, module_signature
+    from . import storage
+    from .state import check_header, module_signature
 
-    header = check_header(checkpoint_io.load_common(path), path, None)
+    header = check_header(storage.load_common(path), path, None)
     records = header.get("modules")
     saved = None
     if records:
@@ -324,12 +324,12 @@ def export_hf(
 
     from megatron_dip.models.common import torch_dtype
 
-    from . import checkpoint_files
+    from . import checksums
 
     resume = find_resume(load, step)
     if resume is None:
         raise CheckpointError(f"{load}: no checkpoint there")
-    checkpoint_files.verify(resume.path)
+    checksums.verify(resume.path)
     model = saved_model(resume.path, model, modules)
     maps, _ = _export_layout(model, modules, dtype="float32")
     ours = _full_tensors(resume.path, maps)
