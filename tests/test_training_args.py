@@ -282,7 +282,7 @@ def test_presets_fill_unset_flags_and_flags_win():
 
 
 def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():
-    from megatron_dip.training.assembly.build import model_config
+    from megatron_dip.training.assembly.backend import model_config
 
     spec = _resolve(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
     assert spec.sequence_parallel and spec.planner.sequence_parallel

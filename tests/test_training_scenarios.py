@@ -181,7 +181,7 @@ def shared_sizing_run() -> dict:
     import torch.distributed as dist
 
     from megatron_dip.training.assembly.setup import shared_by_rank0
-    from megatron_dip.training.config.config_error import ConfigError
+    from megatron_dip.training.config.arguments import ConfigError
 
     calls = []
 

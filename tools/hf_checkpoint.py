@@ -89,7 +89,7 @@ def _model_and_config(config):
     """The model the flags describe: the --model preset's, or without one the model of the
     --dip-hf-config folder alone (its LLM; a VLM's ViT too), nothing else built."""
     from megatron_dip.hf.config import model_of_config, parse_hf_config_flag, read_config
-    from megatron_dip.training.config.config_error import fail
+    from megatron_dip.training.config.arguments import fail
     from megatron_dip.training.config.data_config import model_spec
     from megatron_dip.training.config.validate import apply_preset
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_dip.training.checkpoint.dirs import CheckpointError
-    from megatron_dip.training.config.config_error import ConfigError
+    from megatron_dip.training.config.arguments import ConfigError
 
     args, config = parse_args(argv)
     created = False

@@ -36,8 +36,9 @@ import numpy as np
 
 from megatron_dip.data.sample import IMAGE_TOKEN, PAD_TOKEN
 
+from .hf_tokenizer import HF_TOKENIZER, HuggingFaceTokenizer
+
 BYTE_TOKENIZER = "ByteTokenizer"
-HF_TOKENIZER = "HuggingFaceTokenizer"
 TOKENIZER_TYPES = (BYTE_TOKENIZER, HF_TOKENIZER)
 
 BOS_TOKEN = 2
@@ -193,8 +194,6 @@ def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     directory, offline)."""
     if spec.type == BYTE_TOKENIZER:
         return ByteTokenizer()
-    from .hf_tokenizer import HuggingFaceTokenizer
-
     return HuggingFaceTokenizer(spec.model, special=dict(spec.special))
 
 

@@ -389,7 +389,8 @@ class DitModality(Modality):
 
     def run_stack(self, spec, layers, state: dict, batch, *, rotary_base: float, groups=None):
         from megatron_dip.models import attention
-        from megatron_dip.models.common import cached, rotary_table, sequence_slice
+        from megatron_dip.models.common import cached, sequence_slice
+        from megatron_dip.models.rope import rotary_table
 
         head_dim, dtype = spec.layer.head_dim, state["hidden"].dtype
         packed = cached(

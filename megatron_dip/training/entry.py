@@ -18,8 +18,9 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
-from .config.arguments import TrainConfig, parse_config
-from .config.validate import ConfigError, RunSpec, resolve
+from .config.arguments import ConfigError, TrainConfig, parse_config
+from .config.run import RunSpec
+from .config.validate import resolve
 
 logger = logging.getLogger("megatron_dip.training")
 

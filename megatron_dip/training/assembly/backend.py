@@ -24,6 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_dip.batching import MessageShapes
+from megatron_dip.modalities import build_chunk
+from megatron_dip.models.chunk import ModelGroups
+from megatron_dip.models.config import ModelConfig
 from megatron_dip.planner.simulator import SimResult, simulate
 from megatron_dip.runtime.checks import TensorFn
 from megatron_dip.runtime.data import BatchSource, SampleBatchSource
@@ -33,9 +37,7 @@ from megatron_dip.runtime.transport import TransportFactory
 from megatron_dip.schedule.engine import ChannelFn
 from megatron_dip.schedule.ir import Plan
 
-from ..config.validate import RunSpec
-from ..iteration.planning import tensor_fn
-from .build import megatron_chunks
+from ..config.run import RunSpec
 from .setup import ParallelContext
 
 
@@ -72,6 +74,45 @@ def select_backend(spec: RunSpec) -> ComputeBackend:
 
 def _by_microbatch(plan: Plan, found: Mapping[int, Any]) -> dict[int, list]:
     return {m.index: [found[i] for i in m.sample_ids] for m in plan.microbatches}
+
+
+def model_config(spec: RunSpec) -> ModelConfig:
+    """Build-time options of the chunks from the flags."""
+    return ModelConfig(
+        seed=spec.config.train.seed,
+        dtype=spec.dtype,
+        init_std=spec.config.model.init_method_std,
+        sequence_parallel=spec.sequence_parallel,
+        attention=spec.config.dip.dip_attention,
+    )
+
+
+def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module]:
+    """This rank's chunks of Megatron-Core layers (the real compute backend's)."""
+    config = model_config(spec)
+    # Ranks holding a middle chunk of a tied module never reduce its copies: their own group.
+    groups = ModelGroups(tp=ctx.tp, cp=ctx.single, embedding=ctx.embedding or ctx.single)
+    return [
+        build_chunk(
+            spec.model,
+            c,
+            num_chunks=spec.placement.module(c.module).num_chunks,
+            config=config,
+            groups=groups,
+        )
+        for c in spec.placement.chunks_on_rank(ctx.pp_rank)
+    ]
+
+
+def tensor_fn(spec: RunSpec, plan: Plan):
+    """The built model's message shapes for the sub-microbatches of `plan`."""
+    shapes = MessageShapes(
+        spec.model,
+        dtype=spec.dtype,
+        tensor_parallel=spec.tensor_parallel,
+        sequence_parallel=spec.sequence_parallel,
+    )
+    return shapes.for_lookup(plan.submicrobatch)
 
 
 class RealCompute:

@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_dip.modalities import build_chunk
-from megatron_dip.models.chunk import ModelGroups
-from megatron_dip.models.config import ModelConfig
 from megatron_dip.models.init import global_param_name
 from megatron_dip.models.sharded import ParamLayout, chunk_layouts, chunks_sharded_state_dict
 from megatron_dip.runtime.checks import unwrap_chunk
 from megatron_dip.runtime.ddp import DataParallelGroups, wrap_chunks_ddp
 
-from ..config.validate import RunSpec
+from ..config.run import RunSpec
+from .backend import ComputeBackend
 from .setup import ParallelContext
-
-if TYPE_CHECKING:
-    from .backend import ComputeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +71,6 @@ class LocalModel:
                 p.grad = None
 
 
-def model_config(spec: RunSpec) -> ModelConfig:
-    """Build-time options of the chunks from the flags."""
-    return ModelConfig(
-        seed=spec.config.train.seed,
-        dtype=spec.dtype,
-        init_std=spec.config.model.init_method_std,
-        sequence_parallel=spec.sequence_parallel,
-        attention=spec.config.dip.dip_attention,
-    )
-
-
 def ddp_config(spec: RunSpec):
     """Megatron-Core DDP settings: asynchronous reductions started by the schedule."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -98,23 +81,6 @@ def ddp_config(spec: RunSpec):
         bucket_size=None,
         grad_reduce_in_fp32=spec.dtype != "float32",
     )
-
-
-def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module]:
-    """This rank's chunks of Megatron-Core layers (the real compute backend's)."""
-    config = model_config(spec)
-    # Ranks holding a middle chunk of a tied module never reduce its copies: their own group.
-    groups = ModelGroups(tp=ctx.tp, cp=ctx.single, embedding=ctx.embedding or ctx.single)
-    return [
-        build_chunk(
-            spec.model,
-            c,
-            num_chunks=spec.placement.module(c.module).num_chunks,
-            config=config,
-            groups=groups,
-        )
-        for c in spec.placement.chunks_on_rank(ctx.pp_rank)
-    ]
 
 
 def build_model(spec: RunSpec, ctx: ParallelContext, *, backend: ComputeBackend) -> LocalModel:

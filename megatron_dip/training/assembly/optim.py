@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_dip import megatron_compat
 
 from ..checkpoint.resume_checks import schedule_of
-from ..config.validate import RunSpec
+from ..config.run import RunSpec
 from .build import LocalModel
 from .setup import ParallelContext
 

@@ -22,7 +22,7 @@ from megatron_dip.cpu_support import seed_model_parallel_rng
 from megatron_dip.runtime.p2p import ChannelGroups
 from megatron_dip.runtime.stalls import NoWatch, PhaseWatch
 
-from ..config.validate import RunSpec
+from ..config.run import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def shared_by_rank0(compute, *, cuda: bool, timeout_s: float):
     """`compute()` run on rank 0 only and its result (or its ConfigError) handed to every rank:
     the start-up sizing and placement search runs once per job, not once per rank. Creates the
     world group (`init_distributed`); the wait is bounded by the world group's timeout."""
-    from ..config.config_error import ConfigError
+    from ..config.arguments import ConfigError
 
     init_distributed(cuda=cuda, timeout_s=timeout_s)
     box: list = [None]

@@ -103,7 +103,7 @@ def _agreed_check(model: MultimodalSpec, *, save, tp: int, pp: int) -> None:
     """`check_import` on every rank, its verdicts gathered before any rank writes: a rank that
     checks after another has started `save/iter_0.tmp` must not see that as a foreign
     checkpoint, and every rank raises the same line when any rank refuses."""
-    from ..config.config_error import ConfigError
+    from ..config.arguments import ConfigError
 
     kinds = {k.__name__: k for k in (ConfigError, CheckpointError, ValueError)}
     try:

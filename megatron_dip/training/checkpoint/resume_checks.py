@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config.config_error import ConfigError
+from ..config.arguments import ConfigError
 from .dirs import CheckpointError, ResumePoint
 
 # What a checkpoint's LR schedule holds (`OptimizerParamScheduler.state_dict()`'s keys) and the

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..config.config_error import ConfigError
+from ..config.arguments import ConfigError
 
 LOCK_FILE = ".megatron_dip.lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}

@@ -41,7 +41,7 @@ from megatron_dip.runtime.checks import unwrap_chunk
 
 from ..assembly.build import LocalModel
 from ..assembly.setup import ParallelContext
-from ..config.validate import RunSpec
+from ..config.run import RunSpec
 from . import checksums, optim_state, storage
 from .dirs import (
     FORMAT,

@@ -18,7 +18,7 @@ from megatron_dip.hf.config import FIELDS_OF_KIND, describes, parse_hf_config_fl
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec, RopeScaling
 
 from .arguments import TrainConfig
-from .config_error import fail as _fail
+from .arguments import fail as _fail
 
 # Megatron-Core's fixed llama3 scaling parameters (--use-rope-scaling).
 _MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original": 8192}

@@ -24,8 +24,8 @@ from typing import Any
 
 from megatron_dip.planner.devices import DEVICE_NAMES
 
-from .flag_fields import PRESET, arg
 from .megatron_args import (
+    PRESET,
     ArchitectureArgs,
     CheckpointArgs,
     DataArgs,
@@ -33,12 +33,14 @@ from .megatron_args import (
     ModelArgs,
     ParallelArgs,
     TrainArgs,
+    arg,
 )
 
 __all__ = [
     "PRESET",
     "ArchitectureArgs",
     "CheckpointArgs",
+    "ConfigError",
     "DataArgs",
     "DipArgs",
     "LoggingArgs",
@@ -48,9 +50,19 @@ __all__ = [
     "TrainConfig",
     "arg",
     "build_parser",
+    "fail",
     "extra_args_provider",
     "parse_config",
 ]
+
+
+class ConfigError(ValueError):
+    """A flag or combination of flags that cannot run; the message names the flag."""
+
+
+def fail(flag: str, message: str) -> ConfigError:
+    """The error for `flag`, its message starting with the flag."""
+    return ConfigError(f"{flag}: {message}")
 
 
 @dataclass(frozen=True)

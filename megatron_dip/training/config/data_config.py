@@ -24,9 +24,8 @@ from megatron_dip.modalities import ScatterProducer, check_model, modality_of
 from megatron_dip.modelspec import MultimodalSpec
 
 from .architecture import apply_architecture, hf_folders
-from .arguments import TrainConfig
-from .config_error import ConfigError
-from .config_error import fail as _fail
+from .arguments import ConfigError, TrainConfig
+from .arguments import fail as _fail
 from .data_source import DataSpec, image_config
 from .presets import RunPreset
 

@@ -29,6 +29,7 @@ from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.compare import activation_limits, average_workload
+from megatron_dip.planner.devices import GIB
 from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.placement import (
     PlacementCandidate,
@@ -50,11 +51,13 @@ from megatron_dip.planner.static_baselines import (
 from megatron_dip.planner.submicrobatch import choose_sub_sizes
 from megatron_dip.schedule.ir import Placement, Recompute
 
-from .arguments import TrainConfig
+from .arguments import ConfigError, TrainConfig
+from .arguments import fail as _fail
 from .data_source import DataSpec, make_stream
 from .planner_config import planner_config, scoring_config
 
 logger = logging.getLogger(__name__)
+
 
 CALIBRATION_BATCHES = 4
 SCORED_BATCHES = 2  # of them, planned greedily per placement candidate
@@ -84,10 +87,11 @@ class Layout:
     placement_name: str = ""  # the start-up search's name of the placement (`placement_flag`)
 
 
-def _fail(flag: str, message: str) -> ValueError:
-    from .config_error import ConfigError
-
-    return ConfigError(f"{flag}: {message}")
+def gib(nbytes: float) -> str:
+    """`nbytes` as GiB text with enough digits for tiny models."""
+    value = nbytes / GIB
+    digits = max(2, 1 - math.floor(math.log10(value))) if value > 0 else 2
+    return f"{value:.{min(digits, 9)}f} GiB"
 
 
 def calibration_batches(
@@ -191,8 +195,6 @@ def activation_need(
 
 
 def _memory_limit(config, placement, cost_model, works, model, *, tp: int, device):
-    from .validate import gib
-
     need, where = activation_need(placement, cost_model, works, model)
     given = config.dip.dip_memory_limit_gb
     if given is not None:
@@ -243,8 +245,6 @@ class _Sizing:
 
     def score(self, cand: PlacementCandidate) -> float:
         """`greedy_score` of the first calibration batches; inf when no plan can fit."""
-        from .validate import ConfigError
-
         try:
             limit = self.memory_limit(cand.placement)
         except ConfigError:

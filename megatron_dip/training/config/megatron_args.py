@@ -1,12 +1,28 @@
 """The flag sections Megatron-LM defines too (parallelism, model, architecture, training, data,
-checkpoints, logging): frozen dataclasses whose fields are flags (`flag_fields.arg`), composed
-into `arguments.TrainConfig`. Our own `--dip-*` flags are `arguments.DipArgs`."""
+checkpoints, logging): frozen dataclasses whose fields are flags (`arg`: a dataclass field that
+is also a flag, used by `arguments.DipArgs` too), composed into `arguments.TrainConfig`. Our own
+`--dip-*` flags are `arguments.DipArgs`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from .flag_fields import PRESET, arg
+PRESET = " (default: from the --model preset)"
+
+
+def arg(
+    flag: str,
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    megatron: bool = True,
+) -> Any:
+    """A dataclass field that is also a command-line flag."""
+    meta = {"flag": flag, "help": help, "choices": choices, "megatron": megatron}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from megatron_dip.planner.devices import (
 from megatron_dip.planner.overheads import NO_OVERHEADS, HostOverheads, load_overheads
 
 from .arguments import TrainConfig
-from .config_error import fail as _fail
+from .arguments import fail as _fail
 
 logger = logging.getLogger(__name__)
 

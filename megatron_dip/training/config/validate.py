@@ -15,84 +15,23 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from megatron_dip.batching import packing_limits
-from megatron_dip.data.packing import PackingLimits
 from megatron_dip.modelspec import MultimodalSpec
-from megatron_dip.planner.cost_model import CostModel
-from megatron_dip.planner.devices import (
-    DeviceSpec,
-)
-from megatron_dip.planner.dip import PlannerConfig
-from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, Recompute, RecomputeMode
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute, RecomputeMode
 
 from ..checkpoint import dirs
-from ..checkpoint.dirs import CheckpointError, ResumePoint
-from .arguments import TrainConfig
-from .config_error import ConfigError
-from .config_error import fail as _fail
+from ..checkpoint.dirs import CheckpointError
+from .arguments import ConfigError, TrainConfig
+from .arguments import fail as _fail
 from .data_config import data_spec, model_spec
-from .data_source import DataSpec
 from .planner_config import planner_config
 from .presets import RunPreset, get_run_preset
 from .pricing import run_cost_model, run_device, run_kernels
+from .run import RunSpec
 
 logger = logging.getLogger(__name__)
-
-GIB = 2**30
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """Everything a rank needs to build its part of the run (identical on every rank)."""
-
-    config: TrainConfig
-    preset: RunPreset
-    model: MultimodalSpec
-    world_size: int
-    tensor_parallel: int
-    pipeline_parallel: int
-    data_parallel: int
-    cuda: bool
-    dtype: str
-    data: DataSpec
-    limits: PackingLimits
-    sub_sizes: dict[str, int]
-    device: DeviceSpec
-    cost_model: CostModel
-    placement: Placement
-    stage_units: list | None  # a static placement's [rank][virtual stage] -> units (stock, DIP)
-    planner: PlannerConfig
-    memory_limit_bytes: list[float] | None
-    segments: dict[str, int] = field(default_factory=dict)
-    placement_name: str = ""  # the start-up search's name of the placement (layout.Layout)
-    # Tests only, set with dataclasses.replace (no flag): misbehaviour of the planner process.
-    planner_faults: PlannerFaults | None = None
-    # --dip-emulate-compute: the duration scale of the sleeping chunks (None: real compute).
-    emulate_scale: float | None = None
-    # Megatron's recompute flags as (method, N): the stock schedules' mode of every stage.
-    recompute: RecomputeMode = NO_RECOMPUTE
-    # --load: the checkpoint to resume from (None: train from scratch).
-    resume: ResumePoint | None = None
-    # --finetune / --pretrained-checkpoint / --dip-pretrained, when not resuming: weights to
-    # start from, as (module, checkpoint) with module "" for the whole model (`finetune.py`).
-    pretrained: tuple = ()
-
-    @property
-    def schedule(self) -> str:
-        return self.config.dip.dip_schedule
-
-    @property
-    def is_stock(self) -> bool:
-        return self.schedule != "dip"
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """Activations sharded along the sequence over TP (--sequence-parallel, TP > 1)."""
-        return self.config.parallel.sequence_parallel and self.tensor_parallel > 1
 
 
 def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
@@ -454,10 +393,3 @@ def resolve(
         placement_name=layout.placement_name,
         resume=resume, pretrained=pretrained,
     )  # fmt: skip
-
-
-def gib(nbytes: float) -> str:
-    """`nbytes` as GiB text with enough digits for tiny models."""
-    value = nbytes / GIB
-    digits = max(2, 1 - math.floor(math.log10(value))) if value > 0 else 2
-    return f"{value:.{min(digits, 9)}f} GiB"

@@ -43,7 +43,7 @@ from ..checkpoint.finetune import load_pretrained
 from ..checkpoint.save_lock import SaveLockedError, hold_save_lock
 from ..checkpoint.storage import CheckpointWriter
 from ..config.data_source import load_agreed, make_stream
-from ..config.validate import RunSpec
+from ..config.run import RunSpec
 from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record

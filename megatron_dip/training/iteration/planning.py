@@ -28,7 +28,7 @@ from collections import Counter
 
 import torch.distributed as dist
 
-from megatron_dip.batching import MessageShapes, layout_batch
+from megatron_dip.batching import layout_batch
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream
 from megatron_dip.planner.dip import DipPlanner, ReplicaPlan
@@ -44,7 +44,7 @@ from megatron_dip.schedule.baselines import build_megatron_plan
 from megatron_dip.schedule.ir import Plan
 
 from ..assembly.setup import ParallelContext
-from ..config.validate import RunSpec
+from ..config.run import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +75,6 @@ def replica_plan(
     return planner.plan_layout(
         planner.layout(batch), replica, forward_only=forward_only, search=search
     )
-
-
-def tensor_fn(spec: RunSpec, plan: Plan):
-    """The built model's message shapes for the sub-microbatches of `plan`."""
-    shapes = MessageShapes(
-        spec.model,
-        dtype=spec.dtype,
-        tensor_parallel=spec.tensor_parallel,
-        sequence_parallel=spec.sequence_parallel,
-    )
-    return shapes.for_lookup(plan.submicrobatch)
 
 
 def _share_store(ctx: ParallelContext, timeout_s: float = 300.0):

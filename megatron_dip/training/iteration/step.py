@@ -30,7 +30,7 @@ from megatron_dip.schedule.ir import Plan
 from ..assembly.backend import ComputeBackend
 from ..assembly.build import LocalModel
 from ..assembly.setup import ParallelContext
-from ..config.validate import RunSpec
+from ..config.run import RunSpec
 
 
 @dataclass
