@@ -252,7 +252,7 @@ class MultimodalSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# The paper's component models (layers / hidden / FFN / heads / kv-groups), DESIGN.md section 3.
+# The paper's component models (layers / hidden / FFN / heads / kv-groups), docs/design.md, "Paper setups".
 
 VIT_5B = LayerShape(1792, 15360, 16, 16)
 VIT_22B = LayerShape(6144, 24576, 48, 48)
@@ -379,6 +379,11 @@ class Setup:
     @property
     def data_parallel(self) -> int:
         return self.num_gpus // (self.tensor_parallel * self.pipeline_parallel)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The paper's setups shard activations along the sequence wherever TP > 1."""
+        return self.tensor_parallel > 1
 
 
 PAPER_SETUPS: dict[str, Setup] = {

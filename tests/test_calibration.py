@@ -157,7 +157,7 @@ def run_spec():
     argv = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3", "--dip-lookahead", "0",
             "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]  # fmt: skip
     spec = resolve(parse_config(argv), world_size=2, cuda=False)
-    t = spec.config.train
+    t = spec.training
     stream = make_stream(
         spec.data, spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
         limits=spec.limits, evaluation=False,

@@ -1,4 +1,4 @@
-"""Checkpoint files in one process (a one-rank gloo world): `checkpoint_io`, the weights-only API
+"""Checkpoint files in one process (a one-rank gloo world): `storage`, the weights-only API
 and the optimizer state of `training/checkpoint.py` / `optim_state.py` (the multi-process runs,
 resharding and the faults of a training run are in test_training_dist.py).
 
@@ -218,9 +218,11 @@ def test_training_starts_from_weights_only_checkpoints(groups, tmp_path):
 
 def _plain_adamw(chunks):
     from megatron_dip.training.assembly.optim import PlainAdamW
+    from megatron_dip.training.config.validate import training_settings
 
     model = LocalModel(list(chunks))
-    spec = SimpleNamespace(config=parse_config(["--lr", "1e-2", "--train-iters", "3"]))
+    config = parse_config(["--lr", "1e-2", "--train-iters", "3"])
+    spec = SimpleNamespace(training=training_settings(config))
     world = chunks[0].groups.tp
     return model, PlainAdamW(model, spec=spec, mp_group=world)
 

@@ -1,5 +1,5 @@
 """What a run checks of --load, --save and --train-iters before any process group exists
-(`training/checkpoint_dirs.py`, through `validate.resolve`), in-process on directories laid out
+(`training/checkpoint/dirs.py`, through `validate.resolve`), in-process on directories laid out
 as saves leave them. Every refusal is one line starting with the flag, naming the file and the
 flag that picks something else, and touches nothing on disk."""
 

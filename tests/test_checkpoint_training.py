@@ -1,5 +1,5 @@
 """What a training run keeps, in one process (a one-rank gloo world): `loop.py`'s checkpoint
-publishing, `resume_checks.py`, `save_lock.py` and the save faults of `checkpoint_io.py` (the
+publishing, `resume_checks.py`, `save_lock.py` and the save faults of `checkpoint/storage.py` (the
 4-process versions: test_training_dist.py).
 
 * A non-finite streak: the tracker only ever names a checkpoint whose weights have since trained

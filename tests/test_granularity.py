@@ -42,12 +42,12 @@ _HEAVY = HostOverheads(1e-3, 1e-3, 1e-3)
 def tiny():
     from megatron_dip.batching import LayoutConfig, pack
     from megatron_dip.benchmark.bench import first_batches, resolve_run
-    from megatron_dip.planner.compare import average_workload
+    from megatron_dip.planner.sizing import average_workload
     from megatron_dip.training.config.layout import split_all
 
     spec = resolve_run(_TINY, world_size=2)
     batches = first_batches(spec, 1)
-    whole = LayoutConfig(seq_length=spec.config.train.seq_length, packing=spec.limits)
+    whole = LayoutConfig(seq_length=spec.training.seq_length, packing=spec.limits)
     mbs = [list(mb) for b in batches for mb in pack(list(b.samples), spec.limits)]
     return spec, batches, average_workload(spec.model, split_all(spec.model, mbs, whole))
 

@@ -101,7 +101,7 @@ def test_under_memory_pressure_the_baseline_is_the_cheapest_fitting_partial_reco
     peaks = [max(r.sim.peak_activation_bytes) for b in free.batches for r in b.stock
              if r.mode == NO_RECOMPUTE]  # fmt: skip
     cmp = _comparison(80.0)
-    reserve = 0.9 * 80.0 * 2**30  # activation_limits keeps 10% of the device
+    reserve = 0.9 * 80.0 * 2**30  # sizing.activation_limits keeps 10% of the device
     static = max(reserve - lim for p in cmp.static for lim in cmp.memory(p.placement))
     # A device whose activation budget is 70% of the smallest no-recompute peak.
     tight = _comparison((0.7 * min(peaks) + static) / 0.9 / 2**30)

@@ -262,14 +262,14 @@ def test_presets_fill_unset_flags_and_flags_win():
         [], world_size=4, base=["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1"]
     )
     assert (spec.pipeline_parallel, spec.data_parallel) == (1, 4)
-    assert spec.config.train.global_batch_size == 8 and spec.config.train.seq_length == 128
+    assert spec.training.global_batch_size == 8 and spec.training.seq_length == 128
     assert spec.sub_sizes == {"vit": 2} and spec.segments == {"vit": 1, "llm": 2}
     spec = _resolve(
         ["--global-batch-size", "6", "--pipeline-model-parallel-size", "2", "--dip-segments",
          "vit=2,llm=2", "--dip-sub-microbatch-size", "3", "--num-layers", "12"],
         world_size=2,
     )  # fmt: skip
-    assert spec.config.train.global_batch_size == 6 and spec.sub_sizes == {"vit": 3}
+    assert spec.training.global_batch_size == 6 and spec.sub_sizes == {"vit": 3}
     assert spec.model.module("llm").num_layers == 12
     assert [m.num_chunks for m in spec.placement.modules] == [4, 4]
     paper = _resolve(  # explicit segments: no start-up placement search at paper scale here
@@ -278,7 +278,10 @@ def test_presets_fill_unset_flags_and_flags_win():
         base=["--model", "vlm-s", "--train-iters", "2", "--lr", "1"],
     )
     assert (paper.tensor_parallel, paper.pipeline_parallel) == (4, 4)
-    assert paper.config.train.seq_length == 8192 and paper.config.dip.dip_data == "synthetic-mixed"
+    assert paper.training.seq_length == 8192 and (paper.data.kind, paper.data.value) == (
+        "synthetic",
+        "mixed",
+    )
 
 
 def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():

@@ -2,7 +2,7 @@
 
     python tools/simulate_paper.py --setups vlm-s --mixtures mixed --batches 50 --json out.json
 
-For every setup (DESIGN.md section 3) and data mixture, draws seeded synthetic global batches,
+For every setup (docs/design.md, "Paper setups") and data mixture, draws seeded synthetic global batches,
 plans each one with every schedule on the same microbatches, packing and data-parallel shards,
 simulates the plans with the cost model, and prints one table per setup and mixture. The stock
 rows are every static placement x schedule, each with its fastest Megatron recompute setting

@@ -126,7 +126,7 @@ def first_batches(spec, count: int) -> list:
     """The run's first `count` global batches (metadata), as its training stream draws them."""
     from megatron_dip.training.config.data_source import make_stream
 
-    t = spec.config.train
+    t = spec.training
     stream = make_stream(
         spec.data, spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
         limits=spec.limits,
@@ -140,14 +140,14 @@ def stock_results(spec, batches: Sequence) -> list[list]:
     its activations fit the device (the memory left after weights, gradients and optimizer
     state, as for DIP's plans)."""
     from megatron_dip.batching import layout_batch
-    from megatron_dip.planner.compare import activation_limits
+    from megatron_dip.planner.sizing import activation_limits
     from megatron_dip.planner.static_baselines import StaticPipeline
     from megatron_dip.planner.stock_configs import StockWork, evaluate_stock
     from megatron_dip.training.iteration.planning import make_planner
 
     planner = make_planner(spec)
     pipe = StaticPipeline(
-        spec.config.dip.dip_stock_placement, spec.placement, spec.stage_units,
+        spec.stock_placement, spec.placement, spec.stage_units,
         len(spec.stage_units[0]),
     )  # fmt: skip
     limits = activation_limits(

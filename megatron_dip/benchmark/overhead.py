@@ -60,7 +60,7 @@ class OverheadCase:
 
 def make_case(label: str, flags: Sequence[str], *, world_size: int, batches: int) -> OverheadCase:
     """Resolve `flags` (forced to zero sleep) and plan the run's first `batches` batches."""
-    from megatron_dip.training.iteration.planning import make_planner, replica_plan, stock_plan
+    from megatron_dip.training.iteration.planning import StockPlans, make_planner, replica_plan
 
     from .bench import first_batches, resolve_run
 
@@ -68,7 +68,8 @@ def make_case(label: str, flags: Sequence[str], *, world_size: int, batches: int
     spec = resolve_run(run, world_size=world_size)
     metas = first_batches(spec, batches)
     if spec.is_stock:
-        plans = [stock_plan(spec, b, 0) for b in metas]
+        stock = StockPlans(spec)
+        plans = [stock.plan(b, 0) for b in metas]
     else:
         planner = make_planner(spec)
         plans = [replica_plan(planner, b, 0, search=False).plan for b in metas]

@@ -187,7 +187,7 @@ class PlannerProcess:
 
 
 class ChildChannels:
-    """What `service.planner_loop` talks through inside the planner process: `batches` (a
+    """What `planner_loop.planner_loop` talks through inside the planner process: `batches` (a
     queue of batches, calibrations and the None stop sentinel), `results.put`, `decided.value`
     (iterations <= it are decided), `tick()` (the loop made progress), `started_at`."""
 

@@ -79,11 +79,11 @@ def _by_microbatch(plan: Plan, found: Mapping[int, Any]) -> dict[int, list]:
 def model_config(spec: RunSpec) -> ModelConfig:
     """Build-time options of the chunks from the flags."""
     return ModelConfig(
-        seed=spec.config.train.seed,
+        seed=spec.training.seed,
         dtype=spec.dtype,
-        init_std=spec.config.model.init_method_std,
+        init_std=spec.training.init_std,
         sequence_parallel=spec.sequence_parallel,
-        attention=spec.config.dip.dip_attention,
+        attention=spec.training.attention,
     )
 
 
@@ -132,7 +132,7 @@ class RealCompute:
         return _by_microbatch(plan, {s.sample_id: s for s in stream.samples(batch, ids)})
 
     def batch_source(self, *, plan: Plan, samples: Samples, device: torch.device) -> BatchSource:
-        train = self.spec.config.train
+        train = self.spec.training
         return SampleBatchSource(
             model=self.spec.model, plan=plan, samples=samples, seq_length=train.seq_length,
             seed=train.seed, device=device,

@@ -77,7 +77,7 @@ def ddp_config(spec: RunSpec):
 
     return DistributedDataParallelConfig(
         overlap_grad_reduce=True,
-        use_distributed_optimizer=spec.config.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=spec.distributed_optimizer,
         bucket_size=None,
         grad_reduce_in_fp32=spec.dtype != "float32",
     )
@@ -87,7 +87,7 @@ def build_model(spec: RunSpec, ctx: ParallelContext, *, backend: ComputeBackend)
     """Build (with `backend`), initialise and wrap this rank's chunks (module docstring)."""
     chunks = backend.build_chunks(ctx)
     for chunk in chunks:
-        chunk.config.calculate_per_token_loss = spec.config.model.calculate_per_token_loss
+        chunk.config.calculate_per_token_loss = spec.training.per_token_loss
     trainable = [c for c in chunks if any(p.requires_grad for p in c.parameters())]
     dp_groups = DataParallelGroups(dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, single=ctx.single)
     wrapped = dict(

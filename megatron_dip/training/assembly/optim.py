@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from megatron_dip import megatron_compat
 
-from ..checkpoint.resume_checks import schedule_of
 from ..config.run import RunSpec
 from .build import LocalModel
 from .setup import ParallelContext
@@ -50,7 +49,7 @@ class PlainAdamW:
     """torch AdamW with Megatron's gradient norm and clipping (see the module docstring)."""
 
     def __init__(self, model: LocalModel, *, spec: RunSpec, mp_group: dist.ProcessGroup) -> None:
-        t = spec.config.train
+        t = spec.training
         named = model.named_parameters()
         groups = param_groups(named, t.weight_decay)
         self.params = [p for g in groups for p in g["params"]]
@@ -116,13 +115,13 @@ def megatron_optimizer(model: LocalModel, *, spec: RunSpec, ctx: ParallelContext
     """Megatron-Core's optimizer over the DDP-wrapped chunks, explicit groups (CUDA only)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    t = spec.config.train
+    t = spec.training
     config = OptimizerConfig(
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
         clip_grad=t.clip_grad, bf16=spec.dtype == "bfloat16",
         params_dtype=torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32,
-        use_distributed_optimizer=spec.config.parallel.use_distributed_optimizer,
+        use_distributed_optimizer=spec.distributed_optimizer,
     )  # fmt: skip
     pgs = megatron_compat.process_group_collection(
         dp=ctx.dp, dp_cp=ctx.dp, tp=ctx.tp, pp=ctx.pp, mp=ctx.mp, expt_dp=ctx.single,
@@ -142,7 +141,7 @@ def build_optimizer(model: LocalModel, *, spec: RunSpec, ctx: ParallelContext):
     """Megatron-Core's optimizer on GPUs, when distributed or under --bf16 (its
     `Float16OptimizerWithFloat16Params`: fp32 master weights), else `PlainAdamW` (module
     docstring)."""
-    megatron = spec.cuda or spec.config.parallel.use_distributed_optimizer
+    megatron = spec.cuda or spec.distributed_optimizer
     if megatron or spec.dtype != "float32":
         return megatron_optimizer(model, spec=spec, ctx=ctx)
     for _, p in model.named_parameters():
@@ -154,12 +153,12 @@ def build_scheduler(optimizer, *, spec: RunSpec):
     """Megatron-Core's `OptimizerParamScheduler` from the --lr* flags."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t = spec.config.train
+    t = spec.training
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        **schedule_of(t),
-        wd_incr_steps=t.train_iters,
+        **t.schedule,
+        wd_incr_steps=t.iterations,
         wd_incr_style="constant",
         override_opt_param_scheduler=t.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,

@@ -181,7 +181,7 @@ def initialize(spec: RunSpec) -> ParallelContext:
     # Every blocking wait, collectives included, is bounded by --dip-comm-timeout-s: new groups
     # do not inherit the world group's timeout, so each one is given it (NCCL's watchdog enforces
     # it on CUDA, where the runtime's own waits do not block; see runtime/p2p.py).
-    timeout_s = spec.config.dip.dip_comm_timeout_s
+    timeout_s = spec.runtime.comm_timeout_s
     timeout = timedelta(seconds=timeout_s)
     owns = init_distributed(cuda=spec.cuda, timeout_s=timeout_s)
     world = dist.get_world_size()
@@ -202,7 +202,7 @@ def initialize(spec: RunSpec) -> ParallelContext:
         channels = ChannelGroups(groups["pp"], pipelines=layouts["pp"], timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if spec.cuda else torch.device("cpu")
     # Seeds torch and Megatron's RNG tracker; on CPU applies the Megatron-Core CPU fixes.
-    seed_model_parallel_rng(spec.config.train.seed, tp_rank=tp_rank)
+    seed_model_parallel_rng(spec.training.seed, tp_rank=tp_rank)
     ctx = ParallelContext(
         rank=me, world_size=world, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
         single=single, device=device, created=created, owns_world=owns, channels=channels,

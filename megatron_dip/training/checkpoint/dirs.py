@@ -3,7 +3,7 @@
 Torch-free and collective-free: `validate.py` calls `check_load` and `check_save` before any
 process group exists, so a bad --load / --save ends every rank at once with one line naming the
 flag and the file. Layout (Megatron-LM's names; the inside of an iteration directory is
-`checkpoint_io`'s):
+`storage`'s):
 
     DIR/latest_checkpointed_iteration.txt    the newest complete checkpoint, written last, atomically
     DIR/iter_0000100/                         one complete checkpoint (`MANIFEST` inside it)
@@ -14,7 +14,7 @@ flag and the file. Layout (Megatron-LM's names; the inside of an iteration direc
 An `iter_*` directory exists only once complete and verified: a training save writes into
 `.tmp`, writes the manifest, renames it to `.unverified`, and once the next iteration, computed
 with the saved weights, has a finite loss and gradient norm renames it to `iter_N` and only then
-rewrites the tracker (`checkpoint_io`). The tracker therefore never names weights that have not
+rewrites the tracker (`storage`). The tracker therefore never names weights that have not
 trained with a finite loss.
 """
 

@@ -1,4 +1,4 @@
-"""What rank 0 does to the files of a written checkpoint (`checkpoint_io.CheckpointWriter`'s
+"""What rank 0 does to the files of a written checkpoint (`storage.CheckpointWriter`'s
 finalize step): the manifest, the renames that publish it, and the words for a failed write.
 
 Torch-free; each step is atomic (a rename, or `write_atomically`) and fsynced, so a crash leaves

@@ -1,8 +1,8 @@
 """Training checkpoints in Megatron-Core's dist_checkpointing `torch_dist` format, keyed globally,
 so a checkpoint loads under any PP, TP, DP, --dip-schedule and --use-distributed-optimizer.
 
-What one checkpoint holds (the files: `checkpoint_io`; the directories and tracker:
-`checkpoint_dirs`):
+What one checkpoint holds (the files: `storage`; the directories and tracker:
+`checkpoint.dirs`):
 
 * the weights: every chunk's `sharded_state_dict()` (`models.sharded`): global parameter name
   (module, GLOBAL layer index), global shape, this rank's TP offset, replica ids;
@@ -133,7 +133,7 @@ def save(
     header = {
         "format": FORMAT, "content": "training", "iteration": iteration,
         "model": model_signature(spec.model), "layout": _layout(spec),
-        "schedule": spec.schedule, "flags": spec.config.flat(),
+        "schedule": spec.schedule, "flags": dict(spec.flags),
         "modules": [module_record(m) for m in spec.model.modules],
     }  # fmt: skip
     training = {
@@ -183,7 +183,7 @@ def load(
     checksums.verify(path, hint=load_hint(path))
     common = storage.load_common(path)
     header = check_header(common, path, spec.model)
-    c = spec.config.checkpoint
+    c = spec.checkpointing
     training = header["content"] == "training"
     if not c.no_load_optim and not training:
         raise CheckpointError(

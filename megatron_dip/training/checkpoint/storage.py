@@ -8,7 +8,7 @@ Inside a checkpoint directory (Megatron-LM's torch_dist layout plus one file of 
                          0.19 writes it into rank 0's shards: `megatron_compat.common_state_file`)
     .metadata            torch.distributed.checkpoint's index: every tensor's chunks and files
     __R_T.distcp         rank R's shards, writer thread T (each rank writes only its own)
-    checksums.json       MANIFEST (`checkpoint_files`): size and sha256 of every file above
+    checksums.json       MANIFEST (`checksums`): size and sha256 of every file above
 
 Saving (`CheckpointWriter.save`, collective): rank 0 checks the free space against the newest
 checkpoint's size and creates `iter_N.tmp` (every rank learns the outcome); `dist_checkpointing.save`
@@ -35,7 +35,7 @@ when one of its file writers dies (dist_checkpointing's would wait for it foreve
 the writers is bounded (`CheckpointWriter(timeout_s=...)`, --dip-comm-timeout-s in training); a
 failed or late save is one `CheckpointError` on every rank and publishes nothing.
 
-Loading (collective, after `checkpoint_files.verify` checked every file against the manifest):
+Loading (collective, after `checksums.verify` checked every file against the manifest):
 the requested keys and global shapes are checked against the checkpoint's index, and
 `dist_checkpointing.load` fills the requested tensors in place, resharding as needed.
 """

@@ -28,20 +28,24 @@ from megatron_dip.data.packing import PackingLimits
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
-from megatron_dip.planner.compare import activation_limits, average_workload
 from megatron_dip.planner.devices import GIB
-from megatron_dip.planner.dip import DipPlanner
+from megatron_dip.planner.dip import DipPlanner, PlannerConfig, scoring_config
 from megatron_dip.planner.placement import (
     PlacementCandidate,
     build_dip_placement,
     choose_dip_placement,
     parse_segments,
-    segments_per_module,
 )
 from megatron_dip.planner.placement_search import (
     greedy_score,
     rank_load_bound,
     static_candidates,
+)
+from megatron_dip.planner.sizing import (
+    MemoryBudgetError,
+    activation_budget,
+    automatic_segments,
+    average_workload,
 )
 from megatron_dip.planner.static_baselines import (
     one_list_pipeline,
@@ -49,12 +53,11 @@ from megatron_dip.planner.static_baselines import (
     stock_pipeline,
 )
 from megatron_dip.planner.submicrobatch import choose_sub_sizes
-from megatron_dip.schedule.ir import Placement, Recompute
+from megatron_dip.schedule.ir import Placement
 
 from .arguments import ConfigError, TrainConfig
 from .arguments import fail as _fail
 from .data_source import DataSpec, make_stream
-from .planner_config import planner_config, scoring_config
 
 logger = logging.getLogger(__name__)
 
@@ -127,28 +130,6 @@ def split_all(model: MultimodalSpec, microbatches, config: LayoutConfig) -> list
         raise _fail("--seq-length", str(e)) from None
 
 
-def automatic_segments(model: MultimodalSpec, cost_model, workload, pp: int) -> dict[str, int]:
-    """K_i = floor(T_i / T_min) per module (the paper's rule), capped so that each of the
-    P * K_i chunks keeps at least one layer (logged when the cap applies)."""
-    per_sample = {
-        m.name: cost_model.module_time(
-            m.name, instances=workload[m.name].instances, tokens=workload[m.name].tokens
-        )
-        / max(1, workload[m.name].instances)
-        for m in model.modules
-    }
-    wanted = segments_per_module(model, per_sample)
-    capped = {m.name: max(1, min(wanted[m.name], m.num_layers // pp)) for m in model.modules}
-    if capped != wanted:
-        logger.info(
-            "segments per module %s capped to %s: %d pipeline ranks need a layer per chunk",
-            wanted,
-            capped,
-            pp,
-        )
-    return capped
-
-
 def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
     schedule = config.dip.dip_schedule
     if config.dip.dip_segments not in (None, "auto"):
@@ -175,47 +156,27 @@ def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
     return pipe.placement, pipe.stage_units
 
 
-def activation_need(
-    placement: Placement, cost_model, works: list[MicrobatchWork], model: MultimodalSpec
-) -> tuple[float, str]:
-    """Bytes the largest stage holds even under full recomputation: no plan needs less on its
-    rank. Returns (bytes, which stage)."""
-    best, where = 0.0, ""
-    trainable = {m.name for m in model.modules if m.trainable}
-    for layout in placement.modules:
-        if layout.name not in trainable:
-            continue
-        subs = [s for w in works for s in w.submicrobatches if s.module == layout.name]
-        for chunk in layout.chunks:
-            for sub in subs:
-                need = cost_model.chunk_activation_bytes(chunk, sub, Recompute.FULL)
-                if need > best:
-                    best, where = need, f"{layout.name} chunk {chunk.index} on rank {chunk.rank}"
-    return best, where
-
-
 def _memory_limit(config, placement, cost_model, works, model, *, tp: int, device):
-    need, where = activation_need(placement, cost_model, works, model)
+    """`planner.sizing.activation_budget` of --dip-memory-limit-gb or the device, with the
+    flag to change when no plan fits."""
     given = config.dip.dip_memory_limit_gb
-    if given is not None:
-        limit = [given * 2**30] * placement.num_ranks
-        if given * 2**30 < need:
+    try:
+        return activation_budget(
+            placement, cost_model, works, model, given_bytes=None if given is None else given * GIB,
+            device=device, tensor_parallel=tp,
+        )  # fmt: skip
+    except MemoryBudgetError as e:
+        if e.given:
             raise _fail(
                 "--dip-memory-limit-gb",
-                f"{given} GiB is below the {gib(need)} that {where} holds even with full "
+                f"{given} GiB is below the {gib(e.need)} that {e.where} holds even with full "
                 "recomputation; no plan fits",
-            )
-        return limit
-    if device is None:
-        return None  # CPU: no activation limit
-    limit = activation_limits(placement, cost_model, device=device, tensor_parallel=tp)
-    if min(limit) < need:
+            ) from None
         raise _fail(
             "--pipeline-model-parallel-size/--tensor-model-parallel-size",
-            f"weights and optimizer state leave {gib(min(limit))} for activations on some rank, "
-            f"below the {gib(need)} that {where} needs; use more model parallelism",
-        )
-    return limit
+            f"weights and optimizer state leave {gib(e.budget)} for activations on some rank, "
+            f"below the {gib(e.need)} that {e.where} needs; use more model parallelism",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -229,13 +190,10 @@ class _Sizing:
     works: list[MicrobatchWork]  # calibration microbatches cut with the chosen sub sizes
     workload: dict
     sub_sizes: dict[str, int]
-    limits: PackingLimits
     tp: int
     pp: int
-    dp: int
-    dtype: str
     device: object
-    recompute: tuple | None  # Megatron's recompute flags, which the run's planner starts from
+    base: PlannerConfig  # the run's planner configuration, sized here
 
     def memory_limit(self, placement: Placement) -> list[float] | None:
         return _memory_limit(
@@ -258,13 +216,8 @@ class _Sizing:
 
     def planner(self, cand: PlacementCandidate, limit: list[float] | None) -> DipPlanner:
         """The run's planner (greedy, `scoring_config`) on the candidate placement."""
-        config = scoring_config(
-            planner_config(
-                self.config, data_parallel=self.dp, tensor_parallel=self.tp,
-                sub_sizes=self.sub_sizes, memory_limit=limit, dtype=self.dtype,
-                packing=self.limits, uniform_recompute=self.recompute,
-            )
-        )  # fmt: skip
+        config = replace(self.base, sub_sizes=dict(self.sub_sizes), memory_limit_bytes=limit)
+        config = scoring_config(config)
         return DipPlanner(
             self.model, self.cost_model, cand.placement, config, stage_units=cand.stage_units
         )
@@ -331,18 +284,15 @@ def build_layout(
     cost_model,
     *,
     data: DataSpec,
-    limits: PackingLimits,
-    tp: int,
+    base: PlannerConfig,
     pp: int,
-    dp: int,
-    dtype: str,
     sub_sizes: Mapping[str, int] | None,
     device,
-    uniform_recompute: tuple | None = None,
 ) -> Layout:
     """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit;
-    `uniform_recompute`: the run planner's starting recompute mode (Megatron's flags), which
-    the placement search's planners start from too."""
+    `base`: the run's planner configuration before sizing (its packing, TP, starting recompute
+    mode), which the placement search's planners use too."""
+    limits, tp = base.packing, base.tensor_parallel
     batches = calibration_batches(config, model, data, limits)
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]
     whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)
@@ -357,8 +307,8 @@ def build_layout(
         sizes = choose_sub_sizes(model, cost_model, workload, given=sub_sizes, chunks=chunks)
         split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
         sizing = _Sizing(
-            config, model, cost_model, batches, split, workload, sizes, limits,
-            tp=tp, pp=pp, dp=dp, dtype=dtype, device=device, recompute=uniform_recompute,
+            config, model, cost_model, batches, split, workload, sizes,
+            tp=tp, pp=pp, device=device, base=base,
         )  # fmt: skip
         chosen = _dip_placement(sizing, segments, given=given)
     except ValueError as e:

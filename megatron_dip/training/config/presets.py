@@ -3,7 +3,7 @@
 A speedup only means something together with its batch, so `--model NAME` sets the global batch
 (packed microbatches), the sequence length, the data mixture and its scaling, the parallel sizes
 and the sub-microbatch sizes; every one of them can still be overridden by its own flag.
-The paper's setups (`modelspec.PAPER_SETUPS`, DESIGN.md section 3) are named like the paper
+The paper's setups (`modelspec.PAPER_SETUPS`, docs/design.md, "Paper setups") are named like the paper
 (plus `omni-s`: VLM-S with a Whisper-large-sized audio encoder); `tiny-vlm` / `tiny-t2v` /
 `tiny-omni` are the CPU quick-start and test runs.
 """

@@ -69,9 +69,9 @@ def run_kernels(config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool) -
 
 
 def run_cost_model(
-    config: TrainConfig, model, device, *, tp: int, dtype: str, kernels: Kernels
+    config: TrainConfig, model, device, *, tp: int, sp: bool, dtype: str, kernels: Kernels
 ) -> CostModel:
-    sp = config.parallel.sequence_parallel and tp > 1
+    """The cost model of the run's TP rank (`sp`: sequence parallel, as `resolve` derived it)."""
     profile = None
     if config.dip.dip_cost_profile is not None:
         try:

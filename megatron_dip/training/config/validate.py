@@ -15,21 +15,24 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 from megatron_dip.batching import packing_limits
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.planner.dip import planner_config
+from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute, RecomputeMode
 
 from ..checkpoint import dirs
 from ..checkpoint.dirs import CheckpointError
+from ..checkpoint.resume_checks import schedule_of
 from .arguments import ConfigError, TrainConfig
 from .arguments import fail as _fail
 from .data_config import data_spec, model_spec
-from .planner_config import planner_config
 from .presets import RunPreset, get_run_preset
 from .pricing import run_cost_model, run_device, run_kernels
-from .run import RunSpec
+from .run import Checkpointing, Reporting, RunSpec, RuntimeLimits, Training
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ def _check_checkpoint_flags(config: TrainConfig) -> None:
 def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
     """(the checkpoint --load resumes from or None, the pretrained weights to start from),
     after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
-    --train-iters against the file system (`checkpoint_dirs`, `finetune`)."""
+    --train-iters against the file system (`checkpoint.dirs`, `finetune`)."""
     from ..checkpoint.finetune import pretrained_sources
     from ..checkpoint.resume_checks import check_resume
 
@@ -171,13 +174,6 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
         raise ConfigError(str(e)) from None
     check_resume(config, resume)
     return resume, pretrained
-
-
-def _check_platform(config: TrainConfig, *, cuda: bool) -> None:
-    # --bf16 runs on the CPU too (torch computes bfloat16 there): Megatron's mixed-precision
-    # optimizer, bf16 messages and fp32 master weights are the same code as on GPUs.
-    del cuda
-    recompute_mode(config)  # refuses a bad combination
 
 
 def recompute_mode(config: TrainConfig) -> RecomputeMode:
@@ -285,9 +281,11 @@ def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] |
     return sizes
 
 
-def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
+def _sequence_parallel(config: TrainConfig, tp: int) -> bool:
+    """Whether activations are sharded along the sequence over TP (--sequence-parallel, which
+    needs TP > 1): derived here once, read by the cost model, planner, chunks and runtime."""
     if not config.parallel.sequence_parallel:
-        return
+        return False
     if tp == 1:
         raise _fail("--sequence-parallel", "needs tensor parallelism (TP > 1)")
     if config.train.seq_length % tp:
@@ -296,6 +294,7 @@ def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
             f"--seq-length {config.train.seq_length} must be a multiple of TP={tp} "
             "(the sequence is split over the tensor-parallel ranks)",
         )
+    return True
 
 
 def check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
@@ -355,41 +354,100 @@ def resolve(
     else:
         tp, pp, dp = _check_sizes(config, world_size)
     _check_training(config)
-    _check_platform(config, cuda=cuda)
+    recompute = recompute_mode(config)  # refuses a bad combination
     _check_dip(config)
     check_tensor_parallel(model, tp)
-    _check_sequence_parallel(config, tp)
+    sp = _sequence_parallel(config, tp)
     data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     dtype = "bfloat16" if config.model.bf16 else "float32"
     # An emulated run prices and shapes messages as the real (bf16, GPU) run it stands for.
     plan_dtype = "bfloat16" if emulate else dtype
     device = run_device(config, cuda=cuda)
     kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
-    cost = run_cost_model(config, model, device, tp=tp, dtype=plan_dtype, kernels=kernels)
-    limits = packing_limits(model, config.train.seq_length)
-    recompute = recompute_mode(config)
+    cost = run_cost_model(config, model, device, tp=tp, sp=sp, dtype=plan_dtype, kernels=kernels)
     uniform = None if recompute == NO_RECOMPUTE else recompute
+    base = planner_config(
+        seq_length=config.train.seq_length, data_parallel=dp, tensor_parallel=tp,
+        sequence_parallel=sp, dtype=plan_dtype,
+        packing=packing_limits(model, config.train.seq_length), search=_search(config),
+        use_search=config.dip.dip_search_time_ms > 0, uniform_recompute=uniform,
+    )  # fmt: skip
     sizing = functools.partial(
-        build_layout, config, model, cost, data=data, limits=limits, tp=tp, pp=pp, dp=dp,
-        dtype=plan_dtype, sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
-        device=device if cuda or emulate else None, uniform_recompute=uniform,
+        build_layout, config, model, cost, data=data, base=base, pp=pp,
+        sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
+        device=device if cuda or emulate else None,
     )  # fmt: skip
     layout = sizing() if shared is None else shared(sizing)
     _check_tied_embeddings(config, model, layout.placement)
-    planner = planner_config(
-        config, data_parallel=dp, tensor_parallel=tp, sub_sizes=layout.sub_sizes,
-        memory_limit=layout.memory_limit, dtype=plan_dtype, packing=limits,
-        uniform_recompute=uniform,
-    )  # fmt: skip
+    planner = replace(
+        base, sub_sizes=dict(layout.sub_sizes), memory_limit_bytes=layout.memory_limit
+    )
     resume, pretrained = check_checkpoints(config, model)  # last: it creates --save
     return RunSpec(
-        config=config, preset=preset, model=model, world_size=world_size,
-        tensor_parallel=1 if emulate else tp,
-        emulate_scale=config.dip.dip_emulate_scale if emulate else None,
-        pipeline_parallel=pp, data_parallel=dp, cuda=cuda, dtype=dtype, data=data,
-        limits=limits, sub_sizes=layout.sub_sizes, device=device, cost_model=cost,
-        placement=layout.placement, stage_units=layout.stage_units, planner=planner,
-        memory_limit_bytes=layout.memory_limit, segments=layout.segments, recompute=recompute,
+        preset=preset, model=model, schedule=config.dip.dip_schedule, cuda=cuda, dtype=dtype,
+        world_size=world_size, tensor_parallel=1 if emulate else tp, pipeline_parallel=pp,
+        data_parallel=dp, sequence_parallel=sp and not emulate,
+        distributed_optimizer=config.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+        data=data, limits=base.packing, sub_sizes=layout.sub_sizes, device=device,
+        cost_model=cost, placement=layout.placement, stage_units=layout.stage_units,
+        planner=planner, memory_limit_bytes=layout.memory_limit,
+        training=training_settings(config), checkpointing=_checkpointing(config),
+        reporting=_reporting(config), runtime=_runtime(config),
+        stock_placement=config.dip.dip_stock_placement, segments=layout.segments,
         placement_name=layout.placement_name,
-        resume=resume, pretrained=pretrained,
+        emulate_scale=config.dip.dip_emulate_scale if emulate else None,
+        recompute=recompute, resume=resume, pretrained=pretrained, flags=config.flat(),
+    )  # fmt: skip
+
+
+def _search(config: TrainConfig) -> SearchConfig:
+    """The planner process's search: it stops after its rollout budget or --dip-search-time-ms,
+    whichever comes first (only the planner process searches; every rank runs its plan)."""
+    d = config.dip
+    return SearchConfig(
+        time_budget_s=d.dip_search_time_ms / 1e3, workers=d.dip_planner_workers,
+        seed=config.train.seed,
+    )  # fmt: skip
+
+
+def training_settings(config: TrainConfig) -> Training:
+    """The optimisation settings of `config` (preset defaults already filled in), resolved."""
+    t, m = config.train, config.model
+    return Training(
+        iterations=t.train_iters, global_batch_size=t.global_batch_size,
+        seq_length=t.seq_length, seed=t.seed, init_std=m.init_method_std,
+        per_token_loss=m.calculate_per_token_loss, attention=config.dip.dip_attention,
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+        schedule=schedule_of(t), override_opt_param_scheduler=t.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+    )  # fmt: skip
+
+
+def _checkpointing(config: TrainConfig) -> Checkpointing:
+    c = config.checkpoint
+    return Checkpointing(
+        save=c.save, save_interval=c.save_interval, async_save=c.async_save, load=c.load,
+        no_load_optim=c.no_load_optim, no_load_rng=c.no_load_rng,
+    )  # fmt: skip
+
+
+def _reporting(config: TrainConfig) -> Reporting:
+    lg, d = config.logging, config.dip
+    return Reporting(
+        log_interval=lg.log_interval, eval_interval=lg.eval_interval, eval_iters=lg.eval_iters,
+        tensorboard_dir=lg.tensorboard_dir, trace_dir=d.dip_trace_dir,
+        trace_interval=d.dip_trace_interval, metrics_json=d.dip_metrics_json,
+        log_blend=d.dip_log_blend,
+    )  # fmt: skip
+
+
+def _runtime(config: TrainConfig) -> RuntimeLimits:
+    d = config.dip
+    return RuntimeLimits(
+        comm_timeout_s=d.dip_comm_timeout_s, planner_timeout_s=d.dip_planner_timeout_s,
+        lookahead=d.dip_lookahead, calibration_window=d.dip_calibration_window,
+        calibration_frozen=d.dip_calibration_frozen,
+        max_nonfinite_iters=d.dip_max_nonfinite_iters,
     )  # fmt: skip

@@ -48,7 +48,7 @@ from .log import IntervalLog, IterationRecord, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record
 from .nonfinite import NonFiniteError, NonFiniteStreak, finite, resume_advice
-from .planning import DipPlans, stock_plan
+from .planning import DipPlans, StockPlans
 from .step import DipStep, StepResult, run_stock, scale_gradients
 
 logger = logging.getLogger("megatron_dip.training")
@@ -80,9 +80,9 @@ class Trainer:
 
     def __init__(self, spec: RunSpec, ctx: ParallelContext) -> None:
         self.spec, self.ctx = spec, ctx
-        cfg = spec.config
         # The planner process starts first: it imports and plans while the model is built.
         self.plans = DipPlans(spec, ctx) if not spec.is_stock else None
+        self.stock = StockPlans(spec) if spec.is_stock else None
         # Real or emulated compute (--dip-emulate-compute): chosen here, once.
         self.backend = select_backend(spec)
         self.model: LocalModel = build_model(spec, ctx, backend=self.backend)
@@ -92,20 +92,20 @@ class Trainer:
         self.stream = self._stream(evaluation=False)
         self.eval_stream = None
         self.calibration = Calibration(
-            window=cfg.dip.dip_calibration_window, frozen=cfg.dip.dip_calibration_frozen
+            window=spec.runtime.calibration_window, frozen=spec.runtime.calibration_frozen
         )
         self.iteration = 0
         self.consumed = 0
         self.blanked = 0  # samples trained as blank stand-ins (`_blank_samples`), all ranks
         self.named_bad: set[str] = set()
         self.result = TrainResult()
-        self.nonfinite = NonFiniteStreak(cfg.dip.dip_max_nonfinite_iters)
+        self.nonfinite = NonFiniteStreak(spec.runtime.max_nonfinite_iters)
         self.writer = None
-        if cfg.checkpoint.save:
+        if spec.checkpointing.save:
             self.writer = CheckpointWriter(
                 group=ctx.dp,
-                async_save=cfg.checkpoint.async_save,
-                timeout_s=cfg.dip.dip_comm_timeout_s,
+                async_save=spec.checkpointing.async_save,
+                timeout_s=spec.runtime.comm_timeout_s,
                 verify=True,  # published once the next iteration trains finitely on them
             )
         self.loaded: tuple | None = None  # (path, iteration) of the checkpoint --load read
@@ -113,14 +113,14 @@ class Trainer:
         self.modules = [m.name for m in spec.model.modules]
         self.plan_wait = 0.0  # seconds the last iteration waited for its plan (metrics)
         self.log = IntervalLog(
-            train_iters=cfg.train.train_iters,
+            train_iters=spec.training.iterations,
             world_size=ctx.world_size,
-            global_batch=cfg.train.global_batch_size,
-            tensorboard_dir=cfg.logging.tensorboard_dir if ctx.is_logging_rank else None,
+            global_batch=spec.training.global_batch_size,
+            tensorboard_dir=spec.reporting.tensorboard_dir if ctx.is_logging_rank else None,
         )
 
     def _stream(self, *, evaluation: bool):
-        t = self.spec.config.train
+        t = self.spec.training
         return make_stream(
             self.spec.data, self.spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
             limits=self.spec.limits, evaluation=evaluation,
@@ -129,7 +129,7 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
 
     def load(self) -> None:
-        c, resume = self.spec.config.checkpoint, self.spec.resume
+        c, resume = self.spec.checkpointing, self.spec.resume
         if resume is None and self.spec.pretrained:
             self._load_pretrained()
             return
@@ -185,7 +185,7 @@ class Trainer:
 
     def _save(self) -> None:
         checkpoint.save(
-            self.spec.config.checkpoint.save, iteration=self.iteration, spec=self.spec,
+            self.spec.checkpointing.save, iteration=self.iteration, spec=self.spec,
             ctx=self.ctx, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             stream_state=self.stream.state_dict(), calibration=self.calibration.state_dict(),
             consumed_samples=self.consumed,
@@ -203,7 +203,7 @@ class Trainer:
         asked = time.perf_counter()
         with watch.phase("plan fetch", group_name="plan store of rank 0, world"):
             if self.plans is None:
-                plan, variant = stock_plan(spec, batch, ctx.dp_rank), spec.schedule
+                plan, variant = self.stock.plan(batch, ctx.dp_rank), spec.schedule
             elif evaluation:
                 plan, variant = self.plans.eval_plan(batch), "eval"
             else:
@@ -252,7 +252,7 @@ class Trainer:
         self.model.zero_grad()
         self.optimizer.zero_grad()
         batch, plan, variant, result, stats = self._forward_backward(self.stream, evaluation=False)
-        if self.spec.is_stock and self.spec.config.model.calculate_per_token_loss:
+        if self.spec.is_stock and self.spec.training.per_token_loss:
             scale_gradients(self.model, 1.0 / max(stats.loss_tokens, 1.0))
         with self.ctx.watch.phase("optimizer step", group=self.ctx.mp, group_name="model group"):
             ok, norm, _ = self.optimizer.step()
@@ -346,9 +346,9 @@ class Trainer:
         return self.backend.predicted(plan, channel=result.channel, calibration=self.calibration)
 
     def _report(self, batch, plan, variant, result: StepResult, stats, seconds, norm, bound):
-        it, cfg = self.iteration, self.spec.config
-        logging_now = it % cfg.logging.log_interval == 0 or it == cfg.train.train_iters
-        tracing = cfg.dip.dip_trace_dir is not None and it % cfg.dip.dip_trace_interval == 0
+        it, spec = self.iteration, self.spec
+        logging_now = it % spec.reporting.log_interval == 0 or it == spec.training.iterations
+        tracing = spec.reporting.trace_dir is not None and it % spec.reporting.trace_interval == 0
         spans = self._gather_spans(result) if tracing else None
         if not self.ctx.is_logging_rank:
             return
@@ -373,17 +373,17 @@ class Trainer:
         )  # fmt: skip
         if logging_now:
             logger.info(self.log.line() + self._blend_shares())
-        if cfg.dip.dip_metrics_json:
+        if spec.reporting.metrics_json:
             self._write_metrics(plan, variant, stats, seconds, sim, result)
         if spans is not None:
             planned = sim or simulate(plan, self.spec.cost_model, channel=result.channel)
-            write_trace(cfg.dip.dip_trace_dir, it, planned, spans)
+            write_trace(spec.reporting.trace_dir, it, planned, spans)
 
     def _blend_shares(self) -> str:
         """--dip-log-blend: " | blend: NAME 49.8%, ..." of the samples consumed so far (sources
         without a blend, e.g. LLaVA JSON, give nothing)."""
         shares = getattr(self.stream.source, "realised_shares", None)
-        if not self.spec.config.dip.dip_log_blend or shares is None:
+        if not self.spec.reporting.log_blend or shares is None:
             return ""
         names = [p.name for p in self.stream.source.parts]
         got = shares(self.consumed)
@@ -399,7 +399,7 @@ class Trainer:
             "busy_seconds": stats.max_busy, "plan_wait_seconds": self.plan_wait,
         }  # fmt: skip
         record.update(self.backend.metrics(plan, sim=sim, channel=result.channel))
-        append_record(self.spec.config.dip.dip_metrics_json, record)
+        append_record(self.spec.reporting.metrics_json, record)
 
     def _gather_spans(self, result: StepResult) -> list | None:
         """Measured spans of replica 0's pipeline ranks, by pipeline rank, on rank 0."""
@@ -420,7 +420,7 @@ class Trainer:
         if self.eval_stream is None:
             self.eval_stream = self._stream(evaluation=True)
         loss = tokens = 0.0
-        n = self.spec.config.logging.eval_iters
+        n = self.spec.reporting.eval_iters
         for _ in range(n):
             *_, stats = self._forward_backward(self.eval_stream, evaluation=True)
             loss += stats.loss * stats.loss_tokens
@@ -434,8 +434,8 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------
 
     def run(self) -> TrainResult:
-        cfg = self.spec.config
-        if cfg.checkpoint.load is not None or self.spec.pretrained:
+        spec = self.spec
+        if spec.checkpointing.load is not None or self.spec.pretrained:
             self.load()
         if self.plans is not None:
             self.plans.ahead(self.stream)  # the first batches, before the warm-up
@@ -443,19 +443,19 @@ class Trainer:
             warm_up_pipeline(self.ctx, pipeline_peers(self.spec.placement, self.ctx.pp_rank))
         self.result.first_iteration = self.iteration
         saved_at = None
-        while self.iteration < cfg.train.train_iters:
+        while self.iteration < spec.training.iterations:
             self.train_step()
             it = self.iteration
             if (
-                cfg.checkpoint.save
-                and cfg.checkpoint.save_interval
-                and it % cfg.checkpoint.save_interval == 0
+                spec.checkpointing.save
+                and spec.checkpointing.save_interval
+                and it % spec.checkpointing.save_interval == 0
             ):
                 self.save()
                 saved_at = it
-            if cfg.logging.eval_interval and it % cfg.logging.eval_interval == 0:
+            if spec.reporting.eval_interval and it % spec.reporting.eval_interval == 0:
                 self.evaluate()
-        if cfg.checkpoint.save and saved_at != self.iteration:
+        if spec.checkpointing.save and saved_at != self.iteration:
             self.save()
         if self.writer is not None:
             self._verify_final_save()
@@ -479,7 +479,7 @@ class Trainer:
 def _nothing_to_train(spec: RunSpec) -> bool:
     """--load of a checkpoint at --train-iters: say so in one line (a later one is refused by
     validation)."""
-    resume, iters = spec.resume, spec.config.train.train_iters
+    resume, iters = spec.resume, spec.training.iterations
     if resume is None or resume.iteration < iters:
         return False
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -499,8 +499,8 @@ def pretrain(spec: RunSpec) -> TrainResult:
     ctx = initialize(spec)
     trainer, completed, lock = None, False, None
     try:
-        if spec.config.checkpoint.save:  # one job at a time on --save, before any work
-            lock = hold_save_lock(spec.config.checkpoint.save, rank=ctx.rank)
+        if spec.checkpointing.save:  # one job at a time on --save, before any work
+            lock = hold_save_lock(spec.checkpointing.save, rank=ctx.rank)
         with ctx.watch.phase("start-up"):
             trainer = Trainer(spec, ctx)
         result = trainer.run()

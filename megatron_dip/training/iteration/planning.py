@@ -14,7 +14,7 @@ store, where the planner process picks them up before planning its next batch. A
 carries the calibration version it was planned with (`plan_calibration`): possibly older than the
 ranks' current one, still the one plan every rank runs.
 
-Stock (`stock_plan`): Megatron's order on the stock placement, in the plan format, so that the same
+Stock (`StockPlans`): Megatron's order on the stock placement, in the plan format, so that the same
 `SampleBatchSource` feeds Megatron's own schedule functions and the simulator can predict them.
 The global batch is packed once and split into equal contiguous shares, as Megatron does.
 """
@@ -108,22 +108,22 @@ class DipPlans:
         self.planner = make_planner(spec)
         self.calibration_version = 0
         self.plan_calibration = 0  # calibration version of the last plan handed out
-        self.lookahead = spec.config.dip.dip_lookahead
+        self.lookahead = spec.runtime.lookahead
         self.variants: Counter[str] = Counter()
         self.service: PlannerService | None = None
         self.client: PlanClient | None = None
         self._submitted = -1
         if self.lookahead > 0:
-            store, address = _share_store(ctx, timeout_s=spec.config.dip.dip_comm_timeout_s)
+            store, address = _share_store(ctx, timeout_s=spec.runtime.comm_timeout_s)
             self.client = PlanClient(store, replica=ctx.dp_rank, shares_fallback=ctx.rank == 0)
             if ctx.rank == 0:
                 factory = planner_factory(spec)
-                d = spec.config.dip
+                silent = spec.runtime.planner_timeout_s
                 self.service = PlannerService(
                     factory, address, lookahead=self.lookahead, faults=spec.planner_faults,
-                    timeout_s=d.dip_planner_timeout_s,
+                    timeout_s=silent,
                     # a plan may take the search budget on top
-                    busy_limit_s=3 * d.dip_planner_timeout_s + d.dip_search_time_ms / 1e3,
+                    busy_limit_s=3 * silent + spec.planner.search.time_budget_s,
                 )  # fmt: skip
                 self.service.start()
 
@@ -185,27 +185,34 @@ class DipPlans:
             self.service = None
 
 
-def stock_plan(
-    spec: RunSpec, batch: BatchMeta, replica: int, *, forward_only: bool = False
-) -> Plan:
-    """Megatron's schedule for this replica's equal share of the packed global batch."""
-    # Shapes as the planner sees the run (under --dip-emulate-compute: the emulated TP and dtype).
-    planner = make_planner(spec)
-    config = planner.layout_config.with_whole_modules()
-    layout = layout_batch(spec.model, batch, config)
-    mine = layout.replicas[replica]
-    sub_of = mine.sub_of()
-    plan = build_megatron_plan(
-        placement=spec.placement,
-        stage_units=spec.stage_units,
-        submicrobatches=list(mine.submicrobatches),
-        dependencies=list(mine.dependencies),
-        microbatches=list(mine.infos),
-        totals=layout.totals,
-        num_model_chunks=len(spec.stage_units[0]),
-        tensors=planner.shapes.for_lookup(sub_of.__getitem__),
-        iteration=batch.iteration,
-        forward_only=forward_only,
-    )
-    # Megatron's recompute flags apply to every stage alike.
-    return plan if forward_only else with_recompute(plan, spec.recompute)
+class StockPlans:
+    """Megatron's schedule for each replica's equal share of the packed global batch, in the
+    plan format. How batches are cut and what the messages hold are the run's and fixed, so
+    they are read once from the run's planner here, not per iteration."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        # Shapes as the planner sees the run (--dip-emulate-compute: the emulated TP and dtype).
+        planner = make_planner(spec)
+        self.spec = spec
+        self.layout_config = planner.layout_config.with_whole_modules()
+        self.shapes = planner.shapes
+
+    def plan(self, batch: BatchMeta, replica: int, *, forward_only: bool = False) -> Plan:
+        """Replica `replica`'s plan of `batch` (Megatron's recompute flags on every stage)."""
+        spec = self.spec
+        layout = layout_batch(spec.model, batch, self.layout_config)
+        mine = layout.replicas[replica]
+        sub_of = mine.sub_of()
+        plan = build_megatron_plan(
+            placement=spec.placement,
+            stage_units=spec.stage_units,
+            submicrobatches=list(mine.submicrobatches),
+            dependencies=list(mine.dependencies),
+            microbatches=list(mine.infos),
+            totals=layout.totals,
+            num_model_chunks=len(spec.stage_units[0]),
+            tensors=self.shapes.for_lookup(sub_of.__getitem__),
+            iteration=batch.iteration,
+            forward_only=forward_only,
+        )
+        return plan if forward_only else with_recompute(plan, spec.recompute)

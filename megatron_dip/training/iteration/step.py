@@ -71,7 +71,7 @@ class DipStep:
         self, spec: RunSpec, ctx: ParallelContext, model: LocalModel, backend: ComputeBackend
     ) -> None:
         self.recorder = SpanRecorder()
-        per_token = spec.config.model.calculate_per_token_loss
+        per_token = spec.training.per_token_loss
         self.runtimes = {
             False: self._runtime(spec, ctx, backend, model.chunks, LossConfig(per_token=per_token)),
             True: self._runtime(
@@ -100,7 +100,7 @@ class DipStep:
             config=ExecutorConfig(
                 loss=loss,
                 validate=False,
-                p2p=P2PConfig(timeout_s=spec.config.dip.dip_comm_timeout_s),
+                p2p=P2PConfig(timeout_s=spec.runtime.comm_timeout_s),
             ),
             channels=ctx.channels,
             # The plan verdict is agreed over tensor-parallel peers and replicas too (every rank
@@ -163,7 +163,7 @@ def run_stock(
     Megatron's activation recomputation (--recompute-granularity) inside the stages. With
     --overlap-grad-reduce the schedule drives the data-parallel reduction through Megatron-LM's
     DDP hooks (overlapped with the backward); otherwise it runs after the schedule."""
-    overlap = spec.config.parallel.overlap_grad_reduce and not forward_only
+    overlap = spec.overlap_grad_reduce and not forward_only
     pipe = StockPipeline(
         chunks=model.chunks,
         all_stage_units=spec.stage_units,
@@ -173,9 +173,9 @@ def run_stock(
         tensor_fn=backend.tensor_fn(plan),
         pp_group=ctx.pp,
         single_group=ctx.single,
-        # PP=2 interleaved + batched p2p swaps activations and gradients (MEGATRON-ON-CPU.md).
+        # PP=2 interleaved + batched p2p swaps activations and gradients (docs/design.md, "Megatron-Core on a CPU").
         batch_p2p=not (len(spec.stage_units[0]) > 1 and spec.pipeline_parallel == 2),
-        per_token=spec.config.model.calculate_per_token_loss,
+        per_token=spec.training.per_token_loss,
         recompute=spec.recompute[0],
         recompute_layers=spec.recompute[1],
         overlap_grad_reduce=overlap,
