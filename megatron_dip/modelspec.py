@@ -280,9 +280,15 @@ def _arch(shape: LayerShape) -> Architecture:
 
 def _vit(layers: int, shape: LayerShape, llm: LayerShape, **extra) -> ModuleSpec:
     return ModuleSpec(
-        "vit", "vit", layers, shape, feeds="llm", out_hidden=llm.hidden,
-        placeholder_id=IMAGE_TOKEN, **extra,
-    )  # fmt: skip
+        "vit",
+        "vit",
+        layers,
+        shape,
+        feeds="llm",
+        out_hidden=llm.hidden,
+        placeholder_id=IMAGE_TOKEN,
+        **extra,
+    )
 
 
 def _vlm(
@@ -315,15 +321,22 @@ def _omni(
         (
             _vit(vit[1], vit[0], llm_shape, **vit_extra),
             ModuleSpec(
-                "audio", "audio", audio[1], audio[0], feeds="llm", patch_size=2,
-                in_channels=mel_bins, merge=2, out_hidden=llm_shape.hidden,
+                "audio",
+                "audio",
+                audio[1],
+                audio[0],
+                feeds="llm",
+                patch_size=2,
+                in_channels=mel_bins,
+                merge=2,
+                out_hidden=llm_shape.hidden,
                 placeholder_id=audio_token,
             ),
             ModuleSpec(
                 "llm", "llm", llm_layers, llm_shape, vocab_size=vocab, arch=_arch(llm_shape)
             ),
         ),
-    )  # fmt: skip
+    )
 
 
 def _t2v(

@@ -73,8 +73,9 @@ def _processes() -> set[int]:
 
 
 def _weights(chunks) -> dict[str, torch.Tensor]:
-    return {global_param_name(c, n): p.detach().clone() for c in chunks for n, p in
-            c.named_parameters()}  # fmt: skip
+    return {
+        global_param_name(c, n): p.detach().clone() for c in chunks for n, p in c.named_parameters()
+    }
 
 
 def _two(m):
@@ -93,8 +94,9 @@ def test_weights_load_under_another_chunking_and_nothing_is_left_behind(groups, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", TRACKER]
     files = sorted(p.name for p in path.iterdir())
     common = [megatron_compat.common_state_file()] if megatron_compat.common_state_file() else []
-    assert files == sorted([".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, *common,
-                            "metadata.json"])  # fmt: skip
+    assert files == sorted(
+        [".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, *common, "metadata.json"]
+    )
     assert sorted(checksums.read_manifest(path)) == [f for f in files if f != MANIFEST]
     assert _processes() <= before  # no Manager, no writer left
     other = _chunks(groups, _one, seed=99)
@@ -207,8 +209,11 @@ def test_training_starts_from_weights_only_checkpoints(groups, tmp_path):
     for seed in (7, 8):
         config = ModelConfig(seed=seed)
         model = tiny_vlm()
-        chunks = [c for m in model.modules for c in build_module_chunks(
-            model, m.name, _two(m), config=config, groups=groups)]  # fmt: skip
+        chunks = [
+            c
+            for m in model.modules
+            for c in build_module_chunks(model, m.name, _two(m), config=config, groups=groups)
+        ]
         save_weights(tmp_path / str(seed), model=model, chunks=chunks)
     assert _train_one_iteration("--load", str(tmp_path / "7"), "--no-load-optim") == fresh
     assert _train_one_iteration("--load", str(tmp_path / "8"), "--no-load-optim") != fresh
@@ -324,8 +329,11 @@ def test_a_failed_write_is_one_error_and_publishes_nothing(groups, tmp_path, mon
     else:
         writer = filesystem_async.FileSystemWriterAsync
         monkeypatch.setattr(writer, "write_preloaded_data", staticmethod(_killed))
-    with pytest.raises(CheckpointError, match=r"saving .*iter_0000002.tmp failed .*tracker are "
-                       r"unchanged"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"saving .*iter_0000002.tmp failed .*tracker are "
+        r"unchanged",
+    ):
         save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two), iteration=2)
     assert (tmp_path / TRACKER).read_text() == "1" and not (tmp_path / "iter_0000002").exists()
     assert _processes() <= before
@@ -364,9 +372,13 @@ def test_a_killed_rank_leaves_no_checkpoint_process_behind(tmp_path):
     script.write_text(textwrap.dedent(_RANK_SCRIPT))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-        timeout=240, env=env, check=False,
-    )  # fmt: skip
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
     assert done.returncode == -9, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["after_save"] == []

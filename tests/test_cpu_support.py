@@ -322,16 +322,26 @@ def _layouts(module) -> dict:
     from megatron_dip.models.sharded import ParamLayout, Segment
 
     return {
-        id(p): ParamLayout(name, tuple(p.shape), tuple(p.shape), 0,
-                           (Segment(0, p.shape[0], 0),), alias=0, tp_replica=0)
+        id(p): ParamLayout(
+            name,
+            tuple(p.shape),
+            tuple(p.shape),
+            0,
+            (Segment(0, p.shape[0], 0),),
+            alias=0,
+            tp_replica=0,
+        )
         for name, p in module.named_parameters()
-    }  # fmt: skip
+    }
 
 
 def _adam_state(optimizer) -> list[dict]:
     inner = optimizer.optimizer
-    return [{k: v.clone() for k, v in inner.state[p].items()} for g in inner.param_groups
-            for p in g["params"]]  # fmt: skip
+    return [
+        {k: v.clone() for k, v in inner.state[p].items()}
+        for g in inner.param_groups
+        for p in g["params"]
+    ]
 
 
 @needs_cpu_only

@@ -265,9 +265,13 @@ def test_reader_memory_grows_with_the_index_not_the_file(tmp_path):
         path = tmp_path / f"records{n}.json"
         _write_text_records(path, n)
         out = subprocess.run(
-            [sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, check=True, timeout=120,
-        )  # fmt: skip
+            [sys.executable, "-c", _RSS_PROBE, str(path)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            check=True,
+            timeout=120,
+        )
         peaks[n] = [int(x) for x in out.stdout.split()]
     (small, _), (large, index) = peaks[10_000], peaks[100_000]
     assert index == 100_000 * 16
@@ -364,9 +368,13 @@ def test_each_bad_record_is_logged_once_per_rank(mixed_quality, caplog):
         spec = _resolve("--dip-data", f"llava:{path}", "--dip-bad-samples", "skip")
         for evaluation in (False, True):
             stream = make_stream(
-                spec.data, spec.model, seed=1, global_batch_size=2, limits=spec.limits,
+                spec.data,
+                spec.model,
+                seed=1,
+                global_batch_size=2,
+                limits=spec.limits,
                 evaluation=evaluation,
-            )  # fmt: skip
+            )
             for _ in range(3):  # every record, more than once
                 next(stream)
     skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]

@@ -176,11 +176,25 @@ def test_chunks_sleep_at_least_the_cost_model_time_and_wait_for_remote_stamps(
 
 def test_summary_and_stock_choices(dip) -> None:
     records = [
-        {"iteration": i, "schedule_seconds": t, "predicted_s": 1.0, "bound_s": 0.5, "variant": v,
-         "seconds": t + w + 0.5, "plan_wait_seconds": w}
-        for i, (t, v, w) in enumerate([(9.0, "inline", 0.0), (1.0, "inline", 20.0),
-                                       (2.0, "searched", 0.0), (3.0, "searched", 0.0)], start=1)
-    ]  # fmt: skip
+        {
+            "iteration": i,
+            "schedule_seconds": t,
+            "predicted_s": 1.0,
+            "bound_s": 0.5,
+            "variant": v,
+            "seconds": t + w + 0.5,
+            "plan_wait_seconds": w,
+        }
+        for i, (t, v, w) in enumerate(
+            [
+                (9.0, "inline", 0.0),
+                (1.0, "inline", 20.0),
+                (2.0, "searched", 0.0),
+                (3.0, "searched", 0.0),
+            ],
+            start=1,
+        )
+    ]
     s = summarize("dip", records, warmup=1)
     # The headline is what the user waited: the inline iteration's 20 s wait counts there.
     assert (s.elapsed_s, s.elapsed_p90_s, s.inline_plans, s.iterations) == (3.5, 21.5, 1, 3)
@@ -357,8 +371,10 @@ def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path
     )
     runs, scale = tool.plan_runs(args, BENCH_PRESETS["tiny-vlm"])
     assert scale > 0 and [r["label"].split(" ")[0] for r in runs] == [
-        "megatron-1f1b", "megatron-interleaved", "dip",
-    ]  # fmt: skip
+        "megatron-1f1b",
+        "megatron-interleaved",
+        "dip",
+    ]
     for run in runs:
         flags = run["flags"]
         assert flags[flags.index("--dip-host-overheads") + 1] == str(overheads)

@@ -66,9 +66,13 @@ def _search(spec, batches, workload, cost):
         return greedy_score(planner, batches, limits=None)
 
     return choose_dip_placement(
-        spec.model, cost, num_ranks=2, workload=workload, unit_instances=spec.sub_sizes,
+        spec.model,
+        cost,
+        num_ranks=2,
+        workload=workload,
+        unit_instances=spec.sub_sizes,
         evaluate=evaluate,
-    )  # fmt: skip
+    )
 
 
 def _chunks(placement) -> int:

@@ -81,7 +81,7 @@ def world(tmp_path_factory) -> list[dict]:
             "data": str(data),
             "tmp": str(tmp),
             "folders": {f: str(tmp / f"hf_{f}") for f in families},
-        },  # fmt: skip
+        },
         timeout=600,
         daemon=False,  # the checkpoint writer starts a process of its own
     )

@@ -184,8 +184,19 @@ def test_cost_profile_that_does_not_parse_or_fit(tmp_path):
     with pytest.raises(ConfigError, match="^--dip-cost-profile: .*'format'"):
         _resolve(["--dip-cost-profile", _profile(tmp_path, format="v0")])
     with pytest.raises(ConfigError, match="^--dip-cost-profile: .*modules .*'dit'"):
-        _resolve(["--dip-cost-profile", _profile(tmp_path, modules={"dit": [
-            {"tokens": 4, "instances": 1, "forward_ms": 1.0, "backward_ms": 2.0}]})])  # fmt: skip
+        _resolve(
+            [
+                "--dip-cost-profile",
+                _profile(
+                    tmp_path,
+                    modules={
+                        "dit": [
+                            {"tokens": 4, "instances": 1, "forward_ms": 1.0, "backward_ms": 2.0}
+                        ]
+                    },
+                ),
+            ]
+        )
     spec = _resolve(["--dip-cost-profile", _profile(tmp_path)])
     assert spec.cost_model.profile is not None
 
@@ -361,17 +372,36 @@ def test_log_line_has_megatrons_fields_and_ours():
 
     log = IntervalLog(train_iters=10, world_size=4, global_batch=8)
     for it, variant in ((1, "inline"), (2, "searched")):
-        log.add(IterationRecord(
-            iteration=it, loss=4.0 + it, lr=1e-3, grad_norm=0.5, seconds=0.5,
-            schedule_seconds=0.4, samples=10, consumed=62 + 10 * it, tokens=1000, flops=2e12,
-            bound_efficiency=0.8, variant=variant, planned_seconds=0.38,
-        ))  # fmt: skip
+        log.add(
+            IterationRecord(
+                iteration=it,
+                loss=4.0 + it,
+                lr=1e-3,
+                grad_norm=0.5,
+                seconds=0.5,
+                schedule_seconds=0.4,
+                samples=10,
+                consumed=62 + 10 * it,
+                tokens=1000,
+                flops=2e12,
+                bound_efficiency=0.8,
+                variant=variant,
+                planned_seconds=0.38,
+            )
+        )
     line = log.line()
-    for text in ("iteration      2/    10", "consumed samples:         82",
-                 "elapsed time per iteration (ms): 500.0", "lm loss: 5.500000E+00",
-                 "grad norm: 0.500", "tokens/s: 2000", "TFLOP/s/GPU: 1",
-                 "planned/measured (ms): 380.0/400.0", "bound efficiency: 80.0%",
-                 "plans searched/greedy/inline: 1/0/1"):  # fmt: skip
+    for text in (
+        "iteration      2/    10",
+        "consumed samples:         82",
+        "elapsed time per iteration (ms): 500.0",
+        "lm loss: 5.500000E+00",
+        "grad norm: 0.500",
+        "tokens/s: 2000",
+        "TFLOP/s/GPU: 1",
+        "planned/measured (ms): 380.0/400.0",
+        "bound efficiency: 80.0%",
+        "plans searched/greedy/inline: 1/0/1",
+    ):
         assert text in line, line
 
 
@@ -397,11 +427,23 @@ def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_pat
         sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer)
     )
     log = IntervalLog(train_iters=1, world_size=1, global_batch=1, tensorboard_dir=str(tmp_path))
-    log.add(IterationRecord(
-        iteration=1, loss=1.0, lr=0.1, grad_norm=0.2, seconds=1.0, schedule_seconds=0.9,
-        samples=1, consumed=1, tokens=1, flops=1.0, bound_efficiency=0.5, variant="inline",
-        planned_seconds=0.8,
-    ))  # fmt: skip
+    log.add(
+        IterationRecord(
+            iteration=1,
+            loss=1.0,
+            lr=0.1,
+            grad_norm=0.2,
+            seconds=1.0,
+            schedule_seconds=0.9,
+            samples=1,
+            consumed=1,
+            tokens=1,
+            flops=1.0,
+            bound_efficiency=0.5,
+            variant="inline",
+            planned_seconds=0.8,
+        )
+    )
     log.close()
     names = {n for n, _ in written}
     assert {"lm loss", "learning-rate", "grad-norm", "dip/bound-efficiency"} <= names

@@ -283,8 +283,11 @@ def test_a_non_finite_streak_stops_the_run_naming_its_iterations():
     streak.observe(2, loss=2.5, grad_norm=1.0)  # a finite iteration ends the streak
     streak.observe(3, loss=float("inf"), grad_norm=None)
     streak.observe(4, loss=2.5, grad_norm=float("nan"))
-    with pytest.raises(NonFiniteError, match=r"^iterations 3-5: .*non-finite for 3 consecutive "
-                       r"iterations \(--dip-max-nonfinite-iters 3\)"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^iterations 3-5: .*non-finite for 3 consecutive "
+        r"iterations \(--dip-max-nonfinite-iters 3\)",
+    ):
         streak.observe(5, loss=float("nan"), grad_norm=float("nan"))
     never = NonFiniteStreak(0)
     for it in range(1, 50):

@@ -255,12 +255,23 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
         + ["--tensor-model-parallel-size", "2", "--train-iters", "5", "--save", tp_ckpt]
         + ["--save-interval", "3"],
         "tp2_to_tp1": pp2 + ["--train-iters", "5", "--load", tp_ckpt, "--ckpt-step", "3"],
-        "1f1b_overlap": base + [
-            "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--dip-schedule", "1f1b",
-            "--overlap-grad-reduce", "--recompute-granularity", "full",
-            "--recompute-method", "block", "--recompute-num-layers", "2",
+        "1f1b_overlap": base
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--train-iters",
+            "3",
+            "--dip-schedule",
+            "1f1b",
+            "--overlap-grad-reduce",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "2",
         ],
-    }.items():  # fmt: skip
+    }.items():
         out[name] = run(argv, world_size=world_size)
     return out
 
@@ -278,12 +289,14 @@ def finetune_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dic
     out["hf_dir"] = hf
     tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     for name, argv in {
-        "finetune_tp2pp2": flags + tp2pp2 + ["--pretrained-checkpoint", imported]
+        "finetune_tp2pp2": flags
+        + tp2pp2
+        + ["--pretrained-checkpoint", imported]
         + ["--train-iters", "6"],
         "finetune_pp1": flags + ["--load", imported, "--finetune", "--train-iters", "1"],
         "finetune_module": flags + ["--dip-pretrained", f"llm={imported}", "--train-iters", "1"],
         "finetune_scratch": flags + ["--train-iters", "1"],
-    }.items():  # fmt: skip
+    }.items():
         out[name] = run(argv, world_size=world_size)
     return out
 
@@ -457,9 +470,11 @@ def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_
         shutil.copytree(Path(ckpt, "iter_0000003"), streak / "iter_0000003")
         (streak / TRACKER).write_text("3")
         locked.mkdir()
-        code = ("import sys, time; from megatron_dip.training.checkpoint.save_lock import SaveLock, "
-                "this_process; SaveLock(sys.argv[1]).acquire(this_process('job-42')); "
-                "print('held', flush=True); time.sleep(600)")  # fmt: skip
+        code = (
+            "import sys, time; from megatron_dip.training.checkpoint.save_lock import SaveLock, "
+            "this_process; SaveLock(sys.argv[1]).acquire(this_process('job-42')); "
+            "print('held', flush=True); time.sleep(600)"
+        )
         holder = subprocess.Popen(
             [sys.executable, "-c", code, str(locked)], stdout=subprocess.PIPE, text=True
         )

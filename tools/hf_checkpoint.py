@@ -59,21 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_dip.training.config.arguments import add_arguments
 
     p = _Parser(
-        description=__doc__, epilog=_families(), allow_abbrev=False,
+        description=__doc__,
+        epilog=_families(),
+        allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("command", choices=("import", "export"))
     p.add_argument(
-        "--module", default=None,
+        "--module",
+        default=None,
         help="export: the modules to write (an LLM or text encoder, or vit,llm for a VLM; "
         "default: those --dip-hf-config names)",
-    )  # fmt: skip
+    )
     p.add_argument("--hf-out", default=None, help="export: the Hugging Face folder to write")
     p.add_argument(
-        "--hf-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        "--hf-dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
         help="export: the dtype of the written weights (default: the source folder's, else the "
         "checkpoint's)",
-    )  # fmt: skip
+    )
     return add_arguments(p)
 
 
@@ -111,7 +116,7 @@ def _model_and_config(config):
         tensor_model_parallel_size=p.tensor_model_parallel_size or 1,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size or 1,
         dip_hf_config=folder,
-    )  # fmt: skip
+    )
     return model_spec(config, None, base=base)[0], config
 
 
@@ -140,17 +145,22 @@ def run_import(config, model) -> int:
         raise SystemExit("import: name the Hugging Face folders with --dip-hf-config")
     p = config.parallel
     result = import_hf(
-        model=model, folders=folders, save=config.checkpoint.save,
-        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        model=model,
+        folders=folders,
+        save=config.checkpoint.save,
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
         seed=config.train.seed,
-    )  # fmt: skip
+    )
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
     logger.info(
         "wrote %s; this rank read %.1f MiB of safetensors; peak host memory %.0f MiB",
-        result.path, result.bytes_read / 2**20, peak,
-    )  # fmt: skip
+        result.path,
+        result.bytes_read / 2**20,
+        peak,
+    )
     return 0
 
 
@@ -168,10 +178,16 @@ def run_export(args, config, model) -> int:
     sources = {folders[m] for m in modules if m in folders}
     source = sources.pop() if len(sources) == 1 else None
     export_hf(
-        model=model, load=config.checkpoint.load, modules=modules, out=args.hf_out,
-        step=config.checkpoint.ckpt_step, template=None if source is None else read_config(source),
-        source=source, tokenizer=config.data.tokenizer_model, dtype=args.hf_dtype,
-    )  # fmt: skip
+        model=model,
+        load=config.checkpoint.load,
+        modules=modules,
+        out=args.hf_out,
+        step=config.checkpoint.ckpt_step,
+        template=None if source is None else read_config(source),
+        source=source,
+        tokenizer=config.data.tokenizer_model,
+        dtype=args.hf_dtype,
+    )
     return 0
 
 

@@ -71,9 +71,13 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         max_rollouts=args.search_rollouts, time_budget_s=args.search_time_ms / 1e3, seed=args.seed
     )
     cmp, stream = paper_comparison(
-        setup_name, mixture, device=args.device, seed=args.seed,
-        calibration_batches=args.calibration_batches, search=search,
-    )  # fmt: skip
+        setup_name,
+        mixture,
+        device=args.device,
+        seed=args.seed,
+        calibration_batches=args.calibration_batches,
+        search=search,
+    )
     study = Study()
     for _ in range(args.batches):
         study.add(cmp.run_batch(next(stream)))

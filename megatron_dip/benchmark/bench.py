@@ -128,9 +128,12 @@ def first_batches(spec, count: int) -> list:
 
     t = spec.training
     stream = make_stream(
-        spec.data, spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
+        spec.data,
+        spec.model,
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
         limits=spec.limits,
-    )  # fmt: skip
+    )
     return stream.peek(count)
 
 
@@ -147,13 +150,17 @@ def stock_results(spec, batches: Sequence) -> list[list]:
 
     planner = make_planner(spec)
     pipe = StaticPipeline(
-        spec.stock_placement, spec.placement, spec.stage_units,
+        spec.stock_placement,
+        spec.placement,
+        spec.stage_units,
         len(spec.stage_units[0]),
-    )  # fmt: skip
+    )
     limits = activation_limits(
-        spec.placement, spec.cost_model, device=spec.device,
+        spec.placement,
+        spec.cost_model,
+        device=spec.device,
         tensor_parallel=spec.planner.tensor_parallel,
-    )  # fmt: skip
+    )
     out = []
     for b in batches:
         layout = layout_batch(spec.model, b, planner.layout_config.with_whole_modules())
@@ -164,10 +171,14 @@ def stock_results(spec, batches: Sequence) -> list[list]:
         tensors = planner.shapes.for_lookup(mine.sub_of().__getitem__)
         out.append(
             evaluate_stock(
-                pipe, work, cost_model=spec.cost_model, tensors=tensors, limits=limits,
+                pipe,
+                work,
+                cost_model=spec.cost_model,
+                tensors=tensors,
+                limits=limits,
                 channel=single_channel,
             )
-        )  # fmt: skip
+        )
     return out
 
 

@@ -98,6 +98,10 @@ def rotary_of(arch, positions: torch.Tensor, *, head_dim: int, base: float, dtyp
             positions, head_dim=head_dim, base=base, sections=arch.mrope_sections, dtype=dtype
         )
     return rotary_table(
-        positions, head_dim=head_dim, base=base, dtype=dtype, scaling=arch.rope_scaling,
+        positions,
+        head_dim=head_dim,
+        base=base,
+        dtype=dtype,
+        scaling=arch.rope_scaling,
         layout=arch.rotary_layout,
-    )  # fmt: skip
+    )

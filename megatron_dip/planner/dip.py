@@ -267,9 +267,12 @@ class DipPlanner:
         sub_of = {s.work: s for s in subs}
         use_search = self.config.use_search if search is None else search
         schedule, result, choice, errors = self._schedule(
-            dataflow, sub_of, forward_only=forward_only, use_search=use_search and not quick,
+            dataflow,
+            sub_of,
+            forward_only=forward_only,
+            use_search=use_search and not quick,
             quick=quick,
-        )  # fmt: skip
+        )
         tensors = functools.partial(self._tensors, sub_of)
         with self._pass("communication"):
             programs = add_communication(
@@ -334,10 +337,13 @@ class DipPlanner:
         merged = merge_submicrobatches(self.model, works)
         megatron_order = functools.cache(
             functools.partial(
-                self._megatron_order, merged, totals=totals, iteration=plan.iteration,
+                self._megatron_order,
+                merged,
+                totals=totals,
+                iteration=plan.iteration,
                 replica=replica,
             )
-        )  # fmt: skip
+        )
         ours = simulate(plan, self.cost_model, channel=per_peer_channel)
         plain = megatron_order(NO_RECOMPUTE)
         if plain is None:

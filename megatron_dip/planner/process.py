@@ -127,9 +127,12 @@ class PlannerProcess:
         ]  # fmt: skip
         # stdout goes to stderr: nothing the planner's libraries print joins the training log.
         self.popen = subprocess.Popen(
-            argv, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
-            stdout=2, close_fds=True,
-        )  # fmt: skip
+            argv,
+            pass_fds=(to_child_r, from_child_w),
+            stdin=subprocess.DEVNULL,
+            stdout=2,
+            close_fds=True,
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self.pipe = FramedPipe(from_child_r, to_child_w)

@@ -118,16 +118,24 @@ def train(spec: RunSpec):
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info(
             "run %s: %s | TP %d PP %d DP %d | schedule %s | placement %s",
-            spec.preset.name, spec.model.name, spec.tensor_parallel, spec.pipeline_parallel,
-            spec.data_parallel, spec.schedule, _placement_text(spec),
-        )  # fmt: skip
+            spec.preset.name,
+            spec.model.name,
+            spec.tensor_parallel,
+            spec.pipeline_parallel,
+            spec.data_parallel,
+            spec.schedule,
+            _placement_text(spec),
+        )
     result = pretrain(spec)
     if result.losses and int(os.environ.get("RANK", "0")) == 0:
         first, last = min(result.losses), max(result.losses)
         logger.info(
             "done: lm loss %.4f (iteration %d) -> %.4f (iteration %d)",
-            result.losses[first], first, result.losses[last], last,
-        )  # fmt: skip
+            result.losses[first],
+            first,
+            result.losses[last],
+            last,
+        )
     return result
 
 

@@ -134,9 +134,13 @@ class RealCompute:
     def batch_source(self, *, plan: Plan, samples: Samples, device: torch.device) -> BatchSource:
         train = self.spec.training
         return SampleBatchSource(
-            model=self.spec.model, plan=plan, samples=samples, seq_length=train.seq_length,
-            seed=train.seed, device=device,
-        )  # fmt: skip
+            model=self.spec.model,
+            plan=plan,
+            samples=samples,
+            seq_length=train.seq_length,
+            seed=train.seed,
+            device=device,
+        )
 
     def tensor_fn(self, plan: Plan) -> TensorFn:
         return tensor_fn(self.spec, plan)

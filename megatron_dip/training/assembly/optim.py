@@ -54,9 +54,12 @@ class PlainAdamW:
         groups = param_groups(named, t.weight_decay)
         self.params = [p for g in groups for p in g["params"]]
         self.optimizer = torch.optim.AdamW(
-            groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+            groups,
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
             weight_decay=t.weight_decay,
-        )  # fmt: skip
+        )
         self.clip_grad = t.clip_grad
         self.mp_group = mp_group
 
@@ -117,21 +120,32 @@ def megatron_optimizer(model: LocalModel, *, spec: RunSpec, ctx: ParallelContext
 
     t = spec.training
     config = OptimizerConfig(
-        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad, bf16=spec.dtype == "bfloat16",
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        bf16=spec.dtype == "bfloat16",
         params_dtype=torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32,
         use_distributed_optimizer=spec.distributed_optimizer,
-    )  # fmt: skip
+    )
     pgs = megatron_compat.process_group_collection(
-        dp=ctx.dp, dp_cp=ctx.dp, tp=ctx.tp, pp=ctx.pp, mp=ctx.mp, expt_dp=ctx.single,
+        dp=ctx.dp,
+        dp_cp=ctx.dp,
+        tp=ctx.tp,
+        pp=ctx.pp,
+        mp=ctx.mp,
+        expt_dp=ctx.single,
         tp_ep_pp=ctx.mp,
         # One distributed-optimizer instance spans every rank of the run: its gradient norm sums
         # the squares of every DP shard of every pipeline and tensor rank (Megatron's
         # parallel_state gives the same group); the DP group alone would clip each pipeline
         # stage by its own norm.
         intra_dist_opt=dist.group.WORLD,
-    )  # fmt: skip
+    )
     return get_megatron_optimizer(
         config, model.ddp, use_gloo_process_groups=False, pg_collection=pgs
     )

@@ -204,10 +204,19 @@ def initialize(spec: RunSpec) -> ParallelContext:
     # Seeds torch and Megatron's RNG tracker; on CPU applies the Megatron-Core CPU fixes.
     seed_model_parallel_rng(spec.training.seed, tp_rank=tp_rank)
     ctx = ParallelContext(
-        rank=me, world_size=world, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
-        single=single, device=device, created=created, owns_world=owns, channels=channels,
-        embedding=embedding, **groups,
-    )  # fmt: skip
+        rank=me,
+        world_size=world,
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        pp_rank=pp_rank,
+        single=single,
+        device=device,
+        created=created,
+        owns_world=owns,
+        channels=channels,
+        embedding=embedding,
+        **groups,
+    )
     try:
         ctx.watch = PhaseWatch.for_world(timeout_s=timeout_s, early=spec.cuda)
     except (AttributeError, RuntimeError, ValueError) as e:  # a world without a default store

@@ -99,5 +99,7 @@ def load_pretrained(sources, *, model: MultimodalSpec, chunks, data_parallel_ran
         storage.load_sharded(request, point.path)
         logger.info(
             "loaded pretrained weights of %s from %s (iteration %d)",
-            "the model" if whole else f"module {module!r}", point.path, point.iteration,
-        )  # fmt: skip
+            "the model" if whole else f"module {module!r}",
+            point.path,
+            point.iteration,
+        )

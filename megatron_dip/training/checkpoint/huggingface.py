@@ -152,9 +152,13 @@ def import_hf(
             maps = module_maps(model.module(spec.module), source.where)
         # What the checkpoint gives is not drawn first (a full tensor per parameter).
         chunk = build_chunk(
-            model, spec, num_chunks=count, config=config, groups=groups,
+            model,
+            spec,
+            num_chunks=count,
+            config=config,
+            groups=groups,
             skip_init=None if maps is None else maps.__contains__,
-        )  # fmt: skip
+        )
         if source is not None:
             kept += fill_chunk(chunk, source, maps)
             read += source.bytes_read
@@ -342,13 +346,21 @@ def export_hf(
     tensors = hf_tensors(maps, ours, shapes=_hf_shapes(maps, ours))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(cast).contiguous() for k, v in tensors.items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.to(cast).contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     text = json.dumps(merged_config(config, template), indent=2) + "\n"
     (out / "config.json").write_text(text, encoding="utf-8")
     carried = _carry_files(out, source=source, tokenizer=tokenizer)
     logger.info(
         "exported %s of %s as %s (%d tensors, %s; with %s)",
-        modules, resume.path, out, len(tensors), dtype, ", ".join(carried) or "no other files",
-    )  # fmt: skip
+        modules,
+        resume.path,
+        out,
+        len(tensors),
+        dtype,
+        ", ".join(carried) or "no other files",
+    )
     return out

@@ -221,14 +221,21 @@ def load(
     layout = header["layout"]
     logger.info(
         "loaded checkpoint of iteration %d from %s (saved at TP=%d PP=%d DP=%d, %s)",
-        header["iteration"], path, layout["tensor_parallel"], layout["pipeline_parallel"],
-        layout["data_parallel"], header["schedule"],
-    )  # fmt: skip
+        header["iteration"],
+        path,
+        layout["tensor_parallel"],
+        layout["pipeline_parallel"],
+        layout["data_parallel"],
+        header["schedule"],
+    )
     t = common["training"]
     return Restored(
-        header["iteration"], t["consumed_samples"], t["stream"], t["calibration"],
+        header["iteration"],
+        t["consumed_samples"],
+        t["stream"],
+        t["calibration"],
         eval_stream=t["eval_stream"],
-    )  # fmt: skip
+    )
 
 
 def save_weights(

@@ -242,9 +242,12 @@ class CheckpointWriter:
             _FileResultsQueue(self._local / _RESULTS.format(iteration=iteration))
         )
         request = dist_checkpointing.save(
-            sharded_state_dict, str(tmp), sharded_strategy=self._strategy(),
-            async_sharded_save=True, **megatron_compat.async_save_kwargs(),
-        )  # fmt: skip
+            sharded_state_dict,
+            str(tmp),
+            sharded_strategy=self._strategy(),
+            async_sharded_save=True,
+            **megatron_compat.async_save_kwargs(),
+        )
         if request.async_fn is not None:
             write = functools.partial(_write_and_hash, request.async_fn, outcome, os.getpid())
             request = request._replace(async_fn=write)
@@ -351,8 +354,10 @@ class CheckpointWriter:
                 logger.warning(
                     "checkpoint of iteration %d kept unpublished as %s: the next iteration, "
                     "computed with its weights, had a non-finite loss or gradient norm (loading "
-                    "ignores it; the tracker is unchanged)", iteration, path,
-                )  # fmt: skip
+                    "ignores it; the tracker is unchanged)",
+                    iteration,
+                    path,
+                )
 
     def _promote(self, path: Path, iteration: int) -> None:
         final = iteration_dir(path.parent, iteration)

@@ -126,12 +126,14 @@ def _megatron_changes(config: TrainConfig, spec: ModuleSpec) -> tuple[dict, dict
     shape = {
         field: value
         for field, value in (
-            ("hidden", a.hidden_size), ("ffn", a.ffn_hidden_size),
-            ("heads", a.num_attention_heads), ("kv_groups", a.num_query_groups),
+            ("hidden", a.hidden_size),
+            ("ffn", a.ffn_hidden_size),
+            ("heads", a.num_attention_heads),
+            ("kv_groups", a.num_query_groups),
             ("kv_channels", a.kv_channels),
         )
         if value is not None
-    }  # fmt: skip
+    }
     arch: dict[str, Any] = {}
     if a.rotary_base is not None:
         arch["rotary_base"] = a.rotary_base
@@ -146,9 +148,11 @@ def _megatron_changes(config: TrainConfig, spec: ModuleSpec) -> tuple[dict, dict
     if a.use_rope_scaling:
         m = _MEGATRON_LLAMA3
         arch["rope_scaling"] = RopeScaling(
-            factor=a.rope_scaling_factor, low_freq_factor=m["low_freq_factor"],
-            high_freq_factor=m["high_freq_factor"], original_max_position_embeddings=m["original"],
-        )  # fmt: skip
+            factor=a.rope_scaling_factor,
+            low_freq_factor=m["low_freq_factor"],
+            high_freq_factor=m["high_freq_factor"],
+            original_max_position_embeddings=m["original"],
+        )
     return shape, arch
 
 

@@ -47,10 +47,11 @@ def run_tokenizer(config: TrainConfig) -> tuple[TokenizerSpec, Tokenizer]:
     d = config.data
     try:
         spec = TokenizerSpec(
-            type=d.tokenizer_type or BYTE_TOKENIZER, model=d.tokenizer_model,
+            type=d.tokenizer_type or BYTE_TOKENIZER,
+            model=d.tokenizer_model,
             special=parse_special_tokens(config.dip.dip_special_tokens),
             prompt_format=d.tokenizer_prompt_format,
-        )  # fmt: skip
+        )
         return spec, load_tokenizer(spec)
     except ImportError as e:
         raise _fail("--tokenizer-type", str(e)) from None
@@ -203,15 +204,22 @@ def data_spec(
         raise _fail("--num-workers", f"must be >= 1, got {config.data.num_workers}")
     try:
         image = image_config(
-            processor=d.dip_image_processor, max_pixels=d.dip_max_pixels,
+            processor=d.dip_image_processor,
+            max_pixels=d.dip_max_pixels,
             image_size=d.dip_image_size,
-        )  # fmt: skip
+        )
         data = DataSpec.parse(
-            d.dip_data, scale=d.dip_data_scale, image_size=d.dip_image_size,
-            bad_samples=d.dip_bad_samples, tokenizer=tokenizer_spec, image=image,
-            max_tokens=_max_sample_tokens(config), slots=dp * config.data.num_workers,
-            cooker=d.dip_energon_cooker, allow_outside_paths=d.dip_allow_outside_paths,
-        )  # fmt: skip
+            d.dip_data,
+            scale=d.dip_data_scale,
+            image_size=d.dip_image_size,
+            bad_samples=d.dip_bad_samples,
+            tokenizer=tokenizer_spec,
+            image=image,
+            max_tokens=_max_sample_tokens(config),
+            slots=dp * config.data.num_workers,
+            cooker=d.dip_energon_cooker,
+            allow_outside_paths=d.dip_allow_outside_paths,
+        )
         data.check_model(model)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -154,10 +154,13 @@ class DataSpec:
         from megatron_dip.data.image_text import ReaderConfig
 
         return ReaderConfig(
-            tokenizer=self.tokenizer, image=self.image, on_bad_sample=self.bad_samples,
-            max_tokens=self.max_tokens, allow_outside_paths=self.allow_outside_paths,
+            tokenizer=self.tokenizer,
+            image=self.image,
+            on_bad_sample=self.bad_samples,
+            max_tokens=self.max_tokens,
+            allow_outside_paths=self.allow_outside_paths,
             skip_log=self.skip_log,
-        )  # fmt: skip
+        )
 
     def source(self, model: MultimodalSpec, *, seed: int, evaluation: bool = False) -> SampleSource:
         """The sample source (metadata is read lazily)."""
@@ -180,18 +183,25 @@ class DataSpec:
             if evaluation and split == "train":
                 self._note_no_validation_split("its 'val' split has no samples")
             return EnergonSource(
-                self.value, model=model, config=self.reader_config(), seed=seed,
-                slots=self.slots, split=split, cooker=self.cooker,
-            )  # fmt: skip
+                self.value,
+                model=model,
+                config=self.reader_config(),
+                seed=seed,
+                slots=self.slots,
+                split=split,
+                cooker=self.cooker,
+            )
         from megatron_dip.data.diffusion import LatentConfig, LatentDataset
 
         if evaluation:
             self._note_no_validation_split("a latents directory has no validation split")
 
         config = LatentConfig(
-            on_bad_sample=self.bad_samples, tokenizer=self.tokenizer,
-            allow_outside_paths=self.allow_outside_paths, skip_log=self.skip_log,
-        )  # fmt: skip
+            on_bad_sample=self.bad_samples,
+            tokenizer=self.tokenizer,
+            allow_outside_paths=self.allow_outside_paths,
+            skip_log=self.skip_log,
+        )
         return LatentDataset(self.value, model=model, config=config)
 
     def _note_no_validation_split(self, why: str) -> None:
@@ -201,8 +211,10 @@ class DataSpec:
             "evaluation: --dip-data %s:%s has no validation split (%s): evaluating on its "
             "training data in another order, so the validation loss is not held out; for a "
             "held-out loss give Energon data with a 'val' split",
-            self.kind, self.value, why,
-        )  # fmt: skip
+            self.kind,
+            self.value,
+            why,
+        )
 
 
 def make_stream(

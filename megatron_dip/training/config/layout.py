@@ -150,9 +150,13 @@ def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
         )
     else:  # encoder and LLM layers as one list, cut by parameters or by cost
         pipe = one_list_pipeline(
-            model, cost_model, num_ranks=pp, num_model_chunks=vp, workload=workload,
+            model,
+            cost_model,
+            num_ranks=pp,
+            num_model_chunks=vp,
+            workload=workload,
             by=config.dip.dip_stock_placement,
-        )  # fmt: skip
+        )
     return pipe.placement, pipe.stage_units
 
 
@@ -162,9 +166,14 @@ def _memory_limit(config, placement, cost_model, works, model, *, tp: int, devic
     given = config.dip.dip_memory_limit_gb
     try:
         return activation_budget(
-            placement, cost_model, works, model, given_bytes=None if given is None else given * GIB,
-            device=device, tensor_parallel=tp,
-        )  # fmt: skip
+            placement,
+            cost_model,
+            works,
+            model,
+            given_bytes=None if given is None else given * GIB,
+            device=device,
+            tensor_parallel=tp,
+        )
     except MemoryBudgetError as e:
         if e.given:
             raise _fail(
@@ -197,9 +206,14 @@ class _Sizing:
 
     def memory_limit(self, placement: Placement) -> list[float] | None:
         return _memory_limit(
-            self.config, placement, self.cost_model, self.works, self.model,
-            tp=self.tp, device=self.device,
-        )  # fmt: skip
+            self.config,
+            placement,
+            self.cost_model,
+            self.works,
+            self.model,
+            tp=self.tp,
+            device=self.device,
+        )
 
     def score(self, cand: PlacementCandidate) -> float:
         """`greedy_score` of the first calibration batches; inf when no plan can fit."""
@@ -265,16 +279,25 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
     started = time.perf_counter()  # for the log only: the choice depends on the data alone
     static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
     chosen, scores = choose_dip_placement(
-        model, cost, num_ranks=pp, workload=sizing.workload, unit_instances=sizing.sub_sizes,
-        evaluate=sizing.score, extra=static_candidates(static), bound=sizing.bound,
-    )  # fmt: skip
+        model,
+        cost,
+        num_ranks=pp,
+        workload=sizing.workload,
+        unit_instances=sizing.sub_sizes,
+        evaluate=sizing.score,
+        extra=static_candidates(static),
+        bound=sizing.bound,
+    )
     segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
         "start-up placement search: %d candidates scored in %.1f s; placement %r chosen "
         "(--dip-segments %s skips the search); simulated seconds per candidate: %s",
-        len(scores), time.perf_counter() - started, chosen.name,
-        placement_flag(chosen.name, segments), scores,
-    )  # fmt: skip
+        len(scores),
+        time.perf_counter() - started,
+        chosen.name,
+        placement_flag(chosen.name, segments),
+        scores,
+    )
     return chosen
 
 
@@ -307,9 +330,18 @@ def build_layout(
         sizes = choose_sub_sizes(model, cost_model, workload, given=sub_sizes, chunks=chunks)
         split = split_all(model, microbatches, replace(whole, sub_sizes=sizes))
         sizing = _Sizing(
-            config, model, cost_model, batches, split, workload, sizes,
-            tp=tp, pp=pp, device=device, base=base,
-        )  # fmt: skip
+            config,
+            model,
+            cost_model,
+            batches,
+            split,
+            workload,
+            sizes,
+            tp=tp,
+            pp=pp,
+            device=device,
+            base=base,
+        )
         chosen = _dip_placement(sizing, segments, given=given)
     except ValueError as e:
         text = str(e)

@@ -367,16 +367,27 @@ def resolve(
     cost = run_cost_model(config, model, device, tp=tp, sp=sp, dtype=plan_dtype, kernels=kernels)
     uniform = None if recompute == NO_RECOMPUTE else recompute
     base = planner_config(
-        seq_length=config.train.seq_length, data_parallel=dp, tensor_parallel=tp,
-        sequence_parallel=sp, dtype=plan_dtype,
-        packing=packing_limits(model, config.train.seq_length), search=_search(config),
-        use_search=config.dip.dip_search_time_ms > 0, uniform_recompute=uniform,
-    )  # fmt: skip
+        seq_length=config.train.seq_length,
+        data_parallel=dp,
+        tensor_parallel=tp,
+        sequence_parallel=sp,
+        dtype=plan_dtype,
+        packing=packing_limits(model, config.train.seq_length),
+        search=_search(config),
+        use_search=config.dip.dip_search_time_ms > 0,
+        uniform_recompute=uniform,
+    )
     sizing = functools.partial(
-        build_layout, config, model, cost, data=data, base=base, pp=pp,
+        build_layout,
+        config,
+        model,
+        cost,
+        data=data,
+        base=base,
+        pp=pp,
         sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
         device=device if cuda or emulate else None,
-    )  # fmt: skip
+    )
     layout = sizing() if shared is None else shared(sizing)
     _check_tied_embeddings(config, model, layout.placement)
     planner = replace(
@@ -384,21 +395,40 @@ def resolve(
     )
     resume, pretrained = check_checkpoints(config, model)  # last: it creates --save
     return RunSpec(
-        preset=preset, model=model, schedule=config.dip.dip_schedule, cuda=cuda, dtype=dtype,
-        world_size=world_size, tensor_parallel=1 if emulate else tp, pipeline_parallel=pp,
-        data_parallel=dp, sequence_parallel=sp and not emulate,
+        preset=preset,
+        model=model,
+        schedule=config.dip.dip_schedule,
+        cuda=cuda,
+        dtype=dtype,
+        world_size=world_size,
+        tensor_parallel=1 if emulate else tp,
+        pipeline_parallel=pp,
+        data_parallel=dp,
+        sequence_parallel=sp and not emulate,
         distributed_optimizer=config.parallel.use_distributed_optimizer,
         overlap_grad_reduce=config.parallel.overlap_grad_reduce,
-        data=data, limits=base.packing, sub_sizes=layout.sub_sizes, device=device,
-        cost_model=cost, placement=layout.placement, stage_units=layout.stage_units,
-        planner=planner, memory_limit_bytes=layout.memory_limit,
-        training=training_settings(config), checkpointing=_checkpointing(config),
-        reporting=_reporting(config), runtime=_runtime(config),
-        stock_placement=config.dip.dip_stock_placement, segments=layout.segments,
+        data=data,
+        limits=base.packing,
+        sub_sizes=layout.sub_sizes,
+        device=device,
+        cost_model=cost,
+        placement=layout.placement,
+        stage_units=layout.stage_units,
+        planner=planner,
+        memory_limit_bytes=layout.memory_limit,
+        training=training_settings(config),
+        checkpointing=_checkpointing(config),
+        reporting=_reporting(config),
+        runtime=_runtime(config),
+        stock_placement=config.dip.dip_stock_placement,
+        segments=layout.segments,
         placement_name=layout.placement_name,
         emulate_scale=config.dip.dip_emulate_scale if emulate else None,
-        recompute=recompute, resume=resume, pretrained=pretrained, flags=config.flat(),
-    )  # fmt: skip
+        recompute=recompute,
+        resume=resume,
+        pretrained=pretrained,
+        flags=config.flat(),
+    )
 
 
 def _search(config: TrainConfig) -> SearchConfig:
@@ -406,48 +436,69 @@ def _search(config: TrainConfig) -> SearchConfig:
     whichever comes first (only the planner process searches; every rank runs its plan)."""
     d = config.dip
     return SearchConfig(
-        time_budget_s=d.dip_search_time_ms / 1e3, workers=d.dip_planner_workers,
+        time_budget_s=d.dip_search_time_ms / 1e3,
+        workers=d.dip_planner_workers,
         seed=config.train.seed,
-    )  # fmt: skip
+    )
 
 
 def training_settings(config: TrainConfig) -> Training:
     """The optimisation settings of `config` (preset defaults already filled in), resolved."""
     t, m = config.train, config.model
     return Training(
-        iterations=t.train_iters, global_batch_size=t.global_batch_size,
-        seq_length=t.seq_length, seed=t.seed, init_std=m.init_method_std,
-        per_token_loss=m.calculate_per_token_loss, attention=config.dip.dip_attention,
-        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-        schedule=schedule_of(t), override_opt_param_scheduler=t.override_opt_param_scheduler,
+        iterations=t.train_iters,
+        global_batch_size=t.global_batch_size,
+        seq_length=t.seq_length,
+        seed=t.seed,
+        init_std=m.init_method_std,
+        per_token_loss=m.calculate_per_token_loss,
+        attention=config.dip.dip_attention,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        clip_grad=t.clip_grad,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        schedule=schedule_of(t),
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
-    )  # fmt: skip
+    )
 
 
 def _checkpointing(config: TrainConfig) -> Checkpointing:
     c = config.checkpoint
     return Checkpointing(
-        save=c.save, save_interval=c.save_interval, async_save=c.async_save, load=c.load,
-        no_load_optim=c.no_load_optim, no_load_rng=c.no_load_rng,
-    )  # fmt: skip
+        save=c.save,
+        save_interval=c.save_interval,
+        async_save=c.async_save,
+        load=c.load,
+        no_load_optim=c.no_load_optim,
+        no_load_rng=c.no_load_rng,
+    )
 
 
 def _reporting(config: TrainConfig) -> Reporting:
     lg, d = config.logging, config.dip
     return Reporting(
-        log_interval=lg.log_interval, eval_interval=lg.eval_interval, eval_iters=lg.eval_iters,
-        tensorboard_dir=lg.tensorboard_dir, trace_dir=d.dip_trace_dir,
-        trace_interval=d.dip_trace_interval, metrics_json=d.dip_metrics_json,
+        log_interval=lg.log_interval,
+        eval_interval=lg.eval_interval,
+        eval_iters=lg.eval_iters,
+        tensorboard_dir=lg.tensorboard_dir,
+        trace_dir=d.dip_trace_dir,
+        trace_interval=d.dip_trace_interval,
+        metrics_json=d.dip_metrics_json,
         log_blend=d.dip_log_blend,
-    )  # fmt: skip
+    )
 
 
 def _runtime(config: TrainConfig) -> RuntimeLimits:
     d = config.dip
     return RuntimeLimits(
-        comm_timeout_s=d.dip_comm_timeout_s, planner_timeout_s=d.dip_planner_timeout_s,
-        lookahead=d.dip_lookahead, calibration_window=d.dip_calibration_window,
+        comm_timeout_s=d.dip_comm_timeout_s,
+        planner_timeout_s=d.dip_planner_timeout_s,
+        lookahead=d.dip_lookahead,
+        calibration_window=d.dip_calibration_window,
         calibration_frozen=d.dip_calibration_frozen,
         max_nonfinite_iters=d.dip_max_nonfinite_iters,
-    )  # fmt: skip
+    )

@@ -122,9 +122,13 @@ class Trainer:
     def _stream(self, *, evaluation: bool):
         t = self.spec.training
         return make_stream(
-            self.spec.data, self.spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
-            limits=self.spec.limits, evaluation=evaluation,
-        )  # fmt: skip
+            self.spec.data,
+            self.spec.model,
+            seed=t.seed,
+            global_batch_size=t.global_batch_size,
+            limits=self.spec.limits,
+            evaluation=evaluation,
+        )
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -141,9 +145,13 @@ class Trainer:
             return
         with self.ctx.watch.phase("checkpoint load"):
             restored = checkpoint.load(
-                resume.path, spec=self.spec, ctx=self.ctx, model=self.model,
-                optimizer=self.optimizer, scheduler=self.scheduler,
-            )  # fmt: skip
+                resume.path,
+                spec=self.spec,
+                ctx=self.ctx,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+            )
         self.iteration = restored.iteration
         self.loaded = (resume.path, resume.iteration)
         self.consumed = restored.consumed_samples
@@ -167,15 +175,20 @@ class Trainer:
         if later and self.ctx.is_logging_rank:
             logger.warning(
                 "--save %s: resuming from iteration %d; the newer checkpoints %s there are "
-                "replaced when this run reaches them", c.save, self.iteration, later,
-            )  # fmt: skip
+                "replaced when this run reaches them",
+                c.save,
+                self.iteration,
+                later,
+            )
 
     def _load_pretrained(self) -> None:
         """Weights only (`finetune`): iteration 0, fresh optimizer, schedule and data."""
         load_pretrained(
-            self.spec.pretrained, model=self.spec.model, chunks=self.model.inner,
+            self.spec.pretrained,
+            model=self.spec.model,
+            chunks=self.model.inner,
             data_parallel_rank=self.ctx.dp_rank,
-        )  # fmt: skip
+        )
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()  # Megatron: fp32 masters from the new weights
 
@@ -185,13 +198,19 @@ class Trainer:
 
     def _save(self) -> None:
         checkpoint.save(
-            self.spec.checkpointing.save, iteration=self.iteration, spec=self.spec,
-            ctx=self.ctx, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            stream_state=self.stream.state_dict(), calibration=self.calibration.state_dict(),
+            self.spec.checkpointing.save,
+            iteration=self.iteration,
+            spec=self.spec,
+            ctx=self.ctx,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            stream_state=self.stream.state_dict(),
+            calibration=self.calibration.state_dict(),
             consumed_samples=self.consumed,
             eval_stream_state=None if self.eval_stream is None else self.eval_stream.state_dict(),
             writer=self.writer,
-        )  # fmt: skip
+        )
 
     # -- one iteration --------------------------------------------------------------------
 
@@ -213,8 +232,11 @@ class Trainer:
         with watch.phase("sample agreement"):
             samples = load_agreed(
                 lambda: self.backend.samples_for(stream, batch, plan),
-                batch=batch, rank=ctx.rank, device=ctx.device, wait=watch.wait,
-            )  # fmt: skip
+                batch=batch,
+                rank=ctx.rank,
+                device=ctx.device,
+                wait=watch.wait,
+            )
         with watch.phase("pipeline schedule", group=ctx.pp, group_name="pipeline group"):
             if self.dip is None:
                 result = run_stock(
@@ -242,8 +264,11 @@ class Trainer:
                 self.named_bad.add(s.bad)
                 logger.warning(
                     "skipping sample %s: %s; it trains as a blank of its planned shape with no "
-                    "loss (--dip-bad-samples %s)", s.sample_id, s.bad, self.spec.data.bad_samples,
-                )  # fmt: skip
+                    "loss (--dip-bad-samples %s)",
+                    s.sample_id,
+                    s.bad,
+                    self.spec.data.bad_samples,
+                )
         return len(bad)
 
     def train_step(self) -> None:
@@ -316,8 +341,10 @@ class Trainer:
         if self.ctx.is_logging_rank:
             logger.info(
                 "checkpoint of iteration %d: the next batch's loss with its weights is %.4f "
-                "(forward only, to verify it)", it, stats.loss,
-            )  # fmt: skip
+                "(forward only, to verify it)",
+                it,
+                stats.loss,
+            )
         self._judge(it, finite(stats.loss))
 
     def _calibrate(self, stats) -> None:
@@ -358,19 +385,25 @@ class Trainer:
         self.log.restarts = self.plans.restarts if self.plans is not None else 0
         self.log.add(
             IterationRecord(
-                iteration=it, loss=stats.loss, lr=float(self.optimizer.param_groups[0]["lr"]),
-                grad_norm=None if norm is None else float(norm), seconds=seconds,
-                schedule_seconds=stats.max_duration, samples=batch.num_samples,
+                iteration=it,
+                loss=stats.loss,
+                lr=float(self.optimizer.param_groups[0]["lr"]),
+                grad_norm=None if norm is None else float(norm),
+                seconds=seconds,
+                schedule_seconds=stats.max_duration,
+                samples=batch.num_samples,
                 consumed=self.consumed,
                 tokens=batch_tokens(self.spec.model, batch)[self.spec.model.loss_module.name],
                 flops=model_flops(self.spec.model, self.spec.cost_model, batch),
-                bound_efficiency=bound, variant=variant,
+                bound_efficiency=bound,
+                variant=variant,
                 planned_seconds=None if sim is None else sim.iteration_time,
                 cost_error=self.result.cost_error.get(it),
                 calibration_version=self.calibration.version,
-                skipped=self.stream.skipped + self.blanked, truncated=self.stream.truncated,
+                skipped=self.stream.skipped + self.blanked,
+                truncated=self.stream.truncated,
             )
-        )  # fmt: skip
+        )
         if logging_now:
             logger.info(self.log.line() + self._blend_shares())
         if spec.reporting.metrics_json:
@@ -486,8 +519,10 @@ def _nothing_to_train(spec: RunSpec) -> bool:
     if rank == 0:
         logger.info(
             "--train-iters %d: the checkpoint %s is at iteration %d already: nothing to train",
-            iters, resume.path, resume.iteration,
-        )  # fmt: skip
+            iters,
+            resume.path,
+            resume.iteration,
+        )
     return True
 
 

@@ -53,9 +53,13 @@ def planner_factory(spec: RunSpec) -> functools.partial:
     """Builds the run's planner (here and in the planner process): on a static placement
     chosen at start-up, with its virtual stages for Megatron's order."""
     return functools.partial(
-        DipPlanner, spec.model, spec.cost_model, spec.placement, spec.planner,
+        DipPlanner,
+        spec.model,
+        spec.cost_model,
+        spec.placement,
+        spec.planner,
         stage_units=spec.stage_units,
-    )  # fmt: skip
+    )
 
 
 def make_planner(spec: RunSpec) -> DipPlanner:
@@ -89,9 +93,12 @@ def _share_store(ctx: ParallelContext, timeout_s: float = 300.0):
     store = None
     if ctx.rank == 0:
         store = TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
             timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        )
         box = [socket.gethostname(), store.port]
     dist.broadcast_object_list(box, src=0)
     host, port = box
@@ -120,11 +127,14 @@ class DipPlans:
                 factory = planner_factory(spec)
                 silent = spec.runtime.planner_timeout_s
                 self.service = PlannerService(
-                    factory, address, lookahead=self.lookahead, faults=spec.planner_faults,
+                    factory,
+                    address,
+                    lookahead=self.lookahead,
+                    faults=spec.planner_faults,
                     timeout_s=silent,
                     # a plan may take the search budget on top
                     busy_limit_s=3 * silent + spec.planner.search.time_budget_s,
-                )  # fmt: skip
+                )
                 self.service.start()
 
     def calibrate(self, *, version: int, scales: dict[str, float]) -> None:
