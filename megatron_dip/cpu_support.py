@@ -1,4 +1,4 @@
-"""The one place that makes Megatron-Core run without a GPU (see ../shared/MEGATRON-ON-CPU.md).
+"""The one place that makes Megatron-Core run without a GPU (docs/design.md, "Megatron-Core on a CPU").
 
 Megatron-Core assumes CUDA in a handful of places: receive buffers and scratch buffers on
 `torch.cuda.current_device()`, `torch.cuda.synchronize()` after batched p2p, CUDA streams in the
@@ -140,7 +140,7 @@ def _stream_context(stream: Any = None) -> contextlib.AbstractContextManager:
 
 
 def apply_cpu_fixes() -> bool:
-    """Apply every CPU fix of MEGATRON-ON-CPU.md when CUDA is absent; return whether they are on.
+    """Apply every CPU fix (module docstring) when CUDA is absent; return whether they are on.
 
     * a `CudaToCpuMode` torch-function mode is entered for the rest of the process (stock
       schedules allocate `device="cuda"` tensors; `Tensor.cuda()` becomes a no-op);

@@ -52,9 +52,9 @@ _BYTES = {"bfloat16": 2, "float32": 4}
 def _train(model: str, *, attention: str, iterations: int, cuda: bool, extra=()) -> dict:
     """One training run of `model` on this single rank (`extra` flags: --bf16, ...); its losses
     and gradient norms."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.loop import pretrain
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
+    from megatron_dip.training.iteration.loop import pretrain
 
     argv = [
         "--model", model, "--train-iters", str(iterations), "--lr", "1e-3",
@@ -128,7 +128,7 @@ def memory_check(
     from megatron_dip.models.chunk import ModelGroups
     from megatron_dip.planner.cost_model import CostModel, Kernels
     from megatron_dip.planner.devices import H100
-    from megatron_dip.training.presets import get_run_preset
+    from megatron_dip.training.config.presets import get_run_preset
 
     kernel, fused = resolve_kernels(cuda=cuda, dtype=dtype)
     kernels = Kernels(attention=kernel, fused_rms_norm=fused)
@@ -146,10 +146,16 @@ def memory_check(
         sizes = dict(p.split("=") for p in (preset.sub_microbatch_size or "").split(",") if p)
         for mode in MEASURED_MODES:
             records = measure_model(
-                model, batches, cost_model=cost, recompute=mode, groups=groups,
-                config=ModelConfig(dtype=dtype, seed=7), seq_length=preset.seq_length,
-                ranges=ranges, sizes={k: int(v) for k, v in sizes.items()},
-            )  # fmt: skip
+                model,
+                batches,
+                cost_model=cost,
+                recompute=mode,
+                groups=groups,
+                config=ModelConfig(dtype=dtype, seed=7),
+                seq_length=preset.seq_length,
+                ranges=ranges,
+                sizes={k: int(v) for k, v in sizes.items()},
+            )
             rows += _memory_rows(name, mode_name(mode), records)
     return rows
 
@@ -160,9 +166,17 @@ def _memory_rows(model: str, mode: str, records) -> list[dict]:
         where = "first" if r.first else ("last" if r.last else "middle")
         row = totals.setdefault(
             (r.module, where),
-            {"model": model, "module": r.module, "chunk": where, "recompute": mode,
-             "predicted": 0, "saved": 0, "allocated": 0, "peak": 0},
-        )  # fmt: skip
+            {
+                "model": model,
+                "module": r.module,
+                "chunk": where,
+                "recompute": mode,
+                "predicted": 0,
+                "saved": 0,
+                "allocated": 0,
+                "peak": 0,
+            },
+        )
         row["predicted"] += r.predicted
         row["saved"] += r.measured
         row["allocated"] += r.allocated
@@ -184,10 +198,15 @@ def overhead_check(work: Path) -> dict:
         gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
         host = record["schedule_seconds"]
         per_iteration.append(
-            {"iteration": record["iteration"], "instructions": len(spans), "host_s": host,
-             "device_busy_s": busy, "median_gap_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
-             "overhead_per_instruction_ms": 1e3 * (host - busy) / max(1, len(spans))}
-        )  # fmt: skip
+            {
+                "iteration": record["iteration"],
+                "instructions": len(spans),
+                "host_s": host,
+                "device_busy_s": busy,
+                "median_gap_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
+                "overhead_per_instruction_ms": 1e3 * (host - busy) / max(1, len(spans)),
+            }
+        )
     if not per_iteration:
         raise RuntimeError("no timed iteration after the warm-up: raise --iterations")
     mean = statistics.mean(p["overhead_per_instruction_ms"] for p in per_iteration)
@@ -227,11 +246,19 @@ def profile_check(directory: Path) -> list[dict]:
             sub = SubMicrobatch(module, 0, 0, 0, p.instances, n, n, p.instances * p.tokens**2)
             c = analytic.stage_cost(ChunkSpec(module, 1, 0, 1, 2), sub)
             rows.append(
-                {"profile": path.name, "attention": profile.attention, "module": module,
-                 "points": len(points), "tokens": p.tokens, "instances": p.instances,
-                 "forward_ms": p.forward_ms, "backward_ms": p.backward_ms,
-                 "analytic_forward_ms": 1e3 * c.forward, "analytic_backward_ms": 1e3 * c.backward}
-            )  # fmt: skip
+                {
+                    "profile": path.name,
+                    "attention": profile.attention,
+                    "module": module,
+                    "points": len(points),
+                    "tokens": p.tokens,
+                    "instances": p.instances,
+                    "forward_ms": p.forward_ms,
+                    "backward_ms": p.backward_ms,
+                    "analytic_forward_ms": 1e3 * c.forward,
+                    "analytic_backward_ms": 1e3 * c.backward,
+                }
+            )
     return rows
 
 
@@ -418,10 +445,14 @@ def main(argv=None) -> int:
     for noisy in ("megatron", "megatron_dip.training"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     report = run_checks(
-        out=args.out, iterations=args.iterations, models=models, profiles=args.profiles,
-        flags=shlex.split(args.train_args), microbatches=args.memory_microbatches,
+        out=args.out,
+        iterations=args.iterations,
+        models=models,
+        profiles=args.profiles,
+        flags=shlex.split(args.train_args),
+        microbatches=args.memory_microbatches,
         dtype=args.dtype,
-    )  # fmt: skip
+    )
     print(table(report), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -132,10 +132,18 @@ class MeasuringPipeline(LocalPipeline):
         predicted = self.cost_model.chunk_activation_bytes(chunk.chunk, sub, *self.recompute)
         self.records.append(
             ChunkMemory(
-                chunk.chunk.module, chunk.chunk.index, chunk.is_first, chunk.is_last, sub,
-                self.recompute, record.nbytes, predicted, cuda["allocated"], cuda["peak"],
+                chunk.chunk.module,
+                chunk.chunk.index,
+                chunk.is_first,
+                chunk.is_last,
+                sub,
+                self.recompute,
+                record.nbytes,
+                predicted,
+                cuda["allocated"],
+                cuda["peak"],
             )
-        )  # fmt: skip
+        )
         return outputs
 
 

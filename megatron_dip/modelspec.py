@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 # Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
-# another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.validate).
+# another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.config.validate).
 PAD_TOKEN = 0  # default padding id of the packed text sequences
 IMAGE_TOKEN = 1  # default placeholder id of a vision encoder's instances in the LLM sequence
 
@@ -252,7 +252,7 @@ class MultimodalSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# The paper's component models (layers / hidden / FFN / heads / kv-groups), DESIGN.md section 3.
+# The paper's component models (layers / hidden / FFN / heads / kv-groups), docs/design.md, "Paper setups".
 
 VIT_5B = LayerShape(1792, 15360, 16, 16)
 VIT_22B = LayerShape(6144, 24576, 48, 48)
@@ -280,9 +280,15 @@ def _arch(shape: LayerShape) -> Architecture:
 
 def _vit(layers: int, shape: LayerShape, llm: LayerShape, **extra) -> ModuleSpec:
     return ModuleSpec(
-        "vit", "vit", layers, shape, feeds="llm", out_hidden=llm.hidden,
-        placeholder_id=IMAGE_TOKEN, **extra,
-    )  # fmt: skip
+        "vit",
+        "vit",
+        layers,
+        shape,
+        feeds="llm",
+        out_hidden=llm.hidden,
+        placeholder_id=IMAGE_TOKEN,
+        **extra,
+    )
 
 
 def _vlm(
@@ -315,15 +321,22 @@ def _omni(
         (
             _vit(vit[1], vit[0], llm_shape, **vit_extra),
             ModuleSpec(
-                "audio", "audio", audio[1], audio[0], feeds="llm", patch_size=2,
-                in_channels=mel_bins, merge=2, out_hidden=llm_shape.hidden,
+                "audio",
+                "audio",
+                audio[1],
+                audio[0],
+                feeds="llm",
+                patch_size=2,
+                in_channels=mel_bins,
+                merge=2,
+                out_hidden=llm_shape.hidden,
                 placeholder_id=audio_token,
             ),
             ModuleSpec(
                 "llm", "llm", llm_layers, llm_shape, vocab_size=vocab, arch=_arch(llm_shape)
             ),
         ),
-    )  # fmt: skip
+    )
 
 
 def _t2v(
@@ -379,6 +392,11 @@ class Setup:
     @property
     def data_parallel(self) -> int:
         return self.num_gpus // (self.tensor_parallel * self.pipeline_parallel)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The paper's setups shard activations along the sequence wherever TP > 1."""
+        return self.tensor_parallel > 1
 
 
 PAPER_SETUPS: dict[str, Setup] = {

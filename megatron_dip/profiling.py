@@ -193,9 +193,14 @@ def build_layer_stack(
     backend = attention.packed_backend(megatron_compat.layer_backend(use_te), kernel=kernel)
     modality = modality_of(module)
     return modality.layer_stack(
-        module, tconfig=tconfig, backend=backend, groups=groups, start=0,
-        end=tconfig.num_layers, causal=modality.causal,
-    )  # fmt: skip
+        module,
+        tconfig=tconfig,
+        backend=backend,
+        groups=groups,
+        start=0,
+        end=tconfig.num_layers,
+        causal=modality.causal,
+    )
 
 
 def _init_parameters(stack: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:

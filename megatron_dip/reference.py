@@ -122,9 +122,14 @@ class LocalPipeline:
             for m in model.modules
         }
         return cls(
-            model, chunks, config=config, groups=groups, seq_length=seq_length, seed=seed,
+            model,
+            chunks,
+            config=config,
+            groups=groups,
+            seq_length=seq_length,
+            seed=seed,
             pad_multiple=pad_multiple,
-        )  # fmt: skip
+        )
 
     def all_chunks(self) -> list[ModelChunk]:
         return [c for chunks in self.chunks.values() for c in chunks]
@@ -169,9 +174,13 @@ class LocalPipeline:
     ) -> tuple[list[_Stage], torch.Tensor, torch.Tensor]:
         """Forward of one microbatch; returns its stages, summed loss and loss-token count."""
         subs = split_samples(
-            self.model, samples, microbatch=microbatch, seq_length=self.seq_length, sizes=sizes,
+            self.model,
+            samples,
+            microbatch=microbatch,
+            seq_length=self.seq_length,
+            sizes=sizes,
             pad_multiple=self.pad_multiple,
-        )  # fmt: skip
+        )
         lookup_table = {s.work: s for s in subs}
 
         def lookup(work: WorkId) -> SubMicrobatch:
@@ -291,8 +300,13 @@ def reference_loss_and_grads(
     """
     config = config or ModelConfig(seed=seed)
     pipe = LocalPipeline.build(
-        model, config=config, groups=groups, seq_length=seq_length, seed=seed, ranges=ranges,
+        model,
+        config=config,
+        groups=groups,
+        seq_length=seq_length,
+        seed=seed,
+        ranges=ranges,
         pad_multiple=pad_multiple,
-    )  # fmt: skip
+    )
     loss = pipe.forward_backward(samples_per_microbatch, sizes=sizes, per_token_loss=per_token_loss)
     return float(loss), pipe.grads()

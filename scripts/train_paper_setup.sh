@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Submit one of the paper's setups at its real size (DESIGN.md section 3) with SLURM:
+# Submit one of the paper's setups at its real size (docs/design.md, "Paper setups") with SLURM:
 #
 #   scripts/train_paper_setup.sh [--print] SETUP [flags...]     flags override the defaults
 #

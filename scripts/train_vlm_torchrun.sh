@@ -3,7 +3,7 @@
 #
 #   scripts/train_vlm_torchrun.sh GPUS [flags...]          flags override the defaults below
 #
-# Examples (paper presets, DESIGN.md section 3; a preset fixes model, batch, sequence, data):
+# Examples (paper presets, docs/design.md, "Paper setups"; a preset fixes model, batch, sequence, data):
 #   scripts/train_vlm_torchrun.sh 8 --model vlm-s --pipeline-model-parallel-size 2
 #   scripts/train_vlm_torchrun.sh 8 --model vlm-s --pipeline-model-parallel-size 2 --dip-schedule interleaved
 #   scripts/train_vlm_torchrun.sh 8 --model vlm-s --dip-data llava:/data/LLaVA-Pretrain/blip_laion_cc_sbu_558k.json

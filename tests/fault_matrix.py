@@ -107,9 +107,9 @@ def planner_parent(state: str) -> None:
 
 def fault_rank(*, rank: int, world_size: int, data: str, extra: list[str]) -> dict:
     """One rank of the fault job (a `distributed_harness` target that reports its error)."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.loop import pretrain
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
+    from megatron_dip.training.iteration.loop import pretrain
 
     argv = [*TINY, "--dip-data", f"llava:{data}", *extra]
     spec = resolve(parse_config(argv), world_size=world_size, cuda=False)
@@ -133,9 +133,12 @@ def rank_main(rank: int, world_size: int, store: str, out: str, data: str, extra
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    )
     from megatron_dip.training.entry import exit_now
 
     result = fault_rank(rank=rank, world_size=world_size, data=data, extra=extra)
@@ -174,7 +177,7 @@ class FaultJob:
                         ],
                         stdout=subprocess.DEVNULL,
                         stderr=log,
-                    )  # fmt: skip
+                    )
                 )
 
     def out(self, rank: int) -> Path:

@@ -23,10 +23,14 @@ LLAMA3_SCALING = {
 
 def _common(**extra) -> dict:
     return {
-        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "num_hidden_layers": LAYERS, "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": LAYERS,
+        "vocab_size": VOCAB,
         "max_position_embeddings": 1024,
-    } | extra  # fmt: skip
+    } | extra
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -78,8 +82,9 @@ def save_qwen3(folder: Path, *, seed: int = 0, tied: bool = True):
     config = Qwen3Config(
         **_common(rms_norm_eps=1e-6, tie_word_embeddings=tied, head_dim=16),
         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-        bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return _save(Qwen3ForCausalLM(config), folder, seed)
 
 
@@ -90,10 +95,12 @@ def save_mistral(folder: Path, *, seed: int = 0, sliding_window: int | None = No
 
     fields = _common(rms_norm_eps=1e-5, tie_word_embeddings=False, intermediate_size=72)
     config = MistralConfig(
-        **fields, sliding_window=sliding_window,
+        **fields,
+        sliding_window=sliding_window,
         rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-        bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return _save(MistralForCausalLM(config), folder, seed)
 
 
@@ -144,10 +151,16 @@ def save_qwen2_vl(
         "temporal_patch_size": 2, "in_channels": 3,
     }  # fmt: skip
     config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=image_token,
-        video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
-        bos_token_id=None, eos_token_id=None, tie_word_embeddings=tied,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image_token,
+        video_token_id=6,
+        vision_start_token_id=7,
+        vision_end_token_id=8,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=tied,
+    )
     return _save(Qwen2VLForConditionalGeneration(config), folder, seed)
 
 
@@ -155,9 +168,14 @@ LLAVA_IMAGE = 16  # base resolution of the tiny LLaVA towers: 4 x 4 patches of 4
 
 
 def save_llava(
-    folder: Path, *, tower: str = "clip", seed: int = 0, image_token: int = IMAGE_TOKEN_ID,
-    strategy: str | None = None, text: str = "llama",
-):  # fmt: skip
+    folder: Path,
+    *,
+    tower: str = "clip",
+    seed: int = 0,
+    image_token: int = IMAGE_TOKEN_ID,
+    strategy: str | None = None,
+    text: str = "llama",
+):
     """A tiny LlavaForConditionalGeneration saved to `folder` with its image processor: a CLIP
     tower (3 layers of 24, class token, pre-norm, quick_gelu, vision_feature_layer -2: the
     first 2 used) or a SigLIP one (gelu-tanh, no class token, "full" strategy); a Llama (or
@@ -174,10 +192,13 @@ def save_llava(
     if strategy is None:
         strategy = "default" if tower == "clip" else "full"
     config = LlavaConfig(
-        text_config=text_config, vision_config=vision, image_token_id=image_token,
+        text_config=text_config,
+        vision_config=vision,
+        image_token_id=image_token,
         vision_feature_select_strategy=strategy,
-        vision_feature_layer=-2 if tower == "clip" else -1, tie_word_embeddings=False,
-    )  # fmt: skip
+        vision_feature_layer=-2 if tower == "clip" else -1,
+        tie_word_embeddings=False,
+    )
     model = _save(LlavaForConditionalGeneration(config), folder, seed)
     llava_processor(tower).save_pretrained(folder)
     return model

@@ -69,8 +69,10 @@ def test_error_is_the_calibrated_miss_over_measured():
 def test_state_round_trips_through_json_and_resumes_identically():
     """A checkpoint mid-window: the resumed calibration updates at the same iteration to the
     same bits as the uninterrupted one (old checkpoints with only scales still load)."""
-    rows = [({"vit": 0.1 * (i + 1), "llm": 1.0 / (i + 3)}, {"vit": 0.01, "llm": 0.003})
-            for i in range(7)]  # fmt: skip
+    rows = [
+        ({"vit": 0.1 * (i + 1), "llm": 1.0 / (i + 3)}, {"vit": 0.01, "llm": 0.003})
+        for i in range(7)
+    ]
     full = Calibration(window=4)
     for m, p in rows[:3]:
         full.observe(m, p)
@@ -107,7 +109,7 @@ def _ops(plan, scale_of, *, tuples: bool = False):
 
 
 def test_calibrated_cost_model_predicts_what_was_measured():
-    from megatron_dip.training.metrics import measured_ops, predicted_ops
+    from megatron_dip.training.iteration.metrics import measured_ops, predicted_ops
 
     machine = {"vit": 300.0, "llm": 40.0}  # e.g. a CPU against the H100 data sheet
     cost = make_planner().cost_model
@@ -139,8 +141,9 @@ def test_calibrated_plans_are_faster_on_the_measured_machine():
 
     def total(planner) -> float:
         plans = [planner.plan_batch(batch(it), search=False)[0].plan for it in range(3)]
-        return sum(simulate(p, informed.cost_model, channel=per_peer_channel).iteration_time
-                   for p in plans)  # fmt: skip
+        return sum(
+            simulate(p, informed.cost_model, channel=per_peer_channel).iteration_time for p in plans
+        )
 
     assert total(informed) < 0.97 * total(blind)
 
@@ -150,24 +153,28 @@ def test_calibrated_plans_are_faster_on_the_measured_machine():
 
 @pytest.fixture(scope="module")
 def run_spec():
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.data_source import make_stream
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.data_source import make_stream
+    from megatron_dip.training.config.validate import resolve
 
     argv = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3", "--dip-lookahead", "0",
             "--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]  # fmt: skip
     spec = resolve(parse_config(argv), world_size=2, cuda=False)
-    t = spec.config.train
+    t = spec.training
     stream = make_stream(
-        spec.data, spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
-        limits=spec.limits, evaluation=False,
-    )  # fmt: skip
+        spec.data,
+        spec.model,
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
+        limits=spec.limits,
+        evaluation=False,
+    )
     return spec, [next(stream) for _ in range(3)]
 
 
 def test_inline_plans_deterministic_and_follow_the_calibration(run_spec):
-    from megatron_dip.training.planning import DipPlans, replica_plan
-    from megatron_dip.training.planning import make_planner as spec_planner
+    from megatron_dip.training.iteration.planning import DipPlans, replica_plan
+    from megatron_dip.training.iteration.planning import make_planner as spec_planner
 
     spec, batches = run_spec
     ctx = types.SimpleNamespace(rank=0, dp_rank=0)
@@ -220,18 +227,43 @@ def test_service_plans_with_the_newest_calibration_and_tags_it(store_address):  
 
 
 def test_log_line_shows_the_interval_error_and_version():
-    from megatron_dip.training.log import IntervalLog, IterationRecord
+    from megatron_dip.training.iteration.log import IntervalLog, IterationRecord
 
     log = IntervalLog(train_iters=10, world_size=2, global_batch=4)
     for it, error in ((1, 0.9), (2, 0.3), (3, None)):
-        log.add(IterationRecord(
-            iteration=it, loss=4.0, lr=1e-3, grad_norm=None, seconds=0.5, schedule_seconds=0.4,
-            samples=4, consumed=4 * it, tokens=100, flops=1e9, bound_efficiency=0.8,
-            variant="inline", cost_error=error, calibration_version=3,
-        ))  # fmt: skip
+        log.add(
+            IterationRecord(
+                iteration=it,
+                loss=4.0,
+                lr=1e-3,
+                grad_norm=None,
+                seconds=0.5,
+                schedule_seconds=0.4,
+                samples=4,
+                consumed=4 * it,
+                tokens=100,
+                flops=1e9,
+                bound_efficiency=0.8,
+                variant="inline",
+                cost_error=error,
+                calibration_version=3,
+            )
+        )
     assert "cost-model error: 60.0% (calibration v3)" in log.line()
-    log.add(IterationRecord(
-        iteration=4, loss=4.0, lr=1e-3, grad_norm=None, seconds=0.5, schedule_seconds=0.4,
-        samples=4, consumed=16, tokens=100, flops=1e9, bound_efficiency=0.8, variant="inline",
-    ))  # fmt: skip
+    log.add(
+        IterationRecord(
+            iteration=4,
+            loss=4.0,
+            lr=1e-3,
+            grad_norm=None,
+            seconds=0.5,
+            schedule_seconds=0.4,
+            samples=4,
+            consumed=16,
+            tokens=100,
+            flops=1e9,
+            bound_efficiency=0.8,
+            variant="inline",
+        )
+    )
     assert "cost-model error: n/a (calibration v0)" in log.line()

@@ -1,4 +1,4 @@
-"""Checkpoint files in one process (a one-rank gloo world): `checkpoint_io`, the weights-only API
+"""Checkpoint files in one process (a one-rank gloo world): `storage`, the weights-only API
 and the optimizer state of `training/checkpoint.py` / `optim_state.py` (the multi-process runs,
 resharding and the faults of a training run are in test_training_dist.py).
 
@@ -36,12 +36,17 @@ from megatron_dip.modalities import build_module_chunks
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import tiny_t2v, tiny_vlm
-from megatron_dip.training import checkpoint_files, checkpoint_io, optim_state
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.build import LocalModel
-from megatron_dip.training.checkpoint import load_weights, save_weights
-from megatron_dip.training.checkpoint_dirs import MANIFEST, TRACKER, CheckpointError
-from megatron_dip.training.checkpoint_io import CheckpointWriter
+from megatron_dip.training.assembly.build import LocalModel
+from megatron_dip.training.checkpoint.dirs import MANIFEST, TRACKER, CheckpointError
+from megatron_dip.training.checkpoint.state import (
+    checksums,
+    load_weights,
+    optim_state,
+    save_weights,
+    storage,
+)
+from megatron_dip.training.checkpoint.storage import CheckpointWriter
+from megatron_dip.training.config.arguments import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,8 +73,9 @@ def _processes() -> set[int]:
 
 
 def _weights(chunks) -> dict[str, torch.Tensor]:
-    return {global_param_name(c, n): p.detach().clone() for c in chunks for n, p in
-            c.named_parameters()}  # fmt: skip
+    return {
+        global_param_name(c, n): p.detach().clone() for c in chunks for n, p in c.named_parameters()
+    }
 
 
 def _two(m):
@@ -88,9 +94,10 @@ def test_weights_load_under_another_chunking_and_nothing_is_left_behind(groups, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", TRACKER]
     files = sorted(p.name for p in path.iterdir())
     common = [megatron_compat.common_state_file()] if megatron_compat.common_state_file() else []
-    assert files == sorted([".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, *common,
-                            "metadata.json"])  # fmt: skip
-    assert sorted(checkpoint_files.read_manifest(path)) == [f for f in files if f != MANIFEST]
+    assert files == sorted(
+        [".metadata", "__0_0.distcp", "__0_1.distcp", MANIFEST, *common, "metadata.json"]
+    )
+    assert sorted(checksums.read_manifest(path)) == [f for f in files if f != MANIFEST]
     assert _processes() <= before  # no Manager, no writer left
     other = _chunks(groups, _one, seed=99)
     fresh = _weights(other)
@@ -126,7 +133,7 @@ def test_weights_of_another_model_are_refused(groups, copy):
 def _common_state_file(path: Path) -> str:
     """The file holding the common state: `common.pt` (megatron-core 0.16), or the torch_dist
     shard that .metadata names for the "common_state" object (0.19)."""
-    return checkpoint_io.common_state_files(path)[-1]
+    return storage.common_state_files(path)[-1]
 
 
 def _damage(path: Path, kind: str) -> str:
@@ -176,16 +183,16 @@ def test_a_missing_or_unreadable_manifest_is_named(copy):
     path = copy / "iter_0000000"
     (path / MANIFEST).write_text('{"sha256": {"common.pt": [1')
     with pytest.raises(CheckpointError, match=rf"{MANIFEST}: unreadable checksum manifest"):
-        checkpoint_files.verify(path)
+        checksums.verify(path)
     (path / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        checkpoint_files.verify(path)
+        checksums.verify(path)
 
 
 def _train_one_iteration(*flags: str) -> float:
     """The iteration-1 loss of tiny-vlm trained in this process (a one-rank world)."""
-    from megatron_dip.training.loop import pretrain
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.validate import resolve
+    from megatron_dip.training.iteration.loop import pretrain
 
     argv = ["--model", "tiny-vlm", "--train-iters", "1", "--lr", "1e-3", "--seed", "7"]
     argv += ["--global-batch-size", "2", "--dip-lookahead", "0", *flags]
@@ -202,8 +209,11 @@ def test_training_starts_from_weights_only_checkpoints(groups, tmp_path):
     for seed in (7, 8):
         config = ModelConfig(seed=seed)
         model = tiny_vlm()
-        chunks = [c for m in model.modules for c in build_module_chunks(
-            model, m.name, _two(m), config=config, groups=groups)]  # fmt: skip
+        chunks = [
+            c
+            for m in model.modules
+            for c in build_module_chunks(model, m.name, _two(m), config=config, groups=groups)
+        ]
         save_weights(tmp_path / str(seed), model=model, chunks=chunks)
     assert _train_one_iteration("--load", str(tmp_path / "7"), "--no-load-optim") == fresh
     assert _train_one_iteration("--load", str(tmp_path / "8"), "--no-load-optim") != fresh
@@ -212,10 +222,12 @@ def test_training_starts_from_weights_only_checkpoints(groups, tmp_path):
 
 
 def _plain_adamw(chunks):
-    from megatron_dip.training.optim import PlainAdamW
+    from megatron_dip.training.assembly.optim import PlainAdamW
+    from megatron_dip.training.config.validate import training_settings
 
     model = LocalModel(list(chunks))
-    spec = SimpleNamespace(config=parse_config(["--lr", "1e-2", "--train-iters", "3"]))
+    config = parse_config(["--lr", "1e-2", "--train-iters", "3"])
+    spec = SimpleNamespace(training=training_settings(config))
     world = chunks[0].groups.tp
     return model, PlainAdamW(model, spec=spec, mp_group=world)
 
@@ -246,8 +258,8 @@ def test_adam_moments_and_step_load_into_another_chunking(groups, tmp_path):
         fresh, model2.param_layouts(), dp_rank=0, saved_keys=saved_keys
     )
     assert not masters  # float32 parameters are their own masters
-    checkpoint_files.verify(path)
-    checkpoint_io.load_sharded({"optimizer": request}, path)
+    checksums.verify(path)
+    storage.load_sharded({"optimizer": request}, path)
     set_steps(common["step"])
     want, got = _moments(model, optimizer), _moments(model2, fresh)
     assert set(want) == set(got)
@@ -265,7 +277,7 @@ def test_an_asynchronous_save_is_invisible_until_finalized(groups, tmp_path):
     assert (tmp_path / "iter_0000005.tmp").is_dir()
     writer.wait()
     assert writer.published == [final] and (tmp_path / TRACKER).read_text() == "5"
-    checkpoint_files.verify(final)
+    checksums.verify(final)
 
 
 def _still_writing(*args, **kwargs):
@@ -317,8 +329,11 @@ def test_a_failed_write_is_one_error_and_publishes_nothing(groups, tmp_path, mon
     else:
         writer = filesystem_async.FileSystemWriterAsync
         monkeypatch.setattr(writer, "write_preloaded_data", staticmethod(_killed))
-    with pytest.raises(CheckpointError, match=r"saving .*iter_0000002.tmp failed .*tracker are "
-                       r"unchanged"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"saving .*iter_0000002.tmp failed .*tracker are "
+        r"unchanged",
+    ):
         save_weights(tmp_path, model=tiny_vlm(), chunks=_chunks(groups, _two), iteration=2)
     assert (tmp_path / TRACKER).read_text() == "1" and not (tmp_path / "iter_0000002").exists()
     assert _processes() <= before
@@ -330,7 +345,7 @@ import psutil, torch, torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron_dip.cpu_support import apply_cpu_fixes
-from megatron_dip.training.checkpoint_io import CheckpointWriter
+from megatron_dip.training.checkpoint.storage import CheckpointWriter
 
 root = sys.argv[1]
 dist.init_process_group("gloo", store=dist.FileStore(root + "/store", 1), rank=0, world_size=1)
@@ -357,9 +372,13 @@ def test_a_killed_rank_leaves_no_checkpoint_process_behind(tmp_path):
     script.write_text(textwrap.dedent(_RANK_SCRIPT))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-        timeout=240, env=env, check=False,
-    )  # fmt: skip
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
     assert done.returncode == -9, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["after_save"] == []

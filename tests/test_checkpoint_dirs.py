@@ -1,5 +1,5 @@
 """What a run checks of --load, --save and --train-iters before any process group exists
-(`training/checkpoint_dirs.py`, through `validate.resolve`), in-process on directories laid out
+(`training/checkpoint/dirs.py`, through `validate.resolve`), in-process on directories laid out
 as saves leave them. Every refusal is one line starting with the flag, naming the file and the
 flag that picks something else, and touches nothing on disk."""
 
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.checkpoint_dirs import (
+from megatron_dip.training.checkpoint.dirs import (
     MANIFEST,
     TRACKER,
     CheckpointError,
     find_resume,
     iteration_dir,
 )
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 BASE = ["--model", "tiny-vlm", "--lr", "1e-3"]
 
@@ -93,8 +93,11 @@ def test_an_old_format_checkpoint_says_what_it_is(tmp_path):
     (old / "model_rank_00000.pt").write_bytes(b"")
     (tmp_path / TRACKER).write_text("4")
     for flags in (["--load", str(tmp_path)], ["--save", str(tmp_path)]):
-        with pytest.raises(ConfigError, match=r"'megatron-dip-checkpoint/2' checkpoint .*"
-                           r"before it used Megatron-Core's dist_checkpointing"):  # fmt: skip
+        with pytest.raises(
+            ConfigError,
+            match=r"'megatron-dip-checkpoint/2' checkpoint .*"
+            r"before it used Megatron-Core's dist_checkpointing",
+        ):
             _resolve("--train-iters", "8", *flags)
 
 
@@ -113,8 +116,11 @@ def test_an_unwritable_save_is_refused_before_training():
 
 def test_save_into_another_runs_checkpoints_is_refused_unless_loaded(tmp_path):
     root = _saved(tmp_path / "ckpt", 5, tracker=5)
-    with pytest.raises(ConfigError, match=r"^--save .*already holds checkpoints \(iterations 5\)"
-                       r" that this run does not --load"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^--save .*already holds checkpoints \(iterations 5\)"
+        r" that this run does not --load",
+    ):
         _resolve("--train-iters", "8", "--save", str(root))
     spec = _resolve("--train-iters", "8", "--save", str(root), "--load", str(root))
     assert spec.resume.iteration == 5
@@ -122,11 +128,14 @@ def test_save_into_another_runs_checkpoints_is_refused_unless_loaded(tmp_path):
 
 def test_train_iters_below_the_loaded_iteration(tmp_path, caplog):
     """Past it: refused; equal: one line, nothing trained, no process group, nothing saved."""
-    from megatron_dip.training.loop import pretrain
+    from megatron_dip.training.iteration.loop import pretrain
 
     root = _saved(tmp_path, 3, tracker=3)
-    with pytest.raises(ConfigError, match=r"^--train-iters 2: the checkpoint to load .* is at "
-                       r"iteration 3, past it"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^--train-iters 2: the checkpoint to load .* is at "
+        r"iteration 3, past it",
+    ):
         _resolve("--train-iters", "2", "--load", str(root))
     spec = _resolve("--train-iters", "3", "--load", str(root), "--save", str(root))
     before = _listing(root)

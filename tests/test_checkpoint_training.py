@@ -1,5 +1,5 @@
 """What a training run keeps, in one process (a one-rank gloo world): `loop.py`'s checkpoint
-publishing, `resume_checks.py`, `save_lock.py` and the save faults of `checkpoint_io.py` (the
+publishing, `resume_checks.py`, `save_lock.py` and the save faults of `checkpoint/storage.py` (the
 4-process versions: test_training_dist.py).
 
 * A non-finite streak: the tracker only ever names a checkpoint whose weights have since trained
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.checkpoint_dirs import TRACKER, CheckpointError
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.checkpoint.dirs import TRACKER, CheckpointError
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
@@ -46,7 +46,7 @@ def _spec(*flags: str):
 
 
 def _train(*flags: str):
-    from megatron_dip.training.loop import pretrain
+    from megatron_dip.training.iteration.loop import pretrain
 
     return pretrain(_spec(*flags))
 
@@ -89,8 +89,11 @@ def test_the_last_save_is_verified_by_a_forward_pass(trained):
     root, log = trained
     assert _names(root) == ["iter_0000002", TRACKER]
     assert (root / TRACKER).read_text() == "2"
-    assert re.search(r"checkpoint of iteration 2: the next batch's loss with its weights is "
-                     r"\d+\.\d+ \(forward only, to verify it\)", log), log  # fmt: skip
+    assert re.search(
+        r"checkpoint of iteration 2: the next batch's loss with its weights is "
+        r"\d+\.\d+ \(forward only, to verify it\)",
+        log,
+    ), log
 
 
 def test_a_non_finite_streak_publishes_only_verified_checkpoints(trained, tmp_path):
@@ -99,7 +102,7 @@ def test_a_non_finite_streak_publishes_only_verified_checkpoints(trained, tmp_pa
     finite loss and stay unpublished; resuming from 2 as the line says trains finitely."""
     import shutil
 
-    from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.iteration.nonfinite import NonFiniteError
 
     root = tmp_path / "ckpt"
     shutil.copytree(trained[0], root)
@@ -120,15 +123,23 @@ def test_a_non_finite_streak_publishes_only_verified_checkpoints(trained, tmp_pa
     assert sorted(resumed.losses) == [3, 4]
     assert all(math.isfinite(v) for v in resumed.losses.values()), resumed.losses
     assert (root / TRACKER).read_text() == "4"  # the rerun's own save of 4 replaced the NaN one
-    assert _names(root) == ["iter_0000002", "iter_0000003.unverified", "iter_0000004",
-                            "iter_0000005.unverified", TRACKER]  # fmt: skip
+    assert _names(root) == [
+        "iter_0000002",
+        "iter_0000003.unverified",
+        "iter_0000004",
+        "iter_0000005.unverified",
+        TRACKER,
+    ]
 
 
 def test_a_run_without_any_verified_checkpoint_says_so(single_rank_world, tmp_path):
-    from megatron_dip.training.nonfinite import NonFiniteError
+    from megatron_dip.training.iteration.nonfinite import NonFiniteError
 
-    with pytest.raises(NonFiniteError, match=r"No checkpoint of this run trained with a finite "
-                       r"loss: start again, e\.g\. with a lower --lr.*: iter_0000001\.unverified$"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError,
+        match=r"No checkpoint of this run trained with a finite "
+        r"loss: start again, e\.g\. with a lower --lr.*: iter_0000001\.unverified$",
+    ):
         _train("--lr", "1e30", "--train-iters", "3", "--save", str(tmp_path), "--save-interval",
                "1", "--dip-max-nonfinite-iters", "1")  # fmt: skip
     assert not (tmp_path / TRACKER).exists()
@@ -142,7 +153,7 @@ def test_a_run_without_any_verified_checkpoint_says_so(single_rank_world, tmp_pa
             ["--train-iters", "4", "--lr", "1e-4"],
             r"^--lr: 0\.0001 here, 0\.001 in the LR schedule"
             r".*\(also --train-iters\)",
-        ),  # fmt: skip
+        ),
         (["--train-iters", "2", "--lr-decay-style", "cosine"], r"^--lr-decay-style: cosine here,"),
         (["--train-iters", "2", "--lr-warmup-iters", "1"], r"^--lr-warmup-iters: 1 here, 0 in"),
     ],
@@ -177,8 +188,11 @@ def test_extending_a_run_follows_the_option_that_wins(trained, tmp_path):
 
 def test_another_seed_or_data_on_resume_is_named_before_loading(trained, tmp_path):
     trained = trained[0]
-    with pytest.raises(ConfigError, match=r"^--seed: 8 here, 7 in the checkpoint .*iter_0000002"
-                       r": the data order it saved would not continue; pass --seed 7"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^--seed: 8 here, 7 in the checkpoint .*iter_0000002"
+        r": the data order it saved would not continue; pass --seed 7",
+    ):
         _spec("--load", str(trained), "--train-iters", "2", "--seed", "8")
     with pytest.raises(ConfigError, match=r"^--global-batch-size: 4 here, 2 in the checkpoint"):
         _spec("--load", str(trained), "--train-iters", "2", "--global-batch-size", "4")
@@ -186,8 +200,11 @@ def test_another_seed_or_data_on_resume_is_named_before_loading(trained, tmp_pat
 
 def test_a_load_that_does_not_exist_is_refused_unless_it_is_save(tmp_path):
     missing = tmp_path / "typo"
-    with pytest.raises(ConfigError, match=rf"^--load {missing}: does not exist \(and there is no "
-                       r"--save\): check the path"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=rf"^--load {missing}: does not exist \(and there is no "
+        r"--save\): check the path",
+    ):
         _spec("--load", str(missing), "--train-iters", "1")
     with pytest.raises(ConfigError, match=rf"^--load {missing}: does not exist and is not --save"):
         _spec("--load", str(missing), "--save", str(tmp_path / "other"), "--train-iters", "1")
@@ -201,8 +218,8 @@ def test_an_unreadable_manifest_names_the_ckpt_step_to_use(trained, tmp_path):
     trained = trained[0]
     import shutil
 
-    from megatron_dip.training.checkpoint_dirs import load_hint
-    from megatron_dip.training.checkpoint_files import verify
+    from megatron_dip.training.checkpoint.checksums import verify
+    from megatron_dip.training.checkpoint.dirs import load_hint
 
     root = tmp_path / "two"
     shutil.copytree(trained / "iter_0000002", root / "iter_0000001")
@@ -211,8 +228,11 @@ def test_an_unreadable_manifest_names_the_ckpt_step_to_use(trained, tmp_path):
     bad = root / "iter_0000002"
     (bad / "checksums.json").write_text("{not json")
     assert _spec("--load", str(root), "--train-iters", "3").resume.iteration == 2  # the load's
-    with pytest.raises(CheckpointError, match=r"checksums.json: unreadable checksum manifest .*"
-                       rf"\(--load {root}: pick another checkpoint, e\.g\. --ckpt-step 1\)$"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"checksums.json: unreadable checksum manifest .*"
+        rf"\(--load {root}: pick another checkpoint, e\.g\. --ckpt-step 1\)$",
+    ):
         verify(bad, hint=load_hint(bad))
 
 
@@ -220,7 +240,7 @@ def test_an_unreadable_manifest_names_the_ckpt_step_to_use(trained, tmp_path):
 
 _HOLDER = """
 import sys, time
-from megatron_dip.training.save_lock import SaveLock, this_process
+from megatron_dip.training.checkpoint.save_lock import SaveLock, this_process
 SaveLock(sys.argv[1]).acquire(this_process("job-42"))
 print("held", flush=True)
 time.sleep(600)
@@ -232,20 +252,25 @@ def _holder(root: Path) -> subprocess.Popen:
     root.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(_HOLDER), str(root)], stdout=subprocess.PIPE,
-        text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, "-c", textwrap.dedent(_HOLDER), str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
 
 def test_a_second_job_on_one_save_is_refused_naming_the_holder(single_rank_world, tmp_path):
-    from megatron_dip.training.save_lock import SaveLockedError
+    from megatron_dip.training.checkpoint.save_lock import SaveLockedError
 
     holder = _holder(tmp_path)
     try:
-        with pytest.raises(SaveLockedError, match=rf"^--save {tmp_path}: another job \(host .*, "
-                           rf"pid {holder.pid}, job job-42, started .*\) holds its lock"):  # fmt: skip
+        with pytest.raises(
+            SaveLockedError,
+            match=rf"^--save {tmp_path}: another job \(host .*, "
+            rf"pid {holder.pid}, job job-42, started .*\) holds its lock",
+        ):
             _train("--train-iters", "1", "--save", str(tmp_path))
         assert not (tmp_path / TRACKER).exists()
     finally:
@@ -256,8 +281,8 @@ def test_a_second_job_on_one_save_is_refused_naming_the_holder(single_rank_world
 @pytest.mark.parametrize("locks", [True, False], ids=["fcntl", "no fcntl"])
 def test_a_dead_holders_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch, locks):
     """Without fcntl locks (the file system refuses them) the lock file's content decides."""
-    from megatron_dip.training import save_lock
-    from megatron_dip.training.save_lock import SaveLock, SaveLockedError, this_process
+    from megatron_dip.training.checkpoint.save_lock import SaveLock, SaveLockedError, this_process
+    from megatron_dip.training.checkpoint.state import save_lock
 
     if not locks:
 
@@ -283,8 +308,13 @@ def test_a_dead_holders_lock_is_taken_over_and_a_live_one_refused(tmp_path, monk
 def test_a_holder_on_another_host_without_locks_names_the_file_to_delete(tmp_path, monkeypatch):
     import json
 
-    from megatron_dip.training import save_lock
-    from megatron_dip.training.save_lock import LOCK_FILE, SaveLock, SaveLockedError, this_process
+    from megatron_dip.training.checkpoint.save_lock import (
+        LOCK_FILE,
+        SaveLock,
+        SaveLockedError,
+        this_process,
+    )
+    from megatron_dip.training.checkpoint.state import save_lock
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -292,8 +322,11 @@ def test_a_holder_on_another_host_without_locks_names_the_file_to_delete(tmp_pat
     other = {"host": "node-17", "pid": 4242, "job": "job-9", "started": 1.0e9}
     (tmp_path / LOCK_FILE).write_text(json.dumps(other))
     monkeypatch.setattr(save_lock.fcntl, "lockf", no_locks)
-    with pytest.raises(SaveLockedError, match=rf"host node-17, pid 4242, job job-9.*once that "
-                       rf"job has ended, delete {tmp_path / LOCK_FILE}"):  # fmt: skip
+    with pytest.raises(
+        SaveLockedError,
+        match=rf"host node-17, pid 4242, job job-9.*once that "
+        rf"job has ended, delete {tmp_path / LOCK_FILE}",
+    ):
         SaveLock(tmp_path).acquire(this_process("job-43"))
     monkeypatch.undo()  # with fcntl locks, a free lock means its job ended
     warning = SaveLock(tmp_path).acquire(this_process("job-43"))
@@ -309,7 +342,7 @@ def test_a_holder_on_another_host_without_locks_names_the_file_to_delete(tmp_pat
         (errno.ENOSPC, "no space left on device (ENOSPC)"),
         (errno.EACCES, "permission denied (EACCES)"),
         (errno.EIO, "I/O error (EIO)"),
-    ],  # fmt: skip
+    ],
 )
 def test_a_failed_write_names_the_cause_and_removes_the_partial_save(
     single_rank_world, tmp_path, monkeypatch, code, words
@@ -319,7 +352,7 @@ def test_a_failed_write_names_the_cause_and_removes_the_partial_save(
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megatron_dip.cpu_support import apply_cpu_fixes
-    from megatron_dip.training.checkpoint_io import CheckpointWriter
+    from megatron_dip.training.checkpoint.storage import CheckpointWriter
 
     apply_cpu_fixes()
     tmp = tmp_path / "iter_0000002.tmp"
@@ -347,16 +380,14 @@ def test_a_training_save_that_cannot_fit_stops_the_run_keeping_the_last(
     that fills up during a training save: test_training_dist.py, on one rank of four)."""
     import shutil
 
-    from megatron_dip.training import checkpoint_dirs
+    from megatron_dip.training.checkpoint.state import dirs
 
     root = tmp_path / "ckpt"
     shutil.copytree(trained[0], root)
-    size = checkpoint_dirs.checkpoint_bytes(root / "iter_0000002")
+    size = dirs.checkpoint_bytes(root / "iter_0000002")
     usage = shutil.disk_usage(root)
     free = iter([size + 1, size - 1])
-    monkeypatch.setattr(
-        checkpoint_dirs.shutil, "disk_usage", lambda _: usage._replace(free=next(free))
-    )
+    monkeypatch.setattr(dirs.shutil, "disk_usage", lambda _: usage._replace(free=next(free)))
     flags = ["--load", str(root), "--save", str(root), "--save-interval", "1"]
     flags += ["--lr-decay-iters", "2", "--train-iters", "4"]  # the checkpoint's decay
     with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError) as info:

@@ -342,16 +342,26 @@ def _layouts(module) -> dict:
     from megatron_dip.models.sharded import ParamLayout, Segment
 
     return {
-        id(p): ParamLayout(name, tuple(p.shape), tuple(p.shape), 0,
-                           (Segment(0, p.shape[0], 0),), alias=0, tp_replica=0)
+        id(p): ParamLayout(
+            name,
+            tuple(p.shape),
+            tuple(p.shape),
+            0,
+            (Segment(0, p.shape[0], 0),),
+            alias=0,
+            tp_replica=0,
+        )
         for name, p in module.named_parameters()
-    }  # fmt: skip
+    }
 
 
 def _adam_state(optimizer) -> list[dict]:
     inner = optimizer.optimizer
-    return [{k: v.clone() for k, v in inner.state[p].items()} for g in inner.param_groups
-            for p in g["params"]]  # fmt: skip
+    return [
+        {k: v.clone() for k, v in inner.state[p].items()}
+        for g in inner.param_groups
+        for p in g["params"]
+    ]
 
 
 @needs_cpu_only
@@ -361,8 +371,8 @@ def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_round_trips(w
     fresh optimizer unchanged."""
     from megatron.core import dist_checkpointing
 
-    from megatron_dip.training import checkpoint_io, optim_state
-    from megatron_dip.training.checkpoint_io import CheckpointWriter
+    from megatron_dip.training.checkpoint.state import optim_state, storage
+    from megatron_dip.training.checkpoint.storage import CheckpointWriter
 
     apply_cpu_fixes()
     seed_model_parallel_rng(3)
@@ -391,7 +401,7 @@ def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_round_trips(w
     request, masters, set_steps = optim_state.load_request(
         fresh, _layouts(other), dp_rank=0, saved_keys=keys
     )
-    checkpoint_io.load_sharded({"optimizer": request}, path)
+    storage.load_sharded({"optimizer": request}, path)
     set_steps(common["step"])
     assert not masters
     for want, got in zip(_adam_state(optimizer), _adam_state(fresh), strict=True):
@@ -431,7 +441,7 @@ def test_megatron_mixed_precision_optimizer_steps_bf16_weights_on_cpu(world):
     fixes are all it needs)."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    from megatron_dip.training.optim import optimizer_pairs
+    from megatron_dip.training.assembly.optim import optimizer_pairs
 
     apply_cpu_fixes()
     seed_model_parallel_rng(3)

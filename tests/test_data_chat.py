@@ -23,8 +23,8 @@ from megatron_dip.data.stream import BatchStream, StreamConfig
 from megatron_dip.data.tiny_llava import make_tiny_llava_sample
 from megatron_dip.data.tiny_tokenizer import make_tiny_tokenizer
 from megatron_dip.data.tokenizer import TokenizerSpec, load_tokenizer, padded_vocab_size
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 CONVERSATION = (
     Turn("system", "Be brief."),
@@ -247,9 +247,13 @@ def test_a_record_holding_the_old_fixed_ids_trains(quoted_llava, tok_dir, single
         assert sample_meta(s, model=spec.model) == ds.meta(s.sample_id)
     world = single_rank_world
     loss, grads = reference_loss_and_grads(
-        spec.model, [samples], seed=1, seq_length=128,
-        groups=ModelGroups(tp=world, cp=world, embedding=world), config=ModelConfig(seed=1),
-    )  # fmt: skip
+        spec.model,
+        [samples],
+        seed=1,
+        seq_length=128,
+        groups=ModelGroups(tp=world, cp=world, embedding=world),
+        config=ModelConfig(seed=1),
+    )
     assert math.isfinite(loss) and 0 < loss < 20
     assert any(name.startswith("vit.") and g.abs().sum() > 0 for name, g in grads.items())
 

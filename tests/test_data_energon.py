@@ -302,7 +302,7 @@ def test_the_stream_resumes_exactly_and_refuses_another_order(datasets):
 
 
 def test_evaluation_reads_the_val_split(datasets):
-    from megatron_dip.training.data_source import DataSpec
+    from megatron_dip.training.config.data_source import DataSpec
 
     spec = DataSpec.parse(f"energon:{datasets['split']}", scale=1.0, image_size=32)
     train, val = spec.source(MODEL, seed=0), spec.source(MODEL, seed=0, evaluation=True)
@@ -390,7 +390,7 @@ def test_a_header_corrupt_after_prepare_blanks_the_sample_in_skip_mode(tmp_path)
 
 
 def test_evaluation_without_a_val_split_says_so(datasets, caplog):
-    from megatron_dip.training.data_source import DataSpec
+    from megatron_dip.training.config.data_source import DataSpec
 
     only_train = DataSpec.parse(f"energon:{datasets['caption']}", scale=1.0, image_size=32)
     with caplog.at_level(logging.WARNING):

@@ -69,9 +69,11 @@ def test_pixels_and_grid_match_transformers(patch, merge, max_pixels, mode):
         patch_size=patch, merge_size=merge, min_pixels=min_pixels, max_pixels=max_pixels
     )
     config = ImageProcessorConfig(
-        max_pixels=max_pixels, min_pixels=min_pixels,
-        image_mean=tuple(reference.image_mean), image_std=tuple(reference.image_std),
-    )  # fmt: skip
+        max_pixels=max_pixels,
+        min_pixels=min_pixels,
+        image_mean=tuple(reference.image_mean),
+        image_std=tuple(reference.image_std),
+    )
     ours = ImageProcessor(config, factor=patch * merge)
     for h, w in SIZES:
         image = _image(h, w, mode)
@@ -98,8 +100,11 @@ def test_config_file_written_by_transformers_gives_the_same_pixels(tmp_path):
     reference.save_pretrained(str(tmp_path))
     config = ImageProcessorConfig.from_file(tmp_path)  # the directory: preprocessor_config.json
     assert (config.min_pixels, config.max_pixels, config.patch_size, config.merge_size) == (
-        256, 2048, 8, 2,
-    )  # fmt: skip
+        256,
+        2048,
+        8,
+        2,
+    )
     image = _image(90, 61)
     pixels = ImageProcessor(config, factor=16).preprocess(image)
     expected = reference(images=[image], return_tensors="np")["pixel_values"]

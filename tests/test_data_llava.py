@@ -201,8 +201,8 @@ def test_json_index_refuses_malformed_files_naming_the_byte(tmp_path, text, mess
 def test_malformed_json_is_one_line_naming_the_file_line_and_column(tmp_path, lines):
     """Deep in a file read through a small window (the text before it was dropped): the line
     and column are the file's, and the run stops before any process group, in one line."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.validate import ConfigError, resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import ConfigError, resolve
 
     records = [json.dumps(r) for r in RECORDS]
     records[30] = records[30].replace('"t": "', '"t": "\n', 1)  # a raw newline in a string
@@ -265,9 +265,13 @@ def test_reader_memory_grows_with_the_index_not_the_file(tmp_path):
         path = tmp_path / f"records{n}.json"
         _write_text_records(path, n)
         out = subprocess.run(
-            [sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, check=True, timeout=120,
-        )  # fmt: skip
+            [sys.executable, "-c", _RSS_PROBE, str(path)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            check=True,
+            timeout=120,
+        )
         peaks[n] = [int(x) for x in out.stdout.split()]
     (small, _), (large, index) = peaks[10_000], peaks[100_000]
     assert index == 100_000 * 16
@@ -345,8 +349,8 @@ def test_image_paths_stay_inside_the_dataset_root(tmp_path, caplog):
 
 
 def _resolve(*flags):
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
 
     argv = ["--model", "tiny-vlm", "--lr", "1e-3", "--train-iters", "1", "--global-batch-size",
             "2", "--dip-image-size", "32", *flags]  # fmt: skip
@@ -356,7 +360,7 @@ def _resolve(*flags):
 def test_each_bad_record_is_logged_once_per_rank(mixed_quality, caplog):
     """The run's readers (the start-up check of the first batches, training, evaluation)
     share one log: each bad record is named once; the missing validation split too."""
-    from megatron_dip.training.data_source import make_stream
+    from megatron_dip.training.config.data_source import make_stream
 
     records = json.loads(mixed_quality.read_text())
     path = _write(mixed_quality.parent, records + [_record(f"ok{i}") for i in range(8)])
@@ -364,9 +368,13 @@ def test_each_bad_record_is_logged_once_per_rank(mixed_quality, caplog):
         spec = _resolve("--dip-data", f"llava:{path}", "--dip-bad-samples", "skip")
         for evaluation in (False, True):
             stream = make_stream(
-                spec.data, spec.model, seed=1, global_batch_size=2, limits=spec.limits,
+                spec.data,
+                spec.model,
+                seed=1,
+                global_batch_size=2,
+                limits=spec.limits,
                 evaluation=evaluation,
-            )  # fmt: skip
+            )
             for _ in range(3):  # every record, more than once
                 next(stream)
     skips = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
@@ -385,7 +393,7 @@ def test_the_outside_paths_flag_reaches_the_reader(tmp_path):
 
 
 def test_a_non_utf8_record_stops_the_run_at_start_up_in_one_line(tmp_path):
-    from megatron_dip.training.validate import ConfigError
+    from megatron_dip.training.config.validate import ConfigError
 
     path, _ = _latin1_record(tmp_path, lines=True)
     with pytest.raises(ConfigError) as info:

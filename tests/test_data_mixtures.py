@@ -30,9 +30,10 @@ def _sequences(mixture: str, setup, batches: int = 6):
     limits = packing_limits(setup.model, setup.seq_length)
     stream = BatchStream(
         SyntheticSource(mixture, model=setup.model, seed=3),
-        config=StreamConfig(seed=3, batch_microbatches=setup.global_batch_microbatches,
-                            limits=limits),
-    )  # fmt: skip
+        config=StreamConfig(
+            seed=3, batch_microbatches=setup.global_batch_microbatches, limits=limits
+        ),
+    )
     out = []
     for _ in range(batches):
         batch = next(stream)

@@ -155,8 +155,11 @@ def test_unbounded_source_of_only_oversize_samples_stops_at_the_bound():
         batch_microbatches=2, limits=nothing_fits, on_oversize="skip", max_consecutive_skips=300
     )
     stream = BatchStream(_synthetic(), config=config)
-    with pytest.raises(StreamError, match="no usable sample in 300 consecutive .*"
-                       "max_consecutive_skips=300.*more than a microbatch holds") as info:  # fmt: skip
+    with pytest.raises(
+        StreamError,
+        match="no usable sample in 300 consecutive .*"
+        "max_consecutive_skips=300.*more than a microbatch holds",
+    ) as info:
         next(stream)
     assert info.value.oversize and info.value.position is None
 
@@ -198,8 +201,11 @@ def test_oversize_error_names_the_record_and_skips_are_logged_once(caplog):
             return f"record {index} (id 'r{index}')"
 
     config = StreamConfig(batch_samples=59, limits=tight, shuffle=False)
-    with pytest.raises(StreamError, match=rf"stream position {big[0]} \(record {big[0]} "
-                       rf"\(id 'r{big[0]}'\)\): .*more than a microbatch holds"):  # fmt: skip
+    with pytest.raises(
+        StreamError,
+        match=rf"stream position {big[0]} \(record {big[0]} "
+        rf"\(id 'r{big[0]}'\)\): .*more than a microbatch holds",
+    ):
         next(BatchStream(Described(60), config=config))
     stream = BatchStream(Described(60), config=replace(config, on_oversize="skip"))
     with caplog.at_level("WARNING", logger="megatron_dip.data.stream"):

@@ -48,7 +48,7 @@ FLAGS = [
 def dip():
     """A tiny VLM DIP run emulated on 2 ranks: its spec and the plan of its first batch."""
     from megatron_dip.benchmark.bench import first_batches
-    from megatron_dip.training.planning import make_planner, replica_plan
+    from megatron_dip.training.iteration.planning import make_planner, replica_plan
 
     spec = resolve_run([*FLAGS, "--dip-schedule", "dip"], world_size=2)
     batch = first_batches(spec, 1)[0]
@@ -176,11 +176,25 @@ def test_chunks_sleep_at_least_the_cost_model_time_and_wait_for_remote_stamps(
 
 def test_summary_and_stock_choices(dip) -> None:
     records = [
-        {"iteration": i, "schedule_seconds": t, "predicted_s": 1.0, "bound_s": 0.5, "variant": v,
-         "seconds": t + w + 0.5, "plan_wait_seconds": w}
-        for i, (t, v, w) in enumerate([(9.0, "inline", 0.0), (1.0, "inline", 20.0),
-                                       (2.0, "searched", 0.0), (3.0, "searched", 0.0)], start=1)
-    ]  # fmt: skip
+        {
+            "iteration": i,
+            "schedule_seconds": t,
+            "predicted_s": 1.0,
+            "bound_s": 0.5,
+            "variant": v,
+            "seconds": t + w + 0.5,
+            "plan_wait_seconds": w,
+        }
+        for i, (t, v, w) in enumerate(
+            [
+                (9.0, "inline", 0.0),
+                (1.0, "inline", 20.0),
+                (2.0, "searched", 0.0),
+                (3.0, "searched", 0.0),
+            ],
+            start=1,
+        )
+    ]
     s = summarize("dip", records, warmup=1)
     # The headline is what the user waited: the inline iteration's 20 s wait counts there.
     assert (s.elapsed_s, s.elapsed_p90_s, s.inline_plans, s.iterations) == (3.5, 21.5, 1, 3)
@@ -276,7 +290,7 @@ def test_the_backend_is_chosen_once_and_emulation_plugs_in_as_its_parts(dip) -> 
     batch source, stand-in messages (not held to the plan's real shapes), the emulated
     transport, and the scaled simulation as its prediction; without it, `RealCompute`."""
     from megatron_dip.runtime.p2p import PipelineP2P
-    from megatron_dip.training.backend import EmulatedCompute, RealCompute, select_backend
+    from megatron_dip.training.assembly.backend import EmulatedCompute, RealCompute, select_backend
 
     spec, batch, plan = dip
     backend = select_backend(spec)
@@ -341,9 +355,9 @@ def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path
 
     from megatron_dip.benchmark.bench import BENCH_PRESETS, RunSummary, resolve_run
     from megatron_dip.planner.overheads import HostOverheads, OverheadsFile, save_overheads
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.layout import placement_flag
-    from megatron_dip.training.validate import recompute_mode
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.layout import placement_flag
+    from megatron_dip.training.config.validate import recompute_mode
 
     path = Path(__file__).resolve().parent.parent / "tools" / "bench_schedules.py"
     spec = importlib.util.spec_from_file_location("bench_schedules", path)
@@ -357,8 +371,10 @@ def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path
     )
     runs, scale = tool.plan_runs(args, BENCH_PRESETS["tiny-vlm"])
     assert scale > 0 and [r["label"].split(" ")[0] for r in runs] == [
-        "megatron-1f1b", "megatron-interleaved", "dip",
-    ]  # fmt: skip
+        "megatron-1f1b",
+        "megatron-interleaved",
+        "dip",
+    ]
     for run in runs:
         flags = run["flags"]
         assert flags[flags.index("--dip-host-overheads") + 1] == str(overheads)
@@ -373,7 +389,7 @@ def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path
     chosen = runs[2]["granularity"]["placement"]
     assert segments == placement_flag(chosen, runs[2]["granularity"]["segments"])
     # The run places as the tool's search chose, without searching again (static ones too).
-    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
         again = resolve_run(dip_flags, world_size=2)
     assert "start-up placement search" not in caplog.text
     assert (again.stage_units is not None) == chosen.startswith("static ")

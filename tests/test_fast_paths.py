@@ -209,9 +209,12 @@ def test_without_numba_the_scheduler_runs_interpreted_with_the_same_result() -> 
     tests = Path(__file__).parent
     path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
     out = subprocess.run(  # noqa: PLW1510 (checked below, with its stderr)
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": path},
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == _chain_schedule()
     assert "numba is not installed" in out.stderr
@@ -232,9 +235,16 @@ def _chain_schedule() -> list:
         npred[2 * k + 1] += 1
     stages = [StageId("m", k, 0) for k in range(n)]
     graph = StageGraph(
-        stages, [k % 2 for k in range(n)], [1.0, 2.0] * 3, [2.0, 3.0] * 3, [1, 2] * 3,
-        [True] * n, succ, npred, ranks,
-    )  # fmt: skip
+        stages,
+        [k % 2 for k in range(n)],
+        [1.0, 2.0] * 3,
+        [2.0, 3.0] * 3,
+        [1, 2] * 3,
+        [True] * n,
+        succ,
+        npred,
+        ranks,
+    )
     sched = list_schedule(graph, priority=[(k,) for k in range(n)], memory_limit=[2.0, 3.0])
     orders = [[f"{type(i).__name__} {i.stage}" for i in o] for o in sched.orders]
     return [orders, sched.makespan, list(sched.peak_memory)]

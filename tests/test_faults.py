@@ -139,9 +139,10 @@ def rank_faults(tmp_path_factory) -> dict:
                 continue
             logger.warning(
                 "fault %s: the line on every rank after %s s; every process gone after %s s",
-                name, {r: round(s, 1) for r, s in sorted(res["exit_s"].items())},
+                name,
+                {r: round(s, 1) for r, s in sorted(res["exit_s"].items())},
                 None if res["gone_s"] is None else round(res["gone_s"], 1),
-            )  # fmt: skip
+            )
     finally:
         for job in jobs.values():
             job.kill()
@@ -161,8 +162,9 @@ def _kill_launcher(job: LauncherJob) -> dict:
     res = {"family": family, "ranks": ranks, "planners": planners, "gone": gone}
     logger.warning(
         "fault launcher: ranks gone after %s s; planner gone after %s s",
-        [_round(gone[p]) for p in sorted(ranks)], [_round(gone[p]) for p in sorted(planners)],
-    )  # fmt: skip
+        [_round(gone[p]) for p in sorted(ranks)],
+        [_round(gone[p]) for p in sorted(planners)],
+    )
     res["log"] = job.log.read_text()
     return res
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.checkpoint_dirs import MANIFEST, TRACKER, iteration_dir
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.checkpoint.dirs import MANIFEST, TRACKER, iteration_dir
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 BASE = ["--model", "tiny-vlm", "--train-iters", "4", "--lr", "1e-3"]
 

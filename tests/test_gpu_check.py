@@ -24,9 +24,13 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 def _script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], check=False, capture_output=True, text=True, timeout=60,
+        ["bash", str(SCRIPT), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
         cwd=ROOT,
-    )  # fmt: skip
+    )
 
 
 def test_script_refuses_bad_arguments_before_installing(tmp_path):

@@ -42,12 +42,12 @@ _HEAVY = HostOverheads(1e-3, 1e-3, 1e-3)
 def tiny():
     from megatron_dip.batching import LayoutConfig, pack
     from megatron_dip.benchmark.bench import first_batches, resolve_run
-    from megatron_dip.planner.compare import average_workload
-    from megatron_dip.training.layout import split_all
+    from megatron_dip.planner.sizing import average_workload
+    from megatron_dip.training.config.layout import split_all
 
     spec = resolve_run(_TINY, world_size=2)
     batches = first_batches(spec, 1)
-    whole = LayoutConfig(seq_length=spec.config.train.seq_length, packing=spec.limits)
+    whole = LayoutConfig(seq_length=spec.training.seq_length, packing=spec.limits)
     mbs = [list(mb) for b in batches for mb in pack(list(b.samples), spec.limits)]
     return spec, batches, average_workload(spec.model, split_all(spec.model, mbs, whole))
 
@@ -66,9 +66,13 @@ def _search(spec, batches, workload, cost):
         return greedy_score(planner, batches, limits=None)
 
     return choose_dip_placement(
-        spec.model, cost, num_ranks=2, workload=workload, unit_instances=spec.sub_sizes,
+        spec.model,
+        cost,
+        num_ranks=2,
+        workload=workload,
+        unit_instances=spec.sub_sizes,
         evaluate=evaluate,
-    )  # fmt: skip
+    )
 
 
 def _chunks(placement) -> int:
@@ -103,7 +107,7 @@ def test_the_run_scores_its_placement_search_with_the_host_overheads(tiny, tmp_p
     scores = []
     for extra in ([], ["--dip-host-overheads", str(path)]):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+        with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
             resolve_run([*_TINY, *extra], world_size=2)
         (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
         scores.append(record.args[-1])  # {candidate: simulated s}, last in the line

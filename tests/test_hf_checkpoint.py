@@ -38,7 +38,7 @@ def _filled(folder, world, tp):
     groups = ModelGroups(tp=tp, cp=world)
     chunks = build_module_chunks(
         model, "llm", [(0, 2), (2, 3)], config=ModelConfig(), groups=groups
-    )  # fmt: skip
+    )
     source = SafetensorsFolder(folder)
     maps = decoder_maps(model.module("llm"))
     for c in chunks:
@@ -75,10 +75,15 @@ def test_each_tensor_parallel_rank_reads_only_its_slices(tmp_path, single_rank_w
 
 @pytest.mark.parametrize(
     "make",
-    [lambda d: save_llama(d, tied=False), lambda d: save_llama(d, tied=True), save_qwen2,
-     save_qwen3, save_mistral],
+    [
+        lambda d: save_llama(d, tied=False),
+        lambda d: save_llama(d, tied=True),
+        save_qwen2,
+        save_qwen3,
+        save_mistral,
+    ],
     ids=["llama", "llama-tied", "qwen2", "qwen3", "mistral"],
-)  # fmt: skip
+)
 def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     tmp_path, make, caplog, single_rank_world
 ):
@@ -277,8 +282,10 @@ def test_export_writes_the_checkpoints_own_architecture_and_refuses_another_mode
     assert tool.main(args) == 0
     config = json.loads((out / "config.json").read_text())
     assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"]) == (
-        "qwen3", 32, 3,
-    )  # fmt: skip
+        "qwen3",
+        32,
+        3,
+    )
     assert (config["head_dim"], config["tie_word_embeddings"]) == (16, True)
     from transformers import AutoModelForCausalLM
 
@@ -335,8 +342,8 @@ def test_help_lists_every_flag_and_family_and_a_typo_is_one_line(capsys):
 def test_an_llm_only_import_builds_only_the_llm(tmp_path, caplog, single_rank_world):
     """Trip-wire 5: no --model: only the folder's LLM is built and saved (nothing initialised),
     and training loads it per module."""
-    from megatron_dip.training import checkpoint_io
-    from megatron_dip.training.checkpoint_dirs import find_resume
+    from megatron_dip.training.checkpoint.dirs import find_resume
+    from megatron_dip.training.checkpoint.state import storage
 
     hf = tmp_path / "hf"
     save_llama(hf, tied=False)
@@ -344,7 +351,7 @@ def test_an_llm_only_import_builds_only_the_llm(tmp_path, caplog, single_rank_wo
     with caplog.at_level(logging.INFO):
         assert tool.main(["import", "--dip-hf-config", str(hf), "--save", str(tmp_path / "o")]) == 0
     assert "initialised" not in caplog.text
-    saved = checkpoint_io.tensor_metadata(find_resume(tmp_path / "o", None).path)
+    saved = storage.tensor_metadata(find_resume(tmp_path / "o", None).path)
     assert saved and all(k.startswith("llm.") for k in saved)
 
 

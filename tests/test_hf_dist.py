@@ -81,7 +81,7 @@ def world(tmp_path_factory) -> list[dict]:
             "data": str(data),
             "tmp": str(tmp),
             "folders": {f: str(tmp / f"hf_{f}") for f in families},
-        },  # fmt: skip
+        },
         timeout=600,
         daemon=False,  # the checkpoint writer starts a process of its own
     )
@@ -94,7 +94,7 @@ def _imported_chunks(world, family: str, groups):
     from megatron_dip.cpu_support import seed_model_parallel_rng
     from megatron_dip.modalities import build_module_chunks
     from megatron_dip.models import ModelConfig
-    from megatron_dip.training.checkpoint import load_weights
+    from megatron_dip.training.checkpoint.state import load_weights
 
     result = world[0][f"import_{family}"]
     assert [w[f"import_{family}"]["rc"] for w in world] == [0] * 4

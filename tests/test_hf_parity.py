@@ -145,7 +145,7 @@ def _hf_vl_reference(hf_model, sample, spec):
     pixels = [
         patchify_image(i, patch=spec.patch_size, merge=spec.merge, frames=2)[0]
         for i in sample.media["vit"]
-    ]  # fmt: skip
+    ]
     grid = [
         [1, i.shape[1] // spec.patch_size, i.shape[2] // spec.patch_size]
         for i in sample.media["vit"]
@@ -214,9 +214,15 @@ def test_qwen2_vl_options_keep_chunking_invariance(tmp_path, groups):
         model, batch, seed=0, seq_length=SEQ, groups=groups, config=config
     )
     split = reference_loss_and_grads(
-        model, batch, seed=0, seq_length=SEQ, groups=groups, config=config,
-        ranges={"vit": [(0, 1), (1, 2)], "llm": [(0, 1), (1, 3)]}, sizes={"vit": 1},
-    )  # fmt: skip
+        model,
+        batch,
+        seed=0,
+        seq_length=SEQ,
+        groups=groups,
+        config=config,
+        ranges={"vit": [(0, 1), (1, 2)], "llm": [(0, 1), (1, 3)]},
+        sizes={"vit": 1},
+    )
     assert one[0] == pytest.approx(split[0], rel=1e-12)
     assert one[1].keys() == split[1].keys()
     for name, grad in one[1].items():
@@ -276,16 +282,20 @@ def compare_llava(model, chunks, hf_model, *, tower: str, tokens: int) -> None:
     per_image = 16 + (tower == "clip")  # patches and the class token
     with torch.no_grad():
         vit_batch = build_sub_batch(
-            model, [sample], SubMicrobatch("vit", 0, 0, 0, 2, per_image * 2, 40), seq_length=SEQ,
+            model,
+            [sample],
+            SubMicrobatch("vit", 0, 0, 0, 2, per_image * 2, 40),
+            seq_length=SEQ,
             seed=0,
-        )  # fmt: skip
+        )
         handed = chunks["vit"](inputs=[], batch=vit_batch)
         ids = torch.from_numpy(sample.text)[None]
         pixel_values = torch.from_numpy(np.stack(pixels))
         features = hf_model.model.get_image_features(
-            pixel_values, vision_feature_layer=hf_model.config.vision_feature_layer,
+            pixel_values,
+            vision_feature_layer=hf_model.config.vision_feature_layer,
             vision_feature_select_strategy=strategy,
-        ).pooler_output  # fmt: skip
+        ).pooler_output
         labels = ids.masked_fill(ids == placeholder, -100)
         out_hf = hf_model(input_ids=ids, pixel_values=pixel_values, labels=labels)
     embeds = torch.cat(list(features), dim=0)

@@ -128,3 +128,63 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycle_through(graph, "a") == ["a", "b", "c", "a"]
     assert _cycle_through(graph, "d") is None
+
+
+def _module_name(path: Path, root: Path = PACKAGE) -> str:
+    return ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imported_modules(path: Path, modules: set[str], root: Path = PACKAGE) -> set[str]:
+    """The modules of ours that the file `path` imports anywhere in it: at the top, inside
+    functions and under TYPE_CHECKING (`from pkg import module` names the module)."""
+    here = _module_name(path, root).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            head = ".".join([*base, node.module] if node.module else base)
+            for a in node.names:
+                full = f"{head}.{a.name}"
+                found.add(full if full in modules else head)
+    return found & modules
+
+
+def _file_graph(part: Path, root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Imports between the files of one part of the package (its sub-packages included); a
+    package's __init__ is its table of contents and takes no part."""
+    files = [p for p in part.rglob("*.py") if p.name != "__init__.py"]
+    names = {p: _module_name(p, root) for p in files}
+    modules = set(names.values())
+    return {names[p]: _imported_modules(p, modules, root) - {names[p]} for p in files}
+
+
+@pytest.mark.parametrize(
+    "part", sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+)
+def test_no_two_files_of_a_package_import_each_other_in_a_cycle(part: str) -> None:
+    graph = _file_graph(PACKAGE / part)
+    cycles = [c for m in sorted(graph) if (c := _cycle_through(graph, m))]
+    assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_file_cycle_check_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "megatron_dip" / "part"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_dip.part import a\n"
+    )
+    root = tmp_path / "megatron_dip"
+    modules = {"megatron_dip.part.a", "megatron_dip.part.b"}
+    assert _imported_modules(pkg / "a.py", modules, root) == {"megatron_dip.part.b"}
+    assert _imported_modules(pkg / "b.py", modules, root) == {"megatron_dip.part.a"}
+    graph = _file_graph(pkg, root)
+    assert _cycle_through(graph, "megatron_dip.part.a") == [
+        "megatron_dip.part.a",
+        "megatron_dip.part.b",
+        "megatron_dip.part.a",
+    ]

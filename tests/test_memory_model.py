@@ -64,10 +64,16 @@ def _measure(kind: str, mode: RecomputeMode, dtype: str, groups, kernels: Kernel
     }
     cost = CostModel(model, H100, dtype_bytes=DTYPES[dtype], kernels=kernels)
     records = measure_model(
-        model, group_samples(samples(kind, 6), [3, 3]), cost_model=cost, recompute=mode,
-        config=ModelConfig(dtype=dtype, adaln_zero=False, seed=7), groups=groups,
-        seq_length=SEQ, ranges=ranges, sizes=SIZES,
-    )  # fmt: skip
+        model,
+        group_samples(samples(kind, 6), [3, 3]),
+        cost_model=cost,
+        recompute=mode,
+        config=ModelConfig(dtype=dtype, adaln_zero=False, seed=7),
+        groups=groups,
+        seq_length=SEQ,
+        ranges=ranges,
+        sizes=SIZES,
+    )
     totals: dict = defaultdict(lambda: [0, 0])
     for r in records:
         totals[(r.module, _position(r))][0] += r.measured
@@ -121,15 +127,19 @@ def print_table() -> None:
     store = dist.FileStore(tempfile.mktemp(prefix="memory-model-"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     g = ModelGroups(tp=dist.group.WORLD, cp=dist.group.WORLD)
-    print(f"{'model':6} {'module':7} {'chunk':7} {'recompute':10} {'dtype':9} "
-          f"{'measured B':>11} {'predicted B':>12} {'error':>7}")  # fmt: skip
+    print(
+        f"{'model':6} {'module':7} {'chunk':7} {'recompute':10} {'dtype':9} "
+        f"{'measured B':>11} {'predicted B':>12} {'error':>7}"
+    )
     for kind, mode, dtype in CASES:
         for (module, where), (measured, predicted) in sorted(
             memory_errors(kind, mode, dtype, g, CPU_KERNELS).items()
         ):
             error = f"{predicted / measured - 1:+.2%}" if measured else "n/a"
-            print(f"{kind:6} {module:7} {where:7} {mode_name(mode):10} {dtype:9} "
-                  f"{measured:11d} {predicted:12d} {error:>7}")  # fmt: skip
+            print(
+                f"{kind:6} {module:7} {where:7} {mode_name(mode):10} {dtype:9} "
+                f"{measured:11d} {predicted:12d} {error:>7}"
+            )
     dist.destroy_process_group()
 
 

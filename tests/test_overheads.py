@@ -128,8 +128,9 @@ def test_the_planner_sees_the_instruction_overhead_in_its_durations() -> None:
     subs = tuple(s for w in works for s in w.submicrobatches)
     deps = tuple(d for w in works for d in w.dependencies)
     sub_of = {s.work: s for s in subs}
-    graph = planner._graph(Dataflow(spec.placement, subs, deps), sub_of, planner._uniform_choice(),
-                           forward_only=False)  # fmt: skip
+    graph = planner._graph(
+        Dataflow(spec.placement, subs, deps), sub_of, planner._uniform_choice(), forward_only=False
+    )
     for k, stage in enumerate(graph.stages):
         chunk = spec.placement.module(stage.module).chunks[stage.chunk]
         c = spec.cost_model.stage_cost(chunk, sub_of[stage.work])
@@ -154,7 +155,7 @@ def test_emulated_chunks_sleep_compute_only_and_the_prediction_pays_host_seconds
     from megatron_dip.benchmark.bench import first_batches, resolve_run
     from megatron_dip.emulation import EmulatedBatchSource, EmulationConfig
     from megatron_dip.emulation.timing import ScaledCostModel
-    from megatron_dip.training.planning import make_planner, replica_plan
+    from megatron_dip.training.iteration.planning import make_planner, replica_plan
 
     measured = HostOverheads(2e-3, 1e-3, 4e-4)
     path = tmp_path / "o.json"
@@ -166,9 +167,11 @@ def test_emulated_chunks_sleep_compute_only_and_the_prediction_pays_host_seconds
     batch = first_batches(spec, 1)[0]
     plan = replica_plan(make_planner(spec), batch, 0).plan
     source = EmulatedBatchSource(
-        plan=plan, cost_model=spec.cost_model, config=EmulationConfig(scale=scale),
+        plan=plan,
+        cost_model=spec.cost_model,
+        config=EmulationConfig(scale=scale),
         loss_tokens={m.index: [0] * len(m.sample_ids) for m in plan.microbatches},
-    )  # fmt: skip
+    )
     for stage in source.df.stages()[:6]:
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
         cost = spec.cost_model.stage_cost(chunk, plan.submicrobatch(stage.work))
@@ -187,7 +190,7 @@ def test_emulated_chunks_sleep_compute_only_and_the_prediction_pays_host_seconds
 
 def test_the_flag_names_itself_and_the_file(tmp_path) -> None:
     from megatron_dip.benchmark.bench import resolve_run
-    from megatron_dip.training.validate import ConfigError
+    from megatron_dip.training.config.validate import ConfigError
 
     path = tmp_path / "missing.json"
     with pytest.raises(ConfigError, match=r"^--dip-host-overheads: cannot read .*missing\.json"):

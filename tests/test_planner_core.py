@@ -300,9 +300,12 @@ def test_the_milps_native_output_stays_out_of_stdout(capfd, monkeypatch):
     table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
     print("before the solve")
     choose_recompute(
-        orders, mode_cost=lambda s, m: table[m], modes_of=lambda s: (none, sel, full),
-        keeps_activations=lambda s: True, memory_limit=[250, 1000],
-    )  # fmt: skip
+        orders,
+        mode_cost=lambda s, m: table[m],
+        modes_of=lambda s: (none, sel, full),
+        keeps_activations=lambda s: True,
+        memory_limit=[250, 1000],
+    )
     print("after the solve")
     out = capfd.readouterr().out
     assert calls and calls[0] is False, "the MILP did not run"
@@ -352,9 +355,12 @@ def test_the_recompute_milp_has_no_clock_in_it(monkeypatch):
     none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
     table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
     choose_recompute(
-        orders, mode_cost=lambda s, m: table[m], modes_of=lambda s: (none, sel, full),
-        keeps_activations=lambda s: True, memory_limit=[250, 1000],
-    )  # fmt: skip
+        orders,
+        mode_cost=lambda s, m: table[m],
+        modes_of=lambda s: (none, sel, full),
+        keeps_activations=lambda s: True,
+        memory_limit=[250, 1000],
+    )
     assert options and all("time_limit" not in o for o in options)
     assert all(o["node_limit"] == memory.MILP_NODE_LIMIT for o in options)
     assert memory.MILP_MAX_STAGES <= 64

@@ -69,8 +69,12 @@ def test_cli_writes_a_profile_load_profile_reads(vit_profile) -> None:
     details = profile.details
     assert details["timing"] == "time.perf_counter" and details["iters"] == 2
     assert details["per_rank_shapes"]["vit"] == {
-        "hidden": 32, "heads": 4, "kv_groups": 4, "head_dim": 8, "ffn": 64
-    }  # fmt: skip
+        "hidden": 32,
+        "heads": 4,
+        "kv_groups": 4,
+        "head_dim": 8,
+        "ffn": 64,
+    }
     assert details["command"].startswith("tools/profile_costs.py --preset tiny-vlm")
 
 
@@ -119,8 +123,12 @@ def test_tensor_parallel_shards_are_timed_without_collectives(tmp_path) -> None:
     profile = load_profile(path)
     assert profile.tensor_parallel == 2 and not profile.tp_comm_included
     assert profile.details["per_rank_shapes"]["llm"] == {
-        "hidden": 32, "heads": 2, "kv_groups": 1, "head_dim": 8, "ffn": 32
-    }  # fmt: skip
+        "hidden": 32,
+        "heads": 2,
+        "kv_groups": 1,
+        "head_dim": 8,
+        "ffn": 32,
+    }
     assert {(p.tokens, p.instances) for p in profile.modules["llm"]} == {(8, 1), (16, 1), (8, 2)}
     assert profile.details["skipped"] == [
         {"module": "llm", "tokens": 16, "instances": 2, "reason": "> max_tokens 16"}

@@ -328,8 +328,14 @@ def test_drop_in_installed_into_megatron_runs_the_plan(groups):
         func = pipeline_parallel.get_forward_backward_func()
         assert schedules.get_forward_backward_func(pp_size=4, vp_size=2) is not original
         with pytest.raises(ValueError, match="num_microbatches=3"):
-            func(forward_step_func=None, data_iterator=iter(batch.microbatches), model=chunks,
-                 num_microbatches=3, seq_length=st.SEQ, micro_batch_size=1)  # fmt: skip
+            func(
+                forward_step_func=None,
+                data_iterator=iter(batch.microbatches),
+                model=chunks,
+                num_microbatches=3,
+                seq_length=st.SEQ,
+                micro_batch_size=1,
+            )
         reports = func(
             forward_step_func=None,
             data_iterator=iter(batch.microbatches),

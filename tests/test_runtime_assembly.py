@@ -87,8 +87,12 @@ class MemoryTransport:
         except queue.Empty:
             raise PipelineTimeoutError(
                 f"rank {self.rank}: {where}: nothing from rank {peer}",
-                rank=self.rank, index=index, peer=peer, key=None, tensor=None,
-            ) from None  # fmt: skip
+                rank=self.rank,
+                index=index,
+                peer=peer,
+                key=None,
+                tensor=None,
+            ) from None
         op = self._posted.pop(key, None)
         if op is None:
             raise MessageError(f"rank {self.rank}: {key} arrived before its receive was posted")
@@ -214,14 +218,26 @@ def test_drop_in_runs_on_one_rank_runtime_with_agreement_channels_and_timing(gro
 
     recorder, channels = SpanRecorder(), ChannelGroups(world)
     schedule = DipSchedule(
-        model=batch.model, placement=placement, pp_group=world, seed=st.SEED,
-        dtype=st.CFG.dtype, tp_group=tp, replica_group=replica, channels=channels,
-        on_instruction=recorder, transport=transport,
-    )  # fmt: skip
+        model=batch.model,
+        placement=placement,
+        pp_group=world,
+        seed=st.SEED,
+        dtype=st.CFG.dtype,
+        tp_group=tp,
+        replica_group=replica,
+        channels=channels,
+        on_instruction=recorder,
+        transport=transport,
+    )
     call = functools.partial(
-        dip_forward_backward, forward_step_func=None, model=chunks, seq_length=st.SEQ,
-        micro_batch_size=1, num_microbatches=len(batch.infos), schedule=schedule,
-    )  # fmt: skip
+        dip_forward_backward,
+        forward_step_func=None,
+        model=chunks,
+        seq_length=st.SEQ,
+        micro_batch_size=1,
+        num_microbatches=len(batch.infos),
+        schedule=schedule,
+    )
     reports = call(data_iterator=iter(batch.microbatches), plan=plan)
     spans, ops = recorder.take()
     call(data_iterator=iter(batch.microbatches), plan=evaluation, forward_only=True)

@@ -159,9 +159,12 @@ def test_timing_hook_reports_every_instruction_once_in_order(groups):
     seen: list[tuple] = []
     before = time.time()
     _run(
-        batch, placement, plan, chunks,
+        batch,
+        placement,
+        plan,
+        chunks,
         on_instruction=lambda i, ins, start, end: seen.append((i, ins, start, end)),
-    )  # fmt: skip
+    )
     after = time.time()
     program = plan.program(0).instructions
     assert [i for i, *_ in seen] == list(range(len(program)))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_dip.runtime.errors import PipelineTimeoutError, StallError
 from megatron_dip.runtime.stalls import Phase, PhaseWatch, describe_stall, is_comm_failure
-from megatron_dip.training.checkpoint_dirs import CheckpointError
+from megatron_dip.training.checkpoint.dirs import CheckpointError
 
 
 def test_communication_failures_are_told_from_a_ranks_own_errors():
@@ -40,8 +40,10 @@ def test_the_post_mortem_names_who_arrived_who_waits_elsewhere_and_who_stalled(t
     watch = PhaseWatch(store=store, rank=0, world_size=4, timeout_s=5.0, beat_s=0.1)
     prefix = watch.prefix
     _beat(store, prefix, 2, 7, "pipeline schedule", 3)
-    store.set(f"{prefix}/report/3", json.dumps({"phase": "grad sync", "iteration": 4,
-                                                "group": "world", "failed": False}))  # fmt: skip
+    store.set(
+        f"{prefix}/report/3",
+        json.dumps({"phase": "grad sync", "iteration": 4, "group": "world", "failed": False}),
+    )
     stop = threading.Event()
 
     def alive_rank_1() -> None:  # a rank blocked in another phase still beats
@@ -74,13 +76,21 @@ def test_the_post_mortem_names_who_arrived_who_waits_elsewhere_and_who_stalled(t
 
 def test_a_rank_that_failed_is_named_with_its_error():
     line = describe_stall(
-        rank=1, phase=Phase("stats gather", 5, "world", (0, 1)),
+        rank=1,
+        phase=Phase("stats gather", 5, "world", (0, 1)),
         cause="RuntimeError: Connection closed by peer",
-        reports={0: {"phase": "pipeline schedule", "iteration": 5, "failed": True,
-                     "error": "ValueError: bad shape"}},
-        beats={0: {"n": 3, "phase": "pipeline schedule", "iteration": 5}}, stalled=[],
+        reports={
+            0: {
+                "phase": "pipeline schedule",
+                "iteration": 5,
+                "failed": True,
+                "error": "ValueError: bad shape",
+            }
+        },
+        beats={0: {"n": 3, "phase": "pipeline schedule", "iteration": 5}},
+        stalled=[],
         grace_s=1.5,
-    )  # fmt: skip
+    )
     assert "not arrived: rank 0 (alive in 'pipeline schedule' (iteration 5))" in line
     assert "Failed: rank 0 in 'pipeline schedule' (iteration 5): ValueError: bad shape" in line
     assert "Stalled" not in line
@@ -88,10 +98,14 @@ def test_a_rank_that_failed_is_named_with_its_error():
 
 def test_without_a_stalled_or_failed_rank_the_line_says_so():
     line = describe_stall(
-        rank=0, phase=Phase("stats gather", 2, "world", (0, 1)), cause="TimeoutError: x",
+        rank=0,
+        phase=Phase("stats gather", 2, "world", (0, 1)),
+        cause="TimeoutError: x",
         reports={1: {"phase": "grad sync", "iteration": 2, "failed": False}},
-        beats={}, stalled=[], grace_s=1.5,
-    )  # fmt: skip
+        beats={},
+        stalled=[],
+        grace_s=1.5,
+    )
     assert "not arrived: rank 1 (alive in 'grad sync' (iteration 2))" in line
     assert "Stalled: none (every rank is alive" in line
 
@@ -171,12 +185,18 @@ def test_a_rank_that_loses_the_jobs_store_says_so_and_stops(tmp_path):
 
     store, lost = _FlakyStore(tmp_path / "store"), []
     done = threading.Event()
-    host = describe_store_host({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "n1",
-                                "MASTER_PORT": "29500"})  # fmt: skip
+    host = describe_store_host(
+        {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+    )
     watch = PhaseWatch(
-        store=store, rank=3, world_size=4, timeout_s=5.0, beat_s=0.05, store_host=host,
+        store=store,
+        rank=3,
+        world_size=4,
+        timeout_s=5.0,
+        beat_s=0.05,
+        store_host=host,
         on_store_lost=lambda line: (lost.append(line), done.set()),
-    )  # fmt: skip
+    )
     watch.start()
     try:
         with watch.phase("optimizer step"):
@@ -198,8 +218,9 @@ def test_a_rank_that_loses_the_jobs_store_says_so_and_stops(tmp_path):
 def test_one_failed_heartbeat_is_not_a_lost_store(tmp_path):
     """A single failed write (a store busy for a moment) is retried and forgotten."""
     store, lost = _FlakyStore(tmp_path / "store"), []
-    watch = PhaseWatch(store=store, rank=0, world_size=1, timeout_s=5.0, beat_s=0.05,
-                       on_store_lost=lost.append)  # fmt: skip
+    watch = PhaseWatch(
+        store=store, rank=0, world_size=1, timeout_s=5.0, beat_s=0.05, on_store_lost=lost.append
+    )
     store.down = True
     assert not watch._write_beat()
     store.down = False

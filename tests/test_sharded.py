@@ -70,8 +70,11 @@ def _place(canvas: dict, counts: dict, tensors, *, main_only: bool = True) -> No
 @pytest.mark.parametrize("make_model", [tiny_vlm, tiny_t2v, tiny_omni], ids=["vlm", "t2v", "omni"])
 def test_tp2_shards_assemble_the_tp1_weights_exactly_once(groups, make_model):
     model = make_model()
-    full = {global_param_name(c, n): p for c in _chunks(model, groups, groups.tp) for n, p in
-            c.named_parameters()}  # fmt: skip
+    full = {
+        global_param_name(c, n): p
+        for c in _chunks(model, groups, groups.tp)
+        for n, p in c.named_parameters()
+    }
     canvas, counts = {}, {}
     for rank in range(2):
         for chunk in _chunks(model, groups, _TensorParallelRank(rank, 2)):

@@ -98,10 +98,14 @@ def test_under_memory_pressure_the_baseline_is_the_cheapest_fitting_partial_reco
     baseline is a fitting one, and for its pipeline no fitting setting is faster; a smaller
     block N recomputes less (faster) and holds more (so N is the smallest that fits)."""
     _, free = free_study
-    peaks = [max(r.sim.peak_activation_bytes) for b in free.batches for r in b.stock
-             if r.mode == NO_RECOMPUTE]  # fmt: skip
+    peaks = [
+        max(r.sim.peak_activation_bytes)
+        for b in free.batches
+        for r in b.stock
+        if r.mode == NO_RECOMPUTE
+    ]
     cmp = _comparison(80.0)
-    reserve = 0.9 * 80.0 * 2**30  # activation_limits keeps 10% of the device
+    reserve = 0.9 * 80.0 * 2**30  # sizing.activation_limits keeps 10% of the device
     static = max(reserve - lim for p in cmp.static for lim in cmp.memory(p.placement))
     # A device whose activation budget is 70% of the smallest no-recompute peak.
     tight = _comparison((0.7 * min(peaks) + static) / 0.9 / 2**30)
@@ -114,8 +118,11 @@ def test_under_memory_pressure_the_baseline_is_the_cheapest_fitting_partial_reco
     fitting = {}
     for r in results:
         fitting.setdefault(r.mode, []).append(r)
-    ok = {m: sum(r.sim.iteration_time for r in rs) for m, rs in fitting.items()
-          if all(r.fits for r in rs)}  # fmt: skip
+    ok = {
+        m: sum(r.sim.iteration_time for r in rs)
+        for m, rs in fitting.items()
+        if all(r.fits for r in rs)
+    }
     assert min(ok, key=ok.get) == key[2]
     blocks = sorted((m[1], rs[0]) for m, rs in fitting.items() if m[0] is Recompute.BLOCK)
     for (n1, a), (n2, b) in zip(blocks, blocks[1:]):

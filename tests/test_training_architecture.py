@@ -8,8 +8,8 @@ import pytest
 
 from megatron_dip.modalities import modality_of
 from megatron_dip.modelspec import PAPER_SETUPS, RopeScaling
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 BASE = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3"]
 
@@ -166,7 +166,7 @@ def test_hf_vocabulary_is_kept_with_a_hf_tokenizer(tmp_path):
 def test_megatron_lms_num_query_groups_needs_group_query_attention():
     import argparse
 
-    from megatron_dip.training.arguments import TrainConfig
+    from megatron_dip.training.config.arguments import TrainConfig
 
     ns = argparse.Namespace(num_query_groups=1, group_query_attention=False)
     assert TrainConfig.from_namespace(ns).architecture.num_query_groups is None

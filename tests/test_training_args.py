@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_dip.schedule.ir import Recompute
-from megatron_dip.training import arguments as args_module
-from megatron_dip.training.arguments import TrainConfig, build_parser, parse_config
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config import arguments as args_module
+from megatron_dip.training.config.arguments import TrainConfig, build_parser, parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 BASE = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3"]
 
@@ -184,8 +184,19 @@ def test_cost_profile_that_does_not_parse_or_fit(tmp_path):
     with pytest.raises(ConfigError, match="^--dip-cost-profile: .*'format'"):
         _resolve(["--dip-cost-profile", _profile(tmp_path, format="v0")])
     with pytest.raises(ConfigError, match="^--dip-cost-profile: .*modules .*'dit'"):
-        _resolve(["--dip-cost-profile", _profile(tmp_path, modules={"dit": [
-            {"tokens": 4, "instances": 1, "forward_ms": 1.0, "backward_ms": 2.0}]})])  # fmt: skip
+        _resolve(
+            [
+                "--dip-cost-profile",
+                _profile(
+                    tmp_path,
+                    modules={
+                        "dit": [
+                            {"tokens": 4, "instances": 1, "forward_ms": 1.0, "backward_ms": 2.0}
+                        ]
+                    },
+                ),
+            ]
+        )
     spec = _resolve(["--dip-cost-profile", _profile(tmp_path)])
     assert spec.cost_model.profile is not None
 
@@ -262,14 +273,14 @@ def test_presets_fill_unset_flags_and_flags_win():
         [], world_size=4, base=["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1"]
     )
     assert (spec.pipeline_parallel, spec.data_parallel) == (1, 4)
-    assert spec.config.train.global_batch_size == 8 and spec.config.train.seq_length == 128
+    assert spec.training.global_batch_size == 8 and spec.training.seq_length == 128
     assert spec.sub_sizes == {"vit": 2} and spec.segments == {"vit": 1, "llm": 2}
     spec = _resolve(
         ["--global-batch-size", "6", "--pipeline-model-parallel-size", "2", "--dip-segments",
          "vit=2,llm=2", "--dip-sub-microbatch-size", "3", "--num-layers", "12"],
         world_size=2,
     )  # fmt: skip
-    assert spec.config.train.global_batch_size == 6 and spec.sub_sizes == {"vit": 3}
+    assert spec.training.global_batch_size == 6 and spec.sub_sizes == {"vit": 3}
     assert spec.model.module("llm").num_layers == 12
     assert [m.num_chunks for m in spec.placement.modules] == [4, 4]
     paper = _resolve(  # explicit segments: no start-up placement search at paper scale here
@@ -278,11 +289,14 @@ def test_presets_fill_unset_flags_and_flags_win():
         base=["--model", "vlm-s", "--train-iters", "2", "--lr", "1"],
     )
     assert (paper.tensor_parallel, paper.pipeline_parallel) == (4, 4)
-    assert paper.config.train.seq_length == 8192 and paper.config.dip.dip_data == "synthetic-mixed"
+    assert paper.training.seq_length == 8192 and (paper.data.kind, paper.data.value) == (
+        "synthetic",
+        "mixed",
+    )
 
 
 def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():
-    from megatron_dip.training.build import model_config
+    from megatron_dip.training.assembly.backend import model_config
 
     spec = _resolve(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
     assert spec.sequence_parallel and spec.planner.sequence_parallel
@@ -354,21 +368,40 @@ def test_entry_point_exits_2_on_a_bad_flag_without_initialising(monkeypatch, cap
 
 def test_log_line_has_megatrons_fields_and_ours():
     """(Of a resumed run: the consumed-samples counter continues the checkpoint's 62.)"""
-    from megatron_dip.training.log import IntervalLog, IterationRecord
+    from megatron_dip.training.iteration.log import IntervalLog, IterationRecord
 
     log = IntervalLog(train_iters=10, world_size=4, global_batch=8)
     for it, variant in ((1, "inline"), (2, "searched")):
-        log.add(IterationRecord(
-            iteration=it, loss=4.0 + it, lr=1e-3, grad_norm=0.5, seconds=0.5,
-            schedule_seconds=0.4, samples=10, consumed=62 + 10 * it, tokens=1000, flops=2e12,
-            bound_efficiency=0.8, variant=variant, planned_seconds=0.38,
-        ))  # fmt: skip
+        log.add(
+            IterationRecord(
+                iteration=it,
+                loss=4.0 + it,
+                lr=1e-3,
+                grad_norm=0.5,
+                seconds=0.5,
+                schedule_seconds=0.4,
+                samples=10,
+                consumed=62 + 10 * it,
+                tokens=1000,
+                flops=2e12,
+                bound_efficiency=0.8,
+                variant=variant,
+                planned_seconds=0.38,
+            )
+        )
     line = log.line()
-    for text in ("iteration      2/    10", "consumed samples:         82",
-                 "elapsed time per iteration (ms): 500.0", "lm loss: 5.500000E+00",
-                 "grad norm: 0.500", "tokens/s: 2000", "TFLOP/s/GPU: 1",
-                 "planned/measured (ms): 380.0/400.0", "bound efficiency: 80.0%",
-                 "plans searched/greedy/inline: 1/0/1"):  # fmt: skip
+    for text in (
+        "iteration      2/    10",
+        "consumed samples:         82",
+        "elapsed time per iteration (ms): 500.0",
+        "lm loss: 5.500000E+00",
+        "grad norm: 0.500",
+        "tokens/s: 2000",
+        "TFLOP/s/GPU: 1",
+        "planned/measured (ms): 380.0/400.0",
+        "bound efficiency: 80.0%",
+        "plans searched/greedy/inline: 1/0/1",
+    ):
         assert text in line, line
 
 
@@ -376,7 +409,7 @@ def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_pat
     import sys
     import types
 
-    from megatron_dip.training.log import IntervalLog, IterationRecord
+    from megatron_dip.training.iteration.log import IntervalLog, IterationRecord
 
     written = []
 
@@ -394,11 +427,23 @@ def test_tensorboard_scalars_when_tensorboard_is_importable(monkeypatch, tmp_pat
         sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer)
     )
     log = IntervalLog(train_iters=1, world_size=1, global_batch=1, tensorboard_dir=str(tmp_path))
-    log.add(IterationRecord(
-        iteration=1, loss=1.0, lr=0.1, grad_norm=0.2, seconds=1.0, schedule_seconds=0.9,
-        samples=1, consumed=1, tokens=1, flops=1.0, bound_efficiency=0.5, variant="inline",
-        planned_seconds=0.8,
-    ))  # fmt: skip
+    log.add(
+        IterationRecord(
+            iteration=1,
+            loss=1.0,
+            lr=0.1,
+            grad_norm=0.2,
+            seconds=1.0,
+            schedule_seconds=0.9,
+            samples=1,
+            consumed=1,
+            tokens=1,
+            flops=1.0,
+            bound_efficiency=0.5,
+            variant="inline",
+            planned_seconds=0.8,
+        )
+    )
     log.close()
     names = {n for n, _ in written}
     assert {"lm loss", "learning-rate", "grad-norm", "dip/bound-efficiency"} <= names
@@ -411,8 +456,8 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 ):
     """Without --dip-segments, DIP's placement is the best-scoring of its segment counts and
     the static Megatron placements; a static one keeps its virtual stages for the planner."""
-    from megatron_dip.training import layout
-    from megatron_dip.training.planning import make_planner
+    from megatron_dip.training.config import layout
+    from megatron_dip.training.iteration.planning import make_planner
 
     base = ["--model", model, "--train-iters", "2", "--lr", "1"]
     bounds, scored = {}, {}
@@ -428,7 +473,7 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 
     monkeypatch.setattr(layout._Sizing, "bound", bound)
     monkeypatch.setattr(layout._Sizing, "score", score)
-    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
         spec = _resolve(
             ["--pipeline-model-parallel-size", "2", "--dip-segments", "auto"],
             world_size=2,
@@ -449,7 +494,7 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
     assert make_planner(spec).stage_units == spec.stage_units
     # The logged --dip-segments value gives the same placement without searching again.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="megatron_dip.training.layout"):
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
         again = _resolve(
             ["--pipeline-model-parallel-size", "2", "--dip-segments", flag],
             world_size=2,
@@ -473,6 +518,6 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 def test_recompute_flags_are_read_back_as_their_mode(mode) -> None:
     """The benchmark passes the strongest stock configuration's recompute setting as Megatron's
     flags: they must mean that setting again."""
-    from megatron_dip.training.validate import recompute_flags, recompute_mode
+    from megatron_dip.training.config.validate import recompute_flags, recompute_mode
 
     assert recompute_mode(parse_config(recompute_flags(mode))) == mode

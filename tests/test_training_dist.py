@@ -52,7 +52,7 @@ def _with_undecodable_first_sample(directory) -> str:
     from megatron_dip.batching import packing_limits
     from megatron_dip.data.tiny_llava import make_tiny_llava_sample
     from megatron_dip.modelspec import tiny_vlm
-    from megatron_dip.training.data_source import DataSpec, make_stream
+    from megatron_dip.training.config.data_source import DataSpec, make_stream
 
     path = make_tiny_llava_sample(directory, num_samples=16, seed=1)
     model = tiny_vlm()
@@ -108,7 +108,7 @@ def world(tmp_path_factory) -> list[dict]:
             "tokenizer": tokenizer,
             "hf_llama": str(tmp / "hf_llama"),
             "hf_qwen2_vl": str(tmp / "hf_qwen2_vl"),
-        },  # fmt: skip
+        },
         timeout=600,
         daemon=False,  # rank 0 starts the planner process
     )
@@ -412,8 +412,11 @@ def test_asynchronous_saves_are_published_complete(world):
 def test_a_corrupted_checkpoint_stops_every_rank_naming_the_file(world):
     errors = [res["corrupt"] for res in world]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors
-    assert re.search(r"corrupt/iter_0000003/__\d+_\d+\.distcp: sha256 differs from the "
-                     r"manifest \(corrupted\)", errors[0]), errors[0]  # fmt: skip
+    assert re.search(
+        r"corrupt/iter_0000003/__\d+_\d+\.distcp: sha256 differs from the "
+        r"manifest \(corrupted\)",
+        errors[0],
+    ), errors[0]
     assert "--ckpt-step" in errors[0] and "\n" not in errors[0]
     assert all(res["corrupt_untouched"] for res in world)  # but the --save lock, released:
     assert world[0]["corrupt_lock_released"]
@@ -461,8 +464,11 @@ def test_a_save_that_fails_on_one_rank_is_one_line_on_every_rank(world):
 def test_a_second_job_on_one_save_directory_is_refused_naming_the_holder(world):
     errors = [res["locked"] for res in world]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors
-    assert re.match(rf"--save \S+/locked: another job \(host \S+, pid {world[0]['holder']}, job "
-                    r"job-42, started [\d:\- ]+\) holds its lock", errors[0]), errors[0]  # fmt: skip
+    assert re.match(
+        rf"--save \S+/locked: another job \(host \S+, pid {world[0]['holder']}, job "
+        r"job-42, started [\d:\- ]+\) holds its lock",
+        errors[0],
+    ), errors[0]
 
 
 def test_host_overheads_are_measured_on_the_training_step(world):

@@ -31,8 +31,8 @@ from PIL import Image
 from megatron_dip.data.records import BadSampleError
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
-from megatron_dip.training.arguments import parse_config
-from megatron_dip.training.validate import ConfigError, resolve
+from megatron_dip.training.config.arguments import parse_config
+from megatron_dip.training.config.validate import ConfigError, resolve
 
 VLM = ["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1e-3", "--global-batch-size", "2"]
 T2V = ["--model", "tiny-t2v", "--train-iters", "2", "--lr", "1e-3", "--global-batch-size", "2"]
@@ -86,7 +86,7 @@ def _stream(data: str, bad_samples: str):
     """The training stream of `data` for the tiny VLM (no `resolve`: the stream is the point)."""
     from megatron_dip.batching import packing_limits
     from megatron_dip.modelspec import tiny_vlm
-    from megatron_dip.training.data_source import DataSpec, make_stream
+    from megatron_dip.training.config.data_source import DataSpec, make_stream
 
     spec = DataSpec.parse(data, scale=1.0, image_size=32, bad_samples=bad_samples)
     model = tiny_vlm()
@@ -257,8 +257,8 @@ def test_fault_injection_raises_or_stalls_while_batches_keep_arriving():
 def test_greedy_plans_are_the_same_from_the_service_or_inline():
     """What lets a run fall back to inline plans without changing its losses."""
     from megatron_dip.schedule.serialize import plan_to_bytes
-    from megatron_dip.training.data_source import make_stream
-    from megatron_dip.training.planning import make_planner, replica_plan
+    from megatron_dip.training.config.data_source import make_stream
+    from megatron_dip.training.iteration.planning import make_planner, replica_plan
 
     config = parse_config([*VLM, "--global-batch-size", "4", "--dip-search-time-ms", "0"])
     spec = resolve(config, world_size=2, cuda=False)
@@ -276,15 +276,18 @@ def test_greedy_plans_are_the_same_from_the_service_or_inline():
 
 
 def test_a_non_finite_streak_stops_the_run_naming_its_iterations():
-    from megatron_dip.training.nonfinite import NonFiniteError, NonFiniteStreak
+    from megatron_dip.training.iteration.nonfinite import NonFiniteError, NonFiniteStreak
 
     streak = NonFiniteStreak(3)
     streak.observe(1, loss=float("nan"), grad_norm=float("nan"))
     streak.observe(2, loss=2.5, grad_norm=1.0)  # a finite iteration ends the streak
     streak.observe(3, loss=float("inf"), grad_norm=None)
     streak.observe(4, loss=2.5, grad_norm=float("nan"))
-    with pytest.raises(NonFiniteError, match=r"^iterations 3-5: .*non-finite for 3 consecutive "
-                       r"iterations \(--dip-max-nonfinite-iters 3\)"):  # fmt: skip
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^iterations 3-5: .*non-finite for 3 consecutive "
+        r"iterations \(--dip-max-nonfinite-iters 3\)",
+    ):
         streak.observe(5, loss=float("nan"), grad_norm=float("nan"))
     never = NonFiniteStreak(0)
     for it in range(1, 50):

@@ -21,9 +21,9 @@ COMMON = [
 def run(argv: list[str], *, world_size: int, planner_faults=None) -> dict:
     """Parse, validate and train one run on this rank; the numbers the tests compare.
     `planner_faults`: a `PlannerFaults` for the planner process (tests only, no flag)."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.loop import pretrain
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
+    from megatron_dip.training.iteration.loop import pretrain
 
     spec = resolve(parse_config(argv), world_size=world_size, cuda=False)
     if planner_faults is not None:
@@ -65,7 +65,7 @@ def world4(
     then the stock schedules; an Energon dataset with a Hugging Face tokenizer, saved and
     resumed."""
 
-    from megatron_dip.training import checkpoint_io
+    from megatron_dip.training.checkpoint.state import storage
 
     # The trainer's planner service is a child process: the fixture runs non-daemonic workers.
     logging.getLogger("megatron").setLevel(logging.ERROR)
@@ -151,7 +151,7 @@ def world4(
         )
         out["trace_spans"] = sum(e.get("ph") == "X" for e in events)
         out["ckpt_dirs"] = sorted(p.name for p in Path(ckpt).iterdir())
-        common = checkpoint_io.load_common(Path(ckpt, "iter_0000003"))
+        common = storage.load_common(Path(ckpt, "iter_0000003"))
         out["ckpt3_calibration"] = common["training"]["calibration"]
     return out
 
@@ -180,8 +180,8 @@ def shared_sizing_run() -> dict:
     handed to every rank; rank 0's configuration error raised on every rank."""
     import torch.distributed as dist
 
-    from megatron_dip.training.config_error import ConfigError
-    from megatron_dip.training.setup import shared_by_rank0
+    from megatron_dip.training.assembly.setup import shared_by_rank0
+    from megatron_dip.training.config.arguments import ConfigError
 
     calls = []
 
@@ -255,12 +255,23 @@ def optimizer_and_baseline_runs(base: list[str], *, tmp: str, world_size: int) -
         + ["--tensor-model-parallel-size", "2", "--train-iters", "5", "--save", tp_ckpt]
         + ["--save-interval", "3"],
         "tp2_to_tp1": pp2 + ["--train-iters", "5", "--load", tp_ckpt, "--ckpt-step", "3"],
-        "1f1b_overlap": base + [
-            "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--dip-schedule", "1f1b",
-            "--overlap-grad-reduce", "--recompute-granularity", "full",
-            "--recompute-method", "block", "--recompute-num-layers", "2",
+        "1f1b_overlap": base
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--train-iters",
+            "3",
+            "--dip-schedule",
+            "1f1b",
+            "--overlap-grad-reduce",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "2",
         ],
-    }.items():  # fmt: skip
+    }.items():
         out[name] = run(argv, world_size=world_size)
     return out
 
@@ -278,23 +289,25 @@ def finetune_runs(base: list[str], *, hf: str, tmp: str, world_size: int) -> dic
     out["hf_dir"] = hf
     tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     for name, argv in {
-        "finetune_tp2pp2": flags + tp2pp2 + ["--pretrained-checkpoint", imported]
+        "finetune_tp2pp2": flags
+        + tp2pp2
+        + ["--pretrained-checkpoint", imported]
         + ["--train-iters", "6"],
         "finetune_pp1": flags + ["--load", imported, "--finetune", "--train-iters", "1"],
         "finetune_module": flags + ["--dip-pretrained", f"llm={imported}", "--train-iters", "1"],
         "finetune_scratch": flags + ["--train-iters", "1"],
-    }.items():  # fmt: skip
+    }.items():
         out[name] = run(argv, world_size=world_size)
     return out
 
 
 def _import(flags: list[str], *, save: str, tp: int, pp: int):
     """tools/hf_checkpoint.py's import, on these ranks, of the model the flags describe."""
-    from megatron_dip.training.architecture import hf_folders
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.data_config import model_spec
-    from megatron_dip.training.hf_checkpoint import import_hf
-    from megatron_dip.training.validate import apply_preset
+    from megatron_dip.training.checkpoint.huggingface import import_hf
+    from megatron_dip.training.config.architecture import hf_folders
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.data_config import model_spec
+    from megatron_dip.training.config.validate import apply_preset
 
     config, preset = apply_preset(parse_config(flags))
     model, _, _ = model_spec(config, preset)
@@ -389,7 +402,7 @@ def _first_line_of(error: type, argv: list[str], world_size: int) -> str | None:
 
 def _listing(root: Path) -> list:
     """Every file under `root` with its mtime, but the --save lock the run held (`save_lock`)."""
-    from megatron_dip.training.save_lock import LOCK_FILE
+    from megatron_dip.training.checkpoint.save_lock import LOCK_FILE
 
     return sorted((str(p), p.stat().st_mtime_ns) for p in root.rglob("*") if p.name != LOCK_FILE)
 
@@ -404,9 +417,9 @@ def checkpoint_fault_runs(
 
     import torch.distributed as dist
 
-    from megatron_dip.training.checkpoint_dirs import CheckpointError
-    from megatron_dip.training.nonfinite import NonFiniteError
-    from megatron_dip.training.save_lock import LOCK_FILE
+    from megatron_dip.training.checkpoint.dirs import CheckpointError
+    from megatron_dip.training.checkpoint.save_lock import LOCK_FILE
+    from megatron_dip.training.iteration.nonfinite import NonFiniteError
 
     corrupt = Path(tmp, "corrupt")
     if rank == 0:
@@ -447,9 +460,9 @@ def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_dip.training.checkpoint_dirs import TRACKER, CheckpointError
-    from megatron_dip.training.nonfinite import NonFiniteError
-    from megatron_dip.training.save_lock import SaveLockedError
+    from megatron_dip.training.checkpoint.dirs import TRACKER, CheckpointError
+    from megatron_dip.training.checkpoint.save_lock import SaveLockedError
+    from megatron_dip.training.iteration.nonfinite import NonFiniteError
 
     streak, full, locked = Path(tmp, "streak"), Path(tmp, "full"), Path(tmp, "locked")
     holder = None
@@ -457,9 +470,11 @@ def kept_history_runs(base: list[str], *, ckpt: str, tmp: str, rank: int, world_
         shutil.copytree(Path(ckpt, "iter_0000003"), streak / "iter_0000003")
         (streak / TRACKER).write_text("3")
         locked.mkdir()
-        code = ("import sys, time; from megatron_dip.training.save_lock import SaveLock, "
-                "this_process; SaveLock(sys.argv[1]).acquire(this_process('job-42')); "
-                "print('held', flush=True); time.sleep(600)")  # fmt: skip
+        code = (
+            "import sys, time; from megatron_dip.training.checkpoint.save_lock import SaveLock, "
+            "this_process; SaveLock(sys.argv[1]).acquire(this_process('job-42')); "
+            "print('held', flush=True); time.sleep(600)"
+        )
         holder = subprocess.Popen(
             [sys.executable, "-c", code, str(locked)], stdout=subprocess.PIPE, text=True
         )
@@ -606,7 +621,7 @@ def disagreeing_batch_error(rank: int) -> str | None:
 
     from megatron_dip.data.records import BadSampleError
     from megatron_dip.data.sample import BatchMeta, SampleMeta
-    from megatron_dip.training.data_source import load_agreed
+    from megatron_dip.training.config.data_source import load_agreed
 
     batch = BatchMeta(0, (SampleMeta(0, 11 if rank == 3 else 10),))
     try:

@@ -5,7 +5,7 @@
 
 Launches torchrun (gloo, CPU) once per code tree: this repository, and with --old-tree a copy
 of an older megatron-dip tree (e.g. `git archive 7119e34 | tar -x -C /tmp/old`, the last commit
-before checkpoints moved to dist_checkpointing) whose `training.checkpoint.save/load` take the
+before checkpoints moved to dist_checkpointing) whose `training.checkpoint.state.save/load` take the
 same arguments. Each run builds the `tiny-vlm` preset widened to --hidden (ViT and LLM, --layers
 each), takes one optimizer step on random gradients (so Adam's moments exist), then saves and
 loads one checkpoint. Per rank it reports the wall time of save and load (between barriers) and
@@ -91,8 +91,8 @@ class PeakMemory:
 
 def _spec(args: argparse.Namespace, world: int):
     from megatron_dip.modelspec import tiny_vlm
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
 
     dp = world // (args.tp * args.pp)
     flags = [
@@ -138,11 +138,11 @@ def worker(args: argparse.Namespace) -> None:
     """One rank (under torchrun): build, step, save, load, report."""
     import torch.distributed as dist
 
-    from megatron_dip.training import checkpoint
-    from megatron_dip.training.backend import select_backend
-    from megatron_dip.training.build import build_model
-    from megatron_dip.training.optim import build_optimizer, build_scheduler
-    from megatron_dip.training.setup import initialize
+    from megatron_dip.training.assembly.backend import select_backend
+    from megatron_dip.training.assembly.build import build_model
+    from megatron_dip.training.assembly.optim import build_optimizer, build_scheduler
+    from megatron_dip.training.assembly.setup import initialize
+    from megatron_dip.training.checkpoint.state import state as checkpoint
 
     logging.basicConfig(level=logging.WARNING)
     spec = _spec(args, int(os.environ["WORLD_SIZE"]))

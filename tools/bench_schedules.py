@@ -109,9 +109,12 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
         scale = args.scale
         if scale is None:  # DIP's finest plan: no overheads make it coarser
             scale = auto_scale(
-                flags + explicit, world_size=world, batches=args.calibration_batches,
-                min_op_s=args.min_op_ms / 1e3, share=preset.short_op_share,
-            )  # fmt: skip
+                flags + explicit,
+                world_size=world,
+                batches=args.calibration_batches,
+                min_op_s=args.min_op_ms / 1e3,
+                share=preset.short_op_share,
+            )
         flags += ["--dip-emulate-scale", repr(scale)]
     if args.host_overheads is not None:
         flags += ["--dip-host-overheads", str(args.host_overheads)]
@@ -130,10 +133,17 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
         dip = [*explicit, *grain, "--dip-schedule", "dip", "--dip-calibration-frozen"]
         dip += ["--dip-search-time-ms", str(args.search_time_ms)]
         runs.append(
-            {"label": "dip", "flags": flags + dip, "simulated": None,
-             "granularity": {"segments": spec.segments, "sub_sizes": spec.sub_sizes,
-                             "placement": spec.placement_name}}
-        )  # fmt: skip
+            {
+                "label": "dip",
+                "flags": flags + dip,
+                "simulated": None,
+                "granularity": {
+                    "segments": spec.segments,
+                    "sub_sizes": spec.sub_sizes,
+                    "placement": spec.placement_name,
+                },
+            }
+        )
     return runs, scale
 
 
@@ -163,9 +173,14 @@ def launch(
     started = time.time()
     with (args.out / f"{tag}.log").open("w") as log:
         done = subprocess.run(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            timeout=args.timeout_s, check=False,
-        )  # fmt: skip
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=args.timeout_s,
+            check=False,
+        )
     if done.returncode != 0:
         raise RuntimeError(f"{tag} failed (exit {done.returncode}); see {args.out / f'{tag}.log'}")
     logger.info("%s done in %.0f s", tag, time.time() - started)
@@ -222,15 +237,17 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"run{i}_{run['label'].split(' ')[0]}"
         row = {"label": run["label"], "flags": run["flags"], "simulated_choices": run["simulated"],
                "granularity": run.get("granularity")}  # fmt: skip
-        row["summary"] = summarize(run["label"], launch(args, preset, run, scale=scale, tag=tag),
-                                   warmup=args.warmup)  # fmt: skip
+        row["summary"] = summarize(
+            run["label"], launch(args, preset, run, scale=scale, tag=tag), warmup=args.warmup
+        )
         if scale is not None and not args.no_floor:
             floor = launch(args, preset, run, scale=0.0, tag=f"{tag}_floor")
             row["floor"] = summarize(run["label"], floor, warmup=args.warmup)
         rows.append(row)
     table = format_table(rows)
-    sys.stdout.write(f"{preset.description}; mixture {args.mixture or preset.mixture}; "
-                     f"scale {scale}\n{table}\n")  # fmt: skip
+    sys.stdout.write(
+        f"{preset.description}; mixture {args.mixture or preset.mixture}; scale {scale}\n{table}\n"
+    )
     write_outputs(args, preset, rows, scale, table)
     return 0
 

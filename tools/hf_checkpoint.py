@@ -56,30 +56,35 @@ def build_parser() -> argparse.ArgumentParser:
     """This tool's flags, then the training flags (the same as training takes: those that
     define the model, its layout, tokenizer and checkpoints matter here, the others are
     accepted so that a training launch's flags can be reused)."""
-    from megatron_dip.training.arguments import add_arguments
+    from megatron_dip.training.config.arguments import add_arguments
 
     p = _Parser(
-        description=__doc__, epilog=_families(), allow_abbrev=False,
+        description=__doc__,
+        epilog=_families(),
+        allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("command", choices=("import", "export"))
     p.add_argument(
-        "--module", default=None,
+        "--module",
+        default=None,
         help="export: the modules to write (an LLM or text encoder, or vit,llm for a VLM; "
         "default: those --dip-hf-config names)",
-    )  # fmt: skip
+    )
     p.add_argument("--hf-out", default=None, help="export: the Hugging Face folder to write")
     p.add_argument(
-        "--hf-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        "--hf-dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
         help="export: the dtype of the written weights (default: the source folder's, else the "
         "checkpoint's)",
-    )  # fmt: skip
+    )
     return add_arguments(p)
 
 
 def parse_args(argv: list[str] | None):
     """(this tool's arguments, the training config of the model flags)."""
-    from megatron_dip.training.arguments import TrainConfig
+    from megatron_dip.training.config.arguments import TrainConfig
 
     args = build_parser().parse_args(argv)
     return args, TrainConfig.from_namespace(args)
@@ -89,9 +94,9 @@ def _model_and_config(config):
     """The model the flags describe: the --model preset's, or without one the model of the
     --dip-hf-config folder alone (its LLM; a VLM's ViT too), nothing else built."""
     from megatron_dip.hf.config import model_of_config, parse_hf_config_flag, read_config
-    from megatron_dip.training.config_error import fail
-    from megatron_dip.training.data_config import model_spec
-    from megatron_dip.training.validate import apply_preset
+    from megatron_dip.training.config.arguments import fail
+    from megatron_dip.training.config.data_config import model_spec
+    from megatron_dip.training.config.validate import apply_preset
 
     if config.model.model is not None:
         config, preset = apply_preset(config)
@@ -111,7 +116,7 @@ def _model_and_config(config):
         tensor_model_parallel_size=p.tensor_model_parallel_size or 1,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size or 1,
         dip_hf_config=folder,
-    )  # fmt: skip
+    )
     return model_spec(config, None, base=base)[0], config
 
 
@@ -130,8 +135,8 @@ def _init_world() -> bool:
 
 
 def run_import(config, model) -> int:
-    from megatron_dip.training.architecture import hf_folders
-    from megatron_dip.training.hf_checkpoint import import_hf
+    from megatron_dip.training.checkpoint.huggingface import import_hf
+    from megatron_dip.training.config.architecture import hf_folders
 
     if config.checkpoint.save is None:
         raise SystemExit("import: --save DIR is required")
@@ -140,24 +145,29 @@ def run_import(config, model) -> int:
         raise SystemExit("import: name the Hugging Face folders with --dip-hf-config")
     p = config.parallel
     result = import_hf(
-        model=model, folders=folders, save=config.checkpoint.save,
-        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        model=model,
+        folders=folders,
+        save=config.checkpoint.save,
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
         seed=config.train.seed,
-    )  # fmt: skip
+    )
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
     logger.info(
         "wrote %s; this rank read %.1f MiB of safetensors; peak host memory %.0f MiB",
-        result.path, result.bytes_read / 2**20, peak,
-    )  # fmt: skip
+        result.path,
+        result.bytes_read / 2**20,
+        peak,
+    )
     return 0
 
 
 def run_export(args, config, model) -> int:
     from megatron_dip.hf.config import read_config
-    from megatron_dip.training.architecture import hf_folders
-    from megatron_dip.training.hf_checkpoint import export_hf
+    from megatron_dip.training.checkpoint.huggingface import export_hf
+    from megatron_dip.training.config.architecture import hf_folders
 
     if config.checkpoint.load is None or args.hf_out is None:
         raise SystemExit("export: --load DIR and --hf-out DIR are required")
@@ -168,10 +178,16 @@ def run_export(args, config, model) -> int:
     sources = {folders[m] for m in modules if m in folders}
     source = sources.pop() if len(sources) == 1 else None
     export_hf(
-        model=model, load=config.checkpoint.load, modules=modules, out=args.hf_out,
-        step=config.checkpoint.ckpt_step, template=None if source is None else read_config(source),
-        source=source, tokenizer=config.data.tokenizer_model, dtype=args.hf_dtype,
-    )  # fmt: skip
+        model=model,
+        load=config.checkpoint.load,
+        modules=modules,
+        out=args.hf_out,
+        step=config.checkpoint.ckpt_step,
+        template=None if source is None else read_config(source),
+        source=source,
+        tokenizer=config.data.tokenizer_model,
+        dtype=args.hf_dtype,
+    )
     return 0
 
 
@@ -179,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     import torch.distributed as dist
 
-    from megatron_dip.training.checkpoint_dirs import CheckpointError
-    from megatron_dip.training.config_error import ConfigError
+    from megatron_dip.training.checkpoint.dirs import CheckpointError
+    from megatron_dip.training.config.arguments import ConfigError
 
     args, config = parse_args(argv)
     created = False

@@ -42,7 +42,7 @@ from megatron_dip.benchmark.overhead import (
 )
 from megatron_dip.planner.overheads import OverheadsFile, save_overheads
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.training.presets import get_run_preset
+from megatron_dip.training.config.presets import get_run_preset
 
 logger = logging.getLogger("measure_overhead")
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,9 +113,15 @@ def launch(args: argparse.Namespace, cases: list[OverheadCase], world: int) -> l
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "cases.pkl"
         job.write_bytes(
-            pickle.dumps({"cases": cases, "repeats": args.repeats, "profile_rank": args.profile_rank,
-                          "profile_dir": str(args.profile_dir) if args.profile_dir else None})
-        )  # fmt: skip
+            pickle.dumps(
+                {
+                    "cases": cases,
+                    "repeats": args.repeats,
+                    "profile_rank": args.profile_rank,
+                    "profile_dir": str(args.profile_dir) if args.profile_dir else None,
+                }
+            )
+        )
         command = ["torchrun", "--standalone", "--nproc-per-node", str(world)]
         command += [str(Path(__file__).resolve()), "--worker", str(job)]
         logger.info("launching %s", shlex.join(command))
@@ -138,10 +144,13 @@ def worker(job: Path) -> int:
     try:
         rank = dist.get_rank()
         seconds = measure_rank(
-            rank=rank, world_size=dist.get_world_size(), cases=task["cases"],
-            repeats=task["repeats"], profile_rank=task["profile_rank"],
+            rank=rank,
+            world_size=dist.get_world_size(),
+            cases=task["cases"],
+            repeats=task["repeats"],
+            profile_rank=task["profile_rank"],
             profile_dir=task["profile_dir"],
-        )  # fmt: skip
+        )
         if rank == 0:
             job.with_suffix(".json").write_text(json.dumps(seconds))
     finally:
@@ -176,9 +185,16 @@ def report(cases: list[OverheadCase], seconds: list[list]) -> tuple[dict, Overhe
                     f"measured {t:7.3f} s  fitted {fit.fitted[k]:7.3f} s "
                     f"({fit.relative_errors[k]:+.1%})  cpu {cpu:6.3f} s = {per:.2f} ms/compute"
                 )
-                details["cases"].append({"label": case.label, "kind": kind, **counts,
-                                         "measured_s": t, "fitted_s": fit.fitted[k],
-                                         "cpu_s": cpu})  # fmt: skip
+                details["cases"].append(
+                    {
+                        "label": case.label,
+                        "kind": kind,
+                        **counts,
+                        "measured_s": t,
+                        "fitted_s": fit.fitted[k],
+                        "cpu_s": cpu,
+                    }
+                )
                 k += 1
         details[f"{kind}_constant_s"] = fit.constant
         details[f"{kind}_rms_error"] = fit.rms_relative_error
@@ -204,10 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     seconds = launch(args, cases, world)
     table, result = report(cases, seconds)
     result.details.update(
-        preset=args.preset, mixture=args.mixture or preset.mixture, ranks=world,
-        global_batch_size=args.global_batch_size, repeats=args.repeats,
+        preset=args.preset,
+        mixture=args.mixture or preset.mixture,
+        ranks=world,
+        global_batch_size=args.global_batch_size,
+        repeats=args.repeats,
         command=shlex.join(["python", "tools/measure_overhead.py", *(argv or sys.argv[1:])]),
-    )  # fmt: skip
+    )
     sys.stdout.write("\n".join(table["lines"]) + "\n")
     save_overheads(args.out, result)
     logger.info("wrote %s", args.out)

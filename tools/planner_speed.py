@@ -5,9 +5,9 @@
 
 For each benchmark preset (`megatron_dip.benchmark.bench.BENCH_PRESETS`: the emulated runs of
 `tools/bench_schedules.py`), the tool resolves the DIP run exactly as training does
-(`training.validate.resolve`: the start-up sizing and placement search, the sub-microbatch sizes
+(`training.config.validate.resolve`: the start-up sizing and placement search, the sub-microbatch sizes
 it picks, the memory limit, the host overheads priced in, Megatron's recompute flags as the
-starting mode) and builds the planner with the run's own factory (`training.planning.
+starting mode) and builds the planner with the run's own factory (`training.iteration.planning.
 planner_factory`), then plans the run's first batches three ways:
 
 * *fallback*: `DipPlanner.fallback_plan`, what rank 0 plans when the planner process has nothing
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_dip.benchmark.bench import BENCH_PRESETS, first_batches, resolve_run
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.schedule.serialize import plan_to_bytes
-from megatron_dip.training.planning import planner_factory
+from megatron_dip.training.iteration.planning import planner_factory
 
 logger = logging.getLogger("planner_speed")
 
@@ -65,9 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=3, help="timed batches per preset")
     p.add_argument("--host-overheads", type=Path, default=None, help="tools/measure_overhead.py")
     p.add_argument(
-        "--search-rollouts", type=int, default=SearchConfig().max_rollouts,
+        "--search-rollouts",
+        type=int,
+        default=SearchConfig().max_rollouts,
         help="the search's rollout budget (default: the training run's)",
-    )  # fmt: skip
+    )
     p.add_argument("--flags", default="", help="extra training flags (e.g. --dip-segments ...)")
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--profile", type=Path, help="write a cProfile of the timed plans here")
@@ -135,11 +137,15 @@ def measure(name: str, args, profiler: cProfile.Profile | None) -> dict:
     out: dict = {k: statistics.median(v) for k, v in rows.items()}
     total = sum(shares.values()) or 1.0
     out.update(
-        preset=name, mixture=args.mixture or BENCH_PRESETS[name].mixture, batches=args.batches,
-        startup=startup, shares={k: shares[k] / total for k in PASSES},
+        preset=name,
+        mixture=args.mixture or BENCH_PRESETS[name].mixture,
+        batches=args.batches,
+        startup=startup,
+        shares={k: shares[k] / total for k in PASSES},
         placement=spec.stage_units is not None and "static" or "dip",
-        sub_sizes=spec.sub_sizes, memory_limited=spec.planner.memory_limit_bytes is not None,
-    )  # fmt: skip
+        sub_sizes=spec.sub_sizes,
+        memory_limited=spec.planner.memory_limit_bytes is not None,
+    )
     out["goal_s"] = FULL_GOAL_S.get(name, DEFAULT_FULL_GOAL_S)
     out["goal_met"] = out["full"] < out["goal_s"]
     out["digest"] = digest.hexdigest()[:16]

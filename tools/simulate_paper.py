@@ -2,7 +2,7 @@
 
     python tools/simulate_paper.py --setups vlm-s --mixtures mixed --batches 50 --json out.json
 
-For every setup (DESIGN.md section 3) and data mixture, draws seeded synthetic global batches,
+For every setup (docs/design.md, "Paper setups") and data mixture, draws seeded synthetic global batches,
 plans each one with every schedule on the same microbatches, packing and data-parallel shards,
 simulates the plans with the cost model, and prints one table per setup and mixture. The stock
 rows are every static placement x schedule, each with its fastest Megatron recompute setting
@@ -71,9 +71,13 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         max_rollouts=args.search_rollouts, time_budget_s=args.search_time_ms / 1e3, seed=args.seed
     )
     cmp, stream = paper_comparison(
-        setup_name, mixture, device=args.device, seed=args.seed,
-        calibration_batches=args.calibration_batches, search=search,
-    )  # fmt: skip
+        setup_name,
+        mixture,
+        device=args.device,
+        seed=args.seed,
+        calibration_batches=args.calibration_batches,
+        search=search,
+    )
     study = Study()
     for _ in range(args.batches):
         study.add(cmp.run_batch(next(stream)))

@@ -87,10 +87,18 @@ def split_microbatch(
             context, context_pairs = modality.context(m, samples, part)
             subs.append(
                 SubMicrobatch(
-                    m.name, index, k, start, start + n, tokens, round_up(padded, pad_multiple),
-                    pairs, context_tokens=context, context_pairs=context_pairs,
+                    m.name,
+                    index,
+                    k,
+                    start,
+                    start + n,
+                    tokens,
+                    round_up(padded, pad_multiple),
+                    pairs,
+                    context_tokens=context,
+                    context_pairs=context_pairs,
                 )
-            )  # fmt: skip
+            )
             start += n
     deps = cross_module_dependencies(model, subs)
     subs = with_input_tokens(model, subs, deps)

@@ -116,21 +116,24 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
 
 def resolve_run(flags: Sequence[str], *, world_size: int):
     """The `RunSpec` a run with `flags` would have (no process group is created)."""
-    from megatron_dip.training.arguments import parse_config
-    from megatron_dip.training.validate import resolve
+    from megatron_dip.training.config.arguments import parse_config
+    from megatron_dip.training.config.validate import resolve
 
     return resolve(parse_config(list(flags)), world_size=world_size, cuda=False)
 
 
 def first_batches(spec, count: int) -> list:
     """The run's first `count` global batches (metadata), as its training stream draws them."""
-    from megatron_dip.training.data_source import make_stream
+    from megatron_dip.training.config.data_source import make_stream
 
-    t = spec.config.train
+    t = spec.training
     stream = make_stream(
-        spec.data, spec.model, seed=t.seed, global_batch_size=t.global_batch_size,
+        spec.data,
+        spec.model,
+        seed=t.seed,
+        global_batch_size=t.global_batch_size,
         limits=spec.limits,
-    )  # fmt: skip
+    )
     return stream.peek(count)
 
 
@@ -140,20 +143,24 @@ def stock_results(spec, batches: Sequence) -> list[list]:
     its activations fit the device (the memory left after weights, gradients and optimizer
     state, as for DIP's plans)."""
     from megatron_dip.batching import layout_batch
-    from megatron_dip.planner.compare import activation_limits
+    from megatron_dip.planner.sizing import activation_limits
     from megatron_dip.planner.static_baselines import StaticPipeline
     from megatron_dip.planner.stock_configs import StockWork, evaluate_stock
-    from megatron_dip.training.planning import make_planner
+    from megatron_dip.training.iteration.planning import make_planner
 
     planner = make_planner(spec)
     pipe = StaticPipeline(
-        spec.config.dip.dip_stock_placement, spec.placement, spec.stage_units,
+        spec.stock_placement,
+        spec.placement,
+        spec.stage_units,
         len(spec.stage_units[0]),
-    )  # fmt: skip
+    )
     limits = activation_limits(
-        spec.placement, spec.cost_model, device=spec.device,
+        spec.placement,
+        spec.cost_model,
+        device=spec.device,
         tensor_parallel=spec.planner.tensor_parallel,
-    )  # fmt: skip
+    )
     out = []
     for b in batches:
         layout = layout_batch(spec.model, b, planner.layout_config.with_whole_modules())
@@ -164,10 +171,14 @@ def stock_results(spec, batches: Sequence) -> list[list]:
         tensors = planner.shapes.for_lookup(mine.sub_of().__getitem__)
         out.append(
             evaluate_stock(
-                pipe, work, cost_model=spec.cost_model, tensors=tensors, limits=limits,
+                pipe,
+                work,
+                cost_model=spec.cost_model,
+                tensors=tensors,
+                limits=limits,
                 channel=single_channel,
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -189,7 +200,7 @@ class StockChoice:
 
     def flags(self) -> list[str]:
         """The run's flags: schedule, placement and Megatron's recompute flags."""
-        from megatron_dip.training.validate import recompute_flags
+        from megatron_dip.training.config.validate import recompute_flags
 
         out = ["--dip-schedule", self.schedule, "--dip-stock-placement", self.placement]
         return out + recompute_flags(self.mode)
@@ -201,7 +212,7 @@ def strongest_stock(
     """For each stock schedule, the strongest configuration (placement x recompute setting,
     `stock_configs.strongest`) whose activations fit on each of the run's first `batches`
     batches: what a Megatron user would tune, simulated."""
-    from megatron_dip.training.validate import ConfigError
+    from megatron_dip.training.config.validate import ConfigError
 
     choices = []
     for schedule in schedules:
@@ -239,7 +250,7 @@ def dip_run_flags(flags: Sequence[str], *, world_size: int) -> tuple[list[str], 
     """The planner's own granularity of the DIP run with `flags` (resolved once: with host
     overheads the candidates are simulated), as explicit flags for the run and its floor, and
     the resolved spec."""
-    from megatron_dip.training.layout import placement_flag
+    from megatron_dip.training.config.layout import placement_flag
 
     spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
     # The search's choice as a flag (a static placement too): the runs do not search again.
@@ -275,7 +286,7 @@ def auto_scale(
     """The emulation scale at which DIP's shortest instruction of the first batches (greedy
     plans; `shortest_kept` with `share`) lasts `min_op_s` (stock instructions are whole
     microbatches: longer)."""
-    from megatron_dip.training.planning import make_planner, replica_plan
+    from megatron_dip.training.iteration.planning import make_planner, replica_plan
 
     spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
     planner = make_planner(spec)

@@ -43,7 +43,7 @@ class OverheadCase:
 
     label: str
     flags: list[str]
-    spec: object  # training.validate.RunSpec
+    spec: object  # training.config.validate.RunSpec
     plans: list[Plan] = field(default_factory=list)
     batches: list = field(default_factory=list)  # BatchMeta of each plan
 
@@ -60,7 +60,7 @@ class OverheadCase:
 
 def make_case(label: str, flags: Sequence[str], *, world_size: int, batches: int) -> OverheadCase:
     """Resolve `flags` (forced to zero sleep) and plan the run's first `batches` batches."""
-    from megatron_dip.training.planning import make_planner, replica_plan, stock_plan
+    from megatron_dip.training.iteration.planning import StockPlans, make_planner, replica_plan
 
     from .bench import first_batches, resolve_run
 
@@ -68,7 +68,8 @@ def make_case(label: str, flags: Sequence[str], *, world_size: int, batches: int
     spec = resolve_run(run, world_size=world_size)
     metas = first_batches(spec, batches)
     if spec.is_stock:
-        plans = [stock_plan(spec, b, 0) for b in metas]
+        stock = StockPlans(spec)
+        plans = [stock.plan(b, 0) for b in metas]
     else:
         planner = make_planner(spec)
         plans = [replica_plan(planner, b, 0, search=False).plan for b in metas]
@@ -91,9 +92,9 @@ def plan_counts(plan: Plan) -> dict[str, int]:
 
 def _runner(spec, ctx):
     """(model, step function (plan, samples) -> StepResult, backend) of the training's step."""
-    from megatron_dip.training.backend import select_backend
-    from megatron_dip.training.build import build_model
-    from megatron_dip.training.step import DipStep, run_stock
+    from megatron_dip.training.assembly.backend import select_backend
+    from megatron_dip.training.assembly.build import build_model
+    from megatron_dip.training.iteration.step import DipStep, run_stock
 
     backend = select_backend(spec)
     model = build_model(spec, ctx, backend=backend)
@@ -113,7 +114,7 @@ def _measure_case(
     import torch
     import torch.distributed as dist
 
-    from megatron_dip.training.setup import initialize, pipeline_peers, warm_up_pipeline
+    from megatron_dip.training.assembly.setup import initialize, pipeline_peers, warm_up_pipeline
 
     spec = case.spec
     ctx = initialize(spec)

@@ -60,13 +60,18 @@ def _timeline(ax, spans: dict[int, list]) -> None:
         for module, forward, start, end in row:
             colour = _PALETTE[modules.index(module) % len(_PALETTE)]
             ax.broken_barh(
-                [(start - zero, end - start)], (rank - 0.4, 0.8),
-                facecolors=colour, alpha=0.45 if forward else 1.0, linewidth=0,
-            )  # fmt: skip
+                [(start - zero, end - start)],
+                (rank - 0.4, 0.8),
+                facecolors=colour,
+                alpha=0.45 if forward else 1.0,
+                linewidth=0,
+            )
     ax.set_yticks(sorted(spans), [f"rank {r}" for r in sorted(spans)])
     ax.invert_yaxis()
-    ax.set_xlabel("time (s); light: forward, dark: backward; " + ", ".join(
-        f"{m}: {_PALETTE[i % len(_PALETTE)]}" for i, m in enumerate(modules)))  # fmt: skip
+    ax.set_xlabel(
+        "time (s); light: forward, dark: backward; "
+        + ", ".join(f"{m}: {_PALETTE[i % len(_PALETTE)]}" for i, m in enumerate(modules))
+    )
     ax.set_title("measured DIP timeline (last iteration)", fontsize=10)
 
 

@@ -101,9 +101,11 @@ class LatentDataset(RecordReader):
         if config.on_bad_sample == "error":
             self._records.refuse_not_utf8()
         super().__init__(
-            model=model, num_samples=len(self._records), on_bad_sample=config.on_bad_sample,
+            model=model,
+            num_samples=len(self._records),
+            on_bad_sample=config.on_bad_sample,
             skip_log=config.skip_log,
-        )  # fmt: skip
+        )
 
     def record_id(self, index: int) -> str:
         """The record's own "id" field (or its index when it has none)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .tokenizer import HF_TOKENIZER
+HF_TOKENIZER = "HuggingFaceTokenizer"  # its --tokenizer-type
 
 logger = logging.getLogger(__name__)
 

@@ -105,7 +105,7 @@ class ImageTextReader(RecordReader):
             raise ValueError(
                 f"module {self._vit.name!r}'s placeholder id {image_id} is not the tokenizer's "
                 f"image token ({own}); build the model with the tokenizer's ids "
-                "(training.validate does)"
+                "(training.config.validate does)"
             )
         self.encoder = make_encoder(
             self.tokenizer, config.tokenizer.prompt_format, image_id=image_id
@@ -117,9 +117,11 @@ class ImageTextReader(RecordReader):
             factor = self._vit.patch_size * self._vit.merge
             self.processor = ImageProcessor(config.image, factor=factor)
         super().__init__(
-            model=model, num_samples=num_samples, on_bad_sample=config.on_bad_sample,
+            model=model,
+            num_samples=num_samples,
+            on_bad_sample=config.on_bad_sample,
             skip_log=config.skip_log,
-        )  # fmt: skip
+        )
 
     def record(self, index: int, *, pixels: bool) -> Record:
         """Record `index`; `pixels=False`: its images need only tell their size."""

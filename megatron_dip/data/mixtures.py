@@ -231,7 +231,7 @@ MIXTURES: MappingProxyType[str, MixtureSpec] = MappingProxyType(
             (_VIDEO, _STILL_512),
             frame_grids=_VIDEO_GRIDS,
             blend="sequence",
-        ),  # fmt: skip
+        ),
     }
 )
 

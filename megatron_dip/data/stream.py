@@ -107,8 +107,16 @@ class StreamConfig:
 
     def signature(self) -> str:
         """What must not change across a resume for the continuation to be identical."""
-        return repr((self.seed, self.batch_samples, self.batch_microbatches, self.limits,
-                     self.on_oversize, self.shuffle))  # fmt: skip
+        return repr(
+            (
+                self.seed,
+                self.batch_samples,
+                self.batch_microbatches,
+                self.limits,
+                self.on_oversize,
+                self.shuffle,
+            )
+        )
 
 
 @dataclass(frozen=True)

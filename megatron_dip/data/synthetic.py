@@ -257,7 +257,7 @@ def _metas(st: _Structure, sz: _Sizes, start: int) -> list[SampleMeta]:
             {name: InstanceCounts((tokens[k],), (), (frames[k],))},
             loss_tokens=tokens[k],
             source=sz.sources[st.source[k]],
-        )  # fmt: skip
+        )
         for k in range(len(st))
     ]
 
@@ -344,8 +344,10 @@ def _sample(mix: MixtureSpec, sz: _Sizes, st: _Structure, k: int, index: int, se
     shape = (sz.media.in_channels, sz.image_side, sz.image_side)
     media[sz.media.name] = [rng.standard_normal(shape, dtype=np.float32) for _ in range(n)]
     if st.audio[k]:  # drawn after the images: the other draws stay those of the mixture
-        mels = [rng.standard_normal((sz.audio.in_channels, f), dtype=np.float32)
-                for f in _audio_frames(sz, st, k)]  # fmt: skip
+        mels = [
+            rng.standard_normal((sz.audio.in_channels, f), dtype=np.float32)
+            for f in _audio_frames(sz, st, k)
+        ]
         media[sz.audio.name] = mels
         rows = _audio_counts(sz, st, k).placeholders
         runs = [np.full(r, _placeholder(sz.audio), dtype=np.int64) for r in rows]

@@ -5,7 +5,7 @@ Hugging Face tokenizer (`hf_tokenizer.HuggingFaceTokenizer`); without them the r
 `ByteTokenizer` below, the default of the tiny presets. Both answer the `Tokenizer` protocol:
 vocabulary size, special ids (pad, eos, bos, and the placeholder of each media role: "image",
 "audio") and encoding. The model's pad and placeholder ids are taken from the run's tokenizer
-(`training.validate`), never from global constants.
+(`training.config.validate`), never from global constants.
 
 The byte tokenizer is a tiny, deterministic, offline tokenizer: printable ASCII characters plus a
 lossless byte escape. It exists so that the readers, tests and the CPU quick start need no
@@ -36,8 +36,9 @@ import numpy as np
 
 from megatron_dip.data.sample import IMAGE_TOKEN, PAD_TOKEN
 
+from .hf_tokenizer import HF_TOKENIZER, HuggingFaceTokenizer
+
 BYTE_TOKENIZER = "ByteTokenizer"
-HF_TOKENIZER = "HuggingFaceTokenizer"
 TOKENIZER_TYPES = (BYTE_TOKENIZER, HF_TOKENIZER)
 
 BOS_TOKEN = 2
@@ -193,8 +194,6 @@ def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     directory, offline)."""
     if spec.type == BYTE_TOKENIZER:
         return ByteTokenizer()
-    from .hf_tokenizer import HuggingFaceTokenizer
-
     return HuggingFaceTokenizer(spec.model, special=dict(spec.special))
 
 

@@ -2,7 +2,7 @@
 
 Plugged into the runtime as implementations of its parts: chunks (`chunk.py`), the batch source
 (`timing.EmulatedBatchSource`) and the transport (`transport.EmulatedTransport`); the training's
-`--dip-emulate-compute` selects them (`training.backend.EmulatedCompute`), and the benchmark
+`--dip-emulate-compute` selects them (`training.assembly.backend.EmulatedCompute`), and the benchmark
 (`megatron_dip.benchmark`, `tools/bench_schedules.py`) compares DIP with Megatron-Core's stock
 schedules on such an emulated cluster of CPU processes. Nothing here imports the training.
 """

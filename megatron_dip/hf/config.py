@@ -134,8 +134,10 @@ def text_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> d
 def vision_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
     """`ModuleSpec` fields of the vision tower of a Qwen2-VL or LLaVA config."""
     if config.get("model_type") not in VLM_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type {config.get('model_type')!r} has no vision tower "
-                         f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
+        raise ValueError(
+            f"{where}: model_type {config.get('model_type')!r} has no vision tower "
+            f"we read (supported: {', '.join(VLM_MODEL_TYPES)})"
+        )
     if config["model_type"] == "llava":
         return llava_vision_fields(config, where=where)
     return qwen2_vl_vision_fields(config, where=where)
@@ -173,21 +175,28 @@ def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> 
         )
     act = _VISION_ACTS.get(vision.get("hidden_act", "quick_gelu" if clip else "gelu_pytorch_tanh"))
     if act is None or config.get("projector_hidden_act", "gelu") != "gelu":
-        raise ValueError(f"{where}: vision hidden_act {vision.get('hidden_act')!r} / projector "
-                         f"{config.get('projector_hidden_act')!r}; supported: "
-                         f"{', '.join(_VISION_ACTS)} / gelu")  # fmt: skip
+        raise ValueError(
+            f"{where}: vision hidden_act {vision.get('hidden_act')!r} / projector "
+            f"{config.get('projector_hidden_act')!r}; supported: "
+            f"{', '.join(_VISION_ACTS)} / gelu"
+        )
     if not config.get("multimodal_projector_bias", True):
         raise ValueError(f"{where}: multimodal_projector_bias false is not supported")
     patch, side = int(vision["patch_size"]), int(vision["image_size"])
     hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
     out = int(text["hidden_size"])
     arch = Architecture(
-        norm_eps=float(vision.get("layer_norm_eps", 1e-5 if clip else 1e-6)), activation=act,
-        patch_embedding="conv2d", patch_bias=not clip,
-        learned_positions=(side // patch) ** 2 + clip, class_token=clip,
-        keep_class_token=clip and strategy == "full", pre_norm=clip, final_norm=False,
+        norm_eps=float(vision.get("layer_norm_eps", 1e-5 if clip else 1e-6)),
+        activation=act,
+        patch_embedding="conv2d",
+        patch_bias=not clip,
+        learned_positions=(side // patch) ** 2 + clip,
+        class_token=clip,
+        keep_class_token=clip and strategy == "full",
+        pre_norm=clip,
+        final_norm=False,
         projector_hidden=out,
-    )  # fmt: skip
+    )
     token = config.get("image_token_id", config.get("image_token_index"))
     return {
         "num_layers": _llava_feature_layers(config, vision, where),
@@ -212,8 +221,11 @@ def qwen2_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) 
     layer = LayerShape(dim, int(dim * vision.get("mlp_ratio", 4)), heads, heads)
     arch = Architecture(
         rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        norm_eps=1e-6, activation=act, patch_embedding="conv3d", rotary_layout="blocked",
-    )  # fmt: skip
+        norm_eps=1e-6,
+        activation=act,
+        patch_embedding="conv3d",
+        rotary_layout="blocked",
+    )
     return {
         "num_layers": int(vision["depth"]),
         "layer": layer,

@@ -186,13 +186,17 @@ def vision_maps(spec: ModuleSpec, *, hf_prefix: str = "model.visual.") -> dict[s
         "mlp.linear_fc2": "mlp.fc2",
     }  # fmt: skip
     maps += _tower_layer_maps(
-        spec, f"{p}blocks.", ours_hf,
+        spec,
+        f"{p}blocks.",
+        ours_hf,
         lambda hf, leaf: _fused_qkv_pieces(f"{hf}attn.qkv.{leaf}", spec),
-    )  # fmt: skip
+    )
     for leaf in ("weight", "bias"):
         for our_name, hf_name in (
-            ("final_norm", "ln_q"), ("merger_fc1", "mlp.0"), ("merger_fc2", "mlp.2"),
-        ):  # fmt: skip
+            ("final_norm", "ln_q"),
+            ("merger_fc1", "mlp.0"),
+            ("merger_fc2", "mlp.2"),
+        ):
             maps.append(
                 TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{p}merger.{hf_name}.{leaf}"),))
             )
@@ -212,14 +216,22 @@ def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
     5's "model.vision_tower." or the Hub's "vision_tower.[vision_model.]")."""
     m = spec.name
     p = _first_prefix(
-        names, ("model.vision_tower.vision_model.", "model.vision_tower.",
-                "vision_tower.vision_model.", "vision_tower."),
-        "embeddings.patch_embedding.weight", "LLaVA model",
-    )  # fmt: skip
+        names,
+        (
+            "model.vision_tower.vision_model.",
+            "model.vision_tower.",
+            "vision_tower.vision_model.",
+            "vision_tower.",
+        ),
+        "embeddings.patch_embedding.weight",
+        "LLaVA model",
+    )
     proj = _first_prefix(
-        names, ("model.multi_modal_projector.", "multi_modal_projector."), "linear_1.weight",
+        names,
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        "linear_1.weight",
         "LLaVA model (no projector)",
-    )  # fmt: skip
+    )
     kernel = (spec.in_channels, spec.patch_size, spec.patch_size)
     emb = f"{p}embeddings."
     maps = [
@@ -241,9 +253,11 @@ def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
         "mlp.linear_fc2": "mlp.fc2",
     }  # fmt: skip
     maps += _tower_layer_maps(
-        spec, f"{p}encoder.layers.", ours_hf,
+        spec,
+        f"{p}encoder.layers.",
+        ours_hf,
         lambda hf, leaf: qkv_pieces(f"{hf}self_attn.", leaf, spec),
-    )  # fmt: skip
+    )
     for leaf in ("weight", "bias"):
         for our_name, hf_name in (("merger_fc1", "linear_1"), ("merger_fc2", "linear_2")):
             maps.append(

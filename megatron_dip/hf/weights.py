@@ -123,9 +123,13 @@ def local_tensor(source: SafetensorsFolder, tmap: TensorMap, layout) -> torch.Te
     parts = []
     for s in layout.segments:
         part = read_rows(
-            source, tmap, dim=layout.dim, start=s.global_start, length=s.length,
+            source,
+            tmap,
+            dim=layout.dim,
+            start=s.global_start,
+            length=s.length,
             full_rows=layout.global_shape[0],
-        )  # fmt: skip
+        )
         if part is None:
             shape = list(layout.local_shape)
             shape[layout.dim] = s.length

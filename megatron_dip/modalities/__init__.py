@@ -65,9 +65,14 @@ def build_chunk(
 
     parts = modality_of(model.module(chunk.module))
     return build(
-        model, chunk, num_chunks=num_chunks, config=config, groups=groups, parts=parts,
+        model,
+        chunk,
+        num_chunks=num_chunks,
+        config=config,
+        groups=groups,
+        parts=parts,
         skip_init=skip_init,
-    )  # fmt: skip
+    )
 
 
 def build_module_chunks(model: MultimodalSpec, module: str, ranges, *, config, groups) -> list:

@@ -409,9 +409,14 @@ class Modality:
         """The chunk's transformer layers."""
         c = chunk.chunk
         return self.layer_stack(
-            chunk.module_spec, tconfig=chunk.config, backend=chunk.backend, groups=chunk.groups,
-            start=c.layer_start, end=c.layer_end, causal=self.is_causal(chunk),
-        )  # fmt: skip
+            chunk.module_spec,
+            tconfig=chunk.config,
+            backend=chunk.backend,
+            groups=chunk.groups,
+            start=c.layer_start,
+            end=c.layer_end,
+            causal=self.is_causal(chunk),
+        )
 
     def build_pre(self, chunk):
         """Input layers of chunk 0 (None: none)."""

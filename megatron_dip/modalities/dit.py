@@ -223,9 +223,15 @@ class DitModality(Modality):
         kv = 2 * lay.kv_groups * lay.head_dim / c.tp
         fixed = c.dt * (w.instances * h + w.context_tokens * kv)  # SiLU(temb); cross K, V
         return (
-            norm + self_attention_stored(lay, w, c, rotary=True) + norm + norm + mlp_stored(lay)
-            + extra + attention_core_stored(lay, w.tokens, c) + Stored(fixed=fixed)
-        )  # fmt: skip
+            norm
+            + self_attention_stored(lay, w, c, rotary=True)
+            + norm
+            + norm
+            + mlp_stored(lay)
+            + extra
+            + attention_core_stored(lay, w.tokens, c)
+            + Stored(fixed=fixed)
+        )
 
     def chunk_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
         # temb and the clips' caption encodings, which every layer reads; token -> clip index.
@@ -389,7 +395,8 @@ class DitModality(Modality):
 
     def run_stack(self, spec, layers, state: dict, batch, *, rotary_base: float, groups=None):
         from megatron_dip.models import attention
-        from megatron_dip.models.common import cached, rotary_table, sequence_slice
+        from megatron_dip.models.common import cached, sequence_slice
+        from megatron_dip.models.rope import rotary_table
 
         head_dim, dtype = spec.layer.head_dim, state["hidden"].dtype
         packed = cached(
@@ -420,9 +427,13 @@ class DitModality(Modality):
 
     def run_layers(self, chunk, state: dict, batch):
         return self.run_stack(
-            chunk.module_spec, chunk.layers, state, batch,
-            rotary_base=chunk.module_spec.arch.rotary_base, groups=chunk.groups,
-        )  # fmt: skip
+            chunk.module_spec,
+            chunk.layers,
+            state,
+            batch,
+            rotary_base=chunk.module_spec.arch.rotary_base,
+            groups=chunk.groups,
+        )
 
     def finish(self, chunk, state: dict, batch) -> dict:
         import torch

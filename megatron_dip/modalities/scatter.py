@@ -185,9 +185,11 @@ class ScatterProducer(Modality):
 
         m = chunk.module_spec
         fc1, fc2 = build_merger(
-            chunk, width=m.layer.hidden * self.pool(m), out=m.out_hidden,
+            chunk,
+            width=m.layer.hidden * self.pool(m),
+            out=m.out_hidden,
             inner=m.arch.projector_hidden,
-        )  # fmt: skip
+        )
         norm = (
             build_norm(chunk.backend, chunk.config, m.layer.hidden) if m.arch.final_norm else None
         )

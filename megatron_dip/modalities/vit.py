@@ -230,10 +230,17 @@ class VitModality(ScatterProducer):
         positions = padded([pos for _, pos in pieces] or [np.zeros((0, axes), np.int64)], total)
         tensors = {"patches": torch.from_numpy(patches.astype(np.float32))}
         if spec.arch.learned_positions:
-            tensors["class_rows"] = torch.from_numpy(padded(
-                [pos[:, 0] == 0 if spec.arch.class_token else pos[:, 0] < 0 for _, pos in pieces]
-                or [np.zeros(0, bool)], total, False,
-            ))  # fmt: skip
+            tensors["class_rows"] = torch.from_numpy(
+                padded(
+                    [
+                        pos[:, 0] == 0 if spec.arch.class_token else pos[:, 0] < 0
+                        for _, pos in pieces
+                    ]
+                    or [np.zeros(0, bool)],
+                    total,
+                    False,
+                )
+            )
         return SubBatch(
             sub=sub,
             kind=self.kind,

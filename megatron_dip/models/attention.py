@@ -247,9 +247,10 @@ def _run_segments(query, key, value, params: PackedSeqParams, causal: bool, scal
     for nq, nk in zip(q_lengths, kv_lengths):
         if nq and nk:
             # [n, heads, dim] views -> [1, heads, n, dim]: SDPA keeps the views, no copies.
-            q, k, v = (x.transpose(0, 1)[None] for x in (
-                query[q0 : q0 + nq], key[k0 : k0 + nk], value[k0 : k0 + nk]
-            ))  # fmt: skip
+            q, k, v = (
+                x.transpose(0, 1)[None]
+                for x in (query[q0 : q0 + nq], key[k0 : k0 + nk], value[k0 : k0 + nk])
+            )
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
             )

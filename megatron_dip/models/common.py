@@ -16,10 +16,9 @@ import torch
 from torch.nn import functional
 
 from megatron_dip import megatron_compat
-from megatron_dip.modelspec import ModuleSpec, RopeScaling
+from megatron_dip.modelspec import ModuleSpec
 
 from .config import ModelConfig
-from .rope import llama3_scaled
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -373,40 +372,6 @@ def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
                         f"{name}.{attr}: tensor_model_parallel={param.tensor_model_parallel}, "
                         f"partition_dim={param.partition_dim}; {cls.__name__} splits dim {dim}"
                     )
-
-
-def rotary_table(
-    positions: torch.Tensor,
-    *,
-    head_dim: int,
-    base: float,
-    dtype: torch.dtype,
-    scaling: RopeScaling | None = None,
-    layout: str = "interleaved",
-) -> torch.Tensor:
-    """Rotary angles [S, 1, 1, head_dim] for positions [S, A] over A axes.
-
-    Frequency slot j (of head_dim / 2) rotates with axis j mod A at frequency
-    base^(-(j div A) / slots_per_axis): A = 1 is the usual 1-D rotary embedding, A = 2 and 3 give
-    the 2-D (ViT) and 3-D (DiT) variants. The layout [freqs, freqs] is what Megatron's
-    non-interleaved `apply_rotary_pos_emb` expects. `scaling` (1-D only): Llama 3.1's frequency
-    scaling (`rope.llama3_scaled`). `layout` "blocked": slot j rotates with axis j div
-    slots_per_axis at frequency base^(-(j mod slots_per_axis) / slots_per_axis) instead (the
-    same frequencies, grouped by axis: Qwen2-VL's vision tower).
-    """
-    slots = head_dim // 2
-    axes = positions.shape[1]
-    j = torch.arange(slots, device=positions.device)
-    per_axis = -(-slots // axes)
-    axis, index = (j // per_axis, j % per_axis) if layout == "blocked" else (j % axes, j // axes)
-    inv_freq = base ** (-index.to(torch.float64) / per_axis)
-    if scaling is not None:
-        if axes != 1:
-            raise ValueError("rope scaling applies to 1-D rotary positions only")
-        inv_freq = llama3_scaled(inv_freq, scaling)
-    angles = positions[:, axis].to(torch.float64) * inv_freq[None, :]
-    table = torch.cat([angles, angles], dim=-1)
-    return table[:, None, None, :].to(dtype)
 
 
 def cached(batch, key: tuple, make):

@@ -1,7 +1,7 @@
 """Rotary frequency variants of real checkpoints: Llama 3.1's "llama3" scaling and Qwen2-VL's
 multimodal rotary (M-RoPE) positions.
 
-`common.rotary_table` builds the angle table from positions; these functions change its
+`rotary_table` builds the angle table from positions; these functions change its
 frequencies (`llama3_scaled`) or choose, per frequency slot, which position axis it rotates with
 (`mrope_table`), so that a chunk's attention equals the Hugging Face model's.
 """
@@ -56,16 +56,52 @@ def mrope_table(
     return table[:, None, None, :].to(dtype)
 
 
+def rotary_table(
+    positions: torch.Tensor,
+    *,
+    head_dim: int,
+    base: float,
+    dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
+    layout: str = "interleaved",
+) -> torch.Tensor:
+    """Rotary angles [S, 1, 1, head_dim] for positions [S, A] over A axes.
+
+    Frequency slot j (of head_dim / 2) rotates with axis j mod A at frequency
+    base^(-(j div A) / slots_per_axis): A = 1 is the usual 1-D rotary embedding, A = 2 and 3 give
+    the 2-D (ViT) and 3-D (DiT) variants. The layout [freqs, freqs] is what Megatron's
+    non-interleaved `apply_rotary_pos_emb` expects. `scaling` (1-D only): Llama 3.1's frequency
+    scaling (`llama3_scaled`). `layout` "blocked": slot j rotates with axis j div
+    slots_per_axis at frequency base^(-(j mod slots_per_axis) / slots_per_axis) instead (the
+    same frequencies, grouped by axis: Qwen2-VL's vision tower).
+    """
+    slots = head_dim // 2
+    axes = positions.shape[1]
+    j = torch.arange(slots, device=positions.device)
+    per_axis = -(-slots // axes)
+    axis, index = (j // per_axis, j % per_axis) if layout == "blocked" else (j % axes, j // axes)
+    inv_freq = base ** (-index.to(torch.float64) / per_axis)
+    if scaling is not None:
+        if axes != 1:
+            raise ValueError("rope scaling applies to 1-D rotary positions only")
+        inv_freq = llama3_scaled(inv_freq, scaling)
+    angles = positions[:, axis].to(torch.float64) * inv_freq[None, :]
+    table = torch.cat([angles, angles], dim=-1)
+    return table[:, None, None, :].to(dtype)
+
+
 def rotary_of(arch, positions: torch.Tensor, *, head_dim: int, base: float, dtype):
     """The rotary table of a module with `modelspec.Architecture` `arch` for its positions:
-    M-RoPE where it has sections, else `common.rotary_table` with its scaling and layout."""
-    from .common import rotary_table
-
+    M-RoPE where it has sections, else `rotary_table` with its scaling and layout."""
     if arch.mrope_sections is not None:
         return mrope_table(
             positions, head_dim=head_dim, base=base, sections=arch.mrope_sections, dtype=dtype
         )
     return rotary_table(
-        positions, head_dim=head_dim, base=base, dtype=dtype, scaling=arch.rope_scaling,
+        positions,
+        head_dim=head_dim,
+        base=base,
+        dtype=dtype,
+        scaling=arch.rope_scaling,
         layout=arch.rotary_layout,
-    )  # fmt: skip
+    )

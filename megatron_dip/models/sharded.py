@@ -105,7 +105,7 @@ class ParamLayout:
                         global_offset,
                         None,
                         replica,
-                    )  # fmt: skip
+                    )
                 )
         return out
 

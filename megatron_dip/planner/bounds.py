@@ -1,4 +1,4 @@
-"""What no schedule can beat: the balanced bound of a batch (DESIGN.md section 7).
+"""What no schedule can beat: the balanced bound of a batch (docs/design.md, "Definitions we measure by").
 
 The balanced bound of one data-parallel replica's work is the total compute of all its forward
 and backward work WITHOUT recomputation, divided by the pipeline ranks: a perfectly balanced

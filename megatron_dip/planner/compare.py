@@ -32,9 +32,8 @@ from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import ChunkSpec, Placement, Recompute
 from .bounds import balanced_bound
 from .devices import DeviceSpec
-from .dip import DipPlanner, PlannerConfig
+from .dip import DipPlanner, planner_config
 from .placement import (
-    ModuleWorkload,
     PlacementCandidate,
     build_dip_placement,
     choose_dip_placement,
@@ -42,6 +41,7 @@ from .placement import (
 from .placement_search import greedy_score, static_candidates
 from .search import SearchConfig
 from .simulator import SimResult, simulate
+from .sizing import activation_limits, average_workload
 from .static_baselines import StaticPipeline, static_pipelines
 from .stock_configs import StockResult, StockWork, evaluate_stock, fits
 from .submicrobatch import choose_sub_sizes
@@ -49,39 +49,6 @@ from .submicrobatch import choose_sub_sizes
 __all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
 
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # the ablation steps' uniform modes
-BYTES_PER_PARAM = 18  # bf16 weight + fp32 grad + fp32 master + two fp32 Adam moments
-FROZEN_BYTES_PER_PARAM = 2  # a frozen module keeps its bf16 weights only
-
-
-def average_workload(
-    model: MultimodalSpec, works: Sequence[MicrobatchWork]
-) -> dict[str, ModuleWorkload]:
-    """Average per-microbatch instances and tokens of every module (sizes static placements)."""
-    out = {}
-    for m in model.modules:
-        subs = [s for w in works for s in w.submicrobatches if s.module == m.name]
-        n = max(1, len(works))
-        out[m.name] = ModuleWorkload(
-            round(sum(s.num_instances for s in subs) / n), round(sum(s.tokens for s in subs) / n)
-        )
-    return out
-
-
-def activation_limits(
-    placement: Placement,
-    cost_model,
-    *,
-    device: DeviceSpec,
-    tensor_parallel: int,
-    reserve: float = 0.1,
-) -> list[float]:
-    """Per-rank activation budget: device memory minus weights/grads/optimizer and a reserve."""
-    static = [0.0] * placement.num_ranks
-    for m in placement.modules:
-        per_param = BYTES_PER_PARAM if m.trainable else FROZEN_BYTES_PER_PARAM
-        for c in m.chunks:
-            static[c.rank] += cost_model.chunk_params(c) / tensor_parallel * per_param
-    return [device.memory_bytes * (1 - reserve) - s for s in static]
 
 
 @dataclass(frozen=True)
@@ -186,18 +153,19 @@ class Comparison:
         )
 
     def planner(self, **overrides: object) -> DipPlanner:
-        config = PlannerConfig(
+        config = planner_config(
             seq_length=self.setup.seq_length,
             data_parallel=self.setup.data_parallel,
-            sub_sizes=self.sub_sizes,
-            search=self.search,
-            memory_limit_bytes=self.memory(self.dip_placement),
             tensor_parallel=self.setup.tensor_parallel,
-            sequence_parallel=self.setup.tensor_parallel > 1,
+            sequence_parallel=self.setup.sequence_parallel,
             dtype="bfloat16",
             packing=self.limits,
-            strict_memory=False,  # plans that do not fit are scored as such, not raised
+            search=self.search,
+            sub_sizes=self.sub_sizes,
+            memory_limit=self.memory(self.dip_placement),
         )
+        # plans that do not fit are scored as such, not raised
+        config = dataclasses.replace(config, strict_memory=False)
         return DipPlanner(
             self.setup.model,
             self.cost_model,

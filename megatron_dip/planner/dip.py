@@ -86,6 +86,44 @@ class PlannerConfig:
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
 
+def planner_config(
+    *,
+    seq_length: int,
+    data_parallel: int,
+    tensor_parallel: int,
+    sequence_parallel: bool,
+    dtype: str,
+    packing: PackingLimits,
+    search: SearchConfig,
+    sub_sizes: Mapping[str, int] | None = None,
+    memory_limit: Sequence[float] | None = None,
+    use_search: bool = True,
+    uniform_recompute: RecomputeMode | None = None,
+) -> PlannerConfig:
+    """The one way a run's planner configuration is made: by training (`training.config`'s
+    resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
+    studies (`compare.Comparison`), so a study plans what training would."""
+    return PlannerConfig(
+        seq_length=seq_length,
+        data_parallel=data_parallel,
+        sub_sizes=dict(sub_sizes or {}),
+        search=search,
+        memory_limit_bytes=memory_limit,
+        tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        use_search=use_search,
+        uniform_recompute=uniform_recompute,
+        packing=packing,
+    )
+
+
+def scoring_config(base: PlannerConfig) -> PlannerConfig:
+    """`base` as a placement is scored with it: greedy (no search, so the score depends on the
+    data alone), and plans over the memory limit scored as such rather than raised."""
+    return replace(base, use_search=False, strict_memory=False)
+
+
 @dataclass(frozen=True)
 class ReplicaPlan:
     """A plan with the planner's own statistics."""
@@ -229,9 +267,12 @@ class DipPlanner:
         sub_of = {s.work: s for s in subs}
         use_search = self.config.use_search if search is None else search
         schedule, result, choice, errors = self._schedule(
-            dataflow, sub_of, forward_only=forward_only, use_search=use_search and not quick,
+            dataflow,
+            sub_of,
+            forward_only=forward_only,
+            use_search=use_search and not quick,
             quick=quick,
-        )  # fmt: skip
+        )
         tensors = functools.partial(self._tensors, sub_of)
         with self._pass("communication"):
             programs = add_communication(
@@ -296,10 +337,13 @@ class DipPlanner:
         merged = merge_submicrobatches(self.model, works)
         megatron_order = functools.cache(
             functools.partial(
-                self._megatron_order, merged, totals=totals, iteration=plan.iteration,
+                self._megatron_order,
+                merged,
+                totals=totals,
+                iteration=plan.iteration,
                 replica=replica,
             )
-        )  # fmt: skip
+        )
         ours = simulate(plan, self.cost_model, channel=per_peer_channel)
         plain = megatron_order(NO_RECOMPUTE)
         if plain is None:

@@ -69,9 +69,16 @@ class StageGraph:
             bwd.append(b)
             act.append(a)
         graph = StageGraph(
-            self.stages, self.rank, fwd, bwd, act, self.has_backward, self.succ, self.npred,
+            self.stages,
+            self.rank,
+            fwd,
+            bwd,
+            act,
+            self.has_backward,
+            self.succ,
+            self.npred,
             self.num_ranks,
-        )  # fmt: skip
+        )
         if self._arrays is not None:
             graph._arrays = dataclasses.replace(
                 self._arrays,
@@ -244,8 +251,9 @@ def warm_up() -> None:
     first plan: a two-stage graph on one rank."""
     stages = [StageId("warm-up", 0, 0), StageId("warm-up", 1, 0)]
     succ = [[(1, 0.0), (2, 0.0)], [], [(3, 0.0)], [(1, 0.0)]]
-    graph = StageGraph(stages, [0, 0], [1.0, 1.0], [2.0, 2.0], [1, 1], [True, True], succ,
-                       [0, 2, 1, 1], 1)  # fmt: skip
+    graph = StageGraph(
+        stages, [0, 0], [1.0, 1.0], [2.0, 2.0], [1, 1], [True, True], succ, [0, 2, 1, 1], 1
+    )
     for fill in (True, False):
         list_makespan(graph, priority=[0, 1], memory_limit=[1.0], fill_bubbles=fill)
 
@@ -300,9 +308,21 @@ def _run(graph: StageGraph, prank, memory_limit, fill_bubbles: bool) -> _Run:
         fixed = 2 * np.lexsort((np.arange(len(prank)), prank, a.rank))
         fixed_ptr = a.rank_ptr
     status, order, start, end, makespan, peak, over = run_schedule(
-        a.rank, a.fwd_time, a.bwd_time, a.act, a.has_backward, prank, a.succ_ptr, a.succ_node,
-        a.succ_delay, a.npred, limit, fixed, fixed_ptr, not fill_bubbles,
-    )  # fmt: skip
+        a.rank,
+        a.fwd_time,
+        a.bwd_time,
+        a.act,
+        a.has_backward,
+        prank,
+        a.succ_ptr,
+        a.succ_node,
+        a.succ_delay,
+        a.npred,
+        limit,
+        fixed,
+        fixed_ptr,
+        not fill_bubbles,
+    )
     if status:
         raise RuntimeError("list scheduler stalled: the stage graph has a cycle")
     peaks = tuple(int(x) for x in peak) if a.int_bytes else tuple(float(x) for x in peak)

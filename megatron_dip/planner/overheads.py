@@ -4,7 +4,7 @@ A plan's compute is priced by the cost model, but every instruction also costs t
 autograd and the kernel launches around a Forward/Backward, the call that posts a batch of
 sends/receives, and the latency a message adds on top of its bytes' transfer time. On a GPU
 these are tens of microseconds; in the CPU-emulated cluster they are milliseconds
-(EMULATION.md). Ignored, they make the planner favour many tiny instructions.
+(docs/design.md, "Emulated clusters"). Ignored, they make the planner favour many tiny instructions.
 
 `HostOverheads` holds the three numbers. `CostModel(overheads=...)` carries them, the planner's
 stage graph adds `instruction` to every compute duration and `message` to every transfer, and

@@ -66,7 +66,7 @@ def paper_comparison(
         setup.model,
         spec,
         tensor_parallel=setup.tensor_parallel,
-        sequence_parallel=setup.tensor_parallel > 1,
+        sequence_parallel=setup.sequence_parallel,
     )
     limits = packing_limits(setup.model, setup.seq_length)
     stream = BatchStream(

@@ -278,8 +278,9 @@ def choose_dip_placement(
     best = None
     for i, cand in enumerate(candidates):
         if bound is not None and best is not None and bounds[i] > best[0][0]:
-            logger.debug("placement %s skipped: bound %.4g > best %.4g", cand.name, bounds[i],
-                         best[0][0])  # fmt: skip
+            logger.debug(
+                "placement %s skipped: bound %.4g > best %.4g", cand.name, bounds[i], best[0][0]
+            )
             continue
         score = evaluate(cand)
         scores[cand.name] = score

@@ -2,7 +2,7 @@
 
 `planner.placement.choose_dip_placement` picks the candidate with the smallest score among DIP's
 segment counts and the static Megatron placements (`static_candidates`); both the simulation
-study (`compare.Comparison`) and the training entry point (`training.layout`) score with
+study (`compare.Comparison`) and the training entry point (`training.config.layout`) score with
 `greedy_score`, so a static placement with Megatron's order (which the planner tries as a
 candidate plan) is always in the running and the choice never loses to it on those batches.
 """

@@ -127,9 +127,12 @@ class PlannerProcess:
         ]  # fmt: skip
         # stdout goes to stderr: nothing the planner's libraries print joins the training log.
         self.popen = subprocess.Popen(
-            argv, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
-            stdout=2, close_fds=True,
-        )  # fmt: skip
+            argv,
+            pass_fds=(to_child_r, from_child_w),
+            stdin=subprocess.DEVNULL,
+            stdout=2,
+            close_fds=True,
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self.pipe = FramedPipe(from_child_r, to_child_w)
@@ -187,7 +190,7 @@ class PlannerProcess:
 
 
 class ChildChannels:
-    """What `service.planner_loop` talks through inside the planner process: `batches` (a
+    """What `planner_loop.planner_loop` talks through inside the planner process: `batches` (a
     queue of batches, calibrations and the None stop sentinel), `results.put`, `decided.value`
     (iterations <= it are decided), `tick()` (the loop made progress), `started_at`."""
 

@@ -6,7 +6,7 @@ this module only supplies durations and reads the result:
 * a `Forward` lasts `stage_cost(chunk, sub, recompute).forward`, a `Backward` `.backward` with the
   recompute strategy of its stage's forward;
 * a message lasts `transfer_time(bytes of its tensors) + message_latency`. The extra per-message
-  latency models the per-operation hand-over overhead that EMULATION.md measured (it grows with
+  latency models the per-operation hand-over overhead of emulated clusters (docs/design.md, "Emulated clusters") (it grows with
   the number of messages, so schedules that send more messages must pay for it);
 * host overheads (`overheads.HostOverheads` of the cost model, zero for stand-ins): every compute
   instruction also takes `instruction` seconds, every posted batch of sends/receives `batch`

@@ -36,8 +36,16 @@ class Row:
     recompute: list[str] = field(default_factory=list)
     plan_s: list[float] = field(default_factory=list)
 
-    def add(self, *, time: float, balanced: float, bound: float, fits: bool, recompute: str,
-            plan_s: float = 0.0) -> None:  # fmt: skip
+    def add(
+        self,
+        *,
+        time: float,
+        balanced: float,
+        bound: float,
+        fits: bool,
+        recompute: str,
+        plan_s: float = 0.0,
+    ) -> None:
         self.time.append(time)
         self.balanced.append(balanced)
         self.bound.append(bound)
@@ -97,8 +105,13 @@ class Study:
             results = by_key[key]
             row = Row(results[0].label)
             for b, r in zip(self.batches, results):
-                row.add(time=r.sim.iteration_time, balanced=b.balanced_bound,
-                        bound=r.sim.lower_bound, fits=r.fits, recompute=r.label.split(", ")[-1])  # fmt: skip
+                row.add(
+                    time=r.sim.iteration_time,
+                    balanced=b.balanced_bound,
+                    bound=r.sim.lower_bound,
+                    fits=r.fits,
+                    recompute=r.label.split(", ")[-1],
+                )
             rows.append(row)
         return rows
 
@@ -107,10 +120,13 @@ class Study:
         for b in self.batches:
             for o in b.dip:
                 rows.setdefault(o.name, Row(o.name)).add(
-                    time=o.sim.iteration_time, balanced=b.balanced_bound,
-                    bound=o.sim.lower_bound, fits=o.fits, recompute=o.recompute,
+                    time=o.sim.iteration_time,
+                    balanced=b.balanced_bound,
+                    bound=o.sim.lower_bound,
+                    fits=o.fits,
+                    recompute=o.recompute,
                     plan_s=o.plan_seconds,
-                )  # fmt: skip
+                )
         return list(rows.values())
 
     def summary(self) -> dict:

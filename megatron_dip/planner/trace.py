@@ -11,15 +11,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from ..schedule.engine import ExecutionResult
 from ..schedule.ir import Backward, Forward, Plan
 
-if TYPE_CHECKING:
-    from .simulator import SimResult
-
-__all__ = ["Span", "Timeline", "chrome_trace_events", "plan_timeline", "write_chrome_trace"]
+__all__ = [
+    "HasTimeline",
+    "Span",
+    "Timeline",
+    "chrome_trace_events",
+    "plan_timeline",
+    "write_chrome_trace",
+]
 
 
 class Span(NamedTuple):
@@ -37,6 +41,13 @@ class Span(NamedTuple):
 
 
 Timeline = Sequence[Sequence[tuple]]  # per rank: Span or (label, module, is_forward, start, end)
+
+
+class HasTimeline(Protocol):
+    """What carries a timeline of its own (a `simulator.SimResult`): the simulator uses this
+    module, so this module names only the shape it reads."""
+
+    timeline: Timeline
 
 
 def span_label(ins: Forward | Backward) -> str:
@@ -127,16 +138,16 @@ def chrome_trace_events(
     return events
 
 
-def _as_timeline(source: SimResult | tuple[Plan, ExecutionResult] | Timeline) -> Timeline:
+def _as_timeline(source: HasTimeline | tuple[Plan, ExecutionResult] | Timeline) -> Timeline:
     if hasattr(source, "timeline"):
-        return source.timeline  # a SimResult
+        return source.timeline  # a simulation (`simulator.SimResult`)
     if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], Plan):
         return plan_timeline(*source)
     return source  # type: ignore[return-value]
 
 
 def write_chrome_trace(
-    source: SimResult | tuple[Plan, ExecutionResult] | Timeline,
+    source: HasTimeline | tuple[Plan, ExecutionResult] | Timeline,
     path: str | Path,
     *,
     measured: Timeline | None = None,

@@ -9,7 +9,7 @@ source and `Executor` (which checks the plan and agrees on it before any message
 program, and finishes the gradients that are not the executor's: tied input/output embeddings
 summed over the embedding group.
 
-Every DIP path runs through it: the training loop (`training.step`), Megatron's drop-in
+Every DIP path runs through it: the training loop (`training.iteration.step`), Megatron's drop-in
 (`forward_backward.dip_forward_backward` via `DipSchedule.runtime`), emulated compute (emulated
 chunks, batch source and transport plugged into the same factories) and the tests.
 """

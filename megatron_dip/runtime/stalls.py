@@ -135,8 +135,9 @@ def describe_stall(
     def same(r: int) -> bool:
         s = state(r)
         return s is not None and (s.get("phase"), s.get("iteration")) == (
-            phase.name, phase.iteration,
-        )  # fmt: skip
+            phase.name,
+            phase.iteration,
+        )
 
     arrived = [r for r in members if r == rank or (r not in stalled and same(r))]
     absent = [r for r in members if r not in arrived]
@@ -223,9 +224,13 @@ class PhaseWatch:
 
         store = dist.distributed_c10d._get_default_store()
         return cls(
-            store=store, rank=dist.get_rank(), world_size=dist.get_world_size(),
-            timeout_s=timeout_s, early=early, store_host=describe_store_host(os.environ),
-        )  # fmt: skip
+            store=store,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            timeout_s=timeout_s,
+            early=early,
+            store_host=describe_store_host(os.environ),
+        )
 
     # -- heartbeat -----------------------------------------------------------------------
 
@@ -375,9 +380,15 @@ class PhaseWatch:
             if r not in reports and beats.get(r, {}).get("n") == first.get(r, {}).get("n")
         ]
         line = describe_stall(
-            rank=self.rank, phase=phase, cause=cause, reports=reports, beats=beats,
-            stalled=stalled, grace_s=self.grace_s, outcome=outcome,
-        )  # fmt: skip
+            rank=self.rank,
+            phase=phase,
+            cause=cause,
+            reports=reports,
+            beats=beats,
+            stalled=stalled,
+            grace_s=self.grace_s,
+            outcome=outcome,
+        )
         return StallError(line, phase=phase.name, stalled=stalled)
 
 

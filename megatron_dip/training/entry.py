@@ -18,8 +18,9 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
-from .arguments import TrainConfig, parse_config
-from .validate import ConfigError, RunSpec, resolve
+from .config.arguments import ConfigError, TrainConfig, parse_config
+from .config.run import RunSpec
+from .config.validate import resolve
 
 logger = logging.getLogger("megatron_dip.training")
 
@@ -62,7 +63,7 @@ def validated(config: TrainConfig, *, world_size: int) -> RunSpec:
     cuda = torch.cuda.is_available()
     shared = None
     if world_size > 1 and "RANK" in os.environ:
-        from .setup import shared_by_rank0
+        from .assembly.setup import shared_by_rank0
 
         shared = functools.partial(
             shared_by_rank0, cuda=cuda, timeout_s=config.dip.dip_comm_timeout_s
@@ -81,8 +82,8 @@ def main(argv: Sequence[str] | None = None, *, default_model: str) -> int:
         return 2
     from megatron_dip.runtime.errors import StallError
 
-    from .checkpoint_dirs import CheckpointError
-    from .nonfinite import NonFiniteError
+    from .checkpoint.dirs import CheckpointError
+    from .iteration.nonfinite import NonFiniteError
 
     try:
         train(spec)
@@ -112,21 +113,29 @@ def exit_now(status: int) -> NoReturn:
 
 def train(spec: RunSpec):
     """Train a validated run on this process (process groups are created here)."""
-    from .loop import pretrain
+    from .iteration.loop import pretrain
 
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info(
             "run %s: %s | TP %d PP %d DP %d | schedule %s | placement %s",
-            spec.preset.name, spec.model.name, spec.tensor_parallel, spec.pipeline_parallel,
-            spec.data_parallel, spec.schedule, _placement_text(spec),
-        )  # fmt: skip
+            spec.preset.name,
+            spec.model.name,
+            spec.tensor_parallel,
+            spec.pipeline_parallel,
+            spec.data_parallel,
+            spec.schedule,
+            _placement_text(spec),
+        )
     result = pretrain(spec)
     if result.losses and int(os.environ.get("RANK", "0")) == 0:
         first, last = min(result.losses), max(result.losses)
         logger.info(
             "done: lm loss %.4f (iteration %d) -> %.4f (iteration %d)",
-            result.losses[first], first, result.losses[last], last,
-        )  # fmt: skip
+            result.losses[first],
+            first,
+            result.losses[last],
+            last,
+        )
     return result
 
 

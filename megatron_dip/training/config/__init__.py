@@ -1,0 +1,1 @@
+"""From the command line to one resolved run: flags, presets, the checks before any process group, sizing."""

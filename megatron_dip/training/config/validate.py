@@ -1,0 +1,504 @@
+"""From parsed flags to a checked `RunSpec`, before any process group exists (torch-free).
+
+`resolve(config, world_size=..., cuda=...)` fills the `--model` preset's defaults, checks every
+flag and every combination that can be checked without communicating (sizes, divisibility, the
+placement, the memory limit, the cost profile, the data), and builds what every rank needs
+identically: the model spec, the cost model, the placement, the planner's configuration. Each
+problem is a `ConfigError` whose message starts with the flag to change. Every rank runs the same
+deterministic resolution, so no rank starts while another refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+from megatron_dip.batching import packing_limits
+from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.planner.dip import planner_config
+from megatron_dip.planner.search import SearchConfig
+from megatron_dip.planner.submicrobatch import split_modules
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute, RecomputeMode
+
+from ..checkpoint import dirs
+from ..checkpoint.dirs import CheckpointError
+from ..checkpoint.resume_checks import schedule_of
+from .arguments import ConfigError, TrainConfig
+from .arguments import fail as _fail
+from .data_config import data_spec, model_spec
+from .presets import RunPreset, get_run_preset
+from .pricing import run_cost_model, run_device, run_kernels
+from .run import Checkpointing, Reporting, RunSpec, RuntimeLimits, Training
+
+logger = logging.getLogger(__name__)
+
+
+def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
+    """Fill the fields left unset from the `--model` preset."""
+    name = config.model.model
+    if name is None:
+        raise _fail("--model", "choose a run preset (tiny-vlm, tiny-t2v, vlm-s, ..., t2v-l)")
+    try:
+        preset = get_run_preset(name)
+    except KeyError as e:
+        raise _fail("--model", str(e.args[0])) from None
+    defaults = {
+        "tensor_model_parallel_size": preset.tensor_parallel,
+        "pipeline_model_parallel_size": preset.pipeline_parallel,
+        "global_batch_size": preset.global_batch_size,
+        "seq_length": preset.seq_length,
+        "dip_data": preset.data,
+        "dip_data_scale": preset.data_scale,
+        "dip_image_size": preset.image_size,
+        "dip_sub_microbatch_size": preset.sub_microbatch_size,
+    }
+    if config.dip.dip_schedule == "dip":
+        defaults["dip_segments"] = preset.segments
+    flat = config.flat()
+    missing = {k: v for k, v in defaults.items() if flat[k] is None}
+    return config.replace(**missing), preset
+
+
+def _check_sizes(config: TrainConfig, world_size: int) -> tuple[int, int, int]:
+    p, t = config.parallel, config.train
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp < 1:
+        raise _fail("--tensor-model-parallel-size", f"must be >= 1, got {tp}")
+    if pp < 1:
+        raise _fail("--pipeline-model-parallel-size", f"must be >= 1, got {pp}")
+    if world_size % (tp * pp):
+        raise _fail(
+            "--tensor-model-parallel-size/--pipeline-model-parallel-size",
+            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}",
+        )
+    dp = world_size // (tp * pp)
+    if t.micro_batch_size != 1:
+        raise _fail(
+            "--micro-batch-size",
+            f"must be 1: samples are packed, a microbatch is one packed sequence of "
+            f"--seq-length tokens (got {t.micro_batch_size}); size the batch with "
+            "--global-batch-size (packed microbatches per iteration)",
+        )
+    if t.global_batch_size < dp:
+        raise _fail(
+            "--global-batch-size",
+            f"{t.global_batch_size} packed microbatches cannot feed {dp} data-parallel replicas",
+        )
+    if t.seq_length < 1:
+        raise _fail("--seq-length", f"must be >= 1, got {t.seq_length}")
+    _check_stock_batch(config, dp=dp, pp=pp)
+    return tp, pp, dp
+
+
+def _check_stock_batch(config: TrainConfig, *, dp: int, pp: int) -> None:
+    """Megatron's schedules give every replica the same number of microbatches, and the
+    interleaved one a multiple of PP per replica."""
+    schedule, g = config.dip.dip_schedule, config.train.global_batch_size
+    if schedule == "dip":
+        return
+    if g % dp:
+        raise _fail(
+            "--global-batch-size",
+            f"--dip-schedule {schedule} gives every replica G/DP microbatches: G={g} is not "
+            f"divisible by DP={dp}",
+        )
+    if schedule == "interleaved" and (g // dp) % pp:
+        raise _fail(
+            "--global-batch-size",
+            f"Megatron's interleaved schedule needs the microbatches per replica (G/DP = "
+            f"{g // dp}) to be a multiple of PP={pp}",
+        )
+
+
+def _check_training(config: TrainConfig) -> None:
+    t, lg = config.train, config.logging
+    if t.train_iters is None or t.train_iters < 1:
+        raise _fail("--train-iters", f"set the number of iterations (>= 1), got {t.train_iters}")
+    if t.lr is None or not t.lr > 0:
+        raise _fail("--lr", f"set a positive peak learning rate, got {t.lr}")
+    if not 0 <= t.min_lr <= t.lr:
+        raise _fail("--min-lr", f"must lie in [0, --lr={t.lr}], got {t.min_lr}")
+    if t.lr_warmup_iters < 0:
+        raise _fail("--lr-warmup-iters", f"must be >= 0, got {t.lr_warmup_iters}")
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+    if decay < 1 or t.lr_warmup_iters >= decay:
+        raise _fail("--lr-decay-iters", f"{decay} must be >= 1 and > --lr-warmup-iters")
+    if t.clip_grad < 0 or t.weight_decay < 0:
+        raise _fail("--clip-grad/--weight-decay", "must be >= 0")
+    if lg.log_interval < 1:
+        raise _fail("--log-interval", f"must be >= 1, got {lg.log_interval}")
+    if lg.eval_interval is not None and (lg.eval_interval < 1 or lg.eval_iters < 1):
+        raise _fail("--eval-interval/--eval-iters", "must be >= 1")
+    if config.dip.dip_trace_interval < 1:
+        raise _fail("--dip-trace-interval", "must be >= 1")
+    if config.dip.dip_max_nonfinite_iters < 0:
+        raise _fail("--dip-max-nonfinite-iters", "must be >= 0 (0: never stop)")
+    _check_checkpoint_flags(config)
+
+
+def _check_checkpoint_flags(config: TrainConfig) -> None:
+    c = config.checkpoint
+    if c.save_interval is not None and (c.save_interval < 1 or c.save is None):
+        raise _fail("--save-interval", "needs --save and a value >= 1")
+    if c.ckpt_format != "torch_dist":  # Megatron-LM's parser allows others
+        raise _fail("--ckpt-format", f"only torch_dist is supported, got {c.ckpt_format!r}")
+    if c.async_save and c.save is None:
+        raise _fail("--async-save", "needs --save")
+    if c.ckpt_step is not None and c.load is None:
+        raise _fail("--ckpt-step", "needs --load")
+
+
+def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
+    """(the checkpoint --load resumes from or None, the pretrained weights to start from),
+    after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
+    --train-iters against the file system (`checkpoint.dirs`, `finetune`)."""
+    from ..checkpoint.finetune import pretrained_sources
+    from ..checkpoint.resume_checks import check_resume
+
+    c = config.checkpoint
+    try:
+        if c.load and not (c.pretrained_checkpoint or c.dip_pretrained):
+            # (with pretrained weights, a --load that is not there yet is Megatron's idiom for
+            # "fine-tune from them until this run has its own checkpoints")
+            dirs.check_load_exists(c.load, save=c.save)
+        resume = dirs.find_resume(c.load, c.ckpt_step) if c.load else None
+        resume, pretrained = pretrained_sources(config, model, resume)
+        dirs.check_train_iters(resume, config.train.train_iters)
+        if c.save is not None:
+            dirs.check_save(c.save, load=None if c.finetune else c.load)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    check_resume(config, resume)
+    return resume, pretrained
+
+
+def recompute_mode(config: TrainConfig) -> RecomputeMode:
+    """(method, N) of Megatron's recompute flags: `--recompute-granularity selective`,
+    `full` (the whole chunk), `full --recompute-method block|uniform --recompute-num-layers N`."""
+    m = config.model
+    if m.recompute_method is None:
+        if m.recompute_num_layers is not None:
+            raise _fail("--recompute-num-layers", "needs --recompute-method block|uniform")
+        return (Recompute(m.recompute_granularity), 0) if m.recompute_granularity else NO_RECOMPUTE
+    if m.recompute_granularity != "full":
+        raise _fail(
+            "--recompute-method",
+            f"needs --recompute-granularity full (got {m.recompute_granularity}), as in Megatron-LM",
+        )
+    layers = 1 if m.recompute_num_layers is None else m.recompute_num_layers
+    if layers < 1:
+        raise _fail("--recompute-num-layers", f"must be >= 1, got {layers}")
+    return Recompute(m.recompute_method), layers
+
+
+def recompute_flags(mode: RecomputeMode) -> list[str]:
+    """Megatron's flags that `recompute_mode` reads back as `mode` (the inverse)."""
+    method, layers = mode
+    if method is Recompute.NONE:
+        return []
+    if method in (Recompute.SELECTIVE, Recompute.FULL):
+        return ["--recompute-granularity", method.value]
+    return [
+        "--recompute-granularity", "full", "--recompute-method", method.value,
+        "--recompute-num-layers", str(layers),
+    ]  # fmt: skip
+
+
+def _check_emulation(config: TrainConfig) -> None:
+    d = config.dip
+    if not (d.dip_emulate_scale >= 0 and math.isfinite(d.dip_emulate_scale)):
+        raise _fail(
+            "--dip-emulate-scale", f"must be a finite number >= 0, got {d.dip_emulate_scale}"
+        )
+    if config.parallel.use_distributed_optimizer or config.model.bf16:
+        raise _fail(
+            "--dip-emulate-compute",
+            "emulated chunks have one float32 parameter each: drop --bf16 and "
+            "--use-distributed-optimizer (the cost model already prices the bf16 run)",
+        )
+
+
+def _check_dip(config: TrainConfig) -> None:
+    d = config.dip
+    if d.dip_search_time_ms < 0:
+        raise _fail("--dip-search-time-ms", f"must be >= 0, got {d.dip_search_time_ms}")
+    if d.dip_lookahead < 0:
+        raise _fail("--dip-lookahead", f"must be >= 0, got {d.dip_lookahead}")
+    if not d.dip_comm_timeout_s > 0:  # also refuses NaN
+        raise _fail(
+            "--dip-comm-timeout-s",
+            f"must be > 0 seconds (how long a blocking pipeline wait may take), "
+            f"got {d.dip_comm_timeout_s}",
+        )
+    if not d.dip_planner_timeout_s > 0:
+        raise _fail(
+            "--dip-planner-timeout-s",
+            f"must be > 0 seconds (how long the planner process may stay silent), "
+            f"got {d.dip_planner_timeout_s}",
+        )
+    half = max(1, (os.cpu_count() or 2) // 2)
+    if not 1 <= d.dip_planner_workers <= half:
+        raise _fail(
+            "--dip-planner-workers",
+            f"must lie in [1, {half}] (half of this machine's {os.cpu_count()} cores: the rest "
+            f"feed the accelerators), got {d.dip_planner_workers}",
+        )
+    if d.dip_memory_limit_gb is not None and not d.dip_memory_limit_gb > 0:
+        raise _fail("--dip-memory-limit-gb", f"must be > 0, got {d.dip_memory_limit_gb}")
+    if d.dip_data_scale is not None and not d.dip_data_scale > 0:
+        raise _fail("--dip-data-scale", f"must be > 0, got {d.dip_data_scale}")
+
+
+def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] | None:
+    """`--dip-sub-microbatch-size`: "N" for every module split into sub-microbatches, or
+    "vit=12,text=4"."""
+    if text is None:
+        return None
+    encoders = [m.name for m in split_modules(model)]
+    flag = "--dip-sub-microbatch-size"
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.rpartition("=") if "=" in part else ("", "", part)
+        try:
+            size = int(value)
+        except ValueError:
+            raise _fail(flag, f"{part!r} is not N or MODULE=N") from None
+        if size < 1:
+            raise _fail(flag, f"sub-microbatch sizes must be >= 1, got {size} in {part!r}")
+        targets = [name.strip()] if sep else encoders
+        for t in targets:
+            if t not in encoders:
+                raise _fail(
+                    flag,
+                    f"module {t!r} is not split into sub-microbatches; choose among {encoders} "
+                    "(an LLM microbatch is one packed sequence)",
+                )
+            sizes[t] = size
+    return sizes
+
+
+def _sequence_parallel(config: TrainConfig, tp: int) -> bool:
+    """Whether activations are sharded along the sequence over TP (--sequence-parallel, which
+    needs TP > 1): derived here once, read by the cost model, planner, chunks and runtime."""
+    if not config.parallel.sequence_parallel:
+        return False
+    if tp == 1:
+        raise _fail("--sequence-parallel", "needs tensor parallelism (TP > 1)")
+    if config.train.seq_length % tp:
+        raise _fail(
+            "--sequence-parallel",
+            f"--seq-length {config.train.seq_length} must be a multiple of TP={tp} "
+            "(the sequence is split over the tensor-parallel ranks)",
+        )
+    return True
+
+
+def check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
+    """ConfigError naming --tensor-model-parallel-size unless TP divides every sharded size."""
+    for m in model.modules:
+        lay = m.layer
+        for what, value in (("heads", lay.heads), ("kv groups", lay.kv_groups), ("FFN", lay.ffn)):
+            if value % tp:
+                raise _fail(
+                    "--tensor-model-parallel-size",
+                    f"TP={tp} does not divide the {what} ({value}) of module {m.name!r}",
+                )
+        if m.vocab_size and m.vocab_size % tp:
+            raise _fail(
+                "--tensor-model-parallel-size",
+                f"TP={tp} does not divide the vocabulary ({m.vocab_size}) of module {m.name!r}",
+            )
+
+
+def _check_tied_embeddings(config: TrainConfig, model: MultimodalSpec, placement) -> None:
+    """Tied embeddings in two chunks (their gradients summed over Megatron's embedding group
+    after the data-parallel reduction) need whole gradients on every rank: not with the
+    distributed optimizer, whose ranks each hold a shard of the reduced gradients."""
+    if not config.parallel.use_distributed_optimizer:
+        return
+    for m in model.modules:
+        chunks = placement.module(m.name).num_chunks
+        if m.arch.tie_embeddings and chunks > 1:
+            raise _fail(
+                "--use-distributed-optimizer",
+                f"module {m.name!r} has tied input/output embeddings (its preset or "
+                f"--dip-hf-config's tie_word_embeddings) in {chunks} chunks, which the "
+                "distributed optimizer does not support here: drop it, pass "
+                "--untie-embeddings-and-output-weights (the head starts as a copy of the "
+                f"embedding) or use one chunk (--pipeline-model-parallel-size 1 --dip-segments "
+                f"{m.name}=1)",
+            )
+
+
+def resolve(
+    config: TrainConfig, *, world_size: int, cuda: bool, shared: Callable | None = None
+) -> RunSpec:
+    """Check `config` for a world of `world_size` processes and build the `RunSpec`.
+    `shared(compute)`: how the ranks of a job share the sizing step (`build_layout`, with its
+    start-up placement search): computed on one rank and handed to the others (default: here)."""
+    from .layout import build_layout  # the placement and sizing step
+
+    config, preset = apply_preset(config)
+    model, tokenizer_spec, tokenizer = model_spec(config, preset)
+    emulate = config.dip.dip_emulate_compute
+    if emulate:
+        # Emulated cluster: one process per pipeline rank (and replica); TP is folded into the
+        # cost model, which prices each stage as a TP rank of the real run would compute it.
+        _check_emulation(config)
+        tp = config.parallel.tensor_model_parallel_size
+        _, pp, dp = _check_sizes(config.replace(tensor_model_parallel_size=1), world_size)
+    else:
+        tp, pp, dp = _check_sizes(config, world_size)
+    _check_training(config)
+    recompute = recompute_mode(config)  # refuses a bad combination
+    _check_dip(config)
+    check_tensor_parallel(model, tp)
+    sp = _sequence_parallel(config, tp)
+    data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
+    dtype = "bfloat16" if config.model.bf16 else "float32"
+    # An emulated run prices and shapes messages as the real (bf16, GPU) run it stands for.
+    plan_dtype = "bfloat16" if emulate else dtype
+    device = run_device(config, cuda=cuda)
+    kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
+    cost = run_cost_model(config, model, device, tp=tp, sp=sp, dtype=plan_dtype, kernels=kernels)
+    uniform = None if recompute == NO_RECOMPUTE else recompute
+    base = planner_config(
+        seq_length=config.train.seq_length,
+        data_parallel=dp,
+        tensor_parallel=tp,
+        sequence_parallel=sp,
+        dtype=plan_dtype,
+        packing=packing_limits(model, config.train.seq_length),
+        search=_search(config),
+        use_search=config.dip.dip_search_time_ms > 0,
+        uniform_recompute=uniform,
+    )
+    sizing = functools.partial(
+        build_layout,
+        config,
+        model,
+        cost,
+        data=data,
+        base=base,
+        pp=pp,
+        sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
+        device=device if cuda or emulate else None,
+    )
+    layout = sizing() if shared is None else shared(sizing)
+    _check_tied_embeddings(config, model, layout.placement)
+    planner = replace(
+        base, sub_sizes=dict(layout.sub_sizes), memory_limit_bytes=layout.memory_limit
+    )
+    resume, pretrained = check_checkpoints(config, model)  # last: it creates --save
+    return RunSpec(
+        preset=preset,
+        model=model,
+        schedule=config.dip.dip_schedule,
+        cuda=cuda,
+        dtype=dtype,
+        world_size=world_size,
+        tensor_parallel=1 if emulate else tp,
+        pipeline_parallel=pp,
+        data_parallel=dp,
+        sequence_parallel=sp and not emulate,
+        distributed_optimizer=config.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=config.parallel.overlap_grad_reduce,
+        data=data,
+        limits=base.packing,
+        sub_sizes=layout.sub_sizes,
+        device=device,
+        cost_model=cost,
+        placement=layout.placement,
+        stage_units=layout.stage_units,
+        planner=planner,
+        memory_limit_bytes=layout.memory_limit,
+        training=training_settings(config),
+        checkpointing=_checkpointing(config),
+        reporting=_reporting(config),
+        runtime=_runtime(config),
+        stock_placement=config.dip.dip_stock_placement,
+        segments=layout.segments,
+        placement_name=layout.placement_name,
+        emulate_scale=config.dip.dip_emulate_scale if emulate else None,
+        recompute=recompute,
+        resume=resume,
+        pretrained=pretrained,
+        flags=config.flat(),
+    )
+
+
+def _search(config: TrainConfig) -> SearchConfig:
+    """The planner process's search: it stops after its rollout budget or --dip-search-time-ms,
+    whichever comes first (only the planner process searches; every rank runs its plan)."""
+    d = config.dip
+    return SearchConfig(
+        time_budget_s=d.dip_search_time_ms / 1e3,
+        workers=d.dip_planner_workers,
+        seed=config.train.seed,
+    )
+
+
+def training_settings(config: TrainConfig) -> Training:
+    """The optimisation settings of `config` (preset defaults already filled in), resolved."""
+    t, m = config.train, config.model
+    return Training(
+        iterations=t.train_iters,
+        global_batch_size=t.global_batch_size,
+        seq_length=t.seq_length,
+        seed=t.seed,
+        init_std=m.init_method_std,
+        per_token_loss=m.calculate_per_token_loss,
+        attention=config.dip.dip_attention,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        clip_grad=t.clip_grad,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        schedule=schedule_of(t),
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+    )
+
+
+def _checkpointing(config: TrainConfig) -> Checkpointing:
+    c = config.checkpoint
+    return Checkpointing(
+        save=c.save,
+        save_interval=c.save_interval,
+        async_save=c.async_save,
+        load=c.load,
+        no_load_optim=c.no_load_optim,
+        no_load_rng=c.no_load_rng,
+    )
+
+
+def _reporting(config: TrainConfig) -> Reporting:
+    lg, d = config.logging, config.dip
+    return Reporting(
+        log_interval=lg.log_interval,
+        eval_interval=lg.eval_interval,
+        eval_iters=lg.eval_iters,
+        tensorboard_dir=lg.tensorboard_dir,
+        trace_dir=d.dip_trace_dir,
+        trace_interval=d.dip_trace_interval,
+        metrics_json=d.dip_metrics_json,
+        log_blend=d.dip_log_blend,
+    )
+
+
+def _runtime(config: TrainConfig) -> RuntimeLimits:
+    d = config.dip
+    return RuntimeLimits(
+        comm_timeout_s=d.dip_comm_timeout_s,
+        planner_timeout_s=d.dip_planner_timeout_s,
+        lookahead=d.dip_lookahead,
+        calibration_window=d.dip_calibration_window,
+        calibration_frozen=d.dip_calibration_frozen,
+        max_nonfinite_iters=d.dip_max_nonfinite_iters,
+    )
