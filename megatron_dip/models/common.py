@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional
 
-from megatron_dip import megatron_compat
 from megatron_dip.modelspec import ModuleSpec, RopeScaling
+from megatron_dip.parallel.groups import layer_collection
 
 from .config import ModelConfig
 from .rope import llama3_scaled
@@ -64,12 +64,9 @@ class ModelGroups:
         return self.tp.rank()
 
     def collection(self):
-        """A Megatron `ProcessGroupCollection` with only what the layers read.
-
-        `pp` is None on purpose: with a pipeline size of 1 in the config, the layer offset is 0
-        whatever the pipeline rank.
-        """
-        return megatron_compat.process_group_collection(tp=self.tp, cp=self.cp, pp=None)
+        """A Megatron `ProcessGroupCollection` with only what the layers read
+        (`parallel.groups.layer_collection`)."""
+        return layer_collection(tp=self.tp, cp=self.cp)
 
 
 @dataclass(frozen=True)

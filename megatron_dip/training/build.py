@@ -21,7 +21,7 @@ from megatron_dip.models.config import ModelConfig
 from megatron_dip.models.init import global_param_name
 from megatron_dip.models.sharded import ParamLayout, chunk_layouts, chunks_sharded_state_dict
 from megatron_dip.runtime.checks import unwrap_chunk
-from megatron_dip.runtime.ddp import DataParallelGroups, wrap_chunks_ddp
+from megatron_dip.runtime.ddp import wrap_chunks_ddp
 
 from .setup import ParallelContext
 from .validate import RunSpec
@@ -123,11 +123,10 @@ def build_model(spec: RunSpec, ctx: ParallelContext, *, backend: ComputeBackend)
     for chunk in chunks:
         chunk.config.calculate_per_token_loss = spec.config.model.calculate_per_token_loss
     trainable = [c for c in chunks if any(p.requires_grad for p in c.parameters())]
-    dp_groups = DataParallelGroups(dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, single=ctx.single)
     wrapped = dict(
         zip(
             map(id, trainable),
-            wrap_chunks_ddp(trainable, groups=dp_groups, ddp_config=ddp_config(spec)),
+            wrap_chunks_ddp(trainable, groups=ctx.groups, ddp_config=ddp_config(spec)),
         )
     )
     local = LocalModel([wrapped.get(id(c), c) for c in chunks])

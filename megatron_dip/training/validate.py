@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from megatron_dip.batching import packing_limits
 from megatron_dip.data.packing import PackingLimits
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.parallel import ParallelShape, ShapeError
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import (
     DeviceSpec,
@@ -89,10 +90,22 @@ class RunSpec:
     def is_stock(self) -> bool:
         return self.schedule != "dip"
 
+    @functools.cached_property
+    def shape(self) -> ParallelShape:
+        """The run's parallel shape: the processes' sizes (TP 1 under --dip-emulate-compute, whose
+        cost model prices the real TP), dtype and sequence length, as one value."""
+        units = self.stage_units
+        vp = len(units[0]) if self.is_stock and units and len(units[0]) > 1 else None
+        return ParallelShape(
+            tp=self.tensor_parallel, pp=self.pipeline_parallel, dp=self.data_parallel, vp=vp,
+            sp=self.config.parallel.sequence_parallel, dtype=self.dtype,
+            seq_length=self.config.train.seq_length,
+        )  # fmt: skip
+
     @property
     def sequence_parallel(self) -> bool:
         """Activations sharded along the sequence over TP (--sequence-parallel, TP > 1)."""
-        return self.config.parallel.sequence_parallel and self.tensor_parallel > 1
+        return self.shape.sequence_parallel
 
 
 def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
@@ -124,16 +137,10 @@ def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
 def _check_sizes(config: TrainConfig, world_size: int) -> tuple[int, int, int]:
     p, t = config.parallel, config.train
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if tp < 1:
-        raise _fail("--tensor-model-parallel-size", f"must be >= 1, got {tp}")
-    if pp < 1:
-        raise _fail("--pipeline-model-parallel-size", f"must be >= 1, got {pp}")
-    if world_size % (tp * pp):
-        raise _fail(
-            "--tensor-model-parallel-size/--pipeline-model-parallel-size",
-            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}",
-        )
-    dp = world_size // (tp * pp)
+    try:
+        dp = ParallelShape.for_world(world_size, tp=tp, pp=pp).dp
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
     if t.micro_batch_size != 1:
         raise _fail(
             "--micro-batch-size",
@@ -347,16 +354,13 @@ def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] |
 
 
 def _check_sequence_parallel(config: TrainConfig, tp: int) -> None:
-    if not config.parallel.sequence_parallel:
-        return
-    if tp == 1:
-        raise _fail("--sequence-parallel", "needs tensor parallelism (TP > 1)")
-    if config.train.seq_length % tp:
-        raise _fail(
-            "--sequence-parallel",
-            f"--seq-length {config.train.seq_length} must be a multiple of TP={tp} "
-            "(the sequence is split over the tensor-parallel ranks)",
-        )
+    shape = ParallelShape(
+        tp=tp, sp=config.parallel.sequence_parallel, seq_length=config.train.seq_length
+    )
+    try:
+        shape.check_sequence_parallel()
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
