@@ -152,7 +152,7 @@ def stock_results(spec, batches: Sequence) -> list[list]:
     )  # fmt: skip
     limits = activation_limits(
         spec.placement, spec.cost_model, device=spec.device,
-        tensor_parallel=spec.planner.tensor_parallel,
+        tensor_parallel=spec.planner.shape.tp,
     )  # fmt: skip
     out = []
     for b in batches:

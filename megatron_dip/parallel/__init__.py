@@ -9,6 +9,6 @@ place of the package that creates any. `shape` and `grid` import nothing of ours
 
 from __future__ import annotations
 
-from .shape import ParallelShape, ShapeError
+from .shape import ONE_PROCESS, ParallelShape, ShapeError
 
-__all__ = ["ParallelShape", "ShapeError"]
+__all__ = ["ONE_PROCESS", "ParallelShape", "ShapeError"]

@@ -127,3 +127,7 @@ class ParallelShape:
         from dataclasses import replace
 
         return replace(self, **changes)
+
+
+# One process, fp32, no parallelism: the default of whoever is not told a shape.
+ONE_PROCESS = ParallelShape()

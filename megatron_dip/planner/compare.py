@@ -28,6 +28,7 @@ from ..batching import (
 from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
+from ..parallel import ParallelShape
 from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import ChunkSpec, Placement, Recompute
 from .bounds import balanced_bound
@@ -187,14 +188,16 @@ class Comparison:
 
     def planner(self, **overrides: object) -> DipPlanner:
         config = PlannerConfig(
-            seq_length=self.setup.seq_length,
-            data_parallel=self.setup.data_parallel,
+            shape=ParallelShape(
+                tp=self.setup.tensor_parallel,
+                dp=self.setup.data_parallel,
+                sp=True,
+                dtype="bfloat16",
+                seq_length=self.setup.seq_length,
+            ),  # fmt: skip
             sub_sizes=self.sub_sizes,
             search=self.search,
             memory_limit_bytes=self.memory(self.dip_placement),
-            tensor_parallel=self.setup.tensor_parallel,
-            sequence_parallel=self.setup.tensor_parallel > 1,
-            dtype="bfloat16",
             packing=self.limits,
             strict_memory=False,  # plans that do not fit are scored as such, not raised
         )

@@ -24,6 +24,7 @@ from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta, SampleMeta
 from ..modalities import modality_of
 from ..modelspec import MultimodalSpec
+from ..parallel import ParallelShape
 from ..schedule.engine import per_peer_channel
 from ..schedule.graph import Dataflow
 from ..schedule.ir import (
@@ -64,16 +65,17 @@ RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """What the planner needs to know about the run (flags map onto these fields)."""
+    """What the planner needs to know about the run (flags map onto these fields).
 
-    seq_length: int
-    data_parallel: int = 1
+    `shape`: the parallel shape of the run the plans are for (its sequence length, DP replicas,
+    TP and sequence parallelism, activation dtype); under --dip-emulate-compute the real run's,
+    not the emulating processes'.
+    """
+
+    shape: ParallelShape
     sub_sizes: Mapping[str, int] = field(default_factory=dict)  # per non-LLM module
     search: SearchConfig = field(default_factory=SearchConfig)
     memory_limit_bytes: float | Sequence[float] | None = None  # activations, per rank
-    tensor_parallel: int = 1
-    sequence_parallel: bool = False
-    dtype: str = "float32"
     lookahead: int = 1  # producer microbatches ahead of their consumer in the greedy order
     fill_bubbles: bool = True  # dual-queue interleaving (False: fixed segment order)
     use_search: bool = True
@@ -84,6 +86,20 @@ class PlannerConfig:
     uniform_recompute: RecomputeMode | None = None  # start from this mode on every chunk
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
+
+    def __post_init__(self) -> None:
+        if self.shape.seq_length is None:
+            raise ValueError("PlannerConfig.shape has no seq_length (--seq-length)")
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens of one packed microbatch."""
+        return self.shape.seq_length
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas a batch is split over."""
+        return self.shape.dp
 
 
 @dataclass(frozen=True)
@@ -131,12 +147,7 @@ class DipPlanner:
         # CPU seconds spent per pass over this planner's plans (`tools/planner_speed.py`):
         # statistics only, nothing planned depends on them.
         self.pass_seconds: Counter[str] = Counter()
-        self.shapes = MessageShapes(
-            model,
-            dtype=config.dtype,
-            tensor_parallel=config.tensor_parallel,
-            sequence_parallel=config.sequence_parallel,
-        )
+        self.shapes = MessageShapes(model, config.shape)
 
     # -- data side ---------------------------------------------------------------------------
 
@@ -148,7 +159,7 @@ class DipPlanner:
             seq_length=c.seq_length,
             packing=c.packing or default_packing(self.model, c.seq_length),
             sub_sizes=c.sub_sizes,
-            pad_multiple=c.tensor_parallel if c.sequence_parallel else 1,
+            pad_multiple=c.shape.sequence_split,
             data_parallel=c.data_parallel,
         )
 

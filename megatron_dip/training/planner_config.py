@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from megatron_dip.data.packing import PackingLimits
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.dip import PlannerConfig
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.schedule.ir import RecomputeMode
@@ -39,15 +40,15 @@ def planner_config(
         workers=d.dip_planner_workers,
         seed=config.train.seed,
     )
+    shape = ParallelShape(
+        tp=tensor_parallel, dp=data_parallel, pp=config.parallel.pipeline_model_parallel_size or 1,
+        sp=config.parallel.sequence_parallel, dtype=dtype, seq_length=config.train.seq_length,
+    )  # fmt: skip
     return PlannerConfig(
-        seq_length=config.train.seq_length,
-        data_parallel=data_parallel,
+        shape=shape,
         sub_sizes=dict(sub_sizes),
         search=search,
         memory_limit_bytes=memory_limit,
-        tensor_parallel=tensor_parallel,
-        sequence_parallel=config.parallel.sequence_parallel and tensor_parallel > 1,
-        dtype=dtype,
         use_search=d.dip_search_time_ms > 0,
         uniform_recompute=uniform_recompute,
         packing=packing,

@@ -79,13 +79,7 @@ def replica_plan(
 
 def tensor_fn(spec: RunSpec, plan: Plan):
     """The built model's message shapes for the sub-microbatches of `plan`."""
-    shapes = MessageShapes(
-        spec.model,
-        dtype=spec.dtype,
-        tensor_parallel=spec.tensor_parallel,
-        sequence_parallel=spec.sequence_parallel,
-    )
-    return shapes.for_lookup(plan.submicrobatch)
+    return MessageShapes(spec.model, spec.shape).for_lookup(plan.submicrobatch)
 
 
 def _share_store(ctx: ParallelContext, timeout_s: float = 300.0):
