@@ -16,6 +16,7 @@ import torch
 from torch.nn import functional
 
 from megatron_dip.modelspec import ModuleSpec, RopeScaling
+from megatron_dip.parallel import sequence_parallel_in_effect
 from megatron_dip.parallel.groups import layer_collection
 
 from .config import ModelConfig
@@ -170,8 +171,7 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
         fp16=dtype is torch.float16,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=1,
-        # Sequence parallelism needs tensor parallelism (Megatron refuses it at TP=1).
-        sequence_parallel=config.sequence_parallel and tp_size > 1,
+        sequence_parallel=sequence_parallel_in_effect(config.sequence_parallel, tp_size),
         perform_initialization=False,
         use_cpu_initialization=False,
         init_method_std=config.init_std,

@@ -9,6 +9,6 @@ place of the package that creates any. `shape` and `grid` import nothing of ours
 
 from __future__ import annotations
 
-from .shape import ONE_PROCESS, ParallelShape, ShapeError
+from .shape import ONE_PROCESS, ParallelShape, ShapeError, sequence_parallel_in_effect
 
-__all__ = ["ONE_PROCESS", "ParallelShape", "ShapeError"]
+__all__ = ["ONE_PROCESS", "ParallelShape", "ShapeError", "sequence_parallel_in_effect"]

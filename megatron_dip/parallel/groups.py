@@ -4,10 +4,11 @@
 group creation collective), one group per rank, the tensor-, data-, pipeline- and model-parallel
 groups, the tied-embedding group and the pipeline's per-pair channels, keeping the ones this rank
 belongs to; the rank lists come from `grid` (Megatron-LM's tp-cp-dp-pp order). `RunGroups` then
-hands out the run's one Megatron `ProcessGroupCollection` (DDP, optimizer) and its two narrowed
-views: what the layers read (`layer_collection`) and what the stock schedules read
-(`schedule_collection`). `importer_groups` makes the Hugging Face importer's groups (a world of
-TP x PP processes, no data parallelism).
+hands out the run's one Megatron `ProcessGroupCollection` (DDP, optimizer). The two narrowed
+collections are built here too: what the layers read (`layer_collection`, from the models'
+`ModelGroups`) and what the stock schedules read (`schedule_collection`, the stock adapter's).
+`importer_groups` makes the Hugging Face importer's groups (a world of TP x PP processes, no
+data parallelism). `ChannelGroups` is also built by tests over groups of their own.
 """
 
 from __future__ import annotations
@@ -83,12 +84,12 @@ class ChannelGroups:
         return sorted(self._groups)
 
 
-def run_collection(*, tp, dp, pp, mp, single) -> Any:
-    """Megatron's `ProcessGroupCollection` of a run without context or expert parallelism: what
+def run_collection(*, tp, dp, pp, mp, single, cp=None) -> Any:
+    """Megatron's `ProcessGroupCollection` of a run without expert parallelism: what
     Megatron-Core's DDP wrapper and optimizer read. `single` (this rank alone) stands in for the
-    expert groups; dp_cp is dp while CP = 1."""
+    expert groups, and for `cp` when not given; dp_cp is dp while CP = 1."""
     return megatron_compat.process_group_collection(
-        dp=dp, dp_cp=dp, tp=tp, pp=pp, mp=mp, cp=single, ep=single, expt_dp=single,
+        dp=dp, dp_cp=dp, tp=tp, pp=pp, mp=mp, cp=cp or single, ep=single, expt_dp=single,
         tp_ep_pp=mp,
         # One distributed-optimizer instance spans every rank of the run: its gradient norm sums
         # the squares of every DP shard of every pipeline and tensor rank (Megatron's
@@ -119,6 +120,7 @@ class RunGroups:
     """This rank's process groups of a run of `shape` (created once, `create_run_groups`).
 
     `single`: this rank alone. `mp`: the pipeline x tensor ranks of one replica (gradient norm).
+    `cp`: the context-parallel group (this rank alone: CP = 1, `ParallelShape` refuses more).
     `embedding`: the ranks of this pipeline holding copies of a tied LLM embedding (Megatron's
     embedding group), None without tied copies. `channels`: one communicator per (sender,
     receiver) pair of the pipeline (None without pipeline parallelism). `created`: every group
@@ -132,6 +134,7 @@ class RunGroups:
     pp: dist.ProcessGroup
     mp: dist.ProcessGroup
     single: dist.ProcessGroup
+    cp: dist.ProcessGroup
     embedding: dist.ProcessGroup | None = None
     channels: ChannelGroups | None = None
     created: list = field(default_factory=list, repr=False)
@@ -146,13 +149,9 @@ class RunGroups:
 
     @functools.cached_property
     def _collection(self) -> Any:
-        return run_collection(tp=self.tp, dp=self.dp, pp=self.pp, mp=self.mp, single=self.single)
-
-    def layer_collection(self) -> Any:
-        return layer_collection(tp=self.tp, cp=self.single)
-
-    def schedule_collection(self) -> Any:
-        return schedule_collection(pp=self.pp, single=self.single)
+        return run_collection(
+            tp=self.tp, dp=self.dp, pp=self.pp, mp=self.mp, single=self.single, cp=self.cp
+        )
 
     def destroy(self) -> None:
         """Destroy the groups this rank belongs to."""
@@ -184,7 +183,8 @@ def create_run_groups(
         pipelines = grid.group_ranks(shape, "pp")
         channels = ChannelGroups(groups["pp"], pipelines=pipelines, timeout=timeout)
     return RunGroups(
-        shape=shape, rank=me, single=single, embedding=embedding, channels=channels,
+        # CP = 1 (ParallelShape refuses more): the context-parallel group is this rank alone.
+        shape=shape, rank=me, single=single, cp=single, embedding=embedding, channels=channels,
         created=created, **groups,
     )  # fmt: skip
 

@@ -31,6 +31,12 @@ def _fail(flag: str, message: str) -> ShapeError:
     return ShapeError(f"{flag}: {message}")
 
 
+def sequence_parallel_in_effect(sp: bool, tp: int) -> bool:
+    """Whether --sequence-parallel (`sp`) shards activations at tensor-parallel size `tp`: only
+    with tensor parallelism (Megatron refuses it at TP=1). The one place this is decided."""
+    return bool(sp) and tp > 1
+
+
 @dataclass(frozen=True)
 class ParallelShape:
     """The parallel sizes of one run, identical on every rank.
@@ -92,7 +98,7 @@ class ParallelShape:
     @property
     def sequence_parallel(self) -> bool:
         """Activations sharded along the sequence over TP: asked for, and TP > 1."""
-        return self.sp and self.tp > 1
+        return sequence_parallel_in_effect(self.sp, self.tp)
 
     @property
     def sequence_split(self) -> int:

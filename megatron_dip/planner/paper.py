@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from ..data.stream import BatchStream, StreamConfig
 from ..data.synthetic import MIXTURES, SyntheticSource
 from ..modelspec import PAPER_SETUPS
+from ..parallel import sequence_parallel_in_effect
 from .compare import Comparison, packing_limits
 from .cost_model import CostModel
 from .devices import get_device
@@ -66,7 +67,8 @@ def paper_comparison(
         setup.model,
         spec,
         tensor_parallel=setup.tensor_parallel,
-        sequence_parallel=setup.tensor_parallel > 1,
+        # The paper's setups shard the sequence whenever they use tensor parallelism.
+        sequence_parallel=sequence_parallel_in_effect(True, setup.tensor_parallel),
     )
     limits = packing_limits(setup.model, setup.seq_length)
     stream = BatchStream(

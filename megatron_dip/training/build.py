@@ -104,7 +104,8 @@ def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module
     """This rank's chunks of Megatron-Core layers (the real compute backend's)."""
     config = model_config(spec)
     # Ranks holding a middle chunk of a tied module never reduce its copies: their own group.
-    groups = ModelGroups(tp=ctx.tp, cp=ctx.single, embedding=ctx.embedding or ctx.single)
+    run = ctx.groups
+    groups = ModelGroups(tp=run.tp, cp=run.cp, embedding=run.embedding or run.single)
     return [
         build_chunk(
             spec.model,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from megatron_dip.parallel import sequence_parallel_in_effect
 from megatron_dip.planner.cost_model import GPU_KERNELS, CostModel, Kernels
 from megatron_dip.planner.devices import (
     DEVICE_NAMES,
@@ -71,7 +72,7 @@ def run_kernels(config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool) -
 def run_cost_model(
     config: TrainConfig, model, device, *, tp: int, dtype: str, kernels: Kernels
 ) -> CostModel:
-    sp = config.parallel.sequence_parallel and tp > 1
+    sp = sequence_parallel_in_effect(config.parallel.sequence_parallel, tp)
     profile = None
     if config.dip.dip_cost_profile is not None:
         try:
