@@ -129,3 +129,27 @@ def test_the_shape_and_grid_need_no_torch() -> None:
             for a in (n.names if isinstance(n, ast.Import) else [n])
         }
         assert "torch" not in imported and "megatron" not in imported, name
+
+
+def test_run_groups_in_a_one_rank_world(single_rank_world) -> None:
+    from megatron_dip.parallel.groups import create_run_groups, importer_groups
+
+    groups = create_run_groups(ParallelShape(), tied_stages=())
+    try:
+        assert groups.coordinates == (0, 0, 0, 0) and groups.channels is None
+        assert groups.embedding is None and groups.cp is groups.single
+        assert all(g.size() == 1 for g in (groups.tp, groups.dp, groups.pp, groups.mp))
+        collection = groups.collection()
+        assert collection is groups.collection()  # built once per run
+        assert (collection.tp, collection.dp, collection.dp_cp) == (groups.tp, groups.dp, groups.dp)
+        assert (collection.pp, collection.mp, collection.tp_ep_pp) == (groups.pp,) + (
+            groups.mp,
+        ) * 2
+        assert collection.expt_dp is groups.single and collection.cp is groups.cp
+        with pytest.raises(RuntimeError, match="validated for 2 processes, found 1"):
+            create_run_groups(ParallelShape(dp=2))
+        tp, single = importer_groups(tp=1, pp=1)
+        assert tp.size() == single.size() == 1
+    finally:
+        groups.destroy()
+    assert groups.created == []
