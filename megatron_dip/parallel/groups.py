@@ -106,10 +106,9 @@ def layer_collection(*, tp, cp) -> Any:
 
 
 def schedule_collection(*, pp, single) -> Any:
-    """The `ProcessGroupCollection` of Megatron's stock schedules as the stock adapter runs them:
-    the pipeline group, and this rank alone for TP/CP/DP (the adapter's chunks do their own
-    tensor-parallel sums and its loss reports are per rank), no embedding groups (tied
-    embeddings are summed by the run's own gradient sync)."""
+    """The `ProcessGroupCollection` the stock adapter (runtime/stock.py) gives Megatron's stock
+    schedules: the pipeline group, this rank alone for TP, CP and DP x CP, and no embedding
+    groups (the adapter's DDP hooks and the run's own gradient sync do the reductions)."""
     return megatron_compat.process_group_collection(
         tp=single, cp=single, dp_cp=single, embd=None, pos_embd=None, pp=pp
     )
