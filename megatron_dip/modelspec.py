@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from .parallel.shape import sequence_parallel_in_effect
+
 # Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
 # another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.config.validate).
 PAD_TOKEN = 0  # default padding id of the packed text sequences
@@ -396,7 +398,7 @@ class Setup:
     @property
     def sequence_parallel(self) -> bool:
         """The paper's setups shard activations along the sequence wherever TP > 1."""
-        return self.tensor_parallel > 1
+        return sequence_parallel_in_effect(True, self.tensor_parallel)
 
 
 PAPER_SETUPS: dict[str, Setup] = {

@@ -28,6 +28,7 @@ from megatron_dip.models.chunk import ModelChunk, ModelGroups, reduce_tied_embed
 from megatron_dip.models.config import ModelConfig
 from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.schedule.ir import MessageKey, MessageKind, StageId, SubMicrobatch, WorkId
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ def check_message(
     dtype: str,
 ) -> None:
     """Raise `MessageMismatchError` unless `tensors` match `batching.message_tensors` exactly."""
-    expected = message_tensors(model, key=key, sub_lookup=lookup, dtype=dtype)
+    shape = ParallelShape(dtype=dtype)
+    expected = message_tensors(model, key=key, sub_lookup=lookup, shape=shape)
     got = [(n, tuple(t.shape), _DTYPE_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()]
     want = [(s.name, s.shape, s.dtype) for s in expected]
     if sorted(got) != sorted(want):

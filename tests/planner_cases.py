@@ -18,6 +18,7 @@ from metas import t2v_meta, vlm_meta
 from megatron_dip.data.packing import PackingLimits
 from megatron_dip.data.sample import BatchMeta, SampleMeta
 from megatron_dip.modelspec import LayerShape, ModuleSpec, MultimodalSpec
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import get_device
 from megatron_dip.planner.dip import DipPlanner, PlannerConfig
@@ -203,13 +204,15 @@ class Case:
             segments=dict(self.segments) if self.segments else None,
         )
         config = PlannerConfig(
-            seq_length=SEQ,
-            data_parallel=self.data_parallel,
+            shape=ParallelShape(
+                tp=self.tensor_parallel,
+                dp=self.data_parallel,
+                sp=self.sequence_parallel,
+                seq_length=SEQ,
+            ),
             sub_sizes=dict(self.sub_sizes),
             search=SearchConfig(max_rollouts=self.rollouts, time_budget_s=600.0, seed=self.seed),
             memory_limit_bytes=self.limits(memory_limit),
-            tensor_parallel=self.tensor_parallel,
-            sequence_parallel=self.sequence_parallel,
             lookahead=self.lookahead,
             fill_bubbles=self.fill_bubbles,
             use_search=self.search,

@@ -81,8 +81,8 @@ def test_emulated_spec_folds_tensor_parallelism_into_the_cost_model() -> None:
         world_size=4,
     )  # fmt: skip
     assert spec.tensor_parallel == 1 and spec.emulate_scale == 1.0  # one process per PP rank
-    assert spec.planner.tensor_parallel == 4 and spec.planner.sequence_parallel
-    assert spec.planner.dtype == "bfloat16" and spec.dtype == "float32"
+    assert spec.planner.shape.tp == 4 and spec.planner.shape.sequence_parallel
+    assert spec.planner.shape.dtype == "bfloat16" and spec.dtype == "float32"
     assert spec.memory_limit_bytes is not None  # the emulated GPU's memory binds the plans
 
 

@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megatron_dip"
+BELOW_EVERY_LAYER = {
+    *("data", "batching", "planner", "schedule", "runtime", "models", "modalities"),
+    *("training", "emulation", "benchmark", "hf", "modelspec"),
+}
 
 
 def _imported(package: str) -> dict[str, set[str]]:
@@ -48,6 +52,8 @@ def _imported(package: str) -> dict[str, set[str]]:
         ("modalities", {"data", "batching", "planner", "runtime", "training", "emulation"}),
         ("batching", {"planner", "runtime", "models", "training", "emulation"}),
         ("data", {"batching", "planner", "runtime", "models", "training", "emulation"}),
+        # The parallel shape and groups sit below every layer that takes them.
+        ("parallel", BELOW_EVERY_LAYER),
     ],
 )
 def test_package_does_not_import(package: str, forbidden: set[str]) -> None:

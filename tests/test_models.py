@@ -28,6 +28,7 @@ from megatron_dip.models import ModelConfig
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import tiny_t2v, tiny_vlm
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.reference import (
     LocalPipeline,
     MessageMismatchError,
@@ -38,6 +39,7 @@ from megatron_dip.schedule.ir import MessageKey, MessageKind, StageId, SubMicrob
 
 SEQ = 64
 CFG = ModelConfig(dtype="float64", adaln_zero=False, seed=7)
+F64 = ParallelShape(dtype="float64")
 VLM_RANGES = {"vit": [(0, 3), (3, 5), (5, 8)], "llm": [(0, 3), (3, 3), (3, 8)]}
 T2V_RANGES = {"text": [(0, 3), (3, 8)], "dit": [(0, 3), (3, 5), (5, 8)]}
 
@@ -360,13 +362,13 @@ def test_message_tensors_match_chunk_outputs_and_reject_others(groups):
     stages, _, _ = pipe.forward(samples, microbatch=0, sizes=sizes)
     out = next(s for s in stages if s.stage == StageId("dit", 0, 0, 1)).outputs
     key = MessageKey(MessageKind.ACTIVATION, StageId("dit", 0, 0, 1), StageId("dit", 1, 0, 1))
-    specs = message_tensors(model, key=key, sub_lookup=lookup, dtype="float64")
+    specs = message_tensors(model, key=key, sub_lookup=lookup, shape=F64)
     # Text sub 0 (captions 0 and 1) conditions dit sub 1 (clip 1), which carries caption 1 only.
     assert specs[2].shape == (len(samples[1].text), 1, 32) and specs[3].shape == (1,)
     assert torch.equal(out["cond_index"], torch.tensor([1]))
     assert [(s.name, s.shape) for s in specs] == [(n, tuple(out[n].shape)) for n in out]
     grad_key = MessageKey(MessageKind.GRADIENT, key.producer, key.consumer)
-    grads = message_tensors(model, key=grad_key, sub_lookup=lookup, dtype="float64")
+    grads = message_tensors(model, key=grad_key, sub_lookup=lookup, shape=F64)
     assert [s.name for s in grads] == ["hidden", "temb", "cond"]
     bad = dict(out, hidden=out["hidden"][:-1])
     with pytest.raises(MessageMismatchError):
@@ -378,12 +380,12 @@ def test_sequence_parallel_message_shapes():
     sub = SubMicrobatch("llm", 0, 0, 0, 1, 50, 64)
     key = MessageKey(MessageKind.ACTIVATION, StageId("llm", 0, 0), StageId("llm", 1, 0))
     specs = message_tensors(
-        model, key=key, sub_lookup=lambda w: sub, tensor_parallel=4, sequence_parallel=True
+        model, key=key, sub_lookup=lambda w: sub, shape=ParallelShape(tp=4, sp=True)
     )
     assert specs[0].shape == (16, 1, 32)
     with pytest.raises(ValueError, match="sequence parallelism"):
         message_tensors(
-            model, key=key, sub_lookup=lambda w: sub, tensor_parallel=3, sequence_parallel=True
+            model, key=key, sub_lookup=lambda w: sub, shape=ParallelShape(tp=3, sp=True)
         )
 
 

@@ -15,6 +15,7 @@ from torch.distributed import TCPStore
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.synthetic import generate_meta
 from megatron_dip.modelspec import tiny_vlm
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import get_device
 from megatron_dip.planner.dip import DipPlanner, PlannerConfig
@@ -51,8 +52,7 @@ def make_planner(
     workload = {"vit": ModuleWorkload(4, 256), "llm": ModuleWorkload(1, SEQ)}
     placement, _ = build_dip_placement(model, cost, num_ranks=2, workload=workload)
     config = PlannerConfig(
-        seq_length=SEQ,
-        data_parallel=data_parallel,
+        shape=ParallelShape(dp=data_parallel, seq_length=SEQ),
         sub_sizes={"vit": 2},
         search=SearchConfig(max_rollouts=rollouts, time_budget_s=budget_s, seed=7, workers=workers),
         memory_limit_bytes=None if memory_gb is None else memory_gb * 2**30,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_dip.modalities import build_chunk
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.reference import reference_loss_and_grads
 from megatron_dip.runtime import executor as executor_mod
 from megatron_dip.runtime.data import SampleBatchSource
@@ -322,7 +323,7 @@ def test_drop_in_installed_into_megatron_runs_the_plan(groups):
         pp_group=dist.group.WORLD,
         seed=st.SEED,
         plan_provider=lambda: plan,
-        dtype=st.CFG.dtype,
+        shape=ParallelShape(dtype=st.CFG.dtype),
     )
     with installed(schedule):
         func = pipeline_parallel.get_forward_backward_func()

@@ -23,6 +23,7 @@ from test_runtime import _chunks, _grads, _reference, _setup
 
 from megatron_dip.modalities import build_chunk
 from megatron_dip.models.chunk import ModelGroups
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.runtime import checks
 from megatron_dip.runtime import executor as executor_mod
 from megatron_dip.runtime.errors import MessageError, PipelineTimeoutError
@@ -222,7 +223,7 @@ def test_drop_in_runs_on_one_rank_runtime_with_agreement_channels_and_timing(gro
         placement=placement,
         pp_group=world,
         seed=st.SEED,
-        dtype=st.CFG.dtype,
+        shape=ParallelShape(dtype=st.CFG.dtype),
         tp_group=tp,
         replica_group=replica,
         channels=channels,

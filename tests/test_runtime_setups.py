@@ -21,6 +21,7 @@ from megatron_dip.data.sample import Sample, SampleMeta
 from megatron_dip.data.synthetic import MixtureSpec, SourceSpec, generate_samples
 from megatron_dip.models import ModelConfig
 from megatron_dip.modelspec import MultimodalSpec, tiny_omni, tiny_t2v, tiny_vlm
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.schedule import (
     BatchTotals,
     ChunkSpec,
@@ -119,14 +120,8 @@ class Batch:
 
 
 def _tensors(model, table, sp_tp, key):
-    return message_tensors(
-        model,
-        key=key,
-        sub_lookup=table.__getitem__,
-        dtype=CFG.dtype,
-        tensor_parallel=max(sp_tp, 1),
-        sequence_parallel=sp_tp > 1,
-    )
+    shape = ParallelShape(tp=max(sp_tp, 1), sp=sp_tp > 1, dtype=CFG.dtype)
+    return message_tensors(model, key=key, sub_lookup=table.__getitem__, shape=shape)
 
 
 def loss_tokens(model: MultimodalSpec, microbatches: Sequence[Sequence[Sample]]) -> int:
@@ -320,9 +315,8 @@ def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) 
     cost = CostModel(model, get_device("h100"), dtype_bytes=8)
     sizes = {m.name: 2 for m in model.modules}
     config = PlannerConfig(
-        seq_length=SEQ,
+        shape=ParallelShape(dtype=CFG.dtype, seq_length=SEQ),
         sub_sizes=sizes,
-        dtype=CFG.dtype,
         memory_limit_bytes=memory_limit,
         search=SearchConfig(max_rollouts=8, time_budget_s=60.0, seed=0),
         # These scenarios exercise DIP's own schedules (sub-microbatches, recompute), not the

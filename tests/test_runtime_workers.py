@@ -16,6 +16,7 @@ from megatron_dip.cpu_support import seed_model_parallel_rng
 from megatron_dip.modalities import build_chunk
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.models.init import global_param_name
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.runtime.checks import unwrap_chunk
 from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.ddp import DataParallelGroups, main_grads, wrap_chunks_ddp
@@ -163,7 +164,7 @@ def run_dropin(
         placement=placement,
         pp_group=groups.pp,
         seed=st.SEED,
-        dtype=st.CFG.dtype,
+        shape=ParallelShape(dtype=st.CFG.dtype),
         tensor_fn=batch.tensor_fn,
         tp_group=groups.tp,
         replica_group=groups.dp,

@@ -203,7 +203,7 @@ def test_cost_profile_that_does_not_parse_or_fit(tmp_path):
 
 def test_bf16_runs_on_the_cpu_and_prices_what_the_cpu_runs():
     spec = _resolve(["--bf16"])
-    assert spec.dtype == "bfloat16" and spec.planner.dtype == "bfloat16"
+    assert spec.dtype == "bfloat16" and spec.planner.shape.dtype == "bfloat16"
     cost = spec.cost_model
     assert cost._ctx.dt == 2 and cost.kernels.attention == "segments"
     assert not cost.kernels.fused_rms_norm  # torch's composite RMSNorm on the CPU
@@ -299,7 +299,7 @@ def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():
     from megatron_dip.training.assembly.backend import model_config
 
     spec = _resolve(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
-    assert spec.sequence_parallel and spec.planner.sequence_parallel
+    assert spec.sequence_parallel and spec.planner.shape.sequence_parallel
     assert model_config(spec).sequence_parallel
     assert not _resolve(["--tensor-model-parallel-size", "2"], world_size=2).sequence_parallel
 

@@ -6,7 +6,8 @@ hand-overs between modules are the modalities' (`Modality.chunk_message`, `Modal
 this module only resolves a `MessageKey` to the right one:
 
 * between consecutive chunks of one sub-microbatch: the module's `chunk_message`, whose token
-  dimension is divided by the tensor-parallel size under sequence parallelism;
+  dimension is a rank's share of the sequence (`ParallelShape.sequence_shard`: divided by the
+  tensor-parallel size under sequence parallelism);
 * from a producer's last chunk to its consumer's chunk 0: the producer's `hand_over` (a consumer
   chunk 0 receives one message per producer sub-microbatch it depends on, in dependency order);
 * gradient messages carry the floating-point tensors of the activation message, same shapes.
@@ -21,21 +22,10 @@ from dataclasses import dataclass
 from megatron_dip.modalities import modality_of
 from megatron_dip.modalities.base import INDEX_DTYPE
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.parallel import ONE_PROCESS, ParallelShape
 from megatron_dip.schedule.ir import MessageKey, MessageKind, SubMicrobatch, TensorSpec, WorkId
 
 SubLookup = Callable[[WorkId], SubMicrobatch]
-
-
-def sequence_shard(tokens: int, tensor_parallel: int, sequence_parallel: bool) -> int:
-    """Tokens of one rank's sequence shard (all of them without sequence parallelism)."""
-    if not sequence_parallel:
-        return tokens
-    if tokens % tensor_parallel:
-        raise ValueError(
-            f"{tokens} padded tokens do not divide by tensor parallel size {tensor_parallel} "
-            "under sequence parallelism: pad sub-microbatches to a multiple of it"
-        )
-    return tokens // tensor_parallel
 
 
 def message_tensors(
@@ -43,11 +33,10 @@ def message_tensors(
     *,
     key: MessageKey,
     sub_lookup: SubLookup,
-    dtype: str = "float32",
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
+    shape: ParallelShape = ONE_PROCESS,
 ) -> tuple[TensorSpec, ...]:
-    """Names, shapes and dtypes of the tensors of message `key`, in a fixed order.
+    """Names, shapes and dtypes of the tensors of message `key`, in a fixed order, for a run of
+    `shape` (its activation dtype and a rank's share of a sequence).
 
     Activation messages carry all tensors, gradient messages the floating-point ones. The
     sub-microbatch of the producer stage sizes the message (a DiT message also needs the text
@@ -60,14 +49,13 @@ def message_tensors(
     if producer.module == consumer.module:
         if consumer.chunk != producer.chunk + 1 or producer.work != consumer.work:
             raise ValueError(f"message {key} does not connect consecutive chunks of one stage")
-        seq = functools.partial(
-            sequence_shard, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel
+        specs = modality.chunk_message(
+            module, model, sub, sub_lookup, dtype=shape.dtype, seq=shape.sequence_shard
         )
-        specs = modality.chunk_message(module, model, sub, sub_lookup, dtype=dtype, seq=seq)
     else:
         if module.feeds != consumer.module:
             raise ValueError(f"message {key}: {module.name!r} does not feed {consumer.module!r}")
-        specs = modality.hand_over(module, sub, dtype=dtype)
+        specs = modality.hand_over(module, sub, dtype=shape.dtype)
     if key.kind is MessageKind.GRADIENT:
         specs = [s for s in specs if s.dtype != INDEX_DTYPE]
     return tuple(specs)
@@ -80,24 +68,15 @@ def message_nbytes(specs: Iterable[TensorSpec]) -> int:
 
 @dataclass(frozen=True)
 class MessageShapes:
-    """`message_tensors` bound to a model and the run's dtype and tensor parallelism: what the
-    built chunks send. `for_lookup(lookup)` is a plan's `tensor_fn` (key -> TensorSpecs)."""
+    """`message_tensors` bound to a model and the run's parallel shape: what the built chunks
+    send. `for_lookup(lookup)` is a plan's `tensor_fn` (key -> TensorSpecs)."""
 
     model: MultimodalSpec
-    dtype: str = "float32"
-    tensor_parallel: int = 1
-    sequence_parallel: bool = False
+    shape: ParallelShape = ONE_PROCESS
 
     def tensors(self, key: MessageKey, sub_lookup: SubLookup) -> tuple[TensorSpec, ...]:
         """The tensors of message `key` (`sub_lookup`: the plan's sub-microbatch table)."""
-        return message_tensors(
-            self.model,
-            key=key,
-            sub_lookup=sub_lookup,
-            dtype=self.dtype,
-            tensor_parallel=self.tensor_parallel,
-            sequence_parallel=self.sequence_parallel,
-        )
+        return message_tensors(self.model, key=key, sub_lookup=sub_lookup, shape=self.shape)
 
     def for_lookup(self, sub_lookup: SubLookup) -> Callable[[MessageKey], tuple[TensorSpec, ...]]:
         """key -> tensors, for the sub-microbatches `sub_lookup` finds (e.g. `plan.submicrobatch`)."""

@@ -159,7 +159,7 @@ def stock_results(spec, batches: Sequence) -> list[list]:
         spec.placement,
         spec.cost_model,
         device=spec.device,
-        tensor_parallel=spec.planner.tensor_parallel,
+        tensor_parallel=spec.planner.shape.tp,
     )
     out = []
     for b in batches:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional
 
-from megatron_dip import megatron_compat
 from megatron_dip.modelspec import ModuleSpec
+from megatron_dip.parallel import sequence_parallel_in_effect
+from megatron_dip.parallel.groups import layer_collection
 
 from .config import ModelConfig
 
@@ -63,12 +64,9 @@ class ModelGroups:
         return self.tp.rank()
 
     def collection(self):
-        """A Megatron `ProcessGroupCollection` with only what the layers read.
-
-        `pp` is None on purpose: with a pipeline size of 1 in the config, the layer offset is 0
-        whatever the pipeline rank.
-        """
-        return megatron_compat.process_group_collection(tp=self.tp, cp=self.cp, pp=None)
+        """A Megatron `ProcessGroupCollection` with only what the layers read
+        (`parallel.groups.layer_collection`)."""
+        return layer_collection(tp=self.tp, cp=self.cp)
 
 
 @dataclass(frozen=True)
@@ -172,8 +170,7 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
         fp16=dtype is torch.float16,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=1,
-        # Sequence parallelism needs tensor parallelism (Megatron refuses it at TP=1).
-        sequence_parallel=config.sequence_parallel and tp_size > 1,
+        sequence_parallel=sequence_parallel_in_effect(config.sequence_parallel, tp_size),
         perform_initialization=False,
         use_cpu_initialization=False,
         init_method_std=config.init_std,

@@ -28,6 +28,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.nn import functional
 
+from megatron_dip.parallel import sequence_parallel_in_effect
+
 from .attention import mask_type
 from .common import ModelGroups, build_norm, without_sequence_parallel
 
@@ -124,7 +126,9 @@ class DitLayer(MegatronModule):
         # Replicated across tensor-parallel ranks: its input (the clip's temb) is not sharded.
         self.modulation = torch.nn.Linear(hidden, 6 * hidden)
         self.tp_group = groups.tp
-        self.sequence_parallel = bool(config.sequence_parallel) and groups.tp_size > 1
+        self.sequence_parallel = sequence_parallel_in_effect(
+            config.sequence_parallel, groups.tp_size
+        )
 
     def forward(
         self,

@@ -28,6 +28,7 @@ from ..batching import (
 from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
+from ..parallel import ParallelShape
 from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import ChunkSpec, Placement, Recompute
 from .bounds import balanced_bound
@@ -154,11 +155,13 @@ class Comparison:
 
     def planner(self, **overrides: object) -> DipPlanner:
         config = planner_config(
-            seq_length=self.setup.seq_length,
-            data_parallel=self.setup.data_parallel,
-            tensor_parallel=self.setup.tensor_parallel,
-            sequence_parallel=self.setup.sequence_parallel,
-            dtype="bfloat16",
+            shape=ParallelShape(
+                tp=self.setup.tensor_parallel,
+                dp=self.setup.data_parallel,
+                sp=self.setup.sequence_parallel,
+                dtype="bfloat16",
+                seq_length=self.setup.seq_length,
+            ),
             packing=self.limits,
             search=self.search,
             sub_sizes=self.sub_sizes,

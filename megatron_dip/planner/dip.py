@@ -24,6 +24,7 @@ from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta, SampleMeta
 from ..modalities import modality_of
 from ..modelspec import MultimodalSpec
+from ..parallel import ParallelShape
 from ..schedule.engine import per_peer_channel
 from ..schedule.graph import Dataflow
 from ..schedule.ir import (
@@ -64,16 +65,17 @@ RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """What the planner needs to know about the run (flags map onto these fields)."""
+    """What the planner needs to know about the run (flags map onto these fields).
 
-    seq_length: int
-    data_parallel: int = 1
+    `shape`: the parallel shape of the run the plans are for (its sequence length, DP replicas,
+    TP and sequence parallelism, activation dtype); under --dip-emulate-compute the real run's,
+    not the emulating processes'.
+    """
+
+    shape: ParallelShape
     sub_sizes: Mapping[str, int] = field(default_factory=dict)  # per non-LLM module
     search: SearchConfig = field(default_factory=SearchConfig)
     memory_limit_bytes: float | Sequence[float] | None = None  # activations, per rank
-    tensor_parallel: int = 1
-    sequence_parallel: bool = False
-    dtype: str = "float32"
     lookahead: int = 1  # producer microbatches ahead of their consumer in the greedy order
     fill_bubbles: bool = True  # dual-queue interleaving (False: fixed segment order)
     use_search: bool = True
@@ -85,14 +87,24 @@ class PlannerConfig:
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
+    def __post_init__(self) -> None:
+        if self.shape.seq_length is None:
+            raise ValueError("PlannerConfig.shape has no seq_length (--seq-length)")
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens of one packed microbatch."""
+        return self.shape.seq_length
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas a batch is split over."""
+        return self.shape.dp
+
 
 def planner_config(
     *,
-    seq_length: int,
-    data_parallel: int,
-    tensor_parallel: int,
-    sequence_parallel: bool,
-    dtype: str,
+    shape: ParallelShape,
     packing: PackingLimits,
     search: SearchConfig,
     sub_sizes: Mapping[str, int] | None = None,
@@ -104,14 +116,10 @@ def planner_config(
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
     studies (`compare.Comparison`), so a study plans what training would."""
     return PlannerConfig(
-        seq_length=seq_length,
-        data_parallel=data_parallel,
+        shape=shape,
         sub_sizes=dict(sub_sizes or {}),
         search=search,
         memory_limit_bytes=memory_limit,
-        tensor_parallel=tensor_parallel,
-        sequence_parallel=sequence_parallel,
-        dtype=dtype,
         use_search=use_search,
         uniform_recompute=uniform_recompute,
         packing=packing,
@@ -169,12 +177,7 @@ class DipPlanner:
         # CPU seconds spent per pass over this planner's plans (`tools/planner_speed.py`):
         # statistics only, nothing planned depends on them.
         self.pass_seconds: Counter[str] = Counter()
-        self.shapes = MessageShapes(
-            model,
-            dtype=config.dtype,
-            tensor_parallel=config.tensor_parallel,
-            sequence_parallel=config.sequence_parallel,
-        )
+        self.shapes = MessageShapes(model, config.shape)
 
     # -- data side ---------------------------------------------------------------------------
 
@@ -186,7 +189,7 @@ class DipPlanner:
             seq_length=c.seq_length,
             packing=c.packing or default_packing(self.model, c.seq_length),
             sub_sizes=c.sub_sizes,
-            pad_multiple=c.tensor_parallel if c.sequence_parallel else 1,
+            pad_multiple=c.shape.sequence_split,
             data_parallel=c.data_parallel,
         )
 

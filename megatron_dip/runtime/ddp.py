@@ -17,30 +17,31 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dip import megatron_compat
+from megatron_dip.parallel.groups import RunGroups, run_collection
 
 from .checks import unwrap_chunk
 
 
 @dataclass(frozen=True)
 class DataParallelGroups:
-    """The groups one rank's DDP wrappers use.
+    """The groups one rank's DDP wrappers use, for groups made outside a run (a training run
+    passes its `parallel.groups.RunGroups`, which has the same `collection()`).
 
     `dp`: the data-parallel group (same pipeline and tensor rank in every replica). `tp`, `pp`:
     this rank's tensor- and pipeline-parallel groups. `single`: a group holding only this rank
-    (stands in for expert parallelism, which these models do not use).
+    (stands in for expert parallelism, which these models do not use). `mp`: the model-parallel
+    group (the optimizer's; DDP does not read it).
     """
 
     dp: torch.distributed.ProcessGroup
     tp: torch.distributed.ProcessGroup
     pp: torch.distributed.ProcessGroup
     single: torch.distributed.ProcessGroup
+    mp: torch.distributed.ProcessGroup | None = None
 
     def collection(self):
-        """Megatron's `ProcessGroupCollection` for the DDP wrapper."""
-        return megatron_compat.process_group_collection(
-            dp=self.dp, dp_cp=self.dp, tp=self.tp, pp=self.pp, ep=self.single, expt_dp=self.single
-        )
+        """Megatron's `ProcessGroupCollection` for the DDP wrapper (parallel/groups.py)."""
+        return run_collection(dp=self.dp, tp=self.tp, pp=self.pp, mp=self.mp, single=self.single)
 
 
 def default_ddp_config():
@@ -53,7 +54,7 @@ def default_ddp_config():
 
 
 def wrap_chunks_ddp(
-    chunks: Sequence[torch.nn.Module], *, groups: DataParallelGroups, ddp_config=None
+    chunks: Sequence[torch.nn.Module], *, groups: DataParallelGroups | RunGroups, ddp_config=None
 ) -> list[torch.nn.Module]:
     """Wrap every chunk in Megatron-Core's DDP (call in the same order on every rank).
 

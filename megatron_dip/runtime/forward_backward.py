@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from megatron_dip.parallel import ONE_PROCESS, ParallelShape
 from megatron_dip.schedule.ir import Placement, Plan
 
 from .checks import TensorFn
@@ -63,7 +64,7 @@ class DipSchedule:
     `model`: the `MultimodalSpec` the chunks were built from; `placement`: their placement;
     `pp_group`: the pipeline group; `plan_provider`: returns the next iteration's plan (used
     when no `plan=` is passed); `tensor_fn`: the model's message shapes for a plan (default:
-    `batching.message_tensors` with `dtype`, `tensor_parallel`, `sequence_parallel`);
+    `batching.message_tensors` for the run's parallel `shape`: dtype, sequence parallelism);
     `embedding_group`: group for tied LLM embeddings (None: untied). `tp_group` /
     `replica_group`: this rank's tensor-parallel and data-parallel groups, over which the plan
     verdict is agreed too (None: the pipeline group only); `channels`: one communicator per
@@ -78,9 +79,7 @@ class DipSchedule:
     seed: int
     plan_provider: PlanProvider | None = None
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    dtype: str = "float32"
-    tensor_parallel: int = 1
-    sequence_parallel: bool = False
+    shape: ParallelShape = ONE_PROCESS
     tensor_fn: TensorFnFactory | None = None
     embedding_group: torch.distributed.ProcessGroup | None = None
     tp_group: torch.distributed.ProcessGroup | None = None
@@ -120,12 +119,7 @@ class DipSchedule:
         from megatron_dip.batching import message_tensors
 
         return functools.partial(
-            message_tensors,
-            self.model,
-            sub_lookup=plan.submicrobatch,
-            dtype=self.dtype,
-            tensor_parallel=self.tensor_parallel,
-            sequence_parallel=self.sequence_parallel,
+            message_tensors, self.model, sub_lookup=plan.submicrobatch, shape=self.shape
         )
 
 

@@ -58,6 +58,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron_dip.parallel.groups import ChannelGroups
 from megatron_dip.schedule.engine import ChannelFn, per_peer_channel, single_channel
 from megatron_dip.schedule.ir import MessageKey, Recv, Send, TensorSpec
 
@@ -135,48 +136,6 @@ def check_message(
 
 
 _WARM_GROUPS: set[int] = set()
-
-
-class ChannelGroups:
-    """One 2-rank process group per ordered (sender, receiver) pair of a pipeline group.
-
-    Created once per training run. Group creation is collective over the whole world, so every
-    rank must construct this with the same `pipelines`: the global ranks of every pipeline group
-    of the job, in the same order (default: the pipeline group is the whole world). Each rank
-    keeps the groups of its own pipeline; with P pipeline ranks it belongs to 2 (P - 1) of them.
-    `timeout`: the groups' timeout (new groups do not inherit the world group's; None: torch's
-    default).
-    """
-
-    def __init__(
-        self,
-        pp_group: dist.ProcessGroup,
-        *,
-        pipelines: Sequence[Sequence[int]] | None = None,
-        timeout: timedelta | None = None,
-    ) -> None:
-        self.pp_group = pp_group
-        mine = [dist.get_global_rank(pp_group, r) for r in range(pp_group.size())]
-        pipelines = [list(p) for p in (pipelines or [mine])]
-        if mine not in pipelines:
-            raise ValueError(f"pipeline {mine} of this rank is not among {pipelines}")
-        self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
-        for ranks in pipelines:
-            for a, ga in enumerate(ranks):
-                for b, gb in enumerate(ranks):
-                    if a == b:
-                        continue
-                    group = dist.new_group(sorted((ga, gb)), timeout=timeout)
-                    if ranks == mine and pp_group.rank() in (a, b):
-                        self._groups[(a, b)] = group
-
-    def group(self, sender: int, receiver: int) -> dist.ProcessGroup:
-        """The group carrying messages from pipeline rank `sender` to `receiver`."""
-        return self._groups[(sender, receiver)]
-
-    def pairs(self) -> list[tuple[int, int]]:
-        """The (sender, receiver) pipeline-rank pairs this rank belongs to, sorted."""
-        return sorted(self._groups)
 
 
 class _OpInfo(NamedTuple):

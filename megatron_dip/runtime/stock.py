@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from megatron_dip import megatron_compat
+from megatron_dip.parallel.groups import schedule_collection
 from megatron_dip.schedule.graph import Dataflow
 from megatron_dip.schedule.ir import MessageKey, Recompute, StageId, TensorSpec, WorkId
 
@@ -365,10 +366,7 @@ class StockPipeline:
         )
 
     def _collection(self):
-        one = self.single
-        return megatron_compat.process_group_collection(
-            tp=one, cp=one, dp_cp=one, embd=None, pos_embd=None, pp=self.pp_group
-        )
+        return schedule_collection(pp=self.pp_group, single=self.single)
 
     def run(self, *, forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
         """One iteration of the stock schedule; returns Megatron's loss reports. Gradients of

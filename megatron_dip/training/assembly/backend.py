@@ -91,7 +91,8 @@ def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module
     """This rank's chunks of Megatron-Core layers (the real compute backend's)."""
     config = model_config(spec)
     # Ranks holding a middle chunk of a tied module never reduce its copies: their own group.
-    groups = ModelGroups(tp=ctx.tp, cp=ctx.single, embedding=ctx.embedding or ctx.single)
+    run = ctx.groups
+    groups = ModelGroups(tp=run.tp, cp=run.cp, embedding=run.embedding or run.single)
     return [
         build_chunk(
             spec.model,
@@ -106,13 +107,7 @@ def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module
 
 def tensor_fn(spec: RunSpec, plan: Plan):
     """The built model's message shapes for the sub-microbatches of `plan`."""
-    shapes = MessageShapes(
-        spec.model,
-        dtype=spec.dtype,
-        tensor_parallel=spec.tensor_parallel,
-        sequence_parallel=spec.sequence_parallel,
-    )
-    return shapes.for_lookup(plan.submicrobatch)
+    return MessageShapes(spec.model, spec.shape).for_lookup(plan.submicrobatch)
 
 
 class RealCompute:

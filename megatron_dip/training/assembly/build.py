@@ -17,7 +17,7 @@ import torch
 from megatron_dip.models.init import global_param_name
 from megatron_dip.models.sharded import ParamLayout, chunk_layouts, chunks_sharded_state_dict
 from megatron_dip.runtime.checks import unwrap_chunk
-from megatron_dip.runtime.ddp import DataParallelGroups, wrap_chunks_ddp
+from megatron_dip.runtime.ddp import wrap_chunks_ddp
 
 from ..config.run import RunSpec
 from .backend import ComputeBackend
@@ -89,11 +89,10 @@ def build_model(spec: RunSpec, ctx: ParallelContext, *, backend: ComputeBackend)
     for chunk in chunks:
         chunk.config.calculate_per_token_loss = spec.training.per_token_loss
     trainable = [c for c in chunks if any(p.requires_grad for p in c.parameters())]
-    dp_groups = DataParallelGroups(dp=ctx.dp, tp=ctx.tp, pp=ctx.pp, single=ctx.single)
     wrapped = dict(
         zip(
             map(id, trainable),
-            wrap_chunks_ddp(trainable, groups=dp_groups, ddp_config=ddp_config(spec)),
+            wrap_chunks_ddp(trainable, groups=ctx.groups, ddp_config=ddp_config(spec)),
         )
     )
     local = LocalModel([wrapped.get(id(c), c) for c in chunks])

@@ -20,8 +20,6 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_dip import megatron_compat
-
 from ..config.run import RunSpec
 from .build import LocalModel
 from .setup import ParallelContext
@@ -132,22 +130,9 @@ def megatron_optimizer(model: LocalModel, *, spec: RunSpec, ctx: ParallelContext
         params_dtype=torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32,
         use_distributed_optimizer=spec.distributed_optimizer,
     )
-    pgs = megatron_compat.process_group_collection(
-        dp=ctx.dp,
-        dp_cp=ctx.dp,
-        tp=ctx.tp,
-        pp=ctx.pp,
-        mp=ctx.mp,
-        expt_dp=ctx.single,
-        tp_ep_pp=ctx.mp,
-        # One distributed-optimizer instance spans every rank of the run: its gradient norm sums
-        # the squares of every DP shard of every pipeline and tensor rank (Megatron's
-        # parallel_state gives the same group); the DP group alone would clip each pipeline
-        # stage by its own norm.
-        intra_dist_opt=dist.group.WORLD,
-    )
+    # The run's one ProcessGroupCollection, the DDP wrappers' too (parallel/groups.py).
     return get_megatron_optimizer(
-        config, model.ddp, use_gloo_process_groups=False, pg_collection=pgs
+        config, model.ddp, use_gloo_process_groups=False, pg_collection=ctx.groups.collection()
     )
 
 

@@ -1,8 +1,10 @@
-"""Process groups of a run, created explicitly (Megatron's `parallel_state` is never initialised).
+"""A rank's start-up: the world, its process groups, device and RNG (Megatron's `parallel_state` is
+never initialised).
 
-Rank order is Megatron-LM's default "tp-dp-pp": global rank = tp_rank + TP * (dp_rank + DP *
-pp_rank), so tensor-parallel peers are neighbours (one node) and pipeline stages are furthest
-apart. The backend is chosen by the machine: NCCL when CUDA is available, gloo otherwise (then the
+The groups are created by `megatron_dip.parallel.groups` from the run's `ParallelShape` (rank
+order Megatron-LM's default "tp-dp-pp": global rank = tp_rank + TP * (dp_rank + DP * pp_rank),
+so tensor-parallel peers are neighbours (one node) and pipeline stages are furthest apart). The
+backend is chosen by the machine: NCCL when CUDA is available, gloo otherwise (then the
 Megatron-Core CPU fixes are applied, through `cpu_support` only). A process group that already
 exists (a launcher that initialised torch.distributed) is reused. Groups are created on every
 rank in the same order, and only the ones a rank belongs to are kept.
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dip.cpu_support import seed_model_parallel_rng
-from megatron_dip.runtime.p2p import ChannelGroups
+from megatron_dip.parallel.groups import ChannelGroups, RunGroups, create_run_groups
 from megatron_dip.runtime.stalls import NoWatch, PhaseWatch
 
 from ..config.run import RunSpec
@@ -52,6 +54,9 @@ class ParallelContext:
     embedding: dist.ProcessGroup | None = None
     # Named phases, heartbeat and stall post-mortem of this rank (runtime/stalls.py).
     watch: PhaseWatch | NoWatch = field(default_factory=NoWatch)
+    # The run's groups as one value (parallel/groups.py): its `collection()` is the run's one
+    # Megatron ProcessGroupCollection (DDP, optimizer).
+    groups: RunGroups | None = field(default=None, repr=False)
 
     @property
     def is_logging_rank(self) -> bool:
@@ -67,15 +72,6 @@ class ParallelContext:
         self.created.clear()
         if self.owns_world and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def coordinates(rank: int, *, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank in tp-dp-pp order."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-
-def global_rank(*, tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 
 _WORLD_CREATED_HERE = [False]  # whether init_distributed made the world group (ours to destroy)
@@ -127,32 +123,6 @@ def shared_by_rank0(compute, *, cuda: bool, timeout_s: float):
     return value
 
 
-def _layouts(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Rank lists of every tensor-, data-, pipeline- and model-parallel group."""
-
-    def rank(t: int, d: int, p: int) -> int:
-        return global_rank(tp_rank=t, dp_rank=d, pp_rank=p, tp=tp, dp=dp)
-
-    return {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "mp": [[rank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
-    }
-
-
-def _new_groups(
-    layouts: list[list[int]], me: int, created: list, timeout: timedelta
-) -> dist.ProcessGroup:
-    mine = None
-    for ranks in layouts:
-        group = dist.new_group(ranks, timeout=timeout)
-        if me in ranks:
-            mine = group
-            created.append(group)
-    return mine
-
-
 def tied_stages(spec: RunSpec) -> tuple[int, ...]:
     """Pipeline ranks holding the copies of a tied input/output embedding (the first and the
     last chunk of the module that ties them); () when no module has two copies."""
@@ -163,19 +133,6 @@ def tied_stages(spec: RunSpec) -> tuple[int, ...]:
     return ()
 
 
-def _embedding_group(spec, layouts, me: int, created: list, timeout) -> dist.ProcessGroup | None:
-    stages = tied_stages(spec)
-    if not stages:
-        return None
-    tp, dp = spec.tensor_parallel, spec.data_parallel
-    groups = [
-        [global_rank(tp_rank=t, dp_rank=d, pp_rank=p, tp=tp, dp=dp) for p in stages]
-        for d in range(dp)
-        for t in range(tp)
-    ]
-    return _new_groups(groups, me, created, timeout)
-
-
 def initialize(spec: RunSpec) -> ParallelContext:
     """Process groups, device and seeded RNG for `spec` (call once per run on every rank)."""
     # Every blocking wait, collectives included, is bounded by --dip-comm-timeout-s: new groups
@@ -184,38 +141,28 @@ def initialize(spec: RunSpec) -> ParallelContext:
     timeout_s = spec.runtime.comm_timeout_s
     timeout = timedelta(seconds=timeout_s)
     owns = init_distributed(cuda=spec.cuda, timeout_s=timeout_s)
-    world = dist.get_world_size()
-    if world != spec.world_size:
-        raise RuntimeError(f"the run was validated for {spec.world_size} processes, found {world}")
-    tp, dp, pp = spec.tensor_parallel, spec.data_parallel, spec.pipeline_parallel
-    me = dist.get_rank()
-    tp_rank, dp_rank, pp_rank = coordinates(me, tp=tp, dp=dp)
-    layouts = _layouts(tp, dp, pp)
-    created: list = []
-    single = _new_groups([[r] for r in range(world)], me, created, timeout)
-    groups = {
-        name: _new_groups(layouts[name], me, created, timeout) for name in ("tp", "dp", "pp", "mp")
-    }
-    embedding = _embedding_group(spec, layouts, me, created, timeout)
-    channels = None
-    if pp > 1:
-        channels = ChannelGroups(groups["pp"], pipelines=layouts["pp"], timeout=timeout)
+    groups = create_run_groups(spec.shape, tied_stages=tied_stages(spec), timeout=timeout)
+    me, (tp_rank, _, dp_rank, pp_rank) = groups.rank, groups.coordinates
     device = torch.device("cuda", torch.cuda.current_device()) if spec.cuda else torch.device("cpu")
     # Seeds torch and Megatron's RNG tracker; on CPU applies the Megatron-Core CPU fixes.
     seed_model_parallel_rng(spec.training.seed, tp_rank=tp_rank)
     ctx = ParallelContext(
         rank=me,
-        world_size=world,
+        world_size=spec.shape.world_size,
         tp_rank=tp_rank,
         dp_rank=dp_rank,
         pp_rank=pp_rank,
-        single=single,
+        tp=groups.tp,
+        dp=groups.dp,
+        pp=groups.pp,
+        mp=groups.mp,
+        single=groups.single,
         device=device,
-        created=created,
+        created=groups.created,
         owns_world=owns,
-        channels=channels,
-        embedding=embedding,
-        **groups,
+        channels=groups.channels,
+        embedding=groups.embedding,
+        groups=groups,
     )
     try:
         ctx.watch = PhaseWatch.for_world(timeout_s=timeout_s, early=spec.cuda)

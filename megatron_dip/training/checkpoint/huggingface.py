@@ -60,17 +60,9 @@ def import_chunks(model: MultimodalSpec, *, pp: int, pp_rank: int) -> list[tuple
 def _groups(*, tp: int, pp: int):
     """This rank's ModelGroups (every rank creates every group, as torch.distributed needs)."""
     from megatron_dip.models.chunk import ModelGroups
+    from megatron_dip.parallel.groups import importer_groups
 
-    rank = dist.get_rank()
-    tp_group = single = None
-    for p in range(pp):
-        group = dist.new_group(list(range(p * tp, (p + 1) * tp)))
-        if rank // tp == p:
-            tp_group = group
-    for r in range(tp * pp):
-        group = dist.new_group([r])
-        if r == rank:
-            single = group
+    tp_group, single = importer_groups(tp=tp, pp=pp)
     # The embedding group sums tied-embedding gradients; an import computes none.
     return ModelGroups(tp=tp_group, cp=single, embedding=single)
 

@@ -315,7 +315,7 @@ def build_layout(
     """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit;
     `base`: the run's planner configuration before sizing (its packing, TP, starting recompute
     mode), which the placement search's planners use too."""
-    limits, tp = base.packing, base.tensor_parallel
+    limits, tp = base.packing, base.shape.tp
     batches = calibration_batches(config, model, data, limits)
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]
     whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)

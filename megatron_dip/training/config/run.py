@@ -7,11 +7,13 @@ into each checkpoint's header)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from megatron_dip.data.packing import PackingLimits
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec
 from megatron_dip.planner.dip import PlannerConfig
@@ -95,7 +97,8 @@ class RunSpec:
     schedule: str  # --dip-schedule: dip, 1f1b or interleaved
     cuda: bool
     dtype: str
-    # The parallel shape, one group (a `ParallelShape` value can take these fields' place).
+    # The processes' parallel sizes (TP 1 under --dip-emulate-compute, whose cost model prices
+    # the real TP); `shape` holds them as one `ParallelShape` value.
     world_size: int
     tensor_parallel: int
     pipeline_parallel: int
@@ -139,3 +142,20 @@ class RunSpec:
     @property
     def is_stock(self) -> bool:
         return self.schedule != "dip"
+
+    @functools.cached_property
+    def shape(self) -> ParallelShape:
+        """The processes' parallel shape as one value: sizes, virtual stages of a stock
+        interleaved run, dtype and sequence length (the planner's own, `planner.shape`, is the
+        real run's under --dip-emulate-compute)."""
+        units = self.stage_units
+        vp = len(units[0]) if self.is_stock and units and len(units[0]) > 1 else None
+        return ParallelShape(
+            tp=self.tensor_parallel,
+            pp=self.pipeline_parallel,
+            dp=self.data_parallel,
+            vp=vp,
+            sp=self.sequence_parallel,
+            dtype=self.dtype,
+            seq_length=self.training.seq_length,
+        )

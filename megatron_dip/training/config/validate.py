@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from megatron_dip.batching import packing_limits
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.parallel import ParallelShape, ShapeError
 from megatron_dip.planner.dip import planner_config
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
@@ -66,16 +67,10 @@ def apply_preset(config: TrainConfig) -> tuple[TrainConfig, RunPreset]:
 def _check_sizes(config: TrainConfig, world_size: int) -> tuple[int, int, int]:
     p, t = config.parallel, config.train
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if tp < 1:
-        raise _fail("--tensor-model-parallel-size", f"must be >= 1, got {tp}")
-    if pp < 1:
-        raise _fail("--pipeline-model-parallel-size", f"must be >= 1, got {pp}")
-    if world_size % (tp * pp):
-        raise _fail(
-            "--tensor-model-parallel-size/--pipeline-model-parallel-size",
-            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}",
-        )
-    dp = world_size // (tp * pp)
+    try:
+        dp = ParallelShape.for_world(world_size, tp=tp, pp=pp).dp
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
     if t.micro_batch_size != 1:
         raise _fail(
             "--micro-batch-size",
@@ -283,18 +278,16 @@ def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] |
 
 def _sequence_parallel(config: TrainConfig, tp: int) -> bool:
     """Whether activations are sharded along the sequence over TP (--sequence-parallel, which
-    needs TP > 1): derived here once, read by the cost model, planner, chunks and runtime."""
-    if not config.parallel.sequence_parallel:
-        return False
-    if tp == 1:
-        raise _fail("--sequence-parallel", "needs tensor parallelism (TP > 1)")
-    if config.train.seq_length % tp:
-        raise _fail(
-            "--sequence-parallel",
-            f"--seq-length {config.train.seq_length} must be a multiple of TP={tp} "
-            "(the sequence is split over the tensor-parallel ranks)",
-        )
-    return True
+    needs TP > 1 and a --seq-length TP divides): checked and derived here once, by the shape
+    (`ParallelShape`), read by the cost model, planner, chunks and runtime."""
+    shape = ParallelShape(
+        tp=tp, sp=config.parallel.sequence_parallel, seq_length=config.train.seq_length
+    )
+    try:
+        shape.check_sequence_parallel()
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
+    return shape.sequence_parallel
 
 
 def check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
@@ -367,11 +360,9 @@ def resolve(
     cost = run_cost_model(config, model, device, tp=tp, sp=sp, dtype=plan_dtype, kernels=kernels)
     uniform = None if recompute == NO_RECOMPUTE else recompute
     base = planner_config(
-        seq_length=config.train.seq_length,
-        data_parallel=dp,
-        tensor_parallel=tp,
-        sequence_parallel=sp,
-        dtype=plan_dtype,
+        shape=ParallelShape(
+            tp=tp, pp=pp, dp=dp, sp=sp, dtype=plan_dtype, seq_length=config.train.seq_length
+        ),
         packing=packing_limits(model, config.train.seq_length),
         search=_search(config),
         use_search=config.dip.dip_search_time_ms > 0,
