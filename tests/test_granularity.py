@@ -119,3 +119,25 @@ def test_the_run_scores_its_placement_search_with_the_host_overheads(tiny, tmp_p
         world_size=2,
     )
     assert fixed.segments == {"vit": 1, "llm": 2}
+
+
+def test_the_start_up_search_scores_on_worker_processes_with_the_same_choice(caplog, monkeypatch):
+    """--dip-startup-workers 2 scores the candidates two at a time on spawned processes (the
+    run's scorer pickles) once one candidate was slow to score (here: any): the same scores
+    and the same placement as one process."""
+    import logging
+
+    from megatron_dip.benchmark.bench import resolve_run
+    from megatron_dip.planner import candidate_pool
+
+    monkeypatch.setattr(candidate_pool, "POOL_WORTH_S", 0.0)
+    seen = []
+    for workers in (1, 2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_dip"):
+            spec = resolve_run([*_TINY, "--dip-startup-workers", str(workers)], world_size=2)
+        (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
+        pooled = [r for r in caplog.records if r.name == candidate_pool.__name__]
+        assert record.args[2] == workers and len(pooled) == (workers > 1)
+        seen.append((spec.placement_name, spec.segments, record.args[-1]))
+    assert seen[0] == seen[1] and len(seen[0][2]) > 2

@@ -17,6 +17,7 @@ from functools import cache
 
 from ..modelspec import ModuleSpec, MultimodalSpec
 from ..schedule.ir import ChunkSpec, ModuleLayout, Placement, SubMicrobatch
+from .candidate_pool import CandidateScorer
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ def choose_dip_placement(
     segments: Mapping[str, int] | None = None,
     extra: Sequence[PlacementCandidate] = (),
     bound: Callable[[PlacementCandidate], float] | None = None,
+    workers: int = 1,
 ) -> tuple[PlacementCandidate, dict[str, float]]:
     """The candidate that makes `evaluate` (e.g. the simulated iteration time of planned
     calibration batches) smallest: DIP placements of several segment counts (the latency rule
@@ -251,13 +253,43 @@ def choose_dip_placement(
     so the choice is never slower on those batches than the strongest static one). An explicit
     `segments` (--dip-segments) skips the search. `bound(c)`: a lower bound on `evaluate(c)`;
     candidates are then scored in the order of their bounds and one whose bound exceeds the
-    best score so far is not scored (it cannot win): the same choice for less work. Returns the
-    candidate and the scores of the candidates scored (for the log)."""
+    best score so far is not scored (it cannot win): the same choice for less work. `workers`
+    processes score that many candidates at a time (`candidate_pool`; `evaluate` must then
+    pickle): the same choice again, sooner. Returns the candidate and the scores of the
+    candidates scored (for the log)."""
     if segments:
         placement, _ = build_dip_placement(
             model, cost_model, num_ranks=num_ranks, workload=workload, segments=segments
         )
         return PlacementCandidate(_segments_name(segments), placement), {}
+    candidates = _segment_candidates(model, cost_model, num_ranks, workload, unit_instances)
+    candidates += list(extra)
+    bounds = [0.0] * len(candidates)
+    if bound is not None:  # stable: equal bounds keep the candidates' order
+        bounds = [bound(c) for c in candidates]
+        order = sorted(range(len(candidates)), key=bounds.__getitem__)
+        candidates, bounds = [candidates[i] for i in order], [bounds[i] for i in order]
+    scores: dict[str, float] = {}
+    best: tuple[tuple[float, int], PlacementCandidate] | None = None
+    with CandidateScorer(evaluate, candidates, workers=workers) as scorer:
+        wave = _wave(bounds, 0, scorer.width, None)
+        while wave:
+            for i, score in zip(wave, scorer.score(wave)):
+                cand = candidates[i]
+                scores[cand.name] = score
+                # Ties go to fewer chunks: fewer messages on a real network.
+                key = (score, sum(m.num_chunks for m in cand.placement.modules))
+                if best is None or key < best[0]:
+                    best = (key, cand)
+            wave = _wave(bounds, wave[-1] + 1, scorer.width, best[0][0])
+    logger.info("placement candidates (segments -> score): %s", scores)
+    return best[1], scores
+
+
+def _segment_candidates(
+    model: MultimodalSpec, cost_model, num_ranks: int, workload, unit_instances
+) -> list[PlacementCandidate]:
+    """DIP placements of the segment counts worth scoring (around the latency rule's)."""
     rule, _ = build_dip_placement(
         model, cost_model, num_ranks=num_ranks, workload=workload, unit_instances=unit_instances
     )
@@ -268,28 +300,19 @@ def choose_dip_placement(
             model, cost_model, num_ranks=num_ranks, workload=workload, segments=cand
         )
         candidates.append(PlacementCandidate(_segments_name(cand), placement))
-    candidates += list(extra)
-    if bound is not None:  # stable: equal bounds keep the candidates' order
-        bounds = [bound(c) for c in candidates]
-        order = sorted(range(len(candidates)), key=bounds.__getitem__)
-        candidates = [candidates[i] for i in order]
-        bounds = [bounds[i] for i in order]
-    scores: dict[str, float] = {}
-    best = None
-    for i, cand in enumerate(candidates):
-        if bound is not None and best is not None and bounds[i] > best[0][0]:
-            logger.debug(
-                "placement %s skipped: bound %.4g > best %.4g", cand.name, bounds[i], best[0][0]
-            )
-            continue
-        score = evaluate(cand)
-        scores[cand.name] = score
-        # Ties go to fewer chunks: fewer messages on a real network.
-        chunks = sum(m.num_chunks for m in cand.placement.modules)
-        if best is None or (score, chunks) < best[0]:
-            best = ((score, chunks), cand)
-    logger.info("placement candidates (segments -> score): %s", scores)
-    return best[1], scores
+    return candidates
+
+
+def _wave(bounds: Sequence[float], start: int, width: int, best: float | None) -> list[int]:
+    """The next indices to score from `start`, at most `width`: none from the first candidate
+    whose bound exceeds the best score so far (`bounds` ascending: no later one can win)."""
+    wave = []
+    for i in range(start, min(start + width, len(bounds))):
+        if best is not None and bounds[i] > best:
+            logger.debug("placement candidates from %d on skipped: bound > best", i)
+            break
+        wave.append(i)
+    return wave
 
 
 def _segments_name(segments: Mapping[str, int]) -> str:

@@ -102,6 +102,13 @@ class DipArgs:
     dip_planner_workers: int = arg(
         "--dip-planner-workers", 1, "search processes (at most half the CPU cores)", megatron=False
     )
+    dip_startup_workers: int = arg(
+        "--dip-startup-workers",
+        0,
+        "processes scoring the start-up placement candidates on rank 0 while the other ranks "
+        "wait (0: one per usable CPU core; the choice is the same for any count)",
+        megatron=False,
+    )
     dip_lookahead: int = arg(
         "--dip-lookahead",
         2,

@@ -28,6 +28,7 @@ from megatron_dip.data.packing import PackingLimits
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.planner.candidate_pool import usable_cores
 from megatron_dip.planner.devices import GIB
 from megatron_dip.planner.dip import DipPlanner, PlannerConfig, scoring_config
 from megatron_dip.planner.placement import (
@@ -277,6 +278,7 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         )
         return PlacementCandidate("--dip-segments" if given else "rule", placement)
     started = time.perf_counter()  # for the log only: the choice depends on the data alone
+    workers = sizing.config.dip.dip_startup_workers or usable_cores()
     static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
     chosen, scores = choose_dip_placement(
         model,
@@ -287,13 +289,16 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         evaluate=sizing.score,
         extra=static_candidates(static),
         bound=sizing.bound,
+        workers=workers,
     )
     segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
-        "start-up placement search: %d candidates scored in %.1f s; placement %r chosen "
-        "(--dip-segments %s skips the search); simulated seconds per candidate: %s",
+        "start-up placement search: %d candidates scored in %.1f s (up to %d processes); "
+        "placement %r chosen (--dip-segments %s skips the search); simulated seconds per "
+        "candidate: %s",
         len(scores),
         time.perf_counter() - started,
+        workers,
         chosen.name,
         placement_flag(chosen.name, segments),
         scores,

@@ -242,6 +242,11 @@ def _check_dip(config: TrainConfig) -> None:
             f"must lie in [1, {half}] (half of this machine's {os.cpu_count()} cores: the rest "
             f"feed the accelerators), got {d.dip_planner_workers}",
         )
+    if d.dip_startup_workers < 0:
+        raise _fail(
+            "--dip-startup-workers",
+            f"must be >= 0 (0: one per usable CPU core), got {d.dip_startup_workers}",
+        )
     if d.dip_memory_limit_gb is not None and not d.dip_memory_limit_gb > 0:
         raise _fail("--dip-memory-limit-gb", f"must be > 0, got {d.dip_memory_limit_gb}")
     if d.dip_data_scale is not None and not d.dip_data_scale > 0:
