@@ -171,11 +171,14 @@ def test_llama_as_the_text_encoder_of_a_t2v_model(tmp_path, single_rank_world):
         assert torch.equal(loaded(input_ids=ids).last_hidden_state, hidden)
 
 
-def test_qwen2_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world):
-    """A Qwen2-VL folder gives both the ViT and the LLM (a bare --dip-hf-config DIR); the
-    export writes the pair back as one Qwen2-VL folder."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world, family):
+    """A Qwen2-VL / Qwen2.5-VL folder gives both the ViT and the LLM (a bare --dip-hf-config
+    DIR); the export writes the pair back as one folder of that family."""
+    from hf_models import save_qwen2_5_vl
+
     hf = tmp_path / "hf"
-    original = save_qwen2_vl(hf)
+    original = {"qwen2_vl": save_qwen2_vl, "qwen2_5_vl": save_qwen2_5_vl}[family](hf)
     tool = _tool()
     flags = ["--model", "tiny-vlm", "--dip-hf-config", str(hf)]
     assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
@@ -186,9 +189,10 @@ def test_qwen2_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world):
     before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(t, after[name]) for name, t in before.items())
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    loaded = Qwen2VLForConditionalGeneration.from_pretrained(out).eval()
+    loaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert type(loaded) is type(original)
     ids = torch.arange(9, 40)[None]
     kwargs = {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int)}
     with torch.no_grad():
@@ -223,9 +227,10 @@ def test_a_tied_qwen2_vl_as_transformers_5_saves_it_round_trips_tied(tmp_path, s
     after = load_file(out / "model.safetensors")
     assert "lm_head.weight" not in after
     assert sorted(after) == sorted(load_file(hf / "model.safetensors"))
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    loaded = Qwen2VLForConditionalGeneration.from_pretrained(out).eval()
+    loaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert type(loaded) is type(original)
     ids = torch.arange(9, 40)[None]
     kwargs = {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int)}
     with torch.no_grad():

@@ -17,12 +17,14 @@ from typing import Any
 from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, MultimodalSpec, RopeScaling
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-VLM_MODEL_TYPES = ("qwen2_vl", "llava")
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava")
 LLAVA_TOWERS = ("clip_vision_model", "siglip_vision_model")
 # Hugging Face vision activations -> ours.
 _VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # The text config of a VLM (nested under "text_config") and the text family it is.
-_TEXT_OF_VLM = {"qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2"}
+_TEXT_OF_VLM = {
+    "qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2",
+}  # fmt: skip
 CONFIG_FILE = "config.json"
 
 
@@ -138,6 +140,8 @@ def vision_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) ->
                          f"we read (supported: {', '.join(VLM_MODEL_TYPES)})")  # fmt: skip
     if config["model_type"] == "llava":
         return llava_vision_fields(config, where=where)
+    if config["model_type"] == "qwen2_5_vl":
+        return qwen2_5_vl_vision_fields(config, where=where)
     return qwen2_vl_vision_fields(config, where=where)
 
 
@@ -221,6 +225,39 @@ def qwen2_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) 
         "in_channels": int(vision.get("in_channels", 3)),
         "merge": int(vision["spatial_merge_size"]),
         "out_hidden": int(vision["hidden_size"]),
+        "placeholder_id": int(config["image_token_id"]),
+        "arch": arch,
+    }
+
+
+def qwen2_5_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a Qwen2.5-VL vision tower: Qwen2-VL's Conv3d patches and blocked
+    2-D rotary, with RMSNorm (1e-6), a gated MLP with biases (`hidden_act`, silu), window
+    attention (`window_size` pixels; `fullatt_block_indexes` the layers over the whole image)
+    and the merger's RMSNorm; `hidden_size` is the tower's width, `out_hidden_size` the LLM's."""
+    vision = config["vision_config"]
+    if int(vision.get("temporal_patch_size", 2)) != 2:
+        raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
+    act = _VISION_ACTS.get(vision.get("hidden_act", "silu"), vision.get("hidden_act"))
+    if act not in ("silu", "quick_gelu", "gelu", "gelu_tanh"):
+        raise ValueError(
+            f"{where}: vision hidden_act {act!r}; supported: silu, {', '.join(_VISION_ACTS)}"
+        )
+    dim, heads = int(vision["hidden_size"]), int(vision["num_heads"])
+    layer = LayerShape(dim, int(vision["intermediate_size"]), heads, heads, gated_mlp=True)
+    arch = Architecture(
+        rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        norm_eps=1e-6, activation=act, patch_embedding="conv3d", rotary_layout="blocked",
+        normalization="RMSNorm", window_size=int(vision.get("window_size", 112)),
+        full_attention_layers=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+    )  # fmt: skip
+    return {
+        "num_layers": int(vision["depth"]),
+        "layer": layer,
+        "patch_size": int(vision["patch_size"]),
+        "in_channels": int(vision.get("in_channels", 3)),
+        "merge": int(vision["spatial_merge_size"]),
+        "out_hidden": int(vision["out_hidden_size"]),
         "placeholder_id": int(config["image_token_id"]),
         "arch": arch,
     }
@@ -344,6 +381,34 @@ def hf_qwen2_vl_config(
     }
 
 
+def hf_qwen2_5_vl_config(
+    vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32"
+) -> dict[str, Any]:
+    """The `config.json` of a Qwen2.5-VL model made of our `vit` (window attention, RMSNorm,
+    gated MLP) and `llm` (the inverse of `qwen2_5_vl_vision_fields` and `text_module_fields`)."""
+    out = hf_qwen2_vl_config(vit, llm, dtype=dtype)
+    out["text_config"]["model_type"] = "qwen2_5_vl_text"
+    out["vision_config"] = {
+        "model_type": "qwen2_5_vl_vision", "depth": vit.num_layers,
+        "hidden_size": vit.layer.hidden, "intermediate_size": vit.layer.ffn,
+        "out_hidden_size": vit.out_hidden, "num_heads": vit.layer.heads,
+        "hidden_act": vit.arch.activation or "silu", "in_channels": vit.in_channels,
+        "patch_size": vit.patch_size, "spatial_merge_size": vit.merge, "temporal_patch_size": 2,
+        "window_size": vit.arch.window_size,
+        "fullatt_block_indexes": list(vit.arch.full_attention_layers),
+    }  # fmt: skip
+    out.update(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl")
+    return out
+
+
+def hf_vlm_config(vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32") -> dict[str, Any]:
+    """The `config.json` of the Hugging Face VLM our `vit` and `llm` are: Qwen2.5-VL (window
+    attention) or Qwen2-VL (Conv3d patches)."""
+    if vit.arch.window_size:
+        return hf_qwen2_5_vl_config(vit, llm, dtype=dtype)
+    return hf_qwen2_vl_config(vit, llm, dtype=dtype)
+
+
 def merged_config(ours: dict[str, Any], template: dict[str, Any] | None) -> dict[str, Any]:
     """`ours` over the Hugging Face config it came from (`template`, e.g. the imported folder's):
     what we do not model (token ids, context length, ...) is kept from the template."""
@@ -389,6 +454,8 @@ FAMILIES = {
     "qwen2": "Qwen2 / Qwen2.5 decoders (q/k/v biases)",
     "qwen3": "Qwen3 dense decoders (per-head q/k RMSNorm, explicit head_dim)",
     "qwen2_vl": "Qwen2-VL: vision tower + merger as the ViT, M-RoPE Qwen2 decoder as the LLM",
+    "qwen2_5_vl": "Qwen2.5-VL: vision tower with window attention (RMSNorm, gated MLP) + merger "
+    "as the ViT, M-RoPE Qwen2 decoder as the LLM",
     "llava": "LLaVA (base resolution): CLIP or SigLIP tower + two-layer projector as the ViT, "
     "Llama / Mistral / Qwen2 as the LLM",
 }

@@ -172,27 +172,51 @@ def _tower_layer_maps(
     return maps
 
 
+def _qwen_vision_mlp_maps(spec: ModuleSpec, ours: str, hf: str) -> list[TensorMap]:
+    """A Qwen2.5-VL vision block's gated MLP (biases too): fc1 = [gate_proj; up_proj]."""
+    maps = []
+    for leaf in ("weight", "bias"):
+        pieces = tuple(
+            Piece(f"{hf}mlp.{name}.{leaf}", 0, spec.layer.ffn) for name in ("gate_proj", "up_proj")
+        )
+        maps.append(TensorMap(f"{ours}mlp.linear_fc1.{leaf}", pieces))
+        maps.append(
+            TensorMap(f"{ours}mlp.linear_fc2.{leaf}", (Piece(f"{hf}mlp.down_proj.{leaf}"),))
+        )
+    return maps
+
+
 def vision_maps(spec: ModuleSpec, *, hf_prefix: str = "model.visual.") -> dict[str, TensorMap]:
-    """{our global name: TensorMap} of a Qwen2-VL vision tower (patch embedding, blocks, and
-    the merger: ln_q -> our final norm, mlp.0 / mlp.2 -> merger_fc1 / merger_fc2) as `spec`."""
+    """{our global name: TensorMap} of a Qwen2-VL or Qwen2.5-VL vision tower (patch embedding,
+    blocks, and the merger: ln_q -> our final norm, mlp.0 / mlp.2 -> merger_fc1 / merger_fc2)
+    as `spec` (Qwen2.5-VL's: RMSNorms without biases, a gated MLP)."""
     m, p = spec.name, hf_prefix
     kernel = (spec.in_channels, 2, spec.patch_size, spec.patch_size)
     maps = [
         TensorMap(f"{m}.pre.patch_embed.weight", (Piece(f"{p}patch_embed.proj.weight"),), kernel)
     ]
-    ours_hf = {
-        "input_layernorm": "norm1", "pre_mlp_layernorm": "norm2",
-        "self_attention.linear_proj": "attn.proj", "mlp.linear_fc1": "mlp.fc1",
-        "mlp.linear_fc2": "mlp.fc2",
-    }  # fmt: skip
+    gated = spec.layer.gated_mlp
+    norms = ("weight",) if spec.arch.normalization == "RMSNorm" else ("weight", "bias")
+    ours_hf = {"self_attention.linear_proj": "attn.proj"}
+    if not gated:
+        ours_hf.update({"mlp.linear_fc1": "mlp.fc1", "mlp.linear_fc2": "mlp.fc2"})
     maps += _tower_layer_maps(
         spec, f"{p}blocks.", ours_hf,
         lambda hf, leaf: _fused_qkv_pieces(f"{hf}attn.qkv.{leaf}", spec),
     )  # fmt: skip
+    for i in range(spec.num_layers):
+        ours, hf = f"{m}.layers.{i}.", f"{p}blocks.{i}."
+        for leaf in norms:
+            for our_name, hf_name in (("input_layernorm", "norm1"), ("pre_mlp_layernorm", "norm2")):
+                maps.append(
+                    TensorMap(f"{ours}{our_name}.{leaf}", (Piece(f"{hf}{hf_name}.{leaf}"),))
+                )
+        if gated:
+            maps += _qwen_vision_mlp_maps(spec, ours, hf)
+    for leaf in norms:
+        maps.append(TensorMap(f"{m}.post.final_norm.{leaf}", (Piece(f"{p}merger.ln_q.{leaf}"),)))
     for leaf in ("weight", "bias"):
-        for our_name, hf_name in (
-            ("final_norm", "ln_q"), ("merger_fc1", "mlp.0"), ("merger_fc2", "mlp.2"),
-        ):  # fmt: skip
+        for our_name, hf_name in (("merger_fc1", "mlp.0"), ("merger_fc2", "mlp.2")):
             maps.append(
                 TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{p}merger.{hf_name}.{leaf}"),))
             )

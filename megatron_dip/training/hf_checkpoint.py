@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dip.hf.config import hf_qwen2_vl_config, hf_text_config, merged_config
+from megatron_dip.hf.config import hf_text_config, hf_vlm_config, merged_config
 from megatron_dip.hf.names import decoder_maps, module_maps, vision_maps
 from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk, hf_tensors
 from megatron_dip.models.init import global_param_name
@@ -216,10 +216,12 @@ def _export_layout(model: MultimodalSpec, modules: list[str], *, dtype: str) -> 
         prefix = "model." if text.kind == "llm" else ""
         return decoder_maps(text, hf_prefix=prefix), hf_text_config(text, dtype=dtype)
     if text.kind != "llm" or vits[0].arch.patch_embedding != "conv3d":
-        raise ValueError("export: a ViT is written as Qwen2-VL's vision tower (conv3d patches)")
+        raise ValueError(
+            "export: a ViT is written as Qwen2-VL's or Qwen2.5-VL's vision tower (conv3d patches)"
+        )
     # The names on disk (what transformers' save_pretrained writes and the Hub holds).
     maps = {**vision_maps(vits[0], hf_prefix="visual."), **decoder_maps(text, hf_prefix="model.")}
-    return maps, hf_qwen2_vl_config(vits[0], text, dtype=dtype)
+    return maps, hf_vlm_config(vits[0], text, dtype=dtype)
 
 
 def saved_model(path: Path, flags: MultimodalSpec | None, modules: list[str]) -> MultimodalSpec:
