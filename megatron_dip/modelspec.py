@@ -117,6 +117,11 @@ class Architecture:
     `window_size` > 0: each image's merged patches are grouped into windows of that many pixels
     per side; the layers in `full_attention_layers` (global indices) attend over the whole
     image, the others within their window only.
+
+    `carried`: (Hugging Face name, shape) of checkpoint tensors the module does not compute
+    with but a Hugging Face folder needs back (LLaVA's tower layers after
+    `vision_feature_layer`, its post-layernorm, SigLIP's pooling head): frozen parameters of
+    the last chunk, filled by the import, never trained, written back by the export.
     """
 
     rotary_base: float = 10000.0
@@ -140,8 +145,11 @@ class Architecture:
     normalization: str | None = None
     window_size: int = 0
     full_attention_layers: tuple[int, ...] = ()
+    carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
+        carried = tuple((str(n), tuple(int(d) for d in shape)) for n, shape in self.carried)
+        object.__setattr__(self, "carried", carried)
         object.__setattr__(
             self, "full_attention_layers", tuple(int(v) for v in self.full_attention_layers)
         )

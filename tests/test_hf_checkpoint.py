@@ -199,6 +199,39 @@ def test_qwen_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world, fa
         assert torch.equal(loaded(**kwargs).logits, original(**kwargs).logits)
 
 
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_llava_import_then_export_is_bit_exact(tmp_path, single_rank_world, tower):
+    """A LLaVA folder alone (no --model): the tower layers after vision_feature_layer, the
+    post-layernorm and SigLIP's head, which the model never runs, ride through our checkpoint
+    as frozen carried tensors; the export writes every tensor back bit-exact, a config that
+    transformers loads, and the same logits on an image."""
+    from hf_models import LLAVA_IMAGE, save_llava
+    from transformers import LlavaForConditionalGeneration
+
+    hf = tmp_path / "hf"
+    original = save_llava(hf, tower=tower)
+    tool = _tool()
+    flags = ["--dip-hf-config", str(hf)]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert any(".layers.2." in n or "post_layernorm" in n for n in before)
+    assert all(torch.equal(t, after[name]) for name, t in before.items())
+    loaded = LlavaForConditionalGeneration.from_pretrained(out).eval()
+    for key in ("vision_feature_layer", "vision_feature_select_strategy"):
+        assert getattr(loaded.config, key) == getattr(original.config, key)
+    tokens = 16 + (original.config.vision_feature_select_strategy == "full" and tower == "clip")
+    ids = torch.cat([torch.arange(9, 20), torch.full((tokens,), 5), torch.arange(20, 30)])[None]
+    pixels = torch.randn(1, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = loaded(input_ids=ids, pixel_values=pixels).logits
+        assert torch.equal(got, original(input_ids=ids, pixel_values=pixels).logits)
+
+
 def test_import_and_export_refuse_missing_flags(tmp_path, single_rank_world):
     tool = _tool()
     with pytest.raises(SystemExit, match="--dip-hf-config"):

@@ -10,6 +10,7 @@ is refused with a ValueError naming the file and the field.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,41 @@ def _llava_feature_layers(config: dict[str, Any], vision: dict, where: str) -> i
     return used
 
 
+def _tower_layer_tensors(i: int, hidden: int, ffn: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of layer `i` of a CLIP / SigLIP tower (below the tower's prefix)."""
+    out = []
+    for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        out += [
+            (f"self_attn.{proj}.weight", (hidden, hidden)),
+            (f"self_attn.{proj}.bias", (hidden,)),
+        ]
+    for norm in ("layer_norm1", "layer_norm2"):
+        out += [(f"{norm}.weight", (hidden,)), (f"{norm}.bias", (hidden,))]
+    out += [("mlp.fc1.weight", (ffn, hidden)), ("mlp.fc1.bias", (ffn,))]
+    out += [("mlp.fc2.weight", (hidden, ffn)), ("mlp.fc2.bias", (hidden,))]
+    return [(f"encoder.layers.{i}.{name}", shape) for name, shape in out]
+
+
+def llava_carried(vision: dict[str, Any], used: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The tensors of a LLaVA tower that LLaVA never runs (`Architecture.carried`): the layers
+    after the `used` ones, the post-layernorm, and a SigLIP tower's pooling head
+    (`vision_use_head`), named below the tower's prefix as transformers' models hold them."""
+    h, f = int(vision["hidden_size"]), int(vision["intermediate_size"])
+    out = []
+    for i in range(used, int(vision["num_hidden_layers"])):
+        out += _tower_layer_tensors(i, h, f)
+    out += [("post_layernorm.weight", (h,)), ("post_layernorm.bias", (h,))]
+    if vision.get("model_type") == "siglip_vision_model" and vision.get("vision_use_head", True):
+        out += [
+            ("head.probe", (1, 1, h)), ("head.attention.in_proj_weight", (3 * h, h)),
+            ("head.attention.in_proj_bias", (3 * h,)), ("head.attention.out_proj.weight", (h, h)),
+            ("head.attention.out_proj.bias", (h,)), ("head.layernorm.weight", (h,)),
+            ("head.layernorm.bias", (h,)), ("head.mlp.fc1.weight", (f, h)),
+            ("head.mlp.fc1.bias", (f,)), ("head.mlp.fc2.weight", (h, f)), ("head.mlp.fc2.bias", (h,)),
+        ]  # fmt: skip
+    return tuple(out)
+
+
 def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
     """`ModuleSpec` fields of a LLaVA vision tower and projector: a CLIP tower (class token,
     learned positions, pre-norm, quick_gelu) or a SigLIP one (learned positions, no class
@@ -185,16 +221,17 @@ def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> 
     patch, side = int(vision["patch_size"]), int(vision["image_size"])
     hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
     out = int(text["hidden_size"])
+    used = _llava_feature_layers(config, vision, where)
     arch = Architecture(
         norm_eps=float(vision.get("layer_norm_eps", 1e-5 if clip else 1e-6)), activation=act,
         patch_embedding="conv2d", patch_bias=not clip,
         learned_positions=(side // patch) ** 2 + clip, class_token=clip,
         keep_class_token=clip and strategy == "full", pre_norm=clip, final_norm=False,
-        projector_hidden=out,
+        projector_hidden=out, carried=llava_carried(vision, used),
     )  # fmt: skip
     token = config.get("image_token_id", config.get("image_token_index"))
     return {
-        "num_layers": _llava_feature_layers(config, vision, where),
+        "num_layers": used,
         "layer": LayerShape(hidden, int(vision["intermediate_size"]), heads, heads),
         "patch_size": patch, "in_channels": int(vision.get("num_channels", 3)), "merge": 1,
         "out_hidden": out, "placeholder_id": int(token), "arch": arch,
@@ -401,9 +438,43 @@ def hf_qwen2_5_vl_config(
     return out
 
 
+def hf_llava_config(vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32") -> dict[str, Any]:
+    """The `config.json` of a LLaVA model made of our `vit` (a CLIP tower with a class token,
+    else SigLIP; its carried tensors give the layers after the features and SigLIP's head) and
+    `llm` (the inverse of `llava_vision_fields` and `text_module_fields`)."""
+    a, clip = vit.arch, vit.arch.class_token
+    text = hf_text_config(llm, dtype=dtype)
+    del text["architectures"]
+    carried = {name for name, _ in a.carried}
+    total = vit.num_layers
+    while f"encoder.layers.{total}.mlp.fc1.weight" in carried:
+        total += 1
+    side = math.isqrt(a.learned_positions - clip) * vit.patch_size
+    act = {ours: theirs for theirs, ours in _VISION_ACTS.items()}[a.activation]
+    vision = {
+        "model_type": "clip_vision_model" if clip else "siglip_vision_model",
+        "hidden_size": vit.layer.hidden, "intermediate_size": vit.layer.ffn,
+        "num_attention_heads": vit.layer.heads, "num_hidden_layers": total, "image_size": side,
+        "patch_size": vit.patch_size, "num_channels": vit.in_channels, "hidden_act": act,
+        "layer_norm_eps": a.norm_eps,
+    }  # fmt: skip
+    if not clip:
+        vision["vision_use_head"] = "head.probe" in carried
+    return {
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "text_config": text, "vision_config": vision, "image_token_id": vit.placeholder_id,
+        "vision_feature_layer": vit.num_layers - total - 1,
+        "vision_feature_select_strategy": "default" if clip and not a.keep_class_token else "full",
+        "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
+        "tie_word_embeddings": llm.arch.tie_embeddings, "dtype": dtype, "torch_dtype": dtype,
+    }  # fmt: skip
+
+
 def hf_vlm_config(vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32") -> dict[str, Any]:
-    """The `config.json` of the Hugging Face VLM our `vit` and `llm` are: Qwen2.5-VL (window
-    attention) or Qwen2-VL (Conv3d patches)."""
+    """The `config.json` of the Hugging Face VLM our `vit` and `llm` are: LLaVA (learned
+    positions), Qwen2.5-VL (window attention) or Qwen2-VL (Conv3d patches)."""
+    if vit.arch.learned_positions:
+        return hf_llava_config(vit, llm, dtype=dtype)
     if vit.arch.window_size:
         return hf_qwen2_5_vl_config(vit, llm, dtype=dtype)
     return hf_qwen2_vl_config(vit, llm, dtype=dtype)

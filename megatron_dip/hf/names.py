@@ -232,9 +232,10 @@ def _first_prefix(names, prefixes: tuple[str, ...], leaf: str, what: str) -> str
 
 def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
     """{our global name: TensorMap} of a LLaVA CLIP / SigLIP tower (its first
-    `spec.num_layers` layers) and projector, wherever the checkpoint keeps them (transformers
-    5's "model.vision_tower." or the Hub's "vision_tower.[vision_model.]")."""
-    m = spec.name
+    `spec.num_layers` layers and its carried tensors) and projector, wherever the checkpoint
+    keeps them (transformers 5's "model.vision_tower." or the Hub's
+    "vision_tower.[vision_model.]"). Raises ValueError naming the tower's tensors that are
+    neither read nor carried (an export could not write them back)."""
     p = _first_prefix(
         names, ("model.vision_tower.vision_model.", "model.vision_tower.",
                 "vision_tower.vision_model.", "vision_tower."),
@@ -244,6 +245,20 @@ def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
         names, ("model.multi_modal_projector.", "multi_modal_projector."), "linear_1.weight",
         "LLaVA model (no projector)",
     )  # fmt: skip
+    maps = llava_tower_maps(spec, tower=p, projector=proj)
+    covered = {piece.name for t in maps.values() for piece in t.pieces}
+    left = sorted(n for n in names if n.startswith(p) and n not in covered)
+    if left:
+        raise ValueError(
+            f"{len(left)} tensors of the vision tower are neither read nor carried (e.g. "
+            f"{left[:3]}): does config.json describe these weights?"
+        )
+    return maps
+
+
+def llava_tower_maps(spec: ModuleSpec, *, tower: str, projector: str) -> dict[str, TensorMap]:
+    """The maps of a LLaVA tower below `tower` and its projector below `projector`."""
+    m, p = spec.name, tower
     kernel = (spec.in_channels, spec.patch_size, spec.patch_size)
     emb = f"{p}embeddings."
     maps = [
@@ -271,9 +286,24 @@ def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
     for leaf in ("weight", "bias"):
         for our_name, hf_name in (("merger_fc1", "linear_1"), ("merger_fc2", "linear_2")):
             maps.append(
-                TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{proj}{hf_name}.{leaf}"),))
+                TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{projector}{hf_name}.{leaf}"),))
             )
+    for i, (name, shape) in enumerate(spec.arch.carried):
+        tail = tuple(shape[1:]) if len(shape) > 2 else None
+        maps.append(TensorMap(f"{m}.post.carried.{i}", (Piece(f"{p}{name}"),), tail))
     return _with_aliases(maps)
+
+
+def vlm_export_maps(vit: ModuleSpec, llm: ModuleSpec) -> dict[str, TensorMap]:
+    """The maps of a ViT + LLM pair under the names transformers' `save_pretrained` writes
+    (and the Hub holds): LLaVA's (learned positions), else Qwen2-VL's / Qwen2.5-VL's."""
+    if vit.arch.learned_positions:
+        text = decoder_maps(
+            llm, hf_prefix="language_model.model.", head="language_model.lm_head.weight"
+        )
+        tower = llava_tower_maps(vit, tower="vision_tower.", projector="multi_modal_projector.")
+        return {**tower, **text}
+    return {**vision_maps(vit, hf_prefix="visual."), **decoder_maps(llm, hf_prefix="model.")}
 
 
 def module_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:

@@ -277,6 +277,16 @@ class VitModality(ScatterProducer):
             pre_norm = torch.nn.LayerNorm(m.layer.hidden, eps=a.norm_eps, dtype=chunk.dtype)
         return Parts(patch_embed=embed, positions=positions, pre_norm=pre_norm)
 
+    def build_post(self, chunk):
+        """The merger (and norm), and the frozen carried tensors (`Architecture.carried`)."""
+        from megatron_dip.models.common import carried_parameters
+
+        parts = super().build_post(chunk)
+        carried = chunk.module_spec.arch.carried
+        if carried:
+            parts.add_module("carried", carried_parameters(carried, dtype=chunk.dtype))
+        return parts
+
     def embed_media(self, chunk, batch):
         hidden = chunk.pre.patch_embed(batch.patches.to(chunk.dtype))
         if chunk.module_spec.arch.learned_positions:
