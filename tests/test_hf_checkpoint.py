@@ -417,3 +417,38 @@ def test_import_into_a_directory_with_checkpoints_is_refused(tmp_path, caplog, s
     assert "holds checkpoints already (iterations [0])" in caplog.text
     after = sorted(p.stat().st_mtime_ns for p in (tmp_path / "o").rglob("*") if p.is_file())
     assert before == after
+
+
+def test_a_llava_tower_tensor_neither_read_nor_carried_is_refused():
+    """The carried tensors come from config.json: a folder holding tower tensors the config
+    does not describe (so an export could not write them back) is refused naming them, and the
+    export's config.json is the one the tensors were read with."""
+    from transformers import LlavaConfig
+
+    from megatron_dip.hf.config import hf_llava_config, model_of_config
+    from megatron_dip.hf.names import llava_vision_maps
+
+    vision = {
+        "model_type": "clip_vision_model", "hidden_size": 24, "intermediate_size": 40,
+        "num_attention_heads": 4, "num_hidden_layers": 3, "image_size": 16, "patch_size": 4,
+    }  # fmt: skip
+    config = LlavaConfig(vision_config=vision, vision_feature_layer=-2).to_dict()
+    model = model_of_config(config)
+    vit, llm = model.module("vit"), model.module("llm")
+    assert vit.num_layers == 2 and ("post_layernorm.bias", (24,)) in vit.arch.carried
+    names = {p.name for t in llava_vision_maps(vit, _llava_names(vit)).values() for p in t.pieces}
+    assert "vision_tower.encoder.layers.2.mlp.fc2.weight" in names
+    with pytest.raises(ValueError, match=r"1 tensors of the vision tower are neither read nor"):
+        llava_vision_maps(vit, _llava_names(vit) | {"vision_tower.encoder.layers.3.mlp.fc1.weight"})
+    written = hf_llava_config(vit, llm)
+    assert (
+        written["vision_feature_layer"] == -2 and written["vision_config"]["num_hidden_layers"] == 3
+    )
+
+
+def _llava_names(vit) -> set[str]:
+    """The tensor names of a LLaVA folder (transformers' save_pretrained) with tower `vit`."""
+    from megatron_dip.hf.names import llava_tower_maps
+
+    maps = llava_tower_maps(vit, tower="vision_tower.", projector="multi_modal_projector.")
+    return {p.name for t in maps.values() for p in t.pieces}
