@@ -241,8 +241,9 @@ class VitModality(ScatterProducer):
         return 1, array.shape[1] // unit, array.shape[2] // unit
 
     def profile_batch(self, spec: ModuleSpec, *, tokens: int, instances: int, caption: int):
-        """The base synthetic sub-microbatch, with windows of window^2 patches (the profiler
-        times the mean layer as `layer_ops` prices it)."""
+        """The base synthetic sub-microbatch, with windows of window^2 patches for the
+        profiled stack's window layers (its first layers: mostly window layers, where
+        `layer_ops` prices the module's mean layer)."""
         import torch
 
         from megatron_dip.models.batch import segment_ids
