@@ -60,6 +60,7 @@ class LayerShape:
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu")  # silu with gated_mlp: SwiGLU
 PATCH_EMBEDDINGS = ("linear", "conv2d", "conv3d")
 ROTARY_LAYOUTS = ("interleaved", "blocked")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,17 @@ class Architecture:
     the norm before the projector (False: LLaVA reads a layer's hidden states as they are);
     `projector_hidden`: the projector's inner width (None: its input width, Qwen2-VL; LLaVA:
     the LLM's hidden size); `patch_bias`: a "conv2d" patch embedding with a bias (SigLIP).
+
+    `normalization`: the norm of the layers (and of the final norm), "LayerNorm" or "RMSNorm"
+    (None: the kind's default). Window attention of a vision tower (Qwen2.5-VL):
+    `window_size` > 0: each image's merged patches are grouped into windows of that many pixels
+    per side; the layers in `full_attention_layers` (global indices) attend over the whole
+    image, the others within their window only.
+
+    `carried`: (Hugging Face name, shape) of checkpoint tensors the module does not compute
+    with but a Hugging Face folder needs back (LLaVA's tower layers after
+    `vision_feature_layer`, its post-layernorm, SigLIP's pooling head): frozen parameters of
+    the last chunk, filled by the import, never trained, written back by the export.
     """
 
     rotary_base: float = 10000.0
@@ -132,8 +144,24 @@ class Architecture:
     final_norm: bool = True
     projector_hidden: int | None = None
     patch_bias: bool = False
+    normalization: str | None = None
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
+    carried: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
+        carried = tuple((str(n), tuple(int(d) for d in shape)) for n, shape in self.carried)
+        object.__setattr__(self, "carried", carried)
+        object.__setattr__(
+            self, "full_attention_layers", tuple(int(v) for v in self.full_attention_layers)
+        )
+        if self.normalization not in (None, *NORMALIZATIONS):
+            raise ValueError(f"normalization {self.normalization!r} is not one of {NORMALIZATIONS}")
+        if self.window_size < 0 or (self.full_attention_layers and not self.window_size):
+            raise ValueError(
+                f"window_size {self.window_size}: full_attention_layers "
+                f"{self.full_attention_layers} need a positive window_size"
+            )
         if self.rotary_layout not in ROTARY_LAYOUTS:
             raise ValueError(f"rotary_layout {self.rotary_layout!r} is not one of {ROTARY_LAYOUTS}")
         if not self.rotary_base > 0:

@@ -222,3 +222,53 @@ def hf_vlm_model(folder: Path) -> MultimodalSpec:
     from megatron_dip.hf.config import model_of_config
 
     return model_of_config(read_config(folder))
+
+
+def save_qwen2_5_vl(
+    folder: Path, *, seed: int = 0, image_token: int = IMAGE_TOKEN_ID, tied: bool = False
+):
+    """A tiny Qwen2_5_VLForConditionalGeneration saved to `folder`: vision tower 3 x 32 (4-px
+    patches, 2x2 merge, RMSNorm, gated silu MLP of 48 with biases), windows of 16 px (2 x 2
+    merged tokens) in layers 0 and 2, layer 1 over the whole image; Qwen2 LLM with M-RoPE."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = _common(rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None)
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1e6,
+        "mrope_section": [2, 1, 1],
+    }
+    vision = {
+        "depth": 3, "hidden_size": HIDDEN, "intermediate_size": 48, "num_heads": HEADS,
+        "out_hidden_size": HIDDEN, "patch_size": VISION_PATCH, "spatial_merge_size": VISION_MERGE,
+        "temporal_patch_size": 2, "in_channels": 3, "window_size": 16,
+        "fullatt_block_indexes": [1], "hidden_act": "silu",
+    }  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=image_token,
+        video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
+        bos_token_id=None, eos_token_id=None, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return _save(Qwen2_5_VLForConditionalGeneration(config), folder, seed)
+
+
+def qwen_vl_pixels(pictures, *, max_pixels: int = 24 * 40):
+    """transformers' own Qwen2-VL image processor (Qwen2.5-VL's too) on PIL `pictures`:
+    (its pixel_values, its image_grid_thw, the [3, H, W] images those patches are cut from)."""
+    import numpy as np
+    from transformers import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(
+        patch_size=VISION_PATCH, merge_size=VISION_MERGE, temporal_patch_size=2,
+        size={"shortest_edge": 64, "longest_edge": max_pixels},
+    )  # fmt: skip
+    out = processor(pictures, return_tensors="np")
+    pixels, grid, images, start = out["pixel_values"], out["image_grid_thw"], [], 0
+    for _, h, w in grid.tolist():
+        m, p = VISION_MERGE, VISION_PATCH
+        patches = pixels[start : start + h * w].reshape(h // m, w // m, m, m, 3, 2, p, p)
+        # (rows, cols of merged tokens, merge rows, merge cols, C, frame, py, px) -> [C, H, W]
+        image = patches[:, :, :, :, :, 0].transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, h * p, w * p)
+        images.append(np.ascontiguousarray(image, dtype=np.float32))
+        start += h * w
+    return pixels, grid, images

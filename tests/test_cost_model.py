@@ -79,6 +79,28 @@ def test_attention_is_quadratic_in_segment_length() -> None:
     assert _layer_ms(cm, "vit", 4, 4 * 4096) > _layer_ms(cm, "vit", 16, 4 * 4096)
 
 
+def test_window_attention_layers_are_priced_cheaper() -> None:
+    """Qwen2.5-VL's window attention: a windowed ViT's attention core is priced at the mean
+    pairs of its layers (full layers over each image, the others within windows of window^2
+    patches), so big images cost less than under full attention, and images no bigger than a
+    window cost the same."""
+    from megatron_dip.modalities.costs import CostContext, Work
+    from megatron_dip.modalities.vit import VIT
+
+    model = VLM_S.model
+    vit = model.module("vit")
+    windowed = model.replace_module(
+        "vit", arch={"window_size": 8 * vit.patch_size, "full_attention_layers": (7, 15, 23)}
+    )
+    full, cheap = CostModel(model, H100), CostModel(windowed, H100)
+    assert _layer_ms(cheap, "vit", 4, 4 * 4096) < 0.9 * _layer_ms(full, "vit", 4, 4 * 4096)
+    assert _layer_ms(cheap, "vit", 8, 8 * 64) == pytest.approx(_layer_ms(full, "vit", 8, 8 * 64))
+    spec, c = windowed.module("vit"), CostContext(tp=1, sp=False, dt=2)
+    (core,) = [o for o in VIT.layer_ops(spec, Work(4 * 4096, 4, 4 * 4096**2), c) if o.core]
+    mean = (3 * 4 * 4096**2 + (vit.num_layers - 3) * 4 * 4096 * 64) / vit.num_layers
+    assert core.flops == pytest.approx(4 * mean * vit.layer.attention_width)
+
+
 def test_recompute_trades_time_for_memory() -> None:
     cm = CostModel(VLM_S.model, H100, tensor_parallel=4, kernels=CPU_KERNELS)
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)

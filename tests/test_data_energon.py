@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -404,3 +405,26 @@ def test_evaluation_without_a_val_split_says_so(datasets, caplog):
         split = DataSpec.parse(f"energon:{datasets['split']}", scale=1.0, image_size=32)
         split.source(MODEL, seed=0, evaluation=True)
     assert "no validation split" not in caplog.text
+
+
+def test_the_interval_line_of_a_training_run_names_the_realised_blend(
+    datasets, caplog, single_rank_world
+):
+    """--dip-log-blend end to end: a one-process run on the 3:1 blend logs, on its interval
+    line, the shares of the samples it has consumed (what `realised_shares` counts)."""
+    from test_training_scenarios import COMMON, run
+
+    flags = COMMON + ["--dip-data", f"energon:{datasets['blend']}", "--dip-log-blend"]
+    flags += ["--train-iters", "2", "--log-interval", "2", "--dip-lookahead", "0"]
+    with caplog.at_level(logging.INFO):
+        run(flags + ["--dip-calibration-frozen"], world_size=1)
+    (line,) = [r.getMessage() for r in caplog.records if " | blend: " in r.getMessage()]
+    consumed = int(re.search(r"consumed samples: +(\d+)", line).group(1))
+    assert line.startswith("iteration      2/") and consumed >= 8  # 2 x 4 packed microbatches
+    names = [str(datasets["caption"]), str(datasets["vqa"])]
+    shares = re.search(rf" \| blend: {names[0]} ([\d.]+)%, {names[1]} ([\d.]+)%$", line)
+    caption, vqa = (float(v) for v in shares.groups())
+    assert caption > vqa > 0 and caption + vqa == pytest.approx(100, abs=0.1)
+    # whole samples of the `consumed` drawn (the run's own draw, with its seed, is counted)
+    drawn = round(vqa * consumed / 100)
+    assert f"{100 * drawn / consumed:.1f}" == f"{vqa:.1f}"

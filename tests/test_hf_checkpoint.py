@@ -176,11 +176,14 @@ def test_llama_as_the_text_encoder_of_a_t2v_model(tmp_path, single_rank_world):
         assert torch.equal(loaded(input_ids=ids).last_hidden_state, hidden)
 
 
-def test_qwen2_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world):
-    """A Qwen2-VL folder gives both the ViT and the LLM (a bare --dip-hf-config DIR); the
-    export writes the pair back as one Qwen2-VL folder."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world, family):
+    """A Qwen2-VL / Qwen2.5-VL folder gives both the ViT and the LLM (a bare --dip-hf-config
+    DIR); the export writes the pair back as one folder of that family."""
+    from hf_models import save_qwen2_5_vl
+
     hf = tmp_path / "hf"
-    original = save_qwen2_vl(hf)
+    original = {"qwen2_vl": save_qwen2_vl, "qwen2_5_vl": save_qwen2_5_vl}[family](hf)
     tool = _tool()
     flags = ["--model", "tiny-vlm", "--dip-hf-config", str(hf)]
     assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
@@ -191,13 +194,47 @@ def test_qwen2_vl_import_then_export_is_bit_exact(tmp_path, single_rank_world):
     before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(t, after[name]) for name, t in before.items())
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    loaded = Qwen2VLForConditionalGeneration.from_pretrained(out).eval()
+    loaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert type(loaded) is type(original)
     ids = torch.arange(9, 40)[None]
     kwargs = {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int)}
     with torch.no_grad():
         assert torch.equal(loaded(**kwargs).logits, original(**kwargs).logits)
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_llava_import_then_export_is_bit_exact(tmp_path, single_rank_world, tower):
+    """A LLaVA folder alone (no --model): the tower layers after vision_feature_layer, the
+    post-layernorm and SigLIP's head, which the model never runs, ride through our checkpoint
+    as frozen carried tensors; the export writes every tensor back bit-exact, a config that
+    transformers loads, and the same logits on an image."""
+    from hf_models import LLAVA_IMAGE, save_llava
+    from transformers import LlavaForConditionalGeneration
+
+    hf = tmp_path / "hf"
+    original = save_llava(hf, tower=tower)
+    tool = _tool()
+    flags = ["--dip-hf-config", str(hf)]
+    assert tool.main(["import", *flags, "--save", str(tmp_path / "ours")]) == 0
+    out = tmp_path / "exported"
+    assert (
+        tool.main(["export", *flags, "--load", str(tmp_path / "ours"), "--hf-out", str(out)]) == 0
+    )
+    before, after = load_file(hf / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert any(".layers.2." in n or "post_layernorm" in n for n in before)
+    assert all(torch.equal(t, after[name]) for name, t in before.items())
+    loaded = LlavaForConditionalGeneration.from_pretrained(out).eval()
+    for key in ("vision_feature_layer", "vision_feature_select_strategy"):
+        assert getattr(loaded.config, key) == getattr(original.config, key)
+    tokens = 16 + (original.config.vision_feature_select_strategy == "full" and tower == "clip")
+    ids = torch.cat([torch.arange(9, 20), torch.full((tokens,), 5), torch.arange(20, 30)])[None]
+    pixels = torch.randn(1, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = loaded(input_ids=ids, pixel_values=pixels).logits
+        assert torch.equal(got, original(input_ids=ids, pixel_values=pixels).logits)
 
 
 def test_import_and_export_refuse_missing_flags(tmp_path, single_rank_world):
@@ -228,9 +265,10 @@ def test_a_tied_qwen2_vl_as_transformers_5_saves_it_round_trips_tied(tmp_path, s
     after = load_file(out / "model.safetensors")
     assert "lm_head.weight" not in after
     assert sorted(after) == sorted(load_file(hf / "model.safetensors"))
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    loaded = Qwen2VLForConditionalGeneration.from_pretrained(out).eval()
+    loaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert type(loaded) is type(original)
     ids = torch.arange(9, 40)[None]
     kwargs = {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int)}
     with torch.no_grad():
@@ -386,3 +424,38 @@ def test_import_into_a_directory_with_checkpoints_is_refused(tmp_path, caplog, s
     assert "holds checkpoints already (iterations [0])" in caplog.text
     after = sorted(p.stat().st_mtime_ns for p in (tmp_path / "o").rglob("*") if p.is_file())
     assert before == after
+
+
+def test_a_llava_tower_tensor_neither_read_nor_carried_is_refused():
+    """The carried tensors come from config.json: a folder holding tower tensors the config
+    does not describe (so an export could not write them back) is refused naming them, and the
+    export's config.json is the one the tensors were read with."""
+    from transformers import LlavaConfig
+
+    from megatron_dip.hf.config import hf_llava_config, model_of_config
+    from megatron_dip.hf.names import llava_vision_maps
+
+    vision = {
+        "model_type": "clip_vision_model", "hidden_size": 24, "intermediate_size": 40,
+        "num_attention_heads": 4, "num_hidden_layers": 3, "image_size": 16, "patch_size": 4,
+    }  # fmt: skip
+    config = LlavaConfig(vision_config=vision, vision_feature_layer=-2).to_dict()
+    model = model_of_config(config)
+    vit, llm = model.module("vit"), model.module("llm")
+    assert vit.num_layers == 2 and ("post_layernorm.bias", (24,)) in vit.arch.carried
+    names = {p.name for t in llava_vision_maps(vit, _llava_names(vit)).values() for p in t.pieces}
+    assert "vision_tower.encoder.layers.2.mlp.fc2.weight" in names
+    with pytest.raises(ValueError, match=r"1 tensors of the vision tower are neither read nor"):
+        llava_vision_maps(vit, _llava_names(vit) | {"vision_tower.encoder.layers.3.mlp.fc1.weight"})
+    written = hf_llava_config(vit, llm)
+    assert (
+        written["vision_feature_layer"] == -2 and written["vision_config"]["num_hidden_layers"] == 3
+    )
+
+
+def _llava_names(vit) -> set[str]:
+    """The tensor names of a LLaVA folder (transformers' save_pretrained) with tower `vit`."""
+    from megatron_dip.hf.names import llava_tower_maps
+
+    maps = llava_tower_maps(vit, tower="vision_tower.", projector="multi_modal_projector.")
+    return {p.name for t in maps.values() for p in t.pieces}

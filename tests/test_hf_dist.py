@@ -1,5 +1,6 @@
 """Hugging Face families imported by 4 gloo ranks at TP=2 x PP=2 (tools/hf_checkpoint.py, each
-rank writing its slices) and compared with transformers after loading at TP=1; a LLaVA (CLIP tower
+rank writing its slices) and compared with transformers after loading at TP=1 (Qwen3, Mistral,
+LLaVA with CLIP / SigLIP towers, Qwen2.5-VL), the LLaVA import exported back; a LLaVA (CLIP tower
 + Llama) imported there and fine-tuned under DIP with falling loss. One 4-process launch of its
 own (`hf_world4`): the shared training launch of test_training_dist.py is at its time limit."""
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from distributed_harness import run_world
-from hf_models import save_llava, save_mistral, save_qwen3
+from hf_models import save_llava, save_mistral, save_qwen2_5_vl, save_qwen3
 
 
 def hf_world4(*, rank: int, world_size: int, data: str, tmp: str, folders: dict) -> dict:
@@ -71,6 +72,7 @@ def world(tmp_path_factory) -> list[dict]:
         "qwen3": save_qwen3, "mistral": save_mistral,
         "llava": lambda d: save_llava(d, image_token=1),  # the byte tokenizer's image id
         "llava_siglip": lambda d: save_llava(d, tower="siglip", image_token=1),
+        "qwen2_5_vl": save_qwen2_5_vl,
     }  # fmt: skip
     for family, save in families.items():
         save(tmp / f"hf_{family}")
@@ -143,6 +145,40 @@ def test_llava_imported_at_tp2_pp2_matches_transformers(world, family, tower, si
     model, chunks, folder = _imported_chunks(world, family, groups)
     hf_model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
     compare_llava(model, chunks, hf_model, tower=tower, tokens=16)
+
+
+def test_qwen2_5_vl_imported_at_tp2_pp2_matches_transformers(world, single_rank_world):
+    """Qwen2.5-VL (window attention tower + M-RoPE LLM) imported alone by 4 ranks at TP=2 x
+    PP=2: features, logits and loss of transformers' model (on its own processor's pictures)
+    within 1e-4."""
+    import numpy as np
+    from test_hf_parity import _qwen2_5_vl_sample, compare_qwen2_5_vl
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megatron_dip.models.chunk import ModelGroups
+
+    groups = ModelGroups(tp=single_rank_world, cp=single_rank_world)
+    model, chunks, folder = _imported_chunks(world, "qwen2_5_vl", groups)
+    hf_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+    sample, pixels = _qwen2_5_vl_sample(np.random.default_rng(5))
+    compare_qwen2_5_vl(model, chunks, hf_model, sample, pixels)
+
+
+def test_llava_imported_at_tp2_pp2_exports_bit_exact(world, tmp_path, single_rank_world):
+    """The tower layers LLaVA never runs, carried by the TP=2 x PP=2 import's ranks, come back
+    bit-exact in the export (one process), with every other tensor."""
+    import torch
+    from safetensors.torch import load_file
+    from test_hf_checkpoint import _tool
+
+    result = world[0]["import_llava"]
+    folder = Path(result["save"]).parent / "hf_llava"
+    argv = ["export", "--dip-hf-config", str(folder), "--load", result["save"]]
+    assert _tool().main([*argv, "--hf-out", str(tmp_path / "out")]) == 0
+    before = load_file(folder / "model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after) and "vision_tower.post_layernorm.weight" in after
+    assert all(torch.equal(t, after[name]) for name, t in before.items())
 
 
 def test_an_imported_llava_fine_tunes_under_dip_with_falling_loss(world):

@@ -199,16 +199,18 @@ def test_qwen2_vl_vision_tower_and_mrope_llm_match_transformers(tmp_path, groups
     assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(loss), rel=1e-5)
 
 
-def test_qwen2_vl_options_keep_chunking_invariance(tmp_path, groups):
-    """The Qwen2-VL options (Conv3d patches, blocked rotary, M-RoPE positions) under a
-    pipelined layout: split chunks and one image per sub-microbatch give the loss and
-    gradients of one chunk per module (fp64)."""
-    from hf_models import qwen2_vl_model, save_qwen2_vl
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_options_keep_chunking_invariance(tmp_path, groups, family):
+    """The Qwen2-VL options (Conv3d patches, blocked rotary, M-RoPE positions) and Qwen2.5-VL's
+    (window attention per global layer, RMSNorm, gated MLP) under a pipelined layout: split
+    chunks and one image per sub-microbatch give the loss and gradients of one chunk per
+    module (fp64)."""
+    from hf_models import hf_vlm_model, save_qwen2_5_vl, save_qwen2_vl
 
     from megatron_dip.reference import reference_loss_and_grads
 
-    save_qwen2_vl(tmp_path)
-    model, config = qwen2_vl_model(tmp_path), ModelConfig(dtype="float64", seed=3)
+    {"qwen2_vl": save_qwen2_vl, "qwen2_5_vl": save_qwen2_5_vl}[family](tmp_path)
+    model, config = hf_vlm_model(tmp_path), ModelConfig(dtype="float64", seed=3)
     batch = [[_vl_sample(np.random.default_rng(5))]]
     one = reference_loss_and_grads(
         model, batch, seed=0, seq_length=SEQ, groups=groups, config=config
@@ -220,7 +222,7 @@ def test_qwen2_vl_options_keep_chunking_invariance(tmp_path, groups):
         seq_length=SEQ,
         groups=groups,
         config=config,
-        ranges={"vit": [(0, 1), (1, 2)], "llm": [(0, 1), (1, 3)]},
+        ranges={"vit": [(0, 1), (1, model.module("vit").num_layers)], "llm": [(0, 1), (1, 3)]},
         sizes={"vit": 1},
     )
     assert one[0] == pytest.approx(split[0], rel=1e-12)
@@ -300,6 +302,85 @@ def compare_llava(model, chunks, hf_model, *, tower: str, tokens: int) -> None:
         out_hf = hf_model(input_ids=ids, pixel_values=pixel_values, labels=labels)
     embeds = torch.cat(list(features), dim=0)
     assert embeds.shape[0] == 2 * tokens
+    assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
+    llm = chunks["llm"]
+    batch = build_sub_batch(
+        model, [sample], SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ), seq_length=SEQ, seed=0
+    )
+    with torch.no_grad():
+        state = llm.parts.embed(llm, [handed], batch)
+        hidden = llm.post.final_norm(llm.parts.run_layers(llm, state, batch))
+        ours, _ = llm.post.output_layer(hidden)
+        out = llm(inputs=[handed], batch=batch)
+    n = len(sample.text)
+    assert float((ours[:n, 0] - out_hf.logits[0]).abs().max()) <= TOLERANCE
+    assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(out_hf.loss), rel=1e-5)
+
+
+def _qwen2_5_vl_sample(rng) -> tuple[Sample, dict]:
+    """Text, a 21x37-px picture, text, a 14x15 one, text, through transformers' own processor
+    (resized to 24x40 and 16x16: 6x10 patches, windows of 2x2 merged tokens cut at the right
+    and bottom edges; 4x4 patches, one window); the Hugging Face model's image inputs."""
+    from hf_models import IMAGE_TOKEN_ID, qwen_vl_pixels
+    from PIL import Image
+
+    pictures = [
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+        for h, w in ((21, 37), (14, 15))
+    ]
+    pixels, grid, images = qwen_vl_pixels(pictures)
+    tokens = [h * w // 4 for _, h, w in grid.tolist()]
+    assert tokens == [15, 4]
+    text = [rng.integers(9, VOCAB, 10), np.full(15, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 7)]
+    text += [np.full(4, IMAGE_TOKEN_ID), rng.integers(9, VOCAB, 9)]
+    sample = Sample(0, np.concatenate(text).astype(np.int64), {"vit": images})
+    return sample, {
+        "pixel_values": torch.from_numpy(pixels),
+        "image_grid_thw": torch.from_numpy(grid),
+    }
+
+
+def test_qwen2_5_vl_window_attention_tower_and_mrope_llm_match_transformers(tmp_path, groups):
+    """Qwen2.5-VL: vision tower with window attention (layers 0 and 2 within windows, 1 over
+    the whole image; RMSNorm, gated MLP with biases), its merger and the M-RoPE LLM, on two
+    pictures of transformers' own processor in one sequence: features, logits, loss to 1e-4."""
+    from hf_models import hf_vlm_model, save_qwen2_5_vl
+
+    from megatron_dip.hf.names import module_maps
+    from megatron_dip.modalities.vit import patchify_image
+
+    hf_model = save_qwen2_5_vl(tmp_path)
+    model = hf_vlm_model(tmp_path)
+    assert model.module("vit").arch.full_attention_layers == (1,)
+    source, config = SafetensorsFolder(tmp_path), ModelConfig(dtype="float32")
+    chunks = {}
+    for m in model.modules:
+        (chunks[m.name],) = build_module_chunks(
+            model, m.name, [(0, m.num_layers)], config=config, groups=groups
+        )
+        assert fill_chunk(chunks[m.name], source, module_maps(m, source.where)) == []
+    sample, pixels = _qwen2_5_vl_sample(np.random.default_rng(5))
+    ours_pixels = [patchify_image(i, patch=4, merge=2, frames=2)[0] for i in sample.media["vit"]]
+    assert np.array_equal(np.concatenate(ours_pixels), pixels["pixel_values"].numpy())
+    compare_qwen2_5_vl(model, chunks, hf_model, sample, pixels)
+
+
+def compare_qwen2_5_vl(model, chunks, hf_model, sample: Sample, pixels: dict) -> None:
+    """Our ViT and LLM `chunks` against the Hugging Face Qwen2.5-VL `hf_model` on `sample`
+    (`pixels`: its processor's inputs): image features, logits and loss to 1e-4."""
+    ids = torch.from_numpy(sample.text)[None]
+    placeholder = model.module("vit").placeholder_id
+    with torch.no_grad():
+        vit_batch = build_sub_batch(
+            model, [sample], SubMicrobatch("vit", 0, 0, 0, 2, 76, 80), seq_length=SEQ, seed=0
+        )
+        handed = chunks["vit"](inputs=[], batch=vit_batch)
+        features = hf_model.model.get_image_features(**pixels).pooler_output
+        labels = ids.masked_fill(ids == placeholder, -100)
+        out_hf = hf_model(
+            input_ids=ids, mm_token_type_ids=(ids == placeholder).int(), labels=labels, **pixels
+        )
+    embeds = torch.cat(list(features), dim=0)
     assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
     llm = chunks["llm"]
     batch = build_sub_batch(

@@ -169,3 +169,43 @@ def test_llm_scatters_each_producer_into_its_own_placeholders(groups):
         llm.parts.embed(llm, inputs[:1], batch)
     with pytest.raises(ValueError, match="3 vit embeddings for 2 placeholder positions"):
         llm.parts.embed(llm, [{"vit.embeddings": torch.cat([image, image[:1]])}, inputs[1]], batch)
+
+
+@pytest.mark.parametrize("rows, cols", [(2, 3), (3, 5), (4, 4), (5, 2)])
+def test_vit_windows_are_transformers_windows(rows, cols):
+    """`window_order` (windows of 2 x 2 merged tokens, cut at the edges) is Qwen2.5-VL's
+    `get_vision_window_index` on a grid of rows x cols merged tokens."""
+    from transformers.vision_utils import get_vision_window_index
+
+    from megatron_dip.modalities.vit import window_order
+
+    order, sizes = window_order(rows, cols, window=2)
+    index, cu = get_vision_window_index(
+        torch.tensor([[1, 2 * rows, 2 * cols]]), spatial_merge_size=2, window_size=16, patch_size=4
+    )
+    assert order.tolist() == index.tolist()
+    assert (np.cumsum(sizes) * 4).tolist() == cu[1:].tolist()
+
+
+def test_window_attention_options_are_checked():
+    """Windows of whole merged tokens, on a ViT with rotary positions; full-attention layers
+    among its layers: refused naming the module otherwise."""
+    from megatron_dip.modelspec import Architecture
+
+    layer = LayerShape(8, 16, 2, 2)
+    llm = ModuleSpec("llm", "llm", 2, layer, vocab_size=32)
+
+    def vit(**arch):
+        spec = ModuleSpec(
+            "vit", "vit", 3, layer, feeds="llm", out_hidden=8, placeholder_id=5, patch_size=4,
+            merge=2, arch=Architecture(**arch),
+        )  # fmt: skip
+        return MultimodalSpec("m", (spec, llm))
+
+    assert check_model(vit(window_size=16, full_attention_layers=(1,)))
+    with pytest.raises(ValueError, match="window_size 12 must be a multiple of patch"):
+        check_model(vit(window_size=12))
+    with pytest.raises(ValueError, match=r"full_attention_layers \[3\] outside its 3 layers"):
+        check_model(vit(window_size=16, full_attention_layers=(1, 3)))
+    with pytest.raises(ValueError, match="need a positive window_size"):
+        vit(full_attention_layers=(1,))

@@ -10,6 +10,7 @@ is refused with a ValueError naming the file and the field.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,14 @@ from typing import Any
 from megatron_dip.modelspec import Architecture, LayerShape, ModuleSpec, MultimodalSpec, RopeScaling
 
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-VLM_MODEL_TYPES = ("qwen2_vl", "llava")
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava")
 LLAVA_TOWERS = ("clip_vision_model", "siglip_vision_model")
 # Hugging Face vision activations -> ours.
 _VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # The text config of a VLM (nested under "text_config") and the text family it is.
-_TEXT_OF_VLM = {"qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2"}
+_TEXT_OF_VLM = {
+    "qwen2_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_5_vl_text": "qwen2",
+}  # fmt: skip
 CONFIG_FILE = "config.json"
 
 
@@ -140,6 +143,8 @@ def vision_module_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) ->
         )
     if config["model_type"] == "llava":
         return llava_vision_fields(config, where=where)
+    if config["model_type"] == "qwen2_5_vl":
+        return qwen2_5_vl_vision_fields(config, where=where)
     return qwen2_vl_vision_fields(config, where=where)
 
 
@@ -154,6 +159,41 @@ def _llava_feature_layers(config: dict[str, Any], vision: dict, where: str) -> i
     if not 1 <= used <= total:
         raise ValueError(f"{where}: vision_feature_layer {index} outside the {total} layers")
     return used
+
+
+def _tower_layer_tensors(i: int, hidden: int, ffn: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of layer `i` of a CLIP / SigLIP tower (below the tower's prefix)."""
+    out = []
+    for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        out += [
+            (f"self_attn.{proj}.weight", (hidden, hidden)),
+            (f"self_attn.{proj}.bias", (hidden,)),
+        ]
+    for norm in ("layer_norm1", "layer_norm2"):
+        out += [(f"{norm}.weight", (hidden,)), (f"{norm}.bias", (hidden,))]
+    out += [("mlp.fc1.weight", (ffn, hidden)), ("mlp.fc1.bias", (ffn,))]
+    out += [("mlp.fc2.weight", (hidden, ffn)), ("mlp.fc2.bias", (hidden,))]
+    return [(f"encoder.layers.{i}.{name}", shape) for name, shape in out]
+
+
+def llava_carried(vision: dict[str, Any], used: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The tensors of a LLaVA tower that LLaVA never runs (`Architecture.carried`): the layers
+    after the `used` ones, the post-layernorm, and a SigLIP tower's pooling head
+    (`vision_use_head`), named below the tower's prefix as transformers' models hold them."""
+    h, f = int(vision["hidden_size"]), int(vision["intermediate_size"])
+    out = []
+    for i in range(used, int(vision["num_hidden_layers"])):
+        out += _tower_layer_tensors(i, h, f)
+    out += [("post_layernorm.weight", (h,)), ("post_layernorm.bias", (h,))]
+    if vision.get("model_type") == "siglip_vision_model" and vision.get("vision_use_head", True):
+        out += [
+            ("head.probe", (1, 1, h)), ("head.attention.in_proj_weight", (3 * h, h)),
+            ("head.attention.in_proj_bias", (3 * h,)), ("head.attention.out_proj.weight", (h, h)),
+            ("head.attention.out_proj.bias", (h,)), ("head.layernorm.weight", (h,)),
+            ("head.layernorm.bias", (h,)), ("head.mlp.fc1.weight", (f, h)),
+            ("head.mlp.fc1.bias", (f,)), ("head.mlp.fc2.weight", (h, f)), ("head.mlp.fc2.bias", (h,)),
+        ]  # fmt: skip
+    return tuple(out)
 
 
 def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
@@ -185,6 +225,7 @@ def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> 
     patch, side = int(vision["patch_size"]), int(vision["image_size"])
     hidden, heads = int(vision["hidden_size"]), int(vision["num_attention_heads"])
     out = int(text["hidden_size"])
+    used = _llava_feature_layers(config, vision, where)
     arch = Architecture(
         norm_eps=float(vision.get("layer_norm_eps", 1e-5 if clip else 1e-6)),
         activation=act,
@@ -196,10 +237,11 @@ def llava_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> 
         pre_norm=clip,
         final_norm=False,
         projector_hidden=out,
+        carried=llava_carried(vision, used),
     )
     token = config.get("image_token_id", config.get("image_token_index"))
     return {
-        "num_layers": _llava_feature_layers(config, vision, where),
+        "num_layers": used,
         "layer": LayerShape(hidden, int(vision["intermediate_size"]), heads, heads),
         "patch_size": patch, "in_channels": int(vision.get("num_channels", 3)), "merge": 1,
         "out_hidden": out, "placeholder_id": int(token), "arch": arch,
@@ -233,6 +275,39 @@ def qwen2_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) 
         "in_channels": int(vision.get("in_channels", 3)),
         "merge": int(vision["spatial_merge_size"]),
         "out_hidden": int(vision["hidden_size"]),
+        "placeholder_id": int(config["image_token_id"]),
+        "arch": arch,
+    }
+
+
+def qwen2_5_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
+    """`ModuleSpec` fields of a Qwen2.5-VL vision tower: Qwen2-VL's Conv3d patches and blocked
+    2-D rotary, with RMSNorm (1e-6), a gated MLP with biases (`hidden_act`, silu), window
+    attention (`window_size` pixels; `fullatt_block_indexes` the layers over the whole image)
+    and the merger's RMSNorm; `hidden_size` is the tower's width, `out_hidden_size` the LLM's."""
+    vision = config["vision_config"]
+    if int(vision.get("temporal_patch_size", 2)) != 2:
+        raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
+    act = _VISION_ACTS.get(vision.get("hidden_act", "silu"), vision.get("hidden_act"))
+    if act not in ("silu", "quick_gelu", "gelu", "gelu_tanh"):
+        raise ValueError(
+            f"{where}: vision hidden_act {act!r}; supported: silu, {', '.join(_VISION_ACTS)}"
+        )
+    dim, heads = int(vision["hidden_size"]), int(vision["num_heads"])
+    layer = LayerShape(dim, int(vision["intermediate_size"]), heads, heads, gated_mlp=True)
+    arch = Architecture(
+        rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        norm_eps=1e-6, activation=act, patch_embedding="conv3d", rotary_layout="blocked",
+        normalization="RMSNorm", window_size=int(vision.get("window_size", 112)),
+        full_attention_layers=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+    )  # fmt: skip
+    return {
+        "num_layers": int(vision["depth"]),
+        "layer": layer,
+        "patch_size": int(vision["patch_size"]),
+        "in_channels": int(vision.get("in_channels", 3)),
+        "merge": int(vision["spatial_merge_size"]),
+        "out_hidden": int(vision["out_hidden_size"]),
         "placeholder_id": int(config["image_token_id"]),
         "arch": arch,
     }
@@ -356,6 +431,68 @@ def hf_qwen2_vl_config(
     }
 
 
+def hf_qwen2_5_vl_config(
+    vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32"
+) -> dict[str, Any]:
+    """The `config.json` of a Qwen2.5-VL model made of our `vit` (window attention, RMSNorm,
+    gated MLP) and `llm` (the inverse of `qwen2_5_vl_vision_fields` and `text_module_fields`)."""
+    out = hf_qwen2_vl_config(vit, llm, dtype=dtype)
+    out["text_config"]["model_type"] = "qwen2_5_vl_text"
+    out["vision_config"] = {
+        "model_type": "qwen2_5_vl_vision", "depth": vit.num_layers,
+        "hidden_size": vit.layer.hidden, "intermediate_size": vit.layer.ffn,
+        "out_hidden_size": vit.out_hidden, "num_heads": vit.layer.heads,
+        "hidden_act": vit.arch.activation or "silu", "in_channels": vit.in_channels,
+        "patch_size": vit.patch_size, "spatial_merge_size": vit.merge, "temporal_patch_size": 2,
+        "window_size": vit.arch.window_size,
+        "fullatt_block_indexes": list(vit.arch.full_attention_layers),
+    }  # fmt: skip
+    out.update(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl")
+    return out
+
+
+def hf_llava_config(vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32") -> dict[str, Any]:
+    """The `config.json` of a LLaVA model made of our `vit` (a CLIP tower with a class token,
+    else SigLIP; its carried tensors give the layers after the features and SigLIP's head) and
+    `llm` (the inverse of `llava_vision_fields` and `text_module_fields`)."""
+    a, clip = vit.arch, vit.arch.class_token
+    text = hf_text_config(llm, dtype=dtype)
+    del text["architectures"]
+    carried = {name for name, _ in a.carried}
+    total = vit.num_layers
+    while f"encoder.layers.{total}.mlp.fc1.weight" in carried:
+        total += 1
+    side = math.isqrt(a.learned_positions - clip) * vit.patch_size
+    act = {ours: theirs for theirs, ours in _VISION_ACTS.items()}[a.activation]
+    vision = {
+        "model_type": "clip_vision_model" if clip else "siglip_vision_model",
+        "hidden_size": vit.layer.hidden, "intermediate_size": vit.layer.ffn,
+        "num_attention_heads": vit.layer.heads, "num_hidden_layers": total, "image_size": side,
+        "patch_size": vit.patch_size, "num_channels": vit.in_channels, "hidden_act": act,
+        "layer_norm_eps": a.norm_eps,
+    }  # fmt: skip
+    if not clip:
+        vision["vision_use_head"] = "head.probe" in carried
+    return {
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "text_config": text, "vision_config": vision, "image_token_id": vit.placeholder_id,
+        "vision_feature_layer": vit.num_layers - total - 1,
+        "vision_feature_select_strategy": "default" if clip and not a.keep_class_token else "full",
+        "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
+        "tie_word_embeddings": llm.arch.tie_embeddings, "dtype": dtype, "torch_dtype": dtype,
+    }  # fmt: skip
+
+
+def hf_vlm_config(vit: ModuleSpec, llm: ModuleSpec, *, dtype: str = "float32") -> dict[str, Any]:
+    """The `config.json` of the Hugging Face VLM our `vit` and `llm` are: LLaVA (learned
+    positions), Qwen2.5-VL (window attention) or Qwen2-VL (Conv3d patches)."""
+    if vit.arch.learned_positions:
+        return hf_llava_config(vit, llm, dtype=dtype)
+    if vit.arch.window_size:
+        return hf_qwen2_5_vl_config(vit, llm, dtype=dtype)
+    return hf_qwen2_vl_config(vit, llm, dtype=dtype)
+
+
 def merged_config(ours: dict[str, Any], template: dict[str, Any] | None) -> dict[str, Any]:
     """`ours` over the Hugging Face config it came from (`template`, e.g. the imported folder's):
     what we do not model (token ids, context length, ...) is kept from the template."""
@@ -401,6 +538,8 @@ FAMILIES = {
     "qwen2": "Qwen2 / Qwen2.5 decoders (q/k/v biases)",
     "qwen3": "Qwen3 dense decoders (per-head q/k RMSNorm, explicit head_dim)",
     "qwen2_vl": "Qwen2-VL: vision tower + merger as the ViT, M-RoPE Qwen2 decoder as the LLM",
+    "qwen2_5_vl": "Qwen2.5-VL: vision tower with window attention (RMSNorm, gated MLP) + merger "
+    "as the ViT, M-RoPE Qwen2 decoder as the LLM",
     "llava": "LLaVA (base resolution): CLIP or SigLIP tower + two-layer projector as the ViT, "
     "Llama / Mistral / Qwen2 as the LLM",
 }

@@ -172,31 +172,53 @@ def _tower_layer_maps(
     return maps
 
 
+def _qwen_vision_mlp_maps(spec: ModuleSpec, ours: str, hf: str) -> list[TensorMap]:
+    """A Qwen2.5-VL vision block's gated MLP (biases too): fc1 = [gate_proj; up_proj]."""
+    maps = []
+    for leaf in ("weight", "bias"):
+        pieces = tuple(
+            Piece(f"{hf}mlp.{name}.{leaf}", 0, spec.layer.ffn) for name in ("gate_proj", "up_proj")
+        )
+        maps.append(TensorMap(f"{ours}mlp.linear_fc1.{leaf}", pieces))
+        maps.append(
+            TensorMap(f"{ours}mlp.linear_fc2.{leaf}", (Piece(f"{hf}mlp.down_proj.{leaf}"),))
+        )
+    return maps
+
+
 def vision_maps(spec: ModuleSpec, *, hf_prefix: str = "model.visual.") -> dict[str, TensorMap]:
-    """{our global name: TensorMap} of a Qwen2-VL vision tower (patch embedding, blocks, and
-    the merger: ln_q -> our final norm, mlp.0 / mlp.2 -> merger_fc1 / merger_fc2) as `spec`."""
+    """{our global name: TensorMap} of a Qwen2-VL or Qwen2.5-VL vision tower (patch embedding,
+    blocks, and the merger: ln_q -> our final norm, mlp.0 / mlp.2 -> merger_fc1 / merger_fc2)
+    as `spec` (Qwen2.5-VL's: RMSNorms without biases, a gated MLP)."""
     m, p = spec.name, hf_prefix
     kernel = (spec.in_channels, 2, spec.patch_size, spec.patch_size)
     maps = [
         TensorMap(f"{m}.pre.patch_embed.weight", (Piece(f"{p}patch_embed.proj.weight"),), kernel)
     ]
-    ours_hf = {
-        "input_layernorm": "norm1", "pre_mlp_layernorm": "norm2",
-        "self_attention.linear_proj": "attn.proj", "mlp.linear_fc1": "mlp.fc1",
-        "mlp.linear_fc2": "mlp.fc2",
-    }  # fmt: skip
+    gated = spec.layer.gated_mlp
+    norms = ("weight",) if spec.arch.normalization == "RMSNorm" else ("weight", "bias")
+    ours_hf = {"self_attention.linear_proj": "attn.proj"}
+    if not gated:
+        ours_hf.update({"mlp.linear_fc1": "mlp.fc1", "mlp.linear_fc2": "mlp.fc2"})
     maps += _tower_layer_maps(
         spec,
         f"{p}blocks.",
         ours_hf,
         lambda hf, leaf: _fused_qkv_pieces(f"{hf}attn.qkv.{leaf}", spec),
     )
+    for i in range(spec.num_layers):
+        ours, hf = f"{m}.layers.{i}.", f"{p}blocks.{i}."
+        for leaf in norms:
+            for our_name, hf_name in (("input_layernorm", "norm1"), ("pre_mlp_layernorm", "norm2")):
+                maps.append(
+                    TensorMap(f"{ours}{our_name}.{leaf}", (Piece(f"{hf}{hf_name}.{leaf}"),))
+                )
+        if gated:
+            maps += _qwen_vision_mlp_maps(spec, ours, hf)
+    for leaf in norms:
+        maps.append(TensorMap(f"{m}.post.final_norm.{leaf}", (Piece(f"{p}merger.ln_q.{leaf}"),)))
     for leaf in ("weight", "bias"):
-        for our_name, hf_name in (
-            ("final_norm", "ln_q"),
-            ("merger_fc1", "mlp.0"),
-            ("merger_fc2", "mlp.2"),
-        ):
+        for our_name, hf_name in (("merger_fc1", "mlp.0"), ("merger_fc2", "mlp.2")):
             maps.append(
                 TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{p}merger.{hf_name}.{leaf}"),))
             )
@@ -212,9 +234,10 @@ def _first_prefix(names, prefixes: tuple[str, ...], leaf: str, what: str) -> str
 
 def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
     """{our global name: TensorMap} of a LLaVA CLIP / SigLIP tower (its first
-    `spec.num_layers` layers) and projector, wherever the checkpoint keeps them (transformers
-    5's "model.vision_tower." or the Hub's "vision_tower.[vision_model.]")."""
-    m = spec.name
+    `spec.num_layers` layers and its carried tensors) and projector, wherever the checkpoint
+    keeps them (transformers 5's "model.vision_tower." or the Hub's
+    "vision_tower.[vision_model.]"). Raises ValueError naming the tower's tensors that are
+    neither read nor carried (an export could not write them back)."""
     p = _first_prefix(
         names,
         (
@@ -232,6 +255,20 @@ def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
         "linear_1.weight",
         "LLaVA model (no projector)",
     )
+    maps = llava_tower_maps(spec, tower=p, projector=proj)
+    covered = {piece.name for t in maps.values() for piece in t.pieces}
+    left = sorted(n for n in names if n.startswith(p) and n not in covered)
+    if left:
+        raise ValueError(
+            f"{len(left)} tensors of the vision tower are neither read nor carried (e.g. "
+            f"{left[:3]}): does config.json describe these weights?"
+        )
+    return maps
+
+
+def llava_tower_maps(spec: ModuleSpec, *, tower: str, projector: str) -> dict[str, TensorMap]:
+    """The maps of a LLaVA tower below `tower` and its projector below `projector`."""
+    m, p = spec.name, tower
     kernel = (spec.in_channels, spec.patch_size, spec.patch_size)
     emb = f"{p}embeddings."
     maps = [
@@ -261,9 +298,24 @@ def llava_vision_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:
     for leaf in ("weight", "bias"):
         for our_name, hf_name in (("merger_fc1", "linear_1"), ("merger_fc2", "linear_2")):
             maps.append(
-                TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{proj}{hf_name}.{leaf}"),))
+                TensorMap(f"{m}.post.{our_name}.{leaf}", (Piece(f"{projector}{hf_name}.{leaf}"),))
             )
+    for i, (name, shape) in enumerate(spec.arch.carried):
+        tail = tuple(shape[1:]) if len(shape) > 2 else None
+        maps.append(TensorMap(f"{m}.post.carried.{i}", (Piece(f"{p}{name}"),), tail))
     return _with_aliases(maps)
+
+
+def vlm_export_maps(vit: ModuleSpec, llm: ModuleSpec) -> dict[str, TensorMap]:
+    """The maps of a ViT + LLM pair under the names transformers' `save_pretrained` writes
+    (and the Hub holds): LLaVA's (learned positions), else Qwen2-VL's / Qwen2.5-VL's."""
+    if vit.arch.learned_positions:
+        text = decoder_maps(
+            llm, hf_prefix="language_model.model.", head="language_model.lm_head.weight"
+        )
+        tower = llava_tower_maps(vit, tower="vision_tower.", projector="multi_modal_projector.")
+        return {**tower, **text}
+    return {**vision_maps(vit, hf_prefix="visual."), **decoder_maps(llm, hf_prefix="model.")}
 
 
 def module_maps(spec: ModuleSpec, names) -> dict[str, TensorMap]:

@@ -130,6 +130,11 @@ class Modality:
         """Raise ValueError naming the module when `spec` lacks what this kind needs."""
         del spec, model
 
+    def norm_of(self, spec: ModuleSpec) -> str:
+        """The norm of the module's layers: the spec's (`Architecture.normalization`), else
+        this kind's default."""
+        return spec.arch.normalization or self.normalization
+
     def activation(self, spec: ModuleSpec) -> str:
         """The MLP activation: the spec's (`Architecture.activation`), else "silu" (SwiGLU) for
         gated MLPs and "gelu" for the others."""
@@ -279,7 +284,7 @@ class Modality:
 
     def layer_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> Stored:
         """What one layer keeps for backward (`stored.py`)."""
-        rms = self.normalization == "RMSNorm"
+        rms = self.norm_of(spec) == "RMSNorm"
         return transformer_layer_stored(spec.layer, w, c, rms=rms, rotary=self.rotary)
 
     def input_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
@@ -305,7 +310,7 @@ class Modality:
 
     def output_stored(self, spec: ModuleSpec, w: Work, c: CostContext) -> float:
         """Bytes the output layers keep for backward: the final norm's."""
-        rms = self.normalization == "RMSNorm"
+        rms = self.norm_of(spec) == "RMSNorm"
         return norm_stored(spec.layer.hidden, c, rms=rms).nbytes(spec.layer.hidden, w, c)
 
     def received_bytes(self, spec: ModuleSpec, w: Work, c: CostContext, *, first: bool) -> float:
@@ -346,7 +351,7 @@ class Modality:
         from megatron_dip.models.common import LayerStyle
 
         return LayerStyle(
-            normalization=self.normalization,
+            normalization=self.norm_of(spec),
             bias=self.linear_bias,
             activation=self.activation(spec),
         )
@@ -367,7 +372,7 @@ class Modality:
         )
 
         qk_norm = spec.arch.qk_norm
-        layer_spec = gpt_layer_spec(self.normalization, backend, causal=causal, qk_norm=qk_norm)
+        layer_spec = gpt_layer_spec(self.norm_of(spec), backend, causal=causal, qk_norm=qk_norm)
         layers = build_transformer_layers(
             spec=layer_spec, config=tconfig, groups=groups, start=start, end=end
         )
@@ -381,15 +386,11 @@ class Modality:
         `Architecture`: scaling, layout, M-RoPE; `models.rope.rotary_of`); the packed-sequence
         parameters and tables are cached in the batch, shared by all chunks of the
         sub-microbatch."""
-        from megatron_dip.models import attention
         from megatron_dip.models.common import cached
         from megatron_dip.models.rope import rotary_of
 
         dtype = state["hidden"].dtype
         head_dim = spec.layer.head_dim
-        packed = cached(
-            batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
-        )
         # Learned absolute positions (CLIP, SigLIP) are added to the embeddings: no rotary.
         rotary = None
         if not spec.arch.learned_positions:
@@ -402,8 +403,20 @@ class Modality:
             )
         hidden = state["hidden"]
         for layer in layers:
+            packed = self.layer_attention(spec, layer.layer_number - 1, batch)
             hidden, _ = layer(hidden, rotary_pos_emb=rotary, **packed)
         return hidden
+
+    def layer_attention(self, spec: ModuleSpec, layer: int, batch) -> dict:
+        """The packed-sequence keyword arguments of global layer `layer`'s self-attention:
+        every instance its own segment (`models.attention`), cached in the batch."""
+        from megatron_dip.models import attention
+        from megatron_dip.models.common import cached
+
+        del spec, layer
+        return cached(
+            batch, ("attention",), lambda: attention.self_attention_kwargs(batch.segments)
+        )
 
     def build_layers(self, chunk):
         """The chunk's transformer layers."""

@@ -8,12 +8,20 @@ own image only and carries a 2-D rotary position (row, column). Chunk 0 embeds t
 linear layer; the last chunk normalises, merges each window (contiguous by construction of
 `patchify_image`) and projects it with a two-layer MLP into the LLM's hidden size: one row per
 LLM image token (`scatter.scatter_name`).
+
+Window attention (Qwen2.5-VL, `Architecture.window_size`): each image's merge windows are
+reordered window by window (`window_order`) when the sub-batch is built, positions with them;
+the layers in `Architecture.full_attention_layers` attend over the whole image, the others
+within their window only (`layer_attention`), and the last chunk restores the raster order of
+the merged tokens before the merger. The cost model prices the window layers' cheaper
+attention (`layer_ops`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -97,6 +105,40 @@ def patchify_image(
     return x, np.stack([rows.reshape(-1), cols.reshape(-1)], axis=1)
 
 
+def window_units(spec: ModuleSpec) -> int:
+    """Merged tokens per side of an attention window (`Architecture.window_size` pixels)."""
+    return spec.arch.window_size // (spec.patch_size * spec.merge)
+
+
+def window_order(rows: int, cols: int, *, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """The merged tokens of a `rows` x `cols` grid (raster order) window by window: (their
+    raster indices in window order, tokens per window). Windows of `window` x `window` tokens
+    tile the grid from its top-left corner (those at the right and bottom edges are cut), in
+    raster order, each read in raster order (Qwen2.5-VL's `get_vision_window_index`)."""
+    index = np.arange(rows * cols).reshape(rows, cols)
+    blocks = [
+        index[a : a + window, b : b + window].reshape(-1)
+        for a in range(0, rows, window)
+        for b in range(0, cols, window)
+    ]
+    return np.concatenate(blocks), np.array([b.size for b in blocks], dtype=np.int64)
+
+
+def _windowed(
+    patches: np.ndarray, positions: np.ndarray, image: np.ndarray, spec: ModuleSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(patches, positions) of one image reordered window by window (`window_order` of its
+    merged tokens, each token's merge x merge patches kept together), the patches per window,
+    and the merged tokens' window-order indices (raster index of each row)."""
+    unit = spec.patch_size * spec.merge
+    order, sizes = window_order(
+        image.shape[1] // unit, image.shape[2] // unit, window=window_units(spec)
+    )
+    pool = spec.merge * spec.merge
+    rows = (order[:, None] * pool + np.arange(pool)[None, :]).reshape(-1)
+    return patches[rows], positions[rows], sizes * pool, order
+
+
 class VitModality(ScatterProducer):
     """Vision encoder (module docstring)."""
 
@@ -116,7 +158,47 @@ class VitModality(ScatterProducer):
             raise ValueError(
                 f"module {spec.name!r}: a class token needs merge 1 and learned positions"
             )
+        self.check_windows(spec)
         super().check_spec(spec, model)
+
+    def check_windows(self, spec: ModuleSpec) -> None:
+        """Window attention needs whole merged tokens per window and rotary positions."""
+        a, unit = spec.arch, spec.patch_size * spec.merge
+        if a.window_size and (a.window_size % unit or a.learned_positions):
+            raise ValueError(
+                f"module {spec.name!r}: window_size {a.window_size} must be a multiple of "
+                f"patch*merge = {unit} pixels, on a ViT with rotary positions"
+            )
+        outside = [i for i in a.full_attention_layers if not 0 <= i < spec.num_layers]
+        if outside:
+            raise ValueError(
+                f"module {spec.name!r}: full_attention_layers {outside} outside its "
+                f"{spec.num_layers} layers"
+            )
+
+    def layer_attention(self, spec: ModuleSpec, layer: int, batch) -> dict:
+        """A window layer attends within each window (`batch.windows`), the others over the
+        whole image."""
+        if not spec.arch.window_size or layer in spec.arch.full_attention_layers:
+            return super().layer_attention(spec, layer, batch)
+        from megatron_dip.models import attention
+        from megatron_dip.models.common import cached
+
+        return cached(
+            batch, ("window attention",), lambda: attention.self_attention_kwargs(batch.windows)
+        )
+
+    def layer_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
+        """One layer's operators at the module's mean attention pairs per layer: a window
+        layer's instances are its windows (at most window^2 patches each, an image's
+        `w.seg` patches at most), a full layer's its images."""
+        a = spec.arch
+        if not a.window_size:
+            return super().layer_ops(spec, w, c)
+        window = (a.window_size // spec.patch_size) ** 2
+        windowed = w.tokens * min(w.seg, window)
+        full = len(a.full_attention_layers) / spec.num_layers
+        return super().layer_ops(spec, replace(w, pairs=full * w.pairs + (1 - full) * windowed), c)
 
     def consumer_rows(self, spec: ModuleSpec, tokens: int) -> int:
         if spec.arch.class_token and not spec.arch.keep_class_token:
@@ -158,6 +240,24 @@ class VitModality(ScatterProducer):
         unit = spec.patch_size * spec.merge
         return 1, array.shape[1] // unit, array.shape[2] // unit
 
+    def profile_batch(self, spec: ModuleSpec, *, tokens: int, instances: int, caption: int):
+        """The base synthetic sub-microbatch, with windows of window^2 patches for the
+        profiled stack's window layers (its first layers: mostly window layers, where
+        `layer_ops` prices the module's mean layer)."""
+        import torch
+
+        from megatron_dip.models.batch import segment_ids
+
+        batch, extras = super().profile_batch(
+            spec, tokens=tokens, instances=instances, caption=caption
+        )
+        if spec.arch.window_size:
+            size = (spec.arch.window_size // spec.patch_size) ** 2
+            per_image = [min(size, tokens - k) for k in range(0, tokens, size)]
+            windows = segment_ids(per_image * instances, tokens * instances)
+            batch.tensors["windows"] = torch.from_numpy(windows)
+        return batch, extras
+
     # -- torch parts --------------------------------------------------------------------------
 
     def build_pre(self, chunk):
@@ -178,6 +278,16 @@ class VitModality(ScatterProducer):
             pre_norm = torch.nn.LayerNorm(m.layer.hidden, eps=a.norm_eps, dtype=chunk.dtype)
         return Parts(patch_embed=embed, positions=positions, pre_norm=pre_norm)
 
+    def build_post(self, chunk):
+        """The merger (and norm), and the frozen carried tensors (`Architecture.carried`)."""
+        from megatron_dip.models.common import carried_parameters
+
+        parts = super().build_post(chunk)
+        carried = chunk.module_spec.arch.carried
+        if carried:
+            parts.add_module("carried", carried_parameters(carried, dtype=chunk.dtype))
+        return parts
+
     def embed_media(self, chunk, batch):
         hidden = chunk.pre.patch_embed(batch.patches.to(chunk.dtype))
         if chunk.module_spec.arch.learned_positions:
@@ -188,6 +298,9 @@ class VitModality(ScatterProducer):
 
     def handed_rows(self, chunk, hidden, batch):
         a = chunk.module_spec.arch
+        if a.window_size:  # the merged tokens back in raster order (rows of `pool` patches)
+            units = hidden.reshape(-1, self.pool(chunk.module_spec), *hidden.shape[1:])
+            return units[batch.restore].reshape(hidden.shape)
         if not a.class_token or a.keep_class_token:
             return hidden
         return hidden[~batch.class_rows[: hidden.shape[0]]]  # LLaVA's "default": no class rows
@@ -214,13 +327,7 @@ class VitModality(ScatterProducer):
                 raise ValueError(
                     f"{sub.work}: image with {img.shape[0]} channels, the ViT takes {spec.in_channels}"
                 )
-        frames = patch_frames(spec)
-        pieces = [
-            patchify_image(img, patch=spec.patch_size, merge=spec.merge, frames=frames)
-            for img in images
-        ]
-        if spec.arch.learned_positions:
-            pieces = [_with_learned_positions(p, spec) for p, _ in pieces]
+        pieces, windows = _image_pieces(spec, images)
         counts = [p.shape[0] for p, _ in pieces]
         check_tokens(sub, counts, None)
         total = sub.padded_tokens
@@ -241,6 +348,8 @@ class VitModality(ScatterProducer):
                     False,
                 )
             )
+        if windows is not None:
+            tensors.update(_window_tensors(windows, total))
         return SubBatch(
             sub=sub,
             kind=self.kind,
@@ -248,6 +357,41 @@ class VitModality(ScatterProducer):
             positions=torch.from_numpy(positions.astype(np.int64)),
             tensors=tensors,
         )
+
+
+def _image_pieces(spec: ModuleSpec, images: Sequence[np.ndarray]) -> tuple[list, list | None]:
+    """([(patches, positions)] of each image as the ViT reads them, and with window attention
+    each image's (patches per window, merged tokens' raster indices) (None without)."""
+    frames = patch_frames(spec)
+    pieces = [
+        patchify_image(img, patch=spec.patch_size, merge=spec.merge, frames=frames)
+        for img in images
+    ]
+    if spec.arch.learned_positions:
+        return [_with_learned_positions(p, spec) for p, _ in pieces], None
+    if not spec.arch.window_size:
+        return pieces, None
+    done = [_windowed(p, pos, img, spec) for (p, pos), img in zip(pieces, images, strict=True)]
+    return [(p, pos) for p, pos, _, _ in done], [(sizes, order) for _, _, sizes, order in done]
+
+
+def _window_tensors(windows: list, total: int) -> dict:
+    """The sub-batch's "windows" (attention segment of every token: its window, padding -1)
+    and "restore" (the merged rows in window order -> raster order, image after image)."""
+    import torch
+
+    from megatron_dip.models.batch import segment_ids
+
+    sizes = [int(n) for per_image, _ in windows for n in per_image]
+    restore, offset = [], 0
+    for _, order in windows:
+        restore.append(offset + np.argsort(order))
+        offset += order.size
+    restore = np.concatenate(restore) if restore else np.zeros(0, np.int64)
+    return {
+        "windows": torch.from_numpy(segment_ids(sizes, total)),
+        "restore": torch.from_numpy(restore.astype(np.int64)),
+    }
 
 
 def _with_learned_positions(patches: np.ndarray, spec: ModuleSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ from `parallel_state`) applies. Process groups are passed explicitly.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,23 @@ class LearnedPositions(torch.nn.Module):
         if self.class_embedding is not None:
             x = torch.where(class_rows[:, None], self.class_embedding.to(x.dtype), x)
         return x + self.weight[index]
+
+
+def carried_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """How a carried tensor (`Architecture.carried`) is held: as it is up to 2-D, else with
+    its trailing dims flattened (what `hf.weights` reads and writes back)."""
+    if len(shape) <= 2:
+        return tuple(shape)
+    return (shape[0], math.prod(shape[1:]))
+
+
+def carried_parameters(carried, *, dtype: torch.dtype) -> torch.nn.ParameterList:
+    """Frozen parameters holding a module's carried Hugging Face tensors, in order (the
+    checkpoints keep them; no optimizer or gradient sees them)."""
+    return torch.nn.ParameterList(
+        torch.nn.Parameter(torch.empty(carried_shape(shape), dtype=dtype), requires_grad=False)
+        for _, shape in carried
+    )
 
 
 class Parts(torch.nn.Module):

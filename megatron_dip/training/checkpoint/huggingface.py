@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dip.hf.config import hf_qwen2_vl_config, hf_text_config, merged_config
-from megatron_dip.hf.names import decoder_maps, module_maps, vision_maps
+from megatron_dip.hf.config import hf_text_config, hf_vlm_config, merged_config
+from megatron_dip.hf.names import decoder_maps, module_maps, vlm_export_maps
 from megatron_dip.hf.weights import SafetensorsFolder, fill_chunk, hf_tensors
 from megatron_dip.models.init import global_param_name
 from megatron_dip.modelspec import MultimodalSpec, module_from_record
@@ -198,24 +198,22 @@ def _hf_shapes(maps, ours: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]
 
 def _export_layout(model: MultimodalSpec, modules: list[str], *, dtype: str) -> tuple[dict, dict]:
     """(tensor maps, config.json) of the exported `modules`: one text module as a Llama /
-    Mistral / Qwen2 / Qwen3 model, or a ViT + LLM as a Qwen2-VL model."""
+    Mistral / Qwen2 / Qwen3 model, or a ViT + LLM as a Qwen2-VL, Qwen2.5-VL or LLaVA model."""
     specs = [model.module(m) for m in modules]
     vits = [s for s in specs if s.kind == "vit"]
     texts = [s for s in specs if s.kind in ("llm", "text_encoder")]
     if len(texts) != 1 or len(vits) > 1 or len(specs) != len(texts) + len(vits):
         raise ValueError(
-            f"export {modules}: one LLM or text encoder, and with a ViT the Qwen2-VL pair, "
+            f"export {modules}: one LLM or text encoder, and with a ViT the VLM's pair, "
             "is what a Hugging Face folder holds"
         )
     text = texts[0]
     if not vits:
         prefix = "model." if text.kind == "llm" else ""
         return decoder_maps(text, hf_prefix=prefix), hf_text_config(text, dtype=dtype)
-    if text.kind != "llm" or vits[0].arch.patch_embedding != "conv3d":
-        raise ValueError("export: a ViT is written as Qwen2-VL's vision tower (conv3d patches)")
-    # The names on disk (what transformers' save_pretrained writes and the Hub holds).
-    maps = {**vision_maps(vits[0], hf_prefix="visual."), **decoder_maps(text, hf_prefix="model.")}
-    return maps, hf_qwen2_vl_config(vits[0], text, dtype=dtype)
+    if text.kind != "llm":
+        raise ValueError(f"export {modules}: a ViT is written with the LLM it feeds")
+    return vlm_export_maps(vits[0], text), hf_vlm_config(vits[0], text, dtype=dtype)
 
 
 def saved_model(path: Path, flags: MultimodalSpec | None, modules: list[str]) -> MultimodalSpec:

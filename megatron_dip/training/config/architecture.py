@@ -14,7 +14,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron_dip.hf.config import FIELDS_OF_KIND, describes, parse_hf_config_flag, read_config
+from megatron_dip.hf.config import (
+    FIELDS_OF_KIND,
+    TEXT_MODEL_TYPES,
+    VLM_MODEL_TYPES,
+    describes,
+    parse_hf_config_flag,
+    read_config,
+)
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec, RopeScaling
 
 from .arguments import TrainConfig
@@ -75,7 +82,8 @@ def hf_folders(config: TrainConfig, model: MultimodalSpec) -> dict[str, str]:
                 what = f"module {name!r} ({modules[0].kind})" if name else "any module of the model"
                 raise ValueError(
                     f"{folder}: a {hf.get('model_type')!r} config does not describe {what} "
-                    "(read: llm and text_encoder from llama / qwen2 / qwen2_vl, vit from qwen2_vl)"
+                    f"(read: llm and text_encoder from {' / '.join(TEXT_MODEL_TYPES + VLM_MODEL_TYPES)}, "
+                    f"vit from {' / '.join(VLM_MODEL_TYPES)})"
                 )
             for target in targets:
                 out.setdefault(target.name, folder)
