@@ -48,7 +48,7 @@ from .optim import build_optimizer, build_scheduler
 from .planning import DipPlans, stock_plan
 from .save_lock import SaveLockedError, hold_save_lock
 from .setup import ParallelContext, initialize, pipeline_peers, warm_up_pipeline
-from .step import DipStep, StepResult, run_stock, scale_gradients
+from .step import DipStep, StepResult, finish_stock_gradients, run_stock
 from .validate import RunSpec
 
 logger = logging.getLogger("megatron_dip.training")
@@ -252,8 +252,8 @@ class Trainer:
         self.model.zero_grad()
         self.optimizer.zero_grad()
         batch, plan, variant, result, stats = self._forward_backward(self.stream, evaluation=False)
-        if self.spec.is_stock and self.spec.config.model.calculate_per_token_loss:
-            scale_gradients(self.model, 1.0 / max(stats.loss_tokens, 1.0))
+        if self.spec.is_stock:
+            finish_stock_gradients(self.spec, self.model, stats.loss_tokens)
         with self.ctx.watch.phase("optimizer step", group=self.ctx.mp, group_name="model group"):
             ok, norm, _ = self.optimizer.step()
         self.scheduler.step(1)
