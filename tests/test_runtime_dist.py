@@ -345,3 +345,29 @@ def test_a_stalled_rank_makes_every_rank_fail_naming_instruction_peer_and_tensor
     assert stalled["key"] in posted
     assert f"rank 0: instruction {stalled['index']}" in stalled["message"]
     assert stalled["seconds"] < STALL_S + 2 * STALL_TIMEOUT_S + 5
+
+
+def print_held_table() -> None:
+    """The activation peaks of `test_sent_outputs_are_freed_and_the_held_peak_drops`, per rank
+    (`python tests/test_runtime_dist.py`; runs the PP=2 launch and the PP=4 part of the other)."""
+    for size, results, prefix in (
+        (2, run_world(world_size=2, target="test_runtime_faults:world2", timeout=1200), ""),
+        (
+            4,
+            run_world(
+                world_size=4, target="test_runtime_scenarios:world4", kwargs={"parts": ("pp",)},
+                timeout=1200,
+            ),
+            "pp4_",
+        ),
+    ):  # fmt: skip
+        for rank, res in enumerate(results):
+            kept, freed = res[f"{prefix}held_vlm_kept"]["peak"], res[f"{prefix}held_vlm_freed"]
+            print(
+                f"PP={size} rank {rank}: kept {kept} B, freed {freed['peak']} B "
+                f"({100 * (freed['peak'] - kept) / kept:+.2f}%), {freed['freed_bytes']} B freed"
+            )
+
+
+if __name__ == "__main__":
+    print_held_table()
