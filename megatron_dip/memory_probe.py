@@ -13,11 +13,16 @@ the plan's recompute mode through the runtime's own `run_chunk`) and records, fo
 sub-microbatch), the measured bytes and the cost model's `chunk_activation_bytes`. The memory
 test (`tests/test_memory_model.py`) compares them per module and recompute mode; the GPU check
 (`scripts/gpu_check.sh`) puts the same prediction next to `torch.cuda.max_memory_allocated`.
+
+`HeldActivations` measures the same kind of bytes on the runtime itself: what one rank's
+`Executor` holds between instructions (autograd's saved tensors, its buffers, the transport's
+messages), and the peak; the runtime tests compare it with sent outputs freed and kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -183,3 +188,69 @@ def measure_model(
     pipe.recompute, pipe.cost_model, pipe.records = recompute, cost_model, []
     pipe.forward_backward(microbatches, sizes=sizes)
     return pipe.records
+
+
+class HeldActivations:
+    """The activation bytes one rank's `Executor` holds between instructions, and their peak.
+
+    Counted after every instruction, each storage once: what autograd saved for the pending
+    backwards (weak references taken by a `saved_tensors_hooks` pack hook while the program
+    runs, so a freed graph stops counting), what the executor keeps for them (the inputs and
+    outputs of its pending forwards), its local messages and the transport's messages in flight
+    or received. Parameters are left out. Used as a context manager around `executor.run()`
+    (it wraps the executor's per-instruction step); `peak` is the largest count, `samples` all.
+    """
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.samples: list[int] = []
+        self._saved: list = []
+        self._params = {_storage_key(p) for c in executor.chunks.values() for p in c.parameters()}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            self._saved.append(weakref.ref(t))
+        return t
+
+    def __enter__(self) -> HeldActivations:
+        step = self.executor._after
+
+        def after(index, ins) -> None:
+            step(index, ins)
+            self.samples.append(self.count())
+
+        self.executor._after = after
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        del self.executor._after
+
+    def _held(self) -> Iterator[torch.Tensor]:
+        ex = self.executor
+        for ref in self._saved:
+            t = ref()
+            if t is not None:
+                yield t
+        for saved in ex._saved.values():
+            yield from _tensors([m for _, m in saved.inputs])
+            yield from _tensors(saved.outputs)
+        yield from _tensors(ex._messages)
+        for name in ("_sending", "_received"):
+            yield from _tensors(getattr(ex.transport, name, {}))
+
+    def count(self) -> int:
+        """Bytes held now (class docstring)."""
+        seen: dict = {}
+        for t in self._held():
+            key = _storage_key(t)
+            if key not in self._params and key not in seen:
+                seen[key] = t.untyped_storage().nbytes()
+        self._saved = [r for r in self._saved if r() is not None]
+        return sum(seen.values())

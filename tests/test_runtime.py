@@ -6,6 +6,8 @@ is a local hand-over), fp64 tiny models; the multi-process behaviour is in test_
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import test_runtime_setups as st
@@ -21,7 +23,13 @@ from megatron_dip.runtime import executor as executor_mod
 from megatron_dip.runtime.data import SampleBatchSource
 from megatron_dip.runtime.executor import ExecutorConfig, check_handlers
 from megatron_dip.runtime.gradsync import grad_sync_points
-from megatron_dip.runtime.loss import LossConfig, loss_weight
+from megatron_dip.runtime.loss import (
+    LossConfig,
+    loss_weight,
+    megatron_loss_func,
+    microbatch_mean_scale,
+    per_token_scale,
+)
 from megatron_dip.runtime.p2p import MessageError, PipelineP2P
 from megatron_dip.runtime.recompute import run_chunk
 from megatron_dip.runtime.stock import pack_message, unpack_message
@@ -215,6 +223,37 @@ def test_loss_weight_formulas():
         loss_weight(totals=totals, microbatch_tokens=0, per_token=False, reduction_averages=False)
         == 0.25
     )
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_stock_and_dip_share_one_normalisation(per_token):
+    """What Megatron-Core's schedules make of the stock path's loss function
+    (`forward_step_calc_loss`) is the loss sum times `microbatch_mean_scale`, the per-microbatch
+    factor of DIP's `loss_weight`; with a per-token loss it leaves the sum, which both paths
+    scale by `per_token_scale` of the global batch's tokens (DIP before the backward, stock
+    after the schedule)."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
+
+    loss_sum, tokens, m = torch.tensor(7.5, dtype=torch.float64), torch.tensor(12), 4
+    reports: list = []
+    out, num_tokens = forward_step_calc_loss(
+        None, loss_sum.clone(), functools.partial(megatron_loss_func, tokens, "lm loss"),
+        SimpleNamespace(calculate_per_token_loss=per_token, timers=None), None, False, m,
+        reports, cp_group_size=1, is_last_stage=True,
+    )  # fmt: skip
+    assert int(num_tokens) == 12
+    assert reports[0]["lm loss"].tolist() == [7.5, 12.0]  # the report DIP's LossTracker gives
+    totals = BatchTotals(num_microbatches=m, num_samples=9, num_loss_tokens=100)
+    dip = loss_weight(
+        totals=totals, microbatch_tokens=12, per_token=per_token, reduction_averages=True
+    )
+    if per_token:
+        assert float(out) == 7.5 and dip == per_token_scale(100) == 1 / 100
+    else:
+        assert float(out) == pytest.approx(7.5 * microbatch_mean_scale(m, 12), rel=1e-15)
+        assert dip == microbatch_mean_scale(m, 12)
 
 
 # -- executor on real chunks ----------------------------------------------------------------------

@@ -136,6 +136,24 @@ def test_pp2_megatron_orders_match_megatron_and_reference(world2, ours, stock):
     np.testing.assert_allclose(reports(world2, ours), reports(world2, stock), rtol=1e-12)
 
 
+def test_sent_outputs_are_freed_and_the_held_peak_drops(world2, world4):
+    """Two chunks per rank per module: with sent outputs freed once their sends completed (data
+    a placeholder, autograd graph kept) every rank's activation peak is lower than with them
+    kept until their backward, and the gradients are still
+    the reference's; every pipeline scenario ran with them freed (the checks above)."""
+    for results, prefix in ((world2, ""), (world4, "pp4_")):
+        kept, freed = f"{prefix}held_vlm_kept", f"{prefix}held_vlm_freed"
+        check_grads(results, freed)
+        check_loss(results, freed)
+        for res in results:
+            assert res[kept]["freed_bytes"] == 0
+            assert res[freed]["peak"] <= res[kept]["peak"]
+        lower = [res[freed]["peak"] < res[kept]["peak"] for res in results]
+        sent = [res[freed]["freed_bytes"] > 0 for res in results]
+        assert all(sent) and lower == sent  # every rank sends to the next chunk's rank
+        assert results[0][f"{prefix}vlm_seg_v1"]["freed_bytes"] > 0  # the default
+
+
 def test_pp2_message_swap_would_be_silent_and_wrong(world2):
     """The PP=2 trap is live in this data: Megatron's batched p2p at PP=2 interleaved swaps
     activations and gradients of the same shape and silently gives other gradients. Our
@@ -249,22 +267,28 @@ def test_each_chunk_reduction_starts_at_its_own_last_backward(world4, name):
     assert overlapped > 0  # reductions overlap the rest of the schedule
 
 
-def test_drop_in_runs_with_agreement_channels_and_timing(world4):
-    """Megatron's drop-in signature (`dip_forward_backward`) at PP=2 x DP=2 runs on the same
-    `RankRuntime` as the training loop: the reference gradients and the executor path's loss
-    reports; messages on per-pair channels; one timing span per compute instruction, in program
-    order; and a plan that only replica 1 rejects is refused by replica 0 as well (the verdict
-    is agreed over the replica group) before anything is sent."""
+def test_drop_in_installed_in_megatron_core_gives_reference_loss_and_gradients(world4):
+    """DIP installed as Megatron-Core's schedule (`installed`) and called as Megatron-LM's
+    `evaluate` and `train_step` call `get_forward_backward_func()` at PP=2 x DP=2: the
+    reference gradients (the forward-only call before left them alone), the executor path's
+    loss reports (the evaluation's too), Megatron's function restored afterwards; messages on
+    per-pair channels; one timing span per compute instruction, in program order; and a plan
+    that only replica 1 rejects is refused by replica 0 as well (the verdict is agreed over the
+    replica group) before anything is sent."""
     name = "dropin_dp2_vlm"
     check_grads(world4, name)
     for res in world4:
         got = res[name]
+        assert got["installed"] == [True, True] and got["restored"]
         assert got["timed"] == got["compute"] and len(got["spans"]) == len(got["compute"])
-        assert got["channels"] == ["per_peer_channel"] and got["messages"][0] > 0
+        assert got["eval_timed"] == got["eval_forwards"] > 0
+        assert got["channels"] == ["per_peer_channel"] and got["messages"][1] > 0
     ours = [res[name]["reports"] for res in world4 if res[name]["reports"]]
+    evaluated = [res[name]["eval_reports"] for res in world4 if res[name]["eval_reports"]]
     theirs = [res["dp2_vlm"]["reports"] for res in world4 if res["dp2_vlm"]["reports"]]
     assert len(ours) == 2  # one loss rank per replica
     np.testing.assert_allclose(np.concatenate(ours), np.concatenate(theirs), rtol=1e-12)
+    np.testing.assert_allclose(np.concatenate(evaluated), np.concatenate(theirs), rtol=1e-12)
     rejected = [res[f"{name}_reject"] for res in world4]  # rank = 2 * replica + pp_rank
     assert [r["rejected"] for r in rejected] == ["PlanRejectedError"] * 2 + ["PlanError"] * 2
     for r, glob in zip(rejected[:2], (2, 3)):
@@ -321,3 +345,29 @@ def test_a_stalled_rank_makes_every_rank_fail_naming_instruction_peer_and_tensor
     assert stalled["key"] in posted
     assert f"rank 0: instruction {stalled['index']}" in stalled["message"]
     assert stalled["seconds"] < STALL_S + 2 * STALL_TIMEOUT_S + 5
+
+
+def print_held_table() -> None:
+    """The activation peaks of `test_sent_outputs_are_freed_and_the_held_peak_drops`, per rank
+    (`python tests/test_runtime_dist.py`; runs the PP=2 launch and the PP=4 part of the other)."""
+    for size, results, prefix in (
+        (2, run_world(world_size=2, target="test_runtime_faults:world2", timeout=1200), ""),
+        (
+            4,
+            run_world(
+                world_size=4, target="test_runtime_scenarios:world4", kwargs={"parts": ("pp",)},
+                timeout=1200,
+            ),
+            "pp4_",
+        ),
+    ):  # fmt: skip
+        for rank, res in enumerate(results):
+            kept, freed = res[f"{prefix}held_vlm_kept"]["peak"], res[f"{prefix}held_vlm_freed"]
+            print(
+                f"PP={size} rank {rank}: kept {kept} B, freed {freed['peak']} B "
+                f"({100 * (freed['peak'] - kept) / kept:+.2f}%), {freed['freed_bytes']} B freed"
+            )
+
+
+if __name__ == "__main__":
+    print_held_table()

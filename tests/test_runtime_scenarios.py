@@ -23,6 +23,7 @@ from test_runtime_workers import (
     reference,
     run_dropin,
     run_executor,
+    run_held,
     run_stock,
     singles,
 )
@@ -88,6 +89,22 @@ def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     splan = broadcast_plan(lambda: st.dip_plan(vlm, spl, memory_limit=DIP_MEMORY[p]), g.pp)
     guarded(f"{tag}vlm_dip_static", out, lambda: run_executor(vlm, spl, splan, g))
     _omni_pipeline(out, g, p, tag)
+    _held_activations(out, g, tag, [(vlm, pl2)])
+
+
+def _held_activations(out: dict, g: Groups, tag: str, cases) -> None:
+    """Segment plans (two chunks per rank per module, no recompute) with sent outputs kept until
+    their backward and freed once sent: the activation bytes held, at their peak."""
+    for batch, placement in cases:
+        plan = st.segment_plan(batch, placement)
+        for deallocate, name in ((False, "kept"), (True, "freed")):
+            guarded(
+                f"{tag}held_{batch.kind}_{name}",
+                out,
+                lambda b=batch, pl=placement, q=plan, d=deallocate: run_held(
+                    b, pl, q, g, deallocate=d
+                ),
+            )
 
 
 def _omni_pipeline(out: dict, g: Groups, p: int, tag: str) -> None:

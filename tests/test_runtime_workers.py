@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import test_runtime_setups as st
@@ -28,6 +28,7 @@ from megatron_dip.schedule import (
     Forward,
     Placement,
     Plan,
+    build_segment_plan,
     plan_from_bytes,
     plan_to_bytes,
 )
@@ -144,10 +145,17 @@ def run_dropin(
     *,
     pipelines: Sequence[Sequence[int]],
 ) -> dict[str, Any]:
-    """`plan` through Megatron's drop-in signature (`dip_forward_backward`) on DDP-wrapped
-    chunks, its `DipSchedule` naming the replica group (plan agreement), per-pair channels of
-    `pipelines` (every pipeline of the job) and a span recorder (timing)."""
-    from megatron_dip.runtime.forward_backward import DipSchedule, dip_forward_backward
+    """DIP installed as Megatron-Core's schedule (`forward_backward.installed`) and called as
+    Megatron-LM calls it: `get_forward_backward_func()` from `megatron.core.pipeline_parallel`,
+    then the returned function with `train_step`'s keywords, the plans coming from the
+    schedule's plan provider: first a forward-only evaluation (as Megatron-LM's `evaluate`),
+    then the training iteration of `plan`, on DDP-wrapped chunks. The `DipSchedule` names the
+    replica group (plan agreement), per-pair channels of `pipelines` (every pipeline of the job)
+    and a span recorder (timing)."""
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_dip.runtime.forward_backward import DipSchedule, installed
     from megatron_dip.runtime.p2p import PipelineP2P
     from megatron_dip.runtime.timing import SpanRecorder
 
@@ -159,11 +167,14 @@ def run_dropin(
         transports.append(PipelineP2P(**kwargs))
         return transports[-1]
 
+    evaluation = _forward_only(batch, placement, plan)
+    plans = iter([evaluation, plan])
     schedule = DipSchedule(
         model=batch.model,
         placement=placement,
         pp_group=groups.pp,
         seed=st.SEED,
+        plan_provider=lambda: next(plans),
         shape=ParallelShape(dtype=st.CFG.dtype),
         tensor_fn=batch.tensor_fn,
         tp_group=groups.tp,
@@ -172,28 +183,73 @@ def run_dropin(
         on_instruction=recorder,
         transport=transport,
     )
-    reports = dip_forward_backward(
-        forward_step_func=None,
-        data_iterator=iter(batch.microbatches),
-        model=chunks,
-        num_microbatches=len(plan.microbatches),
-        seq_length=st.SEQ,
-        micro_batch_size=1,
-        schedule=schedule,
-        plan=plan,
-    )
-    spans, ops = recorder.take()
+    original = pipeline_parallel.get_forward_backward_func
+    with installed(schedule):
+        replaced = [
+            getattr(m.get_forward_backward_func, "__dip__", False)
+            for m in (pipeline_parallel, schedules)
+        ]
+        evaluated = _as_megatron_lm_calls_it(batch, chunks, forward_only=True)
+        eval_spans, _ = recorder.take()
+        reports = _as_megatron_lm_calls_it(batch, chunks, forward_only=False)
     program = plan.program(groups.pp.rank()).instructions
+    spans, ops = recorder.take()
     return {
         "grads": grads_of(chunks),
         "reports": [r["lm loss"].numpy() for r in reports],
+        "eval_reports": [r["lm loss"].numpy() for r in evaluated],
+        "eval_timed": len(eval_spans),
+        "eval_forwards": sum(
+            isinstance(i, Forward) for i in evaluation.program(groups.pp.rank()).instructions
+        ),
         "objective": None,
+        "installed": replaced,
+        "restored": pipeline_parallel.get_forward_backward_func is original,
         "spans": [label for label, *_ in spans],
         "compute": [str(i) for i in program if isinstance(i, (Forward, Backward))],
         "timed": [str(ins) for ins, _ in ops],
-        "channels": [t.channel.__name__ for t in transports],
+        "channels": sorted({t.channel.__name__ for t in transports}),
         "messages": [t.messages_posted for t in transports],
     }
+
+
+def _forward_step_func(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("DIP's chunks compute their own loss: forward_step_func is not called")
+
+
+def _as_megatron_lm_calls_it(
+    batch: st.Batch, chunks: Sequence[torch.nn.Module], *, forward_only: bool
+) -> list[dict[str, torch.Tensor]]:
+    """Megatron-LM's `train_step` (and, forward-only, `evaluate`): the schedule function from
+    `get_forward_backward_func()`, called with its keywords."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward_func = get_forward_backward_func()
+    return forward_backward_func(
+        forward_step_func=_forward_step_func,
+        data_iterator=iter(batch.microbatches),
+        model=list(chunks),
+        num_microbatches=len(batch.microbatches),
+        seq_length=st.SEQ,
+        micro_batch_size=1,
+        decoder_seq_length=None,
+        forward_only=forward_only,
+        adjust_tensor_shapes_fn=None,
+    )
+
+
+def _forward_only(batch: st.Batch, placement: Placement, plan: Plan) -> Plan:
+    """The forward-only segment plan of `plan`'s batch and replica (an evaluation step)."""
+    evaluation = build_segment_plan(
+        placement=placement,
+        microbatches=batch.infos,
+        submicrobatches=batch.subs,
+        dependencies=batch.deps,
+        totals=batch.totals,
+        tensors=batch.tensor_fn(),
+        forward_only=True,
+    )
+    return replace(evaluation, replica=plan.replica)
 
 
 def run_executor(
@@ -221,6 +277,7 @@ def run_executor(
         "grads": grads_of(chunks),
         "reports": [r["lm loss"].numpy() for r in result.reports],
         "objective": result.objective,
+        "freed_bytes": result.freed_bytes,
         "leftovers": result.leftovers,
         "messages": result.messages,
         "recompute": count_recompute(plan, groups.pp.rank()),
@@ -241,6 +298,28 @@ def run_executor(
                 if t.name == "hidden"
             }
         ),
+    }
+
+
+def run_held(
+    batch: st.Batch, placement: Placement, plan: Plan, groups: Groups, *, deallocate: bool
+) -> dict[str, Any]:
+    """`plan` on this rank's `RankRuntime` with sent outputs freed or kept
+    (`ExecutorConfig.deallocate_sent_outputs`), the activation bytes it holds measured after
+    every instruction (`memory_probe.HeldActivations`)."""
+    from megatron_dip.memory_probe import HeldActivations
+
+    chunks = _trained_chunks(batch, placement, groups, ddp=False)
+    config = ExecutorConfig(deallocate_sent_outputs=deallocate)
+    runtime = st.rank_runtime(batch, placement, chunks, pp_group=groups.pp, config=config)
+    executor = runtime._executor(plan, batch.by_index)  # the executor RankRuntime.run runs
+    with HeldActivations(executor) as held:
+        result = executor.run()
+    return {
+        "grads": grads_of(chunks),
+        "objective": result.objective,
+        "peak": held.peak,
+        "freed_bytes": result.freed_bytes,
     }
 
 

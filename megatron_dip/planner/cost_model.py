@@ -289,7 +289,10 @@ class CostModel:
         whole chunk call, output layers included). Otherwise the layers' stored tensors (less
         the attention cores' under SELECTIVE; BLOCK N and UNIFORM N: `_layers_stored`), what all
         its layers share, and the input / output layers' own; a received hidden state is the
-        first layer's input, counted once.
+        first layer's input, counted once. The chunk's own output is not counted: sent to another
+        rank, its data is freed once the send completed (the runtime keeps only its autograd
+        node, as Megatron's `deallocate_output_tensor` does); handed over on the rank, it is the
+        next chunk's received message.
         """
         spec = self.model.module(chunk.module)
         modality, w, c = modality_of(spec), self._work(sub), self._ctx

@@ -6,8 +6,10 @@ Semantics are those of `schedule/ir.py`. One handler per instruction type, regis
 Buffers. An activation or gradient *message* (`MessageKey`) is held from the compute producing it
 until the compute consuming it (a local hand-over when both chunks are on this rank) or until its
 Send completed. A Forward that will be differentiated keeps its inputs (as fresh autograd leaves)
-and outputs by `StageId` until its Backward, which frees them. `leftovers()` lists whatever is
-still held; after a complete iteration it is empty (tested).
+and outputs by `StageId` until its Backward, which frees them; an output sent to another rank
+keeps only its autograd node once its sends completed (its data is freed, as Megatron's
+`deallocate_output_tensor` does: `sent_outputs.py`). `leftovers()` lists whatever is still held;
+after a complete iteration it is empty (tested).
 
 Forward calls the chunk with `inputs=` (one dict per producer message, in producer order) and
 `batch=` (the sub-microbatch's inputs from the `BatchSource`). Backward runs
@@ -77,6 +79,8 @@ from .iteration import IterationResult
 from .loss import LossConfig, LossTracker, reduction_averages
 from .p2p import P2PConfig, check_message
 from .recompute import run_chunk
+from .sent_outputs import SentOutputs, handover, release
+from .sent_outputs import backward as engine_backward
 from .stalls import NoWatch, PhaseWatch
 from .timing import InstructionClock, InstructionHook
 from .transport import Transport
@@ -114,6 +118,8 @@ class ExecutorConfig:
     produced message is checked against the plan's shapes as it is produced; each instruction
     is logged with its duration. `validate`: run `validate_plan` (deadlock check included)
     before communicating. `nvtx`: NVTX range per instruction when CUDA is available.
+    `deallocate_sent_outputs`: free a chunk output's data once all its sends completed, keeping
+    its autograd graph (`sent_outputs.py`; Megatron's `deallocate_pipeline_outputs`).
     """
 
     p2p: P2PConfig = field(default_factory=P2PConfig)
@@ -121,6 +127,7 @@ class ExecutorConfig:
     debug: bool = False
     validate: bool = True
     nvtx: bool = True
+    deallocate_sent_outputs: bool = True
 
 
 @dataclass
@@ -130,6 +137,8 @@ class _Saved:
     inputs: list[tuple[MessageKey, dict[str, torch.Tensor]]]
     outputs: dict[str, torch.Tensor]
     root: torch.Tensor | None = None  # the weighted loss of a loss stage
+    shapes: dict[str, torch.Size] = field(default_factory=dict)  # of outputs, before freeing
+    freed: bool = False  # outputs freed after their sends (`sent_outputs.release`)
 
 
 class Executor:
@@ -204,6 +213,8 @@ class Executor:
         self._messages: dict[MessageKey, dict[str, torch.Tensor]] = {}
         self._saved: dict[StageId, _Saved] = {}
         self._sync_log: list[tuple[int, tuple[str, int]]] = []
+        self._sent = SentOutputs()
+        self.freed_bytes = 0  # sent outputs' data freed before their backward (this run)
 
     def _checked_and_agreed(
         self,
@@ -278,6 +289,7 @@ class Executor:
             ended=time.time(),
             leftovers=left,
             channel=self.transport.channel,
+            freed_bytes=self.freed_bytes,
         )
 
     def _run_instructions(self, clock: InstructionClock | None) -> None:
@@ -357,12 +369,22 @@ class Executor:
         if self.config.debug:
             keys = [op.key for _, op in indexed]
             self.transport.wait(keys, where=f"instruction {first} (debug wait)", index=first)
+            self._sends_completed(keys)
         return end - first
 
     def _wait(self, index: int, ins: Wait) -> int:
         where = f"instruction {index} (Wait for {len(ins.keys)} message(s))"
         self.transport.wait(ins.keys, where=where, index=index)
+        self._sends_completed(ins.keys)
         return 1
+
+    def _sends_completed(self, keys: Iterable[MessageKey]) -> None:
+        """Free the outputs of the stages whose every remote message has now been sent."""
+        for stage in self._sent.completed(keys):
+            saved = self._saved.get(stage)
+            if saved is not None:
+                self.freed_bytes += release(saved.outputs)
+                saved.freed = True
 
     def _take(self, key: MessageKey, index: int) -> dict[str, torch.Tensor]:
         found = self._messages.pop(key, None)  # a local hand-over (remote ones never are here)
@@ -426,22 +448,41 @@ class Executor:
             keys = self.df.forward_outputs(stage)
             if not keys:
                 raise PlanError(f"rank {self.rank}: {stage} returns no loss and feeds nothing")
+            if train:
+                saved.outputs = self._handed_over(stage, keys, outputs)
             for key in keys:
-                self._produce(index, key, {n: t.detach().contiguous() for n, t in outputs.items()})
+                self._produce(
+                    index, key, {n: t.detach().contiguous() for n, t in saved.outputs.items()}
+                )
         if train:
+            saved.shapes = {n: t.shape for n, t in saved.outputs.items()}
             self._saved[stage] = saved
         return 1
+
+    def _handed_over(
+        self, stage: StageId, keys: Sequence[MessageKey], outputs: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """`outputs` to keep for the backward: when some go to other ranks, hand-overs that are
+        freed once those sends complete (`sent_outputs.py`); else the outputs themselves."""
+        remote = [k for k in keys if self.df.receiver_of(k) != self.rank]
+        if not remote or not self.config.deallocate_sent_outputs:
+            return outputs
+        self._sent.expect(stage, remote)
+        return handover(outputs)
 
     def _backward(self, index: int, ins: Backward) -> int:
         stage = ins.stage
         saved = self._saved.pop(stage, None)
         if saved is None:
             raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no forward state")
+        self._sent.forget(stage)
         roots, grads = self._roots(index, stage, saved)
         chunk = self._chunk(stage)
         sync = chunk.no_sync() if _is_ddp(chunk) else contextlib.nullcontext()
         with sync:
-            if roots:
+            if roots and saved.freed:
+                engine_backward(roots, grads)
+            elif roots:
                 torch.autograd.backward(roots, grads)
         for key, leaves in saved.inputs:
             grad_key = MessageKey(MessageKind.GRADIENT, key.producer, stage)
@@ -462,10 +503,10 @@ class Executor:
                         f"rank {self.rank}: instruction {index}: gradient {name!r} of {key} "
                         f"for an output {stage} does not have"
                     )
-                if self.config.debug and g.shape != saved.outputs[name].shape:
+                if self.config.debug and g.shape != saved.shapes[name]:
                     raise MessageError(
                         f"rank {self.rank}: instruction {index}: gradient {name!r} of {key} is "
-                        f"{tuple(g.shape)}, the output is {tuple(saved.outputs[name].shape)}"
+                        f"{tuple(g.shape)}, the output is {tuple(saved.shapes[name])}"
                     )
                 total[name] = g if name not in total else total[name] + g
         pairs = [(saved.outputs[n], g) for n, g in total.items() if saved.outputs[n].requires_grad]

@@ -18,9 +18,13 @@ Differences from Megatron's functions, by design:
   `parallel_state` / `model[0]`, `model[-1]`, which do not describe a DIP placement.
 
 The iteration runs on the schedule's `RankRuntime` (rank.py; one per chunk list and sequence
-length, built on first use), exactly as the training loop runs it: the plan verdict agreed over
-the pipeline group and, when the schedule names them, the tensor-parallel and replica groups;
-messages on per-pair channels when given; the schedule's timing hook per instruction.
+length, built on first use): the plan verdict agreed over the pipeline group and, when the
+schedule names them, the tensor-parallel and replica groups; messages on per-pair channels when
+given; the schedule's timing hook per instruction. The training loop's step
+(`training.step.DipStep`) is one user of this function, called exactly as Megatron-LM's
+`train_step` calls `forward_backward_func`; its batch sources, message shapes, transport and
+stall watch are the schedule's factories and fields, and what Megatron's signature cannot return
+(timings, the channel model, the objective) is the schedule's `last_result`.
 
 `install(schedule)` replaces `get_forward_backward_func` in `megatron.core.pipeline_parallel`,
 its `schedules` module and every already imported module holding a reference to it (e.g.
@@ -47,14 +51,15 @@ from .checks import TensorFn
 from .data import SampleBatchSource
 from .executor import ExecutorConfig, IterationResult
 from .p2p import ChannelGroups, PipelineP2P
-from .rank import RankRuntime
+from .rank import BatchSourceFactory, RankRuntime
+from .stalls import NoWatch, PhaseWatch
 from .timing import InstructionHook
 from .transport import TransportFactory
 
 logger = logging.getLogger(__name__)
 
 PlanProvider = Callable[[], Plan]
-TensorFnFactory = Callable[[Plan], TensorFn]
+TensorFnFactory = Callable[[Plan], TensorFn | None]
 
 
 @dataclass
@@ -70,7 +75,10 @@ class DipSchedule:
     verdict is agreed too (None: the pipeline group only); `channels`: one communicator per
     (sender, receiver) pair (None: the pipeline group carries every message); `on_instruction`:
     the per-instruction timing hook (`timing.SpanRecorder`); `transport`: builds each
-    iteration's transport (`transport.TransportFactory`).
+    iteration's transport (`transport.TransportFactory`). `batches`: builds each iteration's
+    batch source (None: `SampleBatchSource` of `model`, the call's `seq_length` and `seed`);
+    `watch`: the training loop's named phases (`stalls.PhaseWatch`; None outside training).
+    `last_result`: the `IterationResult` of the last iteration run (module docstring).
     """
 
     model: Any
@@ -87,6 +95,9 @@ class DipSchedule:
     channels: ChannelGroups | None = None
     on_instruction: InstructionHook | None = None
     transport: TransportFactory = PipelineP2P
+    batches: BatchSourceFactory | None = None
+    watch: PhaseWatch | NoWatch | None = None
+    last_result: IterationResult | None = field(default=None, init=False, compare=False)
     _runtimes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def runtime(self, *, chunks: Sequence[torch.nn.Module], seq_length: int) -> RankRuntime:
@@ -98,7 +109,8 @@ class DipSchedule:
                 placement=self.placement,
                 pp_group=self.pp_group,
                 chunks=chunks,
-                batches=functools.partial(
+                batches=self.batches
+                or functools.partial(
                     SampleBatchSource, model=self.model, seq_length=seq_length, seed=self.seed
                 ),
                 tensor_fn_for=self.tensors_for,
@@ -109,6 +121,7 @@ class DipSchedule:
                 replica_group=self.replica_group,
                 embedding_group=self.embedding_group,
                 on_instruction=self.on_instruction,
+                watch=self.watch,
             )
         return self._runtimes[key]
 
@@ -214,7 +227,9 @@ def run_iteration(
     the gradients (tied embeddings summed over the schedule's embedding group), on the
     schedule's `RankRuntime` of these chunks."""
     runtime = schedule.runtime(chunks=chunks, seq_length=seq_length)
-    return runtime.run(plan, samples)
+    schedule.last_result = None
+    schedule.last_result = runtime.run(plan, samples)
+    return schedule.last_result
 
 
 # ---------------------------------------------------------------------------------------------

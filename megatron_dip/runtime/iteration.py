@@ -23,6 +23,8 @@ class IterationResult:
     `started` / `ended`: wall-clock seconds (`time.time()`) of `run()`; `seconds` its duration.
     `leftovers`: `Executor.leftovers()` at the end (empty: `run()` raises otherwise).
     `channel`: the transport's channel model (what a simulation of this iteration should use).
+    `freed_bytes`: bytes of sent outputs whose data was freed before their backward
+    (`sent_outputs.py`).
     """
 
     reports: list[dict[str, torch.Tensor]]
@@ -34,6 +36,7 @@ class IterationResult:
     ended: float = 0.0
     leftovers: dict[str, list[str]] = field(default_factory=dict)
     channel: ChannelFn | None = None
+    freed_bytes: int = 0
 
 
 __all__ = ["IterationResult"]

@@ -1,4 +1,13 @@
-"""Loss normalisation: the same objective as Megatron-Core's stock schedules, for unequal splits.
+"""Loss normalisation, the one place for DIP and for Megatron-Core's stock schedules.
+
+The two normalisations are Megatron-LM's: the per-microbatch mean (`microbatch_mean_scale`:
+each microbatch's loss sum divided by its tokens and by the number of microbatches, what
+Megatron-Core's `forward_step` applies to a loss function returning (loss_sum, num_tokens,
+report)) and, with `calculate_per_token_loss`, the per-token loss (`per_token_scale`: the
+summed loss divided by the global batch's loss tokens, which Megatron-LM applies to the reduced
+gradients after the schedule). The stock path (`stock.StockPipeline`, `training.step.run_stock`)
+hands Megatron's schedules `megatron_loss_func` and finishes a per-token loss with
+`per_token_scale` of the gathered token count; DIP applies both before the backward, as below.
 
 Megatron's stock schedules (loss function returning (loss_sum, num_tokens, report)) compute per
 microbatch `loss_sum / num_tokens / M` on every data-parallel replica (M = microbatches per
@@ -54,6 +63,29 @@ class LossConfig:
     report_name: str = "lm loss"
 
 
+def microbatch_mean_scale(num_microbatches: int, microbatch_tokens: float) -> float:
+    """1 / (M * max(tokens, 1)): Megatron's per-microbatch mean of a loss sum over `tokens`."""
+    if num_microbatches < 1:
+        raise ValueError(f"plan totals name {num_microbatches} microbatches")
+    return 1.0 / (num_microbatches * max(microbatch_tokens, 1))
+
+
+def per_token_scale(num_loss_tokens: float) -> float:
+    """1 / max(T, 1): Megatron-LM's `calculate_per_token_loss`, the summed loss over the global
+    batch's `num_loss_tokens` loss tokens."""
+    return 1.0 / max(num_loss_tokens, 1)
+
+
+def megatron_loss_func(
+    num_tokens: torch.Tensor, report_name: str, loss_sum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss function the stock path hands Megatron-Core's schedules: (loss_sum, num_tokens,
+    {report_name: tensor([loss_sum, num_tokens])}), which Megatron normalises itself (module
+    docstring); the report is the one DIP's `LossTracker.reports` gives."""
+    report = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+    return loss_sum, num_tokens.to(torch.int), {report_name: report}
+
+
 def loss_weight(
     *,
     totals: BatchTotals,
@@ -64,10 +96,8 @@ def loss_weight(
     """The factor a loss sum of one microbatch is multiplied by before its backward."""
     undo = float(totals.data_parallel_size) if reduction_averages else 1.0
     if per_token:
-        return undo / max(totals.num_loss_tokens, 1)
-    if totals.num_microbatches < 1:
-        raise ValueError(f"plan totals name {totals.num_microbatches} microbatches")
-    return undo / (totals.num_microbatches * max(microbatch_tokens, 1))
+        return undo * per_token_scale(totals.num_loss_tokens)
+    return undo * microbatch_mean_scale(totals.num_microbatches, microbatch_tokens)
 
 
 def reduction_averages(

@@ -9,9 +9,10 @@ source and `Executor` (which checks the plan and agrees on it before any message
 program, and finishes the gradients that are not the executor's: tied input/output embeddings
 summed over the embedding group.
 
-Every DIP path runs through it: the training loop (`training.iteration.step`), Megatron's drop-in
-(`forward_backward.dip_forward_backward` via `DipSchedule.runtime`), emulated compute (emulated
-chunks, batch source and transport plugged into the same factories) and the tests.
+Every DIP path runs through it: Megatron's drop-in (`forward_backward.dip_forward_backward` via
+`DipSchedule.runtime`), which the training loop's step (`training.iteration.step.DipStep`) calls as
+Megatron-LM does; emulated compute (emulated chunks, batch source and transport plugged into the
+same factories) and the tests.
 """
 
 from __future__ import annotations

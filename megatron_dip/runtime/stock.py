@@ -45,6 +45,7 @@ from megatron_dip.schedule.ir import MessageKey, Recompute, StageId, TensorSpec,
 
 from .checks import TensorFn, unwrap_chunk
 from .data import BatchSource
+from .loss import megatron_loss_func
 from .p2p import torch_dtype_of
 from .recompute import run_chunk
 
@@ -269,16 +270,11 @@ def _finish_grad_sync(units: Sequence[torch.nn.Module], model: Any, num_tokens: 
         unit.finish_grad_sync()
 
 
-def _loss_func(num_tokens: torch.Tensor, name: str, output: torch.Tensor):
-    report = torch.stack([output.detach().double(), num_tokens.double()])
-    return output, num_tokens.to(torch.int), {name: report}
-
-
 def _forward_step(name: str, data_iterator: Iterable[int], model: StockStage):
     microbatch = next(data_iterator)
     out = model(microbatch)
     if isinstance(out, dict):
-        return out["loss"], functools.partial(_loss_func, out["num_tokens"], name)
+        return out["loss"], functools.partial(megatron_loss_func, out["num_tokens"], name)
     return out, None
 
 

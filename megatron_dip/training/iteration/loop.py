@@ -49,7 +49,7 @@ from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
 from .metrics_file import append_record
 from .nonfinite import NonFiniteError, NonFiniteStreak, finite, resume_advice
 from .planning import DipPlans, StockPlans
-from .step import DipStep, StepResult, run_stock, scale_gradients
+from .step import DipStep, StepResult, finish_stock_gradients, run_stock
 
 logger = logging.getLogger("megatron_dip.training")
 
@@ -277,8 +277,8 @@ class Trainer:
         self.model.zero_grad()
         self.optimizer.zero_grad()
         batch, plan, variant, result, stats = self._forward_backward(self.stream, evaluation=False)
-        if self.spec.is_stock and self.spec.training.per_token_loss:
-            scale_gradients(self.model, 1.0 / max(stats.loss_tokens, 1.0))
+        if self.spec.is_stock:
+            finish_stock_gradients(self.spec, self.model, stats.loss_tokens)
         with self.ctx.watch.phase("optimizer step", group=self.ctx.mp, group_name="model group"):
             ok, norm, _ = self.optimizer.step()
         self.scheduler.step(1)

@@ -1,6 +1,8 @@
-"""One iteration's forward and backward on this rank: a DIP plan on the runtime (`DipStep`), or
-Megatron-Core's own schedule on the stock placement (`run_stock`); both timed per compute
-operation, both on the run's compute backend (`backend.py`: chunks, inputs, message shapes).
+"""One iteration's forward and backward on this rank: a DIP plan through Megatron's drop-in
+schedule function (`DipStep`: `runtime.forward_backward.dip_forward_backward`, the function users
+install as Megatron-Core's `forward_backward_func`), or Megatron-Core's own schedule on the stock
+placement (`run_stock`); both timed per compute operation, both on the run's compute backend
+(`backend.py`: chunks, inputs, message shapes).
 
 Measured spans are (label, module, is_forward, start, end) with wall-clock seconds (`time.time()`,
 comparable across the ranks of a node), the shape `planner.trace.write_chrome_trace` takes.
@@ -18,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dip.runtime.executor import ExecutorConfig
-from megatron_dip.runtime.loss import LossConfig
+from megatron_dip.runtime.forward_backward import DipSchedule, dip_forward_backward
+from megatron_dip.runtime.loss import LossConfig, per_token_scale
 from megatron_dip.runtime.p2p import P2PConfig
-from megatron_dip.runtime.rank import RankRuntime
 from megatron_dip.runtime.stock import StockPipeline, StockStage
 from megatron_dip.runtime.timing import Span, SpanRecorder
 from megatron_dip.schedule.engine import ChannelFn, single_channel
@@ -62,46 +64,48 @@ class StepResult:
 
 
 class DipStep:
-    """This rank's DIP step, assembled once per run: a `RankRuntime` for training plans on the
-    DDP-wrapped chunks and one for forward-only plans on the bare chunks (no gradients, so no
-    DDP), both on the compute backend's batch sources, message shapes and transport, the run's
-    channels and plan agreement, and one `SpanRecorder` timing every compute instruction."""
+    """This rank's DIP step: Megatron's drop-in (`runtime.forward_backward.dip_forward_backward`)
+    called as Megatron-LM's `train_step` calls `forward_backward_func`, on two `DipSchedule`s
+    assembled once per run: one for training plans on the DDP-wrapped chunks and one for
+    forward-only plans on the bare chunks (no gradients, so no DDP). Both take the compute
+    backend's batch sources, message shapes and transport, the run's channels, plan agreement
+    groups and stall watch, and one `SpanRecorder` timing every compute instruction. What the
+    training loop adds (plans from the planner, calibration, non-finite checks, stall phases)
+    happens around the call, as Megatron-LM's loop does around its `forward_backward_func`."""
 
     def __init__(
         self, spec: RunSpec, ctx: ParallelContext, model: LocalModel, backend: ComputeBackend
     ) -> None:
         self.recorder = SpanRecorder()
+        self.seq_length = spec.training.seq_length
         per_token = spec.training.per_token_loss
-        self.runtimes = {
-            False: self._runtime(spec, ctx, backend, model.chunks, LossConfig(per_token=per_token)),
-            True: self._runtime(
-                spec, ctx, backend, model.inner,
-                LossConfig(per_token=per_token, reduction_averages=True),
+        self.schedules = {
+            False: self._schedule(spec, ctx, backend, LossConfig(per_token=per_token)),
+            True: self._schedule(
+                spec, ctx, backend, LossConfig(per_token=per_token, reduction_averages=True)
             ),
-        }  # fmt: skip
+        }
+        self.chunks = {False: model.chunks, True: model.inner}
 
-    def _runtime(
-        self,
-        spec: RunSpec,
-        ctx: ParallelContext,
-        backend: ComputeBackend,
-        chunks: list[torch.nn.Module],
-        loss: LossConfig,
-    ) -> RankRuntime:
-        return RankRuntime(
+    def _schedule(
+        self, spec: RunSpec, ctx: ParallelContext, backend: ComputeBackend, loss: LossConfig
+    ) -> DipSchedule:
+        return DipSchedule(
+            model=spec.model,
             placement=spec.placement,
             pp_group=ctx.pp,
-            chunks=chunks,
-            batches=backend.batch_source,
-            tensor_fn_for=backend.checked_shapes,
-            transport=backend.transport,
+            seed=spec.training.seed,
+            shape=spec.shape,
             # Every blocking pipeline wait is bounded by --dip-comm-timeout-s (so are the
             # process groups, setup.init_distributed).
-            config=ExecutorConfig(
+            executor=ExecutorConfig(
                 loss=loss,
                 validate=False,
                 p2p=P2PConfig(timeout_s=spec.runtime.comm_timeout_s),
             ),
+            tensor_fn=backend.checked_shapes,
+            batches=backend.batch_source,
+            transport=backend.transport,
             channels=ctx.channels,
             # The plan verdict is agreed over tensor-parallel peers and replicas too (every rank
             # of the job runs this step).
@@ -114,7 +118,19 @@ class DipStep:
 
     def run(self, plan: Plan, samples: dict[int, list]) -> StepResult:
         """Execute this rank's program of `plan` (training or, forward-only, evaluation)."""
-        result = self.runtimes[plan.forward_only].run(plan, samples)
+        schedule = self.schedules[plan.forward_only]
+        dip_forward_backward(
+            forward_step_func=None,
+            data_iterator=iter([samples[mb.index] for mb in plan.microbatches]),
+            model=self.chunks[plan.forward_only],
+            num_microbatches=len(plan.microbatches),
+            seq_length=self.seq_length,
+            micro_batch_size=1,
+            forward_only=plan.forward_only,
+            schedule=schedule,
+            plan=plan,
+        )
+        result = schedule.last_result
         spans, ops = self.recorder.take()
         return StepResult(
             result.reports, spans, result.started, result.ended, ops, channel=result.channel
@@ -206,3 +222,11 @@ def scale_gradients(model: LocalModel, factor: float) -> None:
     """Multiply every reduced gradient by `factor` (Megatron's per-token loss finalisation)."""
     for c in model.ddp:
         c.scale_gradients(factor)
+
+
+def finish_stock_gradients(spec: RunSpec, model: LocalModel, loss_tokens: float) -> None:
+    """The stock path's per-token loss (--calculate-per-token-loss), as Megatron-LM finishes it
+    after the schedule: the reduced gradients scaled by `runtime.loss.per_token_scale` of the
+    global batch's `loss_tokens` (DIP weights its losses before the backward instead)."""
+    if spec.training.per_token_loss:
+        scale_gradients(model, per_token_scale(loss_tokens))
