@@ -281,8 +281,8 @@ def test_a_second_job_on_one_save_is_refused_naming_the_holder(single_rank_world
 @pytest.mark.parametrize("locks", [True, False], ids=["fcntl", "no fcntl"])
 def test_a_dead_holders_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch, locks):
     """Without fcntl locks (the file system refuses them) the lock file's content decides."""
+    from megatron_dip.training.checkpoint import save_lock
     from megatron_dip.training.checkpoint.save_lock import SaveLock, SaveLockedError, this_process
-    from megatron_dip.training.checkpoint.state import save_lock
 
     if not locks:
 
@@ -308,13 +308,13 @@ def test_a_dead_holders_lock_is_taken_over_and_a_live_one_refused(tmp_path, monk
 def test_a_holder_on_another_host_without_locks_names_the_file_to_delete(tmp_path, monkeypatch):
     import json
 
+    from megatron_dip.training.checkpoint import save_lock
     from megatron_dip.training.checkpoint.save_lock import (
         LOCK_FILE,
         SaveLock,
         SaveLockedError,
         this_process,
     )
-    from megatron_dip.training.checkpoint.state import save_lock
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -380,7 +380,7 @@ def test_a_training_save_that_cannot_fit_stops_the_run_keeping_the_last(
     that fills up during a training save: test_training_dist.py, on one rank of four)."""
     import shutil
 
-    from megatron_dip.training.checkpoint.state import dirs
+    from megatron_dip.training.checkpoint import dirs
 
     root = tmp_path / "ckpt"
     shutil.copytree(trained[0], root)

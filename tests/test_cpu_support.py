@@ -371,7 +371,7 @@ def test_megatron_distributed_optimizer_steps_on_cpu_and_its_state_round_trips(w
     fresh optimizer unchanged."""
     from megatron.core import dist_checkpointing
 
-    from megatron_dip.training.checkpoint.state import optim_state, storage
+    from megatron_dip.training.checkpoint import optim_state, storage
     from megatron_dip.training.checkpoint.storage import CheckpointWriter
 
     apply_cpu_fixes()

@@ -380,8 +380,8 @@ def test_help_lists_every_flag_and_family_and_a_typo_is_one_line(capsys):
 def test_an_llm_only_import_builds_only_the_llm(tmp_path, caplog, single_rank_world):
     """Trip-wire 5: no --model: only the folder's LLM is built and saved (nothing initialised),
     and training loads it per module."""
+    from megatron_dip.training.checkpoint import storage
     from megatron_dip.training.checkpoint.dirs import find_resume
-    from megatron_dip.training.checkpoint.state import storage
 
     hf = tmp_path / "hf"
     save_llama(hf, tied=False)

@@ -65,7 +65,7 @@ def world4(
     then the stock schedules; an Energon dataset with a Hugging Face tokenizer, saved and
     resumed."""
 
-    from megatron_dip.training.checkpoint.state import storage
+    from megatron_dip.training.checkpoint import storage
 
     # The trainer's planner service is a child process: the fixture runs non-daemonic workers.
     logging.getLogger("megatron").setLevel(logging.ERROR)

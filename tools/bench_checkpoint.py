@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_dip.training.assembly.build import build_model
     from megatron_dip.training.assembly.optim import build_optimizer, build_scheduler
     from megatron_dip.training.assembly.setup import initialize
-    from megatron_dip.training.checkpoint.state import state as checkpoint
+    from megatron_dip.training.checkpoint import state as checkpoint
 
     logging.basicConfig(level=logging.WARNING)
     spec = _spec(args, int(os.environ["WORLD_SIZE"]))

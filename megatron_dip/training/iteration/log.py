@@ -1,4 +1,5 @@
-"""The log line, TensorBoard scalars and planned-vs-measured Chrome traces.
+"""The logging rank's outputs: the log line, TensorBoard scalars, planned-vs-measured Chrome
+traces and the --dip-metrics-json lines.
 
 Rank 0 writes one line per --log-interval, Megatron-LM style (averages over the interval):
 
@@ -14,14 +15,25 @@ the calibrated cost model's miss on the measured compute time of the instruction
 (sum over modules of |predicted - measured| / measured, averaged over the interval; it falls once
 the first calibration window is in), with the calibration version now in force; "bound efficiency"
 is the busiest rank's measured compute time over the measured iteration time (1.0 = no bubbles).
+
+--dip-metrics-json (`append_record`): one JSON line per iteration on the logging rank, for tools.
+
+Each line holds what `tools/bench_schedules.py` tabulates: the measured schedule time (slowest
+rank, barrier-free), the whole iteration's time, the loss, which kind of plan ran, and the compute
+backend's fields (`backend.ComputeBackend.metrics`): the emulation scale, and under
+--dip-emulate-compute the simulator's prediction of the emulated iteration (the plan simulated
+with the cost model times the emulation scale, on the channel model the iteration ran on) and its
+bubble-free bound (the busiest rank's compute).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("megatron_dip.training")
 
@@ -154,3 +166,11 @@ def write_trace(directory: str, iteration: int, sim, measured_by_rank: list[list
     path = Path(directory) / f"iteration_{iteration:07d}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_chrome_trace(sim, path, measured=measured)
+
+
+def append_record(path: str | Path, record: dict[str, Any]) -> None:
+    """Append one JSON line to `path` (created with its directory)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")

@@ -44,9 +44,8 @@ from ..checkpoint.save_lock import SaveLockedError, hold_save_lock
 from ..checkpoint.storage import CheckpointWriter
 from ..config.data_source import load_agreed, make_stream
 from ..config.run import RunSpec
-from .log import IntervalLog, IterationRecord, write_trace
+from .log import IntervalLog, IterationRecord, append_record, write_trace
 from .metrics import batch_tokens, gather_stats, model_flops, predicted_ops
-from .metrics_file import append_record
 from .nonfinite import NonFiniteError, NonFiniteStreak, finite, resume_advice
 from .planning import DipPlans, StockPlans
 from .step import DipStep, StepResult, finish_stock_gradients, run_stock
@@ -425,7 +424,7 @@ class Trainer:
         )
 
     def _write_metrics(self, plan, variant: str, stats, seconds: float, sim, result) -> None:
-        """One line of --dip-metrics-json (see `metrics_file`); the backend adds its fields."""
+        """One line of --dip-metrics-json (see `log.append_record`); the backend adds its fields."""
         record = {
             "iteration": self.iteration, "schedule": self.spec.schedule, "variant": variant,
             "loss": stats.loss, "seconds": seconds, "schedule_seconds": stats.max_duration,
