@@ -474,8 +474,9 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
     monkeypatch.setattr(layout._Sizing, "bound", bound)
     monkeypatch.setattr(layout._Sizing, "score", score)
     with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
-        spec = _resolve(
-            ["--pipeline-model-parallel-size", "2", "--dip-segments", "auto"],
+        spec = _resolve(  # one process: the recording `score` above does not pickle
+            ["--pipeline-model-parallel-size", "2", "--dip-segments", "auto"]
+            + ["--dip-startup-workers", "1"],
             world_size=2,
             base=base,
         )
@@ -485,7 +486,8 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
     assert all(bounds[n] <= scored[n] * (1 + 1e-9) for n in scored)
     assert all(bounds[n] > min(scored.values()) for n in set(bounds) - set(scored))
     (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
-    count, _seconds, chosen, flag, scores = record.args
+    count, _seconds, workers, chosen, flag, scores = record.args
+    assert workers == 1
     assert count == len(scores)
     assert {"static stock v1", "static cost-split v1", "static cost-split v2"} <= set(bounds)
     assert scores[chosen] == min(scores.values())

@@ -403,8 +403,13 @@ class Modality:
             )
         hidden = state["hidden"]
         for layer in layers:
-            packed = self.layer_attention(spec, layer.layer_number - 1, batch)
-            hidden, _ = layer(hidden, rotary_pos_emb=rotary, **packed)
+            members = getattr(layer, "members", None)  # recompute's group of layers
+            if members is None:
+                packed = self.layer_attention(spec, layer.layer_number - 1, batch)
+                hidden, _ = layer(hidden, rotary_pos_emb=rotary, **packed)
+            else:
+                own = [self.layer_attention(spec, m.layer_number - 1, batch) for m in members]
+                hidden, _ = layer(hidden, rotary_pos_emb=rotary, member_kwargs=own)
         return hidden
 
     def layer_attention(self, spec: ModuleSpec, layer: int, batch) -> dict:

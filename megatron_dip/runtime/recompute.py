@@ -102,17 +102,22 @@ def selective_attention(chunk: torch.nn.Module) -> Iterator[int]:
 class LayerGroup(torch.nn.Module):
     """Consecutive layers of a chunk run as one checkpointed call: the group keeps only its
     input and recomputes its layers in backward. Layers returning a tuple (Megatron's
-    `TransformerLayer`: hidden, context) pass its first element on, as the chunk's loop does."""
+    `TransformerLayer`: hidden, context) pass its first element on, as the chunk's loop does.
+    `member_kwargs`, when given, adds each member's own keyword arguments (e.g. a layer's
+    attention scope where layers differ: windowed and full attention)."""
 
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         super().__init__()
         self.members = torch.nn.ModuleList(layers)
         self._run = checkpointed(self._forward)
 
-    def _forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+    def _forward(
+        self, hidden: Any, *args: Any, member_kwargs: Sequence[dict] | None = None, **kwargs: Any
+    ) -> Any:
         out = hidden
-        for layer in self.members:
-            out = layer(hidden, *args, **kwargs)
+        for i, layer in enumerate(self.members):
+            own = member_kwargs[i] if member_kwargs is not None else {}
+            out = layer(hidden, *args, **kwargs, **own)
             hidden = out[0] if isinstance(out, tuple) else out
         return out
 
