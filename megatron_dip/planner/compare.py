@@ -197,6 +197,7 @@ class Comparison:
             dtype="bfloat16",
             packing=self.limits,
             strict_memory=False,  # plans that do not fit are scored as such, not raised
+            offload_activations=True,
         )
         return DipPlanner(
             self.setup.model,

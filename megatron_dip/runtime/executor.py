@@ -75,8 +75,9 @@ from .errors import MessageError
 from .gradsync import grad_sync_points
 from .iteration import IterationResult
 from .loss import LossConfig, LossTracker, reduction_averages
+from .offload import ActivationOffload
 from .p2p import P2PConfig, check_message
-from .recompute import run_chunk
+from .recompute import run_policy
 from .stalls import NoWatch, PhaseWatch
 from .timing import InstructionClock, InstructionHook
 from .transport import Transport
@@ -130,6 +131,7 @@ class _Saved:
     inputs: list[tuple[MessageKey, dict[str, torch.Tensor]]]
     outputs: dict[str, torch.Tensor]
     root: torch.Tensor | None = None  # the weighted loss of a loss stage
+    offload: ActivationOffload | None = None  # its offloaded saved tensors (MemoryPolicy)
 
 
 class Executor:
@@ -198,6 +200,7 @@ class Executor:
             {} if plan.forward_only else grad_sync_points(self.program, placement, set(self._ddp))
         )
         self._last_use = _last_use(self.program)
+        self._prefetch_at = _prefetch_points(self.program)
         # Resolved once: the per-instruction loop should do no avoidable Python work.
         self._handlers = {t: getattr(self, name) for t, name in _HANDLERS.items()}
         self._nvtx = config.nvtx and torch.cuda.is_available()
@@ -333,6 +336,11 @@ class Executor:
             self.batches.release(work)
         if index in self._sync_at:
             self._start_syncs(index)
+        prefetch = self._prefetch_at.get(index)
+        if prefetch is not None and prefetch in self._saved:
+            offload = self._saved[prefetch].offload
+            if offload is not None:
+                offload.prefetch()
 
     def _start_syncs(self, index: int) -> None:
         for key in self._sync_at.get(index, ()):
@@ -405,15 +413,14 @@ class Executor:
             inputs.append((key, {n: _leaf(t, leafs) for n, t in msg.items()}))
         chunk = self._chunk(stage)
         with torch.set_grad_enabled(train):
-            outputs = run_chunk(
+            outputs, offload = run_policy(
                 unwrap_chunk(chunk),
-                ins.recompute,
+                ins.mode,
                 chunk,
                 [m for _, m in inputs],
                 self.batches.sub_batch(stage.work),
-                ins.recompute_layers,
             )
-        saved = _Saved(inputs, outputs)
+        saved = _Saved(inputs, outputs, offload=offload)
         if "loss" in outputs:
             if self.df.consumers(stage):
                 raise PlanError(f"rank {self.rank}: instruction {index}: {stage} returned a loss")
@@ -438,6 +445,8 @@ class Executor:
         if saved is None:
             raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no forward state")
         roots, grads = self._roots(index, stage, saved)
+        if saved.offload is not None:
+            saved.offload.prefetch()  # no-op when `_after` prefetched it already
         chunk = self._chunk(stage)
         sync = chunk.no_sync() if _is_ddp(chunk) else contextlib.nullcontext()
         with sync:
@@ -486,6 +495,23 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor:
 
 def _is_ddp(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("no_sync", "start_grad_sync", "finish_grad_sync"))
+
+
+def _prefetch_points(program) -> dict[int, StageId]:
+    """Where offloaded activations start coming back: after the compute instruction before each
+    Backward of a stage whose Forward offloads, so the reload overlaps that instruction's kernels
+    (the cost model's assumption)."""
+    out: dict[int, StageId] = {}
+    offloading = {
+        i.stage for i in program.instructions if isinstance(i, Forward) and i.offload_layers
+    }
+    previous = None
+    for index, ins in enumerate(program.instructions):
+        if isinstance(ins, Backward) and ins.stage in offloading and previous is not None:
+            out[previous] = ins.stage
+        if isinstance(ins, (Forward, Backward)):
+            previous = index
+    return out
 
 
 def _last_use(program) -> dict[int, WorkId]:
