@@ -254,6 +254,7 @@ class Comparison:
                 cost_model=self.cost_model,
                 tensors=shapes,
                 limits=self.memory(pipe.placement),
+                offload=True,  # Megatron-Core's fine-grained activation offloading
             )
         return out
 

@@ -303,8 +303,8 @@ class CostModel:
         c = self._ctx
         whole = modality_of(spec).layer_stored(spec, w, c).nbytes(spec.layer.hidden, w, c)
         held = 0.0
-        if policy.offload_start == 0 and chunk.layer_start > 0:
-            held = modality_of(spec).received_bytes(spec, w, c, first=False)
+        if policy.offload_start == 0 and chunk.layer_start > 0:  # the received hidden state
+            held = c.dt * w.tokens * spec.layer.hidden / c.rep
         return k * whole - held
 
     def _offload_time(
