@@ -51,6 +51,7 @@ def planner_config(
         use_search=d.dip_search_time_ms > 0,
         uniform_recompute=uniform_recompute,
         packing=packing,
+        offload_activations=d.dip_offload_activations,
     )
 
 
