@@ -280,13 +280,14 @@ def test_recompute_keeps_less_and_gives_the_same_gradients(groups, mode):
 
 @pytest.mark.parametrize(
     "policy",
-    [MemoryPolicy(Recompute.NONE, 0, 1), MemoryPolicy(Recompute.BLOCK, 1, 1)],
+    [MemoryPolicy(Recompute.NONE, 0, 2), MemoryPolicy(Recompute.BLOCK, 1, 1)],
     ids=lambda p: p.label,
 )
 def test_offload_keeps_less_on_the_device_and_gives_the_same_gradients(groups, policy):
     """Offloaded layers' saved tensors leave autograd's device bytes (they go to the host
     record, in its count) and come back for the backward: identical gradients, prefetched or
-    reloaded on demand; parameters and the received leaf are never offloaded."""
+    reloaded on demand, a layer at a time; parameters and the received leaf are never
+    offloaded."""
     batch, placement, plan = _setup("vlm", segments=1)
     spec = placement.module("llm").chunks[0]
     chunk = build_chunk(batch.model, spec, num_chunks=1, config=st.CFG, groups=groups)
@@ -309,7 +310,9 @@ def test_offload_keeps_less_on_the_device_and_gives_the_same_gradients(groups, p
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, record = run_policy(chunk, p, chunk, inp, source.sub_batch(sub.work))
         if record is not None and prefetch:
-            record.prefetch()
+            record.prefetch()  # the last offloaded layer only: the others as backward goes
+            back = {slot.layer for slot in record.slots if slot.reloaded is not None}
+            assert back == {record.layers - 1} and record.layers == p.offload
         out["loss"].backward()
         grads = {n: q.grad.clone() for n, q in chunk.named_parameters()}
         return saved[0], record, grads, inp[0]["vit.embeddings"].grad

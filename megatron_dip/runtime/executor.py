@@ -200,7 +200,6 @@ class Executor:
             {} if plan.forward_only else grad_sync_points(self.program, placement, set(self._ddp))
         )
         self._last_use = _last_use(self.program)
-        self._prefetch_at = _prefetch_points(self.program)
         # Resolved once: the per-instruction loop should do no avoidable Python work.
         self._handlers = {t: getattr(self, name) for t, name in _HANDLERS.items()}
         self._nvtx = config.nvtx and torch.cuda.is_available()
@@ -336,11 +335,6 @@ class Executor:
             self.batches.release(work)
         if index in self._sync_at:
             self._start_syncs(index)
-        prefetch = self._prefetch_at.get(index)
-        if prefetch is not None and prefetch in self._saved:
-            offload = self._saved[prefetch].offload
-            if offload is not None:
-                offload.prefetch()
 
     def _start_syncs(self, index: int) -> None:
         for key in self._sync_at.get(index, ()):
@@ -446,7 +440,7 @@ class Executor:
             raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no forward state")
         roots, grads = self._roots(index, stage, saved)
         if saved.offload is not None:
-            saved.offload.prefetch()  # no-op when `_after` prefetched it already
+            saved.offload.prefetch()  # the last offloaded layer; the others as backward goes
         chunk = self._chunk(stage)
         sync = chunk.no_sync() if _is_ddp(chunk) else contextlib.nullcontext()
         with sync:
@@ -495,23 +489,6 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor:
 
 def _is_ddp(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("no_sync", "start_grad_sync", "finish_grad_sync"))
-
-
-def _prefetch_points(program) -> dict[int, StageId]:
-    """Where offloaded activations start coming back: after the compute instruction before each
-    Backward of a stage whose Forward offloads, so the reload overlaps that instruction's kernels
-    (the cost model's assumption)."""
-    out: dict[int, StageId] = {}
-    offloading = {
-        i.stage for i in program.instructions if isinstance(i, Forward) and i.offload_layers
-    }
-    previous = None
-    for index, ins in enumerate(program.instructions):
-        if isinstance(ins, Backward) and ins.stage in offloading and previous is not None:
-            out[previous] = ins.stage
-        if isinstance(ins, (Forward, Backward)):
-            previous = index
-    return out
 
 
 def _last_use(program) -> dict[int, WorkId]:

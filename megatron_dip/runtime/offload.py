@@ -8,10 +8,15 @@ recomputation's checkpointed layers). While one of them runs its forward, autogr
   stream that first waits for the compute stream, an event marks the end of the copy, and the
   device tensor is released once the copy stream is done with it (`record_stream`), so the
   allocator can reuse the memory while compute goes on;
-* `prefetch()` (the executor calls it before the chunk's backward, after the previous compute
-  instruction was issued): every buffer is copied back on the side stream, with an event;
+* `prefetch()` (the executor calls it as the chunk's backward starts): the tensors of the last
+  offloaded layer (the first the backward needs) are copied back on the side stream, with an
+  event per tensor;
 * unpack: the compute stream waits for that tensor's reload event (reloading it now if no
-  prefetch ran) and autograd gets the device tensor.
+  prefetch ran); the first unpack of a layer's tensors starts the reload of the layer before
+  it, so one layer comes back while the previous one's backward runs and at most about two
+  offloaded layers are on the device again at once (what the memory model assumes: offloaded
+  bytes leave the device from the forward to the chunk's backward, whose compute the reload
+  overlaps).
 
 Parameters and leaves that require grad are not packed (they stay on the device for the whole
 step: the weights, the received messages the runtime keeps for sending their gradients).
@@ -35,6 +40,7 @@ class _Slot:
 
     host: torch.Tensor
     device: torch.device
+    layer: int  # which offloaded layer (in forward order) saved it
     copied: Any = None  # torch.cuda.Event of the copy out (None on CPU)
     reloaded: torch.Tensor | None = None
     ready: Any = None  # torch.cuda.Event of the reload (None on CPU)
@@ -47,6 +53,8 @@ class ActivationOffload:
     stream: Any = None  # the side copy stream (CUDA), None on CPU
     slots: list[_Slot] = field(default_factory=list)
     offloaded_bytes: int = 0
+    layers: int = 0  # offloaded layers that ran their forward so far
+    _reloading: set = field(default_factory=set)  # layers whose reload was started
 
     @classmethod
     def for_device(cls, device: torch.device) -> ActivationOffload:
@@ -60,7 +68,7 @@ class ActivationOffload:
         if self.stream is None:
             host = torch.empty_like(t, device="cpu")
             host.copy_(t)
-            slot = _Slot(host, t.device)
+            slot = _Slot(host, t.device, self.layers - 1)
         else:
             slot = self._copy_out(t)
         self.slots.append(slot)
@@ -75,12 +83,22 @@ class ActivationOffload:
             event = torch.cuda.Event()
             event.record(self.stream)
         t.record_stream(self.stream)  # the allocator reuses `t` only after the copy
-        return _Slot(host, t.device, copied=event)
+        return _Slot(host, t.device, self.layers - 1, copied=event)
 
-    def prefetch(self) -> None:
-        """Copy every offloaded tensor back to its device (asynchronously on CUDA)."""
+    def begin_layer(self) -> None:
+        """The next tensors packed belong to the next offloaded layer."""
+        self.layers += 1
+
+    def prefetch(self, layer: int | None = None) -> None:
+        """Start copying back the tensors of offloaded `layer` (default: the last one, the
+        first the backward needs; asynchronously on CUDA). Once per layer."""
+        layer = self.layers - 1 if layer is None else layer
+        if layer < 0 or layer in self._reloading:
+            return
+        self._reloading.add(layer)
         for slot in self.slots:
-            self._reload(slot)
+            if slot.layer == layer:
+                self._reload(slot)
 
     def _reload(self, slot: _Slot) -> None:
         if slot.reloaded is not None:
@@ -99,6 +117,8 @@ class ActivationOffload:
         if isinstance(packed, torch.Tensor):
             return packed
         slot = self.slots[packed]
+        self.prefetch(slot.layer)
+        self.prefetch(slot.layer - 1)  # the layer the backward needs next
         self._reload(slot)
         tensor = slot.reloaded
         if slot.ready is not None:
@@ -138,6 +158,7 @@ class OffloadedLayer(torch.nn.Module):
         return self.member.config
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._record.begin_layer()
         with self._record.hooks():
             return self.member(*args, **kwargs)
 
