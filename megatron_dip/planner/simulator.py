@@ -157,7 +157,10 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
     costs = {}
     for stage, mode in recompute.items():
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
-        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), *mode)
+        # A policy without offload is passed as (method, N): cost models that predate offload
+        # take two arguments.
+        args = mode if mode.offload else mode[:2]
+        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), *args)
     missing = has_backward - recompute.keys()
     if missing:
         raise ValueError(f"plan has backwards without a forward: {sorted(map(str, missing))[:5]}")
