@@ -253,20 +253,14 @@ def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
     last) the pass takes a free one-layer offload over block recomputation of that layer, and a
     partly exposed offload only where nothing cheaper fits; the plan it returns carries it."""
     modes = stage_modes(4, offload=True)
-    assert (
-        len(modes) == 9
-        and modes[-1] == (Recompute.FULL, 0)
-        and modes[:5] == stage_modes(4)[:4] + (modes[4],)
-    )
-    assert (
-        modes[4] == MemoryPolicy(Recompute.NONE, 0, 2)
-        and MemoryPolicy(Recompute.BLOCK, 1, 1) in modes
-    )
+    assert len(modes) == 9 and modes[-1] == (Recompute.FULL, 0)
+    assert modes[:4] == stage_modes(4)[:4]  # the recompute modes first, as without offload
+    off1, off2 = MemoryPolicy(Recompute.NONE, 0, 1), MemoryPolicy(Recompute.NONE, 0, 2)
+    assert modes[4:6] == (off1, off2) and MemoryPolicy(Recompute.BLOCK, 1, 1) in modes
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
     none, block, full = (Recompute.NONE, 0), (Recompute.BLOCK, 1), (Recompute.FULL, 0)
-    off1, off2 = MemoryPolicy(Recompute.NONE, 0, 1), MemoryPolicy(Recompute.NONE, 0, 2)
     table = {none: (3.0, 100), block: (3.25, 75), off1: (3.0, 75), off2: (3.5, 50), full: (4.2, 10)}
 
     def choose(limit: float, candidates):

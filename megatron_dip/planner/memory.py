@@ -11,7 +11,7 @@ the work is bounded by problem size and node count, never by the clock (see MILP
 The modes of a stage are `stage_modes(layers)`: none, selective, Megatron's block method over the
 first layer and over half of the chunk's layers (partial recomputation inside a chunk), and full;
 the last one holds the least. With offload, also memory policies that move the saved tensors of
-half or all of the chunk's layers to host memory, alone or after block recomputation of the
+one or half of the chunk's layers to host memory, alone or after block recomputation of the
 first layer (`MemoryPolicy`; the cost model prices the copies on the shared host link).
 """
 
@@ -54,11 +54,13 @@ def stage_modes(layers: int, *, offload: bool = False) -> tuple[RecomputeMode, .
         return (*recompute, (Recompute.FULL, 0))
     if layers == 0:  # an input- or output-only chunk: nothing to offload (same count of modes)
         return (*recompute, *recompute, (Recompute.FULL, 0))
-    rest = max(1, layers - 1)
+    # One layer (whose copies usually hide behind the chunk's compute) and half of them, alone
+    # and after block recomputation of the first layer (duplicates where the chunk is short).
+    rest = max(1, (layers - 1) // 2)
     offloads = (
+        MemoryPolicy(Recompute.NONE, 0, 1),
         MemoryPolicy(Recompute.NONE, 0, half),
-        MemoryPolicy(Recompute.NONE, 0, layers),
-        MemoryPolicy(Recompute.BLOCK, 1, max(1, rest // 2)) if layers > 1 else NO_RECOMPUTE,
+        MemoryPolicy(Recompute.BLOCK, 1, 1) if layers > 1 else NO_RECOMPUTE,
         MemoryPolicy(Recompute.BLOCK, 1, rest) if layers > 1 else NO_RECOMPUTE,
     )
     return (*recompute, *offloads, (Recompute.FULL, 0))
