@@ -13,7 +13,12 @@
 3. Executor overhead: the GPU-attention tiny-vlm run's per-instruction CUDA-event timeline
    (`--dip-trace-dir`) against the host's schedule time (`--dip-metrics-json`): device-busy
    time, the gaps between consecutive instructions and the host time not covered by them.
-4. Layer profile: a summary of the profiles `scripts/profile_gpu.sh` wrote into `--profiles`
+4. Offload: the copies of activation offload (`runtime/offload.py`, pinned host buffers on a
+   side stream) timed with CUDA events against a chain of matrix products, alone and together
+   (`offload_probe.transfer_overlap`): host-link bandwidth per direction and the overlap. The
+   memory part (2) also runs the offload policies (one layer offloaded, alone and after block
+   recomputation): the allocator's growth then shows what offload left on the device.
+5. Layer profile: a summary of the profiles `scripts/profile_gpu.sh` wrote into `--profiles`
    (VLM-S layers at TP4), next to the analytic cost model's times for the same points.
 
 It prints one table and writes `OUT_DIR/gpu_check.json`; each part that fails is reported with
@@ -187,6 +192,16 @@ def _memory_rows(model: str, mode: str, records) -> list[dict]:
     return rows
 
 
+def offload_check(cuda: bool) -> dict:
+    """Part 4 (module docstring); small on a CPU, where only the round trip is checked."""
+    from megatron_dip.offload_probe import transfer_overlap
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
+        return transfer_overlap(device)
+    return transfer_overlap(device, megabytes=4, matmuls=2, size=128)
+
+
 def overhead_check(work: Path) -> dict:
     """Part 3 (module docstring), from the GPU-attention tiny-vlm run's files."""
     records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
@@ -350,6 +365,17 @@ def _profile_lines(rows: list) -> list[str]:
     ]
 
 
+def _offload_lines(over: dict) -> list[str]:
+    if "overlap" not in over:
+        return []
+    return [
+        f"[offload] {over['offloaded_mb']} MiB out and back: copy out "
+        f"{_fmt(over['d2h_gb_per_s'])} GB/s, round trip {_fmt(over['round_trip_gb_per_s'])} GB/s; "
+        f"with {_fmt(1e3 * over['compute_s'])} ms of compute: together "
+        f"{_fmt(1e3 * over['together_s'])} ms, overlap {_fmt(over['overlap'], '.0%')}"
+    ]
+
+
 def table(report: dict) -> str:
     """The one table printed at the end: every part, one line per row."""
     env = report.get("environment", {})
@@ -359,6 +385,7 @@ def table(report: dict) -> str:
         lines += _training_lines(training)
     lines += _memory_lines(_rows(report, "memory"))
     lines += _overhead_lines(report.get("overhead", {}))
+    lines += _offload_lines(report.get("offload", {}))
     lines += _profile_lines(_rows(report, "profile"))
     for name in report["failed"]:
         part = report.get(name, {})
@@ -413,6 +440,7 @@ def run_checks(
         lambda: memory_check(models, cuda=cuda, microbatches=microbatches, dtype=dtype),
     )
     _part(report, "overhead", lambda: overhead_check(work))
+    _part(report, "offload", lambda: offload_check(cuda))
     if profiles is not None:
         _part(report, "profile", lambda: profile_check(profiles))
     training = report.get("training", {})

@@ -29,8 +29,14 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dip.reference import LocalPipeline
-from megatron_dip.runtime.recompute import run_chunk
-from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute, RecomputeMode, SubMicrobatch
+from megatron_dip.runtime.recompute import run_policy
+from megatron_dip.schedule.ir import (
+    NO_RECOMPUTE,
+    MemoryPolicy,
+    Recompute,
+    RecomputeMode,
+    SubMicrobatch,
+)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -130,11 +136,12 @@ class MeasuringPipeline(LocalPipeline):
         batch = batch.to(chunk.device)  # the data on the device before the forward, not in it
         params = [p for p in chunk.parameters()]
         data = [batch.segments, batch.positions, *batch.tensors.values()]
+        policy = fitted_policy(self.recompute, chunk.chunk.num_layers)
         with cuda_memory(chunk.device) as cuda, saved_bytes(exclude=[*params, *data]) as record:
-            outputs = run_chunk(chunk, self.recompute[0], chunk, inputs, batch, self.recompute[1])
+            outputs, _ = run_policy(chunk, policy, chunk, inputs, batch)
         for t in _tensors(inputs):  # the runtime keeps received messages for the backward
             record.add(t)
-        predicted = self.cost_model.chunk_activation_bytes(chunk.chunk, sub, *self.recompute)
+        predicted = self.cost_model.chunk_activation_bytes(chunk.chunk, sub, *policy)
         self.records.append(
             ChunkMemory(
                 chunk.chunk.module,
@@ -160,12 +167,22 @@ MEASURED_MODES: tuple[RecomputeMode, ...] = (
     (Recompute.FULL, 0),
     (Recompute.BLOCK, 2),
     (Recompute.UNIFORM, 2),
+    # Offload of one layer (its saved tensors leave the device), alone and after block
+    # recomputation of the first layer (as many layers as the chunk has: `fitted_policy`).
+    MemoryPolicy(Recompute.NONE, 0, 1),
+    MemoryPolicy(Recompute.BLOCK, 1, 1),
 )
 
 
+def fitted_policy(mode: RecomputeMode, num_layers: int) -> MemoryPolicy:
+    """`mode` as a memory policy offloading no more layers than a chunk of `num_layers` has."""
+    policy = MemoryPolicy(*mode)
+    return policy._replace(offload=min(policy.offload, max(0, num_layers - policy.offload_start)))
+
+
 def mode_name(mode: RecomputeMode) -> str:
-    """ "none", "selective", "full", "block2", "uniform2"."""
-    return mode[0].value + (str(mode[1]) if mode[1] else "")
+    """ "none", "selective", "full", "block2", "uniform2", "off1", "block1+off1"."""
+    return MemoryPolicy(*mode).label
 
 
 def measure_model(

@@ -17,8 +17,9 @@
 #      attention when it imports, else torch's FlashAttention varlen kernel) and with our CPU
 #      attention (SDPA per segment), losses within 2%; peak torch.cuda.max_memory_allocated and
 #      the allocator's growth next to the memory model, per chunk; the executor's
-#      per-instruction overhead (CUDA-event timeline vs host time); the profile next to the
-#      analytic cost model. It prints one table and writes OUT_DIR/gpu_check.json.
+#      per-instruction overhead (CUDA-event timeline vs host time); activation offload: the
+#      memory rows of its policies (off1, block1+off1) and its copies' host-link bandwidth and
+#      overlap with compute (CUDA events); the profile next to the analytic cost model. It prints one table and writes OUT_DIR/gpu_check.json.
 # OUT_DIR defaults to $OUT when set (the device tool's result folder), else ./gpu-check.
 # Exit status: 0 all held; 1 a part failed or a check did not hold; 2 bad arguments; 3 no GPU
 # or the installation failed.

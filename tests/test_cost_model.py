@@ -10,7 +10,7 @@ import pytest
 from megatron_dip.modelspec import PAPER_SETUPS, tiny_t2v
 from megatron_dip.planner.cost_model import CPU_KERNELS, CostModel, load_profile
 from megatron_dip.planner.devices import DEVICES, H100, H800, get_device, match_device
-from megatron_dip.schedule.ir import ChunkSpec, Recompute, SubMicrobatch
+from megatron_dip.schedule.ir import ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
 
 VLM_S = PAPER_SETUPS["vlm-s"]  # ViT-5B + Llama3-8B, TP4
 VLM_M = PAPER_SETUPS["vlm-m"]  # ViT-5B + Qwen2-32B, TP8: the paper's 37B VLM
@@ -121,6 +121,44 @@ def test_recompute_trades_time_for_memory() -> None:
     f_none, f_sel = (flash.stage_cost(chunk, sub, r) for r in (Recompute.NONE, Recompute.SELECTIVE))
     assert f_none.activation_bytes > f_sel.activation_bytes > 0.99 * f_none.activation_bytes
     assert f_none.activation_bytes < none.activation_bytes  # the kernel matters
+
+
+def test_offload_trades_host_link_time_for_device_memory() -> None:
+    """Offloaded layers leave the device (all their stored bytes; a middle chunk's first layer
+    keeps its received input, held anyway); the copies cost nothing while each direction's link
+    time (offload + the chunk's message, at the GPU's share of the shared host link) hides
+    behind the compute it overlaps, and the excess beyond it."""
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, sequence_parallel=True)
+    chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, 8192, 2 * 4096**2)
+    none = cm.stage_cost(chunk, sub)
+    block1 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 1)
+    hidden = 2 * 8192 * 4096 / 4  # bf16, sequence parallel over TP4
+    # A layer's stored bytes: block 1 keeps only the first layer's input.
+    per_layer = none.activation_bytes - block1.activation_bytes + hidden
+    for k in (1, 2, 8):
+        off = cm.stage_cost(chunk, sub, Recompute.NONE, 0, k)
+        moved = cm.offloaded_bytes(chunk, sub, MemoryPolicy(Recompute.NONE, 0, k))
+        assert moved == pytest.approx(k * per_layer - hidden, rel=1e-6)
+        assert off.activation_bytes == pytest.approx(none.activation_bytes - moved, abs=1)
+        link = (moved + hidden) / H100.host_link_share + H100.p2p_latency
+        assert off.forward == pytest.approx(none.forward + max(0.0, link - none.forward))
+        assert off.backward == pytest.approx(none.backward + max(0.0, link - none.backward))
+    # One layer (almost) hides behind the compute here and saves what block 1 saves.
+    one = cm.stage_cost(chunk, sub, Recompute.NONE, 0, 1)
+    assert one.activation_bytes == block1.activation_bytes
+    assert one.forward < 1.01 * none.forward and one.backward == none.backward < block1.backward
+    # The whole chunk does not: the link is ~10x slower than the layers produce activations.
+    assert cm.stage_cost(chunk, sub, Recompute.NONE, 0, 8).forward > 2 * none.forward
+    # Block recompute of the first layer, then offload of the next: both savings.
+    mixed = cm.stage_cost(chunk, sub, Recompute.BLOCK, 1, 1)
+    assert mixed.activation_bytes < block1.activation_bytes
+    # A slower host link (A100: PCIe Gen4) exposes more of the same copies.
+    slow = CostModel(VLM_S.model, get_device("a100"), tensor_parallel=4, sequence_parallel=True)
+    assert H100.host_link_share == 2 * get_device("a100").host_link_share
+    off4 = (c.stage_cost(chunk, sub, Recompute.NONE, 0, 4) for c in (cm, slow))
+    base = (c.stage_cost(chunk, sub) for c in (cm, slow))
+    (fast4, slow4), (fast0, slow0) = off4, base
+    assert slow4.forward - slow0.forward > fast4.forward - fast0.forward > 0
 
 
 def test_activation_memory_counts_what_the_layers_keep() -> None:

@@ -90,7 +90,7 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
         (m, c, r)
         for m in ("vit", "llm")
         for c in ("first", "middle", "last")
-        for r in ("none", "selective", "full", "block2", "uniform2")
+        for r in ("none", "selective", "full", "block2", "uniform2", "off1", "block1+off1")
     }
     assert all(r["error"] is None or abs(r["error"]) < 0.10 for r in memory)
     timed = report["overhead"]["iterations"]
@@ -98,5 +98,7 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
     assert 0 < timed[0]["device_busy_s"] <= timed[0]["host_s"]
     assert {r["module"] for r in report["profile"]} == {"vit", "llm"}
     assert all(r["analytic_forward_ms"] > 0 for r in report["profile"])
-    for section in ("[training]", "[memory]", "[executor]", "[profile]"):
+    offload = report["offload"]
+    assert offload["offloaded_mb"] == 4 and offload["d2h_gb_per_s"] > 0
+    for section in ("[training]", "[memory]", "[executor]", "[offload]", "[profile]"):
         assert section in done.stdout

@@ -22,15 +22,17 @@ from megatron_dip.models import ModelConfig
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.planner.cost_model import CPU_KERNELS, GPU_KERNELS, CostModel, Kernels
 from megatron_dip.planner.devices import H100
-from megatron_dip.schedule.ir import NO_RECOMPUTE, RecomputeMode
+from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy, RecomputeMode
 
 SEQ = 48
 SIZES = {"vit": 2, "text": 2, "dit": 2, "audio": 1}
 TOLERANCE = 0.10
 # Known misses, on the safe side: under block / uniform recomputation the DiT's first chunk
 # (here one layer, ~7 KB per sub-microbatch) keeps ~1 KB less than predicted (conditioning its
-# checkpointed layer shares with the input layers, not yet modelled); at real sizes, with many
-# layers per chunk, the share is negligible.
+# checkpointed layer shares with the input layers, not yet modelled); the same under offload of
+# that layer (the shared conditioning is copied out, but the input layers keep it on the
+# device: ~20% of this one-layer chunk); at real sizes, with many layers per chunk, the share
+# is negligible.
 KNOWN_OVER = {("dit", "first"): 0.20}
 DTYPES = {"float32": 4, "bfloat16": 2}
 
@@ -102,7 +104,8 @@ def test_predicted_activation_bytes_are_within_10_percent_of_autograds(groups, k
             assert predicted == 0, (module, where)
             continue
         error = predicted / measured - 1
-        if (module, where) in KNOWN_OVER and mode[0].takes_layers:
+        partial = mode[0].takes_layers or MemoryPolicy(*mode).offload
+        if (module, where) in KNOWN_OVER and partial:
             assert 0 <= error < KNOWN_OVER[(module, where)], (module, where, measured, predicted)
             continue
         assert abs(error) < TOLERANCE, (module, where, measured, predicted)

@@ -11,7 +11,7 @@ from megatron_dip.planner.list_scheduler import (
     list_schedule,
     priorities_from_units,
 )
-from megatron_dip.planner.memory import MemoryLimitError, choose_recompute
+from megatron_dip.planner.memory import MemoryLimitError, choose_recompute, stage_modes
 from megatron_dip.planner.placement import (
     balanced_layer_split,
     parse_segments,
@@ -24,6 +24,7 @@ from megatron_dip.schedule.ir import (
     ChunkSpec,
     Dependency,
     Forward,
+    MemoryPolicy,
     ModuleLayout,
     Placement,
     Recompute,
@@ -245,6 +246,39 @@ def test_memory_pass_picks_cheapest_mode_under_limit():
             keeps_activations=lambda s: True,
             memory_limit=[30, 1000],
         )
+
+
+def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
+    """With offload among the candidates (`stage_modes(offload=True)`: nine modes, full still
+    last) the pass takes a free one-layer offload over block recomputation of that layer, and a
+    partly exposed offload only where nothing cheaper fits; the plan it returns carries it."""
+    modes = stage_modes(4, offload=True)
+    assert len(modes) == 9 and modes[-1] == (Recompute.FULL, 0)
+    assert modes[:4] == stage_modes(4)[:4]  # the recompute modes first, as without offload
+    off1, off2 = MemoryPolicy(Recompute.NONE, 0, 1), MemoryPolicy(Recompute.NONE, 0, 2)
+    assert modes[4:6] == (off1, off2) and MemoryPolicy(Recompute.BLOCK, 1, 1) in modes
+    g = unit_graph(single_module(2, 4))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
+    none, block, full = (Recompute.NONE, 0), (Recompute.BLOCK, 1), (Recompute.FULL, 0)
+    table = {none: (3.0, 100), block: (3.25, 75), off1: (3.0, 75), off2: (3.5, 50), full: (4.2, 10)}
+
+    def choose(limit: float, candidates):
+        return choose_recompute(
+            orders,
+            mode_cost=lambda s, m: table[m],
+            modes_of=lambda s: candidates,
+            keeps_activations=lambda s: True,
+            memory_limit=[limit, 1000],
+        )
+
+    free = choose(300, (none, block, off1, off2, full))
+    assert all(free.of(StageId("m", 0, mb)) == off1 for mb in range(4))
+    assert free.added_time == 0.0
+    assert choose(300, (none, block, full)).added_time == pytest.approx(4 * 0.25)
+    tight = choose(200, (none, block, off1, off2, full))
+    assert {tight.of(StageId("m", 0, mb)) for mb in range(4)} == {off2}
+    assert tight.added_time == pytest.approx(4 * 0.5)
 
 
 @pytest.mark.parametrize(("selective_time", "solved"), [(3.2, True), (3.001, False)])

@@ -31,12 +31,13 @@ from megatron_dip.runtime.loss import (
     per_token_scale,
 )
 from megatron_dip.runtime.p2p import MessageError, PipelineP2P
-from megatron_dip.runtime.recompute import run_chunk
+from megatron_dip.runtime.recompute import run_chunk, run_policy
 from megatron_dip.runtime.stock import pack_message, unpack_message
 from megatron_dip.schedule import (
     Backward,
     BatchTotals,
     ChunkSpec,
+    MemoryPolicy,
     MessageKey,
     MessageKind,
     ModuleLayout,
@@ -315,6 +316,59 @@ def test_recompute_keeps_less_and_gives_the_same_gradients(groups, mode):
     for name, g in base[2].items():
         torch.testing.assert_close(got[2][name], g, rtol=1e-12, atol=1e-15, msg=name)
     torch.testing.assert_close(got[3], base[3], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [MemoryPolicy(Recompute.NONE, 0, 2), MemoryPolicy(Recompute.BLOCK, 1, 1)],
+    ids=lambda p: p.label,
+)
+def test_offload_keeps_less_on_the_device_and_gives_the_same_gradients(groups, policy):
+    """Offloaded layers' saved tensors leave autograd's device bytes (they go to the host
+    record, in its count) and come back for the backward: identical gradients, prefetched or
+    reloaded on demand, a layer at a time; parameters and the received leaf are never
+    offloaded."""
+    batch, placement, plan = _setup("vlm", segments=1)
+    spec = placement.module("llm").chunks[0]
+    chunk = build_chunk(batch.model, spec, num_chunks=1, config=st.CFG, groups=groups)
+    source = SampleBatchSource(
+        model=batch.model, plan=plan, samples=batch.by_index, seq_length=st.SEQ, seed=st.SEED
+    )
+    sub = next(s for s in batch.subs if s.module == "llm" and s.microbatch == 0)
+    rows = source.sub_batch(sub.work).tensors["vit.positions"].numel()
+    emb = torch.randn(rows, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def once(p: MemoryPolicy, prefetch: bool = False):
+        chunk.zero_grad(set_to_none=True)
+        saved = [0]
+
+        def pack(t):
+            saved[0] += t.numel() * t.element_size()
+            return t
+
+        inp = [{"vit.embeddings": emb.clone().requires_grad_(True)}]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, record = run_policy(chunk, p, chunk, inp, source.sub_batch(sub.work))
+        if record is not None and prefetch:
+            record.prefetch()  # the last offloaded layer only: the others as backward goes
+            back = {slot.layer for slot in record.slots if slot.reloaded is not None}
+            assert back == {record.layers - 1} and record.layers == p.offload
+        out["loss"].backward()
+        grads = {n: q.grad.clone() for n, q in chunk.named_parameters()}
+        return saved[0], record, grads, inp[0]["vit.embeddings"].grad
+
+    base = once(MemoryPolicy())
+    recomputed = once(MemoryPolicy(policy.method, policy.layers))
+    for prefetch in (False, True):
+        got = once(policy, prefetch)
+        record = got[1]
+        assert record is not None and record.slots and record.offloaded_bytes > 0
+        assert got[0] < recomputed[0]
+        assert got[0] + record.offloaded_bytes >= recomputed[0]
+        assert all(slot.reloaded is not None for slot in record.slots)
+        for name, g in base[2].items():
+            torch.testing.assert_close(got[2][name], g, rtol=1e-12, atol=1e-15, msg=name)
+        torch.testing.assert_close(got[3], base[3], rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("kind", ["vlm", "t2v"])

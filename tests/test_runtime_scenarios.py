@@ -69,11 +69,11 @@ def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     pl1 = st.dip_placement(vlm.model, p, {"vit": 1, "llm": 1})
     guarded(f"{tag}vlm_seg_v1", out, lambda: run_executor(vlm, pl1, st.segment_plan(vlm, pl1), g))
     pl2 = st.dip_placement(vlm.model, p, {"vit": 2, "llm": 2})
-    plan = st.with_recompute(st.segment_plan(vlm, pl2), st.cycle_recompute)
+    plan = st.with_recompute(st.segment_plan(vlm, pl2), st.cycle_policy(pl2))
     cfg = ExecutorConfig(debug=True, p2p=P2PConfig(batched=False))
     guarded(f"{tag}vlm_seg_v2_rc", out, lambda: run_executor(vlm, pl2, plan, g, config=cfg))
     tpl = st.dip_placement(t2v.model, p, {"text": 2, "dit": 2})
-    tplan = st.with_recompute(st.segment_plan(t2v, tpl), st.cycle_recompute)
+    tplan = st.with_recompute(st.segment_plan(t2v, tpl), st.cycle_policy(tpl))
     cfg = ExecutorConfig(p2p=P2PConfig(use_tags=True))
     guarded(f"{tag}t2v_seg_v2_rc", out, lambda: run_executor(t2v, tpl, tplan, g, config=cfg))
     dpl = st.dip_placement(vlm.model, p, {"vit": 1, "llm": 2})
@@ -112,7 +112,7 @@ def _omni_pipeline(out: dict, g: Groups, p: int, tag: str) -> None:
     a searched DIP plan, each module on its own segments."""
     omni = st.make_batch("omni", omni_microbatches(), sizes=OMNI_SIZES)
     spl = st.dip_placement(omni.model, p, {"vit": 1, "audio": 1, "llm": 1})
-    splan = st.with_recompute(st.segment_plan(omni, spl), st.cycle_recompute)
+    splan = st.with_recompute(st.segment_plan(omni, spl), st.cycle_policy(spl))
     guarded(f"{tag}omni_seg_rc", out, lambda: run_executor(omni, spl, splan, g))
     opl = st.dip_placement(omni.model, p, {"vit": 1, "audio": 1, "llm": 2})
     oplan = broadcast_plan(lambda: st.dip_plan(omni, opl, memory_limit=DIP_MEMORY[p]), g.pp)
@@ -204,6 +204,8 @@ def _data_parallel(out: dict, g: Groups, replica: int) -> None:
         segs = {m.name: 2 for m in batch.model.modules}
         pl = st.dip_placement(batch.model, 2, segs)
         plan = replace(st.segment_plan(batch, pl), replica=replica)
+        if kind != "vlm":  # offload and recompute across replicas (vlm also runs the drop-in)
+            plan = st.with_recompute(plan, st.cycle_policy(pl))
         guarded(
             f"dp2_{kind}", out, lambda b=batch, p=pl, q=plan: run_executor(b, p, q, g, ddp=True)
         )

@@ -26,6 +26,7 @@ from megatron_dip.schedule import (
     BatchTotals,
     ChunkSpec,
     Forward,
+    MemoryPolicy,
     MicrobatchInfo,
     ModuleLayout,
     Placement,
@@ -295,6 +296,28 @@ def cycle_recompute(ins: Forward) -> tuple[Recompute, int]:
     )
     s = ins.stage
     return modes[(s.chunk + s.microbatch + s.sub) % len(modes)]
+
+
+def cycle_policy(placement: Placement) -> Callable[[Forward], MemoryPolicy]:
+    """`cycle_recompute`'s modes plus offload of one layer, alone and after block recompute of
+    the first one (offload and recompute in one plan), as far as the chunk has the layers."""
+    modes = (
+        *(MemoryPolicy(*m) for m in ((Recompute.NONE, 0), (Recompute.FULL, 0))),
+        MemoryPolicy(Recompute.NONE, 0, 1),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.BLOCK, 1, 1),
+        MemoryPolicy(Recompute.BLOCK, 1),
+        MemoryPolicy(Recompute.UNIFORM, 2),
+    )
+
+    def choose(ins: Forward) -> MemoryPolicy:
+        s = ins.stage
+        policy = modes[(s.chunk + s.microbatch + s.sub) % len(modes)]
+        layers = placement.module(s.module).chunks[s.chunk].num_layers
+        room = max(0, layers - policy.offload_start)
+        return policy._replace(offload=min(policy.offload, room))
+
+    return choose
 
 
 def sample_meta(model: MultimodalSpec, sample: Sample) -> SampleMeta:

@@ -67,7 +67,8 @@ def _instruction(draw, modules):
     if kind == 0:
         mode = draw(st.sampled_from(list(Recompute)))
         layers = draw(st.integers(1, 40)) if mode.takes_layers else 0
-        return Forward(draw(_stage(modules)), mode, layers)
+        offload = draw(st.integers(0, 40)) if mode in (Recompute.NONE, Recompute.BLOCK) else 0
+        return Forward(draw(_stage(modules)), mode, layers, offload)
     if kind == 1:
         return Backward(draw(_stage(modules)))
     if kind == 4:
@@ -245,3 +246,9 @@ def test_format_subs_and_recompute():
         name="x",
     )
     assert format_plan(plan).splitlines()[1] == "r0: F vit0.3.0:full F vit0.3.1:sel B vit0.3.1"
+    program = (Forward(s0, Recompute.NONE, 0, 1), Forward(s1, Recompute.BLOCK, 1, 2), Backward(s1))
+    plan = replace(plan, programs=(Program(0, program),))
+    assert (
+        format_plan(plan).splitlines()[1] == "r0: F vit0.3.0:off1 F vit0.3.1:block1:off2 B vit0.3.1"
+    )
+    assert plan_from_bytes(plan_to_bytes(plan)) == plan

@@ -137,17 +137,19 @@ class EmulatedChunk(MegatronModule):
         )
         self.weight = torch.nn.Parameter(torch.ones(1, dtype=config.params_dtype))
         self.weight.requires_grad_(trainable)
-        self._recompute: tuple[Recompute, int] = (Recompute.NONE, 0)
+        self._recompute: tuple[Recompute, int, int] = (Recompute.NONE, 0, 0)
         # Checkpoints name parameters globally; one emulated weight per chunk's layer range.
         self.global_aliases = {
             "weight": f"{chunk.module}.emulated.{chunk.layer_start}-{chunk.layer_end}"
         }
 
     @contextlib.contextmanager
-    def recompute_context(self, mode: Recompute, layers: int = 0) -> Iterator[None]:
-        """Selective, block and uniform recompute: the backward sleeps the cost model's backward
-        of that mode (recomputation included)."""
-        previous, self._recompute = self._recompute, (mode, layers)
+    def recompute_context(
+        self, mode: Recompute, layers: int = 0, offload: int = 0
+    ) -> Iterator[None]:
+        """Selective, block and uniform recompute, and offload: the backward sleeps the cost
+        model's backward of that memory policy (recomputation and exposed transfers included)."""
+        previous, self._recompute = self._recompute, (mode, layers, offload)
         try:
             yield
         finally:

@@ -113,12 +113,12 @@ class StageTiming:
     """Emulated durations of one stage (seconds, already scaled) and its messages."""
 
     forward_s: float
-    backward_s: Callable[[Recompute, int], float]  # (mode, N of block / uniform) -> seconds
+    backward_s: Callable[..., float]  # (mode, N of block / uniform, offload K) -> seconds
     inputs: tuple[Link, ...]  # in the order of the chunk's `inputs=` (producer order)
     outputs: tuple[Link, ...]  # one per consumer, in `Dataflow.consumers` order
 
-    def backward_for(self, recompute: Recompute, layers: int = 0) -> float:
-        return self.backward_s(recompute, layers)
+    def backward_for(self, recompute: Recompute, layers: int = 0, offload: int = 0) -> float:
+        return self.backward_s(recompute, layers, offload)
 
 
 def message_bytes(plan: Plan) -> dict[MessageKey, int]:
@@ -178,10 +178,14 @@ class EmulatedBatchSource:
         sub = self.plan.submicrobatch(stage.work)
         scale = self.config.scale
 
-        def backward(mode: Recompute, layers: int) -> float:
+        def backward(mode: Recompute, layers: int, offload: int = 0) -> float:
             # FULL: the runtime re-runs the (sleeping) forward itself before this backward.
             mode, layers = (Recompute.NONE, 0) if mode is Recompute.FULL else (mode, layers)
-            return self.cost_model.stage_cost(chunk, sub, mode, layers).backward * scale
+            cost = self.cost_model.stage_cost(chunk, sub, mode, layers, offload)
+            # Offload's transfers run on their own channel; what the copy out does not hide
+            # behind the forward is slept here, with what the reload does not hide.
+            exposed_out = cost.forward - self.cost_model.stage_cost(chunk, sub).forward
+            return (cost.backward + exposed_out) * scale
 
         inputs = tuple(self._link(key) for key in self.df.forward_inputs(stage))
         outputs = tuple(
@@ -259,9 +263,14 @@ class ScaledCostModel:
         self.overheads = host_overheads(cost_model).scaled(scale)
 
     def stage_cost(
-        self, chunk: Any, sub: Any, recompute: Recompute = Recompute.NONE, layers: int = 0
+        self,
+        chunk: Any,
+        sub: Any,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
+        offload: int = 0,
     ) -> Any:
-        cost = self.base.stage_cost(chunk, sub, recompute, layers)
+        cost = self.base.stage_cost(chunk, sub, recompute, layers, offload)
         return dataclasses.replace(
             cost, forward=cost.forward * self.scale, backward=cost.backward * self.scale
         )

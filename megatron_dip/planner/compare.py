@@ -166,6 +166,7 @@ class Comparison:
             search=self.search,
             sub_sizes=self.sub_sizes,
             memory_limit=self.memory(self.dip_placement),
+            offload_activations=True,
         )
         # plans that do not fit are scored as such, not raised
         config = dataclasses.replace(config, strict_memory=False)
@@ -224,6 +225,7 @@ class Comparison:
                 cost_model=self.cost_model,
                 tensors=shapes,
                 limits=self.memory(pipe.placement),
+                offload=True,  # Megatron-Core's fine-grained activation offloading
             )
         return out
 

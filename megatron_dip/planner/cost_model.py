@@ -17,6 +17,14 @@ against autograd's saved tensors by `tests/test_memory_model.py`). What a layer 
 computes and stores is its modality's (`Modality.layer_ops`, `layer_stored`, `input_ops`,
 `output_ops`, ...; the operator vocabulary is `modalities.costs`); this module prices it.
 
+Activation offload (`MemoryPolicy.offload`, priced by `_offload_time`): the saved tensors of
+K layers go to host memory on a copy stream during the chunk's forward and come back during the
+work before its backward. The copy gets the GPU's share of its host link (`DeviceSpec.
+host_link_share`: the GPUs under one PCIe switch copy at once) and competes there with the
+chunk's own pipeline messages, which cross the same PCIe link to the NIC: a direction's
+transfer that outlasts the compute it overlaps (the chunk's forward for the copy out, its
+backward for the reload) delays the chunk by the excess.
+
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
 
 Host overheads (`overheads.HostOverheads`: per compute instruction, per posted batch of messages,
@@ -32,7 +40,7 @@ from dataclasses import dataclass
 from ..modalities import check_model, modality_of
 from ..modalities.costs import CostContext, Kernels, Op, OpKind, Work
 from ..modelspec import ModuleSpec, MultimodalSpec
-from ..schedule.ir import ChunkSpec, Recompute, SubMicrobatch
+from ..schedule.ir import ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
 from .devices import CostProfile, DeviceSpec, load_profile
 from .overheads import NO_OVERHEADS, HostOverheads
 
@@ -241,14 +249,16 @@ class CostModel:
         sub: SubMicrobatch,
         recompute: Recompute = Recompute.NONE,
         layers: int = 0,
+        offload: int = 0,
     ) -> StageCost:
-        """Time and activation memory of `chunk` on `sub` under `recompute` (`layers`: N of
-        Megatron's block / uniform methods, see `Recompute`)."""
+        """Time and activation memory of `chunk` on `sub` under the memory policy (`recompute`,
+        `layers`: N of Megatron's block / uniform methods, see `Recompute`; `offload`: K layers
+        offloaded, see `MemoryPolicy`)."""
         w = self._work(sub)
-        key = (chunk.module, chunk.layer_start, chunk.layer_end, w, recompute, layers)
+        key = (chunk.module, chunk.layer_start, chunk.layer_end, w, recompute, layers, offload)
         cost = self._stage_cache.get(key)
         if cost is None:
-            cost = self._stage_cost(chunk, sub, w, recompute, layers)
+            cost = self._stage_cost(chunk, sub, w, MemoryPolicy(recompute, layers, offload))
             _bounded_put(self._stage_cache, key, cost)
         scale = self._scale.get(chunk.module, 1.0)
         if scale == 1.0:
@@ -256,8 +266,9 @@ class CostModel:
         return StageCost(cost.forward * scale, cost.backward * scale, cost.activation_bytes)
 
     def _stage_cost(
-        self, chunk: ChunkSpec, sub: SubMicrobatch, w: Work, recompute: Recompute, layers: int
+        self, chunk: ChunkSpec, sub: SubMicrobatch, w: Work, policy: MemoryPolicy
     ) -> StageCost:
+        recompute, layers = policy.method, policy.layers
         spec = self.model.module(chunk.module)
         fwd_l, bwd_l, core_l = self._layer(spec, w)
         extra = self._extras(spec, chunk, w)
@@ -272,8 +283,41 @@ class CostModel:
             Recompute.BLOCK: min(layers, n) * fwd_l,
             Recompute.UNIFORM: n * fwd_l,
         }.get(recompute, 0.0)
-        nbytes = self.chunk_activation_bytes(chunk, sub, recompute, layers)
+        nbytes = self.chunk_activation_bytes(chunk, sub, *policy)
+        if policy.offload:
+            out, back = self._offload_time(spec, chunk, w, policy, fwd, bwd)
+            fwd, bwd = fwd + out, bwd + back
         return StageCost(fwd, bwd, nbytes)
+
+    def offloaded_bytes(self, chunk: ChunkSpec, sub: SubMicrobatch, policy: MemoryPolicy) -> int:
+        """Bytes `policy` moves to host memory (and back) for `chunk` on `sub`."""
+        spec = self.model.module(chunk.module)
+        return int(self._offloaded(spec, chunk, self._work(sub), policy))
+
+    def _offloaded(self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy) -> float:
+        """Stored bytes of the offloaded layers, less a received hidden state the runtime holds
+        anyway (the first offloaded layer's input when it is the chunk's first layer)."""
+        k = min(policy.offload, chunk.num_layers - policy.offload_start)
+        if k <= 0:
+            return 0.0
+        c = self._ctx
+        whole = modality_of(spec).layer_stored(spec, w, c).nbytes(spec.layer.hidden, w, c)
+        held = 0.0
+        if policy.offload_start == 0 and chunk.layer_start > 0:  # the received hidden state
+            held = c.dt * w.tokens * spec.layer.hidden / c.rep
+        return k * whole - held
+
+    def _offload_time(
+        self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd: float, bwd: float
+    ) -> tuple[float, float]:
+        """Seconds the copy out and the reload add to the forward and the backward: what each
+        direction's link time (offloaded bytes plus the chunk's pipeline message, at the GPU's
+        share of the host link) exceeds the compute it overlaps."""
+        c = self._ctx
+        message = c.dt * w.tokens * spec.layer.hidden / c.rep
+        link = (self._offloaded(spec, chunk, w, policy) + message) / self.device.host_link_share
+        link += self.device.p2p_latency
+        return max(0.0, link - fwd), max(0.0, link - bwd)
 
     def chunk_activation_bytes(
         self,
@@ -281,8 +325,10 @@ class CostModel:
         sub: SubMicrobatch,
         recompute: Recompute = Recompute.NONE,
         layers: int = 0,
+        offload: int = 0,
     ) -> int:
-        """Bytes `chunk` holds for `sub` from the end of its forward to the end of its backward.
+        """Bytes `chunk` holds for `sub` from the end of its forward to the end of its backward
+        on the device (`offload` K layers' saved tensors live in host memory instead).
 
         Every chunk keeps the messages it received (the producers' hand-overs, or the previous
         chunk's output) until its backward; FULL keeps nothing else (the runtime recomputes the
@@ -312,6 +358,8 @@ class CostModel:
             total += received
         if last:
             total += modality.output_stored(spec, w, c)
+        if offload:
+            total -= self._offloaded(spec, chunk, w, MemoryPolicy(recompute, layers, offload))
         return int(total)
 
     def _layers_stored(self, spec, n: int, w, recompute: Recompute, layers: int) -> float:

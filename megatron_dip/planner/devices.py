@@ -10,6 +10,15 @@ A100's 200 Gb/s HDR InfiniBand NIC per GPU; NVIDIA DGX / HGX B200 data sheets (p
 1,000 W: 2.25 PFLOPS dense bf16, i.e. 4.5 with sparsity; 180 GB HBM3e at 8 TB/s; 1.8 TB/s
 NVLink 5) with 400 Gb/s ConnectX-7 per GPU. `max_efficiency` (the share of the peak a large
 GEMM reaches) is our assumption, not a data-sheet number: calibrate it with a measured profile.
+
+Host link (activation offload). Every preset's GPU hangs off a PCIe switch whose x16 uplink to
+the CPU it shares with one other GPU (DGX A100 / H100 / B200 system topologies: four PCIe
+switches for eight GPUs; HGX H800 baseboards are built the same way). `host_link_bandwidth` is one
+direction of that uplink as the PCIe specification states it: Gen4 x16 32 GB/s (A100), Gen5 x16
+64 GB/s (H100, H200, H800, B200); `host_link_gpus` = 2 GPUs share it. Host memory per node: DGX
+A100 (80 GB) and DGX H100 / H200: 2 TB; DGX B200: 2 TB (4 TB optional); 8 GPUs per node. Pinned
+copies reach about 80% of the PCIe line rate (`HOST_LINK_EFFICIENCY`, our assumption, measured
+by `scripts/gpu_check.sh`).
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ class DeviceSpec:
     `ib_bandwidth`: one direction of the GPU's own inter-node NIC, bytes/s, used for pipeline
     messages. `p2p_latency`: seconds per message or collective step. `max_efficiency`: the best
     fraction of `peak_flops` a large GEMM reaches. `memory_bytes`: HBM capacity.
+    `host_link_bandwidth`: one direction of the PCIe link to host memory, bytes/s, shared by
+    `host_link_gpus` GPUs; `host_memory_bytes`: host memory of a node of `gpus_per_node` GPUs
+    (activation offload; the module docstring names the sources).
     """
 
     name: str
@@ -44,6 +56,10 @@ class DeviceSpec:
     p2p_latency: float
     max_efficiency: float
     memory_bytes: int
+    host_link_bandwidth: float = 64 * 10**9
+    host_link_gpus: int = 2
+    host_memory_bytes: int = 2 * 10**12
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         positive = (
@@ -52,6 +68,10 @@ class DeviceSpec:
             self.nvlink_bandwidth,
             self.ib_bandwidth,
             self.memory_bytes,
+            self.host_link_bandwidth,
+            self.host_link_gpus,
+            self.host_memory_bytes,
+            self.gpus_per_node,
         )
         if min(positive) <= 0 or self.p2p_latency < 0:
             raise ValueError(f"device {self.name!r}: rates and sizes must be positive")
@@ -62,6 +82,20 @@ class DeviceSpec:
     def nvlink_unidirectional(self) -> float:
         """Bytes/s one direction of NVLink carries (half the data-sheet total)."""
         return self.nvlink_bandwidth / 2
+
+    @property
+    def host_link_share(self) -> float:
+        """Bytes/s one direction of the host link gives one GPU when all GPUs sharing it copy
+        at once (pinned copies at `HOST_LINK_EFFICIENCY` of the line rate)."""
+        return self.host_link_bandwidth * HOST_LINK_EFFICIENCY / self.host_link_gpus
+
+    @property
+    def host_memory_share(self) -> float:
+        """Bytes of host memory per GPU of a node."""
+        return self.host_memory_bytes / self.gpus_per_node
+
+
+HOST_LINK_EFFICIENCY = 0.8
 
 
 # 400 Gb/s ConnectX-7 per GPU (DGX/HGX H100-class nodes); ~70% of the dense bf16 peak is what
@@ -82,7 +116,9 @@ H800 = DeviceSpec(
     "H800", _HOPPER_BF16, 3350 * GB, 400 * GB, _IB_400G, _P2P_LATENCY, _GEMM_CAP, 80 * GIB
 )
 
-A100 = DeviceSpec("A100", 312e12, 2039 * GB, 600 * GB, 25 * GB, _P2P_LATENCY, _GEMM_CAP, 80 * GIB)
+A100 = DeviceSpec(
+    "A100", 312e12, 2039 * GB, 600 * GB, 25 * GB, _P2P_LATENCY, _GEMM_CAP, 80 * GIB, 32 * GB
+)
 B200 = DeviceSpec(
     "B200", 2250e12, 8000 * GB, 1800 * GB, _IB_400G, _P2P_LATENCY, _GEMM_CAP, 180 * GB
 )

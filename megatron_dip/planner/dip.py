@@ -84,6 +84,8 @@ class PlannerConfig:
     # found marked `ReplicaPlan.overcommitted` (False: simulation studies that score such plans).
     strict_memory: bool = True
     uniform_recompute: RecomputeMode | None = None  # start from this mode on every chunk
+    # The memory pass may also offload saved activations to host memory (`MemoryPolicy`).
+    offload_activations: bool = False
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
@@ -111,6 +113,7 @@ def planner_config(
     memory_limit: Sequence[float] | None = None,
     use_search: bool = True,
     uniform_recompute: RecomputeMode | None = None,
+    offload_activations: bool = False,
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
@@ -123,6 +126,7 @@ def planner_config(
         use_search=use_search,
         uniform_recompute=uniform_recompute,
         packing=packing,
+        offload_activations=offload_activations,
     )
 
 
@@ -518,7 +522,8 @@ class DipPlanner:
         return out
 
     def _modes_of(self, stage: StageId) -> tuple[RecomputeMode, ...]:
-        return stage_modes(self.placement.module(stage.module).chunks[stage.chunk].num_layers)
+        layers = self.placement.module(stage.module).chunks[stage.chunk].num_layers
+        return stage_modes(layers, offload=self.config.offload_activations)
 
     def _uniform_choice(self) -> RecomputeChoice:
         mode = self.config.uniform_recompute

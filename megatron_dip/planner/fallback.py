@@ -42,7 +42,7 @@ def activation_peaks(plan: Plan, cost_model) -> list[float]:
         kept: dict = {}
         for ins in program.instructions:
             if isinstance(ins, Forward) and ins.stage in backward:
-                kept[ins.stage] = cost(ins.stage, (ins.recompute, ins.recompute_layers))
+                kept[ins.stage] = cost(ins.stage, ins.mode)
                 held += kept[ins.stage]
                 peak = max(peak, held)
             elif isinstance(ins, Backward) and ins.stage in kept:

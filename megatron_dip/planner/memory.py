@@ -10,7 +10,9 @@ the work is bounded by problem size and node count, never by the clock (see MILP
 
 The modes of a stage are `stage_modes(layers)`: none, selective, Megatron's block method over the
 first layer and over half of the chunk's layers (partial recomputation inside a chunk), and full;
-the last one holds the least.
+the last one holds the least. With offload, also memory policies that move the saved tensors of
+one or half of the chunk's layers to host memory, alone or after block recomputation of the
+first layer (`MemoryPolicy`; the cost model prices the copies on the shared host link).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, Recompute, RecomputeMode, StageId
+from ..schedule.ir import (
+    NO_RECOMPUTE,
+    Backward,
+    Forward,
+    MemoryPolicy,
+    Recompute,
+    RecomputeMode,
+    StageId,
+)
 from .quiet import native_stdout_silenced
 
 logger = logging.getLogger(__name__)
@@ -30,17 +40,30 @@ ModeCost = Callable[[StageId, RecomputeMode], "tuple[float, int]"]  # (fwd+bwd t
 StageModes = Callable[[StageId], Sequence[RecomputeMode]]
 
 
-def stage_modes(layers: int) -> tuple[RecomputeMode, ...]:
-    """The recompute modes the memory pass chooses from for a chunk of `layers` layers (always
-    five, the cheapest first and the one that holds least last)."""
+def stage_modes(layers: int, *, offload: bool = False) -> tuple[RecomputeMode, ...]:
+    """The memory policies the memory pass chooses from for a chunk of `layers` layers (always
+    five, or nine with `offload`; the cheapest first and the one that holds least last)."""
     half = max(1, layers // 2)
-    return (
+    recompute = (
         NO_RECOMPUTE,
         (Recompute.SELECTIVE, 0),
         (Recompute.BLOCK, 1),
         (Recompute.BLOCK, half),
-        (Recompute.FULL, 0),
     )
+    if not offload:
+        return (*recompute, (Recompute.FULL, 0))
+    if layers == 0:  # an input- or output-only chunk: nothing to offload (same count of modes)
+        return (*recompute, *recompute, (Recompute.FULL, 0))
+    # One layer (whose copies usually hide behind the chunk's compute) and half of them, alone
+    # and after block recomputation of the first layer (duplicates where the chunk is short).
+    rest = max(1, (layers - 1) // 2)
+    offloads = (
+        MemoryPolicy(Recompute.NONE, 0, 1),
+        MemoryPolicy(Recompute.NONE, 0, half),
+        MemoryPolicy(Recompute.BLOCK, 1, 1) if layers > 1 else NO_RECOMPUTE,
+        MemoryPolicy(Recompute.BLOCK, 1, rest) if layers > 1 else NO_RECOMPUTE,
+    )
+    return (*recompute, *offloads, (Recompute.FULL, 0))
 
 
 class MemoryLimitError(ValueError):

@@ -31,6 +31,7 @@ from ..schedule.ir import (
     ChunkSpec,
     Forward,
     Instruction,
+    MemoryPolicy,
     Plan,
     Recompute,
     Send,
@@ -53,9 +54,11 @@ class StageCostModel(Protocol):
         sub: SubMicrobatch,
         recompute: Recompute = Recompute.NONE,
         layers: int = 0,
+        offload: int = 0,
     ) -> StageCost:
         """Seconds of forward and backward and activation bytes of `chunk` on `sub` under
-        `recompute` (`layers`: N of Megatron's block / uniform methods)."""
+        the memory policy (`layers`: N of Megatron's block / uniform methods; `offload`: K layers
+        offloaded, see `MemoryPolicy`)."""
         ...
 
     def transfer_time(self, nbytes: int) -> float:
@@ -80,6 +83,7 @@ class UniformCost:
         sub: SubMicrobatch,
         recompute: Recompute = Recompute.NONE,
         layers: int = 0,
+        offload: int = 0,
     ) -> StageCost:
         """The same forward/backward/bytes for every stage (times the layers if `per_layer`)."""
         n = chunk.num_layers if self.per_layer else 1
@@ -142,7 +146,7 @@ class SimResult:
 
 def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[StageId]]:
     """(stage -> StageCost with its forward's recompute, stages that run a backward)."""
-    recompute: dict[StageId, tuple[Recompute, int]] = {}
+    recompute: dict[StageId, MemoryPolicy] = {}
     has_backward: set[StageId] = set()
     for program in plan.programs:
         for ins in program.instructions:
@@ -153,7 +157,10 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
     costs = {}
     for stage, mode in recompute.items():
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
-        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), *mode)
+        # A policy without offload is passed as (method, N): cost models that predate offload
+        # take two arguments.
+        args = mode if mode.offload else mode[:2]
+        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), *args)
     missing = has_backward - recompute.keys()
     if missing:
         raise ValueError(f"plan has backwards without a forward: {sorted(map(str, missing))[:5]}")

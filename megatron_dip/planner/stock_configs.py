@@ -8,6 +8,12 @@ impose: none, selective, full (the whole stage), `--recompute-method block` with
 fastest whose activations fit the device on every batch (`strongest`): a Megatron user fixes the
 placement and the flags for the whole run, so a configuration that overflows on one batch is
 out, and the block method's N is the smallest that fits them all.
+
+With `offload`, the grid also holds Megatron-Core's fine-grained activation offloading (the one
+Megatron allows with pipeline parallelism; its layer-level `cpu_offloading` refuses PP): the same
+offload on every stage, priced like DIP's on the shared host link. Megatron names modules of
+every layer (`--offload-modules`); the grid offloads whole layers, K per chunk (the first K,
+clamped to the chunk), which spans the same range of bytes moved per stage.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ..schedule.ir import (
     NO_RECOMPUTE,
     BatchTotals,
     Forward,
+    MemoryPolicy,
     Placement,
     Plan,
     Program,
@@ -37,9 +44,13 @@ _BLOCK_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def mode_label(mode: RecomputeMode) -> str:
-    """ "none", "selective", "full", "block 8", "uniform 1" (Megatron's flag values)."""
-    method, layers = mode
-    return f"{method.value} {layers}" if method.takes_layers else method.value
+    """ "none", "selective", "full", "block 8", "uniform 1" (Megatron's flag values), "offload 4"
+    (fine-grained offload of 4 layers per chunk)."""
+    method, layers, offload = MemoryPolicy(*mode)
+    label = f"{method.value} {layers}" if method.takes_layers else method.value
+    if not offload:
+        return label
+    return f"offload {offload}" if method is Recompute.NONE else f"{label} + offload {offload}"
 
 
 def max_chunk_layers(placement: Placement) -> int:
@@ -47,31 +58,46 @@ def max_chunk_layers(placement: Placement) -> int:
     return max(c.num_layers for m in placement.modules for c in m.chunks)
 
 
-def recompute_modes(placement: Placement) -> list[RecomputeMode]:
+def recompute_modes(placement: Placement, *, offload: bool = False) -> list[RecomputeMode]:
     """Megatron's recompute settings worth trying on `placement`: none, selective, full, block N
     on a grid up to the largest chunk, uniform with 1-layer groups (Megatron's default) and with
-    one group per chunk."""
+    one group per chunk; with `offload` also fine-grained offload of K layers per chunk on the
+    same grid, alone and after block recomputation of one layer (module docstring)."""
     top = max_chunk_layers(placement)
     blocks = sorted({n for n in _BLOCK_GRID if n < top} | {top})
-    return [
+    modes: list[RecomputeMode] = [
         NO_RECOMPUTE,
         (Recompute.SELECTIVE, 0),
         (Recompute.FULL, 0),
         *((Recompute.BLOCK, n) for n in blocks),
         *dict.fromkeys([(Recompute.UNIFORM, 1), (Recompute.UNIFORM, top)]),
     ]
+    if offload and top > 0:
+        modes += [MemoryPolicy(Recompute.NONE, 0, k) for k in blocks]
+        modes += [MemoryPolicy(Recompute.BLOCK, 1, k) for k in blocks if k < top]
+    return modes
 
 
 def with_recompute(plan: Plan, mode: RecomputeMode) -> Plan:
-    """`plan` with every forward using recompute `mode` ((method, N))."""
-    method, layers = mode
+    """`plan` with every forward using memory policy `mode` ((method, N) or a `MemoryPolicy`,
+    its offload clamped to each chunk's layers)."""
+    policy = MemoryPolicy(*mode)
+
+    def fitted(stage) -> dict:
+        layers = plan.placement.module(stage.module).chunks[stage.chunk].num_layers
+        room = max(0, layers - min(policy.offload_start, layers))
+        offload = min(policy.offload, room)
+        return {
+            "recompute": policy.method,
+            "recompute_layers": policy.layers,
+            "offload_layers": offload,
+        }
+
     programs = tuple(
         Program(
             p.rank,
             tuple(
-                dataclasses.replace(i, recompute=method, recompute_layers=layers)
-                if isinstance(i, Forward)
-                else i
+                dataclasses.replace(i, **fitted(i.stage)) if isinstance(i, Forward) else i
                 for i in p.instructions
             ),
         )
@@ -155,8 +181,10 @@ def evaluate_stock(
     limits: Sequence[float],
     modes: Sequence[RecomputeMode] | None = None,
     channel: ChannelFn = single_channel,
+    offload: bool = False,
 ) -> list[StockResult]:
-    """Every recompute mode (default `recompute_modes`) of `pipe` simulated on `work`; none
+    """Every recompute mode (default `recompute_modes`, with Megatron's offloading when
+    `offload`) of `pipe` simulated on `work`; none
     when Megatron cannot run the schedule on it (interleaving needs at least as many
     microbatches as pipeline ranks, and a last group of 0 or at least PP microbatches)."""
     schedule = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
@@ -169,7 +197,7 @@ def evaluate_stock(
         except ValueError:
             return []
     out = []
-    for mode in modes if modes is not None else recompute_modes(pipe.placement):
+    for mode in modes if modes is not None else recompute_modes(pipe.placement, offload=offload):
         plan = megatron_plan(pipe, work, mode, cost_model=cost_model, tensors=tensors)
         sim = simulate(plan, cost_model, channel=channel)
         out.append(StockResult(pipe.name, schedule, mode, sim, fits(sim, limits)))

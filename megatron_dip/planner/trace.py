@@ -66,10 +66,7 @@ def plan_timeline(plan: Plan, execution: ExecutionResult) -> tuple[tuple[Span, .
             ins = program.instructions[index]
             fwd = isinstance(ins, Forward)
             s = ins.stage
-            recompute = "none"
-            if fwd:
-                layers = f"{ins.recompute_layers}" if ins.recompute_layers else ""
-                recompute = ins.recompute.value + layers
+            recompute = ins.mode.label if fwd else "none"
             row.append(
                 Span(
                     span_label(ins),

@@ -77,8 +77,9 @@ from .errors import MessageError
 from .gradsync import grad_sync_points
 from .iteration import IterationResult
 from .loss import LossConfig, LossTracker, reduction_averages
+from .offload import ActivationOffload
 from .p2p import P2PConfig, check_message
-from .recompute import run_chunk
+from .recompute import run_policy
 from .sent_outputs import SentOutputs, handover, release
 from .sent_outputs import backward as engine_backward
 from .stalls import NoWatch, PhaseWatch
@@ -139,6 +140,7 @@ class _Saved:
     root: torch.Tensor | None = None  # the weighted loss of a loss stage
     shapes: dict[str, torch.Size] = field(default_factory=dict)  # of outputs, before freeing
     freed: bool = False  # outputs freed after their sends (`sent_outputs.release`)
+    offload: ActivationOffload | None = None  # its offloaded saved tensors (MemoryPolicy)
 
 
 class Executor:
@@ -427,15 +429,14 @@ class Executor:
             inputs.append((key, {n: _leaf(t, leafs) for n, t in msg.items()}))
         chunk = self._chunk(stage)
         with torch.set_grad_enabled(train):
-            outputs = run_chunk(
+            outputs, offload = run_policy(
                 unwrap_chunk(chunk),
-                ins.recompute,
+                ins.mode,
                 chunk,
                 [m for _, m in inputs],
                 self.batches.sub_batch(stage.work),
-                ins.recompute_layers,
             )
-        saved = _Saved(inputs, outputs)
+        saved = _Saved(inputs, outputs, offload=offload)
         if "loss" in outputs:
             if self.df.consumers(stage):
                 raise PlanError(f"rank {self.rank}: instruction {index}: {stage} returned a loss")
@@ -477,6 +478,8 @@ class Executor:
             raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no forward state")
         self._sent.forget(stage)
         roots, grads = self._roots(index, stage, saved)
+        if saved.offload is not None:
+            saved.offload.prefetch()  # the last offloaded layer; the others as backward goes
         chunk = self._chunk(stage)
         sync = chunk.no_sync() if _is_ddp(chunk) else contextlib.nullcontext()
         with sync:

@@ -17,6 +17,10 @@
   `recompute_context(mode)` (a context manager) takes over instead; a chunk without attention
   blocks (e.g. a toy MLP) has nothing to recompute selectively.
 
+Offload (`MemoryPolicy.offload` K, with NONE or BLOCK N): `run_policy` runs the chunk with its
+layers [N, N + K) under `offload.ActivationOffload`'s saved-tensor hooks and returns the record,
+whose `prefetch` the executor calls before the chunk's backward.
+
 Random state. `preserve_rng_state` restores the torch CPU/CUDA generators before recomputing;
 `megatron_rng_context` also restores the states of Megatron's model-parallel RNG tracker (used
 by dropout under tensor parallelism), as Megatron's own `CheckpointFunction` does.
@@ -32,7 +36,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_dip.schedule.ir import Recompute
+from megatron_dip.runtime.offload import ActivationOffload, offloaded_layers
+from megatron_dip.schedule.ir import MemoryPolicy, Recompute
 
 
 def _tracker():
@@ -177,3 +182,33 @@ def run_chunk(
         context = selective_attention(chunk)
     with context:
         return call(inputs=inputs, batch=batch)
+
+
+def _device_of(chunk: torch.nn.Module) -> torch.device:
+    param = next(chunk.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def run_policy(
+    chunk: torch.nn.Module,
+    policy: MemoryPolicy,
+    call: Callable[[], Any],
+    inputs: Any,
+    batch: Any,
+) -> tuple[Any, ActivationOffload | None]:
+    """`run_chunk` under a whole memory policy: (outputs, the offload record, None when nothing
+    is offloaded). Emulated chunks (`recompute_context`) get the policy and sleep its time."""
+    policy = MemoryPolicy(*policy)
+    own = getattr(chunk, "recompute_context", None)
+    if not policy.offload or not torch.is_grad_enabled() or callable(own):
+        if callable(own) and policy.offload and torch.is_grad_enabled():
+            with own(policy.method, policy.layers, policy.offload):
+                return call(inputs=inputs, batch=batch), None
+        return run_chunk(chunk, policy.method, call, inputs, batch, policy.layers), None
+    record = ActivationOffload.for_device(_device_of(chunk))
+    with contextlib.ExitStack() as stack:
+        if policy.method is Recompute.BLOCK:
+            stack.enter_context(grouped_layers(chunk, policy.method, policy.layers))
+        start = policy.offload_start
+        stack.enter_context(offloaded_layers(chunk, start, policy.offload, record))
+        return call(inputs=inputs, batch=batch), record

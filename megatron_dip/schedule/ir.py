@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 FORMAT_VERSION = 1
 
@@ -63,6 +64,83 @@ class Recompute(str, enum.Enum):
 
 
 RecomputeMode = tuple[Recompute, int]  # (method, N of block / uniform; 0 for the others)
+
+
+class MemoryPolicy(NamedTuple):
+    """What one chunk keeps of one sub-microbatch's activations, and where: recompute `method`
+    with its `layers` N (block / uniform; 0 otherwise), and `offload` K, the number of the
+    chunk's layers whose saved tensors go to pinned host memory after their forward and come
+    back before the chunk's backward (PipeOffload; Megatron-Core's activation offloading).
+
+    The offloaded layers are the first K of those that keep their activations: layers
+    [N, N + K) of the chunk under BLOCK N, [0, K) under NONE (the earliest layers: their copies
+    have the most forward to hide behind, and their reloads are needed last). Only NONE and
+    BLOCK combine with offload. A
+    tuple, so `(method, N)` recompute modes written before offload still compare and unpack.
+    """
+
+    method: Recompute = Recompute.NONE
+    layers: int = 0
+    offload: int = 0
+
+    # A policy that offloads nothing equals (and hashes as) its 2-tuple recompute mode, so that
+    # `(Recompute.SELECTIVE, 0)` literals and `NO_RECOMPUTE` still find it in sets and dicts.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, tuple) and len(other) == 2:
+            return self.offload == 0 and tuple(self[:2]) == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self[:2])) if self.offload == 0 else tuple.__hash__(self)
+
+    def check(self, num_layers: int | None = None) -> MemoryPolicy:
+        """The policy itself; ValueError when its numbers do not fit its method (or a chunk of
+        `num_layers` layers, when given)."""
+        method, n, k = Recompute(self.method), self.layers, self.offload
+        if method.takes_layers != (n > 0) or n < 0 or k < 0:
+            raise ValueError(
+                f"memory policy {self.label}: {method.value} takes "
+                f"{'N >= 1' if method.takes_layers else 'no'} layers, offload K >= 0"
+            )
+        if k and method not in (Recompute.NONE, Recompute.BLOCK):
+            # FULL and UNIFORM keep checkpoint inputs only; SELECTIVE's checkpointed attention
+            # cores hold their inputs outside autograd's saved tensors, where no hook moves them.
+            raise ValueError(
+                f"memory policy {self.label}: only none and block recompute combine with offload"
+            )
+        if (
+            num_layers is not None
+            and k
+            and (n if method is Recompute.BLOCK else 0) + k > num_layers
+        ):
+            raise ValueError(
+                f"memory policy {self.label}: offloads past the chunk's {num_layers} layers"
+            )
+        return self
+
+    @property
+    def recompute(self) -> RecomputeMode:
+        """(method, N): the recomputation half."""
+        return self.method, self.layers
+
+    @property
+    def offload_start(self) -> int:
+        """Chunk-local index of the first offloaded layer."""
+        return self.layers if self.method is Recompute.BLOCK else 0
+
+    @property
+    def label(self) -> str:
+        """`none`, `block2`, `off3`, `block1+off2`, ... (printouts, traces, reports)."""
+        base = Recompute(self.method).value + (str(self.layers) if self.layers else "")
+        if not self.offload:
+            return base
+        off = f"off{self.offload}"
+        return off if self.method is Recompute.NONE else f"{base}+{off}"
+
+
 NO_RECOMPUTE: RecomputeMode = (Recompute.NONE, 0)
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
@@ -143,24 +221,26 @@ class MessageKey:
 @dataclass(frozen=True)
 class Forward:
     """Forward of `stage.chunk` of `stage.module` on sub-microbatch `stage.work`, with its
-    activation recomputation (`recompute_layers`: N of BLOCK and UNIFORM, 0 otherwise)."""
+    memory policy (`MemoryPolicy`): activation recomputation (`recompute_layers`: N of BLOCK
+    and UNIFORM, 0 otherwise) and `offload_layers` K offloaded to host memory."""
 
     stage: StageId
     recompute: Recompute = Recompute.NONE
     recompute_layers: int = 0
+    offload_layers: int = 0
 
     @property
-    def mode(self) -> RecomputeMode:
-        """(recompute, recompute_layers)."""
-        return self.recompute, self.recompute_layers
+    def mode(self) -> MemoryPolicy:
+        """The memory policy (recompute, recompute_layers, offload_layers)."""
+        return MemoryPolicy(self.recompute, self.recompute_layers, self.offload_layers)
+
+    policy = mode
 
     def __post_init__(self) -> None:
-        if self.recompute.takes_layers != (self.recompute_layers > 0) or self.recompute_layers < 0:
-            raise ValueError(
-                f"Forward {self.stage}: recompute {self.recompute.value} takes "
-                f"{'N >= 1' if self.recompute.takes_layers else 'no'} layers, got "
-                f"{self.recompute_layers}"
-            )
+        try:
+            self.mode.check()
+        except ValueError as err:
+            raise ValueError(f"Forward {self.stage}: {err}") from None
 
 
 @dataclass(frozen=True)

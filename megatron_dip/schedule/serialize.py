@@ -81,11 +81,29 @@ class _Tables:
         return self._intern("specs", specs, row)
 
 
+# A Forward's memory policy is one integer: method index + methods x (N + _LAYER_SPAN x K), so
+# plans without offload (K = 0) keep the bytes they had before offload existed.
+_LAYER_SPAN = 1 << 16
+
+
+def _encode_policy(ins: Forward) -> int:
+    if not 0 <= ins.recompute_layers < _LAYER_SPAN:
+        raise PlanError(f"{ins.stage}: cannot serialize {ins.recompute_layers} recompute layers")
+    n = ins.recompute_layers + _LAYER_SPAN * ins.offload_layers
+    return _RECOMPUTE.index(ins.recompute) + len(_RECOMPUTE) * n
+
+
+def _decode_forward(stage: StageId, code: int) -> Forward:
+    n, method = divmod(code, len(_RECOMPUTE))
+    offload, layers = divmod(n, _LAYER_SPAN)
+    return Forward(stage, _RECOMPUTE[method], layers, offload)
+
+
 def _encode_program(p: Program, t: _Tables) -> list[int]:
     out: list[int] = []
     for ins in p.instructions:
         if isinstance(ins, Forward):
-            mode = _RECOMPUTE.index(ins.recompute) + len(_RECOMPUTE) * ins.recompute_layers
+            mode = _encode_policy(ins)
             out += [_OP_F, t.stage(ins.stage), mode]
         elif isinstance(ins, Backward):
             out += [_OP_B, t.stage(ins.stage)]
@@ -180,8 +198,7 @@ class _Decoder:
         while i < len(code):
             op = code[i]
             if op == _OP_F:
-                layers, mode = divmod(code[i + 2], len(_RECOMPUTE))
-                out.append(Forward(self.stages[code[i + 1]], _RECOMPUTE[mode], layers))
+                out.append(_decode_forward(self.stages[code[i + 1]], int(code[i + 2])))
                 i += 3
             elif op == _OP_B:
                 out.append(Backward(self.stages[code[i + 1]]))

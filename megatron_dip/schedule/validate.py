@@ -189,6 +189,12 @@ class _RankScan:
         owner = df.rank_of(stage)
         if owner != self.rank:
             raise PlanError(f"{where}: chunk {stage.module}{stage.chunk} lives on rank {owner}")
+        if isinstance(ins, Forward) and ins.offload_layers:
+            chunk = self.plan.placement.module(stage.module).chunks[stage.chunk]
+            try:
+                ins.mode.check(chunk.num_layers)
+            except ValueError as err:
+                raise PlanError(f"{where}: {err}") from None
         if isinstance(ins, Backward):
             if self.plan.forward_only:
                 raise PlanError(f"{where}: a forward-only plan has a Backward")

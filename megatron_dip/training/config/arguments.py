@@ -130,6 +130,14 @@ class DipArgs:
         "(default: GPU memory minus weights and optimizer state; none on CPU)",
         megatron=False,
     )
+    dip_offload_activations: bool = arg(
+        "--dip-offload-activations",
+        False,
+        "let the memory pass also offload saved activations of some layers to pinned host "
+        "memory (copied on a side stream during the forward, prefetched before the backward), "
+        "priced on the GPU's share of its host link, where that is cheaper than recomputing",
+        megatron=False,
+    )
     dip_cost_profile: str | None = arg(
         "--dip-cost-profile",
         None,

@@ -372,6 +372,7 @@ def resolve(
         search=_search(config),
         use_search=config.dip.dip_search_time_ms > 0,
         uniform_recompute=uniform,
+        offload_activations=config.dip.dip_offload_activations,
     )
     sizing = functools.partial(
         build_layout,
