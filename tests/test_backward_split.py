@@ -175,3 +175,33 @@ def test_engine_times_weight_halves_and_reductions():
         (_, start, end), last_w = result.reductions[r][0], result.spans[r][-1][2]
         assert start == pytest.approx(last_w) and end == pytest.approx(last_w + 5.0)
         assert result.finish[r] == pytest.approx(end)
+
+
+def test_weights_fill_the_drain_of_1f1b_like_zb_h1():
+    """F = B = W = 1: 1F1B takes (M + P - 1) * 3; with W deferred into the bubbles the
+    makespan is ZB-H1's 3M + (P - 1) (its bubble (P - 1)(F + B - W)), a valid plan."""
+    from megatron_dip.schedule.zero_bubble import fill_bubbles_with_weights
+
+    def cost(rank, ins):
+        return 0.0 if isinstance(ins, ReduceGrads) else 1.0 + (type(ins) is Backward)
+
+    def run(programs):
+        return execute_programs(programs, compute_time=cost)
+
+    for p, m in ((4, 8), (8, 16)):
+        plan = build_1f1b_plan(num_ranks=p, num_microbatches=m)
+        assert run(plan.programs).makespan == 3 * (m + p - 1)
+        programs, result = fill_bubbles_with_weights(
+            split_backwards(plan), placement=plan.placement, execute=run
+        )
+        validate_plan(replace(plan, programs=programs))
+        assert result.makespan == 3 * m + p - 1
+        # A limit of 0 pending bytes keeps every W next to its B: no gain, still valid.
+        same, held = fill_bubbles_with_weights(
+            split_backwards(plan),
+            placement=plan.placement,
+            execute=run,
+            weight_bytes=lambda stage: 1.0,
+            pending_limit=[0.0] * p,
+        )
+        assert held.makespan == 3 * (m + p - 1)

@@ -4,7 +4,9 @@ Timing is `schedule.engine.execute_programs`, the same machine that defines the 
 this module only supplies durations and reads the result:
 
 * a `Forward` lasts `stage_cost(chunk, sub, recompute).forward`, a `Backward` `.backward` with the
-  recompute strategy of its stage's forward;
+  recompute strategy of its stage's forward; a split backward's `BackwardInput` lasts
+  `.backward_input`, its `BackwardWeight` `.weight`; a `ReduceGrads` runs beside the compute for
+  the cost model's `grad_reduce_time` over the plan's data-parallel size (0 without one);
 * a message lasts `transfer_time(bytes of its tensors) + message_latency`. The extra per-message
   latency models the per-operation hand-over overhead that EMULATION.md measured (it grows with
   the number of messages, so schedules that send more messages must pay for it);
@@ -14,7 +16,8 @@ this module only supplies durations and reads the result:
   `message` / `batch` terms, so a plan of many tiny instructions pays for them.
 
 Activation memory per rank is a step function over time: a stage adds its `activation_bytes` at
-the end of its forward and releases them at the end of its backward. A forward-only stage (frozen
+the end of its forward and releases them at the end of its backward (of a split backward: its
+`BackwardWeight`; a pending W holds the stage's activations). A forward-only stage (frozen
 module with nothing trainable upstream) runs without autograd and holds nothing afterwards; what
 its consumers keep of its output is part of their own activation bytes. Transient working memory
 inside an operator, parameters, gradients and optimizer state are not part of this timeline.
@@ -28,11 +31,14 @@ from typing import Protocol
 from ..schedule.engine import ChannelFn, ExecutionResult, execute_programs, single_channel
 from ..schedule.ir import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     ChunkSpec,
     Forward,
     Instruction,
     Plan,
     Recompute,
+    ReduceGrads,
     Send,
     StageId,
     SubMicrobatch,
@@ -166,12 +172,15 @@ def _memory(
     peaks, timelines = [], []
     for program, spans in zip(plan.programs, execution.spans):
         held, peak, steps = 0, 0, []
+        weighted = {i.stage for i in program.instructions if isinstance(i, BackwardWeight)}
         for index, _, end in spans:  # spans of one rank never overlap: program order is time order
             ins = program.instructions[index]
             nbytes = int(costs[ins.stage].activation_bytes)
             if isinstance(ins, Forward) and ins.stage in has_backward:
                 held += nbytes
-            elif isinstance(ins, Backward):
+            elif isinstance(ins, BackwardWeight) or (
+                isinstance(ins, Backward) and ins.stage not in weighted
+            ):
                 held -= nbytes
             else:
                 continue
@@ -180,6 +189,26 @@ def _memory(
         peaks.append(peak)
         timelines.append(tuple(steps))
     return tuple(peaks), tuple(timelines)
+
+
+# Instruction type -> index into `_durations`' tuple.
+_SLOTS: dict[type, int] = {BackwardInput: 2, BackwardWeight: 3, Forward: 0, Backward: 1}
+
+
+def _durations(c: StageCost, host: float) -> tuple[float, float, float, float]:
+    """(forward, fused backward, input-gradient half, weight-gradient half) of a stage, each
+    with the host time of its instruction."""
+    return (c.forward + host, c.backward + host, c.backward_input + host, c.weight + host)
+
+
+def _reduction_times(plan: Plan, cost_model: StageCostModel) -> dict[tuple[str, int], float]:
+    """Seconds of each chunk's data-parallel gradient reduction (cost models without
+    `grad_reduce_time`, stand-ins, price them at 0)."""
+    price = getattr(cost_model, "grad_reduce_time", None)
+    dp = plan.totals.data_parallel_size
+    if price is None or dp <= 1:
+        return {}
+    return {(m.name, c.index): price(c, dp) for m in plan.placement.modules for c in m.chunks}
 
 
 def simulate(
@@ -201,10 +230,16 @@ def simulate(
     host = host_overheads(cost_model)
     message_latency = host.message if message_latency is None else message_latency
     post_overhead = host.batch if post_overhead is None else post_overhead
-    durations = {s: host.instruction_times(c.forward, c.backward) for s, c in costs.items()}
+    durations = {s: _durations(c, host.instruction) for s, c in costs.items()}
+    reductions = _reduction_times(plan, cost_model)
 
     def compute_time(rank: int, ins: Instruction) -> float:
-        return durations[ins.stage][0 if isinstance(ins, Forward) else 1]
+        slot = _SLOTS.get(type(ins))
+        if slot is None:
+            if isinstance(ins, ReduceGrads):
+                return reductions.get((ins.module, ins.chunk), 0.0)
+            slot = next(v for t, v in _SLOTS.items() if isinstance(ins, t))
+        return durations[ins.stage][slot]
 
     def transfer_time(send: Send) -> float:
         nbytes = sum(t.nbytes for t in send.tensors)

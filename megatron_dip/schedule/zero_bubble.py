@@ -1,0 +1,129 @@
+"""Placing weight-gradient halves (W) into pipeline bubbles, Zero-Bubble style.
+
+Splitting each backward into B (input gradients, on the critical path: the previous stage waits
+for them) and W (weight gradients, needed only by the chunk's gradient reduction) lets W move
+later: the B chain through the pipeline gets shorter (fill and drain shrink), and the W fill the
+time a rank would otherwise wait (Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024).
+
+`fill_bubbles_with_weights` works on complete programs (communication already added): a W has
+no messages, so moving it later can neither deadlock a plan nor change its messages. Starting
+from W right after its B, each round defers every W and puts deferred W (oldest first) into
+the waits where the previous round's execution idled, as many as fit the idle time; a W whose
+pending activations would exceed the rank's `pending_limit` runs right away, and the W still
+deferred at the end of the program run there, chunk by chunk in the canonical reduction order so
+that the reductions start as early as they can. Each chunk's `ReduceGrads` follows its last W.
+The best round (shortest `execute` makespan, the unmoved order included) is returned, so the
+pass never makes a plan slower under the timing it is given.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from .backward_split import canonical_reduction_order, with_reductions
+from .engine import ExecutionResult
+from .ir import BackwardWeight, Instruction, Placement, Program, ReduceGrads, StageId, Wait
+
+Execute = Callable[[Sequence[Program]], ExecutionResult]
+
+
+def _gaps(program: Program, result: ExecutionResult, rank: int) -> list[float]:
+    """Idle seconds of each Wait of `program`, in program order."""
+    idle = {index: end - start for index, start, end in result.waits[rank]}
+    waits = [i for i, ins in enumerate(program.instructions) if isinstance(ins, Wait)]
+    return [idle.get(i, 0.0) for i in waits]
+
+
+def _weight_time(program: Program, result: ExecutionResult, rank: int) -> dict[StageId, float]:
+    out = {}
+    for index, start, end in result.spans[rank]:
+        ins = program.instructions[index]
+        if isinstance(ins, BackwardWeight):
+            out[ins.stage] = end - start
+    return out
+
+
+class _RankFill:
+    """Rebuilds one rank's program: W deferred into the measured gaps, under the limit."""
+
+    def __init__(self, base: Program, gaps: list[float], seconds, nbytes, limit: float) -> None:
+        self.base, self.gaps, self.seconds, self.nbytes = base, gaps, seconds, nbytes
+        self.limit = limit
+        self.out: list[Instruction] = []
+        self.pending: deque[BackwardWeight] = deque()
+        self.held = 0.0
+
+    def _run_oldest(self) -> None:
+        w = self.pending.popleft()
+        self.held -= self.nbytes(w.stage)
+        self.out.append(w)
+
+    def _fill(self, gap: float) -> None:
+        while self.pending and self.seconds.get(self.pending[0].stage, 0.0) <= gap:
+            gap -= self.seconds.get(self.pending[0].stage, 0.0)
+            self._run_oldest()
+
+    def build(self, placement: Placement) -> Program:
+        k = 0
+        for ins in self.base.instructions:
+            if isinstance(ins, ReduceGrads):
+                continue
+            if isinstance(ins, BackwardWeight):
+                self.pending.append(ins)
+                self.held += self.nbytes(ins.stage)
+                while self.held > self.limit and self.pending:
+                    self._run_oldest()
+                continue
+            if isinstance(ins, Wait):
+                self._fill(self.gaps[k] if k < len(self.gaps) else 0.0)
+                k += 1
+            self.out.append(ins)
+        order = canonical_reduction_order(placement, {(s.module, s.chunk) for s in self._stages()})
+        rank_of = {key: i for i, key in enumerate(order)}
+        self.out.extend(
+            sorted(self.pending, key=lambda w: rank_of[(w.stage.module, w.stage.chunk)])
+        )
+        return Program(self.base.rank, tuple(with_reductions(self.out, placement, self.base.rank)))
+
+    def _stages(self) -> list[StageId]:
+        return [w.stage for w in self.pending]
+
+
+def fill_bubbles_with_weights(
+    programs: Sequence[Program],
+    *,
+    placement: Placement,
+    execute: Execute,
+    weight_bytes: Callable[[StageId], float] = lambda stage: 0.0,
+    pending_limit: Sequence[float] | None = None,
+    rounds: int = 4,
+) -> tuple[tuple[Program, ...], ExecutionResult]:
+    """Programs with their W moved into bubbles (see the module docstring) and their execution.
+
+    `programs`: split programs (`backward_split.split_backwards`), W anywhere after its B.
+    `execute`: times a set of programs (the simulator's engine run). `weight_bytes`: activation
+    bytes a stage holds until its W; `pending_limit[r]`: most bytes rank r may hold for deferred
+    W (None: no limit). Returns the fastest programs found and their execution.
+    """
+    limits = list(pending_limit) if pending_limit is not None else [float("inf")] * len(programs)
+    base = tuple(programs)
+    measured, result = base, execute(base)
+    best, best_result = measured, result
+    for _ in range(rounds):
+        # The waits are the same in every round (only W and reductions move): the gaps the last
+        # round measured are indexed by wait.
+        candidate = tuple(
+            _RankFill(
+                p,
+                _gaps(measured[r], result, r),
+                _weight_time(measured[r], result, r),
+                weight_bytes,
+                limits[r],
+            ).build(placement)
+            for r, p in enumerate(base)
+        )
+        measured, result = candidate, execute(candidate)
+        if result.makespan < best_result.makespan:
+            best, best_result = candidate, result
+    return best, best_result
