@@ -43,7 +43,14 @@ from .placement_search import greedy_score, static_candidates
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .static_baselines import StaticPipeline, static_pipelines
-from .stock_configs import StockResult, StockWork, evaluate_stock, fits
+from .stock_configs import (
+    StockResult,
+    StockWork,
+    evaluate_stock,
+    fastest,
+    fits,
+    megatron_plan,
+)
 from .submicrobatch import choose_sub_sizes
 
 __all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
@@ -104,6 +111,9 @@ class BatchResult:
     stock: tuple[StockResult, ...]  # every static configuration
     dip: tuple[Outcome, ...]  # DIP's ablation steps, the full DIP last
     balanced_bound: float  # the slowest replica's total compute without recompute / P
+    # Schedules of the literature on the static placements, not run by Megatron users (never
+    # the baseline): ZB-H1 (`weight_fill`) per 1F1B placement.
+    peers: tuple[StockResult, ...] = ()
 
 
 @dataclass
@@ -215,6 +225,7 @@ class Comparison:
         base = self.planner()
         layout = base.layout(batch)
         stock: dict[tuple, list[StockResult]] = {}
+        peers: dict[tuple, list[StockResult]] = {}
         dip: dict[str, list[Outcome]] = {}
         bounds = []
         whole_config = base.layout_config.with_whole_modules()
@@ -228,8 +239,11 @@ class Comparison:
                     num_ranks=self.setup.pipeline_parallel,
                 )
             )
-            for r in self._stock(layout, whole):
+            mine = self._stock(layout, whole)
+            for r in mine:
                 stock.setdefault(r.key, []).append(r)
+            for r in self._zero_bubble(layout, whole, mine):
+                peers.setdefault(r.key, []).append(r)
             for o in self._dip_steps(layout, replica):
                 dip.setdefault(o.name, []).append(o)
         return BatchResult(
@@ -237,13 +251,40 @@ class Comparison:
             tuple(_slowest_stock(rs) for rs in stock.values()),
             tuple(max(os, key=lambda o: o.sim.iteration_time) for os in dip.values()),
             max(bounds),
+            tuple(_slowest_stock(rs) for rs in peers.values()),
         )
+
+    def _stock_work(self, layout: BatchLayout, whole: ReplicaLayout) -> StockWork:
+        return StockWork(
+            whole.submicrobatches, whole.dependencies, whole.infos, layout.totals, layout.iteration
+        )
+
+    def _zero_bubble(
+        self, layout: BatchLayout, whole: ReplicaLayout, stock: Sequence[StockResult]
+    ) -> list[StockResult]:
+        """ZB-H1 on each static 1F1B placement: Megatron's 1F1B order under that placement's
+        fastest fitting recompute setting on this batch, backwards split, W moved into the
+        bubbles within 1F1B's own activation peak (ZB-H1's memory)."""
+        from .weight_fill import split_into_bubbles
+
+        work = self._stock_work(layout, whole)
+        shapes = self.planner().shapes.for_lookup(whole.sub_of().__getitem__)
+        out = []
+        for pipe in self.static:
+            mine = [r for r in stock if r.pipeline == pipe.name and r.schedule == "1f1b"]
+            if pipe.num_model_chunks != 1 or not mine:
+                continue
+            best = fastest(mine)
+            plan = megatron_plan(pipe, work, best.mode, cost_model=self.cost_model, tensors=shapes)
+            limits = self.memory(pipe.placement)
+            own = [min(lim, p) for lim, p in zip(limits, best.sim.peak_activation_bytes)]
+            _, sim = split_into_bubbles(plan, self.cost_model, limits=own, baseline=best.sim)
+            out.append(StockResult(pipe.name, "zb-h1", best.mode, sim, fits(sim, limits)))
+        return out
 
     def _stock(self, layout: BatchLayout, whole: ReplicaLayout) -> list[StockResult]:
         """Every static placement with every recompute setting (`stock_configs`)."""
-        work = StockWork(
-            whole.submicrobatches, whole.dependencies, whole.infos, layout.totals, layout.iteration
-        )
+        work = self._stock_work(layout, whole)
         shapes = self.planner().shapes.for_lookup(whole.sub_of().__getitem__)
         out = []
         for pipe in self.static:
@@ -275,7 +316,8 @@ class Comparison:
                 dict(use_search=False, optimize_memory=False, megatron_candidate=False),
             ),
             ("dip: +mcts", dict(optimize_memory=False, megatron_candidate=False)),
-            ("dip: +memory (full DIP)", {}),  # also tries Megatron's order on its placement
+            ("dip: +memory", {}),  # also tries Megatron's order on its placement
+            ("dip: +B/W split (full DIP)", dict(split_backward=True)),
         ]
         limits = self.memory(self.dip_placement)
         out: list[Outcome] = []

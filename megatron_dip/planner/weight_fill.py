@@ -1,0 +1,81 @@
+"""Split backwards for a finished plan: B on the critical path, W in the bubbles, within memory.
+
+`split_into_bubbles` splits every backward of a plan into its input-gradient half (B) and its
+weight-gradient half (W, none for frozen modules), moves the W into the waits where the
+simulated pipeline idles (`schedule.zero_bubble`), adds each chunk's data-parallel reduction
+after its last W, and keeps the result only if it simulates faster and every rank's activation
+peak (a deferred W holds its stage's activations) stays within its limit. Deferral is bounded by
+a per-rank budget of pending bytes, tried from generous to none (W next to its B): the first
+budget whose plan fits is used. So the split plan is never slower than the plan it came from,
+and never over memory.
+
+Used by the DIP planner (`PlannerConfig.split_backward`) and by the study's Zero-Bubble peer
+(ZB-H1: Megatron's 1F1B order on a static placement, W deferred within 1F1B's own memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..schedule.backward_split import split_backwards
+from ..schedule.engine import ChannelFn, ExecutionResult, single_channel
+from ..schedule.ir import Plan, Program, StageId
+from ..schedule.zero_bubble import fill_bubbles_with_weights
+from .simulator import SimResult, simulate, stage_costs
+
+# Budgets of pending W bytes per rank, in units of the rank's largest stage activations.
+PENDING_BUDGETS = (float("inf"), 8.0, 4.0, 2.0, 1.0)
+
+
+def split_into_bubbles(
+    plan: Plan,
+    cost_model,
+    *,
+    limits: Sequence[float] | None = None,
+    channel: ChannelFn = single_channel,
+    baseline: SimResult | None = None,
+    rounds: int = 3,
+) -> tuple[Plan, SimResult]:
+    """`plan` with split backwards and W in its bubbles when that fits `limits` (per-rank
+    activation bytes; None: no limit) and simulates faster than `plan`; else `plan` itself.
+    Returns the plan and its simulation. `baseline`: `plan`'s simulation, if already known."""
+    base = baseline or simulate(plan, cost_model, channel=channel)
+    if plan.forward_only:
+        return plan, base
+    caps = list(limits) if limits is not None else [float("inf")] * plan.num_ranks
+    split = dataclasses.replace(plan, programs=split_backwards(plan))
+    costs, _ = stage_costs(plan, cost_model)
+
+    def weight_bytes(stage: StageId) -> float:
+        return float(costs[stage].activation_bytes)
+
+    def execute(programs: Sequence[Program]) -> ExecutionResult:
+        trial = dataclasses.replace(plan, programs=tuple(programs))
+        return simulate(trial, cost_model, channel=channel).execution
+
+    largest = _largest_per_rank(plan, costs)
+    for budget in PENDING_BUDGETS:
+        programs, result = fill_bubbles_with_weights(
+            split.programs,
+            placement=plan.placement,
+            execute=execute,
+            weight_bytes=weight_bytes,
+            pending_limit=[budget * b for b in largest],
+            rounds=rounds,
+        )
+        if result.makespan >= base.iteration_time:
+            break  # a smaller budget defers less: no faster
+        candidate = dataclasses.replace(plan, programs=programs, name=plan.name + "+bw")
+        sim = simulate(candidate, cost_model, channel=channel)
+        if all(p <= c for p, c in zip(sim.peak_activation_bytes, caps)):
+            return candidate, sim
+    return plan, base
+
+
+def _largest_per_rank(plan: Plan, costs: dict) -> list[float]:
+    out = [0.0] * plan.num_ranks
+    for stage, c in costs.items():
+        r = plan.placement.rank_of(stage.module, stage.chunk)
+        out[r] = max(out[r], float(c.activation_bytes))
+    return out
