@@ -25,6 +25,7 @@ inside an operator, parameters, gradients and optimizer state are not part of th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +38,7 @@ from ..schedule.ir import (
     Forward,
     Instruction,
     Plan,
+    Program,
     Recompute,
     ReduceGrads,
     Send,
@@ -47,7 +49,14 @@ from .cost_model import StageCost
 from .overheads import host_overheads
 from .trace import Span, chrome_trace_events, plan_timeline
 
-__all__ = ["SimResult", "StageCostModel", "UniformCost", "simulate", "stage_costs"]
+__all__ = [
+    "PlanTiming",
+    "SimResult",
+    "StageCostModel",
+    "UniformCost",
+    "simulate",
+    "stage_costs",
+]
 
 
 class StageCostModel(Protocol):
@@ -211,6 +220,51 @@ def _reduction_times(plan: Plan, cost_model: StageCostModel) -> dict[tuple[str, 
     return {(m.name, c.index): price(c, dp) for m in plan.placement.modules for c in m.chunks}
 
 
+class PlanTiming:
+    """The durations `simulate` gives the engine for `plan`'s stages, reusable for programs
+    that reorder the same instructions (`weight_fill` times many orders of one plan)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        cost_model: StageCostModel,
+        costs: dict | None = None,
+        message_latency: float | None = None,
+        post_overhead: float | None = None,
+    ) -> None:
+        costs = costs if costs is not None else stage_costs(plan, cost_model)[0]
+        host = host_overheads(cost_model)
+        self.cost_model = cost_model
+        self.message_latency = host.message if message_latency is None else message_latency
+        self.post_overhead = host.batch if post_overhead is None else post_overhead
+        self.durations = {s: _durations(c, host.instruction) for s, c in costs.items()}
+        self.reductions = _reduction_times(plan, cost_model)
+
+    def compute_time(self, rank: int, ins: Instruction) -> float:
+        """Seconds of a compute instruction or of a reduction (beside the compute)."""
+        slot = _SLOTS.get(type(ins))
+        if slot is None:
+            if isinstance(ins, ReduceGrads):
+                return self.reductions.get((ins.module, ins.chunk), 0.0)
+            slot = next(v for t, v in _SLOTS.items() if isinstance(ins, t))
+        return self.durations[ins.stage][slot]
+
+    def transfer_time(self, send: Send) -> float:
+        """Seconds of a message, its per-message latency included."""
+        nbytes = sum(t.nbytes for t in send.tensors)
+        return self.cost_model.transfer_time(nbytes) + self.message_latency
+
+    def run(self, programs: Sequence[Program], channel: ChannelFn) -> ExecutionResult:
+        """`execute_programs` of `programs` with these durations."""
+        return execute_programs(
+            programs,
+            compute_time=self.compute_time,
+            transfer_time=self.transfer_time,
+            post_overhead=self.post_overhead,
+            channel=channel,
+        )
+
+
 def simulate(
     plan: Plan,
     cost_model: StageCostModel,
@@ -227,30 +281,8 @@ def simulate(
     docstring). Raises `schedule.DeadlockError` / `PlanError` for a plan that cannot run.
     """
     costs, has_backward = stage_costs(plan, cost_model)
-    host = host_overheads(cost_model)
-    message_latency = host.message if message_latency is None else message_latency
-    post_overhead = host.batch if post_overhead is None else post_overhead
-    durations = {s: _durations(c, host.instruction) for s, c in costs.items()}
-    reductions = _reduction_times(plan, cost_model)
-
-    def compute_time(rank: int, ins: Instruction) -> float:
-        slot = _SLOTS.get(type(ins))
-        if slot is None:
-            if isinstance(ins, ReduceGrads):
-                return reductions.get((ins.module, ins.chunk), 0.0)
-            slot = next(v for t, v in _SLOTS.items() if isinstance(ins, t))
-        return durations[ins.stage][slot]
-
-    def transfer_time(send: Send) -> float:
-        nbytes = sum(t.nbytes for t in send.tensors)
-        return cost_model.transfer_time(nbytes) + message_latency
-
-    execution = execute_programs(
-        plan.programs,
-        compute_time=compute_time,
-        transfer_time=transfer_time,
-        post_overhead=post_overhead,
-        channel=channel,
+    execution = PlanTiming(plan, cost_model, costs, message_latency, post_overhead).run(
+        plan.programs, channel
     )
     iteration = execution.makespan
     busy = tuple(sum(end - start for _, start, end in spans) for spans in execution.spans)

@@ -22,7 +22,7 @@ from ..schedule.backward_split import split_backwards
 from ..schedule.engine import ChannelFn, ExecutionResult, single_channel
 from ..schedule.ir import Plan, Program, StageId
 from ..schedule.zero_bubble import fill_bubbles_with_weights
-from .simulator import SimResult, simulate, stage_costs
+from .simulator import PlanTiming, SimResult, simulate, stage_costs
 
 # Budgets of pending W bytes per rank, in units of the rank's largest stage activations.
 PENDING_BUDGETS = (float("inf"), 8.0, 4.0, 2.0, 1.0)
@@ -50,9 +50,10 @@ def split_into_bubbles(
     def weight_bytes(stage: StageId) -> float:
         return float(costs[stage].activation_bytes)
 
+    timing = PlanTiming(plan, cost_model, costs)
+
     def execute(programs: Sequence[Program]) -> ExecutionResult:
-        trial = dataclasses.replace(plan, programs=tuple(programs))
-        return simulate(trial, cost_model, channel=channel).execution
+        return timing.run(programs, channel)
 
     largest = _largest_per_rank(plan, costs)
     for budget in PENDING_BUDGETS:
