@@ -51,6 +51,7 @@ def planner_config(
         use_search=d.dip_search_time_ms > 0,
         uniform_recompute=uniform_recompute,
         packing=packing,
+        split_backward=d.dip_split_backward,
     )
 
 
