@@ -35,7 +35,7 @@ def split_into_bubbles(
     limits: Sequence[float] | None = None,
     channel: ChannelFn = single_channel,
     baseline: SimResult | None = None,
-    rounds: int = 3,
+    rounds: int = 2,
 ) -> tuple[Plan, SimResult]:
     """`plan` with split backwards and W in its bubbles when that fits `limits` (per-rank
     activation bytes; None: no limit) and simulates faster than `plan`; else `plan` itself.

@@ -8,7 +8,8 @@ time a rank would otherwise wait (Qi et al., Zero Bubble Pipeline Parallelism, I
 `fill_bubbles_with_weights` works on complete programs (communication already added): a W has
 no messages, so moving it later can neither deadlock a plan nor change its messages. Starting
 from W right after its B, each round defers every W and puts deferred W (oldest first) into
-the waits where the previous round's execution idled, as many as fit the idle time; a W whose
+the waits where the previous round's execution idled, as many as fit the idle time (policies:
+only W that fit, or also W of which half fits, each tried from the unmoved order); a W whose
 pending activations would exceed the rank's `pending_limit` runs right away, and the W still
 deferred at the end of the program run there, chunk by chunk in the canonical reduction order so
 that the reductions start as early as they can. Each chunk's `ReduceGrads` follows its last W.
@@ -47,9 +48,11 @@ def _weight_time(program: Program, result: ExecutionResult, rank: int) -> dict[S
 class _RankFill:
     """Rebuilds one rank's program: W deferred into the measured gaps, under the limit."""
 
-    def __init__(self, base: Program, gaps: list[float], seconds, nbytes, limit: float) -> None:
+    def __init__(
+        self, base: Program, gaps: list[float], seconds, nbytes, limit: float, overshoot: float
+    ) -> None:
         self.base, self.gaps, self.seconds, self.nbytes = base, gaps, seconds, nbytes
-        self.limit = limit
+        self.limit, self.overshoot = limit, overshoot
         self.out: list[Instruction] = []
         self.pending: deque[BackwardWeight] = deque()
         self.held = 0.0
@@ -60,8 +63,13 @@ class _RankFill:
         self.out.append(w)
 
     def _fill(self, gap: float) -> None:
-        while self.pending and self.seconds.get(self.pending[0].stage, 0.0) <= gap:
-            gap -= self.seconds.get(self.pending[0].stage, 0.0)
+        """Run the oldest deferred W while they fit the gap (each may overrun what is left of
+        it by `overshoot` of its own time)."""
+        while self.pending:
+            need = self.seconds.get(self.pending[0].stage, 0.0)
+            if gap <= 0.0 or need * (1.0 - self.overshoot) > gap:
+                return
+            gap -= need
             self._run_oldest()
 
     def build(self, placement: Placement) -> Program:
@@ -97,33 +105,39 @@ def fill_bubbles_with_weights(
     execute: Execute,
     weight_bytes: Callable[[StageId], float] = lambda stage: 0.0,
     pending_limit: Sequence[float] | None = None,
-    rounds: int = 4,
+    rounds: int = 2,
+    overshoots: Sequence[float] = (0.0, 0.5),
 ) -> tuple[tuple[Program, ...], ExecutionResult]:
     """Programs with their W moved into bubbles (see the module docstring) and their execution.
 
     `programs`: split programs (`backward_split.split_backwards`), W anywhere after its B.
     `execute`: times a set of programs (the simulator's engine run). `weight_bytes`: activation
     bytes a stage holds until its W; `pending_limit[r]`: most bytes rank r may hold for deferred
-    W (None: no limit). Returns the fastest programs found and their execution.
+    W (None: no limit). `overshoots`: the fill policies tried, each for `rounds` rounds from
+    the unmoved order (0: a W goes into a gap only if it fits; 0.5: if half of it does).
+    Returns the fastest programs found and their execution.
     """
     limits = list(pending_limit) if pending_limit is not None else [float("inf")] * len(programs)
     base = tuple(programs)
-    measured, result = base, execute(base)
-    best, best_result = measured, result
-    for _ in range(rounds):
-        # The waits are the same in every round (only W and reductions move): the gaps the last
-        # round measured are indexed by wait.
-        candidate = tuple(
-            _RankFill(
-                p,
-                _gaps(measured[r], result, r),
-                _weight_time(measured[r], result, r),
-                weight_bytes,
-                limits[r],
-            ).build(placement)
-            for r, p in enumerate(base)
-        )
-        measured, result = candidate, execute(candidate)
-        if result.makespan < best_result.makespan:
-            best, best_result = candidate, result
+    first = execute(base)
+    best, best_result = base, first
+    for overshoot in overshoots:
+        measured, result = base, first
+        for _ in range(rounds):
+            # The waits are the same in every round (only W and reductions move): the gaps the
+            # last round measured are indexed by wait.
+            candidate = tuple(
+                _RankFill(
+                    p,
+                    _gaps(measured[r], result, r),
+                    _weight_time(measured[r], result, r),
+                    weight_bytes,
+                    limits[r],
+                    overshoot,
+                ).build(placement)
+                for r, p in enumerate(base)
+            )
+            measured, result = candidate, execute(candidate)
+            if result.makespan < best_result.makespan:
+                best, best_result = candidate, result
     return best, best_result
