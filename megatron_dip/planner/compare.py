@@ -29,7 +29,7 @@ from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
 from ..schedule.engine import ChannelFn, per_peer_channel
-from ..schedule.ir import ChunkSpec, Placement, Recompute
+from ..schedule.ir import ChunkSpec, Placement, Plan, Recompute
 from .bounds import balanced_bound
 from .devices import DeviceSpec
 from .dip import DipPlanner, PlannerConfig
@@ -100,6 +100,7 @@ class Outcome:
     fits: bool
     recompute: str
     plan_seconds: float = 0.0
+    plan: Plan | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,6 @@ class Comparison:
             ),
             ("dip: +mcts", dict(optimize_memory=False, megatron_candidate=False)),
             ("dip: +memory", {}),  # also tries Megatron's order on its placement
-            ("dip: +B/W split (full DIP)", dict(split_backward=True)),
         ]
         limits = self.memory(self.dip_placement)
         out: list[Outcome] = []
@@ -333,7 +333,22 @@ class Comparison:
                     previous, name=name, plan_seconds=outcome.plan_seconds
                 )
             out.append(outcome)
+        out.append(self._split_step(out[-1], limits))
         return out
+
+    def _split_step(self, full: Outcome, limits: list[float]) -> Outcome:
+        """The full DIP with `PlannerConfig.split_backward`: what the planner does last
+        (`weight_fill.split_into_bubbles` of its chosen plan), applied to the previous step's
+        plan rather than planning the batch again."""
+        from .weight_fill import split_into_bubbles
+
+        started = time.perf_counter()
+        plan, sim = split_into_bubbles(
+            full.plan, self.cost_model, limits=limits, channel=self.dip_channel, baseline=full.sim
+        )
+        seconds = full.plan_seconds + time.perf_counter() - started
+        name = "dip: +B/W split (full DIP)"
+        return Outcome(name, sim, fits(sim, limits), full.recompute, seconds, plan)
 
     def _dip(
         self, name: str, overrides: dict, works, totals, iteration: int, limits: list[float]
@@ -348,7 +363,7 @@ class Comparison:
             seconds = time.perf_counter() - started
             sim = simulate(rp.plan, self.cost_model, channel=self.dip_channel)
             label = "per-chunk" if mode is None else mode.value
-            o = Outcome(name, sim, fits(sim, limits), label, seconds)
+            o = Outcome(name, sim, fits(sim, limits), label, seconds, rp.plan)
             if best is None or (o.fits, -o.sim.iteration_time) > (
                 best.fits,
                 -best.sim.iteration_time,
