@@ -31,6 +31,7 @@ from megatron_dip.schedule.ir import (
     Backward,
     BackwardInput,
     BackwardWeight,
+    Forward,
     ReduceGrads,
     StageId,
 )
@@ -196,15 +197,21 @@ def test_weights_fill_the_drain_of_1f1b_like_zb_h1():
         )
         validate_plan(replace(plan, programs=programs))
         assert result.makespan == 3 * m + p - 1
-        # A limit of 0 pending bytes keeps every W next to its B: no gain, still valid.
-        same, held = fill_bubbles_with_weights(
+        # Within 1F1B's own memory (rank r holds at most P - r microbatches): still faster.
+        kept, held = fill_bubbles_with_weights(
             split_backwards(plan),
             placement=plan.placement,
             execute=run,
             weight_bytes=lambda stage: 1.0,
-            pending_limit=[0.0] * p,
+            memory_limit=[float(p - r) for r in range(p)],
         )
-        assert held.makespan == 3 * (m + p - 1)
+        assert held.makespan < 3 * (m + p - 1)
+        for r, program in enumerate(kept):
+            alive = peak = 0
+            for ins in program.instructions:
+                alive += isinstance(ins, Forward) - isinstance(ins, BackwardWeight)
+                peak = max(peak, alive)
+            assert peak <= p - r
 
 
 def test_planner_splits_backwards_only_where_faster_and_fitting():

@@ -4,10 +4,9 @@
 weight-gradient half (W, none for frozen modules), moves the W into the waits where the
 simulated pipeline idles (`schedule.zero_bubble`), adds each chunk's data-parallel reduction
 after its last W, and keeps the result only if it simulates faster and every rank's activation
-peak (a deferred W holds its stage's activations) stays within its limit. Deferral is bounded by
-a per-rank budget of pending bytes, tried from generous to none (W next to its B): the first
-budget whose plan fits is used. So the split plan is never slower than the plan it came from,
-and never over memory.
+peak (a deferred W holds its stage's activations) stays within its limit: before a Forward that
+would go over, the oldest deferred W run (ZB-H1's rule). So the split plan is never slower than
+the plan it came from, and never over memory.
 
 Used by the DIP planner (`PlannerConfig.split_backward`) and by the study's Zero-Bubble peer
 (ZB-H1: Megatron's 1F1B order on a static placement, W deferred within 1F1B's own memory).
@@ -23,9 +22,6 @@ from ..schedule.engine import ChannelFn, ExecutionResult, single_channel
 from ..schedule.ir import Plan, Program, StageId
 from ..schedule.zero_bubble import fill_bubbles_with_weights
 from .simulator import PlanTiming, SimResult, simulate, stage_costs
-
-# Budgets of pending W bytes per rank, in units of the rank's largest stage activations.
-PENDING_BUDGETS = (float("inf"), 8.0, 4.0, 2.0, 1.0)
 
 
 def split_into_bubbles(
@@ -55,28 +51,21 @@ def split_into_bubbles(
     def execute(programs: Sequence[Program]) -> ExecutionResult:
         return timing.run(programs, channel)
 
-    largest = _largest_per_rank(plan, costs)
-    for budget in PENDING_BUDGETS:
-        programs, result = fill_bubbles_with_weights(
-            split.programs,
-            placement=plan.placement,
-            execute=execute,
-            weight_bytes=weight_bytes,
-            pending_limit=[budget * b for b in largest],
-            rounds=rounds,
-        )
-        if result.makespan >= base.iteration_time:
-            break  # a smaller budget defers less: no faster
-        candidate = dataclasses.replace(plan, programs=programs, name=plan.name + "+bw")
-        sim = simulate(candidate, cost_model, channel=channel)
-        if all(p <= c for p, c in zip(sim.peak_activation_bytes, caps)):
-            return candidate, sim
+    # The memory rule of the fill keeps each rank within its limit, or within what the fused
+    # plan holds where that is more (a plan that was over stays no worse).
+    budget = [max(c, p) for c, p in zip(caps, base.peak_activation_bytes)]
+    programs, result = fill_bubbles_with_weights(
+        split.programs,
+        placement=plan.placement,
+        execute=execute,
+        weight_bytes=weight_bytes,
+        memory_limit=budget,
+        rounds=rounds,
+    )
+    if result.makespan >= base.iteration_time:
+        return plan, base
+    candidate = dataclasses.replace(plan, programs=programs, name=plan.name + "+bw")
+    sim = simulate(candidate, cost_model, channel=channel)
+    if all(p <= b * (1 + 1e-12) for p, b in zip(sim.peak_activation_bytes, budget)):
+        return candidate, sim
     return plan, base
-
-
-def _largest_per_rank(plan: Plan, costs: dict) -> list[float]:
-    out = [0.0] * plan.num_ranks
-    for stage, c in costs.items():
-        r = plan.placement.rank_of(stage.module, stage.chunk)
-        out[r] = max(out[r], float(c.activation_bytes))
-    return out

@@ -9,8 +9,10 @@ time a rank would otherwise wait (Qi et al., Zero Bubble Pipeline Parallelism, I
 no messages, so moving it later can neither deadlock a plan nor change its messages. Starting
 from W right after its B, each round defers every W and puts deferred W (oldest first) into
 the waits where the previous round's execution idled, as many as fit the idle time (policies:
-only W that fit, or also W of which half fits, each tried from the unmoved order); a W whose
-pending activations would exceed the rank's `pending_limit` runs right away, and the W still
+only W that fit, or also W of which half fits, each tried from the unmoved order); before a
+Forward that would take the rank's activations over its `memory_limit`, the oldest deferred W
+run first (ZB-H1's rule: the program never holds more than the limit, or than the unmoved
+program where that held more), and the W still
 deferred at the end of the program run there, chunk by chunk in the canonical reduction order so
 that the reductions start as early as they can. Each chunk's `ReduceGrads` follows its last W.
 The best round (shortest `execute` makespan, the unmoved order included) is returned, so the
@@ -24,7 +26,17 @@ from collections.abc import Callable, Sequence
 
 from .backward_split import canonical_reduction_order, with_reductions
 from .engine import ExecutionResult
-from .ir import BackwardWeight, Instruction, Placement, Program, ReduceGrads, StageId, Wait
+from .ir import (
+    Backward,
+    BackwardWeight,
+    Forward,
+    Instruction,
+    Placement,
+    Program,
+    ReduceGrads,
+    StageId,
+    Wait,
+)
 
 Execute = Callable[[Sequence[Program]], ExecutionResult]
 
@@ -46,7 +58,12 @@ def _weight_time(program: Program, result: ExecutionResult, rank: int) -> dict[S
 
 
 class _RankFill:
-    """Rebuilds one rank's program: W deferred into the measured gaps, under the limit."""
+    """Rebuilds one rank's program: W deferred into the measured gaps, within the memory limit.
+
+    Memory is a function of program order alone: a stage's activations are held from its
+    Forward to its W (or fused Backward). Before a Forward that would take the rank over
+    `limit`, the oldest deferred W run first (ZB-H1's rule), so the rebuilt program never holds
+    more than `max(limit, what the unmoved program holds)`."""
 
     def __init__(
         self, base: Program, gaps: list[float], seconds, nbytes, limit: float, overshoot: float
@@ -56,6 +73,8 @@ class _RankFill:
         self.out: list[Instruction] = []
         self.pending: deque[BackwardWeight] = deque()
         self.held = 0.0
+        self.kept = {i.stage for i in base.instructions if isinstance(i, Backward)}
+        self.split = {i.stage for i in base.instructions if isinstance(i, BackwardWeight)}
 
     def _run_oldest(self) -> None:
         w = self.pending.popleft()
@@ -72,6 +91,14 @@ class _RankFill:
             gap -= need
             self._run_oldest()
 
+    def _forward(self, ins: Forward) -> None:
+        if ins.stage in self.kept:
+            nbytes = self.nbytes(ins.stage)
+            while self.pending and self.held + nbytes > self.limit:
+                self._run_oldest()
+            self.held += nbytes
+        self.out.append(ins)
+
     def build(self, placement: Placement) -> Program:
         k = 0
         for ins in self.base.instructions:
@@ -79,23 +106,24 @@ class _RankFill:
                 continue
             if isinstance(ins, BackwardWeight):
                 self.pending.append(ins)
-                self.held += self.nbytes(ins.stage)
-                while self.held > self.limit and self.pending:
-                    self._run_oldest()
                 continue
-            if isinstance(ins, Wait):
+            if isinstance(ins, Forward):
+                self._forward(ins)
+                continue
+            if isinstance(ins, Backward) and ins.stage not in self.split:
+                self.held -= self.nbytes(ins.stage)  # fused, or a frozen module's only half
+            elif isinstance(ins, Wait):
                 self._fill(self.gaps[k] if k < len(self.gaps) else 0.0)
                 k += 1
             self.out.append(ins)
-        order = canonical_reduction_order(placement, {(s.module, s.chunk) for s in self._stages()})
+        order = canonical_reduction_order(
+            placement, {(w.stage.module, w.stage.chunk) for w in self.pending}
+        )
         rank_of = {key: i for i, key in enumerate(order)}
         self.out.extend(
             sorted(self.pending, key=lambda w: rank_of[(w.stage.module, w.stage.chunk)])
         )
         return Program(self.base.rank, tuple(with_reductions(self.out, placement, self.base.rank)))
-
-    def _stages(self) -> list[StageId]:
-        return [w.stage for w in self.pending]
 
 
 def fill_bubbles_with_weights(
@@ -104,7 +132,7 @@ def fill_bubbles_with_weights(
     placement: Placement,
     execute: Execute,
     weight_bytes: Callable[[StageId], float] = lambda stage: 0.0,
-    pending_limit: Sequence[float] | None = None,
+    memory_limit: Sequence[float] | None = None,
     rounds: int = 2,
     overshoots: Sequence[float] = (0.0, 0.5),
 ) -> tuple[tuple[Program, ...], ExecutionResult]:
@@ -112,12 +140,12 @@ def fill_bubbles_with_weights(
 
     `programs`: split programs (`backward_split.split_backwards`), W anywhere after its B.
     `execute`: times a set of programs (the simulator's engine run). `weight_bytes`: activation
-    bytes a stage holds until its W; `pending_limit[r]`: most bytes rank r may hold for deferred
-    W (None: no limit). `overshoots`: the fill policies tried, each for `rounds` rounds from
+    bytes a stage holds from its Forward until its W (or fused backward); `memory_limit[r]`:
+    most activation bytes rank r may hold (None: no limit). `overshoots`: the fill policies tried, each for `rounds` rounds from
     the unmoved order (0: a W goes into a gap only if it fits; 0.5: if half of it does).
     Returns the fastest programs found and their execution.
     """
-    limits = list(pending_limit) if pending_limit is not None else [float("inf")] * len(programs)
+    limits = list(memory_limit) if memory_limit is not None else [float("inf")] * len(programs)
     base = tuple(programs)
     first = execute(base)
     best, best_result = base, first
