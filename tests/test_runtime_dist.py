@@ -73,7 +73,9 @@ def check_loss(results: list[dict], name: str, ranks=None) -> None:
 
 
 def _kind(name: str) -> str:
-    """The batch a scenario ran ("vlm", "omni" or "t2v"), from its name."""
+    """The batch a scenario ran ("vlm", "omni", "t2v" or "t2v-frozen"), from its name."""
+    if "t2vfrozen" in name:
+        return "t2v-frozen"
     return next(k for k in ("vlm", "omni") if k in name) if "t2v" not in name else "t2v"
 
 
@@ -100,6 +102,9 @@ PIPELINE = [
     "vlm_dip_static",
     "omni_seg_rc",
     "omni_dip",
+    "vlm_split",
+    "t2v_split",
+    "omni_split",
 ]
 
 
@@ -212,7 +217,9 @@ def test_pp4_megatron_orders_match_megatron_and_reference(world4, ours, stock):
     np.testing.assert_allclose(reports(world4, ours), reports(world4, stock), rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["tp2_vlm", "tp2_t2v", "tp2sp_vlm", "tp2sp_t2v"])
+@pytest.mark.parametrize(
+    "name", ["tp2_vlm", "tp2_t2v", "tp2sp_vlm", "tp2sp_t2v", "tp2sp_vlm_split"]
+)
 def test_pp2_tp2_shards_match_reference(world4, name):
     """Tensor-parallel shards (column, row, vocabulary, gated fc1) of every parameter; "tp2sp_":
     with sequence parallelism (activations sharded along the sequence, sequence-parallel norm
@@ -224,13 +231,14 @@ def test_pp2_tp2_shards_match_reference(world4, name):
     if name.startswith("tp2sp_"):
         assert all(n > 0 for n in marked)  # norms (and row-parallel biases) of every rank
         sp_rows = {r for res in world4 for r in res[name]["hidden_rows"]}
-        full_rows = {r for res in world4 for r in res[name.replace("sp", "")]["hidden_rows"]}
+        full_name = name.replace("tp2sp_", "tp2_").removesuffix("_split")
+        full_rows = {r for res in world4 for r in res[full_name]["hidden_rows"]}
         assert sp_rows and max(sp_rows) * 2 == max(full_rows)  # sharded along the sequence
     else:
         assert not any(marked)
 
 
-@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v", "dp2_omni"])
+@pytest.mark.parametrize("name", ["dp2_vlm", "dp2_t2v", "dp2_omni", "dp2_vlm_split"])
 def test_pp2_dp2_unequal_replicas_average_to_global_batch(world4, name):
     """Replica 0 holds 3 microbatches, replica 1 one (unequal tokens): after the DDP reduction
     every replica holds the single-process gradient of the whole global batch."""
@@ -265,6 +273,18 @@ def test_each_chunk_reduction_starts_at_its_own_last_backward(world4, name):
             assert index == bound  # right after its last backward (or its predecessor's start)
             overlapped += index < res[name]["length"] - 1
     assert overlapped > 0  # reductions overlap the rest of the schedule
+
+
+def test_split_backwards_reduce_where_the_plan_says(world2, world4):
+    """B/W-split plans: the frozen text encoder (no weight half) gives the reference gradients
+    of the trainable DiT; at PP=2 x DP=2 each chunk's reduction starts at its ReduceGrads."""
+    check_grads(world2, "t2vfrozen_split")
+    check_loss(world2, "t2vfrozen_split")
+    check_clean(world2, "t2vfrozen_split")
+    for res in world4:
+        got = res["dp2_vlm_split"]["grad_sync"]
+        assert [tuple(k) for _, k in got] == [tuple(k) for _, k in res["dp2_vlm_split"]["reduce"]]
+        assert [i for i, _ in got] == [i for i, _ in res["dp2_vlm_split"]["reduce"]]
 
 
 def test_drop_in_installed_in_megatron_core_gives_reference_loss_and_gradients(world4):

@@ -52,14 +52,16 @@ def omni_microbatches():
     return st.group_samples(st.samples("omni", 10), [3, 2, 3, 2])
 
 
-def _references(out: dict, single) -> None:
+def _references(out: dict, single, *, frozen: bool = False) -> None:
     """The single-process references, on the dense-mask attention the packed attention replaced
     (`attention_reference`): every scenario (PP, TP2, sequence parallelism, DP) then checks the
-    packed path against it."""
+    packed path against it. `frozen`: also T2V with a frozen text encoder."""
     with dense_reference():
         out["ref:vlm"] = reference(vlm_microbatches(), "vlm", single)
         out["ref:t2v"] = reference(t2v_microbatches(), "t2v", single)
         out["ref:omni"] = reference(omni_microbatches(), "omni", single)
+        if frozen:
+            out["ref:t2v-frozen"] = reference(t2v_microbatches(), "t2v-frozen", single)
 
 
 def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
@@ -89,6 +91,12 @@ def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     splan = broadcast_plan(lambda: st.dip_plan(vlm, spl, memory_limit=DIP_MEMORY[p]), g.pp)
     guarded(f"{tag}vlm_dip_static", out, lambda: run_executor(vlm, spl, splan, g))
     _omni_pipeline(out, g, p, tag)
+    # Split backwards (B, then W now or at the end of the program) with explicit reductions:
+    # a segment plan with every recompute mode, a searched DIP plan.
+    vsplit = st.split_plan(plan)
+    guarded(f"{tag}vlm_split", out, lambda: run_executor(vlm, pl2, vsplit, g))
+    tsplit = st.split_plan(tdplan)
+    guarded(f"{tag}t2v_split", out, lambda: run_executor(t2v, tdpl, tsplit, g, channels=True))
     _held_activations(out, g, tag, [(vlm, pl2)])
 
 
@@ -117,6 +125,8 @@ def _omni_pipeline(out: dict, g: Groups, p: int, tag: str) -> None:
     opl = st.dip_placement(omni.model, p, {"vit": 1, "audio": 1, "llm": 2})
     oplan = broadcast_plan(lambda: st.dip_plan(omni, opl, memory_limit=DIP_MEMORY[p]), g.pp)
     guarded(f"{tag}omni_dip", out, lambda: run_executor(omni, opl, oplan, g, channels=True))
+    osplit = st.split_plan(oplan)
+    guarded(f"{tag}omni_split", out, lambda: run_executor(omni, opl, osplit, g))
 
 
 def _stock_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
@@ -179,8 +189,13 @@ def world2(*, rank: int, world_size: int) -> dict:
     g = Groups(pp=pp, tp=single, single=single)
     out: dict = {}
     if rank == 0:
-        _references(out, single)
+        _references(out, single, frozen=True)
     _pipeline_scenarios(out, g, 2, "")
+    # A frozen text encoder: split plans give it no weight half (and no reduction).
+    frozen = st.make_batch("t2v-frozen", t2v_microbatches(), sizes=T2V_SIZES)
+    fpl = st.dip_placement(frozen.model, 2, {"text": 1, "dit": 2})
+    fplan = st.split_plan(st.segment_plan(frozen, fpl))
+    guarded("t2vfrozen_split", out, lambda: run_executor(frozen, fpl, fplan, g))
     _stock_scenarios(out, g, 2, "")
     # The known trap, kept as a sensitivity check: Megatron's batched p2p at PP=2 interleaved.
     vlm = st.make_batch("vlm", vlm_microbatches())
@@ -210,6 +225,13 @@ def _data_parallel(out: dict, g: Groups, replica: int) -> None:
             f"dp2_{kind}", out, lambda b=batch, p=pl, q=plan: run_executor(b, p, q, g, ddp=True)
         )
         if kind == "vlm":
+            # Split backwards, each reduction started where the plan's ReduceGrads says.
+            split = st.split_plan(plan)
+            guarded(
+                "dp2_vlm_split",
+                out,
+                lambda b=batch, p=pl, q=split: run_executor(b, p, q, g, ddp=True),
+            )
             _drop_in(out, g, batch, pl, plan, replica)
 
 
@@ -277,3 +299,5 @@ def _tensor_parallel(out: dict, gtp: Groups) -> None:
     t2v = st.make_batch("t2v", t2v_microbatches(), sizes=T2V_SIZES, sequence_parallel=2)
     tplan = st.with_recompute(st.segment_plan(t2v, tpl), st.cycle_recompute)
     guarded("tp2sp_t2v", out, lambda: run_executor(t2v, tpl, tplan, gtp, model_config=sp))
+    vsplit = st.split_plan(st.with_recompute(st.segment_plan(vlm, pl), st.cycle_recompute))
+    guarded("tp2sp_vlm_split", out, lambda: run_executor(vlm, pl, vsplit, gtp, model_config=sp))

@@ -362,3 +362,21 @@ def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) 
 
 def as_numpy(grads: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().copy() for k, v in grads.items()}
+
+
+def split_plan(plan: Plan) -> Plan:
+    """`plan` with every backward split into B and W and explicit gradient reductions: the W of
+    even microbatches right after its B, those of odd ones deferred to the end of the program
+    (graphs held across other stages' backwards), as far as a W can move."""
+    from megatron_dip.schedule.backward_split import split_backwards, with_reductions
+    from megatron_dip.schedule.ir import BackwardWeight, ReduceGrads
+
+    programs = []
+    for p in split_backwards(plan):
+        body = [i for i in p.instructions if not isinstance(i, ReduceGrads)]
+        late = [i for i in body if isinstance(i, BackwardWeight) and i.stage.microbatch % 2]
+        body = [i for i in body if not (isinstance(i, BackwardWeight) and i.stage.microbatch % 2)]
+        programs.append(
+            Program(p.rank, tuple(with_reductions(body + late, plan.placement, p.rank)))
+        )
+    return replace(plan, programs=tuple(programs), name=plan.name + "+split")

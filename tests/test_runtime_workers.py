@@ -33,6 +33,7 @@ from megatron_dip.schedule import (
     plan_to_bytes,
 )
 from megatron_dip.schedule.engine import PlanError
+from megatron_dip.schedule.ir import ReduceGrads
 
 
 @dataclass
@@ -283,6 +284,11 @@ def run_executor(
         "recompute": count_recompute(plan, groups.pp.rank()),
         "grad_sync": result.grad_sync_started,
         "last_backward": last_backwards(plan, groups.pp.rank()),
+        "reduce": [
+            (i, (ins.module, ins.chunk))
+            for i, ins in enumerate(plan.program(groups.pp.rank()).instructions)
+            if isinstance(ins, ReduceGrads)
+        ],
         "length": len(plan.program(groups.pp.rank())),
         "sequence_parallel_params": sum(
             bool(getattr(p, "sequence_parallel", False))

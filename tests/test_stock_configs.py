@@ -147,3 +147,24 @@ def test_balanced_bound_never_exceeds_any_plan(grids):
         o.sim.iteration_time for o in result.dip
     ]
     assert min(times) >= result.balanced_bound * (1 - 1e-9)
+
+
+def test_zero_bubble_peer_and_split_dip_never_lose(free_study):
+    """ZB-H1 (1F1B's order, backwards split, W in the bubbles within 1F1B's peak) is its own
+    row, never the baseline, no slower than its 1F1B configuration and within its memory; the
+    full DIP (B/W split) is no slower than DIP without the split."""
+    _, study = free_study
+    peers = study.peer_rows()
+    assert peers and all(r.name.startswith("zb-h1 (") for r in peers)
+    assert study.baseline()[1] != "zb-h1"
+    for b in study.batches:
+        stock = {(r.pipeline, r.mode): r for r in b.stock if r.schedule == "1f1b"}
+        for peer in b.peers:
+            base = stock[(peer.pipeline, peer.mode)]
+            assert peer.sim.iteration_time <= base.sim.iteration_time * (1 + 1e-12)
+            assert max(peer.sim.peak_activation_bytes) <= max(base.sim.peak_activation_bytes)
+        steps = {o.name: o for o in b.dip}
+        split, fused = steps["dip: +B/W split (full DIP)"], steps["dip: +memory"]
+        assert split.sim.iteration_time <= fused.sim.iteration_time * (1 + 1e-12)
+    summary = study.summary()
+    assert summary["vs_zb_h1"] is not None and "zb-h1" in format_table("tiny", study)

@@ -10,7 +10,10 @@ that fits on every batch (none, selective, full, block N, uniform N); the strong
 the baseline (marked *). Columns: median and p90 iteration time, speedup over the baseline,
 iteration / balanced bound (the batch's total compute without recompute / pipeline ranks),
 bound efficiency (the plan's busiest-rank compute / iteration time), whether activations fit,
-the recompute setting, and planner time per batch.
+the recompute setting, and planner time per batch. Below the stock rows, the Zero-Bubble peer:
+ZB-H1 (Megatron's 1F1B order with split backwards, weight gradients in the bubbles, within
+1F1B's activation peak) on each static 1F1B placement; never the baseline (Megatron users do not
+run it), its best row compared with DIP in the last line.
 Deterministic by seed (the search runs a fixed number of rollouts).
 """
 
@@ -88,7 +91,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         "placement_scores": cmp.placement_scores,
         "sub_sizes": cmp.sub_sizes,
         **study.summary(),
-        "rows": [r.as_dict() for r in [*study.stock_rows(), *study.dip_rows()]],
+        "rows": [r.as_dict() for r in [*study.stock_rows(), *study.peer_rows(), *study.dip_rows()]],
     }
     return summary, study
 
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"sub-microbatch sizes {result['sub_sizes']})"
             )
             print(format_table(title, study), flush=True)
+            if result["vs_zb_h1"] is not None:
+                print(f"   DIP vs the ZB-H1 peer: {result['vs_zb_h1']:.2f}x", flush=True)
             print(f"   ({args.batches} batches, {result['wall_seconds']:.0f} s)\n", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

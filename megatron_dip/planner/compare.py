@@ -30,7 +30,7 @@ from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
 from ..parallel import ParallelShape
 from ..schedule.engine import ChannelFn, per_peer_channel
-from ..schedule.ir import ChunkSpec, Placement, Recompute
+from ..schedule.ir import ChunkSpec, Placement, Plan, Recompute
 from .bounds import balanced_bound
 from .devices import DeviceSpec
 from .dip import DipPlanner, planner_config
@@ -44,7 +44,14 @@ from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .sizing import activation_limits, average_workload
 from .static_baselines import StaticPipeline, static_pipelines
-from .stock_configs import StockResult, StockWork, evaluate_stock, fits
+from .stock_configs import (
+    StockResult,
+    StockWork,
+    evaluate_stock,
+    fastest,
+    fits,
+    megatron_plan,
+)
 from .submicrobatch import choose_sub_sizes
 
 __all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
@@ -61,6 +68,7 @@ class Outcome:
     fits: bool
     recompute: str
     plan_seconds: float = 0.0
+    plan: Plan | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,9 @@ class BatchResult:
     stock: tuple[StockResult, ...]  # every static configuration
     dip: tuple[Outcome, ...]  # DIP's ablation steps, the full DIP last
     balanced_bound: float  # the slowest replica's total compute without recompute / P
+    # Schedules of the literature on the static placements, not run by Megatron users (never
+    # the baseline): ZB-H1 (`weight_fill`) per 1F1B placement.
+    peers: tuple[StockResult, ...] = ()
 
 
 @dataclass
@@ -187,6 +198,7 @@ class Comparison:
         base = self.planner()
         layout = base.layout(batch)
         stock: dict[tuple, list[StockResult]] = {}
+        peers: dict[tuple, list[StockResult]] = {}
         dip: dict[str, list[Outcome]] = {}
         bounds = []
         whole_config = base.layout_config.with_whole_modules()
@@ -200,8 +212,11 @@ class Comparison:
                     num_ranks=self.setup.pipeline_parallel,
                 )
             )
-            for r in self._stock(layout, whole):
+            mine = self._stock(layout, whole)
+            for r in mine:
                 stock.setdefault(r.key, []).append(r)
+            for r in self._zero_bubble(layout, whole, mine):
+                peers.setdefault(r.key, []).append(r)
             for o in self._dip_steps(layout, replica):
                 dip.setdefault(o.name, []).append(o)
         return BatchResult(
@@ -209,13 +224,40 @@ class Comparison:
             tuple(_slowest_stock(rs) for rs in stock.values()),
             tuple(max(os, key=lambda o: o.sim.iteration_time) for os in dip.values()),
             max(bounds),
+            tuple(_slowest_stock(rs) for rs in peers.values()),
         )
+
+    def _stock_work(self, layout: BatchLayout, whole: ReplicaLayout) -> StockWork:
+        return StockWork(
+            whole.submicrobatches, whole.dependencies, whole.infos, layout.totals, layout.iteration
+        )
+
+    def _zero_bubble(
+        self, layout: BatchLayout, whole: ReplicaLayout, stock: Sequence[StockResult]
+    ) -> list[StockResult]:
+        """ZB-H1 on each static 1F1B placement: Megatron's 1F1B order under that placement's
+        fastest fitting recompute setting on this batch, backwards split, W moved into the
+        bubbles within 1F1B's own activation peak (ZB-H1's memory)."""
+        from .weight_fill import split_into_bubbles
+
+        work = self._stock_work(layout, whole)
+        shapes = self.planner().shapes.for_lookup(whole.sub_of().__getitem__)
+        out = []
+        for pipe in self.static:
+            mine = [r for r in stock if r.pipeline == pipe.name and r.schedule == "1f1b"]
+            if pipe.num_model_chunks != 1 or not mine:
+                continue
+            best = fastest(mine)
+            plan = megatron_plan(pipe, work, best.mode, cost_model=self.cost_model, tensors=shapes)
+            limits = self.memory(pipe.placement)
+            own = [min(lim, p) for lim, p in zip(limits, best.sim.peak_activation_bytes)]
+            _, sim = split_into_bubbles(plan, self.cost_model, limits=own, baseline=best.sim)
+            out.append(StockResult(pipe.name, "zb-h1", best.mode, sim, fits(sim, limits)))
+        return out
 
     def _stock(self, layout: BatchLayout, whole: ReplicaLayout) -> list[StockResult]:
         """Every static placement with every recompute setting (`stock_configs`)."""
-        work = StockWork(
-            whole.submicrobatches, whole.dependencies, whole.infos, layout.totals, layout.iteration
-        )
+        work = self._stock_work(layout, whole)
         shapes = self.planner().shapes.for_lookup(whole.sub_of().__getitem__)
         out = []
         for pipe in self.static:
@@ -248,7 +290,7 @@ class Comparison:
                 dict(use_search=False, optimize_memory=False, megatron_candidate=False),
             ),
             ("dip: +mcts", dict(optimize_memory=False, megatron_candidate=False)),
-            ("dip: +memory (full DIP)", {}),  # also tries Megatron's order on its placement
+            ("dip: +memory", {}),  # also tries Megatron's order on its placement
         ]
         limits = self.memory(self.dip_placement)
         out: list[Outcome] = []
@@ -264,7 +306,22 @@ class Comparison:
                     previous, name=name, plan_seconds=outcome.plan_seconds
                 )
             out.append(outcome)
+        out.append(self._split_step(out[-1], limits))
         return out
+
+    def _split_step(self, full: Outcome, limits: list[float]) -> Outcome:
+        """The full DIP with `PlannerConfig.split_backward`: what the planner does last
+        (`weight_fill.split_into_bubbles` of its chosen plan), applied to the previous step's
+        plan rather than planning the batch again."""
+        from .weight_fill import split_into_bubbles
+
+        started = time.perf_counter()
+        plan, sim = split_into_bubbles(
+            full.plan, self.cost_model, limits=limits, channel=self.dip_channel, baseline=full.sim
+        )
+        seconds = full.plan_seconds + time.perf_counter() - started
+        name = "dip: +B/W split (full DIP)"
+        return Outcome(name, sim, fits(sim, limits), full.recompute, seconds, plan)
 
     def _dip(
         self, name: str, overrides: dict, works, totals, iteration: int, limits: list[float]
@@ -279,7 +336,7 @@ class Comparison:
             seconds = time.perf_counter() - started
             sim = simulate(rp.plan, self.cost_model, channel=self.dip_channel)
             label = "per-chunk" if mode is None else mode.value
-            o = Outcome(name, sim, fits(sim, limits), label, seconds)
+            o = Outcome(name, sim, fits(sim, limits), label, seconds, rp.plan)
             if best is None or (o.fits, -o.sim.iteration_time) > (
                 best.fits,
                 -best.sim.iteration_time,

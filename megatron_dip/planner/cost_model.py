@@ -5,7 +5,11 @@ element-wise ops), each priced by a roofline, latency = max(flops / (peak * eff)
 A GEMM's efficiency grows with its row count m as cap * m / (m + gemm_half_rows): small
 sub-microbatches starve the tensor cores, which is the curve DIP picks sub-microbatch sizes from.
 Attention cores run at `attention_efficiency` of that cap, degraded the same way by short segments.
-Backward is twice the forward (input and weight gradients). Tensor parallelism divides FLOPs and
+Backward is twice the forward (input and weight gradients); of it, the weight-gradient half of a
+split backward (`StageCost.weight`) is one more pass of the layers' weight GEMMs (and of the
+input / output layers), the rest (input-gradient GEMMs, the attention backward, norms and
+element-wise ops, TP collectives, recomputation) is the input-gradient half. A frozen module has
+no weight-gradient half. Tensor parallelism divides FLOPs and
 weight bytes by TP and adds one NVLink all-reduce (or all-gather + reduce-scatter under sequence
 parallelism: the same bytes) per parallel block in forward and again in backward.
 
@@ -64,11 +68,18 @@ CPU_KERNELS = Kernels(attention="segments", fused_rms_norm=False)  # SDPA per se
 class StageCost:
     """Seconds of forward and backward (recomputation included) of one chunk on one
     sub-microbatch, and the activation bytes held from the end of its forward to the end of its
-    backward."""
+    backward. `weight`: the seconds of `backward` that are weight gradients (a split backward's
+    `BackwardWeight`; the `BackwardInput` takes `backward - weight`); 0 for frozen modules."""
 
     forward: float
     backward: float
     activation_bytes: int
+    weight: float = 0.0
+
+    @property
+    def backward_input(self) -> float:
+        """Seconds of the input-gradient half of a split backward."""
+        return self.backward - self.weight
 
 
 def _bounded_put(cache: dict, key: tuple, value: object) -> None:
@@ -130,6 +141,7 @@ class CostModel:
         self._ctx = CostContext(tensor_parallel, sequence_parallel, dtype_bytes, kernels)
         self._scale: dict[str, float] = {}
         self._layer_cache: dict[tuple, tuple[float, float, float]] = {}
+        self._weight_cache: dict[tuple, float] = {}  # weight-gradient share of a backward
         self._stage_cache: dict[tuple, StageCost] = {}  # unscaled
 
     # -- calibration ---------------------------------------------------------------------------
@@ -145,6 +157,7 @@ class CostModel:
         copy._scale = {**self._scale, **{k: float(v) for k, v in scale_by_module.items()}}
         # Cached times are unscaled, so the caches can be shared.
         copy._layer_cache, copy._stage_cache = self._layer_cache, self._stage_cache
+        copy._weight_cache = self._weight_cache
         return copy
 
     def with_overheads(self, overheads: HostOverheads) -> CostModel:
@@ -263,7 +276,9 @@ class CostModel:
         scale = self._scale.get(chunk.module, 1.0)
         if scale == 1.0:
             return cost
-        return StageCost(cost.forward * scale, cost.backward * scale, cost.activation_bytes)
+        return StageCost(
+            cost.forward * scale, cost.backward * scale, cost.activation_bytes, cost.weight * scale
+        )
 
     def _stage_cost(
         self, chunk: ChunkSpec, sub: SubMicrobatch, w: Work, policy: MemoryPolicy
@@ -287,7 +302,35 @@ class CostModel:
         if policy.offload:
             out, back = self._offload_time(spec, chunk, w, policy, fwd, bwd)
             fwd, bwd = fwd + out, bwd + back
-        return StageCost(fwd, bwd, nbytes)
+        weight = 0.0
+        if spec.trainable:  # the weight GEMMs once more; the input / output layers' own
+            weight = n * self._weight_share(spec, w) * bwd_l + extra
+        return StageCost(fwd, bwd, nbytes, weight)
+
+    def _weight_share(self, spec: ModuleSpec, w: Work) -> float:
+        """The weight-gradient share of a layer's analytic backward: its weight GEMMs (as long
+        as in forward) over the whole backward. Applied to measured layers too."""
+        key = (spec.name, w)
+        share = self._weight_cache.get(key)
+        if share is None:
+            ops = modality_of(spec).layer_ops(spec, w, self._ctx)
+            gemms = sum(self._op_time(o) for o in ops if o.kind is OpKind.GEMM and not o.core)
+            _, bwd, _ = self._analytic_layer(spec, w)
+            share = gemms / bwd if bwd > 0 else 0.0
+            _bounded_put(self._weight_cache, key, share)
+        return share
+
+    def grad_reduce_time(self, chunk: ChunkSpec, data_parallel: int) -> float:
+        """Seconds of `chunk`'s data-parallel gradient reduction: a ring all-reduce (or the
+        distributed optimizer's reduce-scatter, half the bytes; priced as the all-reduce) of
+        its fp32 gradients, one TP rank's shard, over the inter-node bandwidth. 0 without data
+        parallelism or for a frozen module."""
+        spec = self.model.module(chunk.module)
+        if data_parallel <= 1 or not spec.trainable:
+            return 0.0
+        nbytes = 4 * self.chunk_params(chunk) / self.tensor_parallel
+        ring = 2 * (data_parallel - 1) / data_parallel * nbytes / self.device.ib_bandwidth
+        return self.device.p2p_latency + ring
 
     def offloaded_bytes(self, chunk: ChunkSpec, sub: SubMicrobatch, policy: MemoryPolicy) -> int:
         """Bytes `policy` moves to host memory (and back) for `chunk` on `sub`."""

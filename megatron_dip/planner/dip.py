@@ -87,6 +87,11 @@ class PlannerConfig:
     # The memory pass may also offload saved activations to host memory (`MemoryPolicy`).
     offload_activations: bool = False
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
+    # Split backwards into B and W, W moved into the bubbles, when that simulates faster within
+    # memory (`weight_fill`). Off by default: the runtime's W re-traverses the chunk's graph
+    # (`runtime/backward_split.py`), so it pays only where the weight-gradient kernels are
+    # deferred as the cost model prices them.
+    split_backward: bool = False
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
@@ -114,6 +119,7 @@ def planner_config(
     use_search: bool = True,
     uniform_recompute: RecomputeMode | None = None,
     offload_activations: bool = False,
+    split_backward: bool = False,
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
@@ -127,6 +133,7 @@ def planner_config(
         uniform_recompute=uniform_recompute,
         packing=packing,
         offload_activations=offload_activations,
+        split_backward=split_backward,
     )
 
 
@@ -305,6 +312,9 @@ class DipPlanner:
                 plan, simulated = self._best_of(
                     plan, works, totals=totals, replica=replica, over=schedule.overcommitted
                 )
+        if self.config.split_backward and not forward_only and not quick:
+            with self._pass("backward split"):
+                plan, simulated = self._split_backwards(plan)
         overcommitted = schedule.overcommitted and plan.name == "dip"
         if overcommitted:
             self._overcommitted(schedule, errors)
@@ -371,6 +381,18 @@ class DipPlanner:
             validate_plan(found[0])
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
+
+    def _split_backwards(self, plan: Plan) -> tuple[Plan, float]:
+        """`plan` with B/W-split backwards and W in its bubbles where that is faster and fits
+        (`weight_fill.split_into_bubbles`), with its simulated time."""
+        from .weight_fill import split_into_bubbles
+
+        split, sim = split_into_bubbles(
+            plan, self.cost_model, limits=self._memory_limits(), channel=per_peer_channel
+        )
+        if split is not plan:
+            validate_plan(split)
+        return split, sim.iteration_time
 
     def _simulated(self, plan: Plan) -> float:
         return simulate(plan, self.cost_model, channel=per_peer_channel).iteration_time

@@ -4,7 +4,9 @@ Timing is `schedule.engine.execute_programs`, the same machine that defines the 
 this module only supplies durations and reads the result:
 
 * a `Forward` lasts `stage_cost(chunk, sub, recompute).forward`, a `Backward` `.backward` with the
-  recompute strategy of its stage's forward;
+  recompute strategy of its stage's forward; a split backward's `BackwardInput` lasts
+  `.backward_input`, its `BackwardWeight` `.weight`; a `ReduceGrads` runs beside the compute for
+  the cost model's `grad_reduce_time` over the plan's data-parallel size (0 without one);
 * a message lasts `transfer_time(bytes of its tensors) + message_latency`. The extra per-message
   latency models the per-operation hand-over overhead of emulated clusters (docs/design.md, "Emulated clusters") (it grows with
   the number of messages, so schedules that send more messages must pay for it);
@@ -14,7 +16,8 @@ this module only supplies durations and reads the result:
   `message` / `batch` terms, so a plan of many tiny instructions pays for them.
 
 Activation memory per rank is a step function over time: a stage adds its `activation_bytes` at
-the end of its forward and releases them at the end of its backward. A forward-only stage (frozen
+the end of its forward and releases them at the end of its backward (of a split backward: its
+`BackwardWeight`; a pending W holds the stage's activations). A forward-only stage (frozen
 module with nothing trainable upstream) runs without autograd and holds nothing afterwards; what
 its consumers keep of its output is part of their own activation bytes. Transient working memory
 inside an operator, parameters, gradients and optimizer state are not part of this timeline.
@@ -22,18 +25,23 @@ inside an operator, parameters, gradients and optimizer state are not part of th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..schedule.engine import ChannelFn, ExecutionResult, execute_programs, single_channel
 from ..schedule.ir import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     ChunkSpec,
     Forward,
     Instruction,
     MemoryPolicy,
     Plan,
+    Program,
     Recompute,
+    ReduceGrads,
     Send,
     StageId,
     SubMicrobatch,
@@ -42,7 +50,14 @@ from .cost_model import StageCost
 from .overheads import host_overheads
 from .trace import Span, chrome_trace_events, plan_timeline
 
-__all__ = ["SimResult", "StageCostModel", "UniformCost", "simulate", "stage_costs"]
+__all__ = [
+    "PlanTiming",
+    "SimResult",
+    "StageCostModel",
+    "UniformCost",
+    "simulate",
+    "stage_costs",
+]
 
 
 class StageCostModel(Protocol):
@@ -173,12 +188,15 @@ def _memory(
     peaks, timelines = [], []
     for program, spans in zip(plan.programs, execution.spans):
         held, peak, steps = 0, 0, []
+        weighted = {i.stage for i in program.instructions if isinstance(i, BackwardWeight)}
         for index, _, end in spans:  # spans of one rank never overlap: program order is time order
             ins = program.instructions[index]
             nbytes = int(costs[ins.stage].activation_bytes)
             if isinstance(ins, Forward) and ins.stage in has_backward:
                 held += nbytes
-            elif isinstance(ins, Backward):
+            elif isinstance(ins, BackwardWeight) or (
+                isinstance(ins, Backward) and ins.stage not in weighted
+            ):
                 held -= nbytes
             else:
                 continue
@@ -187,6 +205,71 @@ def _memory(
         peaks.append(peak)
         timelines.append(tuple(steps))
     return tuple(peaks), tuple(timelines)
+
+
+# Instruction type -> index into `_durations`' tuple.
+_SLOTS: dict[type, int] = {BackwardInput: 2, BackwardWeight: 3, Forward: 0, Backward: 1}
+
+
+def _durations(c: StageCost, host: float) -> tuple[float, float, float, float]:
+    """(forward, fused backward, input-gradient half, weight-gradient half) of a stage, each
+    with the host time of its instruction."""
+    return (c.forward + host, c.backward + host, c.backward_input + host, c.weight + host)
+
+
+def _reduction_times(plan: Plan, cost_model: StageCostModel) -> dict[tuple[str, int], float]:
+    """Seconds of each chunk's data-parallel gradient reduction (cost models without
+    `grad_reduce_time`, stand-ins, price them at 0)."""
+    price = getattr(cost_model, "grad_reduce_time", None)
+    dp = plan.totals.data_parallel_size
+    if price is None or dp <= 1:
+        return {}
+    return {(m.name, c.index): price(c, dp) for m in plan.placement.modules for c in m.chunks}
+
+
+class PlanTiming:
+    """The durations `simulate` gives the engine for `plan`'s stages, reusable for programs
+    that reorder the same instructions (`weight_fill` times many orders of one plan)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        cost_model: StageCostModel,
+        costs: dict | None = None,
+        message_latency: float | None = None,
+        post_overhead: float | None = None,
+    ) -> None:
+        costs = costs if costs is not None else stage_costs(plan, cost_model)[0]
+        host = host_overheads(cost_model)
+        self.cost_model = cost_model
+        self.message_latency = host.message if message_latency is None else message_latency
+        self.post_overhead = host.batch if post_overhead is None else post_overhead
+        self.durations = {s: _durations(c, host.instruction) for s, c in costs.items()}
+        self.reductions = _reduction_times(plan, cost_model)
+
+    def compute_time(self, rank: int, ins: Instruction) -> float:
+        """Seconds of a compute instruction or of a reduction (beside the compute)."""
+        slot = _SLOTS.get(type(ins))
+        if slot is None:
+            if isinstance(ins, ReduceGrads):
+                return self.reductions.get((ins.module, ins.chunk), 0.0)
+            slot = next(v for t, v in _SLOTS.items() if isinstance(ins, t))
+        return self.durations[ins.stage][slot]
+
+    def transfer_time(self, send: Send) -> float:
+        """Seconds of a message, its per-message latency included."""
+        nbytes = sum(t.nbytes for t in send.tensors)
+        return self.cost_model.transfer_time(nbytes) + self.message_latency
+
+    def run(self, programs: Sequence[Program], channel: ChannelFn) -> ExecutionResult:
+        """`execute_programs` of `programs` with these durations."""
+        return execute_programs(
+            programs,
+            compute_time=self.compute_time,
+            transfer_time=self.transfer_time,
+            post_overhead=self.post_overhead,
+            channel=channel,
+        )
 
 
 def simulate(
@@ -205,24 +288,8 @@ def simulate(
     docstring). Raises `schedule.DeadlockError` / `PlanError` for a plan that cannot run.
     """
     costs, has_backward = stage_costs(plan, cost_model)
-    host = host_overheads(cost_model)
-    message_latency = host.message if message_latency is None else message_latency
-    post_overhead = host.batch if post_overhead is None else post_overhead
-    durations = {s: host.instruction_times(c.forward, c.backward) for s, c in costs.items()}
-
-    def compute_time(rank: int, ins: Instruction) -> float:
-        return durations[ins.stage][0 if isinstance(ins, Forward) else 1]
-
-    def transfer_time(send: Send) -> float:
-        nbytes = sum(t.nbytes for t in send.tensors)
-        return cost_model.transfer_time(nbytes) + message_latency
-
-    execution = execute_programs(
-        plan.programs,
-        compute_time=compute_time,
-        transfer_time=transfer_time,
-        post_overhead=post_overhead,
-        channel=channel,
+    execution = PlanTiming(plan, cost_model, costs, message_latency, post_overhead).run(
+        plan.programs, channel
     )
     iteration = execution.makespan
     busy = tuple(sum(end - start for _, start, end in spans) for spans in execution.spans)

@@ -87,9 +87,19 @@ class Study:
     def stock_rows(self) -> list[Row]:
         """For each placement x schedule, its best configuration over the run: the fastest
         recompute setting that fits on every batch (or the fastest of all when none fits)."""
+        return self._best_rows([b.stock for b in self.batches])
+
+    def peer_rows(self) -> list[Row]:
+        """The literature's schedules on the static placements (ZB-H1), as `stock_rows`."""
+        rows = self._best_rows([b.peers for b in self.batches])
+        for row in rows:
+            row.name = row.name.removeprefix("megatron ")
+        return rows
+
+    def _best_rows(self, per_batch: list) -> list[Row]:
         by_key: dict[tuple, list[StockResult]] = {}
-        for b in self.batches:
-            for r in b.stock:
+        for results in per_batch:
+            for r in results:
                 by_key.setdefault(r.key, []).append(r)
         best: dict[tuple[str, str], tuple] = {}
         for key, results in by_key.items():
@@ -138,6 +148,10 @@ class Study:
         base = next((r for r in stock if key is not None and r.name == _label_of(key)), None)
         out = {"dip": dip.as_dict(), "baseline": base.as_dict() if base else None}
         out["speedup"] = base.median / dip.median if base else None
+        peers = self.peer_rows()
+        peer = min(peers, key=lambda r: r.median) if peers else None
+        out["zb_h1"] = peer.as_dict() if peer else None
+        out["vs_zb_h1"] = peer.median / dip.median if peer else None
         return out
 
 
@@ -151,7 +165,7 @@ def _label_of(key: tuple) -> str:
 def format_table(title: str, study: Study) -> str:
     """The study's rows as one text table (stock rows first, the baseline marked)."""
     key = study.baseline()
-    stock, dip = study.stock_rows(), study.dip_rows()
+    stock, dip = study.stock_rows() + study.peer_rows(), study.dip_rows()
     base = next((r for r in stock if key is not None and r.name == _label_of(key)), None)
     ref = base.median if base else min(r.median for r in [*stock, *dip])
     head = (

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from ..schedule.engine import ExecutionResult
-from ..schedule.ir import Backward, Forward, Plan
+from ..schedule.ir import Backward, BackwardInput, BackwardWeight, Forward, Plan
 
 __all__ = [
     "HasTimeline",
@@ -54,6 +54,8 @@ def span_label(ins: Forward | Backward) -> str:
     """Short label of a compute instruction: `F vit3 mb2.1`."""
     s = ins.stage
     kind = "F" if isinstance(ins, Forward) else "B"
+    if isinstance(ins, BackwardInput | BackwardWeight):  # a split backward's halves
+        kind = "BI" if isinstance(ins, BackwardInput) else "BW"
     return f"{kind} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
 
 

@@ -15,7 +15,10 @@ Forward calls the chunk with `inputs=` (one dict per producer message, in produc
 `batch=` (the sub-microbatch's inputs from the `BatchSource`). Backward runs
 `torch.autograd.backward` on the chunk's outputs with the received output gradients (summed over
 consumers), or on the weighted loss for the loss module's last chunk, and turns the inputs'
-`.grad` into the gradient messages for the producers. Loss weights: `loss.py`. Recompute:
+`.grad` into the gradient messages for the producers. A split backward (`BackwardInput`, then
+`BackwardWeight`) does the same in two halves (`backward_split.py`), the stage's graph held in
+between; `ReduceGrads` starts a chunk's data-parallel reduction where the plan says (without
+them `gradsync.py` infers the points). Loss weights: `loss.py`. Recompute:
 `recompute.py`. Data-parallel reduction points: `gradsync.py`. After the program (and the
 data-parallel reductions) the gradients of `sequence_parallel` parameters are summed over each
 chunk's tensor-parallel group (`ddp.reduce_sequence_parallel_grads`; no-op without sequence
@@ -48,6 +51,8 @@ from megatron_dip.schedule.engine import PlanError
 from megatron_dip.schedule.ir import (
     INSTRUCTION_TYPES,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     Instruction,
     MessageKey,
@@ -55,12 +60,20 @@ from megatron_dip.schedule.ir import (
     Placement,
     Plan,
     Recv,
+    ReduceGrads,
     Send,
     StageId,
     Wait,
     WorkId,
 )
 
+from .backward_split import (
+    PendingWeight,
+    backward_input,
+    backward_weight,
+    input_leaves,
+    trainable_parameters,
+)
 from .checks import (
     TensorFn,
     VerdictGroup,
@@ -93,6 +106,9 @@ logger = logging.getLogger(__name__)
 _HANDLERS: dict[type, str] = {
     Forward: "_forward",
     Backward: "_backward",
+    BackwardInput: "_backward_input",
+    BackwardWeight: "_backward_weight",
+    ReduceGrads: "_reduce",
     Send: "_comm",
     Recv: "_comm",
     Wait: "_wait",
@@ -214,6 +230,7 @@ class Executor:
         self._nvtx = config.nvtx and torch.cuda.is_available()
         self._messages: dict[MessageKey, dict[str, torch.Tensor]] = {}
         self._saved: dict[StageId, _Saved] = {}
+        self._pending: dict[StageId, PendingWeight | None] = {}  # B done, W to come
         self._sync_log: list[tuple[int, tuple[str, int]]] = []
         self._sent = SentOutputs()
         self.freed_bytes = 0  # sent outputs' data freed before their backward (this run)
@@ -317,6 +334,7 @@ class Executor:
         held = self.transport.pending()
         held["messages"] = [str(k) for k in self._messages]
         held["saved"] = [str(s) for s in self._saved]
+        held["weight_grads"] = [str(s) for s in self._pending]
         cached = getattr(self.batches, "cached", None)
         held["sub_batches"] = [str(w) for w in cached()] if callable(cached) else []
         return held
@@ -473,27 +491,64 @@ class Executor:
 
     def _backward(self, index: int, ins: Backward) -> int:
         stage = ins.stage
-        saved = self._saved.pop(stage, None)
-        if saved is None:
-            raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no forward state")
-        self._sent.forget(stage)
+        saved = self._forward_state(index, stage)
         roots, grads = self._roots(index, stage, saved)
-        if saved.offload is not None:
-            saved.offload.prefetch()  # the last offloaded layer; the others as backward goes
-        chunk = self._chunk(stage)
-        sync = chunk.no_sync() if _is_ddp(chunk) else contextlib.nullcontext()
-        with sync:
+        with self._no_sync(stage):
             if roots and saved.freed:
                 engine_backward(roots, grads)
             elif roots:
                 torch.autograd.backward(roots, grads)
+        self._produce_input_grads(index, stage, saved)
+        return 1
+
+    def _backward_input(self, index: int, ins: BackwardInput) -> int:
+        stage = ins.stage
+        saved = self._forward_state(index, stage)
+        roots, grads = self._roots(index, stage, saved)
+        keep = self.plan.placement.module(stage.module).trainable  # a W follows
+        with self._no_sync(stage):
+            pending = backward_input(
+                roots, grads, input_leaves(m for _, m in saved.inputs), keep_graph=keep
+            )
+        if keep:
+            self._pending[stage] = pending
+        self._produce_input_grads(index, stage, saved)
+        return 1
+
+    def _backward_weight(self, index: int, ins: BackwardWeight) -> int:
+        stage = ins.stage
+        if stage not in self._pending:
+            raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no input half")
+        chunk = self._chunk(stage)
+        with self._no_sync(stage):
+            backward_weight(self._pending.pop(stage), trainable_parameters(unwrap_chunk(chunk)))
+        return 1
+
+    def _reduce(self, index: int, ins: ReduceGrads) -> int:
+        # The reduction itself starts in `_after` (grad_sync_points names this instruction).
+        return 1
+
+    def _forward_state(self, index: int, stage: StageId) -> _Saved:
+        saved = self._saved.pop(stage, None)
+        if saved is None:
+            raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no forward state")
+        self._sent.forget(stage)
+        if saved.offload is not None:
+            saved.offload.prefetch()  # the last offloaded layer; the others as backward goes
+        return saved
+
+    def _no_sync(self, stage: StageId):
+        chunk = self._chunk(stage)
+        return chunk.no_sync() if _is_ddp(chunk) else contextlib.nullcontext()
+
+    def _produce_input_grads(self, index: int, stage: StageId, saved: _Saved) -> None:
+        """The gradient messages of `stage`'s inputs, for the producers that train."""
         for key, leaves in saved.inputs:
             grad_key = MessageKey(MessageKind.GRADIENT, key.producer, stage)
             if not self.df.needs_backward(key.producer.module):
                 continue
             msg = {n: _grad_of(t) for n, t in leaves.items() if t.is_floating_point()}
             self._produce(index, grad_key, msg)
-        return 1
 
     def _roots(self, index: int, stage: StageId, saved: _Saved):
         if saved.root is not None:
@@ -536,7 +591,7 @@ def _last_use(program) -> dict[int, WorkId]:
     """Instruction index -> the sub-microbatch whose last compute it is (released after it)."""
     last: dict[WorkId, int] = {}
     for i, ins in enumerate(program.instructions):
-        if isinstance(ins, (Forward, Backward)):
+        if isinstance(ins, (Forward, Backward, BackwardWeight)):
             last[ins.stage.work] = i
     return {i: work for work, i in last.items()}
 

@@ -11,31 +11,42 @@ order reversed), higher chunks before lower ones (the order in which pipelines u
 chunk's reduction starts after its own last Backward and after the reduction of the chunk before
 it in that order. A chunk without any Backward in this plan (e.g. a ViT chunk of a replica whose
 samples have no images) contributes zero gradients and is reduced as early as the order allows.
+
+A plan may name the reduction points itself (`ReduceGrads` instructions, see
+`schedule/backward_split.py`, which also owns the canonical order): then they are taken as
+written (validation checked the order and that each follows its chunk's last weight gradient).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from megatron_dip.schedule.ir import Backward, Placement, Program
+from megatron_dip.schedule.backward_split import ChunkKey, canonical_reduction_order
+from megatron_dip.schedule.ir import Backward, BackwardWeight, Placement, Program, ReduceGrads
 
-ChunkKey = tuple[str, int]
-
-
-def canonical_reduction_order(placement: Placement, chunks: set[ChunkKey]) -> list[ChunkKey]:
-    """The order in which the reductions of `chunks` are issued (see the module docstring)."""
-    order = [(m.name, c.index) for m in reversed(placement.modules) for c in reversed(m.chunks)]
-    return [k for k in order if k in chunks]
+__all__ = ["ChunkKey", "canonical_reduction_order", "grad_sync_points"]
 
 
 def grad_sync_points(
     program: Program, placement: Placement, chunks: set[ChunkKey]
 ) -> dict[int, list[ChunkKey]]:
     """{instruction index: chunks whose reduction starts right after it}; index -1 = before
-    the first instruction."""
+    the first instruction. A program with `ReduceGrads` instructions: each of `chunks` right
+    after its instruction."""
+    explicit = [
+        (i, (ins.module, ins.chunk))
+        for i, ins in enumerate(program.instructions)
+        if isinstance(ins, ReduceGrads)
+    ]
+    if explicit:
+        points: dict[int, list[ChunkKey]] = defaultdict(list)
+        for i, key in explicit:
+            if key in chunks:
+                points[i].append(key)
+        return dict(points)
     last: dict[ChunkKey, int] = {}
     for i, ins in enumerate(program.instructions):
-        if isinstance(ins, Backward):
+        if isinstance(ins, (Backward, BackwardWeight)):  # a W always follows its B
             last[(ins.stage.module, ins.stage.chunk)] = i
     points: dict[int, list[ChunkKey]] = defaultdict(list)
     at = -1

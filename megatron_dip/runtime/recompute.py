@@ -50,24 +50,29 @@ def _tracker():
     return mrandom.get_cuda_rng_tracker()
 
 
+class _TrackerStates:
+    """Sets the tracker's states of the forward while a recomputation runs. Re-enterable: a
+    split backward (B, then W) recomputes a checkpoint once for each half."""
+
+    def __init__(self, tracker, states) -> None:
+        self.tracker, self.states, self.saved = tracker, states, None
+
+    def __enter__(self) -> None:
+        if self.tracker is not None and self.states:
+            self.saved = self.tracker.get_states()
+            self.tracker.set_states(self.states)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            self.tracker.set_states(self.saved)
+            self.saved = None
+
+
 def megatron_rng_context() -> tuple[contextlib.AbstractContextManager, Any]:
     """`context_fn` for `checkpoint`: recompute under the tracker states of the forward."""
     tracker = _tracker()
     states = tracker.get_states() if tracker is not None else None
-
-    @contextlib.contextmanager
-    def recompute() -> Iterator[None]:
-        if tracker is None or not states:
-            yield
-            return
-        saved = tracker.get_states()
-        tracker.set_states(states)
-        try:
-            yield
-        finally:
-            tracker.set_states(saved)
-
-    return contextlib.nullcontext(), recompute()
+    return contextlib.nullcontext(), _TrackerStates(tracker, states)
 
 
 def checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:

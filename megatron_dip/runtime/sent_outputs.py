@@ -67,21 +67,31 @@ def release(outputs: Mapping[str, torch.Tensor]) -> int:
     return freed
 
 
-def backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """`torch.autograd.backward(roots, grads)` without its shape check (a freed root's data is a
-    placeholder; its gradient has the original shape, which its autograd node recorded)."""
+def backward(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    *,
+    inputs: Sequence[torch.Tensor] = (),
+    keep_graph: bool = False,
+) -> None:
+    """`torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=keep_graph)` without
+    its shape check (a freed root's data is a placeholder; its gradient has the original shape,
+    which its autograd node recorded). `inputs`: accumulate only these leaves' gradients (none:
+    every leaf's), as a split backward's halves do (`backward_split.py`)."""
     if all(g is not None for g in grads):
         Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
             tensors=tuple(roots),
             grad_tensors=tuple(grads),
-            keep_graph=False,
+            keep_graph=keep_graph,
             create_graph=False,
-            inputs=(),
+            inputs=tuple(inputs),
             allow_unreachable=True,
             accumulate_grad=True,
         )
     else:  # an implicit gradient (a scalar loss): never a freed root
-        torch.autograd.backward(list(roots), list(grads))
+        torch.autograd.backward(
+            list(roots), list(grads), inputs=list(inputs) or None, retain_graph=keep_graph
+        )
 
 
 class SentOutputs:

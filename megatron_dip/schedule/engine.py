@@ -14,7 +14,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .ir import Backward, Forward, Instruction, MessageKey, Program, Recv, Send, Wait
+from .ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Instruction,
+    MessageKey,
+    Program,
+    Recv,
+    ReduceGrads,
+    Send,
+    Wait,
+)
 
 ComputeTime = Callable[[int, Instruction], float]
 TransferTime = Callable[[Send], float]
@@ -35,13 +47,17 @@ class DeadlockError(PlanError):
 @dataclass
 class ExecutionResult:
     """Times of one execution. `spans[r]` holds (instruction index, start, end) of each compute
-    instruction of rank r, `waits[r]` (instruction index, start, end) of each blocking wait,
-    `op_complete[(rank, is_send, key)]` when each point-to-point operation completed."""
+    instruction of rank r (weight-gradient halves included), `waits[r]` (instruction index,
+    start, end) of each blocking wait, `reductions[r]` (instruction index, start, end) of each
+    data-parallel gradient reduction (they run one after another beside the compute and count
+    in `finish`), `op_complete[(rank, is_send, key)]` when each point-to-point operation
+    completed."""
 
     finish: list[float]
     spans: list[list[tuple[int, float, float]]]
     waits: list[list[tuple[int, float, float]]]
     _ops: list = field(repr=False, compare=False, default_factory=list)  # (rank, send, key, t)
+    reductions: list[list[tuple[int, float, float]]] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
@@ -66,7 +82,9 @@ def per_peer_channel(rank: int, op: Send | Recv) -> object:
     return ("send", op.peer) if isinstance(op, Send) else ("recv", op.peer)
 
 
-_KINDS: dict[type, type] = {t: t for t in (Forward, Backward, Send, Recv, Wait)}
+_KINDS: dict[type, type] = {
+    t: t for t in (Forward, Backward, BackwardWeight, ReduceGrads, Send, Recv, Wait)
+}
 
 
 def _kind(ins: object) -> type | None:
@@ -201,6 +219,7 @@ class _Machine:
         self.active = [[0] * len(q) for q in ops.queues]  # per rank, per channel
         self.spans: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.waits: list[list[tuple[int, float, float]]] = [[] for _ in programs]
+        self.reductions: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.wait_ops: dict[tuple[int, int], list[list[int]]] = {}  # (rank, pc) -> ops per key
 
     # -- rank progress ---------------------------------------------------------------------
@@ -214,10 +233,13 @@ class _Machine:
         while pc < len(instrs):
             ins = instrs[pc]
             cls = _KINDS.get(type(ins)) or _kind(ins)
-            if cls is Forward or cls is Backward:
+            if cls is Forward or cls is Backward or cls is BackwardWeight:
                 start = clock
                 clock = start + compute_time(r, ins)
                 spans.append((pc, start, clock))
+                pc += 1
+            elif cls is ReduceGrads:
+                self._reduce(r, pc, clock, compute_time(r, ins))
                 pc += 1
             elif cls is Send or cls is Recv:
                 posted = first_of[pc]
@@ -239,6 +261,13 @@ class _Machine:
             moved = True
         self.pc[r], self.clock[r] = pc, clock
         return moved
+
+    def _reduce(self, r: int, pc: int, clock: float, duration: float) -> None:
+        """A reduction starts when posted and after the rank's previous one (one data-parallel
+        communicator per rank: collectives run in issue order)."""
+        done = self.reductions[r]
+        start = max(clock, done[-1][2] if done else 0.0)
+        done.append((pc, start, start + duration))
 
     def _wait_time(self, r: int, ins: Wait) -> float | None:
         ops, latest = self.ops, self.clock[r]
@@ -319,7 +348,7 @@ class _Machine:
         unfinished = [r for r in range(n) if not self._finished(r)]
         if unfinished:
             raise DeadlockError([self._describe_blocked(r) for r in unfinished])
-        finish = [self.clock[r] for r in range(n)]
+        finish = [max([self.clock[r]] + [e for _, _, e in self.reductions[r]]) for r in range(n)]
         for b, r in enumerate(self.ops.batch_rank):
             finish[r] = max(finish[r], self.complete[b] or 0.0)
         ops = self.ops
@@ -327,7 +356,7 @@ class _Machine:
             (ops.rank[i], type(ops.op[i]) is Send, ops.op[i].key, self.op_done[i])
             for i in self.done_order
         ]
-        return ExecutionResult(finish, self.spans, self.waits, done)
+        return ExecutionResult(finish, self.spans, self.waits, done, self.reductions)
 
     def _finished(self, r: int) -> bool:
         if self.pc[r] < len(self.programs[r].instructions):
@@ -365,11 +394,15 @@ class _Machine:
         return "pending: " + "; ".join(pending)
 
 
+_COMPUTE_TAGS = ((Forward, "F"), (BackwardInput, "BI"), (BackwardWeight, "BW"), (Backward, "B"))
+
+
 def _short(ins: Instruction) -> str:
-    if isinstance(ins, Forward):
-        return f"F {ins.stage}"
-    if isinstance(ins, Backward):
-        return f"B {ins.stage}"
+    tag = next((t for cls, t in _COMPUTE_TAGS if isinstance(ins, cls)), None)
+    if tag is not None:
+        return f"{tag} {ins.stage}"
+    if isinstance(ins, ReduceGrads):
+        return f"reduce {ins.module}{ins.chunk}"
     if isinstance(ins, Send):
         return f"send {ins.key} to {ins.peer}"
     if isinstance(ins, Recv):

@@ -10,6 +10,14 @@ Execution semantics (what `engine.py` models and the runtime implements):
 * `Forward`/`Backward` run one chunk on one sub-microbatch. Their inputs must already be on the
   rank: produced locally by an earlier instruction or received by a `Recv` that an earlier
   `Wait` completed.
+* A backward may be split (Zero-Bubble style): `BackwardInput` (a `Backward`: it computes the
+  input gradients and produces the gradient messages, keeping the chunk's activations) and a
+  later `BackwardWeight` of the same stage on the same rank (the weight gradients; frees the
+  activations). Only trainable modules have a `BackwardWeight`.
+* `ReduceGrads` starts the data-parallel gradient reduction of one chunk of this rank, after the
+  chunk's last weight gradient; it runs beside the compute and is waited for at the end of the
+  program. A plan either has one per trainable chunk of a rank or none on that rank (then the
+  runtime starts each reduction after the chunk's last backward).
 * `Send`/`Recv` are *posted* without blocking. A maximal run of consecutive `Send`/`Recv`
   instructions forms one batch (one `batch_isend_irecv`). Batches of a rank start in program
   order, each only after the previous one completed (one NCCL stream per pipeline group). An
@@ -251,6 +259,27 @@ class Backward:
 
 
 @dataclass(frozen=True)
+class BackwardInput(Backward):
+    """The input-gradient half of a split backward: gradients of the chunk's inputs (sent to the
+    producers like a `Backward`'s), keeping the activations its `BackwardWeight` needs."""
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """The weight-gradient half of a split backward of `stage` (after its `BackwardInput`)."""
+
+    stage: StageId
+
+
+@dataclass(frozen=True)
+class ReduceGrads:
+    """Start the data-parallel gradient reduction of chunk `chunk` of `module` on this rank."""
+
+    module: str
+    chunk: int
+
+
+@dataclass(frozen=True)
 class Send:
     """Post the send of message `key` to pipeline rank `peer`."""
 
@@ -275,10 +304,19 @@ class Wait:
     keys: tuple[MessageKey, ...]
 
 
-Instruction = Forward | Backward | Send | Recv | Wait
+Instruction = Forward | Backward | BackwardWeight | ReduceGrads | Send | Recv | Wait
 ComputeInstruction = Forward | Backward
 CommInstruction = Send | Recv
-INSTRUCTION_TYPES: tuple[type, ...] = (Forward, Backward, Send, Recv, Wait)
+INSTRUCTION_TYPES: tuple[type, ...] = (
+    Forward,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    ReduceGrads,
+    Send,
+    Recv,
+    Wait,
+)
 
 
 @dataclass(frozen=True)

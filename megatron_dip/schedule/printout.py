@@ -12,6 +12,8 @@ Tokens (separated by spaces, in program order):
   `<act(r0)` / `<grad(r2)` — post the receive of one from rank 0 / 2. Consecutive sends and
   receives form one batch and are printed inside brackets: `[<act(r0) >grad(r0)]`.
 * `W2` — wait for 2 posted operations.
+* A split backward: `BI llm2.3` (input gradients) and `BW llm2.3` (weight gradients);
+  `R llm2` starts the data-parallel gradient reduction of llm chunk 2.
 
 Example: `r1: [<act(r0)] W1 F model1.0 [<act(r0) >act(r2)] W2 F model1.1 ...`
 """
@@ -20,7 +22,20 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .ir import Backward, Forward, Instruction, Plan, Recompute, Recv, Send, StageId, Wait
+from .ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Instruction,
+    Plan,
+    Recompute,
+    Recv,
+    ReduceGrads,
+    Send,
+    StageId,
+    Wait,
+)
 
 _RECOMPUTE_SUFFIX = {
     Recompute.NONE: "",
@@ -29,6 +44,9 @@ _RECOMPUTE_SUFFIX = {
     Recompute.BLOCK: ":block",
     Recompute.UNIFORM: ":uniform",
 }
+
+
+_BACKWARD_TOKEN = {Backward: "B", BackwardInput: "BI", BackwardWeight: "BW"}
 
 
 def _stage_token(stage: StageId, split: set[tuple[str, int]]) -> str:
@@ -44,8 +62,10 @@ def _token(ins: Instruction, split: set[tuple[str, int]]) -> str:
         offload = f":off{ins.offload_layers}" if ins.offload_layers else ""
         suffix = _RECOMPUTE_SUFFIX[ins.recompute]
         return f"F {_stage_token(ins.stage, split)}{suffix}{layers}{offload}"
-    if isinstance(ins, Backward):
-        return f"B {_stage_token(ins.stage, split)}"
+    if isinstance(ins, (Backward, BackwardWeight)):
+        return f"{_BACKWARD_TOKEN[type(ins)]} {_stage_token(ins.stage, split)}"
+    if isinstance(ins, ReduceGrads):
+        return f"R {ins.module}{ins.chunk}"
     if isinstance(ins, (Send, Recv)):
         arrow = ">" if isinstance(ins, Send) else "<"
         return f"{arrow}{ins.key.kind.value}(r{ins.peer})"

@@ -19,6 +19,8 @@ from .engine import PlanError
 from .ir import (
     FORMAT_VERSION,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     BatchTotals,
     ChunkSpec,
     Dependency,
@@ -32,6 +34,7 @@ from .ir import (
     Program,
     Recompute,
     Recv,
+    ReduceGrads,
     Send,
     StageId,
     SubMicrobatch,
@@ -44,7 +47,7 @@ MAGIC = b"DIPPLAN"
 _HEADER = struct.Struct(">7sHII")
 _KINDS = list(MessageKind)
 _RECOMPUTE = list(Recompute)
-_OP_F, _OP_B, _OP_SEND, _OP_RECV, _OP_WAIT = range(5)
+_OP_F, _OP_B, _OP_SEND, _OP_RECV, _OP_WAIT, _OP_BI, _OP_BW, _OP_REDUCE = range(8)
 
 
 class _Tables:
@@ -105,8 +108,10 @@ def _encode_program(p: Program, t: _Tables) -> list[int]:
         if isinstance(ins, Forward):
             mode = _encode_policy(ins)
             out += [_OP_F, t.stage(ins.stage), mode]
-        elif isinstance(ins, Backward):
-            out += [_OP_B, t.stage(ins.stage)]
+        elif isinstance(ins, (Backward, BackwardWeight)):
+            out += [_split_opcode(ins), t.stage(ins.stage)]
+        elif isinstance(ins, ReduceGrads):
+            out += [_OP_REDUCE, t.name(ins.module), ins.chunk]
         elif isinstance(ins, (Send, Recv)):
             op = _OP_SEND if isinstance(ins, Send) else _OP_RECV
             out += [op, t.msg(ins.key), ins.peer, t.specs(ins.tensors)]
@@ -115,6 +120,15 @@ def _encode_program(p: Program, t: _Tables) -> list[int]:
         else:
             raise PlanError(f"rank {p.rank}: cannot serialize instruction {ins!r}")
     return out
+
+
+def _split_opcode(ins: Backward | BackwardWeight) -> int:
+    if isinstance(ins, BackwardInput):
+        return _OP_BI
+    return _OP_BW if isinstance(ins, BackwardWeight) else _OP_B
+
+
+_STAGE_OPS: dict[int, type] = {_OP_B: Backward, _OP_BI: BackwardInput, _OP_BW: BackwardWeight}
 
 
 def _encode(plan: Plan) -> dict[str, Any]:
@@ -200,9 +214,12 @@ class _Decoder:
             if op == _OP_F:
                 out.append(_decode_forward(self.stages[code[i + 1]], int(code[i + 2])))
                 i += 3
-            elif op == _OP_B:
-                out.append(Backward(self.stages[code[i + 1]]))
+            elif op in _STAGE_OPS:
+                out.append(_STAGE_OPS[op](self.stages[code[i + 1]]))
                 i += 2
+            elif op == _OP_REDUCE:
+                out.append(ReduceGrads(self.names[code[i + 1]], int(code[i + 2])))
+                i += 3
             elif op in (_OP_SEND, _OP_RECV):
                 cls = Send if op == _OP_SEND else Recv
                 out.append(cls(self.msgs[code[i + 1]], int(code[i + 2]), self.specs[code[i + 3]]))

@@ -13,11 +13,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .backward_split import SplitScan
 from .engine import PlanError, execute_programs
 from .graph import Dataflow
 from .ir import (
     FORMAT_VERSION,
     Backward,
+    BackwardWeight,
     Forward,
     Instruction,
     MessageKey,
@@ -26,6 +28,7 @@ from .ir import (
     Plan,
     Program,
     Recv,
+    ReduceGrads,
     Send,
     StageId,
     Wait,
@@ -49,7 +52,15 @@ def _short(ins: Instruction) -> str:
         return f"recv {ins.key} from {ins.peer}"
     if isinstance(ins, Wait):
         return "wait " + ", ".join(str(k) for k in ins.keys)
+    if isinstance(ins, (BackwardWeight, ReduceGrads)):
+        return _split_short(ins)
     return repr(ins)
+
+
+def _split_short(ins: BackwardWeight | ReduceGrads) -> str:
+    if isinstance(ins, BackwardWeight):
+        return f"BW {ins.stage}"
+    return f"reduce {ins.module}{ins.chunk}"
 
 
 def _at(rank: int, index: int, ins: Instruction) -> str:
@@ -170,6 +181,7 @@ class _RankScan:
         self.done: set[ComputeId] = set()
         self.posted: dict[tuple[bool, MessageKey], int] = {}
         self.received: set[MessageKey] = set()  # receives posted and waited for
+        self.split = SplitScan(plan, rank)  # split backwards and reductions
 
     def run(self) -> None:
         for i, ins in enumerate(self.plan.programs[self.rank].instructions):
@@ -180,15 +192,24 @@ class _RankScan:
                 self._comm(i, ins, where)
             elif isinstance(ins, Wait):
                 self._wait(ins, where)
+            elif isinstance(ins, BackwardWeight):
+                self._check_owner(ins.stage, where)
+                self.split.weight(ins, where)
+            elif isinstance(ins, ReduceGrads):
+                self.split.reduce(ins, where)
             else:
                 raise PlanError(f"{where}: unknown instruction type {type(ins).__name__}")
+        self.split.finish()
+
+    def _check_owner(self, stage: StageId, where: _Where) -> None:
+        _check_stage(self.df, self.works, stage, where)
+        owner = self.df.rank_of(stage)
+        if owner != self.rank:
+            raise PlanError(f"{where}: chunk {stage.module}{stage.chunk} lives on rank {owner}")
 
     def _compute(self, i: int, ins: Forward | Backward, where: _Where) -> None:
         df, stage = self.df, ins.stage
-        _check_stage(df, self.works, stage, where)
-        owner = df.rank_of(stage)
-        if owner != self.rank:
-            raise PlanError(f"{where}: chunk {stage.module}{stage.chunk} lives on rank {owner}")
+        self._check_owner(stage, where)
         if isinstance(ins, Forward) and ins.offload_layers:
             chunk = self.plan.placement.module(stage.module).chunks[stage.chunk]
             try:
@@ -196,6 +217,7 @@ class _RankScan:
             except ValueError as err:
                 raise PlanError(f"{where}: {err}") from None
         if isinstance(ins, Backward):
+            self.split.backward(ins, where)
             if self.plan.forward_only:
                 raise PlanError(f"{where}: a forward-only plan has a Backward")
             if not df.needs_backward(stage.module):
@@ -356,7 +378,8 @@ def validate_plan(plan: Plan) -> None:
     Checks: format version; the sub-microbatch, microbatch and dependency tables; every compute
     on the rank owning its chunk, with its inputs produced earlier on the rank or received and
     waited for; exactly one Forward per stage and exactly one Backward iff the module needs one
-    and the plan is not forward-only; every send after its producing compute; every cross-rank
+    and the plan is not forward-only (a `BackwardInput` counts as the Backward; split backwards
+    and reductions: `backward_split.SplitScan`); every send after its producing compute; every cross-rank
     message with exactly one Send and one Recv, correct peers and equal tensor specs; that the
     programs run to completion under the semantics of `engine.py` (no deadlock); finally that
     every rank-to-rank channel carries its messages in one order (`check_channel_order`).

@@ -115,6 +115,15 @@ class DipArgs:
         "batches planned ahead by the planner process (0: no planner process, plan inline)",
         megatron=False,
     )
+    dip_split_backward: bool = arg(
+        "--dip-split-backward",
+        False,
+        "split each backward into input and weight gradients and move the weight halves into "
+        "the pipeline's bubbles where the cost model finds that faster within memory (the "
+        "runtime's weight half re-traverses the chunk's graph: exact, but it pays only where "
+        "the weight-gradient kernels are deferred as the cost model prices them)",
+        megatron=False,
+    )
     dip_planner_timeout_s: float = arg(
         "--dip-planner-timeout-s",
         20.0,

@@ -373,6 +373,7 @@ def resolve(
         use_search=config.dip.dip_search_time_ms > 0,
         uniform_recompute=uniform,
         offload_activations=config.dip.dip_offload_activations,
+        split_backward=config.dip.dip_split_backward,
     )
     sizing = functools.partial(
         build_layout,

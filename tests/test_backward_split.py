@@ -1,0 +1,242 @@
+"""Split backwards (B / W) and explicit gradient reductions in the plan format."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_dip.schedule import (
+    BatchTotals,
+    ChunkSpec,
+    Dependency,
+    MicrobatchInfo,
+    ModuleLayout,
+    Placement,
+    PlanError,
+    Program,
+    SubMicrobatch,
+    TensorSpec,
+    WorkId,
+    build_1f1b_plan,
+    build_segment_plan,
+    execute_programs,
+    format_plan,
+    plan_from_bytes,
+    plan_to_bytes,
+    validate_plan,
+)
+from megatron_dip.schedule.backward_split import split_backwards
+from megatron_dip.schedule.ir import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    ReduceGrads,
+    StageId,
+)
+
+HIDDEN = (TensorSpec("hidden", (4, 8)),)
+
+
+def two_modules(*, vit_trainable=True):
+    """ViT (2 chunks) -> LLM (2 chunks) on 2 ranks, chunk c on rank c, two microbatches."""
+    layouts = tuple(
+        ModuleLayout(
+            m, 2, m != "vit" or vit_trainable, tuple(ChunkSpec(m, c, c, c, c + 1) for c in range(2))
+        )
+        for m in ("vit", "llm")
+    )
+    subs = [SubMicrobatch(m, mb, 0, 0, 1, 4, 4) for mb in range(2) for m in ("vit", "llm")]
+    return build_segment_plan(
+        placement=Placement(2, layouts),
+        microbatches=[MicrobatchInfo(i, (i,), 4) for i in range(2)],
+        submicrobatches=subs,
+        dependencies=[Dependency(WorkId("vit", mb), WorkId("llm", mb)) for mb in range(2)],
+        totals=BatchTotals(2, 2, 8),
+        tensors=lambda key: HIDDEN,
+    )
+
+
+def split(plan):
+    return replace(plan, programs=split_backwards(plan))
+
+
+def test_split_plans_validate_serialize_and_print():
+    for plan in (build_1f1b_plan(num_ranks=2, num_microbatches=3), two_modules()):
+        s = split(plan)
+        validate_plan(s)
+        assert plan_from_bytes(plan_to_bytes(s)) == s
+        text = format_plan(s)
+        assert "BI " in text and "BW " in text and "R " in text
+        kinds = [type(i) for p in s.programs for i in p.instructions]
+        assert Backward not in kinds
+        # Each W right after its B; one reduction per chunk of the rank.
+        for p in s.programs:
+            for i, ins in enumerate(p.instructions):
+                if isinstance(ins, BackwardInput):
+                    assert p.instructions[i + 1] == BackwardWeight(ins.stage)
+            chunks = {(c.module, c.index) for c in plan.placement.chunks_on_rank(p.rank)}
+            assert {
+                (r.module, r.chunk) for r in p.instructions if isinstance(r, ReduceGrads)
+            } == chunks
+
+
+def test_frozen_module_has_no_weight_half():
+    s = split(two_modules(vit_trainable=False))
+    validate_plan(s)
+    ws = [i for p in s.programs for i in p.instructions if isinstance(i, BackwardWeight)]
+    assert ws and all(w.stage.module == "llm" for w in ws)
+    reduced = [i for p in s.programs for i in p.instructions if isinstance(i, ReduceGrads)]
+    assert {r.module for r in reduced} == {"llm"}
+    bad = _edit(s, 0, lambda ins: ins.append(BackwardWeight(StageId("vit", 0, 0))))
+    with pytest.raises(PlanError, match="frozen: it has no weight gradients"):
+        validate_plan(bad)
+
+
+def _edit(plan, rank, fn):
+    ins = list(plan.programs[rank].instructions)
+    fn(ins)
+    programs = list(plan.programs)
+    programs[rank] = Program(rank, tuple(ins))
+    return replace(plan, programs=tuple(programs))
+
+
+def _move_w_before_b(ins):
+    k = next(k for k, x in enumerate(ins) if isinstance(x, BackwardWeight))
+    w = ins.pop(k)
+    ins.insert(k - 1, w)
+
+
+def _drop_w(ins):
+    del ins[next(k for k, x in enumerate(ins) if isinstance(x, BackwardWeight))]
+
+
+def _reduce_early(ins):
+    k = next(k for k, x in enumerate(ins) if isinstance(x, ReduceGrads))
+    r = ins.pop(k)
+    ins.insert(0, r)
+
+
+def _swap_reductions(ins):
+    first = next(k for k, x in enumerate(ins) if isinstance(x, ReduceGrads))
+    ins.append(ins.pop(first))
+
+
+def _second_w(ins):
+    k = next(k for k, x in enumerate(ins) if isinstance(x, BackwardWeight))
+    ins.insert(k + 1, ins[k])
+
+
+def _foreign_w(ins):
+    ins.append(BackwardWeight(StageId("llm", 1, 0)))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (_move_w_before_b, "BackwardWeight before its BackwardInput"),
+        (_drop_w, "has no BackwardWeight"),
+        (_reduce_early, "after its reduction"),
+        (_second_w, "second BackwardWeight"),
+        (_foreign_w, "lives on rank 1"),
+    ],
+)
+def test_split_errors(mutate, fragment):
+    with pytest.raises(PlanError, match=fragment):
+        validate_plan(_edit(split(two_modules()), 0, mutate))
+
+
+def test_reductions_in_canonical_order():
+    plan = split(build_1f1b_plan(num_ranks=1, num_microbatches=2))
+    validate_plan(plan)
+    s = split(two_modules())  # rank 0 holds vit0 and llm0: llm0 is reduced first
+    assert [i for i in s.programs[0].instructions if isinstance(i, ReduceGrads)] == [
+        ReduceGrads("llm", 0),
+        ReduceGrads("vit", 0),
+    ]
+    with pytest.raises(PlanError, match="canonical order"):
+        validate_plan(_edit(s, 0, _swap_reductions))
+
+
+def test_engine_times_weight_halves_and_reductions():
+    s = split(build_1f1b_plan(num_ranks=2, num_microbatches=2))
+
+    def cost(rank, ins):
+        if isinstance(ins, ReduceGrads):
+            return 5.0
+        return 1.0
+
+    result = execute_programs(s.programs, compute_time=cost)
+    # Each rank: 2 F + 2 B + 2 W = 6 compute spans; one reduction each, overlapping nothing
+    # after the last W: it ends the rank.
+    assert [len(sp) for sp in result.spans] == [6, 6]
+    assert [len(r) for r in result.reductions] == [1, 1]
+    for r in range(2):
+        (_, start, end), last_w = result.reductions[r][0], result.spans[r][-1][2]
+        assert start == pytest.approx(last_w) and end == pytest.approx(last_w + 5.0)
+        assert result.finish[r] == pytest.approx(end)
+
+
+def test_weights_fill_the_drain_of_1f1b_like_zb_h1():
+    """F = B = W = 1: 1F1B takes (M + P - 1) * 3; with W deferred into the bubbles the
+    makespan is ZB-H1's 3M + (P - 1) (its bubble (P - 1)(F + B - W)), a valid plan."""
+    from megatron_dip.schedule.zero_bubble import fill_bubbles_with_weights
+
+    def cost(rank, ins):
+        return 0.0 if isinstance(ins, ReduceGrads) else 1.0 + (type(ins) is Backward)
+
+    def run(programs):
+        return execute_programs(programs, compute_time=cost)
+
+    for p, m in ((4, 8), (8, 16)):
+        plan = build_1f1b_plan(num_ranks=p, num_microbatches=m)
+        assert run(plan.programs).makespan == 3 * (m + p - 1)
+        programs, result = fill_bubbles_with_weights(
+            split_backwards(plan), placement=plan.placement, execute=run
+        )
+        validate_plan(replace(plan, programs=programs))
+        assert result.makespan == 3 * m + p - 1
+        # Within 1F1B's own memory (rank r holds at most P - r microbatches): still faster.
+        kept, held = fill_bubbles_with_weights(
+            split_backwards(plan),
+            placement=plan.placement,
+            execute=run,
+            weight_bytes=lambda stage: 1.0,
+            memory_limit=[float(p - r) for r in range(p)],
+        )
+        assert held.makespan < 3 * (m + p - 1)
+        for r, program in enumerate(kept):
+            alive = peak = 0
+            for ins in program.instructions:
+                alive += isinstance(ins, Forward) - isinstance(ins, BackwardWeight)
+                peak = max(peak, alive)
+            assert peak <= p - r
+
+
+def test_planner_splits_backwards_only_where_faster_and_fitting():
+    """The DIP planner with `split_backward`: a valid plan, no slower than without the split
+    and within the memory limit; the split plan (when taken) defers some W past its B."""
+    from planner_cases import tiny_case
+
+    from megatron_dip.planner.simulator import simulate
+    from megatron_dip.planner.weight_fill import split_into_bubbles
+
+    case = tiny_case(pipeline=4, search=False)
+    cost = case.cost_model()
+    fused = case.planner(None).plan_batch(case.batch)[0].plan
+    base = simulate(fused, cost)
+    split, sim = split_into_bubbles(fused, cost)
+    validate_plan(split)
+    assert sim.iteration_time <= base.iteration_time
+    assert split is not fused and sim.iteration_time < base.iteration_time
+    deferred = 0
+    for p in split.programs:
+        for i, ins in enumerate(p.instructions):
+            if isinstance(ins, BackwardInput) and BackwardWeight(ins.stage) in p.instructions:
+                deferred += p.instructions[i + 1] != BackwardWeight(ins.stage)
+    assert deferred > 0
+    # Under a limit at the fused plan's own peaks, the split plan holds no more.
+    held, sim2 = split_into_bubbles(fused, cost, limits=list(base.peak_activation_bytes))
+    assert all(p <= q for p, q in zip(sim2.peak_activation_bytes, base.peak_activation_bytes))
+    assert sim2.iteration_time <= base.iteration_time
