@@ -232,6 +232,32 @@ def test_qwen_vl_options_keep_chunking_invariance(tmp_path, groups, family):
     assert all(g.abs().sum() > 0 for g in one[1].values())
 
 
+def test_qwen2_5_vl_window_layers_keep_their_scope_under_grouped_recompute(tmp_path, groups):
+    """Recompute's layer groups (uniform, all three tower layers in one checkpointed call) run
+    each member with its own attention scope: window layers within windows, the full layer over
+    the whole image. The loss and gradients equal the ungrouped run's (fp64)."""
+    from hf_models import hf_vlm_model, save_qwen2_5_vl
+
+    from megatron_dip.reference import LocalPipeline
+    from megatron_dip.runtime.recompute import grouped_layers
+    from megatron_dip.schedule.ir import Recompute
+
+    save_qwen2_5_vl(tmp_path)
+    model, config = hf_vlm_model(tmp_path), ModelConfig(dtype="float64", seed=3)
+    vit = model.module("vit")
+    assert 0 < len(vit.arch.full_attention_layers) < vit.num_layers  # the group mixes both
+    batch = [[_vl_sample(np.random.default_rng(5))]]
+    pipe = LocalPipeline.build(model, config=config, groups=groups, seq_length=SEQ, seed=0)
+    plain = float(pipe.forward_backward(batch))
+    plain_grads = {n: g.clone() for n, g in pipe.grads().items()}
+    pipe.zero_grad()
+    with grouped_layers(pipe.chunks["vit"][0], Recompute.UNIFORM, vit.num_layers):
+        grouped = float(pipe.forward_backward(batch))
+    assert grouped == pytest.approx(plain, rel=1e-12)
+    for name, grad in pipe.grads().items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
 def _llava_sample(rng, tower: str, *, tokens: int, placeholder: int) -> tuple[Sample, list]:
     """Text, an image, text, another image, text; the images through transformers' own
     processor (non-square pictures: CLIP resizes the short side and crops, SigLIP squashes)."""

@@ -253,31 +253,15 @@ def qwen2_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) 
     config): layers, shape, patch and merge sizes, the LLM width it projects to, its
     placeholder (`image_token_id`) and options (LayerNorm 1e-6, quick_gelu, Conv3d patches,
     blocked 2-D rotary)."""
-    vision = config["vision_config"]
-    if int(vision.get("temporal_patch_size", 2)) != 2:
-        raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
+    vision = _qwen_vision_config(config, where)
     act = vision.get("hidden_act", "quick_gelu")
     if act not in ("quick_gelu", "gelu"):
         raise ValueError(f"{where}: vision hidden_act {act!r}; supported: quick_gelu, gelu")
     dim, heads = int(vision["embed_dim"]), int(vision["num_heads"])
     layer = LayerShape(dim, int(dim * vision.get("mlp_ratio", 4)), heads, heads)
-    arch = Architecture(
-        rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        norm_eps=1e-6,
-        activation=act,
-        patch_embedding="conv3d",
-        rotary_layout="blocked",
+    return _qwen_tower_fields(
+        config, layer, _qwen_tower_arch(vision, act), out_hidden=int(vision["hidden_size"])
     )
-    return {
-        "num_layers": int(vision["depth"]),
-        "layer": layer,
-        "patch_size": int(vision["patch_size"]),
-        "in_channels": int(vision.get("in_channels", 3)),
-        "merge": int(vision["spatial_merge_size"]),
-        "out_hidden": int(vision["hidden_size"]),
-        "placeholder_id": int(config["image_token_id"]),
-        "arch": arch,
-    }
 
 
 def qwen2_5_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE) -> dict[str, Any]:
@@ -285,9 +269,7 @@ def qwen2_5_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE
     2-D rotary, with RMSNorm (1e-6), a gated MLP with biases (`hidden_act`, silu), window
     attention (`window_size` pixels; `fullatt_block_indexes` the layers over the whole image)
     and the merger's RMSNorm; `hidden_size` is the tower's width, `out_hidden_size` the LLM's."""
-    vision = config["vision_config"]
-    if int(vision.get("temporal_patch_size", 2)) != 2:
-        raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
+    vision = _qwen_vision_config(config, where)
     act = _VISION_ACTS.get(vision.get("hidden_act", "silu"), vision.get("hidden_act"))
     if act not in ("silu", "quick_gelu", "gelu", "gelu_tanh"):
         raise ValueError(
@@ -295,19 +277,45 @@ def qwen2_5_vl_vision_fields(config: dict[str, Any], *, where: str = CONFIG_FILE
         )
     dim, heads = int(vision["hidden_size"]), int(vision["num_heads"])
     layer = LayerShape(dim, int(vision["intermediate_size"]), heads, heads, gated_mlp=True)
-    arch = Architecture(
-        rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        norm_eps=1e-6, activation=act, patch_embedding="conv3d", rotary_layout="blocked",
-        normalization="RMSNorm", window_size=int(vision.get("window_size", 112)),
+    arch = replace(
+        _qwen_tower_arch(vision, act),
+        normalization="RMSNorm",
+        window_size=int(vision.get("window_size", 112)),
         full_attention_layers=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
-    )  # fmt: skip
+    )
+    return _qwen_tower_fields(config, layer, arch, out_hidden=int(vision["out_hidden_size"]))
+
+
+def _qwen_vision_config(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The `vision_config` of a Qwen2-VL / Qwen2.5-VL config (two-frame temporal patches only)."""
+    vision = config["vision_config"]
+    if int(vision.get("temporal_patch_size", 2)) != 2:
+        raise ValueError(f"{where}: temporal_patch_size {vision['temporal_patch_size']}; only 2")
+    return vision
+
+
+def _qwen_tower_arch(vision: dict[str, Any], activation: str) -> Architecture:
+    """The options both Qwen VL towers share: norm eps 1e-6, Conv3d patches, blocked rotary."""
+    return Architecture(
+        rotary_base=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        norm_eps=1e-6,
+        activation=activation,
+        patch_embedding="conv3d",
+        rotary_layout="blocked",
+    )
+
+
+def _qwen_tower_fields(
+    config: dict[str, Any], layer: LayerShape, arch: Architecture, *, out_hidden: int
+) -> dict[str, Any]:
+    vision = config["vision_config"]
     return {
         "num_layers": int(vision["depth"]),
         "layer": layer,
         "patch_size": int(vision["patch_size"]),
         "in_channels": int(vision.get("in_channels", 3)),
         "merge": int(vision["spatial_merge_size"]),
-        "out_hidden": int(vision["out_hidden_size"]),
+        "out_hidden": out_hidden,
         "placeholder_id": int(config["image_token_id"]),
         "arch": arch,
     }

@@ -89,14 +89,21 @@ def run_collection(*, tp, dp, pp, mp, single, cp=None) -> Any:
     Megatron-Core's DDP wrapper and optimizer read. `single` (this rank alone) stands in for the
     expert groups, and for `cp` when not given; dp_cp is dp while CP = 1."""
     return megatron_compat.process_group_collection(
-        dp=dp, dp_cp=dp, tp=tp, pp=pp, mp=mp, cp=cp or single, ep=single, expt_dp=single,
+        dp=dp,
+        dp_cp=dp,
+        tp=tp,
+        pp=pp,
+        mp=mp,
+        cp=cp or single,
+        ep=single,
+        expt_dp=single,
         tp_ep_pp=mp,
         # One distributed-optimizer instance spans every rank of the run: its gradient norm sums
         # the squares of every DP shard of every pipeline and tensor rank (Megatron's
         # parallel_state gives the same group); the DP group alone would clip each pipeline
         # stage by its own norm.
         intra_dist_opt=dist.group.WORLD,
-    )  # fmt: skip
+    )
 
 
 def layer_collection(*, tp, cp) -> Any:
@@ -183,9 +190,15 @@ def create_run_groups(
         channels = ChannelGroups(groups["pp"], pipelines=pipelines, timeout=timeout)
     return RunGroups(
         # CP = 1 (ParallelShape refuses more): the context-parallel group is this rank alone.
-        shape=shape, rank=me, single=single, cp=single, embedding=embedding, channels=channels,
-        created=created, **groups,
-    )  # fmt: skip
+        shape=shape,
+        rank=me,
+        single=single,
+        cp=single,
+        embedding=embedding,
+        channels=channels,
+        created=created,
+        **groups,
+    )
 
 
 def importer_groups(*, tp: int, pp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
