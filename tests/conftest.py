@@ -1,5 +1,9 @@
 """Shared pytest configuration: one torch thread per test process, and the --fuzz switch.
 
+`megatron_dip` is imported first, as in every process of ours, so its compatibility layer
+(`megatron_compat`: the triton stand-in, Megatron's fusions eager without CUDA) is in place
+before any test or helper imports `megatron.core` (the package import is light: no torch).
+
 Tests run on two shared cores with tiny tensors: intra-op threads gain nothing and spinning
 OpenMP threads made single-process tests up to 30x slower. torch is not imported here (data-only
 runs stay fast); whoever imports it, every test starts with `torch.set_num_threads(1)`.
@@ -9,6 +13,8 @@ import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+import megatron_dip  # noqa: F401  (before megatron.core, see above)
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
