@@ -21,7 +21,7 @@ The iteration runs on the schedule's `RankRuntime` (rank.py; one per chunk list 
 length, built on first use): the plan verdict agreed over the pipeline group and, when the
 schedule names them, the tensor-parallel and replica groups; messages on per-pair channels when
 given; the schedule's timing hook per instruction. The training loop's step
-(`training.step.DipStep`) is one user of this function, called exactly as Megatron-LM's
+(`training.iteration.step.DipStep`) is one user of this function, called exactly as Megatron-LM's
 `train_step` calls `forward_backward_func`; its batch sources, message shapes, transport and
 stall watch are the schedule's factories and fields, and what Megatron's signature cannot return
 (timings, the channel model, the objective) is the schedule's `last_result`.

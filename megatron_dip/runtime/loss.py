@@ -5,7 +5,7 @@ each microbatch's loss sum divided by its tokens and by the number of microbatch
 Megatron-Core's `forward_step` applies to a loss function returning (loss_sum, num_tokens,
 report)) and, with `calculate_per_token_loss`, the per-token loss (`per_token_scale`: the
 summed loss divided by the global batch's loss tokens, which Megatron-LM applies to the reduced
-gradients after the schedule). The stock path (`stock.StockPipeline`, `training.step.run_stock`)
+gradients after the schedule). The stock path (`stock.StockPipeline`, `training.iteration.step.run_stock`)
 hands Megatron's schedules `megatron_loss_func` and finishes a per-token loss with
 `per_token_scale` of the gathered token count; DIP applies both before the backward, as below.
 
