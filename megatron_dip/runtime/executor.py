@@ -285,12 +285,16 @@ class Executor:
             self._start_syncs(-1)
             self._run_instructions(clock)
             self.transport.finish()
-            with self.watch.phase(
-                "grad sync", group=self.replica_group, group_name="data-parallel group"
-            ):
-                for chunk in self._ddp.values():
-                    chunk.finish_grad_sync()
+            # A forward-only plan (evaluation) reduces nothing, as Megatron's schedules do with
+            # forward_only: finishing a DDP wrapper's gradient sync there would leave its
+            # buckets in a finished state the next training iteration does not expect
+            # (megatron-core 0.19 then gives wrong gradients).
             if not self.plan.forward_only:
+                with self.watch.phase(
+                    "grad sync", group=self.replica_group, group_name="data-parallel group"
+                ):
+                    for chunk in self._ddp.values():
+                        chunk.finish_grad_sync()
                 # Sequence-parallel parameters (norms) saw one sequence shard per TP rank.
                 reduce_sequence_parallel_grads([self.chunks[k] for k in sorted(self.chunks)])
         left = self.leftovers()
