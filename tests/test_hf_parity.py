@@ -185,9 +185,16 @@ def test_qwen2_vl_vision_tower_and_mrope_llm_match_transformers(tmp_path, groups
         handed = chunks["vit"](inputs=[], batch=vit_batch)
     embeds, logits, loss = _hf_vl_reference(hf_model, sample, model.module("vit"))
     assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
-    llm = chunks["llm"]
-    sub = SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ)
-    batch = build_sub_batch(model, [sample], sub, seq_length=SEQ, seed=0)
+    _assert_llm_matches(model, chunks["llm"], sample, handed, logits=logits, loss=loss)
+
+
+def _assert_llm_matches(model, llm, sample, handed, *, logits, loss) -> None:
+    """Our LLM chunk on `sample` with the vision tower's hand-over `handed`: its logits within
+    TOLERANCE of transformers' `logits`, and its loss per target token equal to `loss`
+    (transformers averages over the targets that are not placeholders; ours sums them)."""
+    batch = build_sub_batch(
+        model, [sample], SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ), seq_length=SEQ, seed=0
+    )
     with torch.no_grad():
         state = llm.parts.embed(llm, [handed], batch)
         hidden = llm.post.final_norm(llm.parts.run_layers(llm, state, batch))
@@ -195,7 +202,6 @@ def test_qwen2_vl_vision_tower_and_mrope_llm_match_transformers(tmp_path, groups
         out = llm(inputs=[handed], batch=batch)
     n = len(sample.text)
     assert float((ours[:n, 0] - logits).abs().max()) <= TOLERANCE
-    # HF averages over the targets that are not placeholders; ours sums them
     assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(loss), rel=1e-5)
 
 
@@ -329,18 +335,9 @@ def compare_llava(model, chunks, hf_model, *, tower: str, tokens: int) -> None:
     embeds = torch.cat(list(features), dim=0)
     assert embeds.shape[0] == 2 * tokens
     assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
-    llm = chunks["llm"]
-    batch = build_sub_batch(
-        model, [sample], SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ), seq_length=SEQ, seed=0
+    _assert_llm_matches(
+        model, chunks["llm"], sample, handed, logits=out_hf.logits[0], loss=out_hf.loss
     )
-    with torch.no_grad():
-        state = llm.parts.embed(llm, [handed], batch)
-        hidden = llm.post.final_norm(llm.parts.run_layers(llm, state, batch))
-        ours, _ = llm.post.output_layer(hidden)
-        out = llm(inputs=[handed], batch=batch)
-    n = len(sample.text)
-    assert float((ours[:n, 0] - out_hf.logits[0]).abs().max()) <= TOLERANCE
-    assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(out_hf.loss), rel=1e-5)
 
 
 def _qwen2_5_vl_sample(rng) -> tuple[Sample, dict]:
@@ -408,15 +405,6 @@ def compare_qwen2_5_vl(model, chunks, hf_model, sample: Sample, pixels: dict) ->
         )
     embeds = torch.cat(list(features), dim=0)
     assert float((handed["vit.embeddings"] - embeds).abs().max()) <= TOLERANCE
-    llm = chunks["llm"]
-    batch = build_sub_batch(
-        model, [sample], SubMicrobatch("llm", 0, 0, 0, 1, SEQ, SEQ), seq_length=SEQ, seed=0
+    _assert_llm_matches(
+        model, chunks["llm"], sample, handed, logits=out_hf.logits[0], loss=out_hf.loss
     )
-    with torch.no_grad():
-        state = llm.parts.embed(llm, [handed], batch)
-        hidden = llm.post.final_norm(llm.parts.run_layers(llm, state, batch))
-        ours, _ = llm.post.output_layer(hidden)
-        out = llm(inputs=[handed], batch=batch)
-    n = len(sample.text)
-    assert float((ours[:n, 0] - out_hf.logits[0]).abs().max()) <= TOLERANCE
-    assert float(out["loss"] / out["num_tokens"]) == pytest.approx(float(out_hf.loss), rel=1e-5)
