@@ -24,7 +24,7 @@ from megatron_dip.planner.devices import get_device
 from megatron_dip.planner.dip import DipPlanner, PlannerConfig
 from megatron_dip.planner.placement import ModuleWorkload, build_dip_placement
 from megatron_dip.planner.search import SearchConfig
-from megatron_dip.planner.simulator import simulate
+from megatron_dip.planner.simulator import activation_peaks, simulate
 from megatron_dip.schedule.engine import per_peer_channel, single_channel
 from megatron_dip.schedule.ir import Backward, Forward, Plan, Recompute
 from megatron_dip.schedule.serialize import plan_from_bytes, plan_to_bytes
@@ -284,12 +284,15 @@ def check_plan(
     plan: Plan, cost: CostModel, limits: list[float] | None, *, overcommitted: bool = False
 ) -> None:
     """`plan` validates, runs without deadlock under both channel models, is no faster than
-    the bubble-free bound, exceeds `limits` on some rank exactly when `overcommitted`, and
-    serializes byte-identically."""
+    the bubble-free bound, exceeds `limits` on some rank exactly when `overcommitted` (its
+    peaks, as the order alone gives them, the simulated ones), and serializes
+    byte-identically."""
     validate_plan(plan)
     bound = bubble_free_bound(plan, cost)
+    peaks = activation_peaks(plan, cost)
     for channel in (single_channel, per_peer_channel):
         sim = simulate(plan, cost, channel=channel)  # raises DeadlockError on a hang
+        assert sim.peak_activation_bytes == peaks
         assert sim.iteration_time >= bound * (1 - REL_TOL) - 1e-15
         assert sim.iteration_time >= sim.lower_bound * (1 - REL_TOL)
         if limits is not None:

@@ -168,3 +168,35 @@ def test_zero_bubble_peer_and_split_dip_never_lose(free_study):
         assert split.sim.iteration_time <= fused.sim.iteration_time * (1 + 1e-12)
     summary = study.summary()
     assert summary["vs_zb_h1"] is not None and "zb-h1" in format_table("tiny", study)
+
+
+@pytest.mark.parametrize("segments", [None, (("vit", 1), ("llm", 2)), (("vit", 2), ("llm", 2))])
+def test_megatron_order_peaks_are_the_order_s_whatever_its_message_timing(segments) -> None:
+    """The start-up search and the planner's Megatron candidate decide which recompute modes
+    fit from the peaks of the NO_RECOMPUTE order re-tagged (`activation_peaks`), simulating
+    only the modes that fit: this holds only if a mode's own plan (its messages placed by that
+    mode's durations) holds exactly those peaks."""
+    from megatron_dip.planner.candidates import merge_submicrobatches
+    from megatron_dip.planner.simulator import activation_peaks, simulate
+    from megatron_dip.planner.stock_configs import max_chunk_layers, with_recompute
+
+    case = tiny_case(pipeline=2, segments=segments)
+    planner = case.planner()
+    layout = planner.layout(case.batch)
+    works = layout.replicas[0].works
+    merged = merge_submicrobatches(planner.model, works)
+
+    def order(mode):
+        return planner._megatron_order(
+            merged, mode, totals=layout.totals, iteration=layout.iteration, replica=0
+        )
+
+    plain = order(NO_RECOMPUTE)
+    layers = max_chunk_layers(planner.placement)
+    modes = [(Recompute.BLOCK, n) for n in range(1, layers + 1)]
+    modes += [(Recompute.SELECTIVE, 0), (Recompute.UNIFORM, layers), (Recompute.FULL, 0)]
+    cost = planner.cost_model
+    for mode in modes:
+        own = simulate(order(mode), cost).peak_activation_bytes
+        assert activation_peaks(with_recompute(plain, mode), cost) == own, mode
+    assert len({activation_peaks(with_recompute(plain, m), cost) for m in modes}) > 1

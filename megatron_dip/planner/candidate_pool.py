@@ -2,9 +2,10 @@
 
 The start-up search (`placement.choose_dip_placement`) plans and simulates calibration batches
 for every candidate placement: minutes of CPU on rank 0 for a paper-scale model, while the other
-ranks of the job wait and the node's cores are idle. `CandidateScorer` scores a wave of
-candidates at once on worker processes, once one candidate scored here took long enough
-(`POOL_WORTH_S`) to pay for starting them (a tiny model's search stays in one process).
+ranks of the job wait and the node's cores are idle. `CandidateScorer` scores on worker
+processes beside its own, each next candidate handed to the first that frees, once one candidate
+scored here took long enough (`POOL_WORTH_S`) to pay for starting them (a tiny model's search
+stays in one process).
 
 Each worker is *spawned*, not forked (the rank that searches already runs process-group threads,
 and a forked child may inherit a lock one of them held), receives the scoring function once
@@ -15,12 +16,13 @@ ones one process computes, whatever the worker count and whichever worker finish
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
 from .process import die_with_parent
@@ -51,10 +53,32 @@ def _score_one(index: int) -> float:
     return _SCORE[0](_ITEMS[0][index])
 
 
+def _next(queue: Iterator[int], stop: Callable[[int], bool]) -> int | None:
+    """The next index of `queue`, None once it is empty or `stop` refuses one (then for good:
+    the refused index is consumed, so every later call finds `queue` ended or refused too)."""
+    i = next(queue, None)
+    if i is None or stop(i):
+        for _ in queue:  # drain: nothing after a refused index is scored
+            pass
+        return None
+    return i
+
+
+def _finished(running: dict[Future, int], *, block: bool) -> Iterator[tuple[int, float]]:
+    """`(index, score)` of the finished futures of `running` (removed from it), in index
+    order; `block`: wait for at least one first."""
+    done = (
+        wait(running, return_when=FIRST_COMPLETED)[0] if block else [f for f in running if f.done()]
+    )
+    for future in sorted(done, key=running.__getitem__):
+        yield running.pop(future), future.result()
+
+
 class CandidateScorer:
     """`evaluate` of `items[i]` for the indices asked, on up to `workers` processes (1: here,
     in this process), started once a candidate scored here took `POOL_WORTH_S` or more. Use as
-    a context manager; `width` is how many it scores at once."""
+    a context manager; `width` is how many it scores at once (each worker kept busy: no wave
+    waits for its slowest member)."""
 
     def __init__(
         self, evaluate: Callable[[Any], float], items: Sequence[Any], *, workers: int
@@ -72,18 +96,45 @@ class CandidateScorer:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def score(self, indices: Sequence[int]) -> list[float]:
-        """The scores of `items[i]` for `indices`, in that order."""
-        scores: list[float] = []
-        for n, i in enumerate(indices):
+    def scored(
+        self, indices: Sequence[int], *, stop: Callable[[int], bool]
+    ) -> Iterator[tuple[int, float]]:
+        """`(i, score of items[i])` for `indices`, taken in their order: each index is asked
+        `stop(i)` before it is scored (the caller updates what `stop` reads between results),
+        and from the first one that answers True on, none is scored. On workers up to `width`
+        are scored at once, each next index handed out as soon as a worker frees, and results
+        come back as they finish: which indices get scored may then depend on timing, never
+        a score (a function of its item alone)."""
+        queue = iter(indices)
+        for i in queue:
+            if stop(i):
+                return
             if self._slow and self.width > 1:
-                return scores + self._score_on_workers(indices[n:])
+                yield from self._scored_on_workers(itertools.chain([i], queue), stop)
+                return
             started = time.perf_counter()  # decides where to score, never what the score is
-            scores.append(self.evaluate(self.items[i]))
+            score = self.evaluate(self.items[i])
             self._slow = time.perf_counter() - started >= POOL_WORTH_S
-        return scores
+            yield i, score
 
-    def _score_on_workers(self, indices: Sequence[int]) -> list[float]:
+    def _scored_on_workers(
+        self, queue: Iterator[int], stop: Callable[[int], bool]
+    ) -> Iterator[tuple[int, float]]:
+        """`width - 1` worker processes and this one score at once; each worker holds one
+        candidate queued behind the one it scores, so none idles while this one scores."""
+        pool, running = self._workers(), {}
+        while True:
+            while len(running) < self.width and (i := _next(queue, stop)) is not None:
+                running[pool.submit(_score_one, i)] = i
+            yield from _finished(running, block=False)
+            if (i := _next(queue, stop)) is not None:
+                yield i, self.evaluate(self.items[i])
+            elif running:
+                yield from _finished(running, block=True)
+            else:
+                return
+
+    def _workers(self) -> ProcessPoolExecutor:
         if self._pool is None:
             logger.info(
                 "a candidate took %.0f s or more to score: scoring the rest on %d processes",
@@ -91,9 +142,9 @@ class CandidateScorer:
                 self.width,
             )
             self._pool = ProcessPoolExecutor(
-                max_workers=self.width,
+                max_workers=self.width - 1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker,
                 initargs=(self.evaluate, self.items),
             )
-        return list(self._pool.map(_score_one, indices))
+        return self._pool

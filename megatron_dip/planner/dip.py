@@ -52,8 +52,8 @@ from .list_scheduler import (
 from .memory import MemoryLimitError, RecomputeChoice, choose_recompute, stage_modes
 from .overheads import host_overheads
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
-from .simulator import simulate
-from .stock_configs import best_fitting_mode, max_chunk_layers, with_recompute
+from .simulator import activation_peaks, simulate
+from .stock_configs import best_fitting_mode, max_chunk_layers, peaks_fit, with_recompute
 from .submicrobatch import split_modules
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,9 @@ class PlannerConfig:
     # The memory pass may also offload saved activations to host memory (`MemoryPolicy`).
     offload_activations: bool = False
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
+    # Check every plan against the IR's rules before returning it (off only where no plan is
+    # ever run: the start-up search's scoring, `scoring_config`).
+    validate_plans: bool = True
     # Split backwards into B and W, W moved into the bubbles, when that simulates faster within
     # memory (`weight_fill`). Off by default: the runtime's W re-traverses the chunk's graph
     # (`runtime/backward_split.py`), so it pays only where the weight-gradient kernels are
@@ -139,8 +142,9 @@ def planner_config(
 
 def scoring_config(base: PlannerConfig) -> PlannerConfig:
     """`base` as a placement is scored with it: greedy (no search, so the score depends on the
-    data alone), and plans over the memory limit scored as such rather than raised."""
-    return replace(base, use_search=False, strict_memory=False)
+    data alone), plans over the memory limit scored as such rather than raised, and not
+    validated (a score's plans are simulated, never run; the run's own plans are checked)."""
+    return replace(base, use_search=False, strict_memory=False, validate_plans=False)
 
 
 @dataclass(frozen=True)
@@ -304,8 +308,9 @@ class DipPlanner:
             forward_only=forward_only,
             name="dip",
         )
-        with self._pass("validation"):
-            validate_plan(plan)
+        if self.config.validate_plans:
+            with self._pass("validation"):
+                validate_plan(plan)
         simulated = None
         if self.config.megatron_candidate and not forward_only and not quick:
             with self._pass("candidates"):
@@ -376,9 +381,12 @@ class DipPlanner:
             cost_model=self.cost_model,
             limits=limits,
             channel=per_peer_channel,
+            stage_times=functools.cache(functools.partial(self._stage_times, merged)),
+            fits_of=functools.partial(self._fits_in_order, plain, limits),
         )
         if found is not None and (over or found[1].iteration_time < ours.iteration_time):
-            validate_plan(found[0])
+            if self.config.validate_plans:
+                validate_plan(found[0])
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
 
@@ -390,9 +398,24 @@ class DipPlanner:
         split, sim = split_into_bubbles(
             plan, self.cost_model, limits=self._memory_limits(), channel=per_peer_channel
         )
-        if split is not plan:
+        if split is not plan and self.config.validate_plans:
             validate_plan(split)
         return split, sim.iteration_time
+
+    def _stage_times(self, merged: Sequence[MicrobatchWork], mode: RecomputeMode) -> list[float]:
+        """Forward and backward compute of every (chunk, sub-microbatch) of `merged` under
+        `mode` on every stage, in one fixed order (what Megatron's order runs)."""
+        times = []
+        for sub in (s for w in merged for s in w.submicrobatches):
+            for chunk in self.placement.module(sub.module).chunks:
+                c = self.cost_model.stage_cost(chunk, sub, *mode)
+                times += (c.forward, c.backward)
+        return times
+
+    def _fits_in_order(self, plan: Plan, limits: Sequence[float], mode: RecomputeMode) -> bool:
+        """Whether `plan` (Megatron's order) holds no more than `limits` under `mode` on every
+        stage: its activation peaks, which the order alone decides."""
+        return peaks_fit(activation_peaks(with_recompute(plan, mode), self.cost_model), limits)
 
     def _simulated(self, plan: Plan) -> float:
         return simulate(plan, self.cost_model, channel=per_peer_channel).iteration_time

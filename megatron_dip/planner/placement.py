@@ -270,18 +270,20 @@ def choose_dip_placement(
         order = sorted(range(len(candidates)), key=bounds.__getitem__)
         candidates, bounds = [candidates[i] for i in order], [bounds[i] for i in order]
     scores: dict[str, float] = {}
-    best: tuple[tuple[float, int], PlacementCandidate] | None = None
+    best: tuple[tuple[float, int, int], PlacementCandidate] | None = None
+
+    def cannot_win(i: int) -> bool:  # bounds ascending: no later candidate can win either
+        return best is not None and bounds[i] > best[0][0]
+
     with CandidateScorer(evaluate, candidates, workers=workers) as scorer:
-        wave = _wave(bounds, 0, scorer.width, None)
-        while wave:
-            for i, score in zip(wave, scorer.score(wave)):
-                cand = candidates[i]
-                scores[cand.name] = score
-                # Ties go to fewer chunks: fewer messages on a real network.
-                key = (score, sum(m.num_chunks for m in cand.placement.modules))
-                if best is None or key < best[0]:
-                    best = (key, cand)
-            wave = _wave(bounds, wave[-1] + 1, scorer.width, best[0][0])
+        for i, score in scorer.scored(range(len(candidates)), stop=cannot_win):
+            cand = candidates[i]
+            scores[cand.name] = score
+            # Ties go to fewer chunks (fewer messages on a real network), then to the earlier
+            # candidate: the choice never depends on which worker finished first.
+            key = (score, sum(m.num_chunks for m in cand.placement.modules), i)
+            if best is None or key < best[0]:
+                best = (key, cand)
     logger.info("placement candidates (segments -> score): %s", scores)
     return best[1], scores
 
@@ -301,18 +303,6 @@ def _segment_candidates(
         )
         candidates.append(PlacementCandidate(_segments_name(cand), placement))
     return candidates
-
-
-def _wave(bounds: Sequence[float], start: int, width: int, best: float | None) -> list[int]:
-    """The next indices to score from `start`, at most `width`: none from the first candidate
-    whose bound exceeds the best score so far (`bounds` ascending: no later one can win)."""
-    wave = []
-    for i in range(start, min(start + width, len(bounds))):
-        if best is not None and bounds[i] > best:
-            logger.debug("placement candidates from %d on skipped: bound > best", i)
-            break
-        wave.append(i)
-    return wave
 
 
 def _segments_name(segments: Mapping[str, int]) -> str:

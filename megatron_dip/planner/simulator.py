@@ -25,7 +25,7 @@ inside an operator, parameters, gradients and optimizer state are not part of th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,6 +52,7 @@ from .trace import Span, chrome_trace_events, plan_timeline
 
 __all__ = [
     "PlanTiming",
+    "activation_peaks",
     "SimResult",
     "StageCostModel",
     "UniformCost",
@@ -182,29 +183,48 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
     return costs, has_backward
 
 
+def _holdings(
+    program: Program, indices: Iterable[int], costs: dict, has_backward: set[StageId]
+) -> Iterator[tuple[int, int]]:
+    """`(index, activation bytes held after it)` for each instruction of `indices` (compute
+    instructions of `program`, in program order) that changes what the rank holds."""
+    held = 0
+    weighted = {i.stage for i in program.instructions if isinstance(i, BackwardWeight)}
+    for index in indices:
+        ins = program.instructions[index]
+        if isinstance(ins, Forward) and ins.stage in has_backward:
+            held += int(costs[ins.stage].activation_bytes)
+        elif isinstance(ins, BackwardWeight) or (
+            isinstance(ins, Backward) and ins.stage not in weighted
+        ):
+            held -= int(costs[ins.stage].activation_bytes)
+        else:
+            continue
+        yield index, held
+
+
 def _memory(
     plan: Plan, execution: ExecutionResult, costs: dict, has_backward: set[StageId]
 ) -> tuple[tuple[int, ...], tuple[tuple[tuple[float, int], ...], ...]]:
     peaks, timelines = [], []
     for program, spans in zip(plan.programs, execution.spans):
-        held, peak, steps = 0, 0, []
-        weighted = {i.stage for i in program.instructions if isinstance(i, BackwardWeight)}
-        for index, _, end in spans:  # spans of one rank never overlap: program order is time order
-            ins = program.instructions[index]
-            nbytes = int(costs[ins.stage].activation_bytes)
-            if isinstance(ins, Forward) and ins.stage in has_backward:
-                held += nbytes
-            elif isinstance(ins, BackwardWeight) or (
-                isinstance(ins, Backward) and ins.stage not in weighted
-            ):
-                held -= nbytes
-            else:
-                continue
-            peak = max(peak, held)
-            steps.append((end, held))
-        peaks.append(peak)
+        # spans of one rank never overlap: program order is time order
+        end_of = {index: end for index, _, end in spans}
+        steps = [(end_of[i], held) for i, held in _holdings(program, end_of, costs, has_backward)]
+        peaks.append(max([0, *(held for _, held in steps)]))
         timelines.append(tuple(steps))
     return tuple(peaks), tuple(timelines)
+
+
+def activation_peaks(plan: Plan, cost_model: StageCostModel) -> tuple[int, ...]:
+    """Each rank's activation peak, as `simulate` reports it, without timing the plan: what a
+    rank holds changes only at its compute instructions, in program order."""
+    costs, has_backward = stage_costs(plan, cost_model)
+    peaks = []
+    for program in plan.programs:
+        steps = _holdings(program, range(len(program.instructions)), costs, has_backward)
+        peaks.append(max([0, *(held for _, held in steps)]))
+    return tuple(peaks)
 
 
 # Instruction type -> index into `_durations`' tuple.

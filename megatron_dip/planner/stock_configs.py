@@ -168,8 +168,13 @@ def megatron_plan(
 
 
 def fits(sim: SimResult, limits: Sequence[float]) -> bool:
+    """Whether every rank's simulated activation peak stays within its limit."""
+    return peaks_fit(sim.peak_activation_bytes, limits)
+
+
+def peaks_fit(peaks: Sequence[float], limits: Sequence[float]) -> bool:
     """Whether every rank's activation peak stays within its limit."""
-    return all(p <= lim for p, lim in zip(sim.peak_activation_bytes, limits))
+    return all(p <= lim for p, lim in zip(peaks, limits))
 
 
 def evaluate_stock(
@@ -230,10 +235,17 @@ def best_fitting_mode(
     cost_model,
     limits: Sequence[float],
     channel: ChannelFn,
+    stage_times: Callable[[RecomputeMode], Sequence[float]] | None = None,
+    fits_of: Callable[[RecomputeMode], bool] | None = None,
 ) -> tuple[Plan, SimResult] | None:
     """The fastest uniform recompute setting of a plan family that fits, searched cheaply: no
     recompute if it fits, else the smallest block N that fits (binary search: a larger N holds
-    less and recomputes more) against selective, uniform (one group per chunk) and full."""
+    less and recomputes more) against selective, uniform (one group per chunk) and full.
+    `fits_of(mode)`: whether the family's plan under `mode` fits, answered without simulating
+    it (`simulator.activation_peaks`: the peaks depend on the order alone); then only the modes
+    that fit are simulated. `stage_times(mode)`: the family's compute durations under `mode`,
+    stage by stage in one fixed order; a mode no faster on any stage than another that fits is
+    then not simulated (in a fixed order, longer durations never finish sooner)."""
     tried: dict[RecomputeMode, tuple[Plan, SimResult]] = {}
 
     def run(mode: RecomputeMode) -> tuple[Plan, SimResult]:
@@ -242,21 +254,37 @@ def best_fitting_mode(
             tried[mode] = plan, simulate(plan, cost_model, channel=channel)
         return tried[mode]
 
-    if fits(run(NO_RECOMPUTE)[1], limits):
-        return tried[NO_RECOMPUTE]
+    def fit(mode: RecomputeMode) -> bool:
+        return fits_of(mode) if fits_of is not None else fits(run(mode)[1], limits)
+
+    if fit(NO_RECOMPUTE):
+        return run(NO_RECOMPUTE)
+    fitting: list[RecomputeMode] = []
     lo, hi = 1, layers
-    if fits(run((Recompute.BLOCK, hi))[1], limits):
+    if fit((Recompute.BLOCK, hi)):
         while lo < hi:
             mid = (lo + hi) // 2
-            if fits(run((Recompute.BLOCK, mid))[1], limits):
+            if fit((Recompute.BLOCK, mid)):
                 hi = mid
             else:
                 lo = mid + 1
-        run((Recompute.BLOCK, lo))
+        fitting.append((Recompute.BLOCK, lo))
     for mode in ((Recompute.SELECTIVE, 0), (Recompute.UNIFORM, layers), (Recompute.FULL, 0)):
-        run(mode)
-    ok = [(p, s) for p, s in tried.values() if fits(s, limits)]
+        if fit(mode) and (stage_times is None or not _dominated(mode, fitting, stage_times)):
+            fitting.append(mode)
+    ok = [run(m) for m in fitting]
+    ok = [(p, s) for p, s in ok if fits(s, limits)]  # as `fits_of` said, unless it was wrong
     return min(ok, key=lambda ps: ps[1].iteration_time) if ok else None
+
+
+def _dominated(
+    mode: RecomputeMode,
+    others: Sequence[RecomputeMode],
+    stage_times: Callable[[RecomputeMode], Sequence[float]],
+) -> bool:
+    """Some mode of `others` is at least as fast as `mode` on every stage."""
+    mine = stage_times(mode)
+    return any(all(a <= b for a, b in zip(stage_times(m), mine)) for m in others)
 
 
 __all__ = [
@@ -269,6 +297,7 @@ __all__ = [
     "max_chunk_layers",
     "megatron_plan",
     "mode_label",
+    "peaks_fit",
     "recompute_modes",
     "strongest",
     "with_recompute",

@@ -79,8 +79,13 @@ class Trainer:
 
     def __init__(self, spec: RunSpec, ctx: ParallelContext) -> None:
         self.spec, self.ctx = spec, ctx
-        # The planner process starts first: it imports and plans while the model is built.
+        # The planner process starts first and, in a fresh run, gets the first batches at once:
+        # it imports and plans them while the model is built (a resumed run's stream position
+        # is known only once the checkpoint is loaded: `run` hands its batches over then).
         self.plans = DipPlans(spec, ctx) if not spec.is_stock else None
+        self.stream = self._stream(evaluation=False)
+        if self.plans is not None and spec.resume is None:
+            self.plans.ahead(self.stream)
         self.stock = StockPlans(spec) if spec.is_stock else None
         # Real or emulated compute (--dip-emulate-compute): chosen here, once.
         self.backend = select_backend(spec)
@@ -88,7 +93,6 @@ class Trainer:
         self.dip = DipStep(spec, ctx, self.model, self.backend) if self.plans is not None else None
         self.optimizer = build_optimizer(self.model, spec=spec, ctx=ctx)
         self.scheduler = build_scheduler(self.optimizer, spec=spec)
-        self.stream = self._stream(evaluation=False)
         self.eval_stream = None
         self.calibration = Calibration(
             window=spec.runtime.calibration_window, frozen=spec.runtime.calibration_frozen
