@@ -184,6 +184,7 @@ def test_summary_and_stock_choices(dip) -> None:
             "variant": v,
             "seconds": t + w + 0.5,
             "plan_wait_seconds": w,
+            "end_time": 1000.0 + 10 * i,
         }
         for i, (t, v, w) in enumerate(
             [
@@ -199,6 +200,10 @@ def test_summary_and_stock_choices(dip) -> None:
     # The headline is what the user waited: the inline iteration's 20 s wait counts there.
     assert (s.elapsed_s, s.elapsed_p90_s, s.inline_plans, s.iterations) == (3.5, 21.5, 1, 3)
     assert (s.median_s, s.schedule_s, s.plan_wait_s) == (3.5, 2.0, 0.0)
+    assert s.first_iteration_s is None  # the launch time was not given
+    # From the launch to the end of iteration 1, with the search the launcher did for the run.
+    timed = summarize("dip", records[::-1], warmup=1, launched_at=990.0, spared_s=5.0)
+    assert timed.first_iteration_s == 1010.0 - 990.0 + 5.0
     with pytest.raises(ValueError, match="no iteration after"):
         summarize("dip", records, warmup=4)
     (choice,) = strongest_stock(FLAGS, world_size=2, batches=1, schedules=["1f1b"])

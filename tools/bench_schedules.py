@@ -128,7 +128,9 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
             {"label": label, "flags": flags + choice.flags(), "simulated": choice.simulated_s}
         )
     if "dip" in args.schedules.split(","):
+        searched = time.time()
         grain, spec = dip_run_flags(flags + explicit, world_size=world)
+        search_s = time.time() - searched  # the run's own start-up would have taken this
         logger.info("DIP granularity (the planner's choice): %s", shlex.join(grain))
         dip = [*explicit, *grain, "--dip-schedule", "dip", "--dip-calibration-frozen"]
         dip += ["--dip-search-time-ms", str(args.search_time_ms)]
@@ -137,6 +139,7 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
                 "label": "dip",
                 "flags": flags + dip,
                 "simulated": None,
+                "search_s": search_s,
                 "granularity": {
                     "segments": spec.segments,
                     "sub_sizes": spec.sub_sizes,
@@ -149,8 +152,9 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
 
 def launch(
     args: argparse.Namespace, preset: BenchPreset, run: dict, *, scale: float | None, tag: str
-) -> list[dict]:
-    """One torchrun launch of the entry point; returns its per-iteration metrics lines."""
+) -> tuple[list[dict], float]:
+    """One torchrun launch of the entry point; returns its per-iteration metrics lines and
+    when it was launched (Unix seconds)."""
     out = args.out / f"{tag}.jsonl"
     out.unlink(missing_ok=True)
     total = args.warmup + args.iterations
@@ -184,7 +188,7 @@ def launch(
     if done.returncode != 0:
         raise RuntimeError(f"{tag} failed (exit {done.returncode}); see {args.out / f'{tag}.log'}")
     logger.info("%s done in %.0f s", tag, time.time() - started)
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    return [json.loads(line) for line in out.read_text().splitlines()], started
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -194,14 +198,16 @@ def _ratio(a: float | None, b: float | None) -> str:
 def format_table(rows: list[dict]) -> str:
     """The comparison table (times in seconds). The headline is the elapsed iteration a user
     waits (planning waits included), compared against stock; next to it the schedule alone
-    (which the simulator predicts) and the plan wait."""
+    (which the simulator predicts) and the plan wait; last, `start`: from the launch to the end
+    of the first iteration (for DIP with the start-up placement search, which this tool ran
+    once for the run)."""
     base = next((r["summary"] for r in rows if r["label"].startswith("megatron-1f1b")), None)
     stock = [r["summary"].elapsed_s for r in rows if r["label"].startswith("megatron")]
     strongest = min(stock) if stock else None
     head = (
         f"{'schedule':44} {'elapsed':>8} {'p90':>8} {'vs 1F1B':>8} {'vs best':>8} "
         f"{'sched.':>8} {'wait':>7} {'sim':>8} {'err':>7} {'bound':>8} {'b.eff':>6} "
-        f"{'floor':>7} {'inline':>6}"
+        f"{'floor':>7} {'inline':>6} {'start':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -209,12 +215,13 @@ def format_table(rows: list[dict]) -> str:
         err = f"{s.schedule_s / s.predicted_s - 1:+.1%}" if s.predicted_s else "n/a"
         eff = f"{s.bound_s / s.schedule_s:.1%}" if s.bound_s else "n/a"
         floor = f"{r['floor'].elapsed_s:.3f}" if r.get("floor") else "n/a"
+        start = f"{s.first_iteration_s:.1f}" if s.first_iteration_s is not None else "n/a"
         lines.append(
             f"{r['label'][:44]:44} {s.elapsed_s:8.3f} {s.elapsed_p90_s:8.3f} "
             f"{_ratio(base.elapsed_s if base else None, s.elapsed_s):>8} "
             f"{_ratio(strongest, s.elapsed_s):>8} {s.schedule_s:8.3f} {s.plan_wait_s:7.3f} "
             f"{(s.predicted_s or float('nan')):8.3f} {err:>7} {(s.bound_s or float('nan')):8.3f} "
-            f"{eff:>6} {floor:>7} {s.inline_plans:>3}/{s.iterations:<2}"
+            f"{eff:>6} {floor:>7} {s.inline_plans:>3}/{s.iterations:<2} {start:>7}"
         )
     return "\n".join(lines)
 
@@ -237,11 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"run{i}_{run['label'].split(' ')[0]}"
         row = {"label": run["label"], "flags": run["flags"], "simulated_choices": run["simulated"],
                "granularity": run.get("granularity")}  # fmt: skip
+        records, launched_at = launch(args, preset, run, scale=scale, tag=tag)
         row["summary"] = summarize(
-            run["label"], launch(args, preset, run, scale=scale, tag=tag), warmup=args.warmup
+            run["label"],
+            records,
+            warmup=args.warmup,
+            launched_at=launched_at,
+            spared_s=run.get("search_s", 0.0),
         )
         if scale is not None and not args.no_floor:
-            floor = launch(args, preset, run, scale=0.0, tag=f"{tag}_floor")
+            floor, _ = launch(args, preset, run, scale=0.0, tag=f"{tag}_floor")
             row["floor"] = summarize(run["label"], floor, warmup=args.warmup)
         rows.append(row)
     table = format_table(rows)

@@ -305,7 +305,9 @@ class RunSummary:
 
     `elapsed_s` is what a user waits per iteration (the training loop's own clock: plan fetch
     and any planning wait, data, schedule, optimizer); `schedule_s` the forward/backward
-    schedule alone; `plan_wait_s` the wait for the plan. Medians; p90 of the elapsed time."""
+    schedule alone; `plan_wait_s` the wait for the plan. Medians; p90 of the elapsed time.
+    `first_iteration_s`: from the launch to the end of the first iteration (warm-up included),
+    with any start-up search the run was spared (`summarize`'s `spared_s`)."""
 
     label: str
     elapsed_s: float
@@ -316,6 +318,8 @@ class RunSummary:
     bound_s: float | None
     inline_plans: int
     iterations: int
+    # Process start to the end of the first iteration (None: not measured).
+    first_iteration_s: float | None = None
 
     @property
     def median_s(self) -> float:
@@ -328,10 +332,19 @@ def _p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
 
 
-def summarize(label: str, records: Sequence[Mapping], *, warmup: int) -> RunSummary:
+def summarize(
+    label: str,
+    records: Sequence[Mapping],
+    *,
+    warmup: int,
+    launched_at: float | None = None,
+    spared_s: float = 0.0,
+) -> RunSummary:
     """Medians of the elapsed iteration, its schedule and plan wait over the iterations after
     `warmup` (p90 of the elapsed one), with the simulator's prediction and bound (medians) and
-    the plans that fell back to inline planning."""
+    the plans that fell back to inline planning. `launched_at` (Unix seconds): when the run was
+    launched, for the time to its first iteration's end, to which `spared_s` is added (the
+    start-up placement search the launcher did for it: the run would have done it)."""
     measured = [r for r in records if r["iteration"] > warmup]
     if not measured:
         raise ValueError(f"{label}: no iteration after the {warmup} warm-up iterations")
@@ -348,4 +361,14 @@ def summarize(label: str, records: Sequence[Mapping], *, warmup: int) -> RunSumm
         bound_s=statistics.median(bounds) if bounds else None,
         inline_plans=sum(r.get("variant") == "inline" for r in measured),
         iterations=len(measured),
+        first_iteration_s=_first_iteration_s(records, launched_at, spared_s),
     )
+
+
+def _first_iteration_s(
+    records: Sequence[Mapping], launched_at: float | None, spared_s: float
+) -> float | None:
+    first = min(records, key=lambda r: r["iteration"], default=None)
+    if launched_at is None or first is None or "end_time" not in first:
+        return None
+    return first["end_time"] - launched_at + spared_s

@@ -433,6 +433,7 @@ class Trainer:
             "iteration": self.iteration, "schedule": self.spec.schedule, "variant": variant,
             "loss": stats.loss, "seconds": seconds, "schedule_seconds": stats.max_duration,
             "busy_seconds": stats.max_busy, "plan_wait_seconds": self.plan_wait,
+            "end_time": time.time(),  # when it ended (Unix seconds): start-up as a user waits it
         }  # fmt: skip
         record.update(self.backend.metrics(plan, sim=sim, channel=result.channel))
         append_record(self.spec.reporting.metrics_json, record)
