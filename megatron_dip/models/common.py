@@ -161,18 +161,18 @@ def transformer_config(
     """
     from megatron.core.transformer import TransformerConfig
 
-    shape = module.layer
+    layer = module.layer
     dtype = torch_dtype(config.dtype)
     return TransformerConfig(
         num_layers=module.num_layers,
-        hidden_size=shape.hidden,
-        ffn_hidden_size=shape.ffn,
-        num_attention_heads=shape.heads,
-        num_query_groups=shape.kv_groups,
-        kv_channels=shape.head_dim,
+        hidden_size=layer.hidden,
+        ffn_hidden_size=layer.ffn,
+        num_attention_heads=layer.heads,
+        num_query_groups=layer.kv_groups,
+        kv_channels=layer.head_dim,
         normalization=style.normalization,
         layernorm_epsilon=module.arch.norm_eps,
-        gated_linear_unit=shape.gated_mlp,
+        gated_linear_unit=layer.gated_mlp,
         activation_func=_ACTIVATIONS[style.activation],
         add_bias_linear=style.bias,
         add_qkv_bias=style.bias or module.arch.qkv_bias,
