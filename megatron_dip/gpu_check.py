@@ -245,6 +245,7 @@ def profile_check(directory: Path) -> list[dict]:
     """Part 4 (module docstring): per profile and module, its largest point measured and the
     analytic model's time for it on the profile's device."""
     from megatron_dip.modelspec import PAPER_SETUPS
+    from megatron_dip.parallel import ParallelShape
     from megatron_dip.planner.cost_model import CostModel
     from megatron_dip.planner.devices import DEVICES, H100, load_profile
     from megatron_dip.schedule.ir import ChunkSpec, SubMicrobatch
@@ -254,7 +255,7 @@ def profile_check(directory: Path) -> list[dict]:
     for path in sorted(directory.glob("*.json")):
         profile = load_profile(path)
         device = DEVICES.get(profile.device, H100)
-        analytic = CostModel(setup.model, device, tensor_parallel=profile.tensor_parallel)
+        analytic = CostModel(setup.model, device, shape=ParallelShape(tp=profile.tensor_parallel))
         for module, points in profile.modules.items():
             p = max(points, key=lambda q: q.tokens * q.instances)
             n = p.tokens * p.instances

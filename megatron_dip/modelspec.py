@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from .parallel.shape import sequence_parallel_in_effect
+from .parallel.shape import ParallelShape
 
 # Defaults of the tiny presets' byte tokenizer (`data.tokenizer.ByteTokenizer`). A run with
 # another tokenizer sets `ModuleSpec.pad_id` and `placeholder_id` from it (training.config.validate).
@@ -420,13 +420,17 @@ class Setup:
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
-    def data_parallel(self) -> int:
-        return self.num_gpus // (self.tensor_parallel * self.pipeline_parallel)
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """The paper's setups shard activations along the sequence wherever TP > 1."""
-        return sequence_parallel_in_effect(True, self.tensor_parallel)
+    def shape(self) -> ParallelShape:
+        """The setup's run as one value: its GPUs at TP x PP (DP the rest), bf16, one packed
+        sequence per microbatch, and sequence parallelism asked for (in effect wherever TP > 1)."""
+        return ParallelShape.for_world(
+            self.num_gpus,
+            tp=self.tensor_parallel,
+            pp=self.pipeline_parallel,
+            sp=True,
+            dtype="bfloat16",
+            seq_length=self.seq_length,
+        )
 
 
 PAPER_SETUPS: dict[str, Setup] = {

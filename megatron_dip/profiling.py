@@ -38,6 +38,7 @@ from megatron_dip import megatron_compat
 from megatron_dip.cpu_support import apply_cpu_fixes, seed_model_parallel_rng
 from megatron_dip.modalities import modality_of
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
+from megatron_dip.parallel import ONE_PROCESS
 from megatron_dip.planner.devices import PROFILE_FORMAT, load_profile, match_device
 
 from .models import attention
@@ -174,7 +175,7 @@ def sharded_transformer_config(module: ModuleSpec, cfg: ProfileConfig, *, dtype:
                 f"module {module.name!r}: {what} {value} does not divide by tensor_parallel {tp}"
             )
     style = modality_of(module).layer_style(module)
-    base = transformer_config(module, ModelConfig(dtype=dtype), tp_size=1, style=style)
+    base = transformer_config(module, ModelConfig(dtype=dtype), shape=ONE_PROCESS, style=style)
     return dataclasses.replace(
         base,
         num_layers=cfg.layers,

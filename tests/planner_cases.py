@@ -160,13 +160,18 @@ class Case:
     memory_fraction: float | None  # of the unconstrained plan's peak; None: no limit
     rank_spread: float = 0.0  # rank r gets (1 + spread * r / (P - 1)) times the limit
 
-    def cost_model(self) -> CostModel:
-        return CostModel(
-            self.model,
-            get_device("H100"),
-            tensor_parallel=self.tensor_parallel,
-            sequence_parallel=self.sequence_parallel,
+    @property
+    def shape(self) -> ParallelShape:
+        """The case's parallel shape, as the cost model and the planner get it."""
+        return ParallelShape(
+            tp=self.tensor_parallel,
+            dp=self.data_parallel,
+            sp=self.sequence_parallel,
+            seq_length=SEQ,
         )
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.model, get_device("H100"), shape=self.shape)
 
     def packing(self) -> PackingLimits:
         if self.model.loss_module.kind == "llm":
@@ -204,12 +209,7 @@ class Case:
             segments=dict(self.segments) if self.segments else None,
         )
         config = PlannerConfig(
-            shape=ParallelShape(
-                tp=self.tensor_parallel,
-                dp=self.data_parallel,
-                sp=self.sequence_parallel,
-                seq_length=SEQ,
-            ),
+            shape=self.shape,
             sub_sizes=dict(self.sub_sizes),
             search=SearchConfig(max_rollouts=self.rollouts, time_budget_s=600.0, seed=self.seed),
             memory_limit_bytes=self.limits(memory_limit),

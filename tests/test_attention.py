@@ -41,6 +41,7 @@ from megatron_dip.modelspec import (
     tiny_t2v,
     tiny_vlm,
 )
+from megatron_dip.parallel import ONE_PROCESS
 from megatron_dip.reference import LocalPipeline, reference_loss_and_grads
 
 SEQ = 48
@@ -190,7 +191,7 @@ def _check_cross(batch) -> None:
 def _attention_pair(groups, *, heads: int, kv_groups: int, dtype: str, causal: bool):
     shape = LayerShape(32, 64, heads, kv_groups)
     spec = ModuleSpec("m", "vit", 1, shape)
-    tconfig = transformer_config(spec, ModelConfig(dtype=dtype), tp_size=1, style=_style())
+    tconfig = transformer_config(spec, ModelConfig(dtype=dtype), shape=ONE_PROCESS, style=_style())
     kind = attention.mask_type(causal=causal)
     args = {"config": tconfig, "layer_number": 1, "attn_mask_type": kind, "attention_type": "self"}
     collection = groups.collection()

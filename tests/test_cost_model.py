@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_dip.modelspec import PAPER_SETUPS, tiny_t2v
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CPU_KERNELS, CostModel, load_profile
 from megatron_dip.planner.devices import DEVICES, H100, H800, get_device, match_device
 from megatron_dip.schedule.ir import ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
@@ -49,7 +50,7 @@ def test_device_presets() -> None:
 def test_paper_vlm_layers_are_in_the_right_ballpark() -> None:
     # Paper (37B VLM, TP8): ViT layer 6.75 ms, LLM layer 10.5 ms, forward + backward.
     for setup, device in ((VLM_S, H100), (VLM_M, H800)):
-        cm = CostModel(setup.model, device, tensor_parallel=setup.tensor_parallel)
+        cm = CostModel(setup.model, device, shape=ParallelShape(tp=setup.tensor_parallel))
         llm = _layer_ms(cm, "llm", 1, 8192, 8 * 1024**2)  # 8 packed documents of 1024 tokens
         assert 3.0 < llm < 25.0
         # Per token a ViT-5B layer is far cheaper than the LLM's ...
@@ -57,13 +58,13 @@ def test_paper_vlm_layers_are_in_the_right_ballpark() -> None:
         # ... but a sequence of 48 images of 169 LLM tokens is 48 x 2704 patches in the ViT.
         assert _layer_ms(cm, "vit", 48, 48 * 2704) > 2 * llm
     # The paper's ratio is reached with a realistic image share (14 images of 52x52 patches).
-    cm = CostModel(VLM_M.model, H800, tensor_parallel=8)
+    cm = CostModel(VLM_M.model, H800, shape=ParallelShape(tp=8))
     ratio = _layer_ms(cm, "vit", 14, 14 * 2704) / _layer_ms(cm, "llm", 1, 8192, 8 * 1024**2)
     assert 6.75 / 10.5 / 2 < ratio < 6.75 / 10.5 * 2
 
 
 def test_attention_is_quadratic_in_segment_length() -> None:
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
     # Same 8192 tokens, longer documents: more attention work.
     times = [_layer_ms(cm, "llm", 1, 8192, (8192 // d) * d * d) for d in (512, 2048, 8192)]
     assert times[0] < times[1] < times[2]
@@ -102,7 +103,7 @@ def test_window_attention_layers_are_priced_cheaper() -> None:
 
 
 def test_recompute_trades_time_for_memory() -> None:
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, kernels=CPU_KERNELS)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4), kernels=CPU_KERNELS)
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
     modes = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     none, sel, full = (cm.stage_cost(chunk, sub, r) for r in modes)
@@ -117,7 +118,7 @@ def test_recompute_trades_time_for_memory() -> None:
     core = 2 * 8192 * 4096 / tp + 4 * heads * 8192 / tp
     assert none.activation_bytes - sel.activation_bytes == pytest.approx(8 * core, rel=1e-9)
     # With flash attention only the log-sum-exp is dropped: selective saves almost nothing.
-    flash = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    flash = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
     f_none, f_sel = (flash.stage_cost(chunk, sub, r) for r in (Recompute.NONE, Recompute.SELECTIVE))
     assert f_none.activation_bytes > f_sel.activation_bytes > 0.99 * f_none.activation_bytes
     assert f_none.activation_bytes < none.activation_bytes  # the kernel matters
@@ -128,7 +129,7 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
     keeps its received input, held anyway); the copies cost nothing while each direction's link
     time (offload + the chunk's message, at the GPU's share of the shared host link) hides
     behind the compute it overlaps, and the excess beyond it."""
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, sequence_parallel=True)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, 8192, 2 * 4096**2)
     none = cm.stage_cost(chunk, sub)
     block1 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 1)
@@ -153,7 +154,7 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
     mixed = cm.stage_cost(chunk, sub, Recompute.BLOCK, 1, 1)
     assert mixed.activation_bytes < block1.activation_bytes
     # A slower host link (A100: PCIe Gen4) exposes more of the same copies.
-    slow = CostModel(VLM_S.model, get_device("a100"), tensor_parallel=4, sequence_parallel=True)
+    slow = CostModel(VLM_S.model, get_device("a100"), shape=ParallelShape(tp=4, sp=True))
     assert H100.host_link_share == 2 * get_device("a100").host_link_share
     off4 = (c.stage_cost(chunk, sub, Recompute.NONE, 0, 4) for c in (cm, slow))
     base = (c.stage_cost(chunk, sub) for c in (cm, slow))
@@ -174,8 +175,8 @@ def test_activation_memory_counts_what_the_layers_keep() -> None:
     units += 4 * d / h + 2 * 2 * 4 / (2 * h)  # rotary tables; 2 fp32 stats of both norms
     want = 2 * s * h * units + 4 * a * s
     assert got == pytest.approx(want, rel=1e-9)
-    tp = CostModel(vit, H100, tensor_parallel=4)
-    sp = CostModel(vit, H100, tensor_parallel=4, sequence_parallel=True)
+    tp = CostModel(vit, H100, shape=ParallelShape(tp=4))
+    sp = CostModel(vit, H100, shape=ParallelShape(tp=4, sp=True))
     bytes_tp = tp.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
     bytes_sp = sp.stage_cost(_mid("vit"), _sub("vit", 1, s)).activation_bytes
     # Under SP everything but the rotary tables (applied on the gathered sequence) splits.
@@ -186,15 +187,15 @@ def test_activation_memory_counts_what_the_layers_keep() -> None:
 
 def test_tensor_parallel_divides_compute_and_adds_communication() -> None:
     one = CostModel(VLM_S.model, H100)
-    four = CostModel(VLM_S.model, H100, tensor_parallel=4)
-    four_h800 = CostModel(VLM_S.model, H800, tensor_parallel=4)
+    four = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
+    four_h800 = CostModel(VLM_S.model, H800, shape=ParallelShape(tp=4))
     t1, t4 = _layer_ms(one, "llm", 1, 8192), _layer_ms(four, "llm", 1, 8192)
     assert t1 / 4 < t4 < t1 / 2
     assert _layer_ms(four_h800, "llm", 1, 8192) > t4  # slower NVLink, same compute
 
 
 def test_efficiency_is_monotone_and_saturating() -> None:
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
     for tokens in (256, 1024, 2704):
         curve = [
             cm.efficiency("vit", instances=b, tokens_per_instance=tokens) for b in range(1, 65)
@@ -209,7 +210,7 @@ def test_efficiency_is_monotone_and_saturating() -> None:
 
 
 def test_input_and_output_layers_are_charged_to_end_chunks() -> None:
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
     sub = _sub("llm", 1, 8192)
     first, mid, last = (
         cm.stage_cost(ChunkSpec("llm", i, 0, s, s + 1), sub) for i, s in ((0, 0), (1, 5), (2, 31))
@@ -226,8 +227,8 @@ def test_input_and_output_layers_are_charged_to_end_chunks() -> None:
 
 def test_dit_cross_attention_and_frozen_text_encoder() -> None:
     t2v = PAPER_SETUPS["t2v-s"]
-    short = CostModel(t2v.model, H100, tensor_parallel=4, caption_tokens=64)
-    long = CostModel(t2v.model, H100, tensor_parallel=4, caption_tokens=1024)
+    short = CostModel(t2v.model, H100, shape=ParallelShape(tp=4), caption_tokens=64)
+    long = CostModel(t2v.model, H100, shape=ParallelShape(tp=4), caption_tokens=1024)
     assert _layer_ms(long, "dit", 4, 4 * 4096) > _layer_ms(short, "dit", 4, 4 * 4096)
     # A sub-microbatch that carries its clips' caption tokens is priced on them, whatever
     # caption_tokens (the fallback of per-module estimates) says.
@@ -283,8 +284,10 @@ def _profile(tmp_path, **changes) -> str:
 
 
 def test_profile_is_preferred_and_interpolated(tmp_path) -> None:
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, profile=load_profile(_profile(tmp_path)))
-    analytic = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    cm = CostModel(
+        VLM_S.model, H100, shape=ParallelShape(tp=4), profile=load_profile(_profile(tmp_path))
+    )
+    analytic = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
     c = cm.stage_cost(_mid("llm"), _sub("llm", 1, 6144))
     assert (c.forward, c.backward) == pytest.approx((3.0e-3, 6.5e-3))
     # Two instances: per-instance times of the 2-instance measurements, times two.
@@ -310,11 +313,13 @@ def test_invalid_profile_names_file_and_field(tmp_path) -> None:
     with pytest.raises(ValueError, match="'format'"):
         load_profile(_profile(tmp_path, format="v0"))
     with pytest.raises(ValueError, match="tensor_parallel"):
-        CostModel(VLM_S.model, H100, tensor_parallel=8, profile=load_profile(_profile(tmp_path)))
+        CostModel(
+            VLM_S.model, H100, shape=ParallelShape(tp=8), profile=load_profile(_profile(tmp_path))
+        )
 
 
 def test_calibrated_copy_scales_one_module() -> None:
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
     cal = cm.calibrated({"vit": 1.5})
     sub = _sub("vit", 4, 4096)
     base, scaled = cm.stage_cost(_mid("vit"), sub), cal.stage_cost(_mid("vit"), sub)
@@ -335,7 +340,7 @@ def test_block_and_uniform_recompute_follow_megatron_s_rules() -> None:
     recomputes N layer forwards; uniform N keeps one input per group of N layers and recomputes
     every layer. What the chunk's layers share (positions, packed-sequence offsets) stays, as
     does the last chunk's head; only FULL (the whole chunk call recomputed) drops them."""
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
     none = cm.stage_cost(chunk, sub)
     layer_in = 8192 * 4096 * 2  # s * b * h * 2 bytes, replicated without sequence parallelism

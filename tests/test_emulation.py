@@ -80,7 +80,7 @@ def test_emulated_spec_folds_tensor_parallelism_into_the_cost_model() -> None:
          "--dip-segments", "vit=1,llm=1", "--dip-sub-microbatch-size", "vit=32"],
         world_size=4,
     )  # fmt: skip
-    assert spec.tensor_parallel == 1 and spec.emulate_scale == 1.0  # one process per PP rank
+    assert spec.shape.tp == 1 and spec.emulate_scale == 1.0  # one process per PP rank
     assert spec.planner.shape.tp == 4 and spec.planner.shape.sequence_parallel
     assert spec.planner.shape.dtype == "bfloat16" and spec.dtype == "float32"
     assert spec.memory_limit_bytes is not None  # the emulated GPU's memory binds the plans

@@ -315,6 +315,18 @@ def test_frozen_text_encoder_gets_no_grads(groups):
     assert all(g.abs().sum() > 0 for g in grads.values())
 
 
+def test_chunks_take_tensor_and_sequence_parallelism_from_the_shape(groups):
+    """The run's shape sets Megatron's TransformerConfig (no second flag on ModelConfig); a
+    shape whose TP size is not the tensor-parallel group's is refused before any layer."""
+    model = tiny_vlm()
+    (chunk,) = build_module_chunks(model, "llm", [(0, 8)], config=CFG, groups=groups)
+    assert chunk.config.tensor_model_parallel_size == 1 and not chunk.sequence_parallel
+    with pytest.raises(ValueError, match="TP=2"):
+        build_module_chunks(
+            model, "llm", [(0, 8)], config=CFG, groups=groups, shape=ParallelShape(tp=2, sp=True)
+        )
+
+
 def test_tied_embeddings_across_chunks(groups):
     tied = ModelConfig(dtype="float64", seed=7)
     model = tiny_vlm().replace_module("llm", arch={"tie_embeddings": True})

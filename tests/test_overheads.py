@@ -10,6 +10,7 @@ import json
 import pytest
 
 from megatron_dip.modelspec import PAPER_SETUPS
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import H100
 from megatron_dip.planner.overheads import (
@@ -98,7 +99,7 @@ def test_batch_and_message_overheads_default_from_the_cost_model() -> None:
 
 def test_stage_cost_stays_compute_only_and_the_copy_keeps_caches() -> None:
     setup = PAPER_SETUPS["vlm-s"]
-    base = CostModel(setup.model, H100, tensor_parallel=4)
+    base = CostModel(setup.model, H100, shape=ParallelShape(tp=4))
     host = HostOverheads(1e-3, 2e-3, 3e-3)
     charged = base.with_overheads(host)
     chunk, sub = ChunkSpec("llm", 0, 0, 0, 8), SubMicrobatch("llm", 0, 0, 0, 1, 4096, 4096)

@@ -276,8 +276,7 @@ def test_paper_scale_plans_hold_the_properties(setup_name: str, mixture: str, se
 
     setup = PAPER_SETUPS[setup_name]
     device = get_device("H800")
-    tp = setup.tensor_parallel
-    cost = CostModel(setup.model, device, tensor_parallel=tp, sequence_parallel=tp > 1)
+    cost = CostModel(setup.model, device, shape=setup.shape)
     stream = BatchStream(
         SyntheticSource(mixture, model=setup.model, seed=seed),
         config=StreamConfig(

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_dip.modelspec import tiny_t2v, tiny_vlm
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import H100, load_profile
 from megatron_dip.schedule.ir import ChunkSpec, SubMicrobatch
@@ -133,7 +134,7 @@ def test_tensor_parallel_shards_are_timed_without_collectives(tmp_path) -> None:
     assert profile.details["skipped"] == [
         {"module": "llm", "tokens": 16, "instances": 2, "reason": "> max_tokens 16"}
     ]
-    cm = CostModel(tiny_vlm(), H100, tensor_parallel=2, profile=profile)
+    cm = CostModel(tiny_vlm(), H100, shape=ParallelShape(tp=2), profile=profile)
     # The shard was timed alone: the cost model adds its own TP all-reduce term per layer.
     f, b = next((p.forward_ms, p.backward_ms) for p in profile.modules["llm"] if p.tokens == 8)
     comm = cm._tp_comm(tiny_vlm().module("llm"), 8)
@@ -143,7 +144,7 @@ def test_tensor_parallel_shards_are_timed_without_collectives(tmp_path) -> None:
         (2 * (f / 1e3 + comm), 2 * (b / 1e3 + comm)), rel=1e-9
     )
     with pytest.raises(ValueError, match="'tensor_parallel' is 2"):
-        CostModel(tiny_vlm(), H100, tensor_parallel=1, profile=profile)
+        CostModel(tiny_vlm(), H100, shape=ParallelShape(tp=1), profile=profile)
     with pytest.raises(RuntimeError, match="no grid point could be timed"):
         profile_model(tiny_vlm(), {"llm": ProfileGrid((8,), (1,))}, cfg.__class__(time_budget_s=0))
 

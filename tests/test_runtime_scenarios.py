@@ -28,6 +28,7 @@ from test_runtime_workers import (
     singles,
 )
 
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.runtime.executor import ExecutorConfig
 from megatron_dip.runtime.p2p import P2PConfig
 
@@ -292,12 +293,12 @@ def _tensor_parallel(out: dict, gtp: Groups) -> None:
     guarded("tp2_t2v", out, lambda: run_executor(t2v, tpl, tplan, gtp))
     # The same with sequence parallelism: sub-microbatches padded to a multiple of TP, hidden
     # states between chunks [padded_tokens / 2, 1, hidden], norm gradients summed over TP.
-    sp = replace(st.CFG, sequence_parallel=True)
+    sp = ParallelShape(tp=2, sp=True)
     vlm = st.make_batch("vlm", vlm_microbatches(), sizes=VLM_SIZES, sequence_parallel=2)
     plan = st.with_recompute(st.segment_plan(vlm, pl), st.cycle_recompute)
-    guarded("tp2sp_vlm", out, lambda: run_executor(vlm, pl, plan, gtp, model_config=sp))
+    guarded("tp2sp_vlm", out, lambda: run_executor(vlm, pl, plan, gtp, shape=sp))
     t2v = st.make_batch("t2v", t2v_microbatches(), sizes=T2V_SIZES, sequence_parallel=2)
     tplan = st.with_recompute(st.segment_plan(t2v, tpl), st.cycle_recompute)
-    guarded("tp2sp_t2v", out, lambda: run_executor(t2v, tpl, tplan, gtp, model_config=sp))
+    guarded("tp2sp_t2v", out, lambda: run_executor(t2v, tpl, tplan, gtp, shape=sp))
     vsplit = st.split_plan(st.with_recompute(st.segment_plan(vlm, pl), st.cycle_recompute))
-    guarded("tp2sp_vlm_split", out, lambda: run_executor(vlm, pl, vsplit, gtp, model_config=sp))
+    guarded("tp2sp_vlm_split", out, lambda: run_executor(vlm, pl, vsplit, gtp, shape=sp))

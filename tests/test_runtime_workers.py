@@ -73,7 +73,7 @@ def pick(groups: Sequence[dist.ProcessGroup | None]) -> dist.ProcessGroup:
 
 
 def build_chunks(
-    batch: st.Batch, placement: Placement, groups: Groups, *, config=None
+    batch: st.Batch, placement: Placement, groups: Groups, *, shape: ParallelShape | None = None
 ) -> list[torch.nn.Module]:
     seed_model_parallel_rng(st.CFG.seed, tp_rank=groups.tp.rank())
     return [
@@ -81,8 +81,9 @@ def build_chunks(
             batch.model,
             c,
             num_chunks=placement.module(c.module).num_chunks,
-            config=config or st.CFG,
+            config=st.CFG,
             groups=groups.model_groups(),
+            shape=shape,
         )
         for c in placement.chunks_on_rank(groups.pp.rank())
     ]
@@ -127,9 +128,14 @@ def count_recompute(plan: Plan, rank: int) -> dict[str, int]:
 
 
 def _trained_chunks(
-    batch: st.Batch, placement: Placement, groups: Groups, *, ddp: bool, model_config=None
+    batch: st.Batch,
+    placement: Placement,
+    groups: Groups,
+    *,
+    ddp: bool,
+    shape: ParallelShape | None = None,
 ) -> list[torch.nn.Module]:
-    chunks = build_chunks(batch, placement, groups, config=model_config)
+    chunks = build_chunks(batch, placement, groups, shape=shape)
     if ddp:
         dpg = DataParallelGroups(dp=groups.dp, tp=groups.tp, pp=groups.pp, single=groups.single)
         chunks = wrap_chunks_ddp(chunks, groups=dpg)
@@ -262,9 +268,9 @@ def run_executor(
     config: ExecutorConfig | None = None,
     ddp: bool = False,
     channels: bool = False,
-    model_config=None,
+    shape: ParallelShape | None = None,
 ) -> dict[str, Any]:
-    chunks = _trained_chunks(batch, placement, groups, ddp=ddp, model_config=model_config)
+    chunks = _trained_chunks(batch, placement, groups, ddp=ddp, shape=shape)
     runtime = st.rank_runtime(
         batch,
         placement,

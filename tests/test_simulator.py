@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_dip.modelspec import PAPER_SETUPS
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel, StageCost
 from megatron_dip.planner.devices import H100
 from megatron_dip.planner.simulator import UniformCost, simulate
@@ -177,7 +178,7 @@ def test_transfers_use_tensor_bytes_and_latency() -> None:
 
 def test_real_cost_model_and_chrome_trace(tmp_path) -> None:
     setup = PAPER_SETUPS["vlm-s"]
-    model = CostModel(setup.model, H100, tensor_parallel=4)
+    model = CostModel(setup.model, H100, shape=ParallelShape(tp=4))
 
     class AsLlm:  # the baseline's one-layer chunks priced as Llama3-8B layers
         def stage_cost(

@@ -131,10 +131,11 @@ def test_megatron_flags_reach_the_loss_module_the_chunks_and_the_cost_model():
 def test_transformer_config_of_a_module_has_its_options():
     from megatron_dip.models import ModelConfig
     from megatron_dip.models.common import transformer_config
+    from megatron_dip.parallel import ONE_PROCESS
 
     llm = _resolve("--norm-epsilon", "1e-6", "--add-qkv-bias").model.module("llm")
     style = modality_of(llm).layer_style(llm)
-    config = transformer_config(llm, ModelConfig(), tp_size=1, style=style)
+    config = transformer_config(llm, ModelConfig(), shape=ONE_PROCESS, style=style)
     assert config.layernorm_epsilon == 1e-6 and config.add_qkv_bias and not config.add_bias_linear
 
 

@@ -264,7 +264,7 @@ def test_paper_setup_launcher_submits_each_setup_at_its_real_size(setup, gpus):
     segments = "text=1,dit=1" if kind == "diffusion" else "vit=1,llm=1"
     flags += ["--lr", "1e-4", "--dip-segments", segments]
     spec = resolve(parse_config(flags), world_size=gpus, cuda=False)
-    assert spec.tensor_parallel * spec.pipeline_parallel == gpus and spec.data_parallel == 1
+    assert spec.shape.tp * spec.shape.pp == gpus and spec.shape.dp == 1
     assert words[words.index("--model") - 1].endswith(f"train_{kind}_slurm.sbatch")
 
 
@@ -272,7 +272,7 @@ def test_presets_fill_unset_flags_and_flags_win():
     spec = _resolve(
         [], world_size=4, base=["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1"]
     )
-    assert (spec.pipeline_parallel, spec.data_parallel) == (1, 4)
+    assert (spec.shape.pp, spec.shape.dp) == (1, 4)
     assert spec.training.global_batch_size == 8 and spec.training.seq_length == 128
     assert spec.sub_sizes == {"vit": 2} and spec.segments == {"vit": 1, "llm": 2}
     spec = _resolve(
@@ -288,7 +288,7 @@ def test_presets_fill_unset_flags_and_flags_win():
         world_size=16,
         base=["--model", "vlm-s", "--train-iters", "2", "--lr", "1"],
     )
-    assert (paper.tensor_parallel, paper.pipeline_parallel) == (4, 4)
+    assert (paper.shape.tp, paper.shape.pp) == (4, 4)
     assert paper.training.seq_length == 8192 and (paper.data.kind, paper.data.value) == (
         "synthetic",
         "mixed",
@@ -296,12 +296,19 @@ def test_presets_fill_unset_flags_and_flags_win():
 
 
 def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():
+    from megatron_dip.modalities import modality_of
+    from megatron_dip.models.common import transformer_config
     from megatron_dip.training.assembly.backend import model_config
 
     spec = _resolve(["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
-    assert spec.sequence_parallel and spec.planner.shape.sequence_parallel
-    assert model_config(spec).sequence_parallel
-    assert not _resolve(["--tensor-model-parallel-size", "2"], world_size=2).sequence_parallel
+    assert spec.shape.sequence_parallel and spec.planner.shape.sequence_parallel
+    assert spec.cost_model.shape.sequence_parallel
+    # The chunks' Megatron config takes it from the run's shape (`megatron_chunks`).
+    llm = spec.model.module("llm")
+    style = modality_of(llm).layer_style(llm)
+    tconfig = transformer_config(llm, model_config(spec), shape=spec.shape, style=style)
+    assert tconfig.sequence_parallel and tconfig.tensor_model_parallel_size == 2
+    assert not _resolve(["--tensor-model-parallel-size", "2"], world_size=2).shape.sequence_parallel
 
 
 def test_stock_schedules_get_megatrons_placement():

@@ -262,7 +262,7 @@ def test_greedy_plans_are_the_same_from_the_service_or_inline():
 
     config = parse_config([*VLM, "--global-batch-size", "4", "--dip-search-time-ms", "0"])
     spec = resolve(config, world_size=2, cuda=False)
-    assert spec.data_parallel == 2 and not spec.planner.use_search
+    assert spec.shape.dp == 2 and not spec.planner.use_search
     stream = make_stream(spec.data, spec.model, seed=0, global_batch_size=4, limits=spec.limits)
     service, inline = make_planner(spec), make_planner(spec)  # the process has its own
     for batch in stream.peek(3):

@@ -120,7 +120,7 @@ def measure(name: str, args, profiler: cProfile.Profile | None) -> dict:
             profiler.enable()
         layout = planner.layout(batch)
         fallbacks, fb = _cpu(
-            lambda lay=layout: [planner.fallback_plan(lay, r) for r in range(spec.data_parallel)]
+            lambda lay=layout: [planner.fallback_plan(lay, r) for r in range(spec.shape.dp)]
         )
         greedy, g = _cpu(lambda b=batch: planner.plan_batch(b, search=False))
         planner.pass_seconds.clear()

@@ -19,6 +19,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.simulator import stage_costs
 from megatron_dip.planner.stock_configs import mode_label, strongest
 from megatron_dip.schedule.engine import single_channel
@@ -35,8 +36,7 @@ class BenchPreset:
 
     name: str
     script: str
-    pipeline_parallel: int
-    tensor_parallel: int
+    shape: ParallelShape  # the paper's run (TP, PP, sequence parallelism) the preset stands for
     mixture: str
     dip_flags: tuple[str, ...] = ()  # explicit DIP overrides (none: the planner's own choice)
     shared_flags: tuple[str, ...] = ()
@@ -48,15 +48,16 @@ class BenchPreset:
 
     def world_size(self, *, emulate: bool) -> int:
         """Processes of one run: a pipeline's ranks when emulating (TP folded), else TP x PP."""
-        return self.pipeline_parallel * (1 if emulate else self.tensor_parallel)
+        return self.shape.pp if emulate else self.shape.world_size
 
     def base_flags(self, mixture: str | None = None, *, emulate: bool = True) -> list[str]:
         """Flags of every run of this preset (schedule-specific ones are added per run)."""
         return [
             *(["--dip-emulate-compute"] if emulate else []),
             "--model", self.name,
-            "--tensor-model-parallel-size", str(self.tensor_parallel),
-            "--pipeline-model-parallel-size", str(self.pipeline_parallel),
+            "--tensor-model-parallel-size", str(self.shape.tp),
+            "--pipeline-model-parallel-size", str(self.shape.pp),
+            *(["--sequence-parallel"] if self.shape.sp else []),
             "--dip-data", f"synthetic-{mixture or self.mixture}",
             "--lr", "1e-4", "--train-iters", "1",  # runs append their own --train-iters
             *self.shared_flags,
@@ -67,8 +68,7 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
     "tiny-vlm": BenchPreset(
         name="tiny-vlm",
         script="pretrain_vlm_dip.py",
-        pipeline_parallel=2,
-        tensor_parallel=1,
+        shape=ParallelShape(pp=2),
         mixture="mixed",
         shared_flags=("--global-batch-size", "4"),
         description="tiny-vlm on 2 emulated ranks (smoke test of the benchmark, seconds)",
@@ -76,39 +76,31 @@ BENCH_PRESETS: dict[str, BenchPreset] = {
     "vlm-s": BenchPreset(
         name="vlm-s",
         script="pretrain_vlm_dip.py",
-        pipeline_parallel=4,
-        tensor_parallel=4,
+        shape=ParallelShape(tp=4, pp=4, sp=True),
         mixture="mixed",
-        shared_flags=("--sequence-parallel",),
         description="VLM-S (ViT-5B + Llama-3-8B), TP4 x PP4 of the paper as 4 emulated ranks",
     ),
     "t2v-s": BenchPreset(
         name="t2v-s",
         script="pretrain_diffusion_dip.py",
-        pipeline_parallel=4,
-        tensor_parallel=4,
+        shape=ParallelShape(tp=4, pp=4, sp=True),
         mixture="t2v",
-        shared_flags=("--sequence-parallel",),
         description="T2V-S (Llama-3-8B text encoder + DiT-5B), TP4 x PP4 as 4 emulated ranks",
         short_op_share=0.05,
     ),
     "omni-s": BenchPreset(
         name="omni-s",
         script="pretrain_vlm_dip.py",
-        pipeline_parallel=4,
-        tensor_parallel=4,
+        shape=ParallelShape(tp=4, pp=4, sp=True),
         mixture="omni",
-        shared_flags=("--sequence-parallel",),
         description="ViT-5B + Whisper-large + Llama-3-8B, TP4 x PP4 as 4 emulated ranks",
         short_op_share=0.05,
     ),
     "vlm-l": BenchPreset(
         name="vlm-l",
         script="pretrain_vlm_dip.py",
-        pipeline_parallel=8,
-        tensor_parallel=8,
+        shape=ParallelShape(tp=8, pp=8, sp=True),
         mixture="mixed",
-        shared_flags=("--sequence-parallel",),
         description="VLM-L (ViT-22B + Qwen2-72B), PP8 of the paper as 8 emulated ranks (TP folded)",
     ),
 }
@@ -155,12 +147,7 @@ def stock_results(spec, batches: Sequence) -> list[list]:
         spec.stage_units,
         len(spec.stage_units[0]),
     )
-    limits = activation_limits(
-        spec.placement,
-        spec.cost_model,
-        device=spec.device,
-        tensor_parallel=spec.planner.shape.tp,
-    )
+    limits = activation_limits(spec.placement, spec.cost_model, device=spec.device)
     out = []
     for b in batches:
         layout = layout_batch(spec.model, b, planner.layout_config.with_whole_modules())

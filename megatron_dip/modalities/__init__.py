@@ -58,9 +58,17 @@ __all__ = [
 
 
 def build_chunk(
-    model: MultimodalSpec, chunk: ChunkSpec, *, num_chunks: int, config, groups, skip_init=None
+    model: MultimodalSpec,
+    chunk: ChunkSpec,
+    *,
+    num_chunks: int,
+    config,
+    groups,
+    shape=None,
+    skip_init=None,
 ):
-    """`models.chunk.build_chunk` with the module's modality (call on the owning rank)."""
+    """`models.chunk.build_chunk` with the module's modality (call on the owning rank);
+    `shape`: the run's `parallel.ParallelShape` (None: `groups`' TP, no sequence parallelism)."""
     from megatron_dip.models.chunk import build_chunk as build
 
     parts = modality_of(model.module(chunk.module))
@@ -71,16 +79,19 @@ def build_chunk(
         config=config,
         groups=groups,
         parts=parts,
+        shape=shape,
         skip_init=skip_init,
     )
 
 
-def build_module_chunks(model: MultimodalSpec, module: str, ranges, *, config, groups) -> list:
+def build_module_chunks(
+    model: MultimodalSpec, module: str, ranges, *, config, groups, shape=None
+) -> list:
     """All chunks of one module in this process, cut at `ranges` ((start, end) per chunk)."""
     from megatron_dip.models.chunk import build_module_chunks as build
 
     parts = modality_of(model.module(module))
-    return build(model, module, ranges, config=config, groups=groups, parts=parts)
+    return build(model, module, ranges, config=config, groups=groups, parts=parts, shape=shape)
 
 
 def build_sub_batch(

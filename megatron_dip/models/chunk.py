@@ -19,7 +19,8 @@ module's modality (`parts`: a `megatron_dip.modalities.Modality`, found by
   sub-microbatch's loss tokens (not averaged), "num_tokens": int64 count}; the last chunk of a
   producer module the tensors handed to its consumer.
 
-Sequence parallelism (`ModelConfig.sequence_parallel` with TP > 1): the hidden states inside
+Sequence parallelism (where the run's `ParallelShape` has it in effect: --sequence-parallel
+with TP > 1; `build_chunk(shape=...)`): the hidden states inside
 and between the chunks of a module are this rank's contiguous shard of the sequence,
 [padded_tokens / TP, 1, hidden] (`batching.message_tensors`); chunk 0 scatters its embeddings
 (Megatron's `scatter_to_sequence_parallel_region`), the last chunk gathers the sequence after
@@ -49,6 +50,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_dip import megatron_compat
 from megatron_dip.cpu_support import apply_cpu_fixes
 from megatron_dip.modelspec import MultimodalSpec
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.schedule.ir import ChunkSpec
 
 from . import attention
@@ -75,7 +77,8 @@ class ModelChunk(MegatronModule):
     """Layers [chunk.layer_start, chunk.layer_end) of one module (see the module docstring).
 
     Attributes: `chunk` (ChunkSpec), `module_spec` (ModuleSpec), `model_spec`, `num_chunks`,
-    `model_config` (ModelConfig), `groups` (ModelGroups), `parts` (the modality that builds and
+    `model_config` (ModelConfig), `shape` (the run's ParallelShape: TP size and whether sequence
+    parallelism is in effect), `groups` (ModelGroups), `parts` (the modality that builds and
     runs it), `pre` / `layers` / `post` (input layers, transformer layers, output layers; `pre`
     and `post` are None where absent).
     """
@@ -87,14 +90,13 @@ class ModelChunk(MegatronModule):
         chunk: ChunkSpec,
         num_chunks: int,
         config: ModelConfig,
+        shape: ParallelShape,
         groups: ModelGroups,
         parts,
     ) -> None:
         module_spec = model.module(chunk.module)
         style = parts.layer_style(module_spec)
-        super().__init__(
-            config=transformer_config(module_spec, config, tp_size=groups.tp_size, style=style)
-        )
+        super().__init__(config=transformer_config(module_spec, config, shape=shape, style=style))
         # Megatron's stock schedules and DDP read model_type from every model chunk.
         self.model_type = ModelType.encoder_or_decoder
         self.model_spec = model
@@ -102,6 +104,7 @@ class ModelChunk(MegatronModule):
         self.chunk = chunk
         self.num_chunks = num_chunks
         self.model_config = config
+        self.shape = shape
         self.groups = groups
         self.parts = parts
         self.message_names = parts.message_names
@@ -138,7 +141,7 @@ class ModelChunk(MegatronModule):
     @property
     def sequence_parallel(self) -> bool:
         """Whether activations are sharded along the sequence over the tensor-parallel group."""
-        return bool(self.config.sequence_parallel)
+        return self.shape.sequence_parallel
 
     def scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """Chunk 0: this rank's sequence shard of the embeddings (identity without SP)."""
@@ -201,10 +204,14 @@ def build_chunk(
     config: ModelConfig,
     groups: ModelGroups,
     parts,
+    shape: ParallelShape | None = None,
     skip_init=None,
 ) -> ModelChunk:
     """Build one chunk (call only on the rank that owns it) with deterministic weights;
     `skip_init(global name)` true: left uninitialised (an importer fills those).
+
+    `shape`: the run's parallel shape, whose TP size must be the size of `groups.tp` (None: that
+    size, without sequence parallelism).
 
     `parts` is the module's modality (`modalities.build_chunk` passes it). `num_chunks` is the
     module's chunk count (the last chunk holds the output layers). Applies
@@ -222,7 +229,13 @@ def build_chunk(
     apply_cpu_fixes()
     megatron_compat.ensure_global_memory_buffer()
     built = ModelChunk(
-        model=model, chunk=chunk, num_chunks=num_chunks, config=config, groups=groups, parts=parts
+        model=model,
+        chunk=chunk,
+        num_chunks=num_chunks,
+        config=config,
+        shape=_checked_shape(shape, groups),
+        groups=groups,
+        parts=parts,
     )
     built.to(device=built.device, dtype=built.dtype)
     mark_tensor_parallel_weights(built)
@@ -239,6 +252,19 @@ def build_chunk(
     return built
 
 
+def _checked_shape(shape: ParallelShape | None, groups: ModelGroups) -> ParallelShape:
+    """`shape`, or the shape of `groups` without sequence parallelism; ValueError when the
+    shape's TP size is not the tensor-parallel group's."""
+    if shape is None:
+        return ParallelShape(tp=groups.tp_size)
+    if shape.tp != groups.tp_size:
+        raise ValueError(
+            f"the parallel shape has TP={shape.tp}, the chunk's tensor-parallel group "
+            f"{groups.tp_size} ranks"
+        )
+    return shape
+
+
 def build_module_chunks(
     model: MultimodalSpec,
     module: str,
@@ -247,6 +273,7 @@ def build_module_chunks(
     config: ModelConfig,
     groups: ModelGroups,
     parts,
+    shape: ParallelShape | None = None,
 ) -> list[ModelChunk]:
     """All chunks of one module in this process, cut at `ranges` ((start, end) per chunk)."""
     return [
@@ -257,6 +284,7 @@ def build_module_chunks(
             config=config,
             groups=groups,
             parts=parts,
+            shape=shape,
         )
         for i, (start, end) in enumerate(ranges)
     ]

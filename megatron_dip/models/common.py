@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional
 
 from megatron_dip.modelspec import ModuleSpec
-from megatron_dip.parallel import sequence_parallel_in_effect
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.parallel.groups import layer_collection
 
 from .config import ModelConfig
@@ -148,28 +148,31 @@ class Parts(torch.nn.Module):
                 self.add_module(name, module)
 
 
-def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int, style: LayerStyle):
+def transformer_config(
+    module: ModuleSpec, config: ModelConfig, *, shape: ParallelShape, style: LayerStyle
+):
     """Megatron `TransformerConfig` of one module's layers (pipeline size 1, no dropout).
 
-    `sequence_parallel` applies only when `tp_size` > 1. Dropout is off because a random mask
-    would differ between layouts; Megatron's own weight
-    initialisation is skipped (`perform_initialization=False`): `init.py` initialises every
-    parameter from its global name.
+    Its tensor-parallel size and `sequence_parallel` are `shape`'s (sequence parallelism only
+    where the shape says it is in effect: asked for and TP > 1). Dropout is off because a
+    random mask would differ between layouts; Megatron's own weight initialisation is skipped
+    (`perform_initialization=False`): `init.py` initialises every parameter from its global
+    name.
     """
     from megatron.core.transformer import TransformerConfig
 
-    shape = module.layer
+    layer = module.layer
     dtype = torch_dtype(config.dtype)
     return TransformerConfig(
         num_layers=module.num_layers,
-        hidden_size=shape.hidden,
-        ffn_hidden_size=shape.ffn,
-        num_attention_heads=shape.heads,
-        num_query_groups=shape.kv_groups,
-        kv_channels=shape.head_dim,
+        hidden_size=layer.hidden,
+        ffn_hidden_size=layer.ffn,
+        num_attention_heads=layer.heads,
+        num_query_groups=layer.kv_groups,
+        kv_channels=layer.head_dim,
         normalization=style.normalization,
         layernorm_epsilon=module.arch.norm_eps,
-        gated_linear_unit=shape.gated_mlp,
+        gated_linear_unit=layer.gated_mlp,
         activation_func=_ACTIVATIONS[style.activation],
         add_bias_linear=style.bias,
         add_qkv_bias=style.bias or module.arch.qkv_bias,
@@ -186,9 +189,9 @@ def transformer_config(module: ModuleSpec, config: ModelConfig, *, tp_size: int,
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
-        tensor_model_parallel_size=tp_size,
+        tensor_model_parallel_size=shape.tp,
         pipeline_model_parallel_size=1,
-        sequence_parallel=sequence_parallel_in_effect(config.sequence_parallel, tp_size),
+        sequence_parallel=shape.sequence_parallel,
         perform_initialization=False,
         use_cpu_initialization=False,
         init_method_std=config.init_std,

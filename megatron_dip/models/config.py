@@ -19,7 +19,9 @@ class ModelConfig:
     `adaln_zero`: DiT modulation and final projection start at zero (adaLN-Zero); tests switch it
     off so that every DiT parameter gets a non-zero gradient from the first step.
     Per-module architecture (rotary base and scaling, norm epsilon, biases, tied embeddings,
-    activation) is part of the model spec (`modelspec.Architecture`), not of this config.
+    activation) is part of the model spec (`modelspec.Architecture`), not of this config; the
+    parallel sizes and whether sequence parallelism is in effect are the run's
+    `parallel.ParallelShape`, handed to the chunk builders beside this config.
     `use_te`: Transformer Engine layer specs (None: when transformer_engine imports).
     `attention`: the packed-sequence attention kernel (`models.attention`): "auto" is Transformer
     Engine's THD attention with TE layers, else ours (torch's FlashAttention varlen kernel where it
@@ -32,7 +34,6 @@ class ModelConfig:
     text_causal: bool = True
     adaln_zero: bool = True
     use_te: bool | None = None
-    sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = False
     timestep_embed_dim: int = 256
     attention: str = "auto"

@@ -28,7 +28,6 @@ from ..batching import (
 from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
-from ..parallel import ParallelShape
 from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import ChunkSpec, Placement, Plan, Recompute
 from .bounds import balanced_bound
@@ -157,22 +156,11 @@ class Comparison:
         return greedy_score(planner, batches, limits=limits, channel=self.dip_channel)
 
     def memory(self, placement: Placement) -> list[float]:
-        return activation_limits(
-            placement,
-            self.cost_model,
-            device=self.device,
-            tensor_parallel=self.setup.tensor_parallel,
-        )
+        return activation_limits(placement, self.cost_model, device=self.device)
 
     def planner(self, **overrides: object) -> DipPlanner:
         config = planner_config(
-            shape=ParallelShape(
-                tp=self.setup.tensor_parallel,
-                dp=self.setup.data_parallel,
-                sp=self.setup.sequence_parallel,
-                dtype="bfloat16",
-                seq_length=self.setup.seq_length,
-            ),
+            shape=self.setup.shape,
             packing=self.limits,
             search=self.search,
             sub_sizes=self.sub_sizes,

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from ..modalities import check_model, modality_of
 from ..modalities.costs import CostContext, Kernels, Op, OpKind, Work
 from ..modelspec import ModuleSpec, MultimodalSpec
+from ..parallel.shape import ONE_PROCESS, ParallelShape
 from ..schedule.ir import ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
 from .devices import CostProfile, DeviceSpec, load_profile
 from .overheads import NO_OVERHEADS, HostOverheads
@@ -93,7 +94,8 @@ def _bounded_put(cache: dict, key: tuple, value: object) -> None:
 class CostModel:
     """Per-stage time and activation memory of a multimodal model on one device type.
 
-    `tensor_parallel` / `sequence_parallel` describe one pipeline rank's TP group. `kernels`:
+    `shape`: the run's parallel shape (`parallel.ParallelShape`); the model prices one rank of
+    its tensor-parallel group (TP, and whether sequence parallelism is in effect). `kernels`:
     which attention and norm kernels the chunks run (what they keep for backward differs).
     A DiT sub-microbatch cross-attends to its own clips' captions
     (`SubMicrobatch.context_tokens`); `caption_tokens` per clip stands in only where a
@@ -108,8 +110,7 @@ class CostModel:
         model: MultimodalSpec,
         device: DeviceSpec,
         *,
-        tensor_parallel: int = 1,
-        sequence_parallel: bool = False,
+        shape: ParallelShape = ONE_PROCESS,
         dtype_bytes: int = 2,
         profile: CostProfile | None = None,
         caption_tokens: int = 256,
@@ -119,18 +120,15 @@ class CostModel:
         p2p_bandwidth: float | None = None,
         overheads: HostOverheads = NO_OVERHEADS,
     ) -> None:
-        if tensor_parallel < 1 or dtype_bytes < 1 or caption_tokens < 1 or gemm_half_rows < 0:
-            raise ValueError(
-                "tensor_parallel, dtype_bytes and caption_tokens must be >= 1, gemm_half_rows >= 0"
-            )
+        if dtype_bytes < 1 or caption_tokens < 1 or gemm_half_rows < 0:
+            raise ValueError("dtype_bytes and caption_tokens must be >= 1, gemm_half_rows >= 0")
         if not 0 < attention_efficiency <= 1:
             raise ValueError("attention_efficiency must lie in (0, 1]")
         if profile is not None:
-            profile.check_compatible(tensor_parallel=tensor_parallel)
+            profile.check_compatible(shape)
         self.model = check_model(model)
         self.device = device
-        self.tensor_parallel = tensor_parallel
-        self.sequence_parallel = sequence_parallel
+        self.shape = shape
         self.profile = profile
         self.gemm_half_rows = gemm_half_rows
         self.attention_efficiency = attention_efficiency
@@ -138,11 +136,16 @@ class CostModel:
         self.caption_tokens = caption_tokens
         self.kernels = kernels
         self.overheads = overheads
-        self._ctx = CostContext(tensor_parallel, sequence_parallel, dtype_bytes, kernels)
+        self._ctx = CostContext(shape.tp, shape.sequence_parallel, dtype_bytes, kernels)
         self._scale: dict[str, float] = {}
         self._layer_cache: dict[tuple, tuple[float, float, float]] = {}
         self._weight_cache: dict[tuple, float] = {}  # weight-gradient share of a backward
         self._stage_cache: dict[tuple, StageCost] = {}  # unscaled
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel size priced (`shape.tp`)."""
+        return self.shape.tp
 
     # -- calibration ---------------------------------------------------------------------------
 

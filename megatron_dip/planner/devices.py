@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..parallel.shape import ParallelShape
+
 GB = 10**9
 GIB = 2**30
 
@@ -197,12 +199,13 @@ class CostProfile:
         """Measurements of module `name` (by name first, else by its kind), None if absent."""
         return self.modules.get(name) or self.modules.get(kind)
 
-    def check_compatible(self, *, tensor_parallel: int) -> None:
-        """ValueError when the profile was measured at another tensor-parallel size."""
-        if tensor_parallel != self.tensor_parallel:
+    def check_compatible(self, shape: ParallelShape) -> None:
+        """ValueError when the profile was measured at another tensor-parallel size than
+        `shape`'s."""
+        if shape.tp != self.tensor_parallel:
             raise ValueError(
                 f"profile {self.source or '<memory>'}: field 'tensor_parallel' is "
-                f"{self.tensor_parallel}, the cost model uses {tensor_parallel}"
+                f"{self.tensor_parallel}, the cost model uses {shape.tp}"
             )
 
     def layer_times(

@@ -62,12 +62,7 @@ def paper_comparison(
     `calibration_batches`) and the seeded batch stream it draws from (not advanced)."""
     setup = PAPER_SETUPS[setup_name]
     spec = get_device(device)
-    cost = CostModel(
-        setup.model,
-        spec,
-        tensor_parallel=setup.tensor_parallel,
-        sequence_parallel=setup.sequence_parallel,
-    )
+    cost = CostModel(setup.model, spec, shape=setup.shape)
     limits = packing_limits(setup.model, setup.seq_length)
     stream = BatchStream(
         SyntheticSource(mixture, model=setup.model, seed=seed),

@@ -41,15 +41,17 @@ def activation_limits(
     cost_model,
     *,
     device: DeviceSpec,
-    tensor_parallel: int,
     reserve: float = 0.1,
 ) -> list[float]:
-    """Per-rank activation budget: device memory minus weights/grads/optimizer and a reserve."""
+    """Per-rank activation budget: device memory minus weights/grads/optimizer and a reserve.
+    A rank holds its tensor-parallel shard of each chunk's parameters (the TP size of the
+    cost model's `shape`, which prices that rank)."""
+    tp = cost_model.shape.tp
     static = [0.0] * placement.num_ranks
     for m in placement.modules:
         per_param = BYTES_PER_PARAM if m.trainable else FROZEN_BYTES_PER_PARAM
         for c in m.chunks:
-            static[c.rank] += cost_model.chunk_params(c) / tensor_parallel * per_param
+            static[c.rank] += cost_model.chunk_params(c) / tp * per_param
     return [device.memory_bytes * (1 - reserve) - s for s in static]
 
 
@@ -112,7 +114,6 @@ def activation_budget(
     *,
     given_bytes: float | None,
     device: DeviceSpec | None,
-    tensor_parallel: int,
 ) -> list[float] | None:
     """Each rank's activation memory limit: `given_bytes` on every rank when set, else the
     device's `activation_limits` (None without a device: no limit); `MemoryBudgetError` when
@@ -124,7 +125,7 @@ def activation_budget(
         return [given_bytes] * placement.num_ranks
     if device is None:
         return None
-    limit = activation_limits(placement, cost_model, device=device, tensor_parallel=tensor_parallel)
+    limit = activation_limits(placement, cost_model, device=device)
     if min(limit) < need:
         raise MemoryBudgetError(need=need, where=where, budget=min(limit), given=False)
     return limit

@@ -120,9 +120,9 @@ def train(spec: RunSpec):
             "run %s: %s | TP %d PP %d DP %d | schedule %s | placement %s",
             spec.preset.name,
             spec.model.name,
-            spec.tensor_parallel,
-            spec.pipeline_parallel,
-            spec.data_parallel,
+            spec.shape.tp,
+            spec.shape.pp,
+            spec.shape.dp,
             spec.schedule,
             _placement_text(spec),
         )

@@ -82,7 +82,6 @@ def model_config(spec: RunSpec) -> ModelConfig:
         seed=spec.training.seed,
         dtype=spec.dtype,
         init_std=spec.training.init_std,
-        sequence_parallel=spec.sequence_parallel,
         attention=spec.training.attention,
     )
 
@@ -100,6 +99,7 @@ def megatron_chunks(spec: RunSpec, ctx: ParallelContext) -> list[torch.nn.Module
             num_chunks=spec.placement.module(c.module).num_chunks,
             config=config,
             groups=groups,
+            shape=spec.shape,
         )
         for c in spec.placement.chunks_on_rank(ctx.pp_rank)
     ]

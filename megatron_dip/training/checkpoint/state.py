@@ -104,9 +104,10 @@ def _rng_object(ctx: ParallelContext, data):
 
 
 def _layout(spec: RunSpec) -> dict:
+    shape = spec.shape
     return {
-        "world_size": spec.world_size, "tensor_parallel": spec.tensor_parallel,
-        "pipeline_parallel": spec.pipeline_parallel, "data_parallel": spec.data_parallel,
+        "world_size": shape.world_size, "tensor_parallel": shape.tp,
+        "pipeline_parallel": shape.pp, "data_parallel": shape.dp,
     }  # fmt: skip
 
 

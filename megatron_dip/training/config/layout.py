@@ -161,7 +161,7 @@ def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
     return pipe.placement, pipe.stage_units
 
 
-def _memory_limit(config, placement, cost_model, works, model, *, tp: int, device):
+def _memory_limit(config, placement, cost_model, works, model, *, device):
     """`planner.sizing.activation_budget` of --dip-memory-limit-gb or the device, with the
     flag to change when no plan fits."""
     given = config.dip.dip_memory_limit_gb
@@ -173,7 +173,6 @@ def _memory_limit(config, placement, cost_model, works, model, *, tp: int, devic
             model,
             given_bytes=None if given is None else given * GIB,
             device=device,
-            tensor_parallel=tp,
         )
     except MemoryBudgetError as e:
         if e.given:
@@ -200,7 +199,6 @@ class _Sizing:
     works: list[MicrobatchWork]  # calibration microbatches cut with the chosen sub sizes
     workload: dict
     sub_sizes: dict[str, int]
-    tp: int
     pp: int
     device: object
     base: PlannerConfig  # the run's planner configuration, sized here
@@ -212,7 +210,6 @@ class _Sizing:
             self.cost_model,
             self.works,
             self.model,
-            tp=self.tp,
             device=self.device,
         )
 
@@ -320,7 +317,7 @@ def build_layout(
     """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit;
     `base`: the run's planner configuration before sizing (its packing, TP, starting recompute
     mode), which the placement search's planners use too."""
-    limits, tp = base.packing, base.shape.tp
+    limits = base.packing
     batches = calibration_batches(config, model, data, limits)
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]
     whole = LayoutConfig(seq_length=config.train.seq_length, packing=limits)
@@ -342,7 +339,6 @@ def build_layout(
             split,
             workload,
             sizes,
-            tp=tp,
             pp=pp,
             device=device,
             base=base,

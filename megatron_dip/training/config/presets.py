@@ -42,15 +42,16 @@ _PAPER_DATA = {"vlm": "synthetic-mixed", "t2v": "synthetic-t2v", "omni": "synthe
 
 def _paper(name: str) -> RunPreset:
     setup = PAPER_SETUPS[name]
+    shape = setup.shape
     return RunPreset(
         name=name,
         global_batch_size=setup.global_batch_microbatches,
         seq_length=setup.seq_length,
         data=_PAPER_DATA[name.split("-", maxsplit=1)[0]],
-        tensor_parallel=setup.tensor_parallel,
-        pipeline_parallel=setup.pipeline_parallel,
-        description=f"{setup.model.name}, TP{setup.tensor_parallel} PP{setup.pipeline_parallel} "
-        f"on {setup.num_gpus} GPUs in the paper",
+        tensor_parallel=shape.tp,
+        pipeline_parallel=shape.pp,
+        description=f"{setup.model.name}, TP{shape.tp} PP{shape.pp} "
+        f"on {shape.world_size} GPUs in the paper",
     )
 
 

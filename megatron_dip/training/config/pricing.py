@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import GPU_KERNELS, CostModel, Kernels
 from megatron_dip.planner.devices import (
     DEVICE_NAMES,
@@ -69,14 +70,15 @@ def run_kernels(config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool) -
 
 
 def run_cost_model(
-    config: TrainConfig, model, device, *, tp: int, sp: bool, dtype: str, kernels: Kernels
+    config: TrainConfig, model, device, *, shape: ParallelShape, kernels: Kernels
 ) -> CostModel:
-    """The cost model of the run's TP rank (`sp`: sequence parallel, as `resolve` derived it)."""
+    """The cost model of a TP rank of the run of `shape` (the real run's under
+    --dip-emulate-compute: its TP, sequence parallelism and activation dtype)."""
     profile = None
     if config.dip.dip_cost_profile is not None:
         try:
             profile = load_profile(config.dip.dip_cost_profile)
-            profile.check_compatible(tensor_parallel=tp)
+            profile.check_compatible(shape)
         except ValueError as e:
             raise _fail("--dip-cost-profile", str(e)) from None
         unknown = (
@@ -90,9 +92,8 @@ def run_cost_model(
     return CostModel(
         model,
         device,
-        tensor_parallel=tp,
-        sequence_parallel=sp,
-        dtype_bytes=2 if dtype == "bfloat16" else 4,
+        shape=shape,
+        dtype_bytes=2 if shape.dtype == "bfloat16" else 4,
         profile=profile,
         overheads=run_host_overheads(config),
         kernels=kernels,

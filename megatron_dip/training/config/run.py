@@ -7,7 +7,6 @@ into each checkpoint's header)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -97,13 +96,11 @@ class RunSpec:
     schedule: str  # --dip-schedule: dip, 1f1b or interleaved
     cuda: bool
     dtype: str
-    # The processes' parallel sizes (TP 1 under --dip-emulate-compute, whose cost model prices
-    # the real TP); `shape` holds them as one `ParallelShape` value.
-    world_size: int
-    tensor_parallel: int
-    pipeline_parallel: int
-    data_parallel: int
-    sequence_parallel: bool  # activations sharded along the sequence over TP (SP and TP > 1)
+    # The processes' parallel shape: sizes (TP 1 and no sequence parallelism under
+    # --dip-emulate-compute, whose cost model prices the real TP), virtual stages of a stock
+    # interleaved run, dtype and sequence length. The planner's own (`planner.shape`) is the
+    # real run's under --dip-emulate-compute.
+    shape: ParallelShape
     distributed_optimizer: bool  # --use-distributed-optimizer
     overlap_grad_reduce: bool  # Megatron's stock schedules overlap the DP reduction
     # The data, the batch layout and the planner.
@@ -142,20 +139,3 @@ class RunSpec:
     @property
     def is_stock(self) -> bool:
         return self.schedule != "dip"
-
-    @functools.cached_property
-    def shape(self) -> ParallelShape:
-        """The processes' parallel shape as one value: sizes, virtual stages of a stock
-        interleaved run, dtype and sequence length (the planner's own, `planner.shape`, is the
-        real run's under --dip-emulate-compute)."""
-        units = self.stage_units
-        vp = len(units[0]) if self.is_stock and units and len(units[0]) > 1 else None
-        return ParallelShape(
-            tp=self.tensor_parallel,
-            pp=self.pipeline_parallel,
-            dp=self.data_parallel,
-            vp=vp,
-            sp=self.sequence_parallel,
-            dtype=self.dtype,
-            seq_length=self.training.seq_length,
-        )

@@ -281,18 +281,36 @@ def parse_sub_sizes(text: str | None, model: MultimodalSpec) -> dict[str, int] |
     return sizes
 
 
-def _sequence_parallel(config: TrainConfig, tp: int) -> bool:
-    """Whether activations are sharded along the sequence over TP (--sequence-parallel, which
-    needs TP > 1 and a --seq-length TP divides): checked and derived here once, by the shape
-    (`ParallelShape`), read by the cost model, planner, chunks and runtime."""
+def _run_shape(config: TrainConfig, *, tp: int, pp: int, dp: int, dtype: str) -> ParallelShape:
+    """The run's parallel shape as the cost model and planner price it (the real run's under
+    --dip-emulate-compute), built once here: --sequence-parallel checked (it needs TP > 1 and a
+    --seq-length TP divides); whether it is in effect is the shape's to say."""
     shape = ParallelShape(
-        tp=tp, sp=config.parallel.sequence_parallel, seq_length=config.train.seq_length
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        sp=config.parallel.sequence_parallel,
+        dtype=dtype,
+        seq_length=config.train.seq_length,
     )
     try:
         shape.check_sequence_parallel()
     except ShapeError as e:
         raise ConfigError(str(e)) from None
-    return shape.sequence_parallel
+    return shape
+
+
+def _process_shape(
+    shape: ParallelShape, *, emulate: bool, dtype: str, stock: bool, stage_units
+) -> ParallelShape:
+    """The shape of the processes themselves (`RunSpec.shape`): an emulated run folds TP into
+    the cost model (one process per pipeline rank and replica, no sequence parallelism) and
+    computes in the flags' dtype; a stock interleaved run has virtual stages."""
+    interleaved = stock and stage_units and len(stage_units[0]) > 1
+    vp = len(stage_units[0]) if interleaved else None
+    if emulate:
+        shape = shape.replace(tp=1, sp=False)
+    return shape.replace(dtype=dtype, vp=vp)
 
 
 def check_tensor_parallel(model: MultimodalSpec, tp: int) -> None:
@@ -355,19 +373,16 @@ def resolve(
     recompute = recompute_mode(config)  # refuses a bad combination
     _check_dip(config)
     check_tensor_parallel(model, tp)
-    sp = _sequence_parallel(config, tp)
-    data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     dtype = "bfloat16" if config.model.bf16 else "float32"
     # An emulated run prices and shapes messages as the real (bf16, GPU) run it stands for.
-    plan_dtype = "bfloat16" if emulate else dtype
+    shape = _run_shape(config, tp=tp, pp=pp, dp=dp, dtype="bfloat16" if emulate else dtype)
+    data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     device = run_device(config, cuda=cuda)
     kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
-    cost = run_cost_model(config, model, device, tp=tp, sp=sp, dtype=plan_dtype, kernels=kernels)
+    cost = run_cost_model(config, model, device, shape=shape, kernels=kernels)
     uniform = None if recompute == NO_RECOMPUTE else recompute
     base = planner_config(
-        shape=ParallelShape(
-            tp=tp, pp=pp, dp=dp, sp=sp, dtype=plan_dtype, seq_length=config.train.seq_length
-        ),
+        shape=shape,
         packing=packing_limits(model, config.train.seq_length),
         search=_search(config),
         use_search=config.dip.dip_search_time_ms > 0,
@@ -398,11 +413,13 @@ def resolve(
         schedule=config.dip.dip_schedule,
         cuda=cuda,
         dtype=dtype,
-        world_size=world_size,
-        tensor_parallel=1 if emulate else tp,
-        pipeline_parallel=pp,
-        data_parallel=dp,
-        sequence_parallel=sp and not emulate,
+        shape=_process_shape(
+            shape,
+            emulate=emulate,
+            dtype=dtype,
+            stock=config.dip.dip_schedule != "dip",
+            stage_units=layout.stage_units,
+        ),
         distributed_optimizer=config.parallel.use_distributed_optimizer,
         overlap_grad_reduce=config.parallel.overlap_grad_reduce,
         data=data,

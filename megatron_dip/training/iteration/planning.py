@@ -164,7 +164,7 @@ class DipPlans:
 
         def fallbacks() -> list[Plan]:  # rank 0, for every replica (`PlanClient`)
             layout = self.planner.layout(batch)
-            return [self.planner.fallback_plan(layout, r) for r in range(self.spec.data_parallel)]
+            return [self.planner.fallback_plan(layout, r) for r in range(self.spec.shape.dp)]
 
         self.plan_calibration = self.calibration_version  # inline plans use the current one
         if self.client is None:
@@ -177,7 +177,7 @@ class DipPlans:
                 self.plan_calibration = self.client.plan_calibration
             if self.ctx.rank == 0 and batch.iteration > 0:
                 # Every rank fetched the previous iteration's plan: it ran with all of them.
-                self.client.cleanup(batch.iteration - 1, num_replicas=self.spec.data_parallel)
+                self.client.cleanup(batch.iteration - 1, num_replicas=self.spec.shape.dp)
         self.variants[variant] += 1
         return plan, variant
 
