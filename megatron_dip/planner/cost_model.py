@@ -142,6 +142,7 @@ class CostModel:
         self._scale: dict[str, float] = {}
         self._layer_cache: dict[tuple, tuple[float, float, float]] = {}
         self._weight_cache: dict[tuple, float] = {}  # weight-gradient share of a backward
+        self._stored_cache: dict[tuple, float] = {}  # a whole layer's stored bytes
         self._stage_cache: dict[tuple, StageCost] = {}  # unscaled
 
     # -- calibration ---------------------------------------------------------------------------
@@ -158,6 +159,7 @@ class CostModel:
         # Cached times are unscaled, so the caches can be shared.
         copy._layer_cache, copy._stage_cache = self._layer_cache, self._stage_cache
         copy._weight_cache = self._weight_cache
+        copy._stored_cache = self._stored_cache
         return copy
 
     def with_overheads(self, overheads: HostOverheads) -> CostModel:
@@ -344,11 +346,21 @@ class CostModel:
         if k <= 0:
             return 0.0
         c = self._ctx
-        whole = modality_of(spec).layer_stored(spec, w, c).nbytes(spec.layer.hidden, w, c)
+        whole = self._layer_stored_bytes(spec, w)
         held = 0.0
         if policy.offload_start == 0 and chunk.layer_start > 0:  # the received hidden state
             held = c.dt * w.tokens * spec.layer.hidden / c.rep
         return k * whole - held
+
+    def _layer_stored_bytes(self, spec, w) -> float:
+        """Bytes one whole layer of `spec` stores for `w` (memoized: offload asks per policy)."""
+        key = (spec.name, w)
+        found = self._stored_cache.get(key)
+        if found is None:
+            c = self._ctx
+            found = modality_of(spec).layer_stored(spec, w, c).nbytes(spec.layer.hidden, w, c)
+            _bounded_put(self._stored_cache, key, found)
+        return found
 
     def _offload_time(
         self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd: float, bwd: float
@@ -361,6 +373,32 @@ class CostModel:
         link = (self._offloaded(spec, chunk, w, policy) + message) / self.device.host_link_share
         link += self.device.p2p_latency
         return max(0.0, link - fwd), max(0.0, link - bwd)
+
+    def hidden_offload_layers(
+        self,
+        chunk: ChunkSpec,
+        sub: SubMicrobatch,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
+    ) -> int:
+        """The most layers `chunk` can offload on `sub` after `recompute` (NONE or BLOCK N)
+        whose copies both hide behind the compute they overlap (`_offload_time` adds nothing):
+        the offload worth offering beside recomputation (more than that costs its excess)."""
+        spec, w = self.model.module(chunk.module), self._work(sub)
+        start = layers if recompute is Recompute.BLOCK else 0
+        room = chunk.num_layers - start
+        if room <= 0:
+            return 0
+        cost = self.stage_cost(chunk, sub, recompute, layers)  # scaled; `_offload_time`'s is not
+        overlap = min(cost.forward, cost.backward) / self._scale.get(chunk.module, 1.0)
+        c = self._ctx
+        message = c.dt * w.tokens * spec.layer.hidden / c.rep
+        one = self._offloaded(spec, chunk, w, MemoryPolicy(recompute, layers, 1))
+        whole = self._layer_stored_bytes(spec, w)
+        budget = (overlap - self.device.p2p_latency) * self.device.host_link_share - message
+        if budget < one or whole <= 0:
+            return 0
+        return int(min(room, 1 + (budget - one) // whole))
 
     def chunk_activation_bytes(
         self,
