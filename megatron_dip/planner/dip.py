@@ -492,8 +492,9 @@ class DipPlanner:
                 candidates = self._recompute_candidates(
                     dataflow, sub_of, search.order, limits, errors=errors
                 )
-            for candidate in candidates:
-                if schedule.overcommitted or candidate[0].makespan < schedule.makespan:
+            for candidate in candidates:  # one that fits before one that does not
+                new, old = candidate[0], schedule
+                if (new.overcommitted, new.makespan) < (old.overcommitted, old.makespan):
                     schedule, choice = candidate
         return schedule, search, choice, errors
 
