@@ -123,6 +123,23 @@ def test_recompute_trades_time_for_memory() -> None:
     assert f_none.activation_bytes < none.activation_bytes  # the kernel matters
 
 
+@pytest.mark.parametrize("tokens", [2048, 8192, 16384])
+def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
+    """`hidden_offload_layers`: offloading that many layers (alone or after block 1) adds no
+    time, one more does (or the chunk has no more layers)."""
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, sequence_parallel=True)
+    chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, tokens, 2 * tokens**2)
+    for method, n in ((Recompute.NONE, 0), (Recompute.BLOCK, 1)):
+        base = cm.stage_cost(chunk, sub, method, n)
+        k = cm.hidden_offload_layers(chunk, sub, method, n)
+        assert 1 <= k <= chunk.num_layers - n
+        free = cm.stage_cost(chunk, sub, method, n, k)
+        assert (free.forward, free.backward) == (base.forward, base.backward)
+        if k < chunk.num_layers - n:
+            more = cm.stage_cost(chunk, sub, method, n, k + 1)
+            assert more.forward + more.backward > base.forward + base.backward
+
+
 def test_offload_trades_host_link_time_for_device_memory() -> None:
     """Offloaded layers leave the device (all their stored bytes; a middle chunk's first layer
     keeps its received input, held anyway); the copies cost nothing while each direction's link
