@@ -582,8 +582,8 @@ class DipPlanner:
                 break
             if not more.modes:
                 break
-            choice = RecomputeChoice({**choice.modes, **more.modes}, choice.added_time)
-            choice = replace(choice, added_time=choice.added_time + more.added_time)
+            modes, added = {**choice.modes, **more.modes}, choice.added_time + more.added_time
+            choice = RecomputeChoice(modes, added)
             graph = self._graph(dataflow, sub_of, choice, forward_only=False)
             schedule = self._list_schedule(graph, order, limits, choice)
         return self._within_host_limit(dataflow, sub_of, order, limits, (schedule, choice))
