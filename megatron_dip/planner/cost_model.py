@@ -22,12 +22,13 @@ computes and stores is its modality's (`Modality.layer_ops`, `layer_stored`, `in
 `output_ops`, ...; the operator vocabulary is `modalities.costs`); this module prices it.
 
 Activation offload (`MemoryPolicy.offload`, priced by `_offload_time`): the saved tensors of
-K layers go to host memory on a copy stream during the chunk's forward and come back during the
-work before its backward. The copy gets the GPU's share of its host link (`DeviceSpec.
-host_link_share`: the GPUs under one PCIe switch copy at once) and competes there with the
-chunk's own pipeline messages, which cross the same PCIe link to the NIC: a direction's
-transfer that outlasts the compute it overlaps (the chunk's forward for the copy out, its
-backward for the reload) delays the chunk by the excess.
+K layers go to host memory on a copy stream during the chunk's forward and come back during its
+backward, before the backward reaches them. The copy gets the GPU's share of its host link
+(`DeviceSpec.host_link_share`: the GPUs under one PCIe switch copy at once) and competes there
+with the chunk's own pipeline messages, which cross the same PCIe link to the NIC: a direction's
+transfer that outlasts the compute it overlaps (for the copy out, the forwards of the layers
+after the first offloaded one; for the reload, the backwards of the layers after the offloaded
+ones) delays the chunk by the excess.
 
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
 
@@ -302,7 +303,7 @@ class CostModel:
         }.get(recompute, 0.0)
         nbytes = self.chunk_activation_bytes(chunk, sub, *policy)
         if policy.offload:
-            out, back = self._offload_time(spec, chunk, w, policy, fwd, bwd)
+            out, back = self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l)
             fwd, bwd = fwd + out, bwd + back
         weight = 0.0
         if spec.trainable:  # the weight GEMMs once more; the input / output layers' own
@@ -363,16 +364,25 @@ class CostModel:
         return found
 
     def _offload_time(
-        self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd: float, bwd: float
+        self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd_l: float, bwd_l: float
     ) -> tuple[float, float]:
         """Seconds the copy out and the reload add to the forward and the backward: what each
         direction's link time (offloaded bytes plus the chunk's pipeline message, at the GPU's
-        share of the host link) exceeds the compute it overlaps."""
+        share of the host link) exceeds the compute it can overlap. The copy out starts after
+        the first offloaded layer's forward: the forwards of the chunk's later layers overlap
+        it. The reload starts with the chunk's backward (the runtime prefetches there) and must
+        be done when the backward reaches the offloaded layers: only the backwards of the layers
+        after them overlap it (none when they are the chunk's last)."""
         c = self._ctx
+        n = chunk.num_layers
+        start = policy.offload_start
+        k = min(policy.offload, n - start)
         message = c.dt * w.tokens * spec.layer.hidden / c.rep
         link = (self._offloaded(spec, chunk, w, policy) + message) / self.device.host_link_share
         link += self.device.p2p_latency
-        return max(0.0, link - fwd), max(0.0, link - bwd)
+        out_window = max(0, n - start - 1) * fwd_l
+        back_window = max(0, n - start - k) * bwd_l
+        return max(0.0, link - out_window), max(0.0, link - back_window)
 
     def hidden_offload_layers(
         self,
@@ -382,23 +392,19 @@ class CostModel:
         layers: int = 0,
     ) -> int:
         """The most layers `chunk` can offload on `sub` after `recompute` (NONE or BLOCK N)
-        whose copies both hide behind the compute they overlap (`_offload_time` adds nothing):
-        the offload worth offering beside recomputation (more than that costs its excess)."""
+        whose copies both hide behind the compute they overlap (`_offload_time` adds nothing;
+        0 where not even one does): the offload worth offering beside recomputation (more than
+        that costs its excess)."""
         spec, w = self.model.module(chunk.module), self._work(sub)
         start = layers if recompute is Recompute.BLOCK else 0
-        room = chunk.num_layers - start
-        if room <= 0:
-            return 0
-        cost = self.stage_cost(chunk, sub, recompute, layers)  # scaled; `_offload_time`'s is not
-        overlap = min(cost.forward, cost.backward) / self._scale.get(chunk.module, 1.0)
-        c = self._ctx
-        message = c.dt * w.tokens * spec.layer.hidden / c.rep
-        one = self._offloaded(spec, chunk, w, MemoryPolicy(recompute, layers, 1))
-        whole = self._layer_stored_bytes(spec, w)
-        budget = (overlap - self.device.p2p_latency) * self.device.host_link_share - message
-        if budget < one or whole <= 0:
-            return 0
-        return int(min(room, 1 + (budget - one) // whole))
+        fwd_l, bwd_l, _ = self._layer(spec, w)
+        best = 0
+        for k in range(1, chunk.num_layers - start + 1):  # more layers: more link, less overlap
+            policy = MemoryPolicy(recompute, layers, k)
+            if self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l) != (0.0, 0.0):
+                break
+            best = k
+        return best
 
     def chunk_activation_bytes(
         self,
