@@ -259,10 +259,12 @@ def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
     # The offload that hides (one layer by default), alone and after block 1, 2 and 3.
     block = [MemoryPolicy(Recompute.BLOCK, n, 1) for n in (1, 2, 3)]
     assert modes[4:8] == (off1, *block)
-    # Two layers hide: offloaded after block recomputation of up to all the other layers.
-    assert stage_modes(6, offload=True, hidden=2)[4:8] == (
+    # Two layers hide after block 0-3, one after block 4, none after block 5: the offload that
+    # hides after block 0, 1 and 3 (half), and after the most layers one still hides after.
+    hides = {0: 2, 1: 2, 2: 2, 3: 2, 4: 1, 5: 0}
+    assert stage_modes(6, offload=True, hidden=hides.__getitem__)[4:8] == (
         MemoryPolicy(Recompute.NONE, 0, 2),
-        *(MemoryPolicy(Recompute.BLOCK, n, 2) for n in (1, 3, 4)),
+        *(MemoryPolicy(Recompute.BLOCK, n, k) for n, k in ((1, 2), (3, 2), (4, 1))),
     )
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])

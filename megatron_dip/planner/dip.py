@@ -620,10 +620,8 @@ class DipPlanner:
         found = memo.get(stage)
         if found is None:
             chunk = self.placement.module(stage.module).chunks[stage.chunk]
-            hidden = 1
-            if self.config.offload_activations and chunk.num_layers:
-                hidden = self.cost_model.hidden_offload_layers(chunk, sub_of[stage.work])
             offload = self.config.offload_activations
+            hidden = functools.partial(self._hidden, chunk, sub_of[stage.work])
             found = memo[stage] = stage_modes(chunk.num_layers, offload=offload, hidden=hidden)
         return found
 
@@ -634,6 +632,11 @@ class DipPlanner:
         return RecomputeChoice(
             {(m.name, c.index): mode for m in self.placement.modules for c in m.chunks}, 0.0
         )
+
+    def _hidden(self, chunk, sub, block: int) -> int:
+        """Layers whose offload hides after block recomputation of the first `block`."""
+        method = Recompute.BLOCK if block else Recompute.NONE
+        return self.cost_model.hidden_offload_layers(chunk, sub, method, block)
 
     def host_limits(self) -> list[float] | None:
         """Per rank, the offloaded bytes it may keep in host memory at once

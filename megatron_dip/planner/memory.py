@@ -44,16 +44,18 @@ StageModes = Callable[[StageId], Sequence[RecomputeMode]]
 
 
 def stage_modes(
-    layers: int, *, offload: bool = False, hidden: int = 1
+    layers: int, *, offload: bool = False, hidden: int | Callable[[int], int] = 1
 ) -> tuple[RecomputeMode, ...]:
     """The memory policies the memory pass chooses from for a chunk of `layers` layers (always
     five, or nine with `offload`; the cheapest first and the one that holds least last).
 
-    `hidden`: how many layers' copies hide behind the chunk's compute
-    (`CostModel.hidden_offload_layers`; at least one is offered). Beyond that offload pays its
-    exposed transfer, and recomputing a layer costs about as much per byte as full recompute,
-    so the offload policies are that free offload alone and after block recomputation of one
-    layer, half of them and all the rest: the time-memory frontier between none and full."""
+    `hidden(n)`: how many layers' copies hide behind the chunk's compute after block
+    recomputation of its first n layers (`CostModel.hidden_offload_layers`; an int: the same for
+    every n). Beyond that, offload pays its exposed transfer, and recomputing a layer costs
+    about as much per byte as full recompute, so the offload policies are the offload that
+    hides after block recomputation of none, one and half of the layers, and of the most
+    layers after which one layer's offload still hides: the time-memory frontier between none
+    and full. Where nothing hides, one layer is offered (exposed)."""
     half = max(1, layers // 2)
     recompute = (
         NO_RECOMPUTE,
@@ -65,14 +67,15 @@ def stage_modes(
         return (*recompute, (Recompute.FULL, 0))
     if layers == 0:  # an input- or output-only chunk: nothing to offload (same count of modes)
         return (*recompute, *recompute, (Recompute.FULL, 0))
-    k = max(1, min(hidden, layers))
-    offloads = tuple(_block_then_offload(layers, n, k) for n in (0, 1, half, layers - k))
+    hides = hidden if callable(hidden) else (lambda n: hidden)
+    most = next((n for n in range(layers - 1, half, -1) if hides(n) >= 1), half)
+    offloads = tuple(_block_then_offload(layers, n, max(1, hides(n))) for n in (0, 1, half, most))
     return (*recompute, *offloads, (Recompute.FULL, 0))
 
 
 def _block_then_offload(layers: int, n: int, k: int) -> RecomputeMode:
     """Block recomputation of the first `n` layers, then offload of up to `k` of the rest
-    (block N alone where nothing is left to offload; duplicates where the chunk is short)."""
+    (duplicates where the chunk is short)."""
     n = min(n, layers - 1) if n else 0
     k = min(k, layers - n)
     return MemoryPolicy(Recompute.BLOCK if n else Recompute.NONE, n, k)
