@@ -124,6 +124,23 @@ def test_recompute_trades_time_for_memory() -> None:
     assert f_none.activation_bytes < none.activation_bytes  # the kernel matters
 
 
+@pytest.mark.parametrize("tokens", [2048, 8192, 16384])
+def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
+    """`hidden_offload_layers`: offloading that many layers (alone or after block 1) adds no
+    time, one more does (or the chunk has no more layers)."""
+    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, sequence_parallel=True)
+    chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, tokens, 2 * tokens**2)
+    for method, n in ((Recompute.NONE, 0), (Recompute.BLOCK, 1)):
+        base = cm.stage_cost(chunk, sub, method, n)
+        k = cm.hidden_offload_layers(chunk, sub, method, n)
+        assert 0 <= k <= chunk.num_layers - n
+        free = cm.stage_cost(chunk, sub, method, n, k)
+        assert (free.forward, free.backward) == (base.forward, base.backward)
+        if k < chunk.num_layers - n:
+            more = cm.stage_cost(chunk, sub, method, n, k + 1)
+            assert more.forward + more.backward > base.forward + base.backward
+
+
 def test_offload_trades_host_link_time_for_device_memory() -> None:
     """Offloaded layers leave the device (all their stored bytes; a middle chunk's first layer
     keeps its received input, held anyway); the copies cost nothing while each direction's link
@@ -142,17 +159,29 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
         assert moved == pytest.approx(k * per_layer - hidden, rel=1e-6)
         assert off.activation_bytes == pytest.approx(none.activation_bytes - moved, abs=1)
         link = (moved + hidden) / H100.host_link_share + H100.p2p_latency
-        assert off.forward == pytest.approx(none.forward + max(0.0, link - none.forward))
-        assert off.backward == pytest.approx(none.backward + max(0.0, link - none.backward))
-    # One layer (almost) hides behind the compute here and saves what block 1 saves.
+        # A middle chunk of 8 layers: the copy out overlaps the forwards of the 7 layers after
+        # the first offloaded one, the reload the backwards of the 8 - k after the offloaded.
+        out_window, back_window = 7 * none.forward / 8, (8 - k) * none.backward / 8
+        assert off.forward == pytest.approx(none.forward + max(0.0, link - out_window))
+        assert off.backward == pytest.approx(none.backward + max(0.0, link - back_window))
+    # One layer saves what block 1 saves; its reload hides behind the later layers' backwards,
+    # its copy out outlasts the 7 later layers' forwards by ~1/8 of the chunk's forward here.
     one = cm.stage_cost(chunk, sub, Recompute.NONE, 0, 1)
     assert one.activation_bytes == block1.activation_bytes
-    assert one.forward < 1.01 * none.forward and one.backward == none.backward < block1.backward
+    assert none.forward < one.forward < 1.15 * none.forward
+    assert one.backward == none.backward < block1.backward
     # The whole chunk does not: the link is ~10x slower than the layers produce activations.
     assert cm.stage_cost(chunk, sub, Recompute.NONE, 0, 8).forward > 2 * none.forward
     # Block recompute of the first layer, then offload of the next: both savings.
     mixed = cm.stage_cost(chunk, sub, Recompute.BLOCK, 1, 1)
     assert mixed.activation_bytes < block1.activation_bytes
+    # Offloading the chunk's last layer (after block 7): its backward comes first, so nothing
+    # overlaps the reload (the runtime prefetches when the chunk's backward starts).
+    block7 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 7)
+    last = cm.stage_cost(chunk, sub, Recompute.BLOCK, 7, 1)
+    moved = cm.offloaded_bytes(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7, 1))
+    exposed = (moved + hidden) / H100.host_link_share + H100.p2p_latency
+    assert last.backward == pytest.approx(block7.backward + exposed)
     # A slower host link (A100: PCIe Gen4) exposes more of the same copies.
     slow = CostModel(VLM_S.model, get_device("a100"), shape=ParallelShape(tp=4, sp=True))
     assert H100.host_link_share == 2 * get_device("a100").host_link_share

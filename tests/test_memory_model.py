@@ -5,7 +5,7 @@ input layers), a middle chunk and a last chunk (the last layer and the output la
 each recompute mode, the cost model's `chunk_activation_bytes` is compared with what the chunk
 kept for its backward (`megatron_dip.memory_probe`: saved tensors by storage, plus the received
 messages), summed over the sub-microbatches of two microbatches: within 10% for every (module,
-chunk, mode), in float32 and bfloat16, with the kernels the CPU runs (`CPU_KERNELS`: SDPA per
+chunk, mode), 3% under offload, in float32 and bfloat16, with the kernels the CPU runs (`CPU_KERNELS`: SDPA per
 segment, torch's composite RMSNorm). Pricing the CPU run with the GPU's kernels does not fit:
 the memory model must know which kernels run.
 """
@@ -34,6 +34,11 @@ TOLERANCE = 0.10
 # device: ~20% of this one-layer chunk); at real sizes, with many layers per chunk, the share
 # is negligible.
 KNOWN_OVER = {("dit", "first"): 0.20}
+# Offload (issue 24) is held to 3% per chunk. The first LLM chunk of one layer, offloaded, keeps
+# only its input layers' few hundred bytes, where a residual of 112-200 B that every mode shows
+# (-0.07% without offload: small integer tensors of the input layers, not modelled) is -5.9%.
+OFFLOAD_TOLERANCE = 0.03
+OFFLOAD_RESIDUAL_BYTES = 256
 DTYPES = {"float32": 4, "bfloat16": 2}
 
 
@@ -109,6 +114,9 @@ def test_predicted_activation_bytes_are_within_10_percent_of_autograds(groups, k
             assert 0 <= error < KNOWN_OVER[(module, where)], (module, where, measured, predicted)
             continue
         assert abs(error) < TOLERANCE, (module, where, measured, predicted)
+        if MemoryPolicy(*mode).offload:
+            small = abs(predicted - measured) <= OFFLOAD_RESIDUAL_BYTES
+            assert abs(error) < OFFLOAD_TOLERANCE or small, (module, where, measured, predicted)
 
 
 def test_the_model_must_know_which_attention_kernel_runs(groups):

@@ -256,7 +256,16 @@ def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
     assert len(modes) == 9 and modes[-1] == (Recompute.FULL, 0)
     assert modes[:4] == stage_modes(4)[:4]  # the recompute modes first, as without offload
     off1, off2 = MemoryPolicy(Recompute.NONE, 0, 1), MemoryPolicy(Recompute.NONE, 0, 2)
-    assert modes[4:6] == (off1, off2) and MemoryPolicy(Recompute.BLOCK, 1, 1) in modes
+    # The offload that hides (one layer by default), alone and after block 1, 2 and 3.
+    block = [MemoryPolicy(Recompute.BLOCK, n, 1) for n in (1, 2, 3)]
+    assert modes[4:8] == (off1, *block)
+    # Two layers hide after block 0-3, one after block 4, none after block 5: the offload that
+    # hides after block 0, 1 and 3 (half), and after the most layers one still hides after.
+    hides = {0: 2, 1: 2, 2: 2, 3: 2, 4: 1, 5: 0}
+    assert stage_modes(6, offload=True, hidden=hides.__getitem__)[4:8] == (
+        MemoryPolicy(Recompute.NONE, 0, 2),
+        *(MemoryPolicy(Recompute.BLOCK, n, k) for n, k in ((1, 2), (3, 2), (4, 1))),
+    )
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
@@ -279,6 +288,38 @@ def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
     tight = choose(200, (none, block, off1, off2, full))
     assert {tight.of(StageId("m", 0, mb)) for mb in range(4)} == {off2}
     assert tight.added_time == pytest.approx(4 * 0.5)
+
+
+def test_the_memory_pass_keeps_offloaded_bytes_under_the_host_limit():
+    """Offload is free but host memory holds two stages' offloaded bytes at once: without a
+    host limit all four alive stages offload; with it two do, and the pass fits the device
+    limit the cheapest other way (one stage recomputes fully, one keeps everything)."""
+    g = unit_graph(single_module(2, 4))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
+    none, full = (Recompute.NONE, 0), (Recompute.FULL, 0)
+    off = MemoryPolicy(Recompute.NONE, 0, 1)
+    table = {none: (3.0, 100), off: (3.0, 60), full: (4.0, 10)}
+
+    def choose(**host):
+        return choose_recompute(
+            orders,
+            mode_cost=lambda s, m: table[m],
+            modes_of=lambda s: (none, off, full),
+            keeps_activations=lambda s: True,
+            memory_limit=[250, 1000],
+            **host,
+        )
+
+    stages = [StageId("m", 0, mb) for mb in range(4)]
+    assert [choose().of(s) for s in stages] == [off] * 4
+    bound = choose(
+        host_bytes=lambda s, m: 40 if MemoryPolicy(*m).offload else 0, host_limit=[80, 80]
+    )
+    assert sorted(map(str, (bound.of(s) for s in stages))) == sorted(
+        map(str, (off, off, none, full))
+    )
+    assert bound.added_time == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(("selective_time", "solved"), [(3.2, True), (3.001, False)])

@@ -3,6 +3,7 @@ service delivering one plan per iteration to every rank, with the inline fallbac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import socket
 import threading
@@ -17,7 +18,7 @@ from megatron_dip.data.synthetic import generate_meta
 from megatron_dip.modelspec import tiny_vlm
 from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel
-from megatron_dip.planner.devices import get_device
+from megatron_dip.planner.devices import DeviceSpec, get_device
 from megatron_dip.planner.dip import DipPlanner, PlannerConfig
 from megatron_dip.planner.placement import ModuleWorkload, build_dip_placement
 from megatron_dip.planner.search import SearchConfig
@@ -45,10 +46,13 @@ def make_planner(
     data_parallel: int = 1,
     workers: int = 1,
     budget_s: float = 60.0,
+    device: str | DeviceSpec = "H100",
+    **overrides: object,
 ) -> DipPlanner:
-    """A planner for the tiny VLM on 2 pipeline ranks (module-level: picklable for the service)."""
+    """A planner for the tiny VLM on 2 pipeline ranks (module-level: picklable for the service);
+    `overrides`: other `PlannerConfig` fields."""
     model = tiny_vlm()
-    cost = CostModel(model, get_device("H100"))
+    cost = CostModel(model, get_device(device) if isinstance(device, str) else device)
     workload = {"vit": ModuleWorkload(4, 256), "llm": ModuleWorkload(1, SEQ)}
     placement, _ = build_dip_placement(model, cost, num_ranks=2, workload=workload)
     config = PlannerConfig(
@@ -57,7 +61,7 @@ def make_planner(
         search=SearchConfig(max_rollouts=rollouts, time_budget_s=budget_s, seed=7, workers=workers),
         memory_limit_bytes=None if memory_gb is None else memory_gb * 2**30,
     )
-    planner = DipPlanner(model, cost, placement, config)
+    planner = DipPlanner(model, cost, placement, dataclasses.replace(config, **overrides))
     if sleep_s:
         planner.plan_batch = _slow(planner.plan_batch, sleep_s)
     return planner
@@ -288,6 +292,67 @@ def test_the_fallback_fits_the_memory_limit_without_a_simulation():
     assert activation_peaks(plan, cost) == list(sim.peak_activation_bytes)
     modes = {i.recompute for p in plan.programs for i in p.instructions if hasattr(i, "recompute")}
     assert modes and Recompute.NONE not in modes
+
+
+# The tiny model's copies last less than its chunks' compute only without the link's latency.
+FAST_HOST_LINK = dataclasses.replace(
+    get_device("H100"), p2p_latency=0.0, host_link_bandwidth=10**15
+)
+
+
+def test_the_fallback_offloads_where_memory_binds_within_the_host_limit():
+    """With offload on, the fallback under the same tight limit may offload (Megatron-Core's
+    fine-grained offloading, the same K on every chunk) where that adds less time than
+    recomputing (a host link fast enough that the tiny model's copies hide); a host limit
+    below one offloaded stage leaves it to recompute instead."""
+    from megatron_dip.planner.fallback import activation_peaks, offload_peaks
+
+    free = make_planner()
+    cost = free.cost_model
+    limit_gb = 0.7 * max(
+        activation_peaks(free.fallback_plan(free.layout(batch(4, samples=20)), 0), cost)
+    )
+    limit_gb /= 2**30
+    plans = {}
+    for host in (None, 1.0):
+        planner = make_planner(
+            memory_gb=limit_gb,
+            device=FAST_HOST_LINK,
+            offload_activations=True,
+            host_memory_limit_bytes=host,
+        )
+        plans[host] = planner.fallback_plan(planner.layout(batch(4, samples=20)), 0)
+        assert plans[host].name == "dip (megatron order)"
+        assert max(activation_peaks(plans[host], cost)) <= limit_gb * 2**30
+    assert max(offload_peaks(plans[None], cost)) > 1.0  # it offloads where nothing bounds it
+    assert max(offload_peaks(plans[1.0], cost)) <= 1.0
+    modes = {
+        i.recompute for p in plans[1.0].programs for i in p.instructions if hasattr(i, "recompute")
+    }
+    assert modes and Recompute.NONE not in modes
+
+
+def test_planned_offload_stays_within_the_host_limit():
+    """The memory pass offloads no more at once than the host limit allows: with room it
+    offloads more than a limit of a quarter of that; under that limit the plan's offloaded
+    bytes stay within it, and the plan still fits the device limit."""
+    from megatron_dip.planner.fallback import offload_peaks
+
+    free = make_planner().plan_batch(batch(2), search=False)[0]
+    cost = make_planner().cost_model
+    limit_gb = 0.6 * max(simulate(free.plan, cost).peak_activation_bytes) / 2**30
+    roomy = make_planner(memory_gb=limit_gb, device=FAST_HOST_LINK, offload_activations=True)
+    wide = max(offload_peaks(roomy.plan_batch(batch(2), search=False)[0].plan, cost))
+    assert wide > 0
+    tight = make_planner(
+        memory_gb=limit_gb,
+        device=FAST_HOST_LINK,
+        offload_activations=True,
+        host_memory_limit_bytes=wide / 4,
+    )
+    plan = tight.plan_batch(batch(2), search=False)[0].plan
+    assert max(offload_peaks(plan, cost)) <= wide / 4
+    assert max(simulate(plan, cost).peak_activation_bytes) <= limit_gb * 2**30
 
 
 def _wait_any_ready(store, iteration: int, timeout: float = 120.0) -> None:

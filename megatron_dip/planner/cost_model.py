@@ -22,12 +22,13 @@ computes and stores is its modality's (`Modality.layer_ops`, `layer_stored`, `in
 `output_ops`, ...; the operator vocabulary is `modalities.costs`); this module prices it.
 
 Activation offload (`MemoryPolicy.offload`, priced by `_offload_time`): the saved tensors of
-K layers go to host memory on a copy stream during the chunk's forward and come back during the
-work before its backward. The copy gets the GPU's share of its host link (`DeviceSpec.
-host_link_share`: the GPUs under one PCIe switch copy at once) and competes there with the
-chunk's own pipeline messages, which cross the same PCIe link to the NIC: a direction's
-transfer that outlasts the compute it overlaps (the chunk's forward for the copy out, its
-backward for the reload) delays the chunk by the excess.
+K layers go to host memory on a copy stream during the chunk's forward and come back during its
+backward, before the backward reaches them. The copy gets the GPU's share of its host link
+(`DeviceSpec.host_link_share`: the GPUs under one PCIe switch copy at once) and competes there
+with the chunk's own pipeline messages, which cross the same PCIe link to the NIC: a direction's
+transfer that outlasts the compute it overlaps (for the copy out, the forwards of the layers
+after the first offloaded one; for the reload, the backwards of the layers after the offloaded
+ones) delays the chunk by the excess.
 
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
 
@@ -140,6 +141,7 @@ class CostModel:
         self._scale: dict[str, float] = {}
         self._layer_cache: dict[tuple, tuple[float, float, float]] = {}
         self._weight_cache: dict[tuple, float] = {}  # weight-gradient share of a backward
+        self._stored_cache: dict[tuple, float] = {}  # a whole layer's stored bytes
         self._stage_cache: dict[tuple, StageCost] = {}  # unscaled
 
     @property
@@ -161,6 +163,7 @@ class CostModel:
         # Cached times are unscaled, so the caches can be shared.
         copy._layer_cache, copy._stage_cache = self._layer_cache, self._stage_cache
         copy._weight_cache = self._weight_cache
+        copy._stored_cache = self._stored_cache
         return copy
 
     def with_overheads(self, overheads: HostOverheads) -> CostModel:
@@ -303,7 +306,7 @@ class CostModel:
         }.get(recompute, 0.0)
         nbytes = self.chunk_activation_bytes(chunk, sub, *policy)
         if policy.offload:
-            out, back = self._offload_time(spec, chunk, w, policy, fwd, bwd)
+            out, back = self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l)
             fwd, bwd = fwd + out, bwd + back
         weight = 0.0
         if spec.trainable:  # the weight GEMMs once more; the input / output layers' own
@@ -347,23 +350,64 @@ class CostModel:
         if k <= 0:
             return 0.0
         c = self._ctx
-        whole = modality_of(spec).layer_stored(spec, w, c).nbytes(spec.layer.hidden, w, c)
+        whole = self._layer_stored_bytes(spec, w)
         held = 0.0
         if policy.offload_start == 0 and chunk.layer_start > 0:  # the received hidden state
             held = c.dt * w.tokens * spec.layer.hidden / c.rep
         return k * whole - held
 
+    def _layer_stored_bytes(self, spec, w) -> float:
+        """Bytes one whole layer of `spec` stores for `w` (memoized: offload asks per policy)."""
+        key = (spec.name, w)
+        found = self._stored_cache.get(key)
+        if found is None:
+            c = self._ctx
+            found = modality_of(spec).layer_stored(spec, w, c).nbytes(spec.layer.hidden, w, c)
+            _bounded_put(self._stored_cache, key, found)
+        return found
+
     def _offload_time(
-        self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd: float, bwd: float
+        self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd_l: float, bwd_l: float
     ) -> tuple[float, float]:
         """Seconds the copy out and the reload add to the forward and the backward: what each
         direction's link time (offloaded bytes plus the chunk's pipeline message, at the GPU's
-        share of the host link) exceeds the compute it overlaps."""
+        share of the host link) exceeds the compute it can overlap. The copy out starts after
+        the first offloaded layer's forward: the forwards of the chunk's later layers overlap
+        it. The reload starts with the chunk's backward (the runtime prefetches there) and must
+        be done when the backward reaches the offloaded layers: only the backwards of the layers
+        after them overlap it (none when they are the chunk's last)."""
         c = self._ctx
+        n = chunk.num_layers
+        start = policy.offload_start
+        k = min(policy.offload, n - start)
         message = c.dt * w.tokens * spec.layer.hidden / c.rep
         link = (self._offloaded(spec, chunk, w, policy) + message) / self.device.host_link_share
         link += self.device.p2p_latency
-        return max(0.0, link - fwd), max(0.0, link - bwd)
+        out_window = max(0, n - start - 1) * fwd_l
+        back_window = max(0, n - start - k) * bwd_l
+        return max(0.0, link - out_window), max(0.0, link - back_window)
+
+    def hidden_offload_layers(
+        self,
+        chunk: ChunkSpec,
+        sub: SubMicrobatch,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
+    ) -> int:
+        """The most layers `chunk` can offload on `sub` after `recompute` (NONE or BLOCK N)
+        whose copies both hide behind the compute they overlap (`_offload_time` adds nothing;
+        0 where not even one does): the offload worth offering beside recomputation (more than
+        that costs its excess)."""
+        spec, w = self.model.module(chunk.module), self._work(sub)
+        start = layers if recompute is Recompute.BLOCK else 0
+        fwd_l, bwd_l, _ = self._layer(spec, w)
+        best = 0
+        for k in range(1, chunk.num_layers - start + 1):  # more layers: more link, less overlap
+            policy = MemoryPolicy(recompute, layers, k)
+            if self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l) != (0.0, 0.0):
+                break
+            best = k
+        return best
 
     def chunk_activation_bytes(
         self,

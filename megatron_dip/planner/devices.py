@@ -96,8 +96,19 @@ class DeviceSpec:
         """Bytes of host memory per GPU of a node."""
         return self.host_memory_bytes / self.gpus_per_node
 
+    @property
+    def host_offload_share(self) -> float:
+        """Bytes of offloaded activations one GPU may keep in host memory at once: its share
+        of the node's host memory, less what the rest of the run needs there
+        (`HOST_MEMORY_FOR_OFFLOAD`)."""
+        return self.host_memory_share * HOST_MEMORY_FOR_OFFLOAD
+
 
 HOST_LINK_EFFICIENCY = 0.8
+# The share of a node's host memory offloaded activations may take: the rest holds the
+# processes themselves, data-loader workers, pinned communication buffers and checkpoint
+# staging (our assumption, on the safe side).
+HOST_MEMORY_FOR_OFFLOAD = 0.5
 
 
 # 400 Gb/s ConnectX-7 per GPU (DGX/HGX H100-class nodes); ~70% of the dense bf16 peak is what

@@ -31,6 +31,7 @@ from ..schedule.ir import (
     NO_RECOMPUTE,
     BatchTotals,
     Forward,
+    MemoryPolicy,
     MessageKey,
     Placement,
     Plan,
@@ -49,7 +50,13 @@ from .list_scheduler import (
     priorities_from_units,
     unit_priority_ranks,
 )
-from .memory import MemoryLimitError, RecomputeChoice, choose_recompute, stage_modes
+from .memory import (
+    MemoryLimitError,
+    RecomputeChoice,
+    choose_recompute,
+    stage_modes,
+    within_host_limit,
+)
 from .overheads import host_overheads
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
 from .simulator import activation_peaks, simulate
@@ -61,6 +68,8 @@ logger = logging.getLogger(__name__)
 # How much more in-flight activation memory the memory pass lets the scheduler plan with before
 # recomputation brings it back under the real limit.
 RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
+# Memory passes on a candidate's own (throttled) schedule where it still overcommits.
+REFINE_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -84,8 +93,10 @@ class PlannerConfig:
     # found marked `ReplicaPlan.overcommitted` (False: simulation studies that score such plans).
     strict_memory: bool = True
     uniform_recompute: RecomputeMode | None = None  # start from this mode on every chunk
-    # The memory pass may also offload saved activations to host memory (`MemoryPolicy`).
+    # The memory pass may also offload saved activations to host memory (`MemoryPolicy`),
+    # at most this many bytes at once per rank (default: the device's `host_offload_share`).
     offload_activations: bool = False
+    host_memory_limit_bytes: float | None = None
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     # Check every plan against the IR's rules before returning it (off only where no plan is
     # ever run: the start-up search's scoring, `scoring_config`).
@@ -188,7 +199,7 @@ class DipPlanner:
         self._graph_cache: tuple | None = None  # (dataflow, forward_only, StageGraph), see _graph
         # Per plan (keyed by its sub-microbatch table): message tensors and stage costs, asked
         # for several times each by the graph, memory and communication passes.
-        self._memo: tuple = (None, {}, {})
+        self._memo: tuple = (None, {}, {}, {}, {})
         # CPU seconds spent per pass over this planner's plans (`tools/planner_speed.py`):
         # statistics only, nothing planned depends on them.
         self.pass_seconds: Counter[str] = Counter()
@@ -454,10 +465,11 @@ class DipPlanner:
         )
         return None if alt is None else with_recompute(alt, mode)
 
-    def _memos(self, sub_of: Mapping) -> tuple[dict, dict]:
+    def _memos(self, sub_of: Mapping) -> tuple[dict, dict, dict, dict]:
+        """Per plan: message tensors, stage costs, candidate modes, the memory pass's rows."""
         if self._memo[0] is not sub_of:
-            self._memo = (sub_of, {}, {})
-        return self._memo[1], self._memo[2]
+            self._memo = (sub_of, {}, {}, {}, {})
+        return self._memo[1:]
 
     def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
         memo = self._memos(sub_of)[0]
@@ -503,8 +515,9 @@ class DipPlanner:
                 candidates = self._recompute_candidates(
                     dataflow, sub_of, search.order, limits, errors=errors
                 )
-            for candidate in candidates:
-                if schedule.overcommitted or candidate[0].makespan < schedule.makespan:
+            for candidate in candidates:  # one that fits before one that does not
+                new, old = candidate[0], schedule
+                if (new.overcommitted, new.makespan) < (old.overcommitted, old.makespan):
                     schedule, choice = candidate
         return schedule, search, choice, errors
 
@@ -552,23 +565,88 @@ class DipPlanner:
             relaxed = [x * factor for x in limits]
             loose = self._list_schedule(free, order, relaxed, self._uniform_choice())
             try:
-                choice = choose_recompute(
-                    loose.orders,
-                    mode_cost=functools.partial(self._mode_cost, sub_of),
-                    modes_of=self._modes_of,
-                    keeps_activations=lambda s: dataflow.needs_backward(s.module),
-                    memory_limit=limits,
-                )
+                choice = self._choose(loose.orders, dataflow, sub_of, limits)
             except MemoryLimitError as err:
                 errors.append(err)
                 continue
-            graph = self._graph(dataflow, sub_of, choice, forward_only=False)
-            out.append((self._list_schedule(graph, order, limits, choice), choice))
+            out.append(self._refined(dataflow, sub_of, order, limits, choice))
         return out
 
-    def _modes_of(self, stage: StageId) -> tuple[RecomputeMode, ...]:
-        layers = self.placement.module(stage.module).chunks[stage.chunk].num_layers
-        return stage_modes(layers, offload=self.config.offload_activations)
+    def _choose(
+        self, orders, dataflow: Dataflow, sub_of: Mapping, limits: list[float], floor=None
+    ) -> RecomputeChoice:
+        """The memory pass (`choose_recompute`) on `orders` under the device and host limits."""
+        return choose_recompute(
+            orders,
+            mode_cost=functools.partial(self._mode_cost, sub_of),
+            modes_of=functools.partial(self._modes_of, sub_of),
+            keeps_activations=lambda s: dataflow.needs_backward(s.module),
+            memory_limit=limits,
+            **self._host_limits(sub_of),
+            row_cache=self._memos(sub_of)[3],
+            floor=floor,
+        )
+
+    def _refined(
+        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], choice
+    ) -> tuple[ListSchedule, RecomputeChoice]:
+        """The list schedule under the real limit with `choice`'s costs; where that schedule
+        still overcommits (under the limit the scheduler throttles forwards, so its alive-sets
+        differ from the relaxed schedule's the choice was made on), the memory pass again on
+        the schedule's own orders, only upgrading from `choice` (at most REFINE_ROUNDS times)."""
+        graph = self._graph(dataflow, sub_of, choice, forward_only=False)
+        schedule = self._list_schedule(graph, order, limits, choice)
+        for _ in range(REFINE_ROUNDS):
+            if not schedule.overcommitted:
+                break
+            try:
+                more = self._choose(schedule.orders, dataflow, sub_of, limits, floor=choice.of)
+            except MemoryLimitError:
+                break
+            if not more.modes:
+                break
+            modes, added = {**choice.modes, **more.modes}, choice.added_time + more.added_time
+            choice = RecomputeChoice(modes, added)
+            graph = self._graph(dataflow, sub_of, choice, forward_only=False)
+            schedule = self._list_schedule(graph, order, limits, choice)
+        return self._within_host_limit(dataflow, sub_of, order, limits, (schedule, choice))
+
+    def _within_host_limit(
+        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
+    ) -> tuple[ListSchedule, RecomputeChoice]:
+        """`planned` (schedule, choice), with offload that takes the schedule's alive-sets over
+        the host limit replaced by full recomputation and rescheduled until none does (each
+        round only removes offload; the last removes all of it)."""
+        schedule, choice = planned
+        host = self._host_limits(sub_of)
+        if not host:
+            return schedule, choice
+        within = functools.partial(
+            within_host_limit,
+            host_bytes=host["host_bytes"],
+            keeps_activations=lambda s: dataflow.needs_backward(s.module),
+        )
+        for attempt in range(REFINE_ROUNDS + 1):
+            fixed = within(schedule.orders, choice, host_limit=host["host_limit"])
+            if fixed.modes == choice.modes:
+                break
+            if attempt == REFINE_ROUNDS:  # no offload left at all
+                fixed = within(schedule.orders, choice, host_limit=[0.0] * len(limits))
+            choice = fixed
+            graph = self._graph(dataflow, sub_of, choice, forward_only=False)
+            schedule = self._list_schedule(graph, order, limits, choice)
+        return schedule, choice
+
+    def _modes_of(self, sub_of: Mapping, stage: StageId) -> tuple[RecomputeMode, ...]:
+        """The stage's candidate memory policies (`stage_modes`; memoized per plan)."""
+        memo = self._memos(sub_of)[2]
+        found = memo.get(stage)
+        if found is None:
+            chunk = self.placement.module(stage.module).chunks[stage.chunk]
+            offload = self.config.offload_activations
+            hidden = functools.partial(self._hidden, chunk, sub_of[stage.work])
+            found = memo[stage] = stage_modes(chunk.num_layers, offload=offload, hidden=hidden)
+        return found
 
     def _uniform_choice(self) -> RecomputeChoice:
         mode = self.config.uniform_recompute
@@ -577,6 +655,36 @@ class DipPlanner:
         return RecomputeChoice(
             {(m.name, c.index): mode for m in self.placement.modules for c in m.chunks}, 0.0
         )
+
+    def _hidden(self, chunk, sub, block: int) -> int:
+        """Layers whose offload hides after block recomputation of the first `block`."""
+        method = Recompute.BLOCK if block else Recompute.NONE
+        return self.cost_model.hidden_offload_layers(chunk, sub, method, block)
+
+    def host_limits(self) -> list[float] | None:
+        """Per rank, the offloaded bytes it may keep in host memory at once
+        (`PlannerConfig.host_memory_limit_bytes`, default its device's `host_offload_share`);
+        None without offload."""
+        if not self.config.offload_activations:
+            return None
+        share = self.config.host_memory_limit_bytes
+        if share is None:
+            share = self.cost_model.device.host_offload_share
+        return [float(share)] * self.placement.num_ranks
+
+    def _host_limits(self, sub_of: Mapping) -> dict:
+        """The memory pass's host-memory arguments (none without offload)."""
+        limits = self.host_limits()
+        if limits is None:
+            return {}
+        return {"host_bytes": functools.partial(self._host_bytes, sub_of), "host_limit": limits}
+
+    def _host_bytes(self, sub_of: Mapping, stage: StageId, mode: RecomputeMode) -> float:
+        policy = MemoryPolicy(*mode)
+        if not policy.offload:
+            return 0.0
+        chunk = self.placement.module(stage.module).chunks[stage.chunk]
+        return float(self.cost_model.offloaded_bytes(chunk, sub_of[stage.work], policy))
 
     def _memory_limits(self) -> list[float] | None:
         limit = self.config.memory_limit_bytes

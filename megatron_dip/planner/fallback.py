@@ -2,8 +2,11 @@
 
 Rank 0 makes it once and shares it with every rank (`service.PlanClient`): Megatron's order on
 the run's placement (built once, with no recomputation's durations placing its messages) under
-the cheapest uniform recompute setting whose activations fit the memory limit. Whether a setting
-fits is read off the plan's instruction order (the activations a rank holds after each forward
+the cheapest uniform memory setting whose activations fit the memory limit: Megatron's recompute
+settings, and with `--dip-offload-activations` also offload of K layers per chunk, alone and after
+block recomputation of one layer (Megatron-Core's fine-grained offloading, `stock_configs`), whose
+offloaded bytes must fit the host limit too. Whether a setting fits is read off the plan's
+instruction order (the activations a rank holds after each forward
 and backward depend on that order alone, as `simulator` counts them), so no simulation runs;
 the cheapest setting is the one adding the least recompute time by the cost model. Where
 Megatron's order does not apply to the batch (e.g. fewer microbatches than its order needs) or
@@ -17,7 +20,15 @@ import functools
 from collections.abc import Sequence
 
 from ..batching import BatchLayout
-from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, Plan, Recompute, RecomputeMode
+from ..schedule.ir import (
+    NO_RECOMPUTE,
+    Backward,
+    Forward,
+    MemoryPolicy,
+    Plan,
+    Recompute,
+    RecomputeMode,
+)
 from ..schedule.validate import validate_plan
 from .candidates import merge_submicrobatches
 from .stock_configs import max_chunk_layers, with_recompute
@@ -35,6 +46,28 @@ def activation_peaks(plan: Plan, cost_model) -> list[float]:
             ).activation_bytes
         )
     )
+    return _peaks(plan, cost)
+
+
+def offload_peaks(plan: Plan, cost_model) -> list[float]:
+    """Per rank, the most offloaded bytes `plan` keeps in host memory at once (counted as
+    `activation_peaks` counts the device's)."""
+    cost = functools.cache(
+        lambda stage, mode: (
+            cost_model.offloaded_bytes(
+                plan.placement.module(stage.module).chunks[stage.chunk],
+                plan.submicrobatch(stage.work),
+                MemoryPolicy(*mode),
+            )
+            if MemoryPolicy(*mode).offload
+            else 0
+        )
+    )
+    return _peaks(plan, cost)
+
+
+def _peaks(plan: Plan, cost) -> list[float]:
+    """Per rank, the most of `cost(stage, mode)` held at once from forwards to backwards."""
     backward = {i.stage for p in plan.programs for i in p.instructions if isinstance(i, Backward)}
     peaks = []
     for program in plan.programs:
@@ -66,24 +99,34 @@ def _added_time(plan: Plan, cost_model, mode: RecomputeMode) -> float:
 
 
 def cheapest_fitting_mode(
-    plan: Plan, cost_model, limits: Sequence[float], *, layers: int
+    plan: Plan,
+    cost_model,
+    limits: Sequence[float],
+    *,
+    layers: int,
+    host_limits: Sequence[float] | None = None,
 ) -> Plan | None:
-    """`plan` under the uniform recompute setting (none, block N, selective, uniform, full) that
-    fits `limits` and adds the least recompute time; None when none fits."""
+    """`plan` under the uniform memory setting (none, block N, selective, uniform, full; with
+    `host_limits` also offload of K layers, alone and after block 1, within those host limits)
+    that fits `limits` and adds the least time; None when none fits."""
 
     def fits(mode: RecomputeMode) -> bool:
-        peaks = activation_peaks(with_recompute(plan, mode), cost_model)
-        return all(p <= lim for p, lim in zip(peaks, limits))
+        candidate = with_recompute(plan, mode)
+        peaks = activation_peaks(candidate, cost_model)
+        if any(p > lim for p, lim in zip(peaks, limits)):
+            return False
+        if host_limits is None or not MemoryPolicy(*mode).offload:
+            return True
+        return all(p <= lim for p, lim in zip(offload_peaks(candidate, cost_model), host_limits))
 
     if fits(NO_RECOMPUTE):
         return with_recompute(plan, NO_RECOMPUTE)
-    candidates = []
-    lo, hi = 1, layers  # a larger N holds less and recomputes more: the smallest N that fits
-    if fits((Recompute.BLOCK, hi)):
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits((Recompute.BLOCK, mid)) else (mid + 1, hi)
-        candidates.append((Recompute.BLOCK, lo))
+    # A larger N (or K) holds less and costs more: the smallest that fits.
+    families = [lambda n: (Recompute.BLOCK, n)]
+    if host_limits is not None and layers > 0:
+        families.append(lambda k: MemoryPolicy(Recompute.NONE, 0, k))
+        families.append(lambda k: MemoryPolicy(Recompute.BLOCK, 1, k))
+    candidates = [m for family in families if (m := _smallest_fitting(family, layers, fits))]
     for mode in ((Recompute.SELECTIVE, 0), (Recompute.UNIFORM, layers), (Recompute.FULL, 0)):
         if fits(mode):
             candidates.append(mode)
@@ -91,6 +134,18 @@ def cheapest_fitting_mode(
         return None
     best = min(candidates, key=lambda m: _added_time(plan, cost_model, m))
     return with_recompute(plan, best)
+
+
+def _smallest_fitting(family, layers: int, fits) -> RecomputeMode | None:
+    """`family(n)` for the smallest n in [1, layers] that fits (bisection: holding less as n
+    grows); None when even `family(layers)` does not."""
+    lo, hi = 1, layers
+    if hi < 1 or not fits(family(hi)):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(family(mid)) else (mid + 1, hi)
+    return family(lo)
 
 
 def fallback_plan(planner, layout: BatchLayout, replica: int) -> Plan:
@@ -104,7 +159,11 @@ def fallback_plan(planner, layout: BatchLayout, replica: int) -> Plan:
     if order is not None:
         limits = planner._memory_limits() or [float("inf")] * planner.placement.num_ranks
         found = cheapest_fitting_mode(
-            order, planner.cost_model, limits, layers=max_chunk_layers(planner.placement)
+            order,
+            planner.cost_model,
+            limits,
+            layers=max_chunk_layers(planner.placement),
+            host_limits=planner.host_limits(),
         )
         if found is not None:
             validate_plan(found)
@@ -114,4 +173,4 @@ def fallback_plan(planner, layout: BatchLayout, replica: int) -> Plan:
     ).plan
 
 
-__all__ = ["activation_peaks", "cheapest_fitting_mode", "fallback_plan"]
+__all__ = ["activation_peaks", "cheapest_fitting_mode", "fallback_plan", "offload_peaks"]
