@@ -128,7 +128,7 @@ def test_recompute_trades_time_for_memory() -> None:
 def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
     """`hidden_offload_layers`: offloading that many layers (alone or after block 1) adds no
     time, one more does (or the chunk has no more layers)."""
-    cm = CostModel(VLM_S.model, H100, tensor_parallel=4, sequence_parallel=True)
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, tokens, 2 * tokens**2)
     for method, n in ((Recompute.NONE, 0), (Recompute.BLOCK, 1)):
         base = cm.stage_cost(chunk, sub, method, n)
