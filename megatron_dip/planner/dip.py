@@ -306,7 +306,7 @@ class DipPlanner:
         )
         with self._pass("validation"):
             validate_plan(plan)
-        simulated = None
+        simulated, own = None, plan
         if self.config.megatron_candidate and not forward_only and not quick:
             with self._pass("candidates"):
                 plan, simulated = self._best_of(
@@ -314,7 +314,8 @@ class DipPlanner:
                 )
         if self.config.split_backward and not forward_only and not quick:
             with self._pass("backward split"):
-                plan, simulated = self._split_backwards(plan)
+                scheduled = (dataflow, sub_of, result.order, choice)
+                plan, simulated = self._split_backwards(plan, own, scheduled)
         overcommitted = schedule.overcommitted and plan.name == "dip"
         if overcommitted:
             self._overcommitted(schedule, errors)
@@ -382,17 +383,62 @@ class DipPlanner:
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
 
-    def _split_backwards(self, plan: Plan) -> tuple[Plan, float]:
-        """`plan` with B/W-split backwards and W in its bubbles where that is faster and fits
-        (`weight_fill.split_into_bubbles`), with its simulated time."""
+    def _split_backwards(self, plan: Plan, own: Plan, scheduled: tuple) -> tuple[Plan, float]:
+        """The fastest within memory of `plan` (the chosen fused plan), `plan` with its W moved
+        into its bubbles (`weight_fill.split_into_bubbles`) and DIP's own schedule (`own`, of
+        `scheduled` = dataflow, sub-microbatches, order, recompute choice) list-scheduled with
+        split backwards (`split_schedule`), with its simulated time."""
         from .weight_fill import split_into_bubbles
 
-        split, sim = split_into_bubbles(
-            plan, self.cost_model, limits=self._memory_limits(), channel=per_peer_channel
+        limits = self._memory_limits()
+        best, sim = split_into_bubbles(
+            plan, self.cost_model, limits=limits, channel=per_peer_channel
         )
-        if split is not plan:
-            validate_plan(split)
-        return split, sim.iteration_time
+        found = self._split_list_schedule(own, *scheduled, limits)
+        logger.debug(
+            "split backwards: post-pass %.4f s, list schedule %s",
+            sim.iteration_time,
+            "none fits" if found is None else f"{found[1].iteration_time:.4f} s",
+        )
+        if found is not None and found[1].iteration_time < sim.iteration_time:
+            best, sim = found
+        if best is not plan:
+            validate_plan(best)
+        return best, sim.iteration_time
+
+    def _split_list_schedule(
+        self, own: Plan, dataflow: Dataflow, sub_of: Mapping, order, choice, limits
+    ) -> tuple[Plan, object] | None:
+        """DIP's order and recompute choice list-scheduled with split backwards, as a plan with
+        its simulation; None where no such schedule fits `limits`."""
+        from .split_schedule import best_split_schedule, split_graph, split_plan
+
+        fused = self._graph(dataflow, sub_of, choice, forward_only=False)
+        graph = split_graph(fused, functools.partial(self._split_cost, sub_of, choice))
+        schedule = best_split_schedule(
+            graph,
+            priority=priorities_from_units(graph.stages, order),
+            memory_limit=limits,
+            recompute=choice.of,
+            fill_bubbles=self.config.fill_bubbles,
+        )
+        if schedule is None:
+            return None
+        plan = split_plan(own, schedule, dataflow, functools.partial(self._tensors, sub_of))
+        sim = simulate(plan, self.cost_model, channel=per_peer_channel)
+        caps = limits or [float("inf")] * len(sim.peak_activation_bytes)
+        if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):
+            return None
+        return plan, sim
+
+    def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float]:
+        """(B, W) seconds of a stage's split backward, each with its instruction's host time;
+        W 0 for a module without weight gradients (its backward stays whole)."""
+        c = self._stage_cost(sub_of, stage, choice.of(stage))
+        host = host_overheads(self.cost_model).instruction
+        if c.weight <= 0:
+            return c.backward + host, 0.0
+        return c.backward_input + host, c.weight + host
 
     def _simulated(self, plan: Plan) -> float:
         return simulate(plan, self.cost_model, channel=per_peer_channel).iteration_time
