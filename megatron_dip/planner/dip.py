@@ -396,9 +396,9 @@ class DipPlanner:
         )
         found = self._split_list_schedule(own, *scheduled, limits)
         logger.debug(
-            "split backwards: post-pass %.4f s, list schedule %s",
+            "split backwards: post-pass %.6g s, list schedule %s",
             sim.iteration_time,
-            "none fits" if found is None else f"{found[1].iteration_time:.4f} s",
+            "none fits" if found is None else f"{found[1].iteration_time:.6g} s",
         )
         if found is not None and found[1].iteration_time < sim.iteration_time:
             best, sim = found
