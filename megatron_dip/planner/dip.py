@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 # How much more in-flight activation memory the memory pass lets the scheduler plan with before
 # recomputation brings it back under the real limit.
 RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
+# The same for schedules with split backwards (`DipPlanner._split_choices`): fewer, to keep the
+# split candidate's planning time small.
+SPLIT_RELAXATION_FACTORS = (1.25,)
 
 
 @dataclass(frozen=True)
@@ -409,27 +412,66 @@ class DipPlanner:
     def _split_list_schedule(
         self, own: Plan, dataflow: Dataflow, sub_of: Mapping, order, choice, limits
     ) -> tuple[Plan, object] | None:
-        """DIP's order and recompute choice list-scheduled with split backwards, as a plan with
-        its simulation; None where no such schedule fits `limits`."""
-        from .split_schedule import best_split_schedule, split_graph, split_plan
+        """DIP's order list-scheduled with split backwards under its recompute choice and under
+        the choices the memory pass makes for split schedules (`_split_choices`), the fastest
+        as a plan with its simulation; None where no such schedule fits `limits`."""
+        from .split_schedule import split_plan
+
+        best = None
+        for option in [choice, *self._split_choices(dataflow, sub_of, order, limits)]:
+            found = self._split_scheduled(dataflow, sub_of, order, option, limits)
+            if found is not None and (best is None or found.makespan < best.makespan):
+                best = found
+        if best is None:
+            return None
+        plan = split_plan(own, best, dataflow, functools.partial(self._tensors, sub_of))
+        sim = simulate(plan, self.cost_model, channel=per_peer_channel)
+        caps = limits or [float("inf")] * len(sim.peak_activation_bytes)
+        if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):
+            return None
+        return plan, sim
+
+    def _split_scheduled(self, dataflow, sub_of, order, choice, limits) -> ListSchedule | None:
+        from .split_schedule import best_split_schedule, split_graph
 
         fused = self._graph(dataflow, sub_of, choice, forward_only=False)
         graph = split_graph(fused, functools.partial(self._split_cost, sub_of, choice))
-        schedule = best_split_schedule(
+        return best_split_schedule(
             graph,
             priority=priorities_from_units(graph.stages, order),
             memory_limit=limits,
             recompute=choice.of,
             fill_bubbles=self.config.fill_bubbles,
         )
-        if schedule is None:
-            return None
-        plan = split_plan(own, schedule, dataflow, functools.partial(self._tensors, sub_of))
-        sim = simulate(plan, self.cost_model, channel=per_peer_channel)
-        caps = limits or [float("inf")] * len(sim.peak_activation_bytes)
-        if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):
-            return None
-        return plan, sim
+
+    def _split_choices(self, dataflow, sub_of, order, limits) -> list[RecomputeChoice]:
+        """The memory pass for split schedules: schedule with split backwards as if the limit
+        were `factor` times larger, then choose recomputation so that what that schedule keeps
+        alive (a stage until its W) fits the real limit (`RELAXATION_FACTORS`)."""
+        from .split_schedule import held_until_weights
+
+        if limits is None or not self.config.optimize_memory:
+            return []
+        out = []
+        for factor in SPLIT_RELAXATION_FACTORS:
+            loose = self._split_scheduled(
+                dataflow, sub_of, order, self._uniform_choice(), [x * factor for x in limits]
+            )
+            if loose is None:
+                continue
+            try:
+                out.append(
+                    choose_recompute(
+                        held_until_weights(loose.orders),
+                        mode_cost=functools.partial(self._mode_cost, sub_of),
+                        modes_of=self._modes_of,
+                        keeps_activations=lambda s: dataflow.needs_backward(s.module),
+                        memory_limit=limits,
+                    )
+                )
+            except MemoryLimitError:
+                continue
+        return out
 
     def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float]:
         """(B, W) seconds of a stage's split backward, each with its instruction's host time;

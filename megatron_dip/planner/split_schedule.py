@@ -21,7 +21,15 @@ from collections.abc import Callable, Sequence
 
 from ..schedule.backward_split import place_weights
 from ..schedule.graph import Dataflow
-from ..schedule.ir import NO_RECOMPUTE, BackwardWeight, Plan, RecomputeMode, StageId
+from ..schedule.ir import (
+    NO_RECOMPUTE,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Plan,
+    RecomputeMode,
+    StageId,
+)
 from ..schedule.passes import TensorFn, add_communication
 from .list_scheduler import ListSchedule, StageGraph, split_list_schedule
 
@@ -66,6 +74,20 @@ def best_split_schedule(
     return best
 
 
+def held_until_weights(orders: Sequence[Sequence]) -> list[list]:
+    """Compute orders as the memory pass reads them (activations held from a Forward to its
+    Backward), for a split schedule: a split stage's W takes its Backward's place (its B
+    holds on), so recomputation is chosen for what the split schedule really keeps alive."""
+    return [
+        [
+            Backward(i.stage) if isinstance(i, BackwardWeight) else i
+            for i in order
+            if not isinstance(i, BackwardInput)
+        ]
+        for order in orders
+    ]
+
+
 def split_plan(plan: Plan, schedule: ListSchedule, dataflow: Dataflow, tensors: TensorFn) -> Plan:
     """`plan` (same batch, placement and sub-microbatches as `dataflow`) with the programs of
     the split `schedule`: communication placed by its B/F orders, each W where the schedule has
@@ -73,8 +95,29 @@ def split_plan(plan: Plan, schedule: ListSchedule, dataflow: Dataflow, tensors: 
     computes = [
         tuple(i for i in order if not isinstance(i, BackwardWeight)) for order in schedule.orders
     ]
+    delay = _weights_before(schedule)
     programs = add_communication(
-        computes, dataflow, tensors=tensors, compute_time=schedule.duration
+        computes,
+        dataflow,
+        tensors=tensors,
+        compute_time=lambda r, ins: schedule.duration(r, ins) + delay.get(ins, 0.0),
     )
     programs = place_weights(programs, schedule.orders, plan.placement)
     return dataclasses.replace(plan, programs=programs, name=plan.name + "+bw")
+
+
+def _weights_before(schedule: ListSchedule) -> dict:
+    """Seconds of the W that run right before each compute: the communication pass times the
+    orders without W, and charging them to the next compute keeps its timing (where messages
+    are posted and waited for) close to the schedule's."""
+    out: dict = {}
+    for order in schedule.orders:
+        pending = 0.0
+        for ins in order:
+            if isinstance(ins, BackwardWeight):
+                pending += schedule.durations[ins]
+            else:
+                if pending:
+                    out[ins] = pending
+                pending = 0.0
+    return out
