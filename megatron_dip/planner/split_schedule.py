@@ -34,8 +34,11 @@ from ..schedule.passes import TensorFn, add_communication
 from .list_scheduler import ListSchedule, StageGraph, split_list_schedule
 
 # Share of a W that may overrun the idle gap it is put into (tried in turn, the fastest kept):
-# 0 never delays a ready B or F; 0.5 fills more of the bubbles at the risk of a short delay.
-OVERSHOOTS = (0.0, 0.5)
+# 0 never delays a ready B or F; 0.5 fills more of the bubbles at the risk of a short delay;
+# 1 runs each W as soon as its rank is free (no deferral: where memory binds, a deferred W that
+# holds activations costs more than the bubble it fills, and B alone still sends the gradient
+# upstream sooner than the fused backward).
+OVERSHOOTS = (0.0, 0.5, 1.0)
 
 # (input-gradient seconds, weight-gradient seconds) of a stage's backward, host time included;
 # weight 0: the backward stays whole (a frozen module).
