@@ -90,8 +90,8 @@ class PlannerConfig:
     # The memory pass may also offload saved activations to host memory (`MemoryPolicy`).
     offload_activations: bool = False
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
-    # Split backwards into B and W, W moved into the bubbles, when that simulates faster within
-    # memory (`weight_fill`). Off by default: the runtime's W re-traverses the chunk's graph
+    # Split backwards into B and W, W in the bubbles (list-scheduled, `split_schedule`, or moved
+    # by `weight_fill`), when that simulates faster within memory. Off by default: the runtime's W re-traverses the chunk's graph
     # (`runtime/backward_split.py`), so it pays only where the weight-gradient kernels are
     # deferred as the cost model prices them.
     split_backward: bool = False
