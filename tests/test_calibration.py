@@ -267,3 +267,26 @@ def test_log_line_shows_the_interval_error_and_version():
         )
     )
     assert "cost-model error: n/a (calibration v0)" in log.line()
+
+
+def test_predicted_ops_price_a_split_backward_as_its_halves():
+    """A split plan's B and W are predicted as `backward_input` and `weight`: together the
+    fused backward, so measured / predicted compares like with like."""
+    from dataclasses import replace
+
+    from megatron_dip.schedule.backward_split import split_backwards
+    from megatron_dip.schedule.ir import BackwardWeight
+    from megatron_dip.training.iteration.metrics import predicted_ops
+
+    cost = make_planner().cost_model
+    plan = make_planner().plan_batch(batch(0), search=False)[0].plan
+    split = replace(plan, programs=split_backwards(plan))
+
+    def ops(p):
+        kinds = (Forward, Backward, BackwardWeight)
+        return [(i, 1.0) for prog in p.programs for i in prog.instructions if isinstance(i, kinds)]
+
+    assert any(isinstance(i, BackwardWeight) for i, _ in ops(split))
+    fused, halves = predicted_ops(plan, cost, ops(plan)), predicted_ops(split, cost, ops(split))
+    assert halves.keys() == fused.keys()
+    assert all(halves[m] == pytest.approx(fused[m], rel=1e-9) for m in fused)

@@ -52,7 +52,7 @@ FULL_GOAL_S = {"vlm-l": 5.0}  # others: DEFAULT_FULL_GOAL_S
 DEFAULT_FULL_GOAL_S = 2.0
 PASSES = (
     "layout", "search", "list schedule", "memory pass", "communication", "validation",
-    "candidates",
+    "candidates", "backward split",
 )  # fmt: skip
 
 

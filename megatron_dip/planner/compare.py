@@ -294,22 +294,18 @@ class Comparison:
                     previous, name=name, plan_seconds=outcome.plan_seconds
                 )
             out.append(outcome)
-        out.append(self._split_step(out[-1], limits))
+        out.append(self._split_step(out[-1], works, totals, layout.iteration, limits))
         return out
 
-    def _split_step(self, full: Outcome, limits: list[float]) -> Outcome:
-        """The full DIP with `PlannerConfig.split_backward`: what the planner does last
-        (`weight_fill.split_into_bubbles` of its chosen plan), applied to the previous step's
-        plan rather than planning the batch again."""
-        from .weight_fill import split_into_bubbles
-
-        started = time.perf_counter()
-        plan, sim = split_into_bubbles(
-            full.plan, self.cost_model, limits=limits, channel=self.dip_channel, baseline=full.sim
-        )
-        seconds = full.plan_seconds + time.perf_counter() - started
+    def _split_step(self, full: Outcome, works, totals, iteration: int, limits) -> Outcome:
+        """The full DIP planned again with `PlannerConfig.split_backward` (the split is one more
+        candidate of the planner: its list schedule with B/W, and the post-pass on its chosen
+        plan); the previous step's plan where that is faster."""
         name = "dip: +B/W split (full DIP)"
-        return Outcome(name, sim, fits(sim, limits), full.recompute, seconds, plan)
+        split = self._dip(name, dict(split_backward=True), works, totals, iteration, limits)
+        if full.fits and (not split.fits or full.sim.iteration_time < split.sim.iteration_time):
+            return dataclasses.replace(full, name=name, plan_seconds=split.plan_seconds)
+        return split
 
     def _dip(
         self, name: str, overrides: dict, works, totals, iteration: int, limits: list[float]

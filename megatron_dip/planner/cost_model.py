@@ -9,7 +9,8 @@ Backward is twice the forward (input and weight gradients); of it, the weight-gr
 split backward (`StageCost.weight`) is one more pass of the layers' weight GEMMs (and of the
 input / output layers), the rest (input-gradient GEMMs, the attention backward, norms and
 element-wise ops, TP collectives, recomputation) is the input-gradient half. A frozen module has
-no weight-gradient half. Tensor parallelism divides FLOPs and
+no weight-gradient half: its backward (where it runs one, to pass gradients to a trainable
+module upstream) is the input-gradient half alone. Tensor parallelism divides FLOPs and
 weight bytes by TP and adds one NVLink all-reduce (or all-gather + reduce-scatter under sequence
 parallelism: the same bytes) per parallel block in forward and again in backward.
 
@@ -308,9 +309,10 @@ class CostModel:
         if policy.offload:
             out, back = self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l)
             fwd, bwd = fwd + out, bwd + back
-        weight = 0.0
-        if spec.trainable:  # the weight GEMMs once more; the input / output layers' own
-            weight = n * self._weight_share(spec, w) * bwd_l + extra
+        # The weight GEMMs once more; the input / output layers' own.
+        weight = n * self._weight_share(spec, w) * bwd_l + extra
+        if not spec.trainable:  # no weight gradients: the backward is its input half alone
+            return StageCost(fwd, bwd - weight, nbytes, 0.0)
         return StageCost(fwd, bwd, nbytes, weight)
 
     def _weight_share(self, spec: ModuleSpec, w: Work) -> float:

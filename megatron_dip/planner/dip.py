@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 # How much more in-flight activation memory the memory pass lets the scheduler plan with before
 # recomputation brings it back under the real limit.
 RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
+# The same for schedules with split backwards (`DipPlanner._split_choices`): fewer, to keep the
+# split candidate's planning time small.
+SPLIT_RELAXATION_FACTORS = (1.25,)
 # Memory passes on a candidate's own (throttled) schedule where it still overcommits.
 REFINE_ROUNDS = 5
 
@@ -101,8 +104,9 @@ class PlannerConfig:
     # Check every plan against the IR's rules before returning it (off only where no plan is
     # ever run: the start-up search's scoring, `scoring_config`).
     validate_plans: bool = True
-    # Split backwards into B and W, W moved into the bubbles, when that simulates faster within
-    # memory (`weight_fill`). Off by default: the runtime's W re-traverses the chunk's graph
+    # Split backwards into B and W, W in the bubbles (list-scheduled, `split_schedule`, or moved
+    # by `weight_fill`), when that simulates faster within memory. Off by default: the runtime's
+    # W re-traverses the chunk's graph
     # (`runtime/backward_split.py`), so it pays only where the weight-gradient kernels are
     # deferred as the cost model prices them.
     split_backward: bool = False
@@ -322,7 +326,7 @@ class DipPlanner:
         if self.config.validate_plans:
             with self._pass("validation"):
                 validate_plan(plan)
-        simulated = None
+        simulated, own = None, plan
         if self.config.megatron_candidate and not forward_only and not quick:
             with self._pass("candidates"):
                 plan, simulated = self._best_of(
@@ -330,7 +334,8 @@ class DipPlanner:
                 )
         if self.config.split_backward and not forward_only and not quick:
             with self._pass("backward split"):
-                plan, simulated = self._split_backwards(plan)
+                scheduled = (dataflow, sub_of, result.order, choice)
+                plan, simulated = self._split_backwards(plan, own, scheduled)
         overcommitted = schedule.overcommitted and plan.name == "dip"
         if overcommitted:
             self._overcommitted(schedule, errors)
@@ -401,17 +406,93 @@ class DipPlanner:
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
 
-    def _split_backwards(self, plan: Plan) -> tuple[Plan, float]:
-        """`plan` with B/W-split backwards and W in its bubbles where that is faster and fits
-        (`weight_fill.split_into_bubbles`), with its simulated time."""
+    def _split_backwards(self, plan: Plan, own: Plan, scheduled: tuple) -> tuple[Plan, float]:
+        """The fastest within memory of `plan` (the chosen fused plan), `plan` with its W moved
+        into its bubbles (`weight_fill.split_into_bubbles`) and DIP's own schedule (`own`, of
+        `scheduled` = dataflow, sub-microbatches, order, recompute choice) list-scheduled with
+        split backwards (`split_schedule`), with its simulated time."""
         from .weight_fill import split_into_bubbles
 
-        split, sim = split_into_bubbles(
-            plan, self.cost_model, limits=self._memory_limits(), channel=per_peer_channel
+        limits = self._memory_limits()
+        best, sim = split_into_bubbles(
+            plan, self.cost_model, limits=limits, channel=per_peer_channel
         )
-        if split is not plan and self.config.validate_plans:
-            validate_plan(split)
-        return split, sim.iteration_time
+        found = self._split_list_schedule(own, *scheduled, limits)
+        logger.debug(
+            "split backwards: post-pass %.6g s, list schedule %s",
+            sim.iteration_time,
+            "none fits" if found is None else f"{found[1].iteration_time:.6g} s",
+        )
+        if found is not None and found[1].iteration_time < sim.iteration_time:
+            best, sim = found
+        if best is not plan and self.config.validate_plans:
+            validate_plan(best)
+        return best, sim.iteration_time
+
+    def _split_list_schedule(
+        self, own: Plan, dataflow: Dataflow, sub_of: Mapping, order, choice, limits
+    ) -> tuple[Plan, object] | None:
+        """DIP's order list-scheduled with split backwards under its recompute choice and under
+        the choices the memory pass makes for split schedules (`_split_choices`), the fastest
+        as a plan with its simulation; None where no such schedule fits `limits`."""
+        from .split_schedule import split_plan
+
+        best = None
+        for option in [choice, *self._split_choices(dataflow, sub_of, order, limits)]:
+            found = self._split_scheduled(dataflow, sub_of, order, option, limits)
+            if found is not None and (best is None or found.makespan < best.makespan):
+                best = found
+        if best is None:
+            return None
+        plan = split_plan(own, best, dataflow, functools.partial(self._tensors, sub_of))
+        sim = simulate(plan, self.cost_model, channel=per_peer_channel)
+        caps = limits or [float("inf")] * len(sim.peak_activation_bytes)
+        if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):
+            return None
+        return plan, sim
+
+    def _split_scheduled(self, dataflow, sub_of, order, choice, limits) -> ListSchedule | None:
+        from .split_schedule import best_split_schedule, split_graph
+
+        fused = self._graph(dataflow, sub_of, choice, forward_only=False)
+        graph = split_graph(fused, functools.partial(self._split_cost, sub_of, choice))
+        return best_split_schedule(
+            graph,
+            priority=priorities_from_units(graph.stages, order),
+            memory_limit=limits,
+            recompute=choice.of,
+            fill_bubbles=self.config.fill_bubbles,
+        )
+
+    def _split_choices(self, dataflow, sub_of, order, limits) -> list[RecomputeChoice]:
+        """The memory pass for split schedules: schedule with split backwards as if the limit
+        were `factor` times larger, then choose recomputation so that what that schedule keeps
+        alive (a stage until its W) fits the real limit (`RELAXATION_FACTORS`)."""
+        from .split_schedule import held_until_weights
+
+        if limits is None or not self.config.optimize_memory:
+            return []
+        out = []
+        for factor in SPLIT_RELAXATION_FACTORS:
+            loose = self._split_scheduled(
+                dataflow, sub_of, order, self._uniform_choice(), [x * factor for x in limits]
+            )
+            if loose is None:
+                continue
+            try:
+                out.append(self._choose(held_until_weights(loose.orders), dataflow, sub_of, limits))
+            except MemoryLimitError:
+                continue
+        return out
+
+    def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float]:
+        """(B, W) seconds of a stage's split backward, each with its instruction's host time;
+        W 0 for a module without weight gradients (its backward stays whole)."""
+        c = self._stage_cost(sub_of, stage, choice.of(stage))
+        host = host_overheads(self.cost_model).instruction
+        if c.weight <= 0:
+            return c.backward + host, 0.0
+        return c.backward_input + host, c.weight + host
 
     def _stage_times(self, merged: Sequence[MicrobatchWork], mode: RecomputeMode) -> list[float]:
         """Forward and backward compute of every (chunk, sub-microbatch) of `merged` under

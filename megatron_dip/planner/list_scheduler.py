@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..schedule.graph import Dataflow
-from ..schedule.ir import NO_RECOMPUTE, Backward, Forward, MessageKey, RecomputeMode, StageId
+from ..schedule.ir import (
+    NO_RECOMPUTE,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    MessageKey,
+    RecomputeMode,
+    StageId,
+)
 from .schedule_kernel import run_schedule
 
 StageCostFn = Callable[[StageId, RecomputeMode], "tuple[float, float, int]"]  # fwd, bwd, bytes
@@ -50,6 +59,9 @@ class StageGraph:
     succ: list[list[tuple[int, float]]]  # per node: (successor node, transfer delay)
     npred: list[int]  # per node
     num_ranks: int
+    # Per stage: seconds of its split backward's weight-gradient half W (node 2S+k), 0 where the
+    # backward is fused; `bwd_time` is then the input-gradient half B alone (`with_split`).
+    wgt_time: list[float] | None = None
     _arrays: _GraphArrays | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -86,6 +98,24 @@ class StageGraph:
                 bwd_time=np.asarray(bwd, dtype=float),
                 act=np.asarray(act, dtype=float),
                 int_bytes=all(isinstance(x, int) for x in act),
+                wgt_time=np.zeros(len(fwd)),
+            )
+        return graph
+
+    @property
+    def split(self) -> bool:
+        """Whether some backward of the graph is split into B and W."""
+        return self.wgt_time is not None and any(w > 0 for w in self.wgt_time)
+
+    def with_split(self, input_time: Sequence[float], weight_time: Sequence[float]) -> StageGraph:
+        """The same graph with split backwards: stage k's B lasts `input_time[k]` and its W
+        `weight_time[k]` (0: the backward stays fused, lasting `input_time[k]`)."""
+        graph = dataclasses.replace(self, bwd_time=list(input_time), wgt_time=list(weight_time))
+        if self._arrays is not None:
+            graph._arrays = dataclasses.replace(
+                self._arrays,
+                bwd_time=np.asarray(input_time, dtype=float),
+                wgt_time=np.asarray(weight_time, dtype=float),
             )
         return graph
 
@@ -116,6 +146,7 @@ class _GraphArrays:
     unit: np.ndarray  # per stage: its unit's index
     sub: np.ndarray
     chunk: np.ndarray
+    wgt_time: np.ndarray  # zeros: no split backwards
 
     @classmethod
     def of(cls, g: StageGraph) -> _GraphArrays:
@@ -141,6 +172,7 @@ class _GraphArrays:
             unit=np.asarray(unit, dtype=np.int64),
             sub=np.asarray([s.sub for s in g.stages], dtype=np.int64),
             chunk=np.asarray([s.chunk for s in g.stages], dtype=np.int64),
+            wgt_time=np.asarray(g.wgt_time or [0.0] * len(g.stages), dtype=float),
         )
 
 
@@ -222,15 +254,19 @@ def list_schedule(
     memory_limit: Sequence[float] | None = None,
     recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
     fill_bubbles: bool = True,
+    overshoot: float = 0.0,
 ) -> ListSchedule:
     """Schedule every node of `graph`; `priority[k]` orders stage k's nodes (lower first).
 
     With `fill_bubbles=False` each rank runs its forwards strictly in priority order (a fixed
     segment order, the ablation baseline without dual-queue interleaving): a ready forward waits
-    while a higher-priority forward of the same rank is not ready.
+    while a higher-priority forward of the same rank is not ready. With split backwards
+    (`StageGraph.with_split`) a rank runs its oldest pending W where it would idle, or in a gap
+    before its next ready node that the W fits with at most `overshoot` of it overrunning
+    (`schedule_kernel`); the orders then hold `BackwardInput` and `BackwardWeight`.
     """
     return ListSchedule(
-        _run(graph, priority_ranks(priority), memory_limit, fill_bubbles), recompute
+        _run(graph, priority_ranks(priority), memory_limit, fill_bubbles, overshoot), recompute
     )
 
 
@@ -240,10 +276,36 @@ def list_makespan(
     priority: Sequence[int] | np.ndarray,
     memory_limit: Sequence[float] | None = None,
     fill_bubbles: bool = True,
+    overshoot: float = 0.0,
 ) -> float:
     """The makespan `list_schedule` reports, for integer priority ranks (`priority_ranks`,
     `unit_priority_ranks`), without building instructions: what the search scores."""
-    return _run(graph, priority, memory_limit, fill_bubbles).makespan
+    return _run(graph, priority, memory_limit, fill_bubbles, overshoot).makespan
+
+
+def split_list_schedule(
+    graph: StageGraph,
+    *,
+    priority: Sequence[tuple],
+    memory_limit: Sequence[float] | None = None,
+    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
+    fill_bubbles: bool = True,
+    overshoot: float = 0.0,
+    rounds: int = 3,
+) -> ListSchedule:
+    """`list_schedule` of a graph with split backwards, run `rounds` times: each run after the
+    first knows when every rank's next forward or backward was ready in the run before, so a
+    rank with nothing ready runs a W only where it fits before that time (a W that overran it
+    would delay the B chain of the drain). The shortest run within memory (else the shortest)."""
+    prank = priority_ranks(priority)
+    best, expect = None, None
+    for _ in range(rounds):
+        run = _run(graph, prank, memory_limit, fill_bubbles, overshoot, expect)
+        key = (run.overcommitted, run.makespan)
+        if best is None or key < (best.overcommitted, best.makespan):
+            best = run
+        expect = run.compute_ready()
+    return ListSchedule(best, recompute)
 
 
 def warm_up() -> None:
@@ -282,22 +344,45 @@ class _Run:
     makespan: float
     peak: tuple
     overcommitted: bool
+    ready: np.ndarray  # per F/B node: when all its inputs were there
+
+    def compute_ready(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank, the ready times of its forwards and backwards in the order they ran (CSR:
+        pointers per rank, times): a later run's expectation of when each rank's next F/B can
+        start (`schedule_kernel`)."""
+        g = self.graph
+        nodes = self.order[self.order < 2 * len(g.stages)]
+        ranks = g.arrays().rank[nodes >> 1]
+        by_rank = np.argsort(ranks, kind="stable")
+        counts = np.bincount(ranks, minlength=g.num_ranks)
+        ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        return ptr, self.ready[nodes[by_rank]].astype(float)
 
     def instructions(self, recompute: Callable[[StageId], RecomputeMode]) -> tuple[tuple, dict]:
         """The per-rank instruction orders and their durations."""
         g = self.graph
-        durations: dict[Forward | Backward, float] = {}
-        orders: list[list[Forward | Backward]] = [[] for _ in range(g.num_ranks)]
+        durations: dict[Forward | Backward | BackwardWeight, float] = {}
+        orders: list[list[Forward | Backward | BackwardWeight]] = [[] for _ in range(g.num_ranks)]
         start, end = self.start.tolist(), self.end.tolist()
+        weights = g.arrays().wgt_time
+        n = len(g.stages)
         for node in self.order.tolist():
-            stage = g.stages[node >> 1]
-            ins = Backward(stage) if node & 1 else Forward(stage, *recompute(stage))
-            orders[g.rank[node >> 1]].append(ins)
+            k = node - 2 * n if node >= 2 * n else node >> 1
+            stage = g.stages[k]
+            if node >= 2 * n:
+                ins = BackwardWeight(stage)
+            elif not node & 1:
+                ins = Forward(stage, *recompute(stage))
+            else:
+                ins = BackwardInput(stage) if weights[k] > 0 else Backward(stage)
+            orders[g.rank[k]].append(ins)
             durations[ins] = max(end[node] - start[node], 1e-12)  # the comm pass needs > 0
         return tuple(map(tuple, orders)), durations
 
 
-def _run(graph: StageGraph, prank, memory_limit, fill_bubbles: bool) -> _Run:
+def _run(
+    graph: StageGraph, prank, memory_limit, fill_bubbles: bool, overshoot: float, expect=None
+) -> _Run:
     a = graph.arrays()
     prank = np.asarray(prank, dtype=np.int64)
     n = graph.num_ranks
@@ -307,7 +392,7 @@ def _run(graph: StageGraph, prank, memory_limit, fill_bubbles: bool) -> _Run:
     else:  # each rank's forwards in (priority, node) order
         fixed = 2 * np.lexsort((np.arange(len(prank)), prank, a.rank))
         fixed_ptr = a.rank_ptr
-    status, order, start, end, makespan, peak, over = run_schedule(
+    status, order, start, end, makespan, peak, over, ready = run_schedule(
         a.rank,
         a.fwd_time,
         a.bwd_time,
@@ -322,11 +407,14 @@ def _run(graph: StageGraph, prank, memory_limit, fill_bubbles: bool) -> _Run:
         fixed,
         fixed_ptr,
         not fill_bubbles,
+        a.wgt_time,
+        float(overshoot),
+        *(expect or (np.zeros(n + 1, dtype=np.int64), np.zeros(0))),
     )
     if status:
         raise RuntimeError("list scheduler stalled: the stage graph has a cycle")
     peaks = tuple(int(x) for x in peak) if a.int_bytes else tuple(float(x) for x in peak)
-    return _Run(graph, order, start, end, float(makespan), peaks, bool(over))
+    return _Run(graph, order, start, end, float(makespan), peaks, bool(over), ready)
 
 
 def priorities_from_units(

@@ -11,9 +11,22 @@ Inputs, for S stages on P ranks (node 2k: forward of stage k; 2k+1: its backward
   rank[S], fwd_time[S], bwd_time[S], act[S], has_backward[S] (0/1), prank[S] (priority ranks),
   succ_ptr[2S+1], succ_node[E], succ_delay[E] (CSR successor lists), npred[2S],
   limit[P] (+inf: none), fixed[S] (forward nodes of each rank in fixed order, rank-major),
-  fixed_ptr[P+1] and use_fixed (fill_bubbles=False).
-Output: status (0 ok, 1 stalled), executed nodes in order, start[2S], end[2S], makespan,
-peak[P], overcommitted.
+  fixed_ptr[P+1] and use_fixed (fill_bubbles=False), wgt_time[S] (seconds of a split
+  backward's weight-gradient half W; 0: the backward is not split), overshoot, and
+  expect_ptr[P+1], expect_t[...] (per rank, when its k-th forward or backward was ready in a
+  previous run; empty: unknown).
+Output: status (0 ok, 1 stalled), executed nodes in order, start[3S], end[3S], makespan,
+peak[P], overcommitted, ready_time[2S] (when each F/B had all its inputs).
+
+Split backwards (Zero-Bubble's B/W, `wgt_time[k] > 0`): node 2k+1 is then stage k's B (its
+`bwd_time` is B alone) and node 2S+k its W. A finished B queues its W on its rank; the stage's
+activations stay held until the W. A rank runs its oldest queued W (ZB-H1's rule) where it
+would otherwise idle: a forward held back by the memory limit, a gap before its next ready node
+that the W fits (`overshoot`: the share of the W that may overrun the gap), or, with nothing
+ready, a gap before the time its next node was ready in a previous run (`expect_t`), so that a W
+does not delay the B chain of the drain; when every rank waits, the W that can start first. So
+the W fill bubbles, and memory held by deferred W throttles new forwards instead of exceeding
+the limit.
 """
 
 from __future__ import annotations
@@ -73,6 +86,40 @@ def _choose(r, strict, rdy_f, nf, rdy_b, nb, base, ready_time, prank, act, mem, 
 
 
 @njit(cache=True)
+def _choose_weight(r, node, t0, wq, wq_head, wq_tail, wgt_time, free_at, overshoot, num_stages,
+                   memory_bound, expect):  # fmt: skip
+    """Rank r's oldest queued W instead of its F/B choice `node` at `t0`, or -1 (wait), or the
+    choice itself: the W runs where a forward is held back by memory (`memory_bound`), in the
+    gap before `t0` if it fits (overrunning by at most `overshoot` of it), and, with nothing
+    ready, if it fits before `expect` (when the rank's next F/B was ready in the previous run;
+    +inf: unknown)."""
+    if wq_head[r] == wq_tail[r]:
+        return node, t0
+    k = wq[wq_head[r]]
+    need = wgt_time[k] * (1.0 - overshoot)
+    if node < 0:
+        if memory_bound or need <= expect - free_at[r]:
+            return 2 * num_stages + k, free_at[r]
+        return -1, 0.0
+    if need <= t0 - free_at[r]:
+        return 2 * num_stages + k, free_at[r]
+    return node, t0
+
+
+@njit(cache=True)
+def _any_weight(wq, wq_head, wq_tail, free_at, num_stages):
+    """(rank, W node, start) of the queued W that can start first, or rank -1: what runs when
+    every rank waits (for messages, or for a W to fit)."""
+    best = -1
+    for r in range(free_at.shape[0]):
+        if wq_head[r] < wq_tail[r] and (best < 0 or free_at[r] < free_at[best]):
+            best = r
+    if best < 0:
+        return -1, -1, 0.0
+    return best, 2 * num_stages + wq[wq_head[best]], free_at[best]
+
+
+@njit(cache=True)
 def _best(entries, lo, count, t0, forward, strict, ready_time, prank, act, mem, limit, want):
     """The entry with the lowest (priority, ready time, node) among those ready by t0."""
     best = -1
@@ -100,7 +147,8 @@ def _best(entries, lo, count, t0, forward, strict, ready_time, prank, act, mem, 
 # One loop over flat state on purpose: split into helpers it would pass ~30 arrays around.
 @njit(cache=True)
 def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, succ_node,  # noqa: PLR0912, PLR0915
-                 succ_delay, npred0, limit, fixed, fixed_ptr, use_fixed):  # fmt: skip
+                 succ_delay, npred0, limit, fixed, fixed_ptr, use_fixed, wgt_time,
+                 overshoot, expect_ptr, expect_t):  # fmt: skip
     """Schedule every node; see the module docstring for the arrays."""
     num_stages, num_ranks = rank.shape[0], limit.shape[0]
     # Ready forwards and backwards of rank r live in [base[r], base[r] + nf[r]) / + nb[r].
@@ -116,8 +164,13 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
     slot = np.full(2 * num_stages, -1, dtype=np.int64)  # where a ready node sits
     npred = npred0.copy()
     ready_time = np.zeros(2 * num_stages)
-    start = np.zeros(2 * num_stages)
-    end = np.zeros(2 * num_stages)
+    start = np.zeros(3 * num_stages)
+    end = np.zeros(3 * num_stages)
+    # Queued W of rank r: wq[wq_head[r]:wq_tail[r]] (stage numbers, oldest first).
+    wq = np.zeros(num_stages, dtype=np.int64)
+    wq_head = base[:num_ranks].copy()
+    wq_tail = base[:num_ranks].copy()
+    done_fb = np.zeros(num_ranks, dtype=np.int64)  # F/B run per rank (index into expect_t)
     free_at = np.zeros(num_ranks)
     last_fwd = np.zeros(num_ranks, dtype=np.bool_)
     mem = np.zeros(num_ranks)
@@ -127,7 +180,7 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
     for k in range(num_stages):
         if npred[2 * k] == 0:
             _push(2 * k, rank[k], rdy_f, nf, base, slot)
-    total = num_stages + np.sum(has_backward)
+    total = num_stages + np.sum(has_backward) + np.sum((wgt_time > 0) & (has_backward > 0))
     order = np.zeros(total, dtype=np.int64)
     cached_node = np.full(num_ranks, -1, dtype=np.int64)
     cached_t0 = np.zeros(num_ranks)
@@ -145,8 +198,16 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
                     r, True, rdy_f, nf, rdy_b, nb, base, ready_time, prank, act, mem, limit,
                     free_at, last_fwd, want,
                 )  # fmt: skip
+                i = expect_ptr[r] + done_fb[r]
+                cached_node[r], cached_t0[r] = _choose_weight(
+                    r, cached_node[r], cached_t0[r], wq, wq_head, wq_tail, wgt_time, free_at,
+                    overshoot, num_stages, nf[r] > 0,
+                    expect_t[i] if i < expect_ptr[r + 1] else INF,
+                )  # fmt: skip
                 dirty[r] = False
         r, node, t0 = _earliest(cached_node, cached_t0)
+        if r < 0:  # every rank waits: a W if any, rather than more memory
+            r, node, t0 = _any_weight(wq, wq_head, wq_tail, free_at, num_stages)
         if r < 0:  # every rank is stuck at its memory limit: overcommit the earliest
             for q in range(num_ranks):
                 cached_node[q], cached_t0[q] = _choose(
@@ -156,9 +217,20 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
             r, node, t0 = _earliest(cached_node, cached_t0)
             dirty[:] = True  # those were not the strict choices
         if r < 0:
-            return 1, order, start, end, finish, peak, overcommitted
+            return 1, order, start, end, finish, peak, overcommitted, ready_time
+        if node >= 2 * num_stages:  # a queued W: frees its stage's activations
+            k = node - 2 * num_stages
+            wq_head[r] += 1
+            stop = t0 + wgt_time[k]
+            free_at[r] = stop
+            mem[r] -= act[k]
+            order[step], start[node], end[node] = node, t0, stop
+            dirty[r] = True
+            finish = max(finish, stop)
+            continue
         k = node >> 1
         is_fwd = (node & 1) == 0
+        done_fb[r] += 1
         if is_fwd:
             _pop(node, r, rdy_f, nf, base, slot)
             next_fixed[r] += use_fixed
@@ -170,6 +242,9 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
             mem[r] += act[k]
             overcommitted |= mem[r] > limit[r]
             peak[r] = max(peak[r], mem[r])
+        elif not is_fwd and wgt_time[k] > 0:  # a split B: its W holds the activations
+            wq[wq_tail[r]] = k
+            wq_tail[r] += 1
         elif not is_fwd:
             mem[r] -= act[k]
         order[step], start[node], end[node] = node, t0, stop
@@ -186,7 +261,7 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
                 else:
                     _push(nxt, q, rdy_f, nf, base, slot)
         finish = max(finish, stop)
-    return 0, order, start, end, finish, peak, overcommitted
+    return 0, order, start, end, finish, peak, overcommitted, ready_time
 
 
 @njit(cache=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_dip.schedule.ir import Backward, Forward, Instruction
+from megatron_dip.schedule.ir import Backward, BackwardWeight, Forward, Instruction
 
 InstructionHook = Callable[[int, Instruction, float, float], None]
 # (label, module, is_forward, start, end): the shape `planner.trace.write_chrome_trace` takes.
@@ -73,25 +73,27 @@ class InstructionClock:
 
 
 class SpanRecorder:
-    """An `on_instruction` hook recording every Forward/Backward: `spans` (`Span`, labelled
-    "F vit0 mb3.1") and `ops` ((instruction, measured seconds)). Send/Recv/Wait are left out.
-    Kept across iterations until `take()`, which returns and clears them."""
+    """An `on_instruction` hook recording every Forward, Backward and BackwardWeight: `spans`
+    (`Span`, labelled "F vit0 mb3.1"; a split backward's weight half "W ...", its input half
+    "B ...") and `ops` ((instruction, measured seconds)). Send/Recv/Wait and reductions are left
+    out. Kept across iterations until `take()`, which returns and clears them."""
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
-        self.ops: list[tuple[Forward | Backward, float]] = []
+        self.ops: list[tuple[Forward | Backward | BackwardWeight, float]] = []
 
     def __call__(self, index: int, ins: Instruction, start: float, end: float) -> None:
         del index
-        if not isinstance(ins, (Forward, Backward)):
+        if not isinstance(ins, (Forward, Backward, BackwardWeight)):
             return
         fwd = isinstance(ins, Forward)
+        kind = "F" if fwd else "W" if isinstance(ins, BackwardWeight) else "B"
         s = ins.stage
-        label = f"{'F' if fwd else 'B'} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
+        label = f"{kind} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
         self.spans.append((label, s.module, fwd, start, end))
         self.ops.append((ins, end - start))
 
-    def take(self) -> tuple[list[Span], list[tuple[Forward | Backward, float]]]:
+    def take(self) -> tuple[list[Span], list[tuple[Forward | Backward | BackwardWeight, float]]]:
         """(spans, ops) recorded since the last call."""
         out = (self.spans, self.ops)
         self.spans, self.ops = [], []

@@ -26,11 +26,14 @@ from .ir import (
     Backward,
     BackwardInput,
     BackwardWeight,
+    Forward,
     Instruction,
     Placement,
     Plan,
     Program,
+    Recv,
     ReduceGrads,
+    Send,
     StageId,
 )
 
@@ -98,6 +101,42 @@ def with_reductions(
         out.append(ins)
         out.extend(ReduceGrads(*k) for k in after.get(i, []))
     return out
+
+
+def place_weights(
+    programs: Sequence[Program],
+    orders: Sequence[Sequence[Instruction]],
+    placement: Placement,
+) -> tuple[Program, ...]:
+    """`programs` (complete, made from `orders` without their W) with every `BackwardWeight` of
+    `orders[r]` placed where that order has it, and one reduction per trainable chunk.
+
+    A W goes after the compute it follows in its order and after the sends and receives posted
+    next to that compute, before the next wait or compute: the W fills the time the rank would
+    wait there, and no message is posted later than without it. A W has no messages, so the
+    programs stay deadlock-free (`passes.add_communication`'s argument is about posts and waits
+    alone)."""
+    out = []
+    for program, order in zip(programs, orders):
+        after: dict[tuple[bool, StageId] | None, list[BackwardWeight]] = {}
+        anchor = None
+        for ins in order:
+            if isinstance(ins, BackwardWeight):
+                after.setdefault(anchor, []).append(ins)
+            else:
+                anchor = (isinstance(ins, Forward), ins.stage)
+        placed: list[Instruction] = list(after.get(None, ()))
+        pending: list[BackwardWeight] = []
+        for ins in program.instructions:
+            if pending and not isinstance(ins, (Send, Recv)):
+                placed.extend(pending)
+                pending = []
+            placed.append(ins)
+            if isinstance(ins, (Forward, Backward)):
+                pending = after.get((isinstance(ins, Forward), ins.stage), [])
+        placed.extend(pending)
+        out.append(Program(program.rank, tuple(with_reductions(placed, placement, program.rank))))
+    return tuple(out)
 
 
 def split_backwards(plan: Plan) -> tuple[Program, ...]:

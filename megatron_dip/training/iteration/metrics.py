@@ -20,7 +20,16 @@ import torch.distributed as dist
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.modalities import modality_of
 from megatron_dip.modelspec import MultimodalSpec
-from megatron_dip.schedule.ir import NO_RECOMPUTE, Backward, ChunkSpec, Forward, Plan, StageId
+from megatron_dip.schedule.ir import (
+    NO_RECOMPUTE,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    ChunkSpec,
+    Forward,
+    Plan,
+    StageId,
+)
 
 from ..assembly.setup import ParallelContext
 from .step import StepResult
@@ -29,7 +38,7 @@ from .step import StepResult
 def _op_parts(op: tuple) -> tuple[StageId, bool, float]:
     """(stage, is_forward, measured seconds) of one `StepResult.ops` entry: either
     (instruction, seconds) or (module, is_forward, seconds, stage)."""
-    if len(op) == 2 and isinstance(op[0], (Forward, Backward)):
+    if len(op) == 2 and isinstance(op[0], (Forward, Backward, BackwardWeight)):
         ins, seconds = op
         return ins.stage, isinstance(ins, Forward), float(seconds)
     if len(op) == 4:
@@ -54,8 +63,19 @@ def predicted_ops(plan: Plan, cost_model, ops: Iterable[tuple]) -> dict[str, flo
         c = cost_model.stage_cost(
             chunk, plan.submicrobatch(s.work), *recompute.get(s, NO_RECOMPUTE)
         )
-        out[s.module] = out.get(s.module, 0.0) + (c.forward if forward else c.backward)
+        out[s.module] = out.get(s.module, 0.0) + _priced(c, op, forward)
     return out
+
+
+def _priced(cost, op: tuple, forward: bool) -> float:
+    """Cost-model seconds of one executed compute (a `StageCost`'s part): the halves of a split
+    backward as such, so measured / predicted compares like with like."""
+    ins = op[0] if len(op) == 2 else None
+    if isinstance(ins, BackwardWeight):
+        return cost.weight
+    if isinstance(ins, BackwardInput):
+        return cost.backward_input
+    return cost.forward if forward else cost.backward
 
 
 def measured_ops(ops: Iterable[tuple]) -> dict[str, float]:
