@@ -654,9 +654,17 @@ class DipPlanner:
         return out
 
     def _choose(
-        self, orders, dataflow: Dataflow, sub_of: Mapping, limits: list[float], floor=None
+        self,
+        orders,
+        dataflow: Dataflow,
+        sub_of: Mapping,
+        limits: list[float],
+        floor=None,
+        *,
+        exact: bool = True,
     ) -> RecomputeChoice:
-        """The memory pass (`choose_recompute`) on `orders` under the device and host limits."""
+        """The memory pass (`choose_recompute`) on `orders` under the device and host limits
+        (`exact=False`: its greedy answer alone, for `_refined`'s top-ups)."""
         return choose_recompute(
             orders,
             mode_cost=functools.partial(self._mode_cost, sub_of),
@@ -666,6 +674,7 @@ class DipPlanner:
             **self._host_limits(sub_of),
             row_cache=self._memos(sub_of)[3],
             floor=floor,
+            exact=exact,
         )
 
     def _refined(
@@ -681,7 +690,9 @@ class DipPlanner:
             if not schedule.overcommitted:
                 break
             try:
-                more = self._choose(schedule.orders, dataflow, sub_of, limits, floor=choice.of)
+                more = self._choose(
+                    schedule.orders, dataflow, sub_of, limits, floor=choice.of, exact=False
+                )
             except MemoryLimitError:
                 break
             if not more.modes:

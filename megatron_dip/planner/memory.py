@@ -134,6 +134,7 @@ def choose_recompute(
     host_limit: Sequence[float] | None = None,
     row_cache: dict | None = None,
     floor: Callable[[StageId], RecomputeMode] | None = None,
+    exact: bool = True,
 ) -> RecomputeChoice:
     """Cheapest per-stage recompute modes keeping every rank's alive activations under its
     limit; `modes_of(stage)` lists a stage's candidates (`stage_modes`). With `host_bytes` and
@@ -141,11 +142,15 @@ def choose_recompute(
     (modes that offload nothing must report 0; the last, full recomputation, always does).
     `row_cache`: a dict the caller keeps across passes over the same stages and costs. With
     `floor`, each stage starts from `floor(stage)` and may only move to modes holding no more
-    (the added time reported is over the floor's); stages left there are not listed."""
+    (the added time reported is over the floor's); stages left there are not listed.
+    `exact=False`: the greedy answer alone, never the MILP (a pass that only tops up a choice
+    already made, where a solve per round would cost more than it can save)."""
     modes: dict[StageId | tuple[str, int], RecomputeMode] = {}
     added = 0.0
     for rank, order in enumerate(orders):
-        problem = _Problem(mode_cost, modes_of, keeps_activations, host_bytes, row_cache, floor)
+        problem = _Problem(
+            mode_cost, modes_of, keeps_activations, host_bytes, row_cache, floor, exact
+        )
         host = float("inf") if host_limit is None else host_limit[rank]
         chosen, extra = _solve_rank(rank, order, problem, (memory_limit[rank], host))
         modes.update(chosen)
@@ -204,6 +209,7 @@ class _Problem:
     host_bytes: HostBytes | None = None
     rows: dict | None = None  # a cache of `_row`s shared across passes
     floor: Callable[[StageId], RecomputeMode] | None = None
+    exact: bool = True  # improve the greedy answer with the MILP where that is worth a solve
 
 
 @dataclass
@@ -457,7 +463,7 @@ def _solve_rank(
     pb = _problem(rank, order, problem, limit)
     if pb is None:
         return {}, 0.0
-    best = _solve(pb)
+    best = _solve(pb, exact=problem.exact)
     if problem.host_bytes is not None and host_limit < float("inf"):
         held = np.array(
             [problem.host_bytes(st, ms[m]) for st, ms, m in zip(pb.stages, pb.modes, best)]
@@ -465,15 +471,16 @@ def _solve_rank(
         if any(held[a].sum() > host_limit for a in pb.peaks) and _with_host(
             pb, problem, host_limit
         ):
-            best = _solve(pb)
+            best = _solve(pb, exact=problem.exact)
     chosen = {pb.stages[i]: pb.modes[i][m] for i, m in enumerate(best) if m != 0}
     return chosen, pb.added(best)
 
 
-def _solve(pb: _RankProblem) -> np.ndarray:
-    """The greedy answer, improved by the exact one where that is worth a solve and fits."""
+def _solve(pb: _RankProblem, *, exact: bool) -> np.ndarray:
+    """The greedy answer, improved by the exact one (`exact`) where that is worth a solve and
+    fits."""
     best = _undo_unneeded(pb, _greedy(pb))
-    if pb.added(best) <= MILP_MIN_GAIN * float(pb.time[:, 0].sum()):
+    if not exact or pb.added(best) <= MILP_MIN_GAIN * float(pb.time[:, 0].sum()):
         return best  # nothing worth a solve
     exact = _exact(pb)
     if exact is not None and pb.fits(exact) and pb.added(exact) < pb.added(best):
