@@ -53,14 +53,16 @@ FLAGS = [
 
 
 def _semaphores(pids) -> list[str]:
-    """multiprocessing semaphores mapped by `pids` (POSIX named semaphores live in /dev/shm)."""
+    """multiprocessing semaphores mapped by `pids` (POSIX named semaphores live in /dev/shm;
+    "(deleted)": unlinked but still open), each named with the process that maps it."""
     found = []
     for pid in pids:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        found += [line.split()[-1] for line in maps.splitlines() if "/sem." in line]
+        held = [line.split(maxsplit=5)[-1] for line in maps.splitlines() if "/sem." in line]
+        found += [f"{pid} ({_cmdline(pid)[:120]}): {name}" for name in held]
     return found
 
 

@@ -7,8 +7,9 @@ processes beside its own, each next candidate handed to the first that frees, on
 scored here took long enough (`POOL_WORTH_S`) to pay for starting them (a tiny model's search
 stays in one process).
 
-Each worker is *spawned*, not forked (the rank that searches already runs process-group threads,
-and a forked child may inherit a lock one of them held), receives the scoring function once
+Each worker is a fresh interpreter (`worker_pool.WorkerPool`: not forked, since the rank that
+searches runs process-group threads, and not `multiprocessing`, whose semaphores and resource
+tracker a killed job could leave behind), receives the scoring function and the candidates once
 (pickled) and then candidate indices; it dies with the process that started it. A score is a
 deterministic function of the calibration data, so the scores, and hence the choice, are the
 ones one process computes, whatever the worker count and whichever worker finishes first.
@@ -18,22 +19,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from .process import die_with_parent
+from .worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
 # A worker imports the planner (about 2 s of CPU) before it scores: below this many seconds per
 # candidate, scoring here is as fast.
 POOL_WORTH_S = 2.0
-_SCORE: list[Callable[[Any], float]] = []  # a worker's scoring function and its items
-_ITEMS: list[Sequence[Any]] = []
 
 
 def usable_cores() -> int:
@@ -43,14 +41,10 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def _start_worker(evaluate: Callable[[Any], float], items: Sequence[Any]) -> None:
-    die_with_parent()
-    _SCORE[:] = [evaluate]
-    _ITEMS[:] = [items]
-
-
-def _score_one(index: int) -> float:
-    return _SCORE[0](_ITEMS[0][index])
+def _score_one(scoring: tuple[Callable[[Any], float], Sequence[Any]], index: int) -> float:
+    """A worker's task: the score of candidate `index` (`scoring`: the function, the items)."""
+    evaluate, items = scoring
+    return evaluate(items[index])
 
 
 def _next(queue: Iterator[int], stop: Callable[[int], bool]) -> int | None:
@@ -85,7 +79,7 @@ class CandidateScorer:
     ) -> None:
         self.evaluate, self.items = evaluate, list(items)
         self.width = max(1, min(workers, len(self.items)))
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: WorkerPool | None = None
         self._slow = False  # a candidate scored here took POOL_WORTH_S or more
 
     def __enter__(self) -> CandidateScorer:
@@ -93,7 +87,7 @@ class CandidateScorer:
 
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None
 
     def scored(
@@ -125,7 +119,7 @@ class CandidateScorer:
         pool, running = self._workers(), {}
         while True:
             while len(running) < self.width and (i := _next(queue, stop)) is not None:
-                running[pool.submit(_score_one, i)] = i
+                running[pool.submit(i)] = i
             yield from _finished(running, block=False)
             if (i := _next(queue, stop)) is not None:
                 yield i, self.evaluate(self.items[i])
@@ -134,17 +128,12 @@ class CandidateScorer:
             else:
                 return
 
-    def _workers(self) -> ProcessPoolExecutor:
+    def _workers(self) -> WorkerPool:
         if self._pool is None:
             logger.info(
                 "a candidate took %.0f s or more to score: scoring the rest on %d processes",
                 POOL_WORTH_S,
                 self.width,
             )
-            self._pool = ProcessPoolExecutor(
-                max_workers=self.width - 1,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start_worker,
-                initargs=(self.evaluate, self.items),
-            )
+            self._pool = WorkerPool(self.width - 1, _score_one, (self.evaluate, self.items))
         return self._pool

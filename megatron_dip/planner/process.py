@@ -37,9 +37,11 @@ BEAT_S = 0.5
 PARENT_POLL_S = 0.5
 _HEADER = struct.Struct("<Q")
 
-# Runs with `python -c` before any of our modules is imported (module docstring).
+# Runs with `python -c` before any of our modules is imported (module docstring); argv: the
+# parent's pid, the parent's sys.path, the child's read and write descriptors, and its entry
+# point ("module:function", called with parent=, read_fd=, write_fd=).
 BOOTSTRAP = """
-import ctypes, os, signal, sys
+import ctypes, importlib, os, signal, sys
 parent = int(sys.argv[1])
 try:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -48,8 +50,9 @@ except Exception:
 if os.getppid() != parent:
     os._exit(0)
 sys.path[:0] = [p for p in sys.argv[2].split(os.pathsep) if p]
-from megatron_dip.planner.process import child_main
-child_main(parent=parent, read_fd=int(sys.argv[3]), write_fd=int(sys.argv[4]))
+module, _, function = sys.argv[5].partition(":")
+entry = getattr(importlib.import_module(module), function)
+entry(parent=parent, read_fd=int(sys.argv[3]), write_fd=int(sys.argv[4]))
 """
 
 
@@ -115,27 +118,35 @@ def pump(
 # -- the parent's side ----------------------------------------------------------------------------
 
 
+def start_child(entry: str) -> tuple[subprocess.Popen, FramedPipe]:
+    """A plain Python subprocess of this one running `entry` ("module:function", called with
+    `parent=`, `read_fd=`, `write_fd=`) after `BOOTSTRAP`, and this side's pipe to it. It dies
+    with the thread that calls this (`BOOTSTRAP`); no multiprocessing object is involved, so
+    nothing outlives it (module docstring)."""
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    argv = [
+        sys.executable, "-c", BOOTSTRAP, str(os.getpid()), os.pathsep.join(sys.path),
+        str(to_child_r), str(from_child_w), entry,
+    ]  # fmt: skip
+    # stdout goes to stderr: nothing a child's libraries print joins the training log.
+    popen = subprocess.Popen(
+        argv,
+        pass_fds=(to_child_r, from_child_w),
+        stdin=subprocess.DEVNULL,
+        stdout=2,
+        close_fds=True,
+    )
+    os.close(to_child_r)
+    os.close(from_child_w)
+    return popen, FramedPipe(from_child_r, to_child_w)
+
+
 class PlannerProcess:
     """The running planner process, seen from its service: send, receive, liveness, kill."""
 
     def __init__(self, setup: Any) -> None:
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        argv = [
-            sys.executable, "-c", BOOTSTRAP, str(os.getpid()), os.pathsep.join(sys.path),
-            str(to_child_r), str(from_child_w),
-        ]  # fmt: skip
-        # stdout goes to stderr: nothing the planner's libraries print joins the training log.
-        self.popen = subprocess.Popen(
-            argv,
-            pass_fds=(to_child_r, from_child_w),
-            stdin=subprocess.DEVNULL,
-            stdout=2,
-            close_fds=True,
-        )
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self.pipe = FramedPipe(from_child_r, to_child_w)
+        self.popen, self.pipe = start_child("megatron_dip.planner.process:child_main")
         self.results: queue.Queue = queue.Queue()
         self.last_beat = time.monotonic()
         self.beating = False  # no heartbeat yet: the process is still importing
@@ -244,7 +255,7 @@ def die_with_parent() -> None:
         os._exit(0)
 
 
-def _watch_parent(parent: int) -> None:
+def watch_parent(parent: int) -> None:
     def run() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
@@ -267,7 +278,7 @@ def _heartbeat(channels: ChildChannels) -> None:
 
 def child_main(*, parent: int, read_fd: int, write_fd: int) -> None:
     """Body of the planner process after `BOOTSTRAP` (module docstring)."""
-    _watch_parent(parent)
+    watch_parent(parent)
     pipe = FramedPipe(read_fd, write_fd)
     channels = ChildChannels(pipe, started_at=time.time())
     _heartbeat(channels)  # before unpickling the planner (its imports take a while)
