@@ -410,6 +410,43 @@ def test_the_memory_pass_undoes_greedy_upgrades_that_became_unnecessary(monkeypa
     assert choice.added_time == pytest.approx(1.1)
 
 
+def test_the_memory_pass_ends_where_no_mode_relieves_a_set(monkeypatch):
+    """A limit below full recomputation is refused up front; and greedy keeps moving where a
+    set is over the device
+    limit whose floor modes (offload, 40 host bytes each) already break a host limit of 10 by
+    more than any one move gives back: stepping off offload must stay allowed. Both looped for
+    ever before (the py312 suite timed out in the second)."""
+    from megatron_dip.planner import memory
+
+    monkeypatch.setattr(memory, "_exact", lambda pb: None)
+    a, b = StageId("m", 0, 0), StageId("m", 0, 1)
+    order = [Forward(a), Forward(b), Backward(b), Backward(a)]
+    none, full = (Recompute.NONE, 0), (Recompute.FULL, 0)
+    off = MemoryPolicy(Recompute.NONE, 0, 1)
+    costs = {none: (0.0, 60), off: (0.5, 20), full: (1.0, 10)}
+    with pytest.raises(MemoryLimitError, match="even with full recomputation"):
+        choose_recompute(
+            [order],
+            mode_cost=lambda s, m: costs[m],
+            modes_of=lambda s: (none, full),
+            keeps_activations=lambda s: True,
+            memory_limit=[5],
+        )
+    choice = choose_recompute(
+        [order],
+        mode_cost=lambda s, m: costs[m],
+        modes_of=lambda s: (none, off, full),
+        keeps_activations=lambda s: True,
+        memory_limit=[35],
+        host_bytes=lambda s, m: 40 if m == off else 0,
+        host_limit=[10],
+        floor=lambda s: off,
+    )
+    # One stage steps off offload to full recomputation (the other stays at its floor, which
+    # is not listed); the host limit stays broken for `within_host_limit` to repair.
+    assert list(choice.modes.values()) == [full]
+
+
 def test_the_recompute_milp_has_no_clock_in_it(monkeypatch):
     """The exact solver is bounded by its node count alone (no time limit: a loaded rank
     would stop it elsewhere than an idle one), and only small problems reach it."""

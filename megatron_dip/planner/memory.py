@@ -325,7 +325,8 @@ def _upgrades(problem: _Problem, stage: StageId, row: tuple) -> tuple:
 
 def _greedy(pb: _RankProblem) -> np.ndarray:
     """Mode index per stage: repeatedly relieve the most over-full set by the upgrade that saves
-    the most bytes per second of added time."""
+    the most bytes per second of added time. Where no upgrade of that set saves bytes (within
+    the host limit), the answer is returned over the limit (the caller's `fits` says so)."""
     mode = np.zeros(len(pb.stages), dtype=np.int64)
     member = pb.members(pb.sets)
     used = member @ pb.nbytes[:, 0]
@@ -338,6 +339,8 @@ def _greedy(pb: _RankProblem) -> np.ndarray:
         saved = pb.nbytes[cand, mode[cand], None] - pb.nbytes[cand]  # [stages, modes]
         added = np.maximum(pb.time[cand] - pb.time[cand, mode[cand], None], 1e-12)
         ratio = np.where((saved > 0) & host.allows(cand, mode), saved / added, -np.inf)
+        if not np.isfinite(ratio.max()):
+            return mode  # nothing relieves this set: stepping on would loop for ever
         k, m = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
         st = cand[k]
         used -= member[:, st] * saved[k, m]
@@ -357,13 +360,14 @@ class _HostLedger:
 
     def allows(self, cand: np.ndarray, mode: np.ndarray) -> np.ndarray:
         """[stages, modes]: whether moving stage cand[k] to mode j keeps every alive-set it is
-        in under the host limit."""
+        in under the host limit, or offloads no more than now (a set already over the limit,
+        e.g. under a refinement's floor modes, must still be able to step off offload)."""
         pb = self.pb
         if pb.host is None:
             return np.ones((len(cand), pb.time.shape[1]), dtype=bool)
         grow = pb.host[cand] - pb.host[cand, mode[cand], None]
         slack = np.where(self.member[:, cand], pb.host_limit - self.used[:, None], np.inf)
-        return grow <= slack.min(axis=0, initial=np.inf)[:, None]
+        return (grow <= 0) | (grow <= slack.min(axis=0, initial=np.inf)[:, None])
 
     def move(self, stage: int, old: int, new: int) -> None:
         if self.pb.host is not None:
