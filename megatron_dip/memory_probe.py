@@ -258,6 +258,11 @@ class HeldActivations:
         for saved in ex._saved.values():
             yield from _tensors([m for _, m in saved.inputs])
             yield from _tensors(saved.outputs)
+            if saved.store is not None:  # a split stage's saved tensors, boxed (no pack here)
+                yield from saved.store.tensors()
+        for pending in ex._pending.values():
+            if pending is not None:
+                yield from pending.tensors()
         yield from _tensors(ex._messages)
         for name in ("_sending", "_received"):
             yield from _tensors(getattr(ex.transport, name, {}))

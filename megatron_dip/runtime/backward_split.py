@@ -1,20 +1,43 @@
 """A chunk's backward in two halves: input gradients (B) now, weight gradients (W) later.
 
-B differentiates the chunk's outputs with respect to its inputs only (`autograd.backward` with
-`inputs=` the input leaves), keeping the autograd graph; W differentiates the same outputs with
-the same output gradients with respect to the chunk's trainable parameters and frees the graph.
-Each gradient is accumulated exactly once, by the same autograd operations as in the fused
-backward, so B then W gives the fused backward's gradients bit for bit (fp64 tests), under every
-recompute mode (non-reentrant checkpoints recompute again for W) and with Megatron's DDP hooks
-(they fire as the parameters' gradients accumulate in W). Both halves run the autograd engine
-as `sent_outputs.backward` does, so a chunk output freed after its send (a placeholder whose
-gradient has the original shape) splits like any other.
+The split is `torch.distributed.pipelining`'s (`_backward.stage_backward_input` / `_weight`),
+written for this runtime. The chunk's autograd graph has three kinds of nodes: those whose
+gradient depends on the chunk's inputs (the "input side": everything B must run to produce the
+input gradients), those that lead only to parameters (the weight side: the accumulators, a
+weight's transpose or cast), and the rest. The input-side nodes with an edge into the weight
+side are the *weight nodes* (a linear layer's GEMM node, a norm's node): they compute both an
+input gradient and a weight gradient. B runs the engine from the chunk's outputs to its input
+leaves, keeping the graph, and records the gradient each weight node receives (a pre-hook on
+the node). W runs the engine again, but from the weight nodes with those recorded gradients
+(`GradientEdge` roots) to the parameters only: the engine then evaluates just the weight
+nodes' weight-gradient outputs and the weight side, never the rest of the input side, and the
+parameters' gradient accumulators run as in a fused backward, so Megatron's DDP hooks
+(`main_grad` accumulation) fire in W. A weight node reached in W from another weight node
+would add that contribution to its recorded gradient: a pre-hook pins each weight node's
+gradient to the recorded one (torch does the same). Every node's gradient is therefore the one
+it receives in the fused backward, so B then W gives the fused backward's gradients (fp64 tests,
+up to the order in which a parameter's contributions are summed).
 
-What this costs: W traverses the graph a second time (the input-gradient kernels of the layers
-between the loss and each weight run again), so on real hardware a split backward is slower than
-the fused one unless the weight-gradient GEMMs are deferred inside the layers (Transformer
-Engine's delayed weight-gradient path); the plan's timing is the cost model's, which prices
-B and W as those kernels would (`planner/cost_model.py`).
+Which weight gradients wait for W: those of weight nodes that reach a matrix (a GEMM's
+weight). A weight node whose parameters are all vectors (a norm's weight, a bias added on its
+own) is done in B (its parameters are among B's `inputs=`): its weight gradient is a cheap
+reduction, the cost model prices it in B, and deferring it would hold the norm's input,
+statistics and output gradient (full hidden width on every tensor-parallel rank) for nothing.
+
+Outputs that do not depend on the inputs (a first chunk, whose inputs are data) and lead to
+parameters are W's roots themselves, with their output gradients: B does nothing for them.
+
+Memory. Autograd keeps a node's saved tensors while the node lives, and the weight nodes keep
+the whole input side alive through their edges. So the forward of a split stage runs under
+saved-tensor hooks (`SavedStore`) that box every saved tensor; B marks the boxes it unpacks,
+and those unpacked by a weight node as W's; after B every box only B needed is emptied. What a
+pending W holds is then what the cost model prices as `StageCost.weight_bytes`: the weight
+nodes' saved inputs and their recorded output gradients, for every GEMM its activation input
+and its output gradient (and what autograd saved where other
+saved-tensor hooks own the tensors: a recomputed region keeps its inputs and recomputes again
+in W, an offloaded one reloads). Transformer Engine's delayed weight-gradient path
+(`delay_wgrad_compute`) would do the same inside its layers; it is not wired (no TE here): the
+hook for it is `backward_weight`, which would call the layers' `backward_dw` instead.
 
 A chunk without weight gradients (a frozen module) has no W: its B runs the whole backward and
 keeps nothing.
@@ -22,20 +45,173 @@ keeps nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import functools
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from .sent_outputs import backward
 
 
+class _Box:
+    """One saved tensor of a split stage's forward; `tensor` None once only B needed it."""
+
+    __slots__ = ("tensor", "in_b", "in_w")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.in_b = False  # unpacked by B
+        self.in_w = False  # unpacked by a weight node in B: W unpacks it again
+
+
+class SavedStore:
+    """The saved tensors of one split stage's forward (module docstring, "Memory")."""
+
+    def __init__(self) -> None:
+        self.boxes: list[_Box] = []
+        self._local = threading.local()  # which thread is inside a weight node
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks to run the stage's forward under."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _Box:
+        box = _Box(tensor)
+        self.boxes.append(box)
+        return box
+
+    def _unpack(self, box: _Box) -> torch.Tensor:
+        if box.tensor is None:
+            raise RuntimeError("a split backward's W needed a tensor only B was to use")
+        box.in_b = True
+        box.in_w |= getattr(self._local, "inside", 0) > 0
+        return box.tensor
+
+    def enter_weight_node(self, *_) -> None:
+        """Pre-hook of a weight node in B: what it unpacks, W unpacks again."""
+        self._local.inside = getattr(self._local, "inside", 0) + 1
+
+    def leave_weight_node(self, *_) -> None:
+        """Post-hook of a weight node in B."""
+        self._local.inside -= 1
+
+    def release(self) -> None:
+        """After B: empty every box that only B needed."""
+        kept = []
+        for box in self.boxes:
+            if box.in_b and not box.in_w:
+                box.tensor = None
+            else:
+                kept.append(box)
+        self.boxes = kept
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors still held (for `memory_probe.HeldActivations`)."""
+        return (b.tensor for b in self.boxes if b.tensor is not None)
+
+
+@dataclass
+class _Group:
+    """Roots of one engine call of W and the parameters it accumulates."""
+
+    edges: list[GradientEdge] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
 @dataclass
 class PendingWeight:
-    """What a stage's W needs from its B: the outputs and their gradients (graph kept)."""
+    """What a stage's W needs from its B: one engine call per group of weight nodes that share
+    parameters (and one for the outputs B did not differentiate), the weight nodes whose
+    gradient is pinned, and the saved tensors kept for them."""
 
-    roots: list[torch.Tensor]
-    grads: list[torch.Tensor | None]
+    groups: list[_Group] = field(default_factory=list)
+    pinned: list[tuple[Node, tuple]] = field(default_factory=list)  # weight node, its gradient
+    store: SavedStore | None = None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors this pending W holds: recorded gradients and kept saved tensors."""
+        for group in self.groups:
+            yield from group.grads
+        if self.store is not None:
+            yield from self.store.tensors()
+
+
+@dataclass
+class _Graph:
+    """A chunk's graph as B and W see it (module docstring): the weight nodes W runs, in groups
+    that share parameters, with each group's parameters; the parameters B accumulates itself
+    (vectors only: norms' weights, biases); the outputs W starts from itself."""
+
+    groups: list[tuple[list[Node], list[Node]]]  # (weight nodes, their parameters' nodes)
+    in_b: list[Node]  # parameter nodes B accumulates
+    w_roots: list[int]
+
+
+def _post_order(roots: Iterable[Node]) -> list[Node]:
+    """Every node reachable from `roots`, each after all nodes its edges lead to."""
+    order: list[Node] = []
+    seen: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(n, False) for n in roots]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((c, False) for c, _ in node.next_functions if c is not None and c not in seen)
+    return order
+
+
+def _share_groups(reach: dict[Node, frozenset]) -> list[tuple[list[Node], list[Node]]]:
+    """Weight nodes grouped so that no two groups reach a common parameter (union-find)."""
+    owner: dict[Node, int] = {}  # parameter node -> group id
+    groups: dict[int, tuple[list[Node], set[Node]]] = {}
+    for gid, (node, params) in enumerate(reach.items()):
+        nodes, ps = [node], set(params)
+        for other in {owner[p] for p in params if p in owner}:
+            more_nodes, more_params = groups.pop(other)
+            nodes, ps = more_nodes + nodes, ps | more_params
+        for p in ps:
+            owner[p] = gid
+        groups[gid] = (nodes, ps)
+    return [(nodes, list(ps)) for nodes, ps in groups.values()]
+
+
+def classify(
+    roots: Sequence[GradientEdge], leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+) -> _Graph:
+    """The weight nodes of the graph under `roots` (input-side nodes with an edge into the
+    weight side), grouped by the parameters they reach through the weight side, and the roots
+    that do not depend on `leaves` but lead to `params`."""
+    leaf_nodes = {get_gradient_edge(t).node for t in leaves}
+    param_nodes = {get_gradient_edge(p).node for p in params}
+    inputs_side: dict[Node, bool] = {}
+    reach: dict[Node, frozenset] = {}  # weight side: the parameter nodes a node leads to
+    weights: dict[Node, frozenset] = {}  # weight node -> parameters it reaches on the weight side
+    for node in _post_order(e.node for e in roots):
+        kids = [c for c, _ in node.next_functions if c is not None]
+        inputs_side[node] = node in leaf_nodes or any(inputs_side[c] for c in kids)
+        side = frozenset().union(*(reach[c] for c in kids if not inputs_side[c]))
+        if inputs_side[node]:
+            if side:
+                weights[node] = side
+            continue
+        reach[node] = side | {node} if node in param_nodes else side
+    w_roots = [i for i, e in enumerate(roots) if reach.get(e.node)]
+    groups, in_b = [], []
+    for nodes, pnodes in _share_groups(weights):
+        if all(p.variable.dim() <= 1 for p in pnodes):  # no GEMM weight: B does it
+            in_b.extend(pnodes)
+        else:
+            groups.append((nodes, pnodes))
+    return _Graph(groups, in_b, w_roots)
 
 
 def input_leaves(inputs: Iterable[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -43,33 +219,112 @@ def input_leaves(inputs: Iterable[dict[str, torch.Tensor]]) -> list[torch.Tensor
     return [t for msg in inputs for t in msg.values() if t.requires_grad]
 
 
+def _record(recorded: dict, node: Node, grads: tuple) -> None:
+    """Pre-hook of a weight node in B: remember the gradient it receives."""
+    recorded[node] = grads
+
+
+def _hook_weight_nodes(graph: _Graph, recorded: dict, store: SavedStore | None) -> list:
+    handles = []
+    for nodes, _ in graph.groups:
+        for node in nodes:
+            handles.append(node.register_prehook(functools.partial(_record, recorded, node)))
+            if store is not None:
+                handles.append(node.register_prehook(store.enter_weight_node))
+                handles.append(node.register_hook(store.leave_weight_node))
+    return handles
+
+
+def _pending(graph: _Graph, recorded: dict, params: Sequence[torch.Tensor]) -> PendingWeight:
+    """W's engine calls: one per group of weight nodes, one for the outputs B left alone."""
+    by_node = {get_gradient_edge(p).node: p for p in params}
+    pending = PendingWeight()
+    for nodes, pnodes in graph.groups:
+        group = _Group(params=[by_node[p] for p in pnodes])
+        for node in nodes:
+            got = recorded.get(node)
+            if got is None:  # no gradient reached it: its weights get none in a fused backward
+                continue
+            if len(nodes) > 1:  # one may feed another in W: pin each to its recorded gradient
+                pending.pinned.append((node, got))
+            for k, g in enumerate(got):
+                if g is not None:
+                    group.edges.append(GradientEdge(node, k))
+                    group.grads.append(g)
+        if group.edges:
+            pending.groups.append(group)
+    return pending
+
+
 def backward_input(
     roots: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
     leaves: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] = (),
     *,
     keep_graph: bool,
+    store: SavedStore | None = None,
 ) -> PendingWeight | None:
     """B: accumulate the gradients of `leaves` (the chunk's inputs). With `keep_graph` (a W
-    follows) only those, keeping the graph for W; without, the whole backward (no W)."""
+    follows for `params`) only those, recording what W needs (module docstring); without, the
+    whole backward (no W). `store`: the stage forward's saved tensors, emptied of B's own."""
     if not roots:
         return None
     if not keep_graph:
         backward(roots, grads)
         return None
-    if leaves:
-        backward(roots, grads, inputs=leaves, keep_graph=True)
-    return PendingWeight(list(roots), list(grads))
+    grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads)]
+    edges = [get_gradient_edge(r) for r in roots]
+    graph = classify(edges, leaves, params)
+    recorded: dict[Node, tuple] = {}
+    handles = _hook_weight_nodes(graph, recorded, store)
+    by_node = {get_gradient_edge(p).node: p for p in params}
+    try:
+        if leaves:
+            backward(
+                roots, grads, inputs=[*leaves, *(by_node[n] for n in graph.in_b)], keep_graph=True
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    pending = _pending(graph, recorded, params)
+    if graph.w_roots:
+        pending.groups.append(
+            _Group(
+                [edges[i] for i in graph.w_roots], [grads[i] for i in graph.w_roots], list(params)
+            )
+        )
+    if store is not None and not pending.pinned:  # pinned: W may run input-side nodes too
+        store.release()
+    pending.store = store
+    return pending
+
+
+def _pin(grads: tuple, _incoming: tuple) -> tuple:
+    """Pre-hook of a weight node in W: its gradient is the one recorded in B."""
+    return grads
 
 
 def backward_weight(pending: PendingWeight | None, params: Sequence[torch.nn.Parameter]) -> None:
-    """W: accumulate the gradients of `params` and free the graph B kept."""
+    """W: accumulate the gradients of the chunk's parameters from what B recorded, one engine
+    call per group (so no call reaches back into the input side), and free it all. `params`:
+    the chunk's trainable parameters (the groups name them; kept for the TE hook's sake)."""
+    del params
     if pending is None:
         return
-    if params:
-        backward(pending.roots, pending.grads, inputs=params)
-    pending.roots.clear()
-    pending.grads.clear()
+    handles = [node.register_prehook(functools.partial(_pin, g)) for node, g in pending.pinned]
+    try:
+        for group in pending.groups:  # graph retained: groups may share weight-side nodes; it
+            # dies with the references dropped below
+            torch.autograd.backward(
+                group.edges, group.grads, inputs=group.params, retain_graph=True
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    pending.groups.clear()
+    pending.pinned.clear()
+    pending.store = None
 
 
 def trainable_parameters(chunk: torch.nn.Module) -> list[torch.nn.Parameter]:
