@@ -428,3 +428,70 @@ def test_pending_weight_holds_only_what_w_needs():
     assert nbytes(pending.tensors()) == 2 * (32 * 64 + 32 * 256) * 8 < saved
     backward_weight(pending, params)
     assert not list(pending.tensors())
+
+
+class _MegatronMLP(torch.nn.Module):
+    """Two of Megatron's local linear layers (its Python autograd Function) around a GELU."""
+
+    def __init__(self, group):
+        super().__init__()
+        f64 = torch.float64
+        self.group = group
+        self.w1 = torch.nn.Parameter(torch.randn(16, 8, dtype=f64))
+        self.b1 = torch.nn.Parameter(torch.randn(16, dtype=f64))
+        self.w2 = torch.nn.Parameter(torch.randn(8, 16, dtype=f64))
+
+    def forward(self, x):
+        from megatron.core.tensor_parallel.layers import (
+            linear_with_grad_accumulation_and_async_allreduce as linear,
+        )
+
+        flags = {"gradient_accumulation_fusion": False, "sequence_parallel": False}
+        h = linear(x, self.w1, self.b1, allreduce_dgrad=False, tp_group=self.group, **flags)
+        h = torch.nn.functional.gelu(h)
+        return linear(h, self.w2, None, allreduce_dgrad=False, tp_group=self.group, **flags)
+
+
+def test_megatron_linears_split_without_computing_either_gemm_twice(single_rank_world, monkeypatch):
+    """Megatron's local linears in a split backward (`runtime.linear_split`): B runs each one's
+    backward through Megatron's deferral (no weight GEMM: it returns no weight gradient), W
+    never runs it again and accumulates the fused backward's weight and bias gradients
+    (fp64), through the accumulators; the layers' attributes are left as they were."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_dip.runtime.backward_split import SavedStore, backward_input, backward_weight
+
+    calls = []
+    original = layers.LinearWithGradAccumulationAndAsyncCommunication.backward
+
+    def counted(ctx, grad):
+        out = original(ctx, grad)
+        calls.append(out[1] is not None)  # computed a weight gradient
+        return out
+
+    monkeypatch.setattr(
+        layers.LinearWithGradAccumulationAndAsyncCommunication, "backward", staticmethod(counted)
+    )
+    torch.manual_seed(0)
+    model = _MegatronMLP(single_rank_world)
+    twin = _MegatronMLP(single_rank_world)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    grad = torch.randn(2, 3, 8, dtype=torch.float64)
+    xf = x.clone().requires_grad_()
+    model(xf).backward(grad)
+    assert calls == [True, True]
+    calls.clear()
+    params = list(twin.parameters())
+    xs = x.clone().requires_grad_()
+    store = SavedStore()
+    with store.hooks():
+        y = twin(xs)
+    pending = backward_input([y], [grad], [xs], params, keep_graph=True, store=store)
+    assert calls == [False, False] and all(p.grad is None for p in params)
+    backward_weight(pending, params)
+    assert calls == [False, False]
+    torch.testing.assert_close(xs.grad, xf.grad, rtol=1e-12, atol=0)
+    for (name, p), q in zip(model.named_parameters(), params):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-15, msg=name)
+        assert "main_grad" not in q.__dict__ and "grad_added_to_main_grad" not in q.__dict__

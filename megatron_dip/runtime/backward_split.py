@@ -35,9 +35,14 @@ pending W holds is then what the cost model prices as `StageCost.weight_bytes`: 
 nodes' saved inputs and their recorded output gradients, for every GEMM its activation input
 and its output gradient (and what autograd saved where other
 saved-tensor hooks own the tensors: a recomputed region keeps its inputs and recomputes again
-in W, an offloaded one reloads). Transformer Engine's delayed weight-gradient path
-(`delay_wgrad_compute`) would do the same inside its layers; it is not wired (no TE here): the
-hook for it is `backward_weight`, which would call the layers' `backward_dw` instead.
+in W, an offloaded one reloads).
+
+Python autograd Functions among the weight nodes compute all their gradients in one call (the
+engine cannot ask them for one), so run as weight nodes they would repeat in W the input GEMM
+they did in B and do in B the weight GEMM W does. Megatron's local linear layers are such a
+Function: `linear_split` runs them through Megatron's own deferral in B and computes their
+weight gradients in W. Transformer Engine's layers would take the same place
+(`delay_wgrad_compute`, `backward_dw`); not wired (no TE here).
 
 A chunk without weight gradients (a frozen module) has no W: its B runs the whole backward and
 keeps nothing.
@@ -53,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from .linear_split import DeferredLinears, split_deferrable
 from .sent_outputs import backward
 
 
@@ -72,6 +78,7 @@ class SavedStore:
 
     def __init__(self) -> None:
         self.boxes: list[_Box] = []
+        self.owners: set[Node] = set()  # weight nodes whose saved tensors B unpacked from here
         self._local = threading.local()  # which thread is inside a weight node
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -87,12 +94,15 @@ class SavedStore:
         if box.tensor is None:
             raise RuntimeError("a split backward's W needed a tensor only B was to use")
         box.in_b = True
-        box.in_w |= getattr(self._local, "inside", 0) > 0
+        if getattr(self._local, "inside", 0) > 0:
+            box.in_w = True
+            self.owners.add(self._local.node)
         return box.tensor
 
-    def enter_weight_node(self, *_) -> None:
+    def enter_weight_node(self, node: Node, *_) -> None:
         """Pre-hook of a weight node in B: what it unpacks, W unpacks again."""
         self._local.inside = getattr(self._local, "inside", 0) + 1
+        self._local.node = node
 
     def leave_weight_node(self, *_) -> None:
         """Post-hook of a weight node in B."""
@@ -131,11 +141,13 @@ class PendingWeight:
     groups: list[_Group] = field(default_factory=list)
     pinned: list[tuple[Node, tuple]] = field(default_factory=list)  # weight node, its gradient
     store: SavedStore | None = None
+    linears: DeferredLinears = field(default_factory=lambda: DeferredLinears([]))
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Tensors this pending W holds: recorded gradients and kept saved tensors."""
         for group in self.groups:
             yield from group.grads
+        yield from self.linears.tensors()
         if self.store is not None:
             yield from self.store.tensors()
 
@@ -149,6 +161,7 @@ class _Graph:
     groups: list[tuple[list[Node], list[Node]]]  # (weight nodes, their parameters' nodes)
     in_b: list[Node]  # parameter nodes B accumulates
     w_roots: list[int]
+    linear_groups: list[tuple[list[Node], list[Node]]] = field(default_factory=list)
 
 
 def _post_order(roots: Iterable[Node]) -> list[Node]:
@@ -230,7 +243,8 @@ def _hook_weight_nodes(graph: _Graph, recorded: dict, store: SavedStore | None) 
         for node in nodes:
             handles.append(node.register_prehook(functools.partial(_record, recorded, node)))
             if store is not None:
-                handles.append(node.register_prehook(store.enter_weight_node))
+                enter = functools.partial(store.enter_weight_node, node)
+                handles.append(node.register_prehook(enter))
                 handles.append(node.register_hook(store.leave_weight_node))
     return handles
 
@@ -279,15 +293,20 @@ def backward_input(
     recorded: dict[Node, tuple] = {}
     handles = _hook_weight_nodes(graph, recorded, store)
     by_node = {get_gradient_edge(p).node: p for p in params}
+    linears = _deferred_linears(graph, store)
+    linears.before_b()
     try:
         if leaves:
             backward(
                 roots, grads, inputs=[*leaves, *(by_node[n] for n in graph.in_b)], keep_graph=True
             )
     finally:
+        linears.after_b()
         for h in handles:
             h.remove()
+    _keep_own_linears(graph, linears, store)
     pending = _pending(graph, recorded, params)
+    pending.linears = linears
     if graph.w_roots:
         pending.groups.append(
             _Group(
@@ -298,6 +317,32 @@ def backward_input(
         store.release()
     pending.store = store
     return pending
+
+
+def _deferred_linears(graph: _Graph, store: SavedStore | None) -> DeferredLinears:
+    """Megatron's linears among the weight nodes, taken out of `graph`'s groups: B runs them
+    through Megatron's deferral, W computes their weight gradients (`linear_split`). Only with
+    a `store`, which tells afterwards whether their saved tensors stay at hand."""
+    if store is None:
+        return DeferredLinears([])
+    rest, nodes = split_deferrable(graph.groups)
+    graph.linear_groups = [g for g in graph.groups if g not in rest]
+    graph.groups = rest
+    return DeferredLinears(nodes)
+
+
+def _keep_own_linears(graph: _Graph, linears: DeferredLinears, store: SavedStore | None) -> None:
+    """After B: a deferred linear whose saved tensors other saved-tensor hooks own (a
+    recomputed or offloaded region: reading them in W outside the engine would recompute the
+    region for each) goes back to W's engine calls, which re-run its whole backward."""
+    keep, buffers = [], []
+    for node, buffer in zip(linears.nodes, linears.buffers):
+        if store is not None and node in store.owners:
+            keep.append(node)
+            buffers.append(buffer)
+        else:
+            graph.groups.extend(g for g in graph.linear_groups if g[0][0] is node)
+    linears.nodes, linears.buffers = keep, buffers
 
 
 def _pin(grads: tuple, _incoming: tuple) -> tuple:
@@ -314,6 +359,7 @@ def backward_weight(pending: PendingWeight | None, params: Sequence[torch.nn.Par
         return
     handles = [node.register_prehook(functools.partial(_pin, g)) for node, g in pending.pinned]
     try:
+        pending.linears.weight_gradients()
         for group in pending.groups:  # graph retained: groups may share weight-side nodes; it
             # dies with the references dropped below
             torch.autograd.backward(
