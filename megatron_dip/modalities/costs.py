@@ -95,10 +95,12 @@ class CostContext:
 def gemm(m: float, k: int, n: int, c: CostContext, *, shard_in: bool) -> Op:
     """[m, k] x [k, n] split over TP: column-parallel (full input) or row-parallel (full output).
     `w_held`: what its weight gradient, deferred to a split backward's W, needs: the saved input
-    (column-parallel under sequence parallelism: the sequence shard, Megatron gathers it again)
-    and the output gradient (row-parallel: full width on every rank)."""
+    (under sequence parallelism the sequence shard, Megatron gathers it again) and the output
+    gradient (TP-sharded). Only a column-parallel GEMM's weight gradient is deferred: a
+    row-parallel one's output gradient is full width on every TP rank, so holding it for W would
+    cost about as much memory as the stage's activations; it is done in B (0 here)."""
     act = m * (k / c.tp + n) if shard_in else m * (k + n / c.tp)
-    held = m * (k / c.tp + n) if shard_in else m * (k / c.rep + n / c.tp)
+    held = 0.0 if shard_in else m * (k / c.rep + n / c.tp)
     return Op(
         2 * m * k * n / c.tp, c.dt * (k * n / c.tp + act), OpKind.GEMM, rows=m, w_held=c.dt * held
     )

@@ -335,7 +335,7 @@ class CostModel:
         share = self._weight_cache.get(key)
         if share is None:
             ops = modality_of(spec).layer_ops(spec, w, self._ctx)
-            gemms = sum(self._op_time(o) for o in ops if o.kind is OpKind.GEMM and not o.core)
+            gemms = sum(self._op_time(o) for o in ops if _deferred_gemm(o))
             _, bwd, _ = self._analytic_layer(spec, w)
             share = gemms / bwd if bwd > 0 else 0.0
             _bounded_put(self._weight_cache, key, share)
@@ -580,4 +580,10 @@ class CostModel:
 
 def _weight_gemm_bytes(ops: list[Op]) -> float:
     """What the weight GEMMs among `ops` hold for a pending W (`Op.w_held`)."""
-    return sum(op.w_held for op in ops if op.kind is OpKind.GEMM and not op.core)
+    return sum(op.w_held for op in ops if _deferred_gemm(op))
+
+
+def _deferred_gemm(op: Op) -> bool:
+    """Whether a split backward defers `op`'s weight gradient to W: a column-parallel weight
+    GEMM (`modalities.costs.gemm`: a row-parallel one's is done in B)."""
+    return op.kind is OpKind.GEMM and not op.core and op.w_held > 0

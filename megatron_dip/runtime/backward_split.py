@@ -19,10 +19,12 @@ it receives in the fused backward, so B then W gives the fused backward's gradie
 up to the order in which a parameter's contributions are summed).
 
 Which weight gradients wait for W: those of weight nodes that reach a matrix (a GEMM's
-weight). A weight node whose parameters are all vectors (a norm's weight, a bias added on its
-own) is done in B (its parameters are among B's `inputs=`): its weight gradient is a cheap
-reduction, the cost model prices it in B, and deferring it would hold the norm's input,
-statistics and output gradient (full hidden width on every tensor-parallel rank) for nothing.
+weight), except Megatron's row-parallel linears. A weight node whose parameters are all vectors
+(a norm's weight, a bias added on its own) or row-parallel weights is done in B (its parameters
+are among B's `inputs=`): a vector's gradient is a cheap reduction, and deferring either would
+hold an output gradient that is full hidden width on every tensor-parallel rank (a norm's, an
+attention out-projection's or MLP down-projection's), about as much as the stage's activations;
+the cost model prices them in B (`modalities.costs.gemm`).
 
 Outputs that do not depend on the inputs (a first chunk, whose inputs are data) and lead to
 parameters are W's roots themselves, with their output gradients: B does nothing for them.
@@ -220,11 +222,21 @@ def classify(
     w_roots = [i for i, e in enumerate(roots) if reach.get(e.node)]
     groups, in_b = [], []
     for nodes, pnodes in _share_groups(weights):
-        if all(p.variable.dim() <= 1 for p in pnodes):  # no GEMM weight: B does it
+        if all(_done_in_b(p.variable) for p in pnodes):
             in_b.extend(pnodes)
         else:
             groups.append((nodes, pnodes))
     return _Graph(groups, in_b, w_roots)
+
+
+def _done_in_b(param: torch.Tensor) -> bool:
+    """Whether a split backward accumulates `param`'s gradient in B: a vector (a norm's weight,
+    a bias added alone), or the weight of Megatron's row-parallel linear (its output gradient,
+    full width on every TP rank, would cost W about the stage's activations to hold)."""
+    row_parallel = getattr(param, "tensor_model_parallel", False) and (
+        getattr(param, "partition_dim", None) == 1
+    )
+    return param.dim() <= 1 or row_parallel
 
 
 def input_leaves(inputs: Iterable[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -313,8 +325,8 @@ def backward_input(
                 [edges[i] for i in graph.w_roots], [grads[i] for i in graph.w_roots], list(params)
             )
         )
-    if store is not None and not pending.pinned:  # pinned: W may run input-side nodes too
-        store.release()
+    if store is not None and not pending.pinned and not _foreign(graph, recorded, store):
+        store.release()  # pinned: W may run input-side nodes too
     pending.store = store
     return pending
 
@@ -343,6 +355,13 @@ def _keep_own_linears(graph: _Graph, linears: DeferredLinears, store: SavedStore
         else:
             graph.groups.extend(g for g in graph.linear_groups if g[0][0] is node)
     linears.nodes, linears.buffers = keep, buffers
+
+
+def _foreign(graph: _Graph, recorded: dict, store: SavedStore) -> bool:
+    """Whether W re-runs a weight node that took no saved tensor from `store` in B: its
+    tensors are other hooks' (a recomputed region's), whose W may need any of the store's boxes
+    (a checkpoint's inputs, unpacked in B by whichever node came first), so B frees none."""
+    return any(n in recorded and n not in store.owners for nodes, _ in graph.groups for n in nodes)
 
 
 def _pin(grads: tuple, _incoming: tuple) -> tuple:
