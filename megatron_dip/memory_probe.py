@@ -207,6 +207,84 @@ def measure_model(
     return pipe.records
 
 
+class PendingWeightPipeline(LocalPipeline):
+    """`LocalPipeline` whose trainable chunks run split backwards as the runtime does
+    (`runtime.backward_split`: the forward under a `SavedStore`, B, then W) and record, for
+    every non-loss (chunk, sub-microbatch), the bytes its pending W holds between them (the
+    kept saved tensors, the recorded gradients and the received messages, each storage once,
+    parameters and the sub-microbatch's data left out) next to `CostModel.weight_bytes`
+    (`PendingWeightBytes`). The loss stages run their backward fused."""
+
+    cost_model = None
+    records: list
+
+    def run_chunk(self, chunk, inputs: list, batch, sub: SubMicrobatch) -> dict:
+        from megatron_dip.runtime.backward_split import SavedStore
+
+        store = SavedStore()
+        with store.hooks():
+            outputs, _ = run_policy(chunk, NO_RECOMPUTE_POLICY, chunk, inputs, batch)
+        data = [batch.segments, batch.positions, *batch.tensors.values()]
+        self._split[id(outputs)] = (chunk, sub, store, data)
+        return outputs
+
+    def _backward(self, stages, loss: torch.Tensor) -> None:
+        from megatron_dip.runtime.backward_split import backward_input, backward_weight
+
+        if loss.requires_grad:
+            loss.backward()
+        for record in reversed(stages):
+            outs, grads = [], []
+            for name, t in record.outputs.items():
+                got = [r[name].grad for r in record.consumers if r[name].grad is not None]
+                if t.requires_grad and got:
+                    outs.append(t)
+                    grads.append(torch.stack(got).sum(0))
+            chunk, sub, store, data = self._split.pop(id(record.outputs))
+            if not outs:
+                continue
+            params = [p for p in chunk.parameters() if p.requires_grad]
+            leaves = [t for m in record.received for t in m.values() if t.requires_grad]
+            pending = backward_input(outs, grads, leaves, params, keep_graph=True, store=store)
+            held = SavedBytes(excluded={_storage_key(t) for t in [*chunk.parameters(), *data]})
+            for t in [*pending.tensors(), *_tensors(record.received)]:
+                held.add(t)
+            predicted = self.cost_model.weight_bytes(chunk.chunk, sub)
+            self.records.append(
+                PendingWeightBytes(
+                    chunk.chunk.module, chunk.is_first, chunk.is_last, sub, held.nbytes, predicted
+                )
+            )
+            backward_weight(pending, params)
+
+
+@dataclass(frozen=True)
+class PendingWeightBytes:
+    """One split backward: the bytes its pending W held (measured) and `weight_bytes`."""
+
+    module: str
+    first: bool
+    last: bool
+    sub: SubMicrobatch
+    measured: int
+    predicted: int
+
+
+NO_RECOMPUTE_POLICY = MemoryPolicy(*NO_RECOMPUTE)
+
+
+def measure_pending_weights(
+    model, microbatches, *, cost_model, config, groups, seq_length: int, ranges=None, sizes=None
+) -> list[PendingWeightBytes]:
+    """Forward and split backward of `microbatches` (`PendingWeightPipeline`)."""
+    pipe = PendingWeightPipeline.build(
+        model, config=config, groups=groups, seq_length=seq_length, seed=0, ranges=ranges
+    )
+    pipe.cost_model, pipe.records, pipe._split = cost_model, [], {}
+    pipe.forward_backward(microbatches, sizes=sizes)
+    return pipe.records
+
+
 class HeldActivations:
     """The activation bytes one rank's `Executor` holds between instructions, and their peak.
 
@@ -258,6 +336,11 @@ class HeldActivations:
         for saved in ex._saved.values():
             yield from _tensors([m for _, m in saved.inputs])
             yield from _tensors(saved.outputs)
+            if saved.store is not None:  # a split stage's saved tensors, boxed (no pack here)
+                yield from saved.store.tensors()
+        for pending in ex._pending.values():
+            if pending is not None:
+                yield from pending.tensors()
         yield from _tensors(ex._messages)
         for name in ("_sending", "_received"):
             yield from _tensors(getattr(ex.transport, name, {}))

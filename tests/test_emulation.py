@@ -174,6 +174,75 @@ def test_chunks_sleep_at_least_the_cost_model_time_and_wait_for_remote_stamps(
     assert chunk.weight.grad is not None
 
 
+class _Sleeps:
+    """Stands in for `emulation.chunk.sleep_until`: records each requested sleep, sleeps none."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def __call__(self, deadline: float, config) -> None:
+        self.seconds.append(deadline - config.now())
+
+
+@pytest.mark.parametrize("module", ["llm", "vit"])
+def test_split_backward_sleeps_the_cost_models_b_then_w(
+    dip, single_rank_world, monkeypatch, module
+) -> None:
+    """A split plan's emulated ops follow the cost model: the runtime's B (`backward_input`)
+    sleeps the stage's input-gradient seconds (`StageCost.backward_input`) and its W
+    (`backward_weight`) the weight-gradient seconds (`StageCost.weight`), scaled, and nothing
+    else; the weight's gradient arrives in W. An LLM chunk receives gradients-needing inputs;
+    the ViT's first chunk does not, and, as a real first chunk, runs both in W."""
+    from megatron_dip.emulation import chunk as emulated
+    from megatron_dip.runtime.backward_split import (
+        SavedStore,
+        backward_input,
+        backward_weight,
+        input_leaves,
+    )
+    from megatron_dip.schedule import Dataflow
+
+    spec, batch, plan = dip
+    df = Dataflow(plan.placement, plan.submicrobatches, plan.dependencies)
+    stage = next(s for s in df.stages() if s.module == module and s.chunk == 0)
+    cost = spec.cost_model.stage_cost(
+        plan.placement.module(module).chunks[0], plan.submicrobatch(stage.work)
+    )
+    scale = 1.0 / cost.backward  # seconds: what a sleep's deadline is measured against
+    source = _source(spec, batch, plan, scale=scale)
+    chunks = build_emulated_chunks(spec.model, plan.placement, rank=source.df.rank_of(stage))
+    inputs = []
+    for _key in source.df.forward_inputs(stage):
+        message = torch.zeros(message_spec().shape)
+        message[1:4] = torch.tensor(encode_stamp(1.0))  # long arrived
+        inputs.append({"emulated": message.requires_grad_(True)})
+    sleeps = _Sleeps()
+    monkeypatch.setattr(emulated, "sleep_until", sleeps)
+    store = SavedStore()
+    with store.hooks():
+        chunk, timing, out = _run_stage(chunks, source, stage, inputs)
+    assert timing.weight_s == pytest.approx(scale * cost.weight) and cost.weight > 0
+    grad = torch.zeros(message_spec().shape)
+    grad[0] = 1.0
+    params = [chunk.weight]
+    sleeps.seconds.clear()
+    leaves = input_leaves(inputs)
+    pending = backward_input(
+        [out["emulated"]], [grad], leaves, params, keep_graph=True, store=store
+    )
+    in_b, sleeps.seconds = [x for x in sleeps.seconds if x > 1e-3], []
+    assert chunk.weight.grad is None
+    backward_weight(pending, params)
+    in_w = [x for x in sleeps.seconds if x > 1e-3]
+    b_s = pytest.approx(scale * cost.backward_input, abs=1e-3)
+    w_s = pytest.approx(scale * cost.weight, abs=1e-3)
+    if leaves:
+        assert in_b == [b_s] and in_w == [w_s]
+    else:
+        assert in_b == [] and in_w == [b_s, w_s]
+    assert chunk.weight.grad is not None
+
+
 def test_summary_and_stock_choices(dip) -> None:
     records = [
         {

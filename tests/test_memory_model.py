@@ -156,3 +156,53 @@ def print_table() -> None:
 
 if __name__ == "__main__":
     print_table()
+
+
+# What a pending W holds (`CostModel.weight_bytes`) against what the runtime's split backward
+# really keeps between B and W (`memory_probe.measure_pending_weights`), float32, no recompute,
+# summed over two microbatches per (module, chunk position); the loss chunk runs fused. Only
+# column-parallel GEMMs' weight gradients wait for W (row-parallel ones and vectors are done in
+# B). The layers are priced within 7% (middle chunks, predicted / measured - 1: LLM -2.0%, ViT
+# -2.3%, text encoder -2.0%, DiT +6.1%: the 3% of the activation model is missed). Known misses,
+# the input and output layers' weight nodes (not priced one by one): DiT's and the text
+# encoder's first chunks -49% / -66% (timestep and caption embedding MLPs, the adaLN
+# modulation's inputs), the LLM's first -11%, ViT's first -19% (the runtime keeps more); ViT's
+# last +31% (the projector), the text encoder's last +12% (it keeps less).
+PENDING_W_TOLERANCE = 0.07
+PENDING_W_KNOWN = {
+    ("dit", "first"): 0.55,
+    ("text", "first"): 0.70,
+    ("vit", "first"): 0.22,
+    ("vit", "last"): 0.35,
+    ("llm", "first"): 0.13,
+    ("text", "last"): 0.14,
+}
+
+
+@pytest.mark.parametrize("kind", ["vlm", "t2v"])
+def test_pending_weight_bytes_match_the_runtimes_split_backward(groups, kind):
+    from megatron_dip.memory_probe import measure_pending_weights
+
+    model = model_of(kind)
+    ranges = {
+        m.name: [(0, 1), (1, m.num_layers - 1), (m.num_layers - 1, m.num_layers)]
+        for m in model.modules
+    }
+    records = measure_pending_weights(
+        model,
+        group_samples(samples(kind, 6), [3, 3]),
+        cost_model=CostModel(model, H100, dtype_bytes=4, kernels=CPU_KERNELS),
+        config=ModelConfig(dtype="float32", adaln_zero=False, seed=7),
+        groups=groups,
+        seq_length=SEQ,
+        ranges=ranges,
+        sizes=SIZES,
+    )
+    totals: dict = defaultdict(lambda: [0, 0])
+    for r in records:
+        totals[(r.module, _position(r))][0] += r.measured
+        totals[(r.module, _position(r))][1] += r.predicted
+    assert any(where == "middle" for _, where in totals)
+    for key, (measured, predicted) in sorted(totals.items()):
+        error = abs(predicted / measured - 1)
+        assert error < PENDING_W_KNOWN.get(key, PENDING_W_TOLERANCE), (key, measured, predicted)

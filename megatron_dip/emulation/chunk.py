@@ -82,44 +82,69 @@ def _stamped_input_grads(timing: StageTiming, grad_out: torch.Tensor, payload) -
     return grads
 
 
-class _Sleep(torch.autograd.Function):
-    """out = w * (1 + sum(payloads)); sleeps the emulated forward / backward times."""
+class _SleepWeight(torch.autograd.Function):
+    """[w, 1, 1, ...] (a message-wide factor carrying the chunk's weight); its backward sleeps
+    the weight-gradient seconds: the W of a split backward (`runtime.backward_split`), which
+    runs this node alone, or part of a fused backward."""
 
     @staticmethod
-    def forward(ctx, weight, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
+    def forward(ctx, weight, seconds: float, clock: EmulationConfig):
+        ctx.seconds, ctx.clock, ctx.shape = seconds, clock, weight.shape
+        out = torch.ones(_WIDTH, dtype=weight.dtype, device=weight.device)
+        out[0] = weight.reshape(-1)[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.seconds > 0:
+            sleep_until(ctx.clock.now() + ctx.seconds, ctx.clock)
+        return grad[0].reshape(ctx.shape), None, None
+
+
+class _Sleep(torch.autograd.Function):
+    """out = a * (1 + sum(payloads)), `a` element 0 of `anchor`; sleeps the emulated forward
+    and the backward's input-gradient seconds (the B of a split backward)."""
+
+    @staticmethod
+    def forward(ctx, anchor, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
         _emulate_forward(ctx, timing, clock, backward_s, inputs)
-        total = sum((x[0] for x in inputs), torch.zeros((), dtype=weight.dtype))
-        ctx.save_for_backward(weight, total)
-        out = torch.zeros(_WIDTH, dtype=weight.dtype, device=weight.device)
-        out[0] = weight[0] * (1 + total)
+        total = sum((x[0] for x in inputs), torch.zeros((), dtype=anchor.dtype))
+        ctx.save_for_backward(anchor, total)
+        out = torch.zeros(_WIDTH, dtype=anchor.dtype, device=anchor.device)
+        out[0] = anchor[0] * (1 + total)
         _stamp(out, 0, clock.now())
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, total = ctx.saved_tensors
+        anchor, total = ctx.saved_tensors
         timing, clock = ctx.timing, ctx.clock
         outs = timing.outputs
         sleep_until(_ready_at([grad_out] * len(outs), outs, range(1, 1 + len(outs))), clock)
         sleep_until(clock.now() + ctx.backward_s, clock)
-        grad_weight = (grad_out[0] * (1 + total)).reshape(1)
-        grads = _stamped_input_grads(timing, grad_out, grad_out[0] * weight[0])
-        return (grad_weight, None, None, None, *grads)
+        grad_anchor = torch.zeros_like(anchor)
+        grad_anchor[0] = grad_out[0] * (1 + total)
+        grads = _stamped_input_grads(timing, grad_out, grad_out[0] * anchor[0])
+        return (grad_anchor, None, None, None, *grads)
 
 
 class _SleepLoss(torch.autograd.Function):
-    """loss = w * tokens (+ 0 * inputs, so the inputs get their stamped gradients)."""
+    """loss = a * tokens (+ 0 * inputs, so the inputs get their stamped gradients), `a` as in
+    `_Sleep`; its backward sleeps the input-gradient seconds."""
 
     @staticmethod
-    def forward(ctx, weight, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
+    def forward(ctx, anchor, timing: StageTiming, clock: EmulationConfig, backward_s, *inputs):
         _emulate_forward(ctx, timing, clock, backward_s, inputs)
-        return weight[0].clone()
+        ctx.width = anchor.shape[0]
+        return anchor[0].clone()
 
     @staticmethod
     def backward(ctx, grad_out):
         sleep_until(ctx.clock.now() + ctx.backward_s, ctx.clock)
         grads = _stamped_input_grads(ctx.timing, grad_out, 0.0)
-        return (grad_out.reshape(1), None, None, None, *grads)
+        grad_anchor = torch.zeros(ctx.width, dtype=grad_out.dtype, device=grad_out.device)
+        grad_anchor[0] = grad_out
+        return (grad_anchor, None, None, None, *grads)
 
 
 class EmulatedChunk(MegatronModule):
@@ -135,7 +160,9 @@ class EmulatedChunk(MegatronModule):
             chunk.module == model.loss_module.name
             and chunk.layer_end == self.module_spec.num_layers
         )
-        self.weight = torch.nn.Parameter(torch.ones(1, dtype=config.params_dtype))
+        # A matrix, as the chunk's weights it stands for: a split backward defers its gradient
+        # to W (vectors' are done in B, `runtime.backward_split`).
+        self.weight = torch.nn.Parameter(torch.ones(1, 1, dtype=config.params_dtype))
         self.weight.requires_grad_(trainable)
         self._recompute: tuple[Recompute, int, int] = (Recompute.NONE, 0, 0)
         # Checkpoints name parameters globally; one emulated weight per chunk's layer range.
@@ -158,16 +185,25 @@ class EmulatedChunk(MegatronModule):
     def forward(self, *, inputs: Sequence[dict[str, torch.Tensor]], batch: SubWork):
         timing = batch.timing(self.chunk.module, self.chunk.index)
         tensors = [m[MESSAGE_NAME] for m in inputs]
-        backward_s = timing.backward_for(*self._recompute)
+        weight_s = timing.weight_s if self.weight.requires_grad else 0.0
+        input_s = timing.backward_for(*self._recompute) - weight_s
+        # The backward is two nodes, as a layer's: the input gradients (`_Sleep`, B) and the
+        # weight's (`_SleepWeight`, W), joined by a product (the weight node of a split backward).
+        # A chunk whose inputs need no gradient has no B of its own: its `_Sleep` hangs off the
+        # weight, so a split backward runs both in W, as it runs a real first chunk's.
+        wt = _SleepWeight.apply(self.weight, weight_s, batch.config)
+        first = not any(t.requires_grad for t in tensors)
+        anchor = wt if first else torch.ones(_WIDTH, dtype=wt.dtype, device=wt.device)
         if self.is_loss_stage:
-            loss = _SleepLoss.apply(self.weight, timing, batch.config, backward_s, *tensors)
+            loss = _SleepLoss.apply(anchor, timing, batch.config, input_s, *tensors)
+            loss = loss if first else loss * wt[0]
             tokens = batch.loss_tokens
             return {
                 "loss": loss * tokens,
                 "num_tokens": torch.tensor(tokens, dtype=torch.int64),
             }
-        out = _Sleep.apply(self.weight, timing, batch.config, backward_s, *tensors)
-        return {MESSAGE_NAME: out}
+        out = _Sleep.apply(anchor, timing, batch.config, input_s, *tensors)
+        return {MESSAGE_NAME: out if first else out * wt}
 
     def set_input_tensor(self, tensor) -> None:  # Megatron's hook; inputs come via `inputs=`
         del tensor

@@ -114,8 +114,9 @@ class StageTiming:
 
     forward_s: float
     backward_s: Callable[..., float]  # (mode, N of block / uniform, offload K) -> seconds
-    inputs: tuple[Link, ...]  # in the order of the chunk's `inputs=` (producer order)
-    outputs: tuple[Link, ...]  # one per consumer, in `Dataflow.consumers` order
+    weight_s: float = 0.0  # of the backward: the weight gradients (a split backward's W)
+    inputs: tuple[Link, ...] = ()  # in the order of the chunk's `inputs=` (producer order)
+    outputs: tuple[Link, ...] = ()  # one per consumer, in `Dataflow.consumers` order
 
     def backward_for(self, recompute: Recompute, layers: int = 0, offload: int = 0) -> float:
         return self.backward_s(recompute, layers, offload)
@@ -192,8 +193,8 @@ class EmulatedBatchSource:
             self._link(MessageKey(MessageKind.GRADIENT, stage, consumer))
             for consumer in self.df.consumers(stage)
         )
-        forward = self.cost_model.stage_cost(chunk, sub).forward * scale
-        return StageTiming(forward, backward, inputs, outputs)
+        base = self.cost_model.stage_cost(chunk, sub)
+        return StageTiming(base.forward * scale, backward, base.weight * scale, inputs, outputs)
 
     def _link(self, key: MessageKey) -> Link:
         remote = self.df.sender_of(key) != self.df.receiver_of(key)
@@ -272,7 +273,10 @@ class ScaledCostModel:
     ) -> Any:
         cost = self.base.stage_cost(chunk, sub, recompute, layers, offload)
         return dataclasses.replace(
-            cost, forward=cost.forward * self.scale, backward=cost.backward * self.scale
+            cost,
+            forward=cost.forward * self.scale,
+            backward=cost.backward * self.scale,
+            weight=cost.weight * self.scale,
         )
 
     def transfer_time(self, nbytes: int) -> float:

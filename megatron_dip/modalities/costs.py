@@ -31,6 +31,7 @@ class Op:
     kind: OpKind
     rows: float = 1.0  # GEMM row count or attention segment length: drives efficiency
     core: bool = False  # part of the attention core (what selective recompute redoes)
+    w_held: float = 0.0  # a weight GEMM: bytes its deferred weight gradient holds (`gemm`)
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,17 @@ class CostContext:
 
 
 def gemm(m: float, k: int, n: int, c: CostContext, *, shard_in: bool) -> Op:
-    """[m, k] x [k, n] split over TP: column-parallel (full input) or row-parallel (full output)."""
+    """[m, k] x [k, n] split over TP: column-parallel (full input) or row-parallel (full output).
+    `w_held`: what its weight gradient, deferred to a split backward's W, needs: the saved input
+    (under sequence parallelism the sequence shard, Megatron gathers it again) and the output
+    gradient (TP-sharded). Only a column-parallel GEMM's weight gradient is deferred: a
+    row-parallel one's output gradient is full width on every TP rank, so holding it for W would
+    cost about as much memory as the stage's activations; it is done in B (0 here)."""
     act = m * (k / c.tp + n) if shard_in else m * (k + n / c.tp)
-    return Op(2 * m * k * n / c.tp, c.dt * (k * n / c.tp + act), OpKind.GEMM, rows=m)
+    held = 0.0 if shard_in else m * (k / c.rep + n / c.tp)
+    return Op(
+        2 * m * k * n / c.tp, c.dt * (k * n / c.tp + act), OpKind.GEMM, rows=m, w_held=c.dt * held
+    )
 
 
 def mem(elements: float, passes: float, c: CostContext) -> Op:

@@ -72,12 +72,21 @@ class StageCost:
     """Seconds of forward and backward (recomputation included) of one chunk on one
     sub-microbatch, and the activation bytes held from the end of its forward to the end of its
     backward. `weight`: the seconds of `backward` that are weight gradients (a split backward's
-    `BackwardWeight`; the `BackwardInput` takes `backward - weight`); 0 for frozen modules."""
+    `BackwardWeight`; the `BackwardInput` takes `backward - weight`); 0 for frozen modules.
+    `weight_bytes`: the bytes held from a split backward's B to its W instead of
+    `activation_bytes` (`CostModel.weight_bytes`); None: the activations (a cost without the
+    split's memory model)."""
 
     forward: float
     backward: float
     activation_bytes: int
     weight: float = 0.0
+    weight_bytes: int | None = None
+
+    @property
+    def pending_weight_bytes(self) -> int:
+        """Bytes held from a split backward's B to its W."""
+        return self.activation_bytes if self.weight_bytes is None else self.weight_bytes
 
     @property
     def backward_input(self) -> float:
@@ -284,7 +293,11 @@ class CostModel:
         if scale == 1.0:
             return cost
         return StageCost(
-            cost.forward * scale, cost.backward * scale, cost.activation_bytes, cost.weight * scale
+            cost.forward * scale,
+            cost.backward * scale,
+            cost.activation_bytes,
+            cost.weight * scale,
+            cost.weight_bytes,
         )
 
     def _stage_cost(
@@ -313,7 +326,7 @@ class CostModel:
         weight = n * self._weight_share(spec, w) * bwd_l + extra
         if not spec.trainable:  # no weight gradients: the backward is its input half alone
             return StageCost(fwd, bwd - weight, nbytes, 0.0)
-        return StageCost(fwd, bwd, nbytes, weight)
+        return StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, *policy))
 
     def _weight_share(self, spec: ModuleSpec, w: Work) -> float:
         """The weight-gradient share of a layer's analytic backward: its weight GEMMs (as long
@@ -322,7 +335,7 @@ class CostModel:
         share = self._weight_cache.get(key)
         if share is None:
             ops = modality_of(spec).layer_ops(spec, w, self._ctx)
-            gemms = sum(self._op_time(o) for o in ops if o.kind is OpKind.GEMM and not o.core)
+            gemms = sum(self._op_time(o) for o in ops if _deferred_gemm(o))
             _, bwd, _ = self._analytic_layer(spec, w)
             share = gemms / bwd if bwd > 0 else 0.0
             _bounded_put(self._weight_cache, key, share)
@@ -454,6 +467,42 @@ class CostModel:
             total -= self._offloaded(spec, chunk, w, MemoryPolicy(recompute, layers, offload))
         return int(total)
 
+    def weight_bytes(
+        self,
+        chunk: ChunkSpec,
+        sub: SubMicrobatch,
+        recompute: Recompute = Recompute.NONE,
+        layers: int = 0,
+        offload: int = 0,
+    ) -> int:
+        """Bytes a pending W of `chunk` on `sub` holds from its `BackwardInput` to its
+        `BackwardWeight` (`runtime/backward_split.py`): every weight GEMM's activation input and
+        recorded output gradient, in every layer (a recomputed layer's inputs are recomputed in
+        W, but the W's peak has them); what recomputation keeps (checkpoint inputs); the
+        received messages and the input / output layers' stored tensors, with their GEMMs'
+        inputs and output gradients. What only B needs (attention core, activation functions,
+        rotary, norms: their weight gradients are done in B) is freed after B. Under tensor
+        parallelism a row-parallel GEMM's output gradient is full width on every rank, so this
+        can exceed `chunk_activation_bytes`. 0 for a frozen module (no W)."""
+        spec = self.model.module(chunk.module)
+        if not spec.trainable:
+            return 0
+        w, c = self._work(sub), self._ctx
+        modality = modality_of(spec)
+        n = chunk.num_layers
+        redo = {Recompute.FULL: n, Recompute.BLOCK: min(layers, n), Recompute.UNIFORM: n}
+        plain = n - redo.get(recompute, 0)
+        total = self.chunk_activation_bytes(chunk, sub, recompute, layers, offload)
+        if recompute is not Recompute.FULL:
+            keep = recompute if recompute is Recompute.SELECTIVE else Recompute.NONE
+            total -= self._layers_stored(spec, plain, w, keep, 0)
+        total += n * _weight_gemm_bytes(modality.layer_ops(spec, w, c))
+        if chunk.layer_start == 0:
+            total += _weight_gemm_bytes(modality.input_ops(spec, w, c))
+        if chunk.layer_end == spec.num_layers:
+            total += _weight_gemm_bytes(modality.output_ops(spec, w, c))
+        return int(total)
+
     def _layers_stored(self, spec, n: int, w, recompute: Recompute, layers: int) -> float:
         """Bytes the chunk's `n` transformer layers keep: all their stored tensors (less the
         attention cores' under SELECTIVE), except for Megatron's partial recomputation: BLOCK N
@@ -527,3 +576,14 @@ class CostModel:
         if spec.trainable:
             return True
         return any(self.needs_backward(p.name) for p in self.model.producers_of(module))
+
+
+def _weight_gemm_bytes(ops: list[Op]) -> float:
+    """What the weight GEMMs among `ops` hold for a pending W (`Op.w_held`)."""
+    return sum(op.w_held for op in ops if _deferred_gemm(op))
+
+
+def _deferred_gemm(op: Op) -> bool:
+    """Whether a split backward defers `op`'s weight gradient to W: a column-parallel weight
+    GEMM (`modalities.costs.gemm`: a row-parallel one's is done in B)."""
+    return op.kind is OpKind.GEMM and not op.core and op.w_held > 0

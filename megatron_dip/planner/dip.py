@@ -485,14 +485,15 @@ class DipPlanner:
                 continue
         return out
 
-    def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float]:
-        """(B, W) seconds of a stage's split backward, each with its instruction's host time;
-        W 0 for a module without weight gradients (its backward stays whole)."""
+    def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float, float]:
+        """(B, W) seconds of a stage's split backward, each with its instruction's host time,
+        and the bytes its pending W holds; W 0 for a module without weight gradients (its
+        backward stays whole)."""
         c = self._stage_cost(sub_of, stage, choice.of(stage))
         host = host_overheads(self.cost_model).instruction
         if c.weight <= 0:
-            return c.backward + host, 0.0
-        return c.backward_input + host, c.weight + host
+            return c.backward + host, 0.0, float(c.activation_bytes)
+        return c.backward_input + host, c.weight + host, float(c.pending_weight_bytes)
 
     def _stage_times(self, merged: Sequence[MicrobatchWork], mode: RecomputeMode) -> list[float]:
         """Forward and backward compute of every (chunk, sub-microbatch) of `merged` under

@@ -62,6 +62,8 @@ class StageGraph:
     # Per stage: seconds of its split backward's weight-gradient half W (node 2S+k), 0 where the
     # backward is fused; `bwd_time` is then the input-gradient half B alone (`with_split`).
     wgt_time: list[float] | None = None
+    # Per stage: bytes held from its split B to its W (instead of `act_bytes`).
+    wgt_bytes: list[float] | None = None
     _arrays: _GraphArrays | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -99,6 +101,7 @@ class StageGraph:
                 act=np.asarray(act, dtype=float),
                 int_bytes=all(isinstance(x, int) for x in act),
                 wgt_time=np.zeros(len(fwd)),
+                wgt_act=np.asarray(act, dtype=float),
             )
         return graph
 
@@ -107,15 +110,26 @@ class StageGraph:
         """Whether some backward of the graph is split into B and W."""
         return self.wgt_time is not None and any(w > 0 for w in self.wgt_time)
 
-    def with_split(self, input_time: Sequence[float], weight_time: Sequence[float]) -> StageGraph:
+    def with_split(
+        self,
+        input_time: Sequence[float],
+        weight_time: Sequence[float],
+        weight_bytes: Sequence[float] | None = None,
+    ) -> StageGraph:
         """The same graph with split backwards: stage k's B lasts `input_time[k]` and its W
-        `weight_time[k]` (0: the backward stays fused, lasting `input_time[k]`)."""
-        graph = dataclasses.replace(self, bwd_time=list(input_time), wgt_time=list(weight_time))
+        `weight_time[k]` (0: the backward stays fused, lasting `input_time[k]`); between them
+        the stage holds `weight_bytes[k]` (None: its activations)."""
+        held = list(weight_bytes) if weight_bytes is not None else list(self.act_bytes)
+        graph = dataclasses.replace(
+            self, bwd_time=list(input_time), wgt_time=list(weight_time), wgt_bytes=held
+        )
         if self._arrays is not None:
             graph._arrays = dataclasses.replace(
                 self._arrays,
                 bwd_time=np.asarray(input_time, dtype=float),
                 wgt_time=np.asarray(weight_time, dtype=float),
+                wgt_act=np.asarray(held, dtype=float),
+                int_bytes=self._arrays.int_bytes and all(float(x).is_integer() for x in held),
             )
         return graph
 
@@ -147,6 +161,7 @@ class _GraphArrays:
     sub: np.ndarray
     chunk: np.ndarray
     wgt_time: np.ndarray  # zeros: no split backwards
+    wgt_act: np.ndarray  # bytes held from a split B to its W
 
     @classmethod
     def of(cls, g: StageGraph) -> _GraphArrays:
@@ -173,6 +188,7 @@ class _GraphArrays:
             sub=np.asarray([s.sub for s in g.stages], dtype=np.int64),
             chunk=np.asarray([s.chunk for s in g.stages], dtype=np.int64),
             wgt_time=np.asarray(g.wgt_time or [0.0] * len(g.stages), dtype=float),
+            wgt_act=np.asarray(g.wgt_bytes or g.act_bytes, dtype=float),
         )
 
 
@@ -408,6 +424,7 @@ def _run(
         fixed_ptr,
         not fill_bubbles,
         a.wgt_time,
+        a.wgt_act,
         float(overshoot),
         *(expect or (np.zeros(n + 1, dtype=np.int64), np.zeros(0))),
     )

@@ -12,7 +12,8 @@ Inputs, for S stages on P ranks (node 2k: forward of stage k; 2k+1: its backward
   succ_ptr[2S+1], succ_node[E], succ_delay[E] (CSR successor lists), npred[2S],
   limit[P] (+inf: none), fixed[S] (forward nodes of each rank in fixed order, rank-major),
   fixed_ptr[P+1] and use_fixed (fill_bubbles=False), wgt_time[S] (seconds of a split
-  backward's weight-gradient half W; 0: the backward is not split), overshoot, and
+  backward's weight-gradient half W; 0: the backward is not split), wgt_act[S] (bytes held from
+  a split B to its W, instead of act), overshoot, and
   expect_ptr[P+1], expect_t[...] (per rank, when its k-th forward or backward was ready in a
   previous run; empty: unknown).
 Output: status (0 ok, 1 stalled), executed nodes in order, start[3S], end[3S], makespan,
@@ -20,7 +21,7 @@ peak[P], overcommitted, ready_time[2S] (when each F/B had all its inputs).
 
 Split backwards (Zero-Bubble's B/W, `wgt_time[k] > 0`): node 2k+1 is then stage k's B (its
 `bwd_time` is B alone) and node 2S+k its W. A finished B queues its W on its rank; the stage's
-activations stay held until the W. A rank runs its oldest queued W (ZB-H1's rule) where it
+activations held drop to what the W needs (`wgt_act`) until the W. A rank runs its oldest queued W (ZB-H1's rule) where it
 would otherwise idle: a forward held back by the memory limit, a gap before its next ready node
 that the W fits (`overshoot`: the share of the W that may overrun the gap), or, with nothing
 ready, a gap before the time its next node was ready in a previous run (`expect_t`), so that a W
@@ -147,7 +148,7 @@ def _best(entries, lo, count, t0, forward, strict, ready_time, prank, act, mem, 
 # One loop over flat state on purpose: split into helpers it would pass ~30 arrays around.
 @njit(cache=True)
 def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, succ_node,  # noqa: PLR0912, PLR0915
-                 succ_delay, npred0, limit, fixed, fixed_ptr, use_fixed, wgt_time,
+                 succ_delay, npred0, limit, fixed, fixed_ptr, use_fixed, wgt_time, wgt_act,
                  overshoot, expect_ptr, expect_t):  # fmt: skip
     """Schedule every node; see the module docstring for the arrays."""
     num_stages, num_ranks = rank.shape[0], limit.shape[0]
@@ -218,12 +219,12 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
             dirty[:] = True  # those were not the strict choices
         if r < 0:
             return 1, order, start, end, finish, peak, overcommitted, ready_time
-        if node >= 2 * num_stages:  # a queued W: frees its stage's activations
+        if node >= 2 * num_stages:  # a queued W: frees what its stage held for it
             k = node - 2 * num_stages
             wq_head[r] += 1
             stop = t0 + wgt_time[k]
             free_at[r] = stop
-            mem[r] -= act[k]
+            mem[r] -= wgt_act[k]
             order[step], start[node], end[node] = node, t0, stop
             dirty[r] = True
             finish = max(finish, stop)
@@ -242,9 +243,12 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
             mem[r] += act[k]
             overcommitted |= mem[r] > limit[r]
             peak[r] = max(peak[r], mem[r])
-        elif not is_fwd and wgt_time[k] > 0:  # a split B: its W holds the activations
+        elif not is_fwd and wgt_time[k] > 0:  # a split B: from now on its W holds wgt_act
             wq[wq_tail[r]] = k
             wq_tail[r] += 1
+            mem[r] += wgt_act[k] - act[k]
+            overcommitted |= mem[r] > limit[r]
+            peak[r] = max(peak[r], mem[r])
         elif not is_fwd:
             mem[r] -= act[k]
         order[step], start[node], end[node] = node, t0, stop

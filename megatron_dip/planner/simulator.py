@@ -17,7 +17,8 @@ this module only supplies durations and reads the result:
 
 Activation memory per rank is a step function over time: a stage adds its `activation_bytes` at
 the end of its forward and releases them at the end of its backward (of a split backward: its
-`BackwardWeight`; a pending W holds the stage's activations). A forward-only stage (frozen
+`BackwardInput` trades them for what the pending W holds, `StageCost.pending_weight_bytes`, which
+its `BackwardWeight` releases). A forward-only stage (frozen
 module with nothing trainable upstream) runs without autograd and holds nothing afterwards; what
 its consumers keep of its output is part of their own activation bytes. Transient working memory
 inside an operator, parameters, gradients and optimizer state are not part of this timeline.
@@ -194,9 +195,12 @@ def _holdings(
         ins = program.instructions[index]
         if isinstance(ins, Forward) and ins.stage in has_backward:
             held += int(costs[ins.stage].activation_bytes)
-        elif isinstance(ins, BackwardWeight) or (
-            isinstance(ins, Backward) and ins.stage not in weighted
-        ):
+        elif isinstance(ins, BackwardInput) and ins.stage in weighted:  # now what W needs
+            cost = costs[ins.stage]
+            held += int(cost.pending_weight_bytes) - int(cost.activation_bytes)
+        elif isinstance(ins, BackwardWeight):
+            held -= int(costs[ins.stage].pending_weight_bytes)
+        elif isinstance(ins, Backward) and ins.stage not in weighted:
             held -= int(costs[ins.stage].activation_bytes)
         else:
             continue

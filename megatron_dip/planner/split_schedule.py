@@ -42,14 +42,15 @@ OVERSHOOTS = (0.0, 0.5, 1.0)
 
 # (input-gradient seconds, weight-gradient seconds) of a stage's backward, host time included;
 # weight 0: the backward stays whole (a frozen module).
-SplitCostFn = Callable[[StageId], "tuple[float, float]"]
+SplitCostFn = Callable[[StageId], "tuple[float, float, float]"]
 
 
 def split_graph(graph: StageGraph, split_cost: SplitCostFn) -> StageGraph:
-    """`graph` with each stage's backward split as `split_cost` prices it."""
-    costs = [split_cost(s) if b else (t, 0.0) for s, b, t in zip(
-        graph.stages, graph.has_backward, graph.bwd_time)]  # fmt: skip
-    return graph.with_split([c[0] for c in costs], [c[1] for c in costs])
+    """`graph` with each stage's backward split as `split_cost` prices it: (B seconds, W
+    seconds, bytes a pending W holds)."""
+    costs = [split_cost(s) if b else (t, 0.0, a) for s, b, t, a in zip(
+        graph.stages, graph.has_backward, graph.bwd_time, graph.act_bytes)]  # fmt: skip
+    return graph.with_split([c[0] for c in costs], [c[1] for c in costs], [c[2] for c in costs])
 
 
 def best_split_schedule(

@@ -43,8 +43,8 @@ def split_into_bubbles(
     split = dataclasses.replace(plan, programs=split_backwards(plan))
     costs, _ = stage_costs(plan, cost_model)
 
-    def weight_bytes(stage: StageId) -> float:
-        return float(costs[stage].activation_bytes)
+    def weight_bytes(stage: StageId) -> float:  # the fill's rule holds one amount F to W
+        return float(max(costs[stage].activation_bytes, costs[stage].pending_weight_bytes))
 
     timing = PlanTiming(plan, cost_model, costs)
 

@@ -16,8 +16,9 @@ Forward calls the chunk with `inputs=` (one dict per producer message, in produc
 `torch.autograd.backward` on the chunk's outputs with the received output gradients (summed over
 consumers), or on the weighted loss for the loss module's last chunk, and turns the inputs'
 `.grad` into the gradient messages for the producers. A split backward (`BackwardInput`, then
-`BackwardWeight`) does the same in two halves (`backward_split.py`), the stage's graph held in
-between; `ReduceGrads` starts a chunk's data-parallel reduction where the plan says (without
+`BackwardWeight`) does the same in two halves (`backward_split.py`): B the input gradients and
+the gradients of the weight nodes, W the weight gradients from those, holding in between only
+what W needs (the stage's forward boxes its saved tensors for that); `ReduceGrads` starts a chunk's data-parallel reduction where the plan says (without
 them `gradsync.py` infers the points). Loss weights: `loss.py`. Recompute:
 `recompute.py`. Data-parallel reduction points: `gradsync.py`. After the program (and the
 data-parallel reductions) the gradients of `sequence_parallel` parameters are summed over each
@@ -69,6 +70,7 @@ from megatron_dip.schedule.ir import (
 
 from .backward_split import (
     PendingWeight,
+    SavedStore,
     backward_input,
     backward_weight,
     input_leaves,
@@ -157,6 +159,7 @@ class _Saved:
     shapes: dict[str, torch.Size] = field(default_factory=dict)  # of outputs, before freeing
     freed: bool = False  # outputs freed after their sends (`sent_outputs.release`)
     offload: ActivationOffload | None = None  # its offloaded saved tensors (MemoryPolicy)
+    store: SavedStore | None = None  # its saved tensors, where a split backward frees B's own
 
 
 class Executor:
@@ -231,6 +234,9 @@ class Executor:
         self._messages: dict[MessageKey, dict[str, torch.Tensor]] = {}
         self._saved: dict[StageId, _Saved] = {}
         self._pending: dict[StageId, PendingWeight | None] = {}  # B done, W to come
+        self._weighted = {
+            i.stage for i in self.program.instructions if isinstance(i, BackwardWeight)
+        }
         self._sync_log: list[tuple[int, tuple[str, int]]] = []
         self._sent = SentOutputs()
         self.freed_bytes = 0  # sent outputs' data freed before their backward (this run)
@@ -450,7 +456,10 @@ class Executor:
             leafs = key.producer in wants_grad
             inputs.append((key, {n: _leaf(t, leafs) for n, t in msg.items()}))
         chunk = self._chunk(stage)
-        with torch.set_grad_enabled(train):
+        # A split stage boxes its saved tensors, so that its B can free those W does not need.
+        store = SavedStore() if train and stage in self._weighted else None
+        boxed = store.hooks() if store is not None else contextlib.nullcontext()
+        with torch.set_grad_enabled(train), boxed:
             outputs, offload = run_policy(
                 unwrap_chunk(chunk),
                 ins.mode,
@@ -458,7 +467,7 @@ class Executor:
                 [m for _, m in inputs],
                 self.batches.sub_batch(stage.work),
             )
-        saved = _Saved(inputs, outputs, offload=offload)
+        saved = _Saved(inputs, outputs, offload=offload, store=store)
         if "loss" in outputs:
             if self.df.consumers(stage):
                 raise PlanError(f"rank {self.rank}: instruction {index}: {stage} returned a loss")
@@ -510,9 +519,15 @@ class Executor:
         saved = self._forward_state(index, stage)
         roots, grads = self._roots(index, stage, saved)
         keep = self.plan.placement.module(stage.module).trainable  # a W follows
+        params = trainable_parameters(unwrap_chunk(self._chunk(stage))) if keep else []
         with self._no_sync(stage):
             pending = backward_input(
-                roots, grads, input_leaves(m for _, m in saved.inputs), keep_graph=keep
+                roots,
+                grads,
+                input_leaves(m for _, m in saved.inputs),
+                params,
+                keep_graph=keep,
+                store=saved.store,
             )
         if keep:
             self._pending[stage] = pending
