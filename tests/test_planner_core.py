@@ -11,7 +11,12 @@ from megatron_dip.planner.list_scheduler import (
     list_schedule,
     priorities_from_units,
 )
-from megatron_dip.planner.memory import MemoryLimitError, choose_recompute, stage_modes
+from megatron_dip.planner.memory import (
+    MemoryLimitError,
+    choose_recompute,
+    stage_modes,
+    within_host_limit,
+)
 from megatron_dip.planner.placement import (
     balanced_layer_split,
     parse_segments,
@@ -320,6 +325,21 @@ def test_the_memory_pass_keeps_offloaded_bytes_under_the_host_limit():
         map(str, (off, off, none, full))
     )
     assert bound.added_time == pytest.approx(1.0)
+    # The demotion after scheduling (the orders changed): all four offloads alive at once, two
+    # over the host limit go to full recomputation, and the time they add is counted.
+    free = choose()
+    demoted = within_host_limit(
+        orders,
+        free,
+        host_bytes=lambda s, m: 40 if MemoryPolicy(*m).offload else 0,
+        host_limit=[80, 80],
+        keeps_activations=lambda s: True,
+        mode_cost=lambda s, m: table[m],
+    )
+    assert sorted(map(str, (demoted.of(s) for s in stages))) == sorted(
+        map(str, (off, off, full, full))
+    )
+    assert demoted.added_time == pytest.approx(free.added_time + 2 * 1.0)
 
 
 @pytest.mark.parametrize(("selective_time", "solved"), [(3.2, True), (3.001, False)])

@@ -718,6 +718,7 @@ class DipPlanner:
             within_host_limit,
             host_bytes=host["host_bytes"],
             keeps_activations=lambda s: dataflow.needs_backward(s.module),
+            mode_cost=functools.partial(self._mode_cost, sub_of),
         )
         for attempt in range(REFINE_ROUNDS + 1):
             fixed = within(schedule.orders, choice, host_limit=host["host_limit"])

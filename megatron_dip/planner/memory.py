@@ -165,12 +165,14 @@ def within_host_limit(
     host_bytes: HostBytes,
     host_limit: Sequence[float],
     keeps_activations: Callable[[StageId], bool],
+    mode_cost: ModeCost | None = None,
 ) -> RecomputeChoice:
     """`choice` with full recomputation instead of offload for the stages that take an
     alive-set of `orders` over its rank's host limit (the largest offloads first): the orders
     a schedule ends with under the device limit can differ from those the choice was made on.
-    Full recomputation holds less device memory too, so the device limit still holds."""
-    modes = dict(choice.modes)
+    Full recomputation holds less device memory too, so the device limit still holds. With
+    `mode_cost`, the choice's added time grows by what each demotion adds."""
+    modes, added = dict(choice.modes), choice.added_time
     for rank, order in enumerate(orders):
         stages, peaks = _alive_sets(order, keeps_activations)
         held = np.array([host_bytes(st, choice.of(st)) for st in stages])
@@ -179,10 +181,13 @@ def within_host_limit(
             for i in sorted(alive, key=lambda i: (-held[i], i)):
                 if excess <= 0 or held[i] <= 0:
                     break
+                if mode_cost is not None:
+                    full, old = mode_cost(stages[i], (Recompute.FULL, 0)), choice.of(stages[i])
+                    added += full[0] - mode_cost(stages[i], old)[0]
                 modes[stages[i]] = (Recompute.FULL, 0)
                 excess -= held[i]
                 held[i] = 0.0
-    return RecomputeChoice(modes, choice.added_time)
+    return RecomputeChoice(modes, added)
 
 
 # The memory pass is bounded by work, never by the clock: every result the ranks must agree on
