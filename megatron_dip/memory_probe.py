@@ -234,12 +234,7 @@ class PendingWeightPipeline(LocalPipeline):
         if loss.requires_grad:
             loss.backward()
         for record in reversed(stages):
-            outs, grads = [], []
-            for name, t in record.outputs.items():
-                got = [r[name].grad for r in record.consumers if r[name].grad is not None]
-                if t.requires_grad and got:
-                    outs.append(t)
-                    grads.append(torch.stack(got).sum(0))
+            outs, grads = record.output_grads()
             chunk, sub, store, data = self._split.pop(id(record.outputs))
             if not outs:
                 continue

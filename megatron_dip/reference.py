@@ -54,6 +54,17 @@ class _Stage:
     outputs: dict[str, torch.Tensor]
     consumers: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
+    def output_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs that take a gradient and, for each, the sum of what its consumers'
+        backwards left on their copies of it (after those backwards ran)."""
+        outs, grads = [], []
+        for name, t in self.outputs.items():
+            got = [r[name].grad for r in self.consumers if r[name].grad is not None]
+            if t.requires_grad and got:
+                outs.append(t)
+                grads.append(torch.stack(got).sum(0))
+        return outs, grads
+
 
 def check_message(
     model: MultimodalSpec,
@@ -221,12 +232,7 @@ class LocalPipeline:
         if loss.requires_grad:
             loss.backward()
         for record in reversed(stages):
-            outs, grads = [], []
-            for name, t in record.outputs.items():
-                got = [r[name].grad for r in record.consumers if r[name].grad is not None]
-                if t.requires_grad and got:
-                    outs.append(t)
-                    grads.append(torch.stack(got).sum(0))
+            outs, grads = record.output_grads()
             if outs:
                 torch.autograd.backward(outs, grads)
 

@@ -51,6 +51,15 @@ def _position(record) -> str:
     return "first" if record.first else ("last" if record.last else "middle")
 
 
+def _totals(records) -> dict:
+    """(module, chunk position) -> [measured bytes, predicted bytes] summed over `records`."""
+    totals: dict = defaultdict(lambda: [0, 0])
+    for r in records:
+        totals[(r.module, _position(r))][0] += r.measured
+        totals[(r.module, _position(r))][1] += r.predicted
+    return totals
+
+
 _MEASURED: dict = {}
 
 
@@ -81,11 +90,7 @@ def _measure(kind: str, mode: RecomputeMode, dtype: str, groups, kernels: Kernel
         ranges=ranges,
         sizes=SIZES,
     )
-    totals: dict = defaultdict(lambda: [0, 0])
-    for r in records:
-        totals[(r.module, _position(r))][0] += r.measured
-        totals[(r.module, _position(r))][1] += r.predicted
-    return dict(totals)
+    return dict(_totals(records))
 
 
 CASES = [
@@ -198,10 +203,7 @@ def test_pending_weight_bytes_match_the_runtimes_split_backward(groups, kind):
         ranges=ranges,
         sizes=SIZES,
     )
-    totals: dict = defaultdict(lambda: [0, 0])
-    for r in records:
-        totals[(r.module, _position(r))][0] += r.measured
-        totals[(r.module, _position(r))][1] += r.predicted
+    totals = _totals(records)
     assert any(where == "middle" for _, where in totals)
     for key, (measured, predicted) in sorted(totals.items()):
         error = abs(predicted / measured - 1)
