@@ -223,13 +223,17 @@ class PendingWeightPipeline(LocalPipeline):
 
         store = SavedStore()
         with store.hooks():
-            outputs, _ = run_policy(chunk, NO_RECOMPUTE_POLICY, chunk, inputs, batch)
+            outputs, _ = run_policy(chunk, MemoryPolicy(), chunk, inputs, batch)
         data = [batch.segments, batch.positions, *batch.tensors.values()]
         self._split[id(outputs)] = (chunk, sub, store, data)
         return outputs
 
     def _backward(self, stages, loss: torch.Tensor) -> None:
-        from megatron_dip.runtime.backward_split import backward_input, backward_weight
+        from megatron_dip.runtime.backward_split import (
+            backward_input,
+            backward_weight,
+            trainable_parameters,
+        )
 
         if loss.requires_grad:
             loss.backward()
@@ -238,7 +242,7 @@ class PendingWeightPipeline(LocalPipeline):
             chunk, sub, store, data = self._split.pop(id(record.outputs))
             if not outs:
                 continue
-            params = [p for p in chunk.parameters() if p.requires_grad]
+            params = trainable_parameters(chunk)
             leaves = [t for m in record.received for t in m.values() if t.requires_grad]
             pending = backward_input(outs, grads, leaves, params, keep_graph=True, store=store)
             held = SavedBytes(excluded={_storage_key(t) for t in [*chunk.parameters(), *data]})
@@ -250,7 +254,7 @@ class PendingWeightPipeline(LocalPipeline):
                     chunk.chunk.module, chunk.is_first, chunk.is_last, sub, held.nbytes, predicted
                 )
             )
-            backward_weight(pending, params)
+            backward_weight(pending)
 
 
 @dataclass(frozen=True)
@@ -263,9 +267,6 @@ class PendingWeightBytes:
     sub: SubMicrobatch
     measured: int
     predicted: int
-
-
-NO_RECOMPUTE_POLICY = MemoryPolicy(*NO_RECOMPUTE)
 
 
 def measure_pending_weights(

@@ -363,7 +363,7 @@ def _split_run(model, x, grad, *, leaves=True):
         [y], [grad], [xs] if leaves else [], params, keep_graph=True, store=store
     )
     after_b = (_Counted.calls, list(fired))
-    backward_weight(pending, params)
+    backward_weight(pending)
     return xs, after_b, (_Counted.calls, fired[len(after_b[1]) :])
 
 
@@ -426,7 +426,7 @@ def test_pending_weight_holds_only_what_w_needs():
     assert nbytes(store.tensors()) == (32 * 64 + 32 * 256) * 8
     # Held in all: those and the two linears' output gradients.
     assert nbytes(pending.tensors()) == 2 * (32 * 64 + 32 * 256) * 8 < saved
-    backward_weight(pending, params)
+    backward_weight(pending)
     assert not list(pending.tensors())
 
 
@@ -489,7 +489,7 @@ def test_megatron_linears_split_without_computing_either_gemm_twice(single_rank_
         y = twin(xs)
     pending = backward_input([y], [grad], [xs], params, keep_graph=True, store=store)
     assert calls == [False, False] and all(p.grad is None for p in params)
-    backward_weight(pending, params)
+    backward_weight(pending)
     assert calls == [False, False]
     torch.testing.assert_close(xs.grad, xf.grad, rtol=1e-12, atol=0)
     for (name, p), q in zip(model.named_parameters(), params):

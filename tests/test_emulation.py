@@ -232,7 +232,7 @@ def test_split_backward_sleeps_the_cost_models_b_then_w(
     )
     in_b, sleeps.seconds = [x for x in sleeps.seconds if x > 1e-3], []
     assert chunk.weight.grad is None
-    backward_weight(pending, params)
+    backward_weight(pending)
     in_w = [x for x in sleeps.seconds if x > 1e-3]
     b_s = pytest.approx(scale * cost.backward_input, abs=1e-3)
     w_s = pytest.approx(scale * cost.weight, abs=1e-3)

@@ -476,14 +476,14 @@ class CostModel:
         offload: int = 0,
     ) -> int:
         """Bytes a pending W of `chunk` on `sub` holds from its `BackwardInput` to its
-        `BackwardWeight` (`runtime/backward_split.py`): every weight GEMM's activation input and
-        recorded output gradient, in every layer (a recomputed layer's inputs are recomputed in
-        W, but the W's peak has them); what recomputation keeps (checkpoint inputs); the
-        received messages and the input / output layers' stored tensors, with their GEMMs'
-        inputs and output gradients. What only B needs (attention core, activation functions,
-        rotary, norms: their weight gradients are done in B) is freed after B. Under tensor
-        parallelism a row-parallel GEMM's output gradient is full width on every rank, so this
-        can exceed `chunk_activation_bytes`. 0 for a frozen module (no W)."""
+        `BackwardWeight` (`runtime/backward_split.py`): every deferred (column-parallel) weight
+        GEMM's activation input and recorded output gradient, in every layer (a recomputed
+        layer's inputs are recomputed in W, but the W's peak has them); what recomputation keeps
+        (checkpoint inputs); the received messages and the input / output layers' stored
+        tensors, with their deferred GEMMs' inputs and output gradients. What only B needs
+        (attention core, activation functions, rotary, norms and row-parallel GEMMs: their
+        weight gradients are done in B, `modalities.costs.gemm`) is freed after B. 0 for a
+        frozen module (no W)."""
         spec = self.model.module(chunk.module)
         if not spec.trainable:
             return 0

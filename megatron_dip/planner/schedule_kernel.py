@@ -21,8 +21,8 @@ peak[P], overcommitted, ready_time[2S] (when each F/B had all its inputs).
 
 Split backwards (Zero-Bubble's B/W, `wgt_time[k] > 0`): node 2k+1 is then stage k's B (its
 `bwd_time` is B alone) and node 2S+k its W. A finished B queues its W on its rank; the stage's
-activations held drop to what the W needs (`wgt_act`) until the W. A rank runs its oldest queued W (ZB-H1's rule) where it
-would otherwise idle: a forward held back by the memory limit, a gap before its next ready node
+activations held drop to what the W needs (`wgt_act`) until the W. A rank runs its oldest
+queued W (ZB-H1's rule) where it would otherwise idle: a forward held back by the memory limit, a gap before its next ready node
 that the W fits (`overshoot`: the share of the W that may overrun the gap), or, with nothing
 ready, a gap before the time its next node was ready in a previous run (`expect_t`), so that a W
 does not delay the B chain of the drain; when every rank waits, the W that can start first. So

@@ -1,13 +1,16 @@
 """A pool of plain worker subprocesses for the planner's CPU-parallel work.
 
-The start-up placement search (on rank 0) and the root-parallel order search (in the planner
-process) score on several CPU cores. Their workers are started as the planner process itself is
+The start-up placement search scores its candidates on several CPU cores of rank 0
+(`candidate_pool`). Its workers are started as the planner process itself is
 (`process.start_child`), not with `multiprocessing` / `ProcessPoolExecutor`: those keep their
 queues' locks in POSIX named semaphores and start a resource-tracker process, which a killed
 job can leave behind with its `/dev/shm/sem.mp-*` files (the fault matrix checks that a failed
 job leaves no process and no semaphore). Here a worker is a fresh interpreter (never a fork of a
 rank that runs process-group threads, whose locks a forked child could inherit held) that talks
-through two pipes, dies with the thread that started it, and is killed at `shutdown`.
+through two pipes, dies with the thread that started it, and is killed at `shutdown`. (The
+root-parallel order search inside the planner process still forks a `ProcessPoolExecutor`: that
+process runs no process-group threads, a forked pool unlinks its semaphores at once and starts no
+tracker, and a fresh interpreter per plan would cost its imports on every plan.)
 
 Each worker receives `(function, payload)` once (pickled) and then tasks; it answers
 `function(payload, task)`, or the exception it raised. `submit` returns a

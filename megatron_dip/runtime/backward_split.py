@@ -369,11 +369,10 @@ def _pin(grads: tuple, _incoming: tuple) -> tuple:
     return grads
 
 
-def backward_weight(pending: PendingWeight | None, params: Sequence[torch.nn.Parameter]) -> None:
-    """W: accumulate the gradients of the chunk's parameters from what B recorded, one engine
-    call per group (so no call reaches back into the input side), and free it all. `params`:
-    the chunk's trainable parameters (the groups name them; kept for the TE hook's sake)."""
-    del params
+def backward_weight(pending: PendingWeight | None) -> None:
+    """W: accumulate the gradients of the chunk's parameters from what B recorded (its groups
+    name them), one engine call per group (so no call reaches back into the input side), and
+    free it all."""
     if pending is None:
         return
     handles = [node.register_prehook(functools.partial(_pin, g)) for node, g in pending.pinned]

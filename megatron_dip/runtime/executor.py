@@ -18,8 +18,9 @@ consumers), or on the weighted loss for the loss module's last chunk, and turns 
 `.grad` into the gradient messages for the producers. A split backward (`BackwardInput`, then
 `BackwardWeight`) does the same in two halves (`backward_split.py`): B the input gradients and
 the gradients of the weight nodes, W the weight gradients from those, holding in between only
-what W needs (the stage's forward boxes its saved tensors for that); `ReduceGrads` starts a chunk's data-parallel reduction where the plan says (without
-them `gradsync.py` infers the points). Loss weights: `loss.py`. Recompute:
+what W needs (the stage's forward boxes its saved tensors for that); `ReduceGrads` starts a
+chunk's data-parallel reduction where the plan says (without them `gradsync.py` infers the
+points). Loss weights: `loss.py`. Recompute:
 `recompute.py`. Data-parallel reduction points: `gradsync.py`. After the program (and the
 data-parallel reductions) the gradients of `sequence_parallel` parameters are summed over each
 chunk's tensor-parallel group (`ddp.reduce_sequence_parallel_grads`; no-op without sequence
@@ -538,9 +539,8 @@ class Executor:
         stage = ins.stage
         if stage not in self._pending:
             raise PlanError(f"rank {self.rank}: instruction {index}: {stage} has no input half")
-        chunk = self._chunk(stage)
         with self._no_sync(stage):
-            backward_weight(self._pending.pop(stage), trainable_parameters(unwrap_chunk(chunk)))
+            backward_weight(self._pending.pop(stage))
         return 1
 
     def _reduce(self, index: int, ins: ReduceGrads) -> int:
