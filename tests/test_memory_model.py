@@ -159,10 +159,6 @@ def print_table() -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    print_table()
-
-
 # What a pending W holds (`CostModel.weight_bytes`) against what the runtime's split backward
 # really keeps between B and W (`memory_probe.measure_pending_weights`), float32, no recompute,
 # summed over two microbatches per (module, chunk position); the loss chunk runs fused. Only
@@ -208,3 +204,7 @@ def test_pending_weight_bytes_match_the_runtimes_split_backward(groups, kind):
     for key, (measured, predicted) in sorted(totals.items()):
         error = abs(predicted / measured - 1)
         assert error < PENDING_W_KNOWN.get(key, PENDING_W_TOLERANCE), (key, measured, predicted)
+
+
+if __name__ == "__main__":
+    print_table()
