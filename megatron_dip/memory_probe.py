@@ -34,7 +34,6 @@ from megatron_dip.schedule.ir import (
     NO_RECOMPUTE,
     MemoryPolicy,
     Recompute,
-    RecomputeMode,
     SubMicrobatch,
 )
 
@@ -100,7 +99,7 @@ class ChunkMemory:
     first: bool
     last: bool
     sub: SubMicrobatch
-    recompute: RecomputeMode
+    recompute: MemoryPolicy
     measured: int
     predicted: int
     allocated: int = 0
@@ -128,7 +127,7 @@ class MeasuringPipeline(LocalPipeline):
     """`LocalPipeline` that measures every chunk forward under `recompute` and asks
     `cost_model` for its prediction (module docstring)."""
 
-    recompute: RecomputeMode = NO_RECOMPUTE
+    recompute: MemoryPolicy = NO_RECOMPUTE
     cost_model = None
     records: list
 
@@ -141,7 +140,7 @@ class MeasuringPipeline(LocalPipeline):
             outputs, _ = run_policy(chunk, policy, chunk, inputs, batch)
         for t in _tensors(inputs):  # the runtime keeps received messages for the backward
             record.add(t)
-        predicted = self.cost_model.chunk_activation_bytes(chunk.chunk, sub, *policy)
+        predicted = self.cost_model.chunk_activation_bytes(chunk.chunk, sub, policy)
         self.records.append(
             ChunkMemory(
                 chunk.chunk.module,
@@ -161,12 +160,12 @@ class MeasuringPipeline(LocalPipeline):
 
 # Every recompute method; the partial ones with N = 2 (the middle chunk's layers are cut into
 # checkpointed and kept ones, or into groups).
-MEASURED_MODES: tuple[RecomputeMode, ...] = (
+MEASURED_MODES: tuple[MemoryPolicy, ...] = (
     NO_RECOMPUTE,
-    (Recompute.SELECTIVE, 0),
-    (Recompute.FULL, 0),
-    (Recompute.BLOCK, 2),
-    (Recompute.UNIFORM, 2),
+    MemoryPolicy(Recompute.SELECTIVE, 0),
+    MemoryPolicy(Recompute.FULL, 0),
+    MemoryPolicy(Recompute.BLOCK, 2),
+    MemoryPolicy(Recompute.UNIFORM, 2),
     # Offload of one layer (its saved tensors leave the device), alone and after block
     # recomputation of the first layer (as many layers as the chunk has: `fitted_policy`).
     MemoryPolicy(Recompute.NONE, 0, 1),
@@ -174,15 +173,14 @@ MEASURED_MODES: tuple[RecomputeMode, ...] = (
 )
 
 
-def fitted_policy(mode: RecomputeMode, num_layers: int) -> MemoryPolicy:
+def fitted_policy(mode: MemoryPolicy, num_layers: int) -> MemoryPolicy:
     """`mode` as a memory policy offloading no more layers than a chunk of `num_layers` has."""
-    policy = MemoryPolicy(*mode)
-    return policy._replace(offload=min(policy.offload, max(0, num_layers - policy.offload_start)))
+    return mode.with_offload(min(mode.offload, max(0, num_layers - mode.offload_start)))
 
 
-def mode_name(mode: RecomputeMode) -> str:
+def mode_name(mode: MemoryPolicy) -> str:
     """ "none", "selective", "full", "block2", "uniform2", "off1", "block1+off1"."""
-    return MemoryPolicy(*mode).label
+    return mode.label
 
 
 def measure_model(
@@ -190,7 +188,7 @@ def measure_model(
     microbatches,
     *,
     cost_model,
-    recompute: RecomputeMode,
+    recompute: MemoryPolicy,
     config,
     groups,
     seq_length: int,
@@ -198,7 +196,7 @@ def measure_model(
     sizes=None,
 ) -> list[ChunkMemory]:
     """Forward (and backward, freeing the graph) of `microbatches` with every chunk under
-    `recompute` ((method, N), as `Forward.mode`); one `ChunkMemory` per chunk forward."""
+    `recompute` (a memory policy, as `Forward.memory`); one `ChunkMemory` per chunk forward."""
     pipe = MeasuringPipeline.build(
         model, config=config, groups=groups, seq_length=seq_length, seed=0, ranges=ranges
     )

@@ -26,7 +26,7 @@ from megatron_dip.planner.placement import ModuleWorkload, build_dip_placement
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.simulator import activation_peaks, simulate
 from megatron_dip.schedule.engine import per_peer_channel, single_channel
-from megatron_dip.schedule.ir import Backward, Forward, Plan, Recompute
+from megatron_dip.schedule.ir import NO_RECOMPUTE, Backward, Forward, Plan
 from megatron_dip.schedule.serialize import plan_from_bytes, plan_to_bytes
 from megatron_dip.schedule.validate import validate_plan
 
@@ -274,7 +274,7 @@ def bubble_free_bound(plan: Plan, cost: CostModel) -> float:
         for ins in program.instructions:
             if isinstance(ins, (Forward, Backward)):
                 chunk = plan.placement.module(ins.stage.module).chunks[ins.stage.chunk]
-                c = cost.stage_cost(chunk, plan.submicrobatch(ins.stage.work), Recompute.NONE)
+                c = cost.stage_cost(chunk, plan.submicrobatch(ins.stage.work), NO_RECOMPUTE)
                 total += c.forward if isinstance(ins, Forward) else c.backward
         busy.append(total)
     return max(busy)

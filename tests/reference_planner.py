@@ -15,9 +15,9 @@ from megatron_dip.schedule.ir import (
     Backward,
     Forward,
     Instruction,
+    MemoryPolicy,
     MessageKey,
     Program,
-    RecomputeMode,
     Recv,
     Send,
     StageId,
@@ -57,7 +57,7 @@ def reference_list_schedule(
     *,
     priority: Sequence[tuple],
     memory_limit: Sequence[float] | None = None,
-    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
+    recompute: Callable[[StageId], MemoryPolicy] = lambda s: NO_RECOMPUTE,
     fill_bubbles: bool = True,
 ) -> ListSchedule:
     """Schedule every node of `graph`; `priority[k]` orders stage k's nodes (lower first).
@@ -138,7 +138,7 @@ class _ListScheduler:
                 st.mem += g.act_bytes[k]
                 self.overcommitted |= st.mem > self.limit[r]
                 self.peak[r] = max(self.peak[r], st.mem)
-            ins: Forward | Backward = Forward(g.stages[k], *self.recompute(g.stages[k]))
+            ins: Forward | Backward = Forward(g.stages[k], self.recompute(g.stages[k]))
         else:
             st.mem -= g.act_bytes[k]
             ins = Backward(g.stages[k])

@@ -106,7 +106,7 @@ def test_recompute_trades_time_for_memory() -> None:
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4), kernels=CPU_KERNELS)
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 1, 8192, 8 * 1024**2)
     modes = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-    none, sel, full = (cm.stage_cost(chunk, sub, r) for r in modes)
+    none, sel, full = (cm.stage_cost(chunk, sub, MemoryPolicy(r)) for r in modes)
     assert none.forward == sel.forward == full.forward
     assert none.backward < sel.backward < full.backward
     assert full.backward == pytest.approx(none.backward + none.forward)
@@ -119,7 +119,9 @@ def test_recompute_trades_time_for_memory() -> None:
     assert none.activation_bytes - sel.activation_bytes == pytest.approx(8 * core, rel=1e-9)
     # With flash attention only the log-sum-exp is dropped: selective saves almost nothing.
     flash = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
-    f_none, f_sel = (flash.stage_cost(chunk, sub, r) for r in (Recompute.NONE, Recompute.SELECTIVE))
+    f_none, f_sel = (
+        flash.stage_cost(chunk, sub, MemoryPolicy(r)) for r in (Recompute.NONE, Recompute.SELECTIVE)
+    )
     assert f_none.activation_bytes > f_sel.activation_bytes > 0.99 * f_none.activation_bytes
     assert f_none.activation_bytes < none.activation_bytes  # the kernel matters
 
@@ -130,14 +132,15 @@ def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
     time, one more does (or the chunk has no more layers)."""
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, tokens, 2 * tokens**2)
-    for method, n in ((Recompute.NONE, 0), (Recompute.BLOCK, 1)):
-        base = cm.stage_cost(chunk, sub, method, n)
-        k = cm.hidden_offload_layers(chunk, sub, method, n)
+    for recompute in (MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.BLOCK, 1)):
+        n = recompute.layers
+        base = cm.stage_cost(chunk, sub, recompute)
+        k = cm.hidden_offload_layers(chunk, sub, recompute)
         assert 0 <= k <= chunk.num_layers - n
-        free = cm.stage_cost(chunk, sub, method, n, k)
+        free = cm.stage_cost(chunk, sub, recompute.with_offload(k))
         assert (free.forward, free.backward) == (base.forward, base.backward)
         if k < chunk.num_layers - n:
-            more = cm.stage_cost(chunk, sub, method, n, k + 1)
+            more = cm.stage_cost(chunk, sub, recompute.with_offload(k + 1))
             assert more.forward + more.backward > base.forward + base.backward
 
 
@@ -149,12 +152,12 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, 8192, 2 * 4096**2)
     none = cm.stage_cost(chunk, sub)
-    block1 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 1)
+    block1 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 1))
     hidden = 2 * 8192 * 4096 / 4  # bf16, sequence parallel over TP4
     # A layer's stored bytes: block 1 keeps only the first layer's input.
     per_layer = none.activation_bytes - block1.activation_bytes + hidden
     for k in (1, 2, 8):
-        off = cm.stage_cost(chunk, sub, Recompute.NONE, 0, k)
+        off = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, k))
         moved = cm.offloaded_bytes(chunk, sub, MemoryPolicy(Recompute.NONE, 0, k))
         assert moved == pytest.approx(k * per_layer - hidden, rel=1e-6)
         assert off.activation_bytes == pytest.approx(none.activation_bytes - moved, abs=1)
@@ -166,26 +169,26 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
         assert off.backward == pytest.approx(none.backward + max(0.0, link - back_window))
     # One layer saves what block 1 saves; its reload hides behind the later layers' backwards,
     # its copy out outlasts the 7 later layers' forwards by ~1/8 of the chunk's forward here.
-    one = cm.stage_cost(chunk, sub, Recompute.NONE, 0, 1)
+    one = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 1))
     assert one.activation_bytes == block1.activation_bytes
     assert none.forward < one.forward < 1.15 * none.forward
     assert one.backward == none.backward < block1.backward
     # The whole chunk does not: the link is ~10x slower than the layers produce activations.
-    assert cm.stage_cost(chunk, sub, Recompute.NONE, 0, 8).forward > 2 * none.forward
+    assert cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 8)).forward > 2 * none.forward
     # Block recompute of the first layer, then offload of the next: both savings.
-    mixed = cm.stage_cost(chunk, sub, Recompute.BLOCK, 1, 1)
+    mixed = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 1, 1))
     assert mixed.activation_bytes < block1.activation_bytes
     # Offloading the chunk's last layer (after block 7): its backward comes first, so nothing
     # overlaps the reload (the runtime prefetches when the chunk's backward starts).
-    block7 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 7)
-    last = cm.stage_cost(chunk, sub, Recompute.BLOCK, 7, 1)
+    block7 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7))
+    last = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7, 1))
     moved = cm.offloaded_bytes(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7, 1))
     exposed = (moved + hidden) / H100.host_link_share + H100.p2p_latency
     assert last.backward == pytest.approx(block7.backward + exposed)
     # A slower host link (A100: PCIe Gen4) exposes more of the same copies.
     slow = CostModel(VLM_S.model, get_device("a100"), shape=ParallelShape(tp=4, sp=True))
     assert H100.host_link_share == 2 * get_device("a100").host_link_share
-    off4 = (c.stage_cost(chunk, sub, Recompute.NONE, 0, 4) for c in (cm, slow))
+    off4 = (c.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 4)) for c in (cm, slow))
     base = (c.stage_cost(chunk, sub) for c in (cm, slow))
     (fast4, slow4), (fast0, slow0) = off4, base
     assert slow4.forward - slow0.forward > fast4.forward - fast0.forward > 0
@@ -379,21 +382,21 @@ def test_block_and_uniform_recompute_follow_megatron_s_rules() -> None:
     shared = none.activation_bytes - 8 * per_layer
     assert per_layer > layer_in and 0 <= shared < per_layer
     layer_fwd = none.forward / 8
-    block3 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 3)
+    block3 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 3))
     assert block3.activation_bytes == pytest.approx(3 * layer_in + 5 * per_layer + shared, abs=8)
     assert block3.backward == pytest.approx(none.backward + 3 * layer_fwd)
     assert block3.forward == none.forward
-    uniform3 = cm.stage_cost(chunk, sub, Recompute.UNIFORM, 3)
+    uniform3 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.UNIFORM, 3))
     assert uniform3.activation_bytes == pytest.approx(3 * layer_in + shared, abs=8)  # 3 groups
     assert uniform3.backward == pytest.approx(none.backward + none.forward)
-    full = cm.stage_cost(chunk, sub, Recompute.FULL)
+    full = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.FULL))
     assert full.activation_bytes == layer_in  # the received hidden state only
-    uniform8 = cm.stage_cost(chunk, sub, Recompute.UNIFORM, 8).activation_bytes
+    uniform8 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.UNIFORM, 8)).activation_bytes
     assert uniform8 == pytest.approx(full.activation_bytes + shared, abs=8)
-    block8 = cm.stage_cost(chunk, sub, Recompute.BLOCK, 8).activation_bytes
+    block8 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 8)).activation_bytes
     assert block8 == pytest.approx(8 * layer_in + shared, abs=8)
     # More recomputed layers hold less and take longer, between none and full.
-    blocks = [cm.stage_cost(chunk, sub, Recompute.BLOCK, n) for n in range(1, 9)]
+    blocks = [cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, n)) for n in range(1, 9)]
     assert all(a.activation_bytes > b.activation_bytes for a, b in zip(blocks, blocks[1:]))
     assert all(a.backward < b.backward for a, b in zip(blocks, blocks[1:]))
     assert (
@@ -403,5 +406,5 @@ def test_block_and_uniform_recompute_follow_megatron_s_rules() -> None:
     last = ChunkSpec("llm", 3, 3, 24, 32)
     logits = cm.chunk_activation_bytes(last, sub) - none.activation_bytes
     assert logits > 0
-    last_uniform = cm.stage_cost(last, sub, Recompute.UNIFORM, 8).activation_bytes
+    last_uniform = cm.stage_cost(last, sub, MemoryPolicy(Recompute.UNIFORM, 8)).activation_bytes
     assert last_uniform == pytest.approx(layer_in + shared + logits, abs=8)

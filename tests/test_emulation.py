@@ -35,7 +35,15 @@ from megatron_dip.planner.simulator import simulate
 from megatron_dip.planner.stock_configs import mode_label
 from megatron_dip.runtime.transport import Transport
 from megatron_dip.schedule.engine import per_peer_channel
-from megatron_dip.schedule.ir import Forward, MessageKind, Recompute, Recv, Send
+from megatron_dip.schedule.ir import (
+    NO_RECOMPUTE,
+    Forward,
+    MemoryPolicy,
+    MessageKind,
+    Recompute,
+    Recv,
+    Send,
+)
 from megatron_dip.schedule.validate import validate_plan
 
 FLAGS = [
@@ -96,11 +104,13 @@ def test_durations_and_links_come_from_the_cost_model_and_the_plan(dip) -> None:
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
         cost = spec.cost_model.stage_cost(chunk, plan.submicrobatch(stage.work))
         assert timing.forward_s == pytest.approx(7.0 * cost.forward)
-        assert timing.backward_for(Recompute.NONE) == pytest.approx(7.0 * cost.backward)
+        assert timing.backward_for(NO_RECOMPUTE) == pytest.approx(7.0 * cost.backward)
         selective = spec.cost_model.stage_cost(
-            chunk, plan.submicrobatch(stage.work), Recompute.SELECTIVE
+            chunk, plan.submicrobatch(stage.work), MemoryPolicy(Recompute.SELECTIVE)
         )
-        assert timing.backward_for(Recompute.SELECTIVE) == pytest.approx(7.0 * selective.backward)
+        assert timing.backward_for(MemoryPolicy(Recompute.SELECTIVE)) == pytest.approx(
+            7.0 * selective.backward
+        )
         for key, link in zip(df.forward_inputs(stage), timing.inputs):
             remote = df.sender_of(key) != df.receiver_of(key)
             assert link.remote == remote
@@ -167,7 +177,7 @@ def test_chunks_sleep_at_least_the_cost_model_time_and_wait_for_remote_stamps(
     grad[0] = 1.0
     started = time.time()
     out["emulated"].backward(grad)
-    assert time.time() - started >= timing.backward_for(Recompute.NONE) - 1e-3
+    assert time.time() - started >= timing.backward_for(NO_RECOMPUTE) - 1e-3
     for message, link in zip(inputs, timing.inputs):
         at = 1 + 3 * link.slot
         assert started <= decode_stamp(message["emulated"].grad[at : at + 3].tolist())

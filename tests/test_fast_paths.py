@@ -158,7 +158,7 @@ def test_engine_matches_the_reference_on_planner_plans(case, rnd) -> None:
             c = cost.stage_cost(
                 chunk,
                 plan.submicrobatch(ins.stage.work),
-                *(ins.mode if isinstance(ins, Forward) else NO_RECOMPUTE),
+                ins.memory if isinstance(ins, Forward) else NO_RECOMPUTE,
             )
             return c.forward if isinstance(ins, Forward) else c.backward
 

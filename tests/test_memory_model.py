@@ -22,7 +22,7 @@ from megatron_dip.models import ModelConfig
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.planner.cost_model import CPU_KERNELS, GPU_KERNELS, CostModel, Kernels
 from megatron_dip.planner.devices import H100
-from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy, RecomputeMode
+from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy
 
 SEQ = 48
 SIZES = {"vit": 2, "text": 2, "dit": 2, "audio": 1}
@@ -63,7 +63,7 @@ def _totals(records) -> dict:
 _MEASURED: dict = {}
 
 
-def memory_errors(kind: str, mode: RecomputeMode, dtype: str, groups, kernels: Kernels) -> dict:
+def memory_errors(kind: str, mode: MemoryPolicy, dtype: str, groups, kernels: Kernels) -> dict:
     """(module, chunk position) -> (measured bytes, predicted bytes) over two microbatches
     (measured once per process)."""
     key = (kind, mode, dtype, kernels)
@@ -72,7 +72,7 @@ def memory_errors(kind: str, mode: RecomputeMode, dtype: str, groups, kernels: K
     return _MEASURED[key]
 
 
-def _measure(kind: str, mode: RecomputeMode, dtype: str, groups, kernels: Kernels) -> dict:
+def _measure(kind: str, mode: MemoryPolicy, dtype: str, groups, kernels: Kernels) -> dict:
     model = model_of(kind)
     ranges = {
         m.name: [(0, 1), (1, m.num_layers - 1), (m.num_layers - 1, m.num_layers)]
@@ -114,12 +114,12 @@ def test_predicted_activation_bytes_are_within_10_percent_of_autograds(groups, k
             assert predicted == 0, (module, where)
             continue
         error = predicted / measured - 1
-        partial = mode[0].takes_layers or MemoryPolicy(*mode).offload
+        partial = mode.method.takes_layers or mode.offload
         if (module, where) in KNOWN_OVER and partial:
             assert 0 <= error < KNOWN_OVER[(module, where)], (module, where, measured, predicted)
             continue
         assert abs(error) < TOLERANCE, (module, where, measured, predicted)
-        if MemoryPolicy(*mode).offload:
+        if mode.offload:
             small = abs(predicted - measured) <= OFFLOAD_RESIDUAL_BYTES
             assert abs(error) < OFFLOAD_TOLERANCE or small, (module, where, measured, predicted)
 

@@ -228,7 +228,11 @@ def test_memory_pass_picks_cheapest_mode_under_limit():
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
-    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    none, sel, full = (
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+    )
     table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
     choice = choose_recompute(
         orders,
@@ -258,7 +262,7 @@ def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
     last) the pass takes a free one-layer offload over block recomputation of that layer, and a
     partly exposed offload only where nothing cheaper fits; the plan it returns carries it."""
     modes = stage_modes(4, offload=True)
-    assert len(modes) == 9 and modes[-1] == (Recompute.FULL, 0)
+    assert len(modes) == 9 and modes[-1] == MemoryPolicy(Recompute.FULL, 0)
     assert modes[:4] == stage_modes(4)[:4]  # the recompute modes first, as without offload
     off1, off2 = MemoryPolicy(Recompute.NONE, 0, 1), MemoryPolicy(Recompute.NONE, 0, 2)
     # The offload that hides (one layer by default), alone and after block 1, 2 and 3.
@@ -274,7 +278,11 @@ def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
-    none, block, full = (Recompute.NONE, 0), (Recompute.BLOCK, 1), (Recompute.FULL, 0)
+    none, block, full = (
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.BLOCK, 1),
+        MemoryPolicy(Recompute.FULL, 0),
+    )
     table = {none: (3.0, 100), block: (3.25, 75), off1: (3.0, 75), off2: (3.5, 50), full: (4.2, 10)}
 
     def choose(limit: float, candidates):
@@ -302,7 +310,7 @@ def test_the_memory_pass_keeps_offloaded_bytes_under_the_host_limit():
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
-    none, full = (Recompute.NONE, 0), (Recompute.FULL, 0)
+    none, full = MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.FULL, 0)
     off = MemoryPolicy(Recompute.NONE, 0, 1)
     table = {none: (3.0, 100), off: (3.0, 60), full: (4.0, 10)}
 
@@ -318,9 +326,7 @@ def test_the_memory_pass_keeps_offloaded_bytes_under_the_host_limit():
 
     stages = [StageId("m", 0, mb) for mb in range(4)]
     assert [choose().of(s) for s in stages] == [off] * 4
-    bound = choose(
-        host_bytes=lambda s, m: 40 if MemoryPolicy(*m).offload else 0, host_limit=[80, 80]
-    )
+    bound = choose(host_bytes=lambda s, m: 40 if m.offload else 0, host_limit=[80, 80])
     assert sorted(map(str, (bound.of(s) for s in stages))) == sorted(
         map(str, (off, off, none, full))
     )
@@ -331,7 +337,7 @@ def test_the_memory_pass_keeps_offloaded_bytes_under_the_host_limit():
     demoted = within_host_limit(
         orders,
         free,
-        host_bytes=lambda s, m: 40 if MemoryPolicy(*m).offload else 0,
+        host_bytes=lambda s, m: 40 if m.offload else 0,
         host_limit=[80, 80],
         keeps_activations=lambda s: True,
         mode_cost=lambda s, m: table[m],
@@ -357,7 +363,11 @@ def test_the_recompute_milp_runs_only_where_it_can_save_a_percent(
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders
-    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    none, sel, full = (
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+    )
     table = {none: (3.0, 100), sel: (selective_time, 60), full: (4.0, 10)}
     choice = choose_recompute(
         orders,
@@ -391,7 +401,11 @@ def test_the_milps_native_output_stays_out_of_stdout(capfd, monkeypatch):
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders
-    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    none, sel, full = (
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+    )
     table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
     print("before the solve")
     choose_recompute(
@@ -417,7 +431,7 @@ def test_the_memory_pass_undoes_greedy_upgrades_that_became_unnecessary(monkeypa
     monkeypatch.setattr(memory, "_exact", lambda pb: None)
     a, b, c = (StageId("m", 0, k) for k in range(3))
     order = [Forward(a), Forward(b), Backward(a), Forward(c), Backward(b), Backward(c)]
-    none, sel = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0)
+    none, sel = MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.SELECTIVE, 0)
     sel_time = {a: 1.0, b: 1.1, c: 1.2}
     choice = choose_recompute(
         [order],
@@ -441,7 +455,7 @@ def test_the_memory_pass_ends_where_no_mode_relieves_a_set(monkeypatch):
     monkeypatch.setattr(memory, "_exact", lambda pb: None)
     a, b = StageId("m", 0, 0), StageId("m", 0, 1)
     order = [Forward(a), Forward(b), Backward(b), Backward(a)]
-    none, full = (Recompute.NONE, 0), (Recompute.FULL, 0)
+    none, full = MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.FULL, 0)
     off = MemoryPolicy(Recompute.NONE, 0, 1)
     costs = {none: (0.0, 60), off: (0.5, 20), full: (1.0, 10)}
     with pytest.raises(MemoryLimitError, match="even with full recomputation"):
@@ -484,7 +498,11 @@ def test_the_recompute_milp_has_no_clock_in_it(monkeypatch):
     g = unit_graph(single_module(2, 4))
     prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
     orders = list_schedule(g, priority=prio).orders
-    none, sel, full = (Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)
+    none, sel, full = (
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+    )
     table = {none: (3.0, 100), sel: (3.2, 60), full: (4.0, 10)}
     choose_recompute(
         orders,

@@ -175,7 +175,7 @@ def test_binding_limit_is_met_with_recomputation() -> None:
     (rp,) = case.planner(limit).plan_batch(case.batch)
     check_plan(rp.plan, case.cost_model(), [limit, limit])
     assert any(
-        isinstance(i, Forward) and i.recompute is not Recompute.NONE
+        isinstance(i, Forward) and i.memory.method is not Recompute.NONE
         for p in rp.plan.programs
         for i in p.instructions
     )

@@ -31,7 +31,7 @@ from megatron_dip.planner.service import (
     StoreAddress,
 )
 from megatron_dip.planner.simulator import simulate
-from megatron_dip.schedule.ir import Recompute
+from megatron_dip.schedule.ir import Forward, Recompute
 from megatron_dip.schedule.serialize import plan_from_bytes, plan_to_bytes
 from megatron_dip.schedule.validate import validate_plan
 
@@ -125,10 +125,10 @@ def test_memory_limit_is_respected_in_simulation():
     assert max(sim.peak_activation_bytes) <= limit_gb * 2**30
     assert (
         any(
-            i.recompute.value != "none"
+            i.memory.method.value != "none"
             for p in tight.plan.programs
             for i in p.instructions
-            if hasattr(i, "recompute")
+            if isinstance(i, Forward)
         )
         or sim.iteration_time >= simulate(free.plan, make_planner().cost_model).iteration_time
     )
@@ -186,9 +186,10 @@ def test_ranks_slowed_differently_make_identical_plans(monkeypatch):
         assert plans() == idle
     greedy = plan_from_bytes(idle[0])
     assert any(
-        getattr(i, "recompute", Recompute.NONE) is not Recompute.NONE
+        i.memory.method is not Recompute.NONE
         for p in greedy.programs
         for i in p.instructions
+        if isinstance(i, Forward)
     )  # the memory pass chose recomputation: the part that used to hang on the clock
 
 
@@ -290,7 +291,9 @@ def test_the_fallback_fits_the_memory_limit_without_a_simulation():
     sim = simulate(plan, cost)
     assert max(sim.peak_activation_bytes) <= limit_gb * 2**30
     assert activation_peaks(plan, cost) == list(sim.peak_activation_bytes)
-    modes = {i.recompute for p in plan.programs for i in p.instructions if hasattr(i, "recompute")}
+    modes = {
+        i.memory.method for p in plan.programs for i in p.instructions if isinstance(i, Forward)
+    }
     assert modes and Recompute.NONE not in modes
 
 
@@ -327,7 +330,10 @@ def test_the_fallback_offloads_where_memory_binds_within_the_host_limit():
     assert max(offload_peaks(plans[None], cost)) > 1.0  # it offloads where nothing bounds it
     assert max(offload_peaks(plans[1.0], cost)) <= 1.0
     modes = {
-        i.recompute for p in plans[1.0].programs for i in p.instructions if hasattr(i, "recompute")
+        i.memory.method
+        for p in plans[1.0].programs
+        for i in p.instructions
+        if isinstance(i, Forward)
     }
     assert modes and Recompute.NONE not in modes
 

@@ -269,14 +269,13 @@ def megatron_plan(batch: Batch, placement: Placement, units, *, vp: int) -> Plan
     )
 
 
-def with_recompute(plan: Plan, choose: Callable[[Forward], tuple[Recompute, int]]) -> Plan:
-    """The same plan with each Forward's recompute mode ((method, N)) set by `choose`."""
+def with_recompute(plan: Plan, choose: Callable[[Forward], MemoryPolicy]) -> Plan:
+    """The same plan with each Forward's memory policy set by `choose`."""
     programs = tuple(
         Program(
             p.rank,
             tuple(
-                Forward(i.stage, *choose(i)) if isinstance(i, Forward) else i
-                for i in p.instructions
+                Forward(i.stage, choose(i)) if isinstance(i, Forward) else i for i in p.instructions
             ),
         )
         for p in plan.programs
@@ -284,15 +283,15 @@ def with_recompute(plan: Plan, choose: Callable[[Forward], tuple[Recompute, int]
     return replace(plan, programs=programs, name=plan.name + "+recompute")
 
 
-def cycle_recompute(ins: Forward) -> tuple[Recompute, int]:
+def cycle_recompute(ins: Forward) -> MemoryPolicy:
     """Every recompute mode in turn: none, full, selective, Megatron's block (first layer) and
     uniform (2-layer groups) methods."""
     modes = (
-        (Recompute.NONE, 0),
-        (Recompute.FULL, 0),
-        (Recompute.SELECTIVE, 0),
-        (Recompute.BLOCK, 1),
-        (Recompute.UNIFORM, 2),
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.BLOCK, 1),
+        MemoryPolicy(Recompute.UNIFORM, 2),
     )
     s = ins.stage
     return modes[(s.chunk + s.microbatch + s.sub) % len(modes)]
@@ -302,7 +301,8 @@ def cycle_policy(placement: Placement) -> Callable[[Forward], MemoryPolicy]:
     """`cycle_recompute`'s modes plus offload of one layer, alone and after block recompute of
     the first one (offload and recompute in one plan), as far as the chunk has the layers."""
     modes = (
-        *(MemoryPolicy(*m) for m in ((Recompute.NONE, 0), (Recompute.FULL, 0))),
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
         MemoryPolicy(Recompute.NONE, 0, 1),
         MemoryPolicy(Recompute.SELECTIVE, 0),
         MemoryPolicy(Recompute.BLOCK, 1, 1),
@@ -315,7 +315,7 @@ def cycle_policy(placement: Placement) -> Callable[[Forward], MemoryPolicy]:
         policy = modes[(s.chunk + s.microbatch + s.sub) % len(modes)]
         layers = placement.module(s.module).chunks[s.chunk].num_layers
         room = max(0, layers - policy.offload_start)
-        return policy._replace(offload=min(policy.offload, room))
+        return policy.with_offload(min(policy.offload, room))
 
     return choose
 

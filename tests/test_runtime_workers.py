@@ -123,7 +123,7 @@ def count_recompute(plan: Plan, rank: int) -> dict[str, int]:
     modes: dict[str, int] = {}
     for ins in plan.program(rank).instructions:
         if isinstance(ins, Forward):
-            modes[ins.recompute.value] = modes.get(ins.recompute.value, 0) + 1
+            modes[ins.memory.method.value] = modes.get(ins.memory.method.value, 0) + 1
     return modes
 
 

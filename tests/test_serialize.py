@@ -18,6 +18,7 @@ from megatron_dip.schedule import (
     ChunkSpec,
     Dependency,
     Forward,
+    MemoryPolicy,
     MessageKey,
     MessageKind,
     MicrobatchInfo,
@@ -68,7 +69,7 @@ def _instruction(draw, modules):
         mode = draw(st.sampled_from(list(Recompute)))
         layers = draw(st.integers(1, 40)) if mode.takes_layers else 0
         offload = draw(st.integers(0, 40)) if mode in (Recompute.NONE, Recompute.BLOCK) else 0
-        return Forward(draw(_stage(modules)), mode, layers, offload)
+        return Forward(draw(_stage(modules)), MemoryPolicy(mode, layers, offload))
     if kind == 1:
         return Backward(draw(_stage(modules)))
     if kind == 4:
@@ -234,7 +235,11 @@ def test_format_subs_and_recompute():
     placement = Placement(1, (ModuleLayout("vit", 1, True, chunks),))
     subs = (SubMicrobatch("vit", 3, 0, 0, 1, 1, 1), SubMicrobatch("vit", 3, 1, 1, 2, 1, 1))
     s0, s1 = StageId("vit", 0, 3, 0), StageId("vit", 0, 3, 1)
-    program = (Forward(s0, Recompute.FULL), Forward(s1, Recompute.SELECTIVE), Backward(s1))
+    program = (
+        Forward(s0, MemoryPolicy(Recompute.FULL)),
+        Forward(s1, MemoryPolicy(Recompute.SELECTIVE)),
+        Backward(s1),
+    )
     plan = Plan(
         iteration=0,
         placement=placement,
@@ -246,7 +251,11 @@ def test_format_subs_and_recompute():
         name="x",
     )
     assert format_plan(plan).splitlines()[1] == "r0: F vit0.3.0:full F vit0.3.1:sel B vit0.3.1"
-    program = (Forward(s0, Recompute.NONE, 0, 1), Forward(s1, Recompute.BLOCK, 1, 2), Backward(s1))
+    program = (
+        Forward(s0, MemoryPolicy(Recompute.NONE, 0, 1)),
+        Forward(s1, MemoryPolicy(Recompute.BLOCK, 1, 2)),
+        Backward(s1),
+    )
     plan = replace(plan, programs=(Program(0, program),))
     assert (
         format_plan(plan).splitlines()[1] == "r0: F vit0.3.0:off1 F vit0.3.1:block1:off2 B vit0.3.1"

@@ -182,7 +182,7 @@ def test_real_cost_model_and_chrome_trace(tmp_path) -> None:
 
     class AsLlm:  # the baseline's one-layer chunks priced as Llama3-8B layers
         def stage_cost(
-            self, chunk: ChunkSpec, sub: SubMicrobatch, recompute: object = None, layers: int = 0
+            self, chunk: ChunkSpec, sub: SubMicrobatch, memory: object = None
         ) -> StageCost:
             c = ChunkSpec("llm", chunk.index, chunk.rank, 8, 9)
             return model.stage_cost(c, SubMicrobatch("llm", sub.microbatch, 0, 0, 1, 8192, 8192))

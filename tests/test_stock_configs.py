@@ -65,9 +65,13 @@ def test_recompute_grid_holds_megatrons_flags():
     pipe = next(p for p in cmp.static if p.num_model_chunks == 1)
     modes = recompute_modes(pipe.placement)
     top = max(c.num_layers for m in pipe.placement.modules for c in m.chunks)
-    assert modes[:3] == [NO_RECOMPUTE, (Recompute.SELECTIVE, 0), (Recompute.FULL, 0)]
-    assert (Recompute.BLOCK, 1) in modes and (Recompute.BLOCK, top) in modes
-    assert (Recompute.UNIFORM, 1) in modes and len(set(modes)) == len(modes)
+    assert modes[:3] == [
+        NO_RECOMPUTE,
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+    ]
+    assert MemoryPolicy(Recompute.BLOCK, 1) in modes and MemoryPolicy(Recompute.BLOCK, top) in modes
+    assert MemoryPolicy(Recompute.UNIFORM, 1) in modes and len(set(modes)) == len(modes)
     assert [mode_label(m) for m in modes[:4]] == ["none", "selective", "full", "block 1"]
 
 
@@ -125,9 +129,9 @@ def test_under_memory_pressure_the_baseline_is_the_cheapest_fitting_partial_reco
     }
     assert min(ok, key=ok.get) == key[2]
     blocks = sorted(
-        (m[1], rs[0])
+        (m.layers, rs[0])
         for m, rs in fitting.items()
-        if m[0] is Recompute.BLOCK and not MemoryPolicy(*m).offload  # Megatron's offload aside
+        if m.method is Recompute.BLOCK and not m.offload  # Megatron's offload aside
     )
     for (n1, a), (n2, b) in zip(blocks, blocks[1:]):
         assert a.sim.iteration_time <= b.sim.iteration_time * (1 + 1e-9), (n1, n2)
@@ -193,8 +197,12 @@ def test_megatron_order_peaks_are_the_order_s_whatever_its_message_timing(segmen
 
     plain = order(NO_RECOMPUTE)
     layers = max_chunk_layers(planner.placement)
-    modes = [(Recompute.BLOCK, n) for n in range(1, layers + 1)]
-    modes += [(Recompute.SELECTIVE, 0), (Recompute.UNIFORM, layers), (Recompute.FULL, 0)]
+    modes = [MemoryPolicy(Recompute.BLOCK, n) for n in range(1, layers + 1)]
+    modes += [
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.UNIFORM, layers),
+        MemoryPolicy(Recompute.FULL, 0),
+    ]
     cost = planner.cost_model
     for mode in modes:
         own = simulate(order(mode), cost).peak_activation_bytes

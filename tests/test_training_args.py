@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch.distributed as dist
 
-from megatron_dip.schedule.ir import Recompute
+from megatron_dip.schedule.ir import MemoryPolicy, Recompute
 from megatron_dip.training.config import arguments as args_module
 from megatron_dip.training.config.arguments import TrainConfig, build_parser, parse_config
 from megatron_dip.training.config.validate import ConfigError, resolve
@@ -517,11 +517,11 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 @pytest.mark.parametrize(
     "mode",
     [
-        (Recompute.NONE, 0),
-        (Recompute.SELECTIVE, 0),
-        (Recompute.FULL, 0),
-        (Recompute.BLOCK, 3),
-        (Recompute.UNIFORM, 1),
+        MemoryPolicy(Recompute.NONE, 0),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+        MemoryPolicy(Recompute.BLOCK, 3),
+        MemoryPolicy(Recompute.UNIFORM, 1),
     ],
 )
 def test_recompute_flags_are_read_back_as_their_mode(mode) -> None:

@@ -23,7 +23,7 @@ from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.simulator import stage_costs
 from megatron_dip.planner.stock_configs import mode_label, strongest
 from megatron_dip.schedule.engine import single_channel
-from megatron_dip.schedule.ir import Plan, RecomputeMode
+from megatron_dip.schedule.ir import MemoryPolicy, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class StockChoice:
 
     schedule: str
     placement: str
-    mode: RecomputeMode
+    mode: MemoryPolicy
     simulated_s: dict[str, float | None] = field(default_factory=dict)
 
     @property

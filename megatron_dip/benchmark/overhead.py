@@ -188,9 +188,7 @@ class HostOnlyCost:
     def __init__(self, overheads: HostOverheads) -> None:
         self.overheads = overheads
 
-    def stage_cost(
-        self, chunk, sub, recompute=None, layers: int = 0, offload: int = 0
-    ) -> StageCost:
+    def stage_cost(self, chunk, sub, memory=None) -> StageCost:
         return StageCost(0.0, 0.0, 0)
 
     def transfer_time(self, nbytes: int) -> float:

@@ -22,7 +22,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_dip.modelspec import MultimodalSpec
-from megatron_dip.schedule.ir import ChunkSpec, Placement, Recompute
+from megatron_dip.schedule.ir import NO_RECOMPUTE, ChunkSpec, MemoryPolicy, Placement
 
 from .timing import (
     MESSAGE_NAME,
@@ -164,29 +164,27 @@ class EmulatedChunk(MegatronModule):
         # to W (vectors' are done in B, `runtime.backward_split`).
         self.weight = torch.nn.Parameter(torch.ones(1, 1, dtype=config.params_dtype))
         self.weight.requires_grad_(trainable)
-        self._recompute: tuple[Recompute, int, int] = (Recompute.NONE, 0, 0)
+        self._memory = NO_RECOMPUTE
         # Checkpoints name parameters globally; one emulated weight per chunk's layer range.
         self.global_aliases = {
             "weight": f"{chunk.module}.emulated.{chunk.layer_start}-{chunk.layer_end}"
         }
 
     @contextlib.contextmanager
-    def recompute_context(
-        self, mode: Recompute, layers: int = 0, offload: int = 0
-    ) -> Iterator[None]:
+    def recompute_context(self, memory: MemoryPolicy) -> Iterator[None]:
         """Selective, block and uniform recompute, and offload: the backward sleeps the cost
         model's backward of that memory policy (recomputation and exposed transfers included)."""
-        previous, self._recompute = self._recompute, (mode, layers, offload)
+        previous, self._memory = self._memory, memory
         try:
             yield
         finally:
-            self._recompute = previous
+            self._memory = previous
 
     def forward(self, *, inputs: Sequence[dict[str, torch.Tensor]], batch: SubWork):
         timing = batch.timing(self.chunk.module, self.chunk.index)
         tensors = [m[MESSAGE_NAME] for m in inputs]
         weight_s = timing.weight_s if self.weight.requires_grad else 0.0
-        input_s = timing.backward_for(*self._recompute) - weight_s
+        input_s = timing.backward_for(self._memory) - weight_s
         # The backward is two nodes, as a layer's: the input gradients (`_Sleep`, B) and the
         # weight's (`_SleepWeight`, W), joined by a product (the weight node of a split backward).
         # A chunk whose inputs need no gradient has no B of its own: its `_Sleep` hangs off the

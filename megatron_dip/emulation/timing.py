@@ -24,6 +24,7 @@ bytes the transfers take the time of); `emulated_plan` rewrites a whole plan tha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,8 @@ from megatron_dip.modalities import modality_of
 from megatron_dip.planner.overheads import host_overheads
 from megatron_dip.schedule.graph import Dataflow
 from megatron_dip.schedule.ir import (
+    NO_RECOMPUTE,
+    MemoryPolicy,
     MessageKey,
     MessageKind,
     Plan,
@@ -113,13 +116,14 @@ class StageTiming:
     """Emulated durations of one stage (seconds, already scaled) and its messages."""
 
     forward_s: float
-    backward_s: Callable[..., float]  # (mode, N of block / uniform, offload K) -> seconds
+    backward_s: Callable[[MemoryPolicy], float]  # the backward's seconds under a memory policy
     weight_s: float = 0.0  # of the backward: the weight gradients (a split backward's W)
     inputs: tuple[Link, ...] = ()  # in the order of the chunk's `inputs=` (producer order)
     outputs: tuple[Link, ...] = ()  # one per consumer, in `Dataflow.consumers` order
 
-    def backward_for(self, recompute: Recompute, layers: int = 0, offload: int = 0) -> float:
-        return self.backward_s(recompute, layers, offload)
+    def backward_for(self, memory: MemoryPolicy) -> float:
+        """Seconds of the backward of a forward that ran under `memory`."""
+        return self.backward_s(memory)
 
 
 def message_bytes(plan: Plan) -> dict[MessageKey, int]:
@@ -178,15 +182,7 @@ class EmulatedBatchSource:
         chunk = self.plan.placement.module(stage.module).chunks[stage.chunk]
         sub = self.plan.submicrobatch(stage.work)
         scale = self.config.scale
-
-        def backward(mode: Recompute, layers: int, offload: int = 0) -> float:
-            # FULL: the runtime re-runs the (sleeping) forward itself before this backward.
-            mode, layers = (Recompute.NONE, 0) if mode is Recompute.FULL else (mode, layers)
-            cost = self.cost_model.stage_cost(chunk, sub, mode, layers, offload)
-            # Offload's transfers run on their own channel; what the copy out does not hide
-            # behind the forward is slept here, with what the reload does not hide.
-            exposed_out = cost.forward - self.cost_model.stage_cost(chunk, sub).forward
-            return (cost.backward + exposed_out) * scale
+        backward = functools.partial(self._backward_s, chunk, sub)
 
         inputs = tuple(self._link(key) for key in self.df.forward_inputs(stage))
         outputs = tuple(
@@ -195,6 +191,16 @@ class EmulatedBatchSource:
         )
         base = self.cost_model.stage_cost(chunk, sub)
         return StageTiming(base.forward * scale, backward, base.weight * scale, inputs, outputs)
+
+    def _backward_s(self, chunk, sub, memory: MemoryPolicy) -> float:
+        # FULL: the runtime re-runs the (sleeping) forward itself before this backward.
+        if memory.method is Recompute.FULL:
+            memory = NO_RECOMPUTE
+        cost = self.cost_model.stage_cost(chunk, sub, memory)
+        # Offload's transfers run on their own channel; what the copy out does not hide
+        # behind the forward is slept here, with what the reload does not hide.
+        exposed_out = cost.forward - self.cost_model.stage_cost(chunk, sub).forward
+        return (cost.backward + exposed_out) * self.config.scale
 
     def _link(self, key: MessageKey) -> Link:
         remote = self.df.sender_of(key) != self.df.receiver_of(key)
@@ -267,11 +273,9 @@ class ScaledCostModel:
         self,
         chunk: Any,
         sub: Any,
-        recompute: Recompute = Recompute.NONE,
-        layers: int = 0,
-        offload: int = 0,
+        memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> Any:
-        cost = self.base.stage_cost(chunk, sub, recompute, layers, offload)
+        cost = self.base.stage_cost(chunk, sub, memory)
         return dataclasses.replace(
             cost,
             forward=cost.forward * self.scale,

@@ -29,7 +29,7 @@ from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
 from ..schedule.engine import ChannelFn, per_peer_channel
-from ..schedule.ir import ChunkSpec, Placement, Plan, Recompute
+from ..schedule.ir import ChunkSpec, MemoryPolicy, Placement, Plan, Recompute
 from .bounds import balanced_bound
 from .devices import DeviceSpec
 from .dip import DipPlanner, planner_config
@@ -313,7 +313,7 @@ class Comparison:
         best = None
         modes = (None,) if overrides.get("optimize_memory", True) else MODES
         for mode in modes:
-            uniform = None if mode is None else (mode, 0)
+            uniform = None if mode is None else MemoryPolicy(mode)
             planner = self.planner(**overrides, uniform_recompute=uniform)
             started = time.perf_counter()
             rp = planner.plan_replica(works, iteration=iteration, replica=0, totals=totals)

@@ -47,7 +47,7 @@ from ..modalities import check_model, modality_of
 from ..modalities.costs import CostContext, Kernels, Op, OpKind, Work
 from ..modelspec import ModuleSpec, MultimodalSpec
 from ..parallel.shape import ONE_PROCESS, ParallelShape
-from ..schedule.ir import ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
+from ..schedule.ir import NO_RECOMPUTE, ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
 from .devices import CostProfile, DeviceSpec, load_profile
 from .overheads import NO_OVERHEADS, HostOverheads
 
@@ -276,18 +276,15 @@ class CostModel:
         self,
         chunk: ChunkSpec,
         sub: SubMicrobatch,
-        recompute: Recompute = Recompute.NONE,
-        layers: int = 0,
-        offload: int = 0,
+        memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> StageCost:
-        """Time and activation memory of `chunk` on `sub` under the memory policy (`recompute`,
-        `layers`: N of Megatron's block / uniform methods, see `Recompute`; `offload`: K layers
-        offloaded, see `MemoryPolicy`)."""
+        """Time and activation memory of `chunk` on `sub` under the memory policy `memory`
+        (recomputation, see `Recompute`, and offload): the plan's one pricing of a policy."""
         w = self._work(sub)
-        key = (chunk.module, chunk.layer_start, chunk.layer_end, w, recompute, layers, offload)
+        key = (chunk.module, chunk.layer_start, chunk.layer_end, w, memory)
         cost = self._stage_cache.get(key)
         if cost is None:
-            cost = self._stage_cost(chunk, sub, w, MemoryPolicy(recompute, layers, offload))
+            cost = self._stage_cost(chunk, sub, w, memory)
             _bounded_put(self._stage_cache, key, cost)
         scale = self._scale.get(chunk.module, 1.0)
         if scale == 1.0:
@@ -318,7 +315,7 @@ class CostModel:
             Recompute.BLOCK: min(layers, n) * fwd_l,
             Recompute.UNIFORM: n * fwd_l,
         }.get(recompute, 0.0)
-        nbytes = self.chunk_activation_bytes(chunk, sub, *policy)
+        nbytes = self.chunk_activation_bytes(chunk, sub, policy)
         if policy.offload:
             out, back = self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l)
             fwd, bwd = fwd + out, bwd + back
@@ -326,7 +323,7 @@ class CostModel:
         weight = n * self._weight_share(spec, w) * bwd_l + extra
         if not spec.trainable:  # no weight gradients: the backward is its input half alone
             return StageCost(fwd, bwd - weight, nbytes, 0.0)
-        return StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, *policy))
+        return StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, policy))
 
     def _weight_share(self, spec: ModuleSpec, w: Work) -> float:
         """The weight-gradient share of a layer's analytic backward: its weight GEMMs (as long
@@ -406,19 +403,18 @@ class CostModel:
         self,
         chunk: ChunkSpec,
         sub: SubMicrobatch,
-        recompute: Recompute = Recompute.NONE,
-        layers: int = 0,
+        recompute: MemoryPolicy = NO_RECOMPUTE,
     ) -> int:
-        """The most layers `chunk` can offload on `sub` after `recompute` (NONE or BLOCK N)
-        whose copies both hide behind the compute they overlap (`_offload_time` adds nothing;
-        0 where not even one does): the offload worth offering beside recomputation (more than
-        that costs its excess)."""
+        """The most layers `chunk` can offload on `sub` after `recompute`'s recomputation (NONE
+        or BLOCK N) whose copies both hide behind the compute they overlap (`_offload_time` adds
+        nothing; 0 where not even one does): the offload worth offering beside recomputation
+        (more than that costs its excess)."""
         spec, w = self.model.module(chunk.module), self._work(sub)
-        start = layers if recompute is Recompute.BLOCK else 0
         fwd_l, bwd_l, _ = self._layer(spec, w)
         best = 0
-        for k in range(1, chunk.num_layers - start + 1):  # more layers: more link, less overlap
-            policy = MemoryPolicy(recompute, layers, k)
+        # more layers: more link, less overlap
+        for k in range(1, chunk.num_layers - recompute.offload_start + 1):
+            policy = recompute.with_offload(k)
             if self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l) != (0.0, 0.0):
                 break
             best = k
@@ -428,12 +424,10 @@ class CostModel:
         self,
         chunk: ChunkSpec,
         sub: SubMicrobatch,
-        recompute: Recompute = Recompute.NONE,
-        layers: int = 0,
-        offload: int = 0,
+        memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> int:
-        """Bytes `chunk` holds for `sub` from the end of its forward to the end of its backward
-        on the device (`offload` K layers' saved tensors live in host memory instead).
+        """Bytes `chunk` holds for `sub` under `memory` from the end of its forward to the end
+        of its backward on the device (offloaded layers' saved tensors live in host memory).
 
         Every chunk keeps the messages it received (the producers' hand-overs, or the previous
         chunk's output) until its backward; FULL keeps nothing else (the runtime recomputes the
@@ -449,6 +443,7 @@ class CostModel:
         modality, w, c = modality_of(spec), self._work(sub), self._ctx
         first, last = chunk.layer_start == 0, chunk.layer_end == spec.num_layers
         received = modality.received_bytes(spec, w, c, first=first)
+        recompute, layers = memory.method, memory.layers
         if recompute is Recompute.FULL:
             return int(received)
         total = self._layers_stored(spec, chunk.num_layers, w, recompute, layers)
@@ -463,19 +458,17 @@ class CostModel:
             total += received
         if last:
             total += modality.output_stored(spec, w, c)
-        if offload:
-            total -= self._offloaded(spec, chunk, w, MemoryPolicy(recompute, layers, offload))
+        if memory.offload:
+            total -= self._offloaded(spec, chunk, w, memory)
         return int(total)
 
     def weight_bytes(
         self,
         chunk: ChunkSpec,
         sub: SubMicrobatch,
-        recompute: Recompute = Recompute.NONE,
-        layers: int = 0,
-        offload: int = 0,
+        memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> int:
-        """Bytes a pending W of `chunk` on `sub` holds from its `BackwardInput` to its
+        """Bytes a pending W of `chunk` on `sub` under `memory` holds from its `BackwardInput` to its
         `BackwardWeight` (`runtime/backward_split.py`): every deferred (column-parallel) weight
         GEMM's activation input and recorded output gradient, in every layer (a recomputed
         layer's inputs are recomputed in W, but the W's peak has them); what recomputation keeps
@@ -489,10 +482,10 @@ class CostModel:
             return 0
         w, c = self._work(sub), self._ctx
         modality = modality_of(spec)
-        n = chunk.num_layers
-        redo = {Recompute.FULL: n, Recompute.BLOCK: min(layers, n), Recompute.UNIFORM: n}
+        n, recompute = chunk.num_layers, memory.method
+        redo = {Recompute.FULL: n, Recompute.BLOCK: min(memory.layers, n), Recompute.UNIFORM: n}
         plain = n - redo.get(recompute, 0)
-        total = self.chunk_activation_bytes(chunk, sub, recompute, layers, offload)
+        total = self.chunk_activation_bytes(chunk, sub, memory)
         if recompute is not Recompute.FULL:
             keep = recompute if recompute is Recompute.SELECTIVE else Recompute.NONE
             total -= self._layers_stored(spec, plain, w, keep, 0)

@@ -36,7 +36,6 @@ from ..schedule.ir import (
     Placement,
     Plan,
     Recompute,
-    RecomputeMode,
     StageId,
 )
 from ..schedule.passes import add_communication
@@ -95,7 +94,7 @@ class PlannerConfig:
     # No plan within memory_limit_bytes: raise MemoryLimitError (True), or return the best plan
     # found marked `ReplicaPlan.overcommitted` (False: simulation studies that score such plans).
     strict_memory: bool = True
-    uniform_recompute: RecomputeMode | None = None  # start from this mode on every chunk
+    uniform_recompute: MemoryPolicy | None = None  # start from this mode on every chunk
     # The memory pass may also offload saved activations to host memory (`MemoryPolicy`),
     # at most this many bytes at once per rank (default: the device's `host_offload_share`).
     offload_activations: bool = False
@@ -135,7 +134,7 @@ def planner_config(
     sub_sizes: Mapping[str, int] | None = None,
     memory_limit: Sequence[float] | None = None,
     use_search: bool = True,
-    uniform_recompute: RecomputeMode | None = None,
+    uniform_recompute: MemoryPolicy | None = None,
     offload_activations: bool = False,
     split_backward: bool = False,
 ) -> PlannerConfig:
@@ -495,17 +494,17 @@ class DipPlanner:
             return c.backward + host, 0.0, float(c.activation_bytes)
         return c.backward_input + host, c.weight + host, float(c.pending_weight_bytes)
 
-    def _stage_times(self, merged: Sequence[MicrobatchWork], mode: RecomputeMode) -> list[float]:
+    def _stage_times(self, merged: Sequence[MicrobatchWork], mode: MemoryPolicy) -> list[float]:
         """Forward and backward compute of every (chunk, sub-microbatch) of `merged` under
         `mode` on every stage, in one fixed order (what Megatron's order runs)."""
         times = []
         for sub in (s for w in merged for s in w.submicrobatches):
             for chunk in self.placement.module(sub.module).chunks:
-                c = self.cost_model.stage_cost(chunk, sub, *mode)
+                c = self.cost_model.stage_cost(chunk, sub, mode)
                 times += (c.forward, c.backward)
         return times
 
-    def _fits_in_order(self, plan: Plan, limits: Sequence[float], mode: RecomputeMode) -> bool:
+    def _fits_in_order(self, plan: Plan, limits: Sequence[float], mode: MemoryPolicy) -> bool:
         """Whether `plan` (Megatron's order) holds no more than `limits` under `mode` on every
         stage: its activation peaks, which the order alone decides."""
         return peaks_fit(activation_peaks(with_recompute(plan, mode), self.cost_model), limits)
@@ -516,7 +515,7 @@ class DipPlanner:
     def _megatron_order(
         self,
         merged: Sequence[MicrobatchWork],
-        mode: RecomputeMode,
+        mode: MemoryPolicy,
         *,
         totals: BatchTotals,
         iteration: int,
@@ -530,7 +529,7 @@ class DipPlanner:
 
         def duration(rank: int, ins) -> float:
             chunk = self.placement.module(ins.stage.module).chunks[ins.stage.chunk]
-            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work], *mode)
+            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work], mode)
             fwd, bwd = host.instruction_times(c.forward, c.backward)
             return max(fwd if isinstance(ins, Forward) else bwd, 1e-12)
 
@@ -560,14 +559,14 @@ class DipPlanner:
             found = memo[key] = self.shapes.tensors(key, sub_of.__getitem__)
         return found
 
-    def _stage_cost(self, sub_of: Mapping, stage: StageId, mode: RecomputeMode):
+    def _stage_cost(self, sub_of: Mapping, stage: StageId, mode: MemoryPolicy):
         """`cost_model.stage_cost` of a stage of this plan (memoized per plan)."""
         memo = self._memos(sub_of)[1]
         found = memo.get((stage, mode))
         if found is None:
             chunk = self.placement.module(stage.module).chunks[stage.chunk]
             found = memo[(stage, mode)] = self.cost_model.stage_cost(
-                chunk, sub_of[stage.work], *mode
+                chunk, sub_of[stage.work], mode
             )
         return found
 
@@ -731,7 +730,7 @@ class DipPlanner:
             schedule = self._list_schedule(graph, order, limits, choice)
         return schedule, choice
 
-    def _modes_of(self, sub_of: Mapping, stage: StageId) -> tuple[RecomputeMode, ...]:
+    def _modes_of(self, sub_of: Mapping, stage: StageId) -> tuple[MemoryPolicy, ...]:
         """The stage's candidate memory policies (`stage_modes`; memoized per plan)."""
         memo = self._memos(sub_of)[2]
         found = memo.get(stage)
@@ -744,7 +743,7 @@ class DipPlanner:
 
     def _uniform_choice(self) -> RecomputeChoice:
         mode = self.config.uniform_recompute
-        if mode is None or mode[0] is Recompute.NONE:
+        if mode is None or mode.method is Recompute.NONE:
             return RecomputeChoice({}, 0.0)
         return RecomputeChoice(
             {(m.name, c.index): mode for m in self.placement.modules for c in m.chunks}, 0.0
@@ -752,8 +751,8 @@ class DipPlanner:
 
     def _hidden(self, chunk, sub, block: int) -> int:
         """Layers whose offload hides after block recomputation of the first `block`."""
-        method = Recompute.BLOCK if block else Recompute.NONE
-        return self.cost_model.hidden_offload_layers(chunk, sub, method, block)
+        recompute = MemoryPolicy(Recompute.BLOCK, block) if block else NO_RECOMPUTE
+        return self.cost_model.hidden_offload_layers(chunk, sub, recompute)
 
     def host_limits(self) -> list[float] | None:
         """Per rank, the offloaded bytes it may keep in host memory at once
@@ -773,8 +772,7 @@ class DipPlanner:
             return {}
         return {"host_bytes": functools.partial(self._host_bytes, sub_of), "host_limit": limits}
 
-    def _host_bytes(self, sub_of: Mapping, stage: StageId, mode: RecomputeMode) -> float:
-        policy = MemoryPolicy(*mode)
+    def _host_bytes(self, sub_of: Mapping, stage: StageId, policy: MemoryPolicy) -> float:
         if not policy.offload:
             return 0.0
         chunk = self.placement.module(stage.module).chunks[stage.chunk]
@@ -797,7 +795,7 @@ class DipPlanner:
         # message's host time (the posted batches are the simulator's to charge).
         host = host_overheads(self.cost_model)
 
-        def stage_cost(stage: StageId, recompute: RecomputeMode) -> tuple[float, float, int]:
+        def stage_cost(stage: StageId, recompute: MemoryPolicy) -> tuple[float, float, int]:
             c = self._stage_cost(sub_of, stage, recompute)
             return (*host.instruction_times(c.forward, c.backward), c.activation_bytes)
 
@@ -821,7 +819,7 @@ class DipPlanner:
         self._graph_cache = (dataflow, forward_only, graph)
         return graph
 
-    def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: RecomputeMode) -> tuple[float, int]:
+    def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: MemoryPolicy) -> tuple[float, int]:
         c = self._stage_cost(sub_of, stage, mode)
         return c.forward + c.backward, c.activation_bytes
 

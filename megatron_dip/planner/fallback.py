@@ -27,7 +27,6 @@ from ..schedule.ir import (
     MemoryPolicy,
     Plan,
     Recompute,
-    RecomputeMode,
 )
 from ..schedule.validate import validate_plan
 from .candidates import merge_submicrobatches
@@ -42,7 +41,7 @@ def activation_peaks(plan: Plan, cost_model) -> list[float]:
             cost_model.stage_cost(
                 plan.placement.module(stage.module).chunks[stage.chunk],
                 plan.submicrobatch(stage.work),
-                *mode,
+                mode,
             ).activation_bytes
         )
     )
@@ -57,9 +56,9 @@ def offload_peaks(plan: Plan, cost_model) -> list[float]:
             cost_model.offloaded_bytes(
                 plan.placement.module(stage.module).chunks[stage.chunk],
                 plan.submicrobatch(stage.work),
-                MemoryPolicy(*mode),
+                mode,
             )
-            if MemoryPolicy(*mode).offload
+            if mode.offload
             else 0
         )
     )
@@ -75,7 +74,7 @@ def _peaks(plan: Plan, cost) -> list[float]:
         kept: dict = {}
         for ins in program.instructions:
             if isinstance(ins, Forward) and ins.stage in backward:
-                kept[ins.stage] = cost(ins.stage, ins.mode)
+                kept[ins.stage] = cost(ins.stage, ins.memory)
                 held += kept[ins.stage]
                 peak = max(peak, held)
             elif isinstance(ins, Backward) and ins.stage in kept:
@@ -84,7 +83,7 @@ def _peaks(plan: Plan, cost) -> list[float]:
     return peaks
 
 
-def _added_time(plan: Plan, cost_model, mode: RecomputeMode) -> float:
+def _added_time(plan: Plan, cost_model, mode: MemoryPolicy) -> float:
     """Seconds of recomputation `mode` adds to `plan`'s stages (all ranks)."""
     total = 0.0
     for program in plan.programs:
@@ -92,8 +91,8 @@ def _added_time(plan: Plan, cost_model, mode: RecomputeMode) -> float:
             if isinstance(ins, Forward):
                 chunk = plan.placement.module(ins.stage.module).chunks[ins.stage.chunk]
                 sub = plan.submicrobatch(ins.stage.work)
-                base = cost_model.stage_cost(chunk, sub, *NO_RECOMPUTE)
-                with_mode = cost_model.stage_cost(chunk, sub, *mode)
+                base = cost_model.stage_cost(chunk, sub)
+                with_mode = cost_model.stage_cost(chunk, sub, mode)
                 total += (with_mode.forward + with_mode.backward) - (base.forward + base.backward)
     return total
 
@@ -110,24 +109,28 @@ def cheapest_fitting_mode(
     `host_limits` also offload of K layers, alone and after block 1, within those host limits)
     that fits `limits` and adds the least time; None when none fits."""
 
-    def fits(mode: RecomputeMode) -> bool:
+    def fits(mode: MemoryPolicy) -> bool:
         candidate = with_recompute(plan, mode)
         peaks = activation_peaks(candidate, cost_model)
         if any(p > lim for p, lim in zip(peaks, limits)):
             return False
-        if host_limits is None or not MemoryPolicy(*mode).offload:
+        if host_limits is None or not mode.offload:
             return True
         return all(p <= lim for p, lim in zip(offload_peaks(candidate, cost_model), host_limits))
 
     if fits(NO_RECOMPUTE):
         return with_recompute(plan, NO_RECOMPUTE)
     # A larger N (or K) holds less and costs more: the smallest that fits.
-    families = [lambda n: (Recompute.BLOCK, n)]
+    families = [lambda n: MemoryPolicy(Recompute.BLOCK, n)]
     if host_limits is not None and layers > 0:
         families.append(lambda k: MemoryPolicy(Recompute.NONE, 0, k))
         families.append(lambda k: MemoryPolicy(Recompute.BLOCK, 1, k))
     candidates = [m for family in families if (m := _smallest_fitting(family, layers, fits))]
-    for mode in ((Recompute.SELECTIVE, 0), (Recompute.UNIFORM, layers), (Recompute.FULL, 0)):
+    for mode in (
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.UNIFORM, layers),
+        MemoryPolicy(Recompute.FULL, 0),
+    ):
         if fits(mode):
             candidates.append(mode)
     if not candidates:
@@ -136,7 +139,7 @@ def cheapest_fitting_mode(
     return with_recompute(plan, best)
 
 
-def _smallest_fitting(family, layers: int, fits) -> RecomputeMode | None:
+def _smallest_fitting(family, layers: int, fits) -> MemoryPolicy | None:
     """`family(n)` for the smallest n in [1, layers] that fits (bisection: holding less as n
     grows); None when even `family(layers)` does not."""
     lo, hi = 1, layers

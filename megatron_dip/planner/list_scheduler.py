@@ -32,13 +32,13 @@ from ..schedule.ir import (
     BackwardInput,
     BackwardWeight,
     Forward,
+    MemoryPolicy,
     MessageKey,
-    RecomputeMode,
     StageId,
 )
 from .schedule_kernel import run_schedule
 
-StageCostFn = Callable[[StageId, RecomputeMode], "tuple[float, float, int]"]  # fwd, bwd, bytes
+StageCostFn = Callable[[StageId, MemoryPolicy], "tuple[float, float, int]"]  # fwd, bwd, bytes
 TransferFn = Callable[[MessageKey], float]
 
 
@@ -71,7 +71,7 @@ class StageGraph:
         return 2 * len(self.stages)
 
     def with_costs(
-        self, stage_cost: StageCostFn, recompute: Callable[[StageId], RecomputeMode]
+        self, stage_cost: StageCostFn, recompute: Callable[[StageId], MemoryPolicy]
     ) -> StageGraph:
         """The same graph (nodes, edges, transfer delays) with each stage's durations and bytes
         from `stage_cost(stage, recompute(stage))`: what `build_stage_graph` returns for the same
@@ -197,7 +197,7 @@ def build_stage_graph(
     *,
     stage_cost: StageCostFn,
     transfer: TransferFn,
-    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
+    recompute: Callable[[StageId], MemoryPolicy] = lambda s: NO_RECOMPUTE,
     forward_only: bool = False,
 ) -> StageGraph:
     """Index the stages of `dataflow` with their costs for the list scheduler."""
@@ -234,7 +234,7 @@ class ListSchedule:
     seconds) are built on first use: the planner compares most schedules by makespan and peak
     memory alone."""
 
-    def __init__(self, run: _Run, recompute: Callable[[StageId], RecomputeMode]) -> None:
+    def __init__(self, run: _Run, recompute: Callable[[StageId], MemoryPolicy]) -> None:
         self._run, self._recompute = run, recompute
         self.makespan: float = run.makespan
         self.peak_memory: tuple[int, ...] = run.peak
@@ -268,7 +268,7 @@ def list_schedule(
     *,
     priority: Sequence[tuple],
     memory_limit: Sequence[float] | None = None,
-    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
+    recompute: Callable[[StageId], MemoryPolicy] = lambda s: NO_RECOMPUTE,
     fill_bubbles: bool = True,
     overshoot: float = 0.0,
 ) -> ListSchedule:
@@ -304,7 +304,7 @@ def split_list_schedule(
     *,
     priority: Sequence[tuple],
     memory_limit: Sequence[float] | None = None,
-    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
+    recompute: Callable[[StageId], MemoryPolicy] = lambda s: NO_RECOMPUTE,
     fill_bubbles: bool = True,
     overshoot: float = 0.0,
     rounds: int = 3,
@@ -374,7 +374,7 @@ class _Run:
         ptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         return ptr, self.ready[nodes[by_rank]].astype(float)
 
-    def instructions(self, recompute: Callable[[StageId], RecomputeMode]) -> tuple[tuple, dict]:
+    def instructions(self, recompute: Callable[[StageId], MemoryPolicy]) -> tuple[tuple, dict]:
         """The per-rank instruction orders and their durations."""
         g = self.graph
         durations: dict[Forward | Backward | BackwardWeight, float] = {}
@@ -388,7 +388,7 @@ class _Run:
             if node >= 2 * n:
                 ins = BackwardWeight(stage)
             elif not node & 1:
-                ins = Forward(stage, *recompute(stage))
+                ins = Forward(stage, recompute(stage))
             else:
                 ins = BackwardInput(stage) if weights[k] > 0 else Backward(stage)
             orders[g.rank[k]].append(ins)

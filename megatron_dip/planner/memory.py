@@ -31,21 +31,20 @@ from ..schedule.ir import (
     Forward,
     MemoryPolicy,
     Recompute,
-    RecomputeMode,
     StageId,
 )
 from .quiet import native_stdout_silenced
 
 logger = logging.getLogger(__name__)
 
-ModeCost = Callable[[StageId, RecomputeMode], "tuple[float, int]"]  # (fwd+bwd time, bytes)
-HostBytes = Callable[[StageId, RecomputeMode], float]  # bytes the mode keeps in host memory
-StageModes = Callable[[StageId], Sequence[RecomputeMode]]
+ModeCost = Callable[[StageId, MemoryPolicy], "tuple[float, int]"]  # (fwd+bwd time, bytes)
+HostBytes = Callable[[StageId, MemoryPolicy], float]  # bytes the mode keeps in host memory
+StageModes = Callable[[StageId], Sequence[MemoryPolicy]]
 
 
 def stage_modes(
     layers: int, *, offload: bool = False, hidden: int | Callable[[int], int] = 1
-) -> tuple[RecomputeMode, ...]:
+) -> tuple[MemoryPolicy, ...]:
     """The memory policies the memory pass chooses from for a chunk of `layers` layers (always
     five, or nine with `offload`; the cheapest first and the one that holds least last).
 
@@ -59,21 +58,21 @@ def stage_modes(
     half = max(1, layers // 2)
     recompute = (
         NO_RECOMPUTE,
-        (Recompute.SELECTIVE, 0),
-        (Recompute.BLOCK, 1),
-        (Recompute.BLOCK, half),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.BLOCK, 1),
+        MemoryPolicy(Recompute.BLOCK, half),
     )
     if not offload:
-        return (*recompute, (Recompute.FULL, 0))
+        return (*recompute, MemoryPolicy(Recompute.FULL, 0))
     if layers == 0:  # an input- or output-only chunk: nothing to offload (same count of modes)
-        return (*recompute, *recompute, (Recompute.FULL, 0))
+        return (*recompute, *recompute, MemoryPolicy(Recompute.FULL, 0))
     hides = hidden if callable(hidden) else (lambda n: hidden)
     most = next((n for n in range(layers - 1, half, -1) if hides(n) >= 1), half)
     offloads = tuple(_block_then_offload(layers, n, max(1, hides(n))) for n in (0, 1, half, most))
-    return (*recompute, *offloads, (Recompute.FULL, 0))
+    return (*recompute, *offloads, MemoryPolicy(Recompute.FULL, 0))
 
 
-def _block_then_offload(layers: int, n: int, k: int) -> RecomputeMode:
+def _block_then_offload(layers: int, n: int, k: int) -> MemoryPolicy:
     """Block recomputation of the first `n` layers, then offload of up to `k` of the rest
     (duplicates where the chunk is short)."""
     n = min(n, layers - 1) if n else 0
@@ -90,10 +89,10 @@ class RecomputeChoice:
     """Recompute mode per stage, or per (module, chunk) for all its stages; what is not listed
     recomputes nothing."""
 
-    modes: dict[StageId | tuple[str, int], RecomputeMode]
+    modes: dict[StageId | tuple[str, int], MemoryPolicy]
     added_time: float
 
-    def of(self, stage: StageId) -> RecomputeMode:
+    def of(self, stage: StageId) -> MemoryPolicy:
         mode = self.modes.get(stage)
         return (
             mode if mode is not None else self.modes.get((stage.module, stage.chunk), NO_RECOMPUTE)
@@ -133,7 +132,7 @@ def choose_recompute(
     host_bytes: HostBytes | None = None,
     host_limit: Sequence[float] | None = None,
     row_cache: dict | None = None,
-    floor: Callable[[StageId], RecomputeMode] | None = None,
+    floor: Callable[[StageId], MemoryPolicy] | None = None,
     exact: bool = True,
 ) -> RecomputeChoice:
     """Cheapest per-stage recompute modes keeping every rank's alive activations under its
@@ -145,7 +144,7 @@ def choose_recompute(
     (the added time reported is over the floor's); stages left there are not listed.
     `exact=False`: the greedy answer alone, never the MILP (a pass that only tops up a choice
     already made, where a solve per round would cost more than it can save)."""
-    modes: dict[StageId | tuple[str, int], RecomputeMode] = {}
+    modes: dict[StageId | tuple[str, int], MemoryPolicy] = {}
     added = 0.0
     for rank, order in enumerate(orders):
         problem = _Problem(
@@ -182,9 +181,12 @@ def within_host_limit(
                 if excess <= 0 or held[i] <= 0:
                     break
                 if mode_cost is not None:
-                    full, old = mode_cost(stages[i], (Recompute.FULL, 0)), choice.of(stages[i])
+                    full, old = (
+                        mode_cost(stages[i], MemoryPolicy(Recompute.FULL, 0)),
+                        choice.of(stages[i]),
+                    )
                     added += full[0] - mode_cost(stages[i], old)[0]
-                modes[stages[i]] = (Recompute.FULL, 0)
+                modes[stages[i]] = MemoryPolicy(Recompute.FULL, 0)
                 excess -= held[i]
                 held[i] = 0.0
     return RecomputeChoice(modes, added)
@@ -213,7 +215,7 @@ class _Problem:
     keeps: Callable[[StageId], bool]
     host_bytes: HostBytes | None = None
     rows: dict | None = None  # a cache of `_row`s shared across passes
-    floor: Callable[[StageId], RecomputeMode] | None = None
+    floor: Callable[[StageId], MemoryPolicy] | None = None
     exact: bool = True  # improve the greedy answer with the MILP where that is worth a solve
 
 
@@ -223,7 +225,7 @@ class _RankProblem:
     stage's `modes[i]`, the same number for every stage)."""
 
     stages: list[StageId]
-    modes: list[Sequence[RecomputeMode]]
+    modes: list[Sequence[MemoryPolicy]]
     time: np.ndarray
     nbytes: np.ndarray
     sets: list[np.ndarray]  # alive-sets (stage indices) over the limit with no recomputation
@@ -465,7 +467,7 @@ def _solve_rank(
     order: Sequence[Forward | Backward],
     problem: _Problem,
     limits: tuple[float, float],
-) -> tuple[dict[StageId, RecomputeMode], float]:
+) -> tuple[dict[StageId, MemoryPolicy], float]:
     """One rank's modes (device limit, host limit) and the time they add. The host limit is
     checked on the answer first and added to the problem only where that answer breaks it."""
     limit, host_limit = limits

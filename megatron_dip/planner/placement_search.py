@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from ..data.sample import BatchMeta
 from ..schedule.engine import ChannelFn, per_peer_channel
-from ..schedule.ir import NO_RECOMPUTE
 from .candidates import merge_submicrobatches
 from .dip import DipPlanner
 from .placement import PlacementCandidate
@@ -63,7 +62,7 @@ def rank_load_bound(planner: DipPlanner, batches: Sequence[BatchMeta]) -> float:
         for sub in (s for w in works for s in w.submicrobatches):
             backward = cost.needs_backward(sub.module)
             for chunk in placement.module(sub.module).chunks:
-                c = cost.stage_cost(chunk, sub, *NO_RECOMPUTE)
+                c = cost.stage_cost(chunk, sub)
                 per_rank[chunk.rank] += c.forward + (c.backward if backward else 0.0)
         loads.append(max(per_rank))
     return sum(loads) / len(loads)

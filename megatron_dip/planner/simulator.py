@@ -168,16 +168,13 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
     for program in plan.programs:
         for ins in program.instructions:
             if isinstance(ins, Forward):
-                recompute[ins.stage] = ins.mode
+                recompute[ins.stage] = ins.memory
             elif isinstance(ins, Backward):
                 has_backward.add(ins.stage)
     costs = {}
     for stage, mode in recompute.items():
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
-        # A policy without offload is passed as (method, N): cost models that predate offload
-        # take two arguments.
-        args = mode if mode.offload else mode[:2]
-        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), *args)
+        costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), mode)
     missing = has_backward - recompute.keys()
     if missing:
         raise ValueError(f"plan has backwards without a forward: {sorted(map(str, missing))[:5]}")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..batching import MicrobatchWork
 from ..modelspec import MultimodalSpec
-from ..schedule.ir import Placement, Recompute
+from ..schedule.ir import MemoryPolicy, Placement, Recompute
 from .devices import DeviceSpec
 from .placement import ModuleWorkload, segments_per_module
 
@@ -90,7 +90,7 @@ def activation_need(
         subs = [s for w in works for s in w.submicrobatches if s.module == layout.name]
         for chunk in layout.chunks:
             for sub in subs:
-                need = cost_model.chunk_activation_bytes(chunk, sub, Recompute.FULL)
+                need = cost_model.chunk_activation_bytes(chunk, sub, MemoryPolicy(Recompute.FULL))
                 if need > best:
                     best, where = need, f"{layout.name} chunk {chunk.index} on rank {chunk.rank}"
     return best, where

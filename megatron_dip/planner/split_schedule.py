@@ -26,8 +26,8 @@ from ..schedule.ir import (
     Backward,
     BackwardInput,
     BackwardWeight,
+    MemoryPolicy,
     Plan,
-    RecomputeMode,
     StageId,
 )
 from ..schedule.passes import TensorFn, add_communication
@@ -58,7 +58,7 @@ def best_split_schedule(
     *,
     priority: Sequence[tuple],
     memory_limit: Sequence[float] | None,
-    recompute: Callable[[StageId], RecomputeMode] = lambda s: NO_RECOMPUTE,
+    recompute: Callable[[StageId], MemoryPolicy] = lambda s: NO_RECOMPUTE,
     fill_bubbles: bool = True,
 ) -> ListSchedule | None:
     """The fastest list schedule of a split `graph` over the fill policies (`OVERSHOOTS`) that

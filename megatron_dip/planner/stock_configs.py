@@ -33,7 +33,6 @@ from ..schedule.ir import (
     Plan,
     Program,
     Recompute,
-    RecomputeMode,
 )
 from ..schedule.passes import TensorFn
 from .overheads import host_overheads
@@ -43,10 +42,10 @@ from .static_baselines import StaticPipeline
 _BLOCK_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def mode_label(mode: RecomputeMode) -> str:
+def mode_label(mode: MemoryPolicy) -> str:
     """ "none", "selective", "full", "block 8", "uniform 1" (Megatron's flag values), "offload 4"
     (fine-grained offload of 4 layers per chunk)."""
-    method, layers, offload = MemoryPolicy(*mode)
+    method, layers, offload = mode.method, mode.layers, mode.offload
     label = f"{method.value} {layers}" if method.takes_layers else method.value
     if not offload:
         return label
@@ -58,19 +57,19 @@ def max_chunk_layers(placement: Placement) -> int:
     return max(c.num_layers for m in placement.modules for c in m.chunks)
 
 
-def recompute_modes(placement: Placement, *, offload: bool = False) -> list[RecomputeMode]:
+def recompute_modes(placement: Placement, *, offload: bool = False) -> list[MemoryPolicy]:
     """Megatron's recompute settings worth trying on `placement`: none, selective, full, block N
     on a grid up to the largest chunk, uniform with 1-layer groups (Megatron's default) and with
     one group per chunk; with `offload` also fine-grained offload of K layers per chunk on the
     same grid, alone and after block recomputation of one layer (module docstring)."""
     top = max_chunk_layers(placement)
     blocks = sorted({n for n in _BLOCK_GRID if n < top} | {top})
-    modes: list[RecomputeMode] = [
+    modes: list[MemoryPolicy] = [
         NO_RECOMPUTE,
-        (Recompute.SELECTIVE, 0),
-        (Recompute.FULL, 0),
-        *((Recompute.BLOCK, n) for n in blocks),
-        *dict.fromkeys([(Recompute.UNIFORM, 1), (Recompute.UNIFORM, top)]),
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.FULL, 0),
+        *(MemoryPolicy(Recompute.BLOCK, n) for n in blocks),
+        *dict.fromkeys([MemoryPolicy(Recompute.UNIFORM, 1), MemoryPolicy(Recompute.UNIFORM, top)]),
     ]
     if offload and top > 0:
         modes += [MemoryPolicy(Recompute.NONE, 0, k) for k in blocks]
@@ -78,20 +77,14 @@ def recompute_modes(placement: Placement, *, offload: bool = False) -> list[Reco
     return modes
 
 
-def with_recompute(plan: Plan, mode: RecomputeMode) -> Plan:
-    """`plan` with every forward using memory policy `mode` ((method, N) or a `MemoryPolicy`,
-    its offload clamped to each chunk's layers)."""
-    policy = MemoryPolicy(*mode)
+def with_recompute(plan: Plan, mode: MemoryPolicy) -> Plan:
+    """`plan` with every forward using memory policy `mode`, its offload clamped to each
+    chunk's layers."""
 
     def fitted(stage) -> dict:
         layers = plan.placement.module(stage.module).chunks[stage.chunk].num_layers
-        room = max(0, layers - min(policy.offload_start, layers))
-        offload = min(policy.offload, room)
-        return {
-            "recompute": policy.method,
-            "recompute_layers": policy.layers,
-            "offload_layers": offload,
-        }
+        room = max(0, layers - min(mode.offload_start, layers))
+        return {"memory": mode.with_offload(min(mode.offload, room))}
 
     programs = tuple(
         Program(
@@ -112,12 +105,12 @@ class StockResult:
 
     pipeline: str  # the static placement's name
     schedule: str  # "1f1b" or "interleaved"
-    mode: RecomputeMode
+    mode: MemoryPolicy
     sim: SimResult
     fits: bool
 
     @property
-    def key(self) -> tuple[str, str, RecomputeMode]:
+    def key(self) -> tuple[str, str, MemoryPolicy]:
         return self.pipeline, self.schedule, self.mode
 
     @property
@@ -139,7 +132,7 @@ class StockWork:
 
 
 def megatron_plan(
-    pipe: StaticPipeline, work: StockWork, mode: RecomputeMode, *, cost_model, tensors: TensorFn
+    pipe: StaticPipeline, work: StockWork, mode: MemoryPolicy, *, cost_model, tensors: TensorFn
 ) -> Plan:
     """Megatron's order on `pipe` with `mode` on every stage; messages placed by that mode's
     stage durations."""
@@ -148,7 +141,7 @@ def megatron_plan(
 
     def duration(rank: int, ins) -> float:
         chunk = pipe.placement.module(ins.stage.module).chunks[ins.stage.chunk]
-        c = cost_model.stage_cost(chunk, sub_of[ins.stage.work], *mode)
+        c = cost_model.stage_cost(chunk, sub_of[ins.stage.work], mode)
         fwd, bwd = host.instruction_times(c.forward, c.backward)
         return max(fwd if isinstance(ins, Forward) else bwd, 1e-12)
 
@@ -184,7 +177,7 @@ def evaluate_stock(
     cost_model,
     tensors: TensorFn,
     limits: Sequence[float],
-    modes: Sequence[RecomputeMode] | None = None,
+    modes: Sequence[MemoryPolicy] | None = None,
     channel: ChannelFn = single_channel,
     offload: bool = False,
 ) -> list[StockResult]:
@@ -215,7 +208,7 @@ def fastest(results: Sequence[StockResult]) -> StockResult:
     return min(fitting or results, key=lambda r: r.sim.iteration_time)
 
 
-def strongest(per_batch: Sequence[Sequence[StockResult]]) -> tuple[str, str, RecomputeMode] | None:
+def strongest(per_batch: Sequence[Sequence[StockResult]]) -> tuple[str, str, MemoryPolicy] | None:
     """The configuration (pipeline, schedule, mode) that runs and fits on every batch with the
     least total simulated time; None when no configuration does."""
     totals: dict[tuple, float] = {}
@@ -225,18 +218,18 @@ def strongest(per_batch: Sequence[Sequence[StockResult]]) -> tuple[str, str, Rec
             totals[r.key] = totals.get(r.key, 0.0) + r.sim.iteration_time
             fitting[r.key] = fitting.get(r.key, 0) + r.fits
     candidates = [k for k in totals if fitting[k] == len(per_batch)]
-    return min(candidates, key=lambda k: (totals[k], k[2][1])) if candidates else None
+    return min(candidates, key=lambda k: (totals[k], k[2].layers)) if candidates else None
 
 
 def best_fitting_mode(
-    plan_for: Callable[[RecomputeMode], Plan],
+    plan_for: Callable[[MemoryPolicy], Plan],
     *,
     layers: int,
     cost_model,
     limits: Sequence[float],
     channel: ChannelFn,
-    stage_times: Callable[[RecomputeMode], Sequence[float]] | None = None,
-    fits_of: Callable[[RecomputeMode], bool] | None = None,
+    stage_times: Callable[[MemoryPolicy], Sequence[float]] | None = None,
+    fits_of: Callable[[MemoryPolicy], bool] | None = None,
 ) -> tuple[Plan, SimResult] | None:
     """The fastest uniform recompute setting of a plan family that fits, searched cheaply: no
     recompute if it fits, else the smallest block N that fits (binary search: a larger N holds
@@ -246,30 +239,34 @@ def best_fitting_mode(
     that fit are simulated. `stage_times(mode)`: the family's compute durations under `mode`,
     stage by stage in one fixed order; a mode no faster on any stage than another that fits is
     then not simulated (in a fixed order, longer durations never finish sooner)."""
-    tried: dict[RecomputeMode, tuple[Plan, SimResult]] = {}
+    tried: dict[MemoryPolicy, tuple[Plan, SimResult]] = {}
 
-    def run(mode: RecomputeMode) -> tuple[Plan, SimResult]:
+    def run(mode: MemoryPolicy) -> tuple[Plan, SimResult]:
         if mode not in tried:
             plan = plan_for(mode)
             tried[mode] = plan, simulate(plan, cost_model, channel=channel)
         return tried[mode]
 
-    def fit(mode: RecomputeMode) -> bool:
+    def fit(mode: MemoryPolicy) -> bool:
         return fits_of(mode) if fits_of is not None else fits(run(mode)[1], limits)
 
     if fit(NO_RECOMPUTE):
         return run(NO_RECOMPUTE)
-    fitting: list[RecomputeMode] = []
+    fitting: list[MemoryPolicy] = []
     lo, hi = 1, layers
-    if fit((Recompute.BLOCK, hi)):
+    if fit(MemoryPolicy(Recompute.BLOCK, hi)):
         while lo < hi:
             mid = (lo + hi) // 2
-            if fit((Recompute.BLOCK, mid)):
+            if fit(MemoryPolicy(Recompute.BLOCK, mid)):
                 hi = mid
             else:
                 lo = mid + 1
-        fitting.append((Recompute.BLOCK, lo))
-    for mode in ((Recompute.SELECTIVE, 0), (Recompute.UNIFORM, layers), (Recompute.FULL, 0)):
+        fitting.append(MemoryPolicy(Recompute.BLOCK, lo))
+    for mode in (
+        MemoryPolicy(Recompute.SELECTIVE, 0),
+        MemoryPolicy(Recompute.UNIFORM, layers),
+        MemoryPolicy(Recompute.FULL, 0),
+    ):
         if fit(mode) and (stage_times is None or not _dominated(mode, fitting, stage_times)):
             fitting.append(mode)
     ok = [run(m) for m in fitting]
@@ -278,9 +275,9 @@ def best_fitting_mode(
 
 
 def _dominated(
-    mode: RecomputeMode,
-    others: Sequence[RecomputeMode],
-    stage_times: Callable[[RecomputeMode], Sequence[float]],
+    mode: MemoryPolicy,
+    others: Sequence[MemoryPolicy],
+    stage_times: Callable[[MemoryPolicy], Sequence[float]],
 ) -> bool:
     """Some mode of `others` is at least as fast as `mode` on every stage."""
     mine = stage_times(mode)

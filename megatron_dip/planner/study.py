@@ -106,7 +106,7 @@ class Study:
             if len(results) < len(self.batches):
                 continue  # Megatron cannot run it on some batch (too few microbatches)
             total = sum(r.sim.iteration_time for r in results)
-            rank = (not all(r.fits for r in results), total, key[2][1])
+            rank = (not all(r.fits for r in results), total, key[2].layers)
             group = key[:2]
             if group not in best or rank < best[group][0]:
                 best[group] = (rank, key)

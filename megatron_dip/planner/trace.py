@@ -68,7 +68,7 @@ def plan_timeline(plan: Plan, execution: ExecutionResult) -> tuple[tuple[Span, .
             ins = program.instructions[index]
             fwd = isinstance(ins, Forward)
             s = ins.stage
-            recompute = ins.mode.label if fwd else "none"
+            recompute = ins.memory.label if fwd else "none"
             row.append(
                 Span(
                     span_label(ins),

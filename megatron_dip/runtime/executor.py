@@ -463,7 +463,7 @@ class Executor:
         with torch.set_grad_enabled(train), boxed:
             outputs, offload = run_policy(
                 unwrap_chunk(chunk),
-                ins.mode,
+                ins.memory,
                 chunk,
                 [m for _, m in inputs],
                 self.batches.sub_batch(stage.work),

@@ -14,7 +14,7 @@
   own switch (`Attention.checkpoint_core_attention`, fixed at construction from the config) is
   not used because it cannot vary per sub-microbatch and its `tensor_parallel.checkpoint` reads
   CUDA RNG states, which do not exist without a GPU. A chunk that defines
-  `recompute_context(mode)` (a context manager) takes over instead; a chunk without attention
+  `recompute_context(policy)` (a context manager) takes over instead; a chunk without attention
   blocks (e.g. a toy MLP) has nothing to recompute selectively.
 
 Offload (`MemoryPolicy.offload` K, with NONE or BLOCK N): `run_policy` runs the chunk with its
@@ -171,8 +171,8 @@ def run_chunk(
     BLOCK / UNIFORM).
 
     `chunk` is the unwrapped model chunk (for the selective and layer switches), `call` the
-    callable that runs it (e.g. the DDP wrapper). A chunk that defines `recompute_context(mode,
-    layers)` (emulated chunks) takes over every mode but FULL.
+    callable that runs it (e.g. the DDP wrapper). A chunk that defines
+    `recompute_context(policy)` (emulated chunks) takes over every mode but FULL.
     """
     if mode is Recompute.NONE or not torch.is_grad_enabled():
         return call(inputs=inputs, batch=batch)
@@ -180,7 +180,7 @@ def run_chunk(
         return checkpointed(call)(inputs=inputs, batch=batch)
     own = getattr(chunk, "recompute_context", None)
     if callable(own):
-        context = own(mode, layers)
+        context = own(MemoryPolicy(mode, layers))
     elif mode.takes_layers:
         context = grouped_layers(chunk, mode, layers)
     else:
@@ -203,11 +203,10 @@ def run_policy(
 ) -> tuple[Any, ActivationOffload | None]:
     """`run_chunk` under a whole memory policy: (outputs, the offload record, None when nothing
     is offloaded). Emulated chunks (`recompute_context`) get the policy and sleep its time."""
-    policy = MemoryPolicy(*policy)
     own = getattr(chunk, "recompute_context", None)
     if not policy.offload or not torch.is_grad_enabled() or callable(own):
         if callable(own) and policy.offload and torch.is_grad_enabled():
-            with own(policy.method, policy.layers, policy.offload):
+            with own(policy):
                 return call(inputs=inputs, batch=batch), None
         return run_chunk(chunk, policy.method, call, inputs, batch, policy.layers), None
     record = ActivationOffload.for_device(_device_of(chunk))

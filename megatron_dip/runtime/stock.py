@@ -17,10 +17,10 @@ concatenation, the index tensor travels as exact small floats). The adapter's co
 `hidden_size=1`, so `seq_length` is the packed length (`boundary_length`). Within a stage the
 units are chained without detaching: one autograd graph per stage, as in Megatron.
 
-What a Megatron user gets, the baseline gets too: `recompute` runs every unit under the same
+What a Megatron user gets, the baseline gets too: `memory` runs every unit under the same
 activation recomputation the DIP runtime applies (`runtime.recompute.run_chunk`: "full" keeps
 each unit's input and recomputes it in backward, "selective" recomputes the attention cores,
-"block" / "uniform" with `recompute_layers` N are Megatron's partial methods per unit), and
+"block" / "uniform" with `MemoryPolicy.layers` N are Megatron's partial methods per unit), and
 `overlap_grad_reduce` hands the schedule Megatron-LM's DDP hooks (`no_sync_func` and
 `grad_sync_func` per virtual stage, over the DDP-wrapped units of the stage, and a
 `finalize_model_grads_func` that waits for the reductions), so the data-parallel reduction of a
@@ -41,7 +41,14 @@ import torch
 from megatron_dip import megatron_compat
 from megatron_dip.parallel.groups import schedule_collection
 from megatron_dip.schedule.graph import Dataflow
-from megatron_dip.schedule.ir import MessageKey, Recompute, StageId, TensorSpec, WorkId
+from megatron_dip.schedule.ir import (
+    NO_RECOMPUTE,
+    MemoryPolicy,
+    MessageKey,
+    StageId,
+    TensorSpec,
+    WorkId,
+)
 
 from .checks import TensorFn, unwrap_chunk
 from .data import BatchSource
@@ -90,8 +97,7 @@ class StockStage(torch.nn.Module):
         tensor_fn: TensorFn,
         config: Any,
         length: int,
-        recompute: Recompute = Recompute.NONE,
-        recompute_layers: int = 0,
+        memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> None:
         super().__init__()
         self.units = list(units)
@@ -102,7 +108,9 @@ class StockStage(torch.nn.Module):
 
         self.model_type = ModelType.encoder_or_decoder
         self.length = length
-        self.recompute, self.recompute_layers = recompute, recompute_layers
+        if memory.offload:  # Megatron refuses layer offload with pipeline parallelism
+            raise ValueError(f"memory policy {memory.label}: the stock schedules do not offload")
+        self.memory = memory
         self._input: torch.Tensor | None = None
         self._input_used = False
 
@@ -142,7 +150,7 @@ class StockStage(torch.nn.Module):
                 inputs = [self._input_of(key, values) for key in self.df.forward_inputs(stage)]
                 batch = self.batches.sub_batch(work)
                 values[stage] = run_chunk(
-                    unwrap_chunk(part), self.recompute, part, inputs, batch, self.recompute_layers
+                    unwrap_chunk(part), self.memory.method, part, inputs, batch, self.memory.layers
                 )
                 order.append(stage)
         if not order:  # no unit has work in this microbatch (e.g. a ViT-only stage, no images)
@@ -286,8 +294,8 @@ class StockPipeline:
     sub-microbatches. `single_group`: a group of this rank only, standing in for the tensor-,
     context- and data-parallel groups of the schedule's process-group collection.
     `batch_p2p`: Megatron's `batch_p2p_comm` (leave it off for interleaving at PP=2, where it
-    swaps messages). `recompute` (with `recompute_layers` N for block / uniform): activation
-    recomputation of every unit. `overlap_grad_reduce`:
+    swaps messages). `memory`: the activation recomputation of every unit (Megatron's flags;
+    no offload). `overlap_grad_reduce`:
     install Megatron's DDP hooks (module docstring); otherwise the caller reduces after `run`.
     """
 
@@ -305,8 +313,7 @@ class StockPipeline:
         batch_p2p: bool = True,
         per_token: bool = False,
         report_name: str = "lm loss",
-        recompute: Recompute = Recompute.NONE,
-        recompute_layers: int = 0,
+        memory: MemoryPolicy = NO_RECOMPUTE,
         overlap_grad_reduce: bool = False,
     ) -> None:
         by_unit = {}
@@ -339,8 +346,7 @@ class StockPipeline:
                 tensor_fn=tensor_fn,
                 config=self.config,
                 length=self.length,
-                recompute=recompute,
-                recompute_layers=recompute_layers,
+                memory=memory,
             )
             for u in units
         ]

@@ -36,7 +36,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 FORMAT_VERSION = 1
 
@@ -52,7 +51,7 @@ class Recompute(str, enum.Enum):
     """Activation recomputation of one chunk on one sub-microbatch.
 
     BLOCK and UNIFORM are Megatron's `--recompute-method block|uniform` with
-    `--recompute-num-layers N` (the Forward's `recompute_layers`): BLOCK recomputes the chunk's
+    `--recompute-num-layers N` (`MemoryPolicy.layers`): BLOCK recomputes the chunk's
     first N transformer layers (each keeps only its input) and keeps every activation of the
     others; UNIFORM cuts the chunk's layers into groups of N consecutive layers, each keeping only
     its input, and recomputes every layer. FULL keeps only the chunk's input and recomputes the
@@ -67,14 +66,12 @@ class Recompute(str, enum.Enum):
 
     @property
     def takes_layers(self) -> bool:
-        """Whether the method needs a layer count N (`Forward.recompute_layers`)."""
+        """Whether the method needs a layer count N (`MemoryPolicy.layers`)."""
         return self in (Recompute.BLOCK, Recompute.UNIFORM)
 
 
-RecomputeMode = tuple[Recompute, int]  # (method, N of block / uniform; 0 for the others)
-
-
-class MemoryPolicy(NamedTuple):
+@dataclass(frozen=True, order=True, slots=True)
+class MemoryPolicy:
     """What one chunk keeps of one sub-microbatch's activations, and where: recompute `method`
     with its `layers` N (block / uniform; 0 otherwise), and `offload` K, the number of the
     chunk's layers whose saved tensors go to pinned host memory after their forward and come
@@ -83,31 +80,25 @@ class MemoryPolicy(NamedTuple):
     The offloaded layers are the first K of those that keep their activations: layers
     [N, N + K) of the chunk under BLOCK N, [0, K) under NONE (the earliest layers: their copies
     have the most forward to hide behind, and their reloads are needed last). Only NONE and
-    BLOCK combine with offload. A
-    tuple, so `(method, N)` recompute modes written before offload still compare and unpack.
+    BLOCK combine with offload.
+
+    The plan's one memory value: a `Forward` carries it, the cost model prices it
+    (`CostModel.stage_cost`), the memory pass chooses it and the runtime's dispatcher
+    (`runtime.recompute.run_policy`) carries it out. Not a tuple, so that it never compares
+    equal to, or unpacks like, anything but itself.
     """
 
     method: Recompute = Recompute.NONE
     layers: int = 0
     offload: int = 0
 
-    # A policy that offloads nothing equals (and hashes as) its 2-tuple recompute mode, so that
-    # `(Recompute.SELECTIVE, 0)` literals and `NO_RECOMPUTE` still find it in sets and dicts.
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, tuple) and len(other) == 2:
-            return self.offload == 0 and tuple(self[:2]) == other
-        return tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self[:2])) if self.offload == 0 else tuple.__hash__(self)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Recompute(self.method))
 
     def check(self, num_layers: int | None = None) -> MemoryPolicy:
         """The policy itself; ValueError when its numbers do not fit its method (or a chunk of
         `num_layers` layers, when given)."""
-        method, n, k = Recompute(self.method), self.layers, self.offload
+        method, n, k = self.method, self.layers, self.offload
         if method.takes_layers != (n > 0) or n < 0 or k < 0:
             raise ValueError(
                 f"memory policy {self.label}: {method.value} takes "
@@ -119,20 +110,20 @@ class MemoryPolicy(NamedTuple):
             raise ValueError(
                 f"memory policy {self.label}: only none and block recompute combine with offload"
             )
-        if (
-            num_layers is not None
-            and k
-            and (n if method is Recompute.BLOCK else 0) + k > num_layers
-        ):
+        if num_layers is not None and k and self.offload_start + k > num_layers:
             raise ValueError(
                 f"memory policy {self.label}: offloads past the chunk's {num_layers} layers"
             )
         return self
 
     @property
-    def recompute(self) -> RecomputeMode:
-        """(method, N): the recomputation half."""
-        return self.method, self.layers
+    def recompute_only(self) -> MemoryPolicy:
+        """The recomputation half: this policy without its offload."""
+        return MemoryPolicy(self.method, self.layers)
+
+    def with_offload(self, offload: int) -> MemoryPolicy:
+        """This policy's recomputation with `offload` K layers offloaded."""
+        return MemoryPolicy(self.method, self.layers, offload)
 
     @property
     def offload_start(self) -> int:
@@ -142,14 +133,17 @@ class MemoryPolicy(NamedTuple):
     @property
     def label(self) -> str:
         """`none`, `block2`, `off3`, `block1+off2`, ... (printouts, traces, reports)."""
-        base = Recompute(self.method).value + (str(self.layers) if self.layers else "")
+        base = self.method.value + (str(self.layers) if self.layers else "")
         if not self.offload:
             return base
         off = f"off{self.offload}"
         return off if self.method is Recompute.NONE else f"{base}+{off}"
 
+    def __str__(self) -> str:
+        return self.label
 
-NO_RECOMPUTE: RecomputeMode = (Recompute.NONE, 0)
+
+NO_RECOMPUTE = MemoryPolicy()  # keep every activation on the device
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
 
@@ -228,25 +222,19 @@ class MessageKey:
 
 @dataclass(frozen=True)
 class Forward:
-    """Forward of `stage.chunk` of `stage.module` on sub-microbatch `stage.work`, with its
-    memory policy (`MemoryPolicy`): activation recomputation (`recompute_layers`: N of BLOCK
-    and UNIFORM, 0 otherwise) and `offload_layers` K offloaded to host memory."""
+    """Forward of `stage.chunk` of `stage.module` on sub-microbatch `stage.work`, keeping its
+    activations as `memory` says (recomputation and offload: `MemoryPolicy`)."""
 
     stage: StageId
-    recompute: Recompute = Recompute.NONE
-    recompute_layers: int = 0
-    offload_layers: int = 0
-
-    @property
-    def mode(self) -> MemoryPolicy:
-        """The memory policy (recompute, recompute_layers, offload_layers)."""
-        return MemoryPolicy(self.recompute, self.recompute_layers, self.offload_layers)
-
-    policy = mode
+    memory: MemoryPolicy = NO_RECOMPUTE
 
     def __post_init__(self) -> None:
+        if not isinstance(self.memory, MemoryPolicy):
+            raise TypeError(
+                f"Forward {self.stage}: memory must be a MemoryPolicy, got {self.memory!r}"
+            )
         try:
-            self.mode.check()
+            self.memory.check()
         except ValueError as err:
             raise ValueError(f"Forward {self.stage}: {err}") from None
 

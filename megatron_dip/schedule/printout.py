@@ -58,9 +58,10 @@ def _stage_token(stage: StageId, split: set[tuple[str, int]]) -> str:
 
 def _token(ins: Instruction, split: set[tuple[str, int]]) -> str:
     if isinstance(ins, Forward):
-        layers = str(ins.recompute_layers) if ins.recompute_layers else ""
-        offload = f":off{ins.offload_layers}" if ins.offload_layers else ""
-        suffix = _RECOMPUTE_SUFFIX[ins.recompute]
+        memory = ins.memory
+        layers = str(memory.layers) if memory.layers else ""
+        offload = f":off{memory.offload}" if memory.offload else ""
+        suffix = _RECOMPUTE_SUFFIX[memory.method]
         return f"F {_stage_token(ins.stage, split)}{suffix}{layers}{offload}"
     if isinstance(ins, (Backward, BackwardWeight)):
         return f"{_BACKWARD_TOKEN[type(ins)]} {_stage_token(ins.stage, split)}"

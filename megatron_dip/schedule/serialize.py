@@ -25,6 +25,7 @@ from .ir import (
     ChunkSpec,
     Dependency,
     Forward,
+    MemoryPolicy,
     MessageKey,
     MessageKind,
     MicrobatchInfo,
@@ -90,16 +91,17 @@ _LAYER_SPAN = 1 << 16
 
 
 def _encode_policy(ins: Forward) -> int:
-    if not 0 <= ins.recompute_layers < _LAYER_SPAN:
-        raise PlanError(f"{ins.stage}: cannot serialize {ins.recompute_layers} recompute layers")
-    n = ins.recompute_layers + _LAYER_SPAN * ins.offload_layers
-    return _RECOMPUTE.index(ins.recompute) + len(_RECOMPUTE) * n
+    memory = ins.memory
+    if not 0 <= memory.layers < _LAYER_SPAN:
+        raise PlanError(f"{ins.stage}: cannot serialize {memory.layers} recompute layers")
+    n = memory.layers + _LAYER_SPAN * memory.offload
+    return _RECOMPUTE.index(memory.method) + len(_RECOMPUTE) * n
 
 
 def _decode_forward(stage: StageId, code: int) -> Forward:
     n, method = divmod(code, len(_RECOMPUTE))
     offload, layers = divmod(n, _LAYER_SPAN)
-    return Forward(stage, _RECOMPUTE[method], layers, offload)
+    return Forward(stage, MemoryPolicy(_RECOMPUTE[method], layers, offload))
 
 
 def _encode_program(p: Program, t: _Tables) -> list[int]:

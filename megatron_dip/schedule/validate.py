@@ -210,10 +210,10 @@ class _RankScan:
     def _compute(self, i: int, ins: Forward | Backward, where: _Where) -> None:
         df, stage = self.df, ins.stage
         self._check_owner(stage, where)
-        if isinstance(ins, Forward) and ins.offload_layers:
+        if isinstance(ins, Forward) and ins.memory.offload:
             chunk = self.plan.placement.module(stage.module).chunks[stage.chunk]
             try:
-                ins.mode.check(chunk.num_layers)
+                ins.memory.check(chunk.num_layers)
             except ValueError as err:
                 raise PlanError(f"{where}: {err}") from None
         if isinstance(ins, Backward):

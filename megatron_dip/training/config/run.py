@@ -17,7 +17,7 @@ from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec
 from megatron_dip.planner.dip import PlannerConfig
 from megatron_dip.planner.service import PlannerFaults
-from megatron_dip.schedule.ir import NO_RECOMPUTE, Placement, RecomputeMode
+from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy, Placement
 
 from ..checkpoint.dirs import ResumePoint
 from .data_source import DataSpec
@@ -125,8 +125,8 @@ class RunSpec:
     planner_faults: PlannerFaults | None = None
     # --dip-emulate-compute: the duration scale of the sleeping chunks (None: real compute).
     emulate_scale: float | None = None
-    # Megatron's recompute flags as (method, N): the stock schedules' mode of every stage.
-    recompute: RecomputeMode = NO_RECOMPUTE
+    # Megatron's recompute flags as a memory policy: the stock schedules' mode of every stage.
+    recompute: MemoryPolicy = NO_RECOMPUTE
     # --load: the checkpoint to resume from (None: train from scratch).
     resume: ResumePoint | None = None
     # --finetune / --pretrained-checkpoint / --dip-pretrained, when not resuming: weights to

@@ -23,7 +23,7 @@ from megatron_dip.parallel import ParallelShape, ShapeError
 from megatron_dip.planner.dip import planner_config
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute, RecomputeMode
+from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy, Recompute
 
 from ..checkpoint import dirs
 from ..checkpoint.dirs import CheckpointError
@@ -171,14 +171,16 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
     return resume, pretrained
 
 
-def recompute_mode(config: TrainConfig) -> RecomputeMode:
-    """(method, N) of Megatron's recompute flags: `--recompute-granularity selective`,
+def recompute_mode(config: TrainConfig) -> MemoryPolicy:
+    """The memory policy of Megatron's recompute flags: `--recompute-granularity selective`,
     `full` (the whole chunk), `full --recompute-method block|uniform --recompute-num-layers N`."""
     m = config.model
     if m.recompute_method is None:
         if m.recompute_num_layers is not None:
             raise _fail("--recompute-num-layers", "needs --recompute-method block|uniform")
-        return (Recompute(m.recompute_granularity), 0) if m.recompute_granularity else NO_RECOMPUTE
+        if not m.recompute_granularity:
+            return NO_RECOMPUTE
+        return MemoryPolicy(Recompute(m.recompute_granularity))
     if m.recompute_granularity != "full":
         raise _fail(
             "--recompute-method",
@@ -187,12 +189,15 @@ def recompute_mode(config: TrainConfig) -> RecomputeMode:
     layers = 1 if m.recompute_num_layers is None else m.recompute_num_layers
     if layers < 1:
         raise _fail("--recompute-num-layers", f"must be >= 1, got {layers}")
-    return Recompute(m.recompute_method), layers
+    return MemoryPolicy(Recompute(m.recompute_method), layers)
 
 
-def recompute_flags(mode: RecomputeMode) -> list[str]:
-    """Megatron's flags that `recompute_mode` reads back as `mode` (the inverse)."""
-    method, layers = mode
+def recompute_flags(mode: MemoryPolicy) -> list[str]:
+    """Megatron's flags that `recompute_mode` reads back as `mode` (the inverse); offload has
+    no flag here (the stock runtime recomputes only)."""
+    if mode.offload:
+        raise ValueError(f"memory policy {mode.label}: offload has no Megatron recompute flag")
+    method, layers = mode.method, mode.layers
     if method is Recompute.NONE:
         return []
     if method in (Recompute.SELECTIVE, Recompute.FULL):

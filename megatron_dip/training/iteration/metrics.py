@@ -51,7 +51,7 @@ def predicted_ops(plan: Plan, cost_model, ops: Iterable[tuple]) -> dict[str, flo
     """Cost-model seconds of the executed compute instructions, by module (the recompute mode
     of a backward is its forward's, read from the plan)."""
     recompute = {
-        ins.stage: ins.mode
+        ins.stage: ins.memory
         for program in plan.programs
         for ins in program.instructions
         if isinstance(ins, Forward)
@@ -60,9 +60,7 @@ def predicted_ops(plan: Plan, cost_model, ops: Iterable[tuple]) -> dict[str, flo
     for op in ops:
         s, forward, _ = _op_parts(op)
         chunk: ChunkSpec = plan.placement.module(s.module).chunks[s.chunk]
-        c = cost_model.stage_cost(
-            chunk, plan.submicrobatch(s.work), *recompute.get(s, NO_RECOMPUTE)
-        )
+        c = cost_model.stage_cost(chunk, plan.submicrobatch(s.work), recompute.get(s, NO_RECOMPUTE))
         out[s.module] = out.get(s.module, 0.0) + _priced(c, op, forward)
     return out
 

@@ -192,8 +192,7 @@ def run_stock(
         # PP=2 interleaved + batched p2p swaps activations and gradients (docs/design.md, "Megatron-Core on a CPU").
         batch_p2p=not (len(spec.stage_units[0]) > 1 and spec.shape.pp == 2),
         per_token=spec.training.per_token_loss,
-        recompute=spec.recompute[0],
-        recompute_layers=spec.recompute[1],
+        memory=spec.recompute,
         overlap_grad_reduce=overlap,
     )
     spans: list[Span] = []
