@@ -459,10 +459,12 @@ class DipPlanner:
     def _split_search(self, dataflow: Dataflow, sub_of: Mapping, choice, limits) -> tuple:
         """The unit order the search finds when it scores each order by its split list
         schedule's makespan (`split_schedule.SplitScore`) under `choice`."""
-        from .split_schedule import SplitScore
+        from .split_schedule import SEARCH_OVERSHOOTS, SEARCH_ROUNDS, SplitScore
 
         graph = self._split_graph(dataflow, sub_of, choice)
-        factory = functools.partial(SplitScore, graph, limits, self.config.fill_bubbles)
+        factory = functools.partial(
+            SplitScore, graph, limits, self.config.fill_bubbles, SEARCH_OVERSHOOTS, SEARCH_ROUNDS
+        )
         return self._search(graph, dataflow, limits, use_search=True, factory=factory).order
 
     def _split_order_plan(
