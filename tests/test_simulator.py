@@ -228,7 +228,11 @@ def test_gap_decomposition_of_1f1b_is_fill_and_drain() -> None:
     p, m = 4, 8
     plan = build_1f1b_plan(num_ranks=p, num_microbatches=m)
     cost = UniformCost(1.0, 2.0)
-    gap = decompose_gap(plan, simulate(plan, cost), cost, m * 3.0, single_channel)
+    module = plan.placement.modules[0].name
+    gap = decompose_gap(
+        plan, simulate(plan, cost), cost, m * 3.0, single_channel, {module: m * 3.0 - 1.0}
+    )
+    assert gap.granularity_by_module == {module: pytest.approx(1.0)}
     assert gap.makespan == pytest.approx((m + p - 1) * 3.0)
     for r, row in enumerate(gap.ranks):
         assert row.total == pytest.approx(gap.makespan - gap.bound)

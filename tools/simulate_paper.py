@@ -28,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_dip.batching import resplit
 from megatron_dip.modelspec import PAPER_SETUPS
+from megatron_dip.planner.bounds import module_bounds
 from megatron_dip.planner.gap import decompose_gap, format_gap
 from megatron_dip.planner.paper import check_names, mixtures_for, paper_comparison
 from megatron_dip.planner.search import SearchConfig
@@ -93,10 +95,11 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
     )
     study = Study()
     for _ in range(args.batches):
-        result = cmp.run_batch(next(stream))
+        batch = next(stream)
+        result = cmp.run_batch(batch)
         study.add(result)
         if args.gap:
-            print_gaps(cmp, result, f"{setup_name}/{mixture}")
+            print_gaps(cmp, batch, result, f"{setup_name}/{mixture}")
     summary = {
         "setup": setup_name,
         "mixture": mixture,
@@ -109,13 +112,26 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
     return summary, study
 
 
-def print_gaps(cmp, result, title: str) -> None:
-    """The gap decomposition (`planner.gap`) of the batch's fused and split DIP plans."""
+def print_gaps(cmp, batch, result, title: str) -> None:
+    """The gap decomposition (`planner.gap`) of the batch's fused and split DIP plans, with
+    each module's share of the balanced bound (on the whole modules, as `compare` prices it)."""
+    planner = cmp.planner()
+    layout = planner.layout(batch)
+    whole = planner.layout_config.with_whole_modules()
     for outcome in result.dip:
         if outcome.name not in GAP_STEPS or outcome.plan is None:
             continue
+        replica = resplit(cmp.setup.model, layout.replicas[outcome.plan.replica], whole)
+        shares = module_bounds(
+            cmp.cost_model, replica.submicrobatches, num_ranks=cmp.setup.pipeline_parallel
+        )
         gap = decompose_gap(
-            outcome.plan, outcome.sim, cmp.cost_model, result.balanced_bound, cmp.dip_channel
+            outcome.plan,
+            outcome.sim,
+            cmp.cost_model,
+            result.balanced_bound,
+            cmp.dip_channel,
+            shares,
         )
         name = f"{title} iteration {result.iteration} {outcome.name}"
         print(format_gap(name, gap) + "\n", flush=True)

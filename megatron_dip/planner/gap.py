@@ -13,7 +13,8 @@ For each pipeline rank r of a simulated plan (makespan T, balanced bound L of it
 * `overhead`: the mean compute above the bound, the same for every rank, split into
   `granularity` (the plan's stages without recomputation and host time, against the bound's whole
   modules: sub-microbatches and chunk cuts run smaller GEMMs), `recompute` (its memory policies'
-  recomputation) and `host` (per-instruction host time).
+  recomputation) and `host` (per-instruction host time); given each module's share of the bound
+  (`bounds.module_bounds`), `granularity_by_module` says which module's cuts cost it.
 
 Idle spent posting messages is part of the idle terms. `free_communication` is a counterfactual:
 what the plan would gain if every message took no time (same programs, transfers at 0 s), so a
@@ -23,8 +24,8 @@ large value says communication sits on the critical path. The rank order of span
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 
 from ..schedule.ir import Backward, BackwardWeight, Forward, Plan
 from .simulator import PlanTiming, SimResult, stage_costs
@@ -62,6 +63,7 @@ class GapDecomposition:
     recompute: float
     host: float
     free_communication: float
+    granularity_by_module: dict[str, float] = field(default_factory=dict)
 
     def mean(self, term: str) -> float:
         """The mean over ranks of one `RankGap` term."""
@@ -87,16 +89,18 @@ def _rank_idle(spans, program, compute_end: float) -> tuple[float, float, float]
     return idle[0], idle[1], idle[2]
 
 
-def _compute_totals(plan: Plan, cost_model) -> tuple[float, float]:
-    """(seconds of the plan's stages without recomputation, with its memory policies), every
-    forward and backward of every rank, no host time."""
+def _compute_totals(plan: Plan, cost_model) -> tuple[dict[str, float], float]:
+    """(per module, seconds of the plan's stages without recomputation; all of them with its
+    memory policies), every forward and backward of every rank, no host time."""
     costs, has_backward = stage_costs(plan, cost_model)
-    plain = with_modes = 0.0
+    plain: dict[str, float] = {}
+    with_modes = 0.0
     for stage, cost in costs.items():
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
         bare = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work))
         backward = stage in has_backward
-        plain += bare.forward + (bare.backward if backward else 0.0)
+        seconds = bare.forward + (bare.backward if backward else 0.0)
+        plain[stage.module] = plain.get(stage.module, 0.0) + seconds
         with_modes += cost.forward + (cost.backward if backward else 0.0)
     return plain, with_modes
 
@@ -116,15 +120,21 @@ class _FreeMessages:
 
 
 def decompose_gap(
-    plan: Plan, sim: SimResult, cost_model, bound: float, channel
+    plan: Plan,
+    sim: SimResult,
+    cost_model,
+    bound: float,
+    channel,
+    module_bounds: Mapping[str, float] | None = None,
 ) -> GapDecomposition:
     """The decomposition of `sim` (`plan`'s simulation under `cost_model` and `channel`)
-    against the balanced bound `bound`."""
+    against the balanced bound `bound` (of which each module's share: `module_bounds`)."""
     execution = sim.execution
     ranks = len(plan.programs)
     compute_end = max((s[-1][2] for s in execution.spans if s), default=0.0)
     mean_busy = sum(sim.busy) / ranks
-    plain, with_modes = _compute_totals(plan, cost_model)
+    by_module, with_modes = _compute_totals(plan, cost_model)
+    plain = sum(by_module.values())
     rows = []
     for program, spans, busy in zip(plan.programs, execution.spans, sim.busy):
         fill, steady, drain = _rank_idle(spans, program, compute_end)
@@ -149,6 +159,9 @@ def decompose_gap(
         recompute=(with_modes - plain) / ranks,
         host=mean_busy - with_modes / ranks,
         free_communication=sim.iteration_time - free.makespan,
+        granularity_by_module={
+            m: by_module.get(m, 0.0) / ranks - b for m, b in (module_bounds or {}).items()
+        },
     )
 
 
@@ -175,4 +188,9 @@ def format_gap(title: str, gap: GapDecomposition) -> str:
         f"free communication would save {gap.free_communication:.3f} s "
         f"({gap.free_communication / b:.1%})"
     )
+    if gap.granularity_by_module:
+        lines.append(
+            "granularity by module: "
+            + ", ".join(f"{m} {s / b:+.1%}" for m, s in gap.granularity_by_module.items())
+        )
     return "\n".join(lines)
