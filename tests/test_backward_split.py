@@ -283,15 +283,23 @@ def test_list_scheduler_puts_weights_into_the_drain_within_memory():
         assert sum(isinstance(i, BackwardWeight) for i in order) == m
 
 
-def test_planner_with_split_backward_fits_and_never_loses():
+@pytest.mark.parametrize("search", [False, True])
+def test_planner_with_split_backward_fits_and_never_loses(search: bool, monkeypatch):
     """`PlannerConfig.split_backward` under a memory limit that binds (60% of the unlimited
     plan's peak): a valid split plan within the limit per the simulator, no slower than the
-    same planner's fused plan."""
+    same planner's fused plan; with the search on, also when the search runs again with split
+    schedules as its score (`DipPlanner._split_search`)."""
     from planner_cases import tiny_case
 
+    from megatron_dip.planner.dip import DipPlanner
     from megatron_dip.planner.simulator import simulate
 
-    case = tiny_case(pipeline=4, search=False)
+    searched = []
+    split_search = DipPlanner._split_search
+    monkeypatch.setattr(
+        DipPlanner, "_split_search", lambda *a: searched.append(1) or split_search(*a)
+    )
+    case = tiny_case(pipeline=4, search=search)
     cost = case.cost_model()
     free = simulate(case.planner(None).plan_batch(case.batch)[0].plan, cost)
     limit = 0.6 * max(free.peak_activation_bytes)
@@ -304,6 +312,7 @@ def test_planner_with_split_backward_fits_and_never_loses():
     assert any(isinstance(i, BackwardWeight) for p in plan.programs for i in p.instructions)
     assert all(peak <= limit for peak in sim.peak_activation_bytes)
     assert sim.iteration_time < fused.iteration_time
+    assert len(searched) == search
 
 
 # -- the runtime's split: W from the weight nodes' recorded gradients --------------------------
