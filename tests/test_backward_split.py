@@ -283,27 +283,36 @@ def test_list_scheduler_puts_weights_into_the_drain_within_memory():
         assert sum(isinstance(i, BackwardWeight) for i in order) == m
 
 
-def test_planner_with_split_backward_fits_and_never_loses():
+@pytest.mark.parametrize("search", [False, True])
+def test_planner_with_split_backward_fits_and_never_loses(search: bool, monkeypatch):
     """`PlannerConfig.split_backward` under a memory limit that binds (60% of the unlimited
     plan's peak): a valid split plan within the limit per the simulator, no slower than the
-    same planner's fused plan."""
+    same planner's fused plan; with the search on, also when the search runs again with split
+    schedules as its score (`DipPlanner._split_search`)."""
     from planner_cases import tiny_case
 
+    from megatron_dip.planner.dip import DipPlanner
     from megatron_dip.planner.simulator import simulate
 
-    case = tiny_case(pipeline=4, search=False)
+    searched = []
+    split_search = DipPlanner._split_search
+    monkeypatch.setattr(
+        DipPlanner, "_split_search", lambda *a: searched.append(1) or split_search(*a)
+    )
+    case = tiny_case(pipeline=4, search=search)
     cost = case.cost_model()
     free = simulate(case.planner(None).plan_batch(case.batch)[0].plan, cost)
     limit = 0.6 * max(free.peak_activation_bytes)
     planner = case.planner(limit)
     fused = simulate(planner.plan_batch(case.batch)[0].plan, cost)
-    planner.config = replace(planner.config, split_backward=True)
+    planner.config = replace(planner.config, split_backward=True, split_search=True)
     plan = planner.plan_batch(case.batch)[0].plan
     validate_plan(plan)
     sim = simulate(plan, cost)
     assert any(isinstance(i, BackwardWeight) for p in plan.programs for i in p.instructions)
     assert all(peak <= limit for peak in sim.peak_activation_bytes)
     assert sim.iteration_time < fused.iteration_time
+    assert len(searched) == search
 
 
 # -- the runtime's split: W from the weight nodes' recorded gradients --------------------------
@@ -495,3 +504,67 @@ def test_megatron_linears_split_without_computing_either_gemm_twice(single_rank_
     for (name, p), q in zip(model.named_parameters(), params):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-15, msg=name)
         assert "main_grad" not in q.__dict__ and "grad_added_to_main_grad" not in q.__dict__
+
+
+def _reduction_case():
+    """One rank holding two independent modules: x (one microbatch, its chunk's reduction
+    takes 10 s) scheduled first, y (6 microbatches, no reduction) after it. F = B = W = 1, so
+    the rank always has a y node ready and, by the fill rule alone, defers x's W until its F and
+    B are done."""
+    from megatron_dip.planner.list_scheduler import build_stage_graph
+    from megatron_dip.planner.split_schedule import split_graph, with_reductions
+    from megatron_dip.schedule.graph import Dataflow
+
+    placement = Placement(
+        1,
+        (
+            ModuleLayout("x", 1, True, (ChunkSpec("x", 0, 0, 0, 1),)),
+            ModuleLayout("y", 1, True, (ChunkSpec("y", 0, 0, 0, 1),)),
+        ),
+    )
+    subs = [SubMicrobatch("x", 0, 0, 0, 1, 10, 10)]
+    subs += [SubMicrobatch("y", mb, 0, 0, 1, 10, 10) for mb in range(1, 7)]
+    fused = build_stage_graph(
+        Dataflow(placement, subs, []), stage_cost=lambda s, r: (1.0, 2.0, 1), transfer=lambda k: 0.0
+    )
+    graph = split_graph(fused, lambda s: (1.0, 1.0, 1))
+    reduced = with_reductions(graph, placement, lambda c: 10.0 if c.module == "x" else 0.0)
+    priority = [(s.module, s.microbatch) for s in graph.stages]
+    return graph, reduced, priority
+
+
+def test_split_schedule_does_not_defer_w_past_the_reduction_deadline():
+    """Deferring x's W to the drain (what the fill rule does without a deadline) leaves its
+    10 s reduction exposed after the last compute; with the reduction in the graph, the
+    scheduler prices it (makespan = compute + exposed reduction) and runs x's W early enough
+    that the reduction ends with the compute."""
+    from megatron_dip.planner.list_scheduler import list_schedule, split_list_schedule
+
+    graph, reduced, priority = _reduction_case()
+    compute = 7 * 3.0  # every F, B and W on the one rank, back to back
+    blind = list_schedule(reduced, priority=priority)  # one run: no deadline known yet
+    x_weight = BackwardWeight(StageId("x", 0, 0))
+    assert blind.orders[0].index(x_weight) == 14  # after every F and B
+    assert blind.makespan == pytest.approx(15.0 + 10.0)
+    assert split_list_schedule(graph, priority=priority).makespan == pytest.approx(compute)
+    aware = split_list_schedule(reduced, priority=priority)
+    assert aware.makespan == pytest.approx(compute)
+    order = aware.orders[0]
+    last_x = order.index(x_weight)
+    assert sum(aware.durations[i] for i in order[: last_x + 1]) + 10.0 <= compute
+
+
+def test_split_score_is_the_best_split_schedules_makespan():
+    """The order search's scorer with split backwards (`SplitScore`) gives the makespan of the
+    schedule `best_split_schedule` builds for the same order, and prices the reduction an order
+    leaves exposed."""
+    from megatron_dip.planner.split_schedule import SplitScore, best_split_schedule
+
+    graph, reduced, priority = _reduction_case()
+    units = sorted({(s.module, s.microbatch) for s in graph.stages})
+    for g in (graph, reduced):
+        best = best_split_schedule(g, priority=priority, memory_limit=None)
+        assert SplitScore(g, None)(units) == pytest.approx(best.makespan)
+    # y before x: x's W and its 10 s reduction come last whatever the scheduler does
+    late = SplitScore(reduced, None)(units[1:] + units[:1])
+    assert late == pytest.approx(7 * 3.0 + 10.0)

@@ -215,3 +215,32 @@ def test_real_cost_model_and_chrome_trace(tmp_path) -> None:
         if e["ph"] == "M" and e["name"] == "process_name"
     }
     assert "planned rank 0" in names and "measured rank 3" in names
+
+
+def test_gap_decomposition_of_1f1b_is_fill_and_drain() -> None:
+    """1F1B with F = 1, B = 2 on P = 4 ranks, 8 microbatches: every rank's gap to the balanced
+    bound (8 x 3 s) is the textbook bubble (P - 1)(F + B) = 9 s, all of it before its first
+    backward (rank r: (P - 1) B - r F) or after its last forward;
+    no steady-state idle, imbalance or overhead; messages that take time cost time."""
+    from megatron_dip.planner.gap import decompose_gap, format_gap
+    from megatron_dip.schedule.engine import single_channel
+
+    p, m = 4, 8
+    plan = build_1f1b_plan(num_ranks=p, num_microbatches=m)
+    cost = UniformCost(1.0, 2.0)
+    module = plan.placement.modules[0].name
+    gap = decompose_gap(
+        plan, simulate(plan, cost), cost, m * 3.0, single_channel, {module: m * 3.0 - 1.0}
+    )
+    assert gap.granularity_by_module == {module: pytest.approx(1.0)}
+    assert gap.makespan == pytest.approx((m + p - 1) * 3.0)
+    for r, row in enumerate(gap.ranks):
+        assert row.total == pytest.approx(gap.makespan - gap.bound)
+        assert row.fill == pytest.approx((p - 1) * 2.0 - r * 1.0)
+        assert row.fill + row.drain == pytest.approx((p - 1) * 3.0)
+        assert row.steady == row.imbalance == row.reduction == row.overhead == 0.0
+    assert gap.free_communication == 0.0 and "fill +18.8%" in format_gap("1f1b", gap)
+    slow = UniformCost(1.0, 2.0, transfer=0.5)
+    gap = decompose_gap(plan, simulate(plan, slow), slow, m * 3.0, single_channel)
+    assert gap.free_communication == pytest.approx(gap.makespan - (m + p - 1) * 3.0)
+    assert all(row.total == pytest.approx(gap.makespan - gap.bound) for row in gap.ranks)

@@ -28,12 +28,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_dip.batching import resplit
 from megatron_dip.modelspec import PAPER_SETUPS
+from megatron_dip.planner.bounds import module_bounds
+from megatron_dip.planner.gap import decompose_gap, format_gap
 from megatron_dip.planner.paper import check_names, mixtures_for, paper_comparison
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.study import Study, format_table
 
 logger = logging.getLogger("simulate_paper")
+
+# DIP's steps `--gap` decomposes: its fused plan and its plan with split backwards.
+GAP_STEPS = ("dip: +memory", "dip: +B/W split (full DIP)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--search-rollouts", type=int, default=64)
     p.add_argument("--search-time-ms", type=float, default=10000)
     p.add_argument("--json", type=Path, help="write all results here")
+    p.add_argument(
+        "--gap",
+        action="store_true",
+        help="print each batch's gap to the balanced bound per rank for DIP's fused and split "
+        "plans (planner/gap.py)",
+    )
     args = p.parse_args(argv)
     error = check_names(args.setups, args.mixtures)
     if error:
@@ -83,7 +95,11 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
     )
     study = Study()
     for _ in range(args.batches):
-        study.add(cmp.run_batch(next(stream)))
+        batch = next(stream)
+        result = cmp.run_batch(batch)
+        study.add(result)
+        if args.gap:
+            print_gaps(cmp, batch, result, f"{setup_name}/{mixture}")
     summary = {
         "setup": setup_name,
         "mixture": mixture,
@@ -94,6 +110,31 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         "rows": [r.as_dict() for r in [*study.stock_rows(), *study.peer_rows(), *study.dip_rows()]],
     }
     return summary, study
+
+
+def print_gaps(cmp, batch, result, title: str) -> None:
+    """The gap decomposition (`planner.gap`) of the batch's fused and split DIP plans, with
+    each module's share of the balanced bound (on the whole modules, as `compare` prices it)."""
+    planner = cmp.planner()
+    layout = planner.layout(batch)
+    whole = planner.layout_config.with_whole_modules()
+    for outcome in result.dip:
+        if outcome.name not in GAP_STEPS or outcome.plan is None:
+            continue
+        replica = resplit(cmp.setup.model, layout.replicas[outcome.plan.replica], whole)
+        shares = module_bounds(
+            cmp.cost_model, replica.submicrobatches, num_ranks=cmp.setup.pipeline_parallel
+        )
+        gap = decompose_gap(
+            outcome.plan,
+            outcome.sim,
+            cmp.cost_model,
+            result.balanced_bound,
+            cmp.dip_channel,
+            shares,
+        )
+        name = f"{title} iteration {result.iteration} {outcome.name}"
+        print(format_gap(name, gap) + "\n", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

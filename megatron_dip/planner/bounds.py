@@ -32,3 +32,13 @@ def balanced_bound(
 ) -> float:
     """`total_compute` / `num_ranks` (module docstring)."""
     return total_compute(cost_model, submicrobatches) / num_ranks
+
+
+def module_bounds(
+    cost_model, submicrobatches: Iterable[SubMicrobatch], *, num_ranks: int
+) -> dict[str, float]:
+    """Each module's share of `balanced_bound` (its `total_compute` / `num_ranks`)."""
+    by_module: dict[str, list[SubMicrobatch]] = {}
+    for sub in submicrobatches:
+        by_module.setdefault(sub.module, []).append(sub)
+    return {m: total_compute(cost_model, subs) / num_ranks for m, subs in by_module.items()}

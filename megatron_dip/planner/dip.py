@@ -30,6 +30,7 @@ from ..schedule.graph import Dataflow
 from ..schedule.ir import (
     NO_RECOMPUTE,
     BatchTotals,
+    ChunkSpec,
     Forward,
     MemoryPolicy,
     MessageKey,
@@ -104,11 +105,14 @@ class PlannerConfig:
     # ever run: the start-up search's scoring, `scoring_config`).
     validate_plans: bool = True
     # Split backwards into B and W, W in the bubbles (list-scheduled, `split_schedule`, or moved
-    # by `weight_fill`), when that simulates faster within memory. Off by default: the runtime's
-    # W re-traverses the chunk's graph
-    # (`runtime/backward_split.py`), so it pays only where the weight-gradient kernels are
-    # deferred as the cost model prices them.
+    # by `weight_fill`), when that simulates faster within memory. Off by default: it doubles
+    # planning time for a simulated 0.2-1% on the paper's rows, and its kernels' cost against
+    # the fused backward has not been measured on a GPU (docs/benchmarks.md).
     split_backward: bool = False
+    # With `split_backward` and the search on, search the unit order a second time scored by
+    # split list schedules (`_split_search`). Off by default: on VLM-S, T2V-S and VLM-M it found
+    # no faster order and costs about 0.5 s of CPU per plan (docs/benchmarks.md).
+    split_search: bool = False
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
@@ -137,6 +141,7 @@ def planner_config(
     uniform_recompute: MemoryPolicy | None = None,
     offload_activations: bool = False,
     split_backward: bool = False,
+    split_search: bool = False,
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
@@ -151,6 +156,7 @@ def planner_config(
         packing=packing,
         offload_activations=offload_activations,
         split_backward=split_backward,
+        split_search=split_search,
     )
 
 
@@ -334,7 +340,7 @@ class DipPlanner:
         if self.config.split_backward and not forward_only and not quick:
             with self._pass("backward split"):
                 scheduled = (dataflow, sub_of, result.order, choice)
-                plan, simulated = self._split_backwards(plan, own, scheduled)
+                plan, simulated = self._split_backwards(plan, own, scheduled, use_search)
         overcommitted = schedule.overcommitted and plan.name == "dip"
         if overcommitted:
             self._overcommitted(schedule, errors)
@@ -405,18 +411,21 @@ class DipPlanner:
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
 
-    def _split_backwards(self, plan: Plan, own: Plan, scheduled: tuple) -> tuple[Plan, float]:
+    def _split_backwards(
+        self, plan: Plan, own: Plan, scheduled: tuple, use_search: bool = False
+    ) -> tuple[Plan, float]:
         """The fastest within memory of `plan` (the chosen fused plan), `plan` with its W moved
         into its bubbles (`weight_fill.split_into_bubbles`) and DIP's own schedule (`own`, of
         `scheduled` = dataflow, sub-microbatches, order, recompute choice) list-scheduled with
-        split backwards (`split_schedule`), with its simulated time."""
+        split backwards (`split_schedule`), and, with `use_search`, the order the search finds
+        when it scores split list schedules, with its simulated time."""
         from .weight_fill import split_into_bubbles
 
         limits = self._memory_limits()
         best, sim = split_into_bubbles(
             plan, self.cost_model, limits=limits, channel=per_peer_channel
         )
-        found = self._split_list_schedule(own, *scheduled, limits)
+        found = self._split_list_schedule(own, *scheduled, limits, use_search=use_search)
         logger.debug(
             "split backwards: post-pass %.6g s, list schedule %s",
             sim.iteration_time,
@@ -429,15 +438,51 @@ class DipPlanner:
         return best, sim.iteration_time
 
     def _split_list_schedule(
-        self, own: Plan, dataflow: Dataflow, sub_of: Mapping, order, choice, limits
+        self,
+        own: Plan,
+        dataflow: Dataflow,
+        sub_of: Mapping,
+        order,
+        choice,
+        limits,
+        *,
+        use_search: bool = False,
     ) -> tuple[Plan, object] | None:
         """DIP's order list-scheduled with split backwards under its recompute choice and under
-        the choices the memory pass makes for split schedules (`_split_choices`), the fastest
-        as a plan with its simulation; None where no such schedule fits `limits`."""
+        the choices the memory pass makes for split schedules (`_split_choices`), and, with
+        `use_search` and `split_search`, the order searched by split makespans
+        (`_split_search`) under `choice`:
+        the fastest simulated as a plan with its simulation; None where none fits `limits`."""
+        options = [choice, *self._split_choices(dataflow, sub_of, order, limits)]
+        found = [self._split_order_plan(own, dataflow, sub_of, order, options, limits)]
+        searched = None
+        if use_search and self.config.split_search:
+            searched = self._split_search(dataflow, sub_of, choice, limits)
+        if searched is not None and tuple(searched) != tuple(order):
+            found.append(self._split_order_plan(own, dataflow, sub_of, searched, [choice], limits))
+        fitting = [f for f in found if f is not None]
+        return min(fitting, key=lambda f: f[1].iteration_time, default=None)
+
+    def _split_search(self, dataflow: Dataflow, sub_of: Mapping, choice, limits) -> tuple:
+        """The unit order the search finds when it scores each order by its split list
+        schedule's makespan (`split_schedule.SplitScore`) under `choice`."""
+        from .split_schedule import SEARCH_OVERSHOOTS, SEARCH_ROUNDS, SplitScore
+
+        graph = self._split_graph(dataflow, sub_of, choice)
+        factory = functools.partial(
+            SplitScore, graph, limits, self.config.fill_bubbles, SEARCH_OVERSHOOTS, SEARCH_ROUNDS
+        )
+        return self._search(graph, dataflow, limits, use_search=True, factory=factory).order
+
+    def _split_order_plan(
+        self, own: Plan, dataflow: Dataflow, sub_of: Mapping, order, options, limits
+    ) -> tuple[Plan, object] | None:
+        """`order` list-scheduled with split backwards under each recompute choice of
+        `options`, the fastest as a plan with its simulation; None where none fits `limits`."""
         from .split_schedule import split_plan
 
         best = None
-        for option in [choice, *self._split_choices(dataflow, sub_of, order, limits)]:
+        for option in options:
             found = self._split_scheduled(dataflow, sub_of, order, option, limits)
             if found is not None and (best is None or found.makespan < best.makespan):
                 best = found
@@ -450,11 +495,18 @@ class DipPlanner:
             return None
         return plan, sim
 
-    def _split_scheduled(self, dataflow, sub_of, order, choice, limits) -> ListSchedule | None:
-        from .split_schedule import best_split_schedule, split_graph
+    def _split_graph(self, dataflow: Dataflow, sub_of: Mapping, choice):
+        """The stage graph under `choice` with split backwards and the chunks' reductions."""
+        from .split_schedule import split_graph, with_reductions
 
         fused = self._graph(dataflow, sub_of, choice, forward_only=False)
         graph = split_graph(fused, functools.partial(self._split_cost, sub_of, choice))
+        return with_reductions(graph, dataflow.placement, self._reduce_time)
+
+    def _split_scheduled(self, dataflow, sub_of, order, choice, limits) -> ListSchedule | None:
+        from .split_schedule import best_split_schedule
+
+        graph = self._split_graph(dataflow, sub_of, choice)
         return best_split_schedule(
             graph,
             priority=priorities_from_units(graph.stages, order),
@@ -483,6 +535,13 @@ class DipPlanner:
             except MemoryLimitError:
                 continue
         return out
+
+    def _reduce_time(self, chunk: ChunkSpec) -> float:
+        """Seconds of `chunk`'s data-parallel gradient reduction, as the simulator prices its
+        `ReduceGrads` (0 without data parallelism or a cost model that prices none)."""
+        price = getattr(self.cost_model, "grad_reduce_time", None)
+        dp = self.config.data_parallel
+        return 0.0 if price is None or dp <= 1 else price(chunk, dp)
 
     def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float, float]:
         """(B, W) seconds of a stage's split backward, each with its instruction's host time,
@@ -831,12 +890,17 @@ class DipPlanner:
                 mbs.append(w.microbatch)
         return units
 
-    def _search(self, graph, dataflow: Dataflow, limits, *, use_search: bool) -> SearchResult:
+    def _search(
+        self, graph, dataflow: Dataflow, limits, *, use_search: bool, factory=None
+    ) -> SearchResult:
+        """The unit order search; `factory` makes its scorer (default: the fused list
+        schedule's makespan on `graph`)."""
         feeds = {m.name: m.feeds for m in self.model.modules}
         constraints = unit_constraints(
             self._units(dataflow), feeds, lookahead=self.config.lookahead
         )
-        factory = functools.partial(_score_factory, graph, limits, self.config.fill_bubbles)
+        if factory is None:
+            factory = functools.partial(_score_factory, graph, limits, self.config.fill_bubbles)
         config = self.config.search
         if not use_search:
             config = replace(config, max_rollouts=1, workers=1)

@@ -64,6 +64,10 @@ class StageGraph:
     wgt_time: list[float] | None = None
     # Per stage: bytes held from its split B to its W (instead of `act_bytes`).
     wgt_bytes: list[float] | None = None
+    # Data-parallel reductions (`with_reductions`): per stage its reduction group (-1: none),
+    # per group the seconds of its reduction.
+    red_group: list[int] | None = None
+    red_time: list[float] | None = None
     _arrays: _GraphArrays | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -102,6 +106,7 @@ class StageGraph:
                 int_bytes=all(isinstance(x, int) for x in act),
                 wgt_time=np.zeros(len(fwd)),
                 wgt_act=np.asarray(act, dtype=float),
+                **_reduction_arrays(graph),
             )
         return graph
 
@@ -133,6 +138,17 @@ class StageGraph:
             )
         return graph
 
+    def with_reductions(self, group: Sequence[int], seconds: Sequence[float]) -> StageGraph:
+        """The same graph with data-parallel gradient reductions: stage k's gradients belong to
+        reduction `group[k]` (its chunk; -1: none), whose reduction takes `seconds[group]` on
+        its rank's reduction channel once every stage of the group has its W (or fused
+        backward) done; the scheduler then keeps W from being deferred past the reductions'
+        deadline (`schedule_kernel`)."""
+        graph = dataclasses.replace(self, red_group=list(group), red_time=list(seconds))
+        if self._arrays is not None:
+            graph._arrays = dataclasses.replace(self._arrays, **_reduction_arrays(graph))
+        return graph
+
     def arrays(self) -> _GraphArrays:
         """The graph as flat arrays for the compiled scheduler (built once; do not mutate the
         graph afterwards)."""
@@ -162,6 +178,9 @@ class _GraphArrays:
     chunk: np.ndarray
     wgt_time: np.ndarray  # zeros: no split backwards
     wgt_act: np.ndarray  # bytes held from a split B to its W
+    red_grp: np.ndarray  # per stage: reduction group, -1: none
+    red_count: np.ndarray  # per group: stages with a backward
+    red_time: np.ndarray  # per group: seconds of its reduction
 
     @classmethod
     def of(cls, g: StageGraph) -> _GraphArrays:
@@ -189,7 +208,18 @@ class _GraphArrays:
             chunk=np.asarray([s.chunk for s in g.stages], dtype=np.int64),
             wgt_time=np.asarray(g.wgt_time or [0.0] * len(g.stages), dtype=float),
             wgt_act=np.asarray(g.wgt_bytes or g.act_bytes, dtype=float),
+            **_reduction_arrays(g),
         )
+
+
+def _reduction_arrays(g: StageGraph) -> dict[str, np.ndarray]:
+    """The kernel's reduction arrays of `g` (no groups without `with_reductions`); a stage
+    without a backward belongs to no group."""
+    seconds = np.asarray(g.red_time or [], dtype=float)
+    group = np.asarray(g.red_group or [-1] * len(g.stages), dtype=np.int64)
+    group = np.where(np.asarray(g.has_backward, dtype=bool), group, -1)
+    count = np.bincount(group[group >= 0], minlength=len(seconds)).astype(np.int64)
+    return {"red_grp": group, "red_count": count, "red_time": seconds}
 
 
 def build_stage_graph(
@@ -312,16 +342,42 @@ def split_list_schedule(
     """`list_schedule` of a graph with split backwards, run `rounds` times: each run after the
     first knows when every rank's next forward or backward was ready in the run before, so a
     rank with nothing ready runs a W only where it fits before that time (a W that overran it
-    would delay the B chain of the drain). The shortest run within memory (else the shortest)."""
-    prank = priority_ranks(priority)
-    best, expect = None, None
+    would delay the B chain of the drain), and the end of its compute is the deadline of the
+    data-parallel reductions (`StageGraph.with_reductions`): no W is deferred so far that a
+    chunk's reduction would end after it. The shortest run within memory (else the shortest)."""
+    run = _split_runs(
+        graph, priority_ranks(priority), memory_limit, fill_bubbles, overshoot, rounds
+    )
+    return ListSchedule(run, recompute)
+
+
+def split_list_makespan(
+    graph: StageGraph,
+    *,
+    priority: Sequence[int] | np.ndarray,
+    memory_limit: Sequence[float] | None = None,
+    fill_bubbles: bool = True,
+    overshoot: float = 0.0,
+    rounds: int = 3,
+) -> tuple[float, bool]:
+    """(makespan, overcommitted) of `split_list_schedule`, for integer priority ranks, without
+    building instructions: what the search scores split schedules by."""
+    run = _split_runs(graph, priority, memory_limit, fill_bubbles, overshoot, rounds)
+    return run.makespan, run.overcommitted
+
+
+def _split_runs(graph, prank, memory_limit, fill_bubbles, overshoot, rounds) -> _Run:
+    """The best of `split_list_schedule`'s runs (its docstring)."""
+    prank = np.asarray(prank, dtype=np.int64)
+    best, expect, deadline = None, None, np.inf
     for _ in range(rounds):
-        run = _run(graph, prank, memory_limit, fill_bubbles, overshoot, expect)
+        run = _run(graph, prank, memory_limit, fill_bubbles, overshoot, expect, deadline)
         key = (run.overcommitted, run.makespan)
         if best is None or key < (best.overcommitted, best.makespan):
             best = run
         expect = run.compute_ready()
-    return ListSchedule(best, recompute)
+        deadline = float(run.end.max(initial=0.0))
+    return best
 
 
 def warm_up() -> None:
@@ -397,7 +453,13 @@ class _Run:
 
 
 def _run(
-    graph: StageGraph, prank, memory_limit, fill_bubbles: bool, overshoot: float, expect=None
+    graph: StageGraph,
+    prank,
+    memory_limit,
+    fill_bubbles: bool,
+    overshoot: float,
+    expect=None,
+    deadline: float = np.inf,
 ) -> _Run:
     a = graph.arrays()
     prank = np.asarray(prank, dtype=np.int64)
@@ -427,6 +489,10 @@ def _run(
         a.wgt_act,
         float(overshoot),
         *(expect or (np.zeros(n + 1, dtype=np.int64), np.zeros(0))),
+        a.red_grp,
+        a.red_count,
+        a.red_time,
+        float(deadline),
     )
     if status:
         raise RuntimeError("list scheduler stalled: the stage graph has a cycle")

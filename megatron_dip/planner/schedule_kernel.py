@@ -28,6 +28,16 @@ ready, a gap before the time its next node was ready in a previous run (`expect_
 does not delay the B chain of the drain; when every rank waits, the W that can start first. So
 the W fill bubbles, and memory held by deferred W throttles new forwards instead of exceeding
 the limit.
+
+Data-parallel gradient reductions (`red_grp[S]`: a stage's reduction group, its chunk, -1: none;
+`red_count[G]`: the group's stages with a backward; `red_time[G]`: seconds of its reduction):
+a group's reduction starts when its last W (or fused backward) ends, after the rank's previous
+reduction (one channel per rank beside the compute, as `schedule.engine` runs `ReduceGrads`),
+and the makespan includes it. The W are not deferred past the reduction's deadline (`deadline`,
+the compute's end in a previous run; +inf: unknown): once a chunk's last B is done, a rank runs
+its queued W (oldest first, up to that chunk's last) instead of a forward or backward, or
+instead of waiting, whenever deferring them by that much would make the chunk's reduction end
+after the deadline, unless the rank's reduction channel is busy until later anyway.
 """
 
 from __future__ import annotations
@@ -88,23 +98,36 @@ def _choose(r, strict, rdy_f, nf, rdy_b, nb, base, ready_time, prank, act, mem, 
 
 @njit(cache=True)
 def _choose_weight(r, node, t0, wq, wq_head, wq_tail, wgt_time, free_at, overshoot, num_stages,
-                   memory_bound, expect):  # fmt: skip
-    """Rank r's oldest queued W instead of its F/B choice `node` at `t0`, or -1 (wait), or the
-    choice itself: the W runs where a forward is held back by memory (`memory_bound`), in the
-    gap before `t0` if it fits (overrunning by at most `overshoot` of it), and, with nothing
-    ready, if it fits before `expect` (when the rank's next F/B was ready in the previous run;
-    +inf: unknown)."""
+                   memory_bound, expect, node_time, slack):  # fmt: skip
+    """Rank r's oldest queued W instead of its F/B choice `node` at `t0` (lasting `node_time`),
+    or -1 (wait), or the choice itself: the W runs where a forward is held back by memory
+    (`memory_bound`), in the gap before `t0` if it fits (overrunning by at most `overshoot` of
+    it), and, with nothing ready, if it fits before `expect` (when the rank's next F/B was ready
+    in the previous run; +inf: unknown); and wherever deferring it would delay the queued W
+    more than `slack` seconds (`_weight_slack`: a reduction's deadline)."""
     if wq_head[r] == wq_tail[r]:
         return node, t0
     k = wq[wq_head[r]]
     need = wgt_time[k] * (1.0 - overshoot)
     if node < 0:
-        if memory_bound or need <= expect - free_at[r]:
+        if memory_bound or need <= expect - free_at[r] or expect - free_at[r] > slack:
             return 2 * num_stages + k, free_at[r]
         return -1, 0.0
-    if need <= t0 - free_at[r]:
+    if need <= t0 - free_at[r] or t0 - free_at[r] + node_time > slack:
         return 2 * num_stages + k, free_at[r]
     return node, t0
+
+
+@njit(cache=True)
+def _weight_slack(r, wq_head, wq_cum, base, urg_pos, urg_red, free_at, red_free, deadline):
+    """Seconds rank r may defer its queued W and still have the reduction of the chunk whose last
+    W sits at queue slot `urg_pos[r]` end by `deadline` (or by when its reduction channel is
+    free anyway); +inf where no such W is queued."""
+    if urg_pos[r] < wq_head[r]:
+        return INF
+    before = wq_cum[wq_head[r] - 1] if wq_head[r] > base[r] else 0.0
+    work = wq_cum[urg_pos[r]] - before
+    return max(red_free[r], deadline - urg_red[r]) - free_at[r] - work
 
 
 @njit(cache=True)
@@ -149,7 +172,8 @@ def _best(entries, lo, count, t0, forward, strict, ready_time, prank, act, mem, 
 @njit(cache=True)
 def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, succ_node,  # noqa: PLR0912, PLR0915
                  succ_delay, npred0, limit, fixed, fixed_ptr, use_fixed, wgt_time, wgt_act,
-                 overshoot, expect_ptr, expect_t):  # fmt: skip
+                 overshoot, expect_ptr, expect_t, red_grp, red_count, red_time,
+                 deadline):  # fmt: skip
     """Schedule every node; see the module docstring for the arrays."""
     num_stages, num_ranks = rank.shape[0], limit.shape[0]
     # Ready forwards and backwards of rank r live in [base[r], base[r] + nf[r]) / + nb[r].
@@ -171,6 +195,16 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
     wq = np.zeros(num_stages, dtype=np.int64)
     wq_head = base[:num_ranks].copy()
     wq_tail = base[:num_ranks].copy()
+    wq_cum = np.zeros(num_stages)  # per rank's slots: seconds of its W queued so far
+    # Reductions: gradient-finishing nodes (W or fused B) and B left per group, the queue slot
+    # of each group's last W, per rank the slot of the latest queued last W of a finished chunk
+    # (and its reduction's seconds), and when its reduction channel is free.
+    red_left = red_count.copy()
+    b_left = red_count.copy()
+    grp_last = np.full(red_count.shape[0], -1, dtype=np.int64)
+    urg_pos = np.full(num_ranks, -1, dtype=np.int64)
+    urg_red = np.zeros(num_ranks)
+    red_free = np.zeros(num_ranks)
     done_fb = np.zeros(num_ranks, dtype=np.int64)  # F/B run per rank (index into expect_t)
     free_at = np.zeros(num_ranks)
     last_fwd = np.zeros(num_ranks, dtype=np.bool_)
@@ -200,10 +234,14 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
                     free_at, last_fwd, want,
                 )  # fmt: skip
                 i = expect_ptr[r] + done_fb[r]
+                c = cached_node[r]
+                c_time = 0.0 if c < 0 else (bwd_time[c >> 1] if c & 1 else fwd_time[c >> 1])
                 cached_node[r], cached_t0[r] = _choose_weight(
-                    r, cached_node[r], cached_t0[r], wq, wq_head, wq_tail, wgt_time, free_at,
+                    r, c, cached_t0[r], wq, wq_head, wq_tail, wgt_time, free_at,
                     overshoot, num_stages, nf[r] > 0,
-                    expect_t[i] if i < expect_ptr[r + 1] else INF,
+                    expect_t[i] if i < expect_ptr[r + 1] else INF, c_time,
+                    _weight_slack(r, wq_head, wq_cum, base, urg_pos, urg_red, free_at, red_free,
+                                  deadline),
                 )  # fmt: skip
                 dirty[r] = False
         r, node, t0 = _earliest(cached_node, cached_t0)
@@ -227,7 +265,8 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
             mem[r] -= wgt_act[k]
             order[step], start[node], end[node] = node, t0, stop
             dirty[r] = True
-            finish = max(finish, stop)
+            finish = max(finish, stop, _gradient_done(k, r, stop, red_grp, red_left, red_time,
+                                                      red_free))  # fmt: skip
             continue
         k = node >> 1
         is_fwd = (node & 1) == 0
@@ -244,13 +283,26 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
             overcommitted |= mem[r] > limit[r]
             peak[r] = max(peak[r], mem[r])
         elif not is_fwd and wgt_time[k] > 0:  # a split B: from now on its W holds wgt_act
-            wq[wq_tail[r]] = k
+            qs = wq_tail[r]
+            wq[qs] = k
+            wq_cum[qs] = wgt_time[k] + (wq_cum[qs - 1] if qs > base[r] else 0.0)
             wq_tail[r] += 1
             mem[r] += wgt_act[k] - act[k]
             overcommitted |= mem[r] > limit[r]
             peak[r] = max(peak[r], mem[r])
+            g = red_grp[k]
+            if g >= 0:
+                grp_last[g] = qs
         elif not is_fwd:
             mem[r] -= act[k]
+            finish = max(finish, _gradient_done(k, r, stop, red_grp, red_left, red_time,
+                                                red_free))  # fmt: skip
+        if not is_fwd and red_grp[k] >= 0:
+            g = red_grp[k]
+            b_left[g] -= 1
+            # its last B: its W up to the last queued are now due by the deadline
+            if b_left[g] == 0 and grp_last[g] >= max(wq_head[r], urg_pos[r] + 1):
+                urg_pos[r], urg_red[r] = grp_last[g], red_time[g]
         order[step], start[node], end[node] = node, t0, stop
         dirty[r] = True
         for e in range(succ_ptr[node], succ_ptr[node + 1]):
@@ -266,6 +318,20 @@ def run_schedule(rank, fwd_time, bwd_time, act, has_backward, prank, succ_ptr, s
                     _push(nxt, q, rdy_f, nf, base, slot)
         finish = max(finish, stop)
     return 0, order, start, end, finish, peak, overcommitted, ready_time
+
+
+@njit(cache=True)
+def _gradient_done(k, r, stop, red_grp, red_left, red_time, red_free):
+    """Stage k's gradients are complete at `stop` (its W or fused backward on rank r): when
+    that completes its group, the group's reduction runs on r's reduction channel. Returns
+    when r's reduction channel is free (0 when stage k has no reduction)."""
+    g = red_grp[k]
+    if g < 0:
+        return 0.0
+    red_left[g] -= 1
+    if red_left[g] == 0:
+        red_free[r] = max(stop, red_free[r]) + red_time[g]
+    return red_free[r]
 
 
 @njit(cache=True)

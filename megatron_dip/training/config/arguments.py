@@ -119,9 +119,16 @@ class DipArgs:
         "--dip-split-backward",
         False,
         "split each backward into input and weight gradients and move the weight halves into "
-        "the pipeline's bubbles where the cost model finds that faster within memory (the "
-        "runtime's weight half re-traverses the chunk's graph: exact, but it pays only where "
-        "the weight-gradient kernels are deferred as the cost model prices them)",
+        "the pipeline's bubbles where the cost model finds that faster within memory (exact; "
+        "planning takes about twice as long)",
+        megatron=False,
+    )
+    dip_split_search: bool = arg(
+        "--dip-split-search",
+        False,
+        "with --dip-split-backward: search the segment order a second time, scored by split "
+        "schedules (about 0.5 s more CPU per VLM-S plan; no faster order found on the paper's "
+        "rows)",
         megatron=False,
     )
     dip_planner_timeout_s: float = arg(

@@ -394,6 +394,7 @@ def resolve(
         uniform_recompute=uniform,
         offload_activations=config.dip.dip_offload_activations,
         split_backward=config.dip.dip_split_backward,
+        split_search=config.dip.dip_split_search,
     )
     sizing = functools.partial(
         build_layout,
