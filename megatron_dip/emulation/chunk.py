@@ -164,7 +164,7 @@ class EmulatedChunk(MegatronModule):
         # to W (vectors' are done in B, `runtime.backward_split`).
         self.weight = torch.nn.Parameter(torch.ones(1, 1, dtype=config.params_dtype))
         self.weight.requires_grad_(trainable)
-        self._recompute: tuple[Recompute, int, int] = (Recompute.NONE, 0, 0)
+        self._recompute: tuple = (Recompute.NONE, 0, 0, ())
         # Checkpoints name parameters globally; one emulated weight per chunk's layer range.
         self.global_aliases = {
             "weight": f"{chunk.module}.emulated.{chunk.layer_start}-{chunk.layer_end}"
@@ -172,11 +172,12 @@ class EmulatedChunk(MegatronModule):
 
     @contextlib.contextmanager
     def recompute_context(
-        self, mode: Recompute, layers: int = 0, offload: int = 0
+        self, mode: Recompute, layers: int = 0, offload: int = 0, modules: tuple = ()
     ) -> Iterator[None]:
-        """Selective, block and uniform recompute, and offload: the backward sleeps the cost
-        model's backward of that memory policy (recomputation and exposed transfers included)."""
-        previous, self._recompute = self._recompute, (mode, layers, offload)
+        """Selective, block and uniform recompute, offload and module recomputation: the
+        backward sleeps the cost model's backward of that memory policy (recomputation and
+        exposed transfers included)."""
+        previous, self._recompute = self._recompute, (mode, layers, offload, tuple(modules))
         try:
             yield
         finally:

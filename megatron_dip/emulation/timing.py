@@ -113,12 +113,17 @@ class StageTiming:
     """Emulated durations of one stage (seconds, already scaled) and its messages."""
 
     forward_s: float
-    backward_s: Callable[..., float]  # (mode, N of block / uniform, offload K) -> seconds
+    # (mode, N of block / uniform, offload K, recompute modules) -> seconds
+    backward_s: Callable[..., float]
     weight_s: float = 0.0  # of the backward: the weight gradients (a split backward's W)
     inputs: tuple[Link, ...] = ()  # in the order of the chunk's `inputs=` (producer order)
     outputs: tuple[Link, ...] = ()  # one per consumer, in `Dataflow.consumers` order
 
-    def backward_for(self, recompute: Recompute, layers: int = 0, offload: int = 0) -> float:
+    def backward_for(
+        self, recompute: Recompute, layers: int = 0, offload: int = 0, modules: tuple = ()
+    ) -> float:
+        if modules:
+            return self.backward_s(recompute, layers, offload, modules)
         return self.backward_s(recompute, layers, offload)
 
 
@@ -179,10 +184,10 @@ class EmulatedBatchSource:
         sub = self.plan.submicrobatch(stage.work)
         scale = self.config.scale
 
-        def backward(mode: Recompute, layers: int, offload: int = 0) -> float:
+        def backward(mode: Recompute, layers: int, offload: int = 0, modules=()) -> float:
             # FULL: the runtime re-runs the (sleeping) forward itself before this backward.
             mode, layers = (Recompute.NONE, 0) if mode is Recompute.FULL else (mode, layers)
-            cost = self.cost_model.stage_cost(chunk, sub, mode, layers, offload)
+            cost = self.cost_model.stage_cost(chunk, sub, mode, layers, offload, tuple(modules))
             # Offload's transfers run on their own channel; what the copy out does not hide
             # behind the forward is slept here, with what the reload does not hide.
             exposed_out = cost.forward - self.cost_model.stage_cost(chunk, sub).forward

@@ -176,7 +176,7 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
         # A policy without offload is passed as (method, N): cost models that predate offload
         # take two arguments.
-        args = mode if mode.offload else mode[:2]
+        args = mode if (mode.offload or mode.modules) else mode[:2]
         costs[stage] = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work), *args)
     missing = has_backward - recompute.keys()
     if missing:

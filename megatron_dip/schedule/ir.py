@@ -73,6 +73,14 @@ class Recompute(str, enum.Enum):
 
 RecomputeMode = tuple[Recompute, int]  # (method, N of block / uniform; 0 for the others)
 
+# Cheap partial recomputation (`MemoryPolicy.modules`): "layernorm" is Megatron-Core's
+# `recompute_modules` entry (the norms before the attention and the MLP keep only their input;
+# their outputs, the inputs of linear_qkv / linear_fc1, are recomputed in backward), "mlp_act"
+# the MLP's activation function (its output, fc2's input, recomputed from fc1's output: Megatron
+# calls this "moe_act" for experts and has no switch for a dense MLP).
+RECOMPUTE_MODULES = ("layernorm", "mlp_act")
+_MODULE_LABELS = {"layernorm": "ln", "mlp_act": "act"}
+
 
 class MemoryPolicy(NamedTuple):
     """What one chunk keeps of one sub-microbatch's activations, and where: recompute `method`
@@ -83,26 +91,36 @@ class MemoryPolicy(NamedTuple):
     The offloaded layers are the first K of those that keep their activations: layers
     [N, N + K) of the chunk under BLOCK N, [0, K) under NONE (the earliest layers: their copies
     have the most forward to hide behind, and their reloads are needed last). Only NONE and
-    BLOCK combine with offload. A
-    tuple, so `(method, N)` recompute modes written before offload still compare and unpack.
+    BLOCK combine with offload.
+
+    `modules`: cheap partial recomputation (`RECOMPUTE_MODULES`, sorted) in the layers that
+    keep their activations (all under NONE and SELECTIVE, the last n - N under BLOCK N): each
+    named module keeps only its input and recomputes its output in backward. It combines with
+    NONE, SELECTIVE and BLOCK, not with offload (the runtime's offload hooks would move the
+    recomputed outputs' inputs too, an exactness risk it does not take).
+
+    A tuple, so `(method, N)` recompute modes written before offload still compare and unpack.
     """
 
     method: Recompute = Recompute.NONE
     layers: int = 0
     offload: int = 0
+    modules: tuple[str, ...] = ()
 
-    # A policy that offloads nothing equals (and hashes as) its 2-tuple recompute mode, so that
-    # `(Recompute.SELECTIVE, 0)` literals and `NO_RECOMPUTE` still find it in sets and dicts.
+    # A policy that offloads and partially recomputes nothing equals (and hashes as) its
+    # 2-tuple recompute mode, so that `(Recompute.SELECTIVE, 0)` literals and `NO_RECOMPUTE`
+    # still find it in sets and dicts.
     def __eq__(self, other: object) -> bool:
         if isinstance(other, tuple) and len(other) == 2:
-            return self.offload == 0 and tuple(self[:2]) == other
+            return self.offload == 0 and not self.modules and tuple(self[:2]) == other
         return tuple.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
 
     def __hash__(self) -> int:
-        return hash(tuple(self[:2])) if self.offload == 0 else tuple.__hash__(self)
+        plain = self.offload == 0 and not self.modules
+        return hash(tuple(self[:2])) if plain else tuple.__hash__(self)
 
     def check(self, num_layers: int | None = None) -> MemoryPolicy:
         """The policy itself; ValueError when its numbers do not fit its method (or a chunk of
@@ -127,7 +145,26 @@ class MemoryPolicy(NamedTuple):
             raise ValueError(
                 f"memory policy {self.label}: offloads past the chunk's {num_layers} layers"
             )
+        self._check_modules()
         return self
+
+    def _check_modules(self) -> None:
+        """ValueError unless `modules` are known, sorted, unique and on a method they fit."""
+        mods = tuple(self.modules)
+        if any(m not in RECOMPUTE_MODULES for m in mods) or mods != tuple(sorted(set(mods))):
+            raise ValueError(
+                f"memory policy {self.label}: recompute modules must be sorted, distinct names "
+                f"of {RECOMPUTE_MODULES}, got {mods}"
+            )
+        if mods and Recompute(self.method) in (Recompute.FULL, Recompute.UNIFORM):
+            raise ValueError(
+                f"memory policy {self.label}: {Recompute(self.method).value} recomputes every "
+                "layer; module recomputation applies to the layers that keep activations"
+            )
+        if mods and self.offload:
+            raise ValueError(
+                f"memory policy {self.label}: module recomputation does not combine with offload"
+            )
 
     @property
     def recompute(self) -> RecomputeMode:
@@ -143,6 +180,7 @@ class MemoryPolicy(NamedTuple):
     def label(self) -> str:
         """`none`, `block2`, `off3`, `block1+off2`, ... (printouts, traces, reports)."""
         base = Recompute(self.method).value + (str(self.layers) if self.layers else "")
+        base += "".join(f"+{_MODULE_LABELS.get(m, m)}" for m in self.modules)
         if not self.offload:
             return base
         off = f"off{self.offload}"
@@ -230,17 +268,21 @@ class MessageKey:
 class Forward:
     """Forward of `stage.chunk` of `stage.module` on sub-microbatch `stage.work`, with its
     memory policy (`MemoryPolicy`): activation recomputation (`recompute_layers`: N of BLOCK
-    and UNIFORM, 0 otherwise) and `offload_layers` K offloaded to host memory."""
+    and UNIFORM, 0 otherwise), `offload_layers` K offloaded to host memory and the cheap
+    `recompute_modules` (`MemoryPolicy.modules`)."""
 
     stage: StageId
     recompute: Recompute = Recompute.NONE
     recompute_layers: int = 0
     offload_layers: int = 0
+    recompute_modules: tuple[str, ...] = ()
 
     @property
     def mode(self) -> MemoryPolicy:
-        """The memory policy (recompute, recompute_layers, offload_layers)."""
-        return MemoryPolicy(self.recompute, self.recompute_layers, self.offload_layers)
+        """The memory policy (recompute, recompute_layers, offload_layers, recompute_modules)."""
+        return MemoryPolicy(
+            self.recompute, self.recompute_layers, self.offload_layers, self.recompute_modules
+        )
 
     policy = mode
 

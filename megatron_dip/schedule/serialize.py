@@ -18,6 +18,7 @@ from typing import Any
 from .engine import PlanError
 from .ir import (
     FORMAT_VERSION,
+    RECOMPUTE_MODULES,
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -84,22 +85,29 @@ class _Tables:
         return self._intern("specs", specs, row)
 
 
-# A Forward's memory policy is one integer: method index + methods x (N + _LAYER_SPAN x K), so
-# plans without offload (K = 0) keep the bytes they had before offload existed.
+# A Forward's memory policy is one integer: method index + methods x (N + _LAYER_SPAN x (K +
+# _LAYER_SPAN x M)), M the bit set of its recompute modules (`RECOMPUTE_MODULES` order), so plans
+# without offload and module recomputation (K = M = 0) keep the bytes they had before.
 _LAYER_SPAN = 1 << 16
 
 
 def _encode_policy(ins: Forward) -> int:
-    if not 0 <= ins.recompute_layers < _LAYER_SPAN:
-        raise PlanError(f"{ins.stage}: cannot serialize {ins.recompute_layers} recompute layers")
-    n = ins.recompute_layers + _LAYER_SPAN * ins.offload_layers
+    for what, n in (("recompute", ins.recompute_layers), ("offload", ins.offload_layers)):
+        if not 0 <= n < _LAYER_SPAN:
+            raise PlanError(f"{ins.stage}: cannot serialize {n} {what} layers")
+    bits = sum(1 << RECOMPUTE_MODULES.index(m) for m in ins.recompute_modules)
+    n = ins.recompute_layers + _LAYER_SPAN * (ins.offload_layers + _LAYER_SPAN * bits)
     return _RECOMPUTE.index(ins.recompute) + len(_RECOMPUTE) * n
 
 
 def _decode_forward(stage: StageId, code: int) -> Forward:
     n, method = divmod(code, len(_RECOMPUTE))
-    offload, layers = divmod(n, _LAYER_SPAN)
-    return Forward(stage, _RECOMPUTE[method], layers, offload)
+    n, layers = divmod(n, _LAYER_SPAN)
+    bits, offload = divmod(n, _LAYER_SPAN)
+    if bits >> len(RECOMPUTE_MODULES):
+        raise PlanError(f"{stage}: unknown recompute modules in policy code {code}")
+    modules = tuple(m for i, m in enumerate(RECOMPUTE_MODULES) if bits >> i & 1)
+    return Forward(stage, _RECOMPUTE[method], layers, offload, modules)
 
 
 def _encode_program(p: Program, t: _Tables) -> list[int]:
