@@ -23,7 +23,7 @@ from megatron_dip.parallel import ParallelShape, ShapeError
 from megatron_dip.planner.dip import planner_config
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.schedule.ir import NO_RECOMPUTE, Recompute, RecomputeMode
+from megatron_dip.schedule.ir import NO_RECOMPUTE, RECOMPUTE_MODULES, Recompute, RecomputeMode
 
 from ..checkpoint import dirs
 from ..checkpoint.dirs import CheckpointError
@@ -389,6 +389,7 @@ def resolve(
         uniform_recompute=uniform,
         offload_activations=config.dip.dip_offload_activations,
         split_backward=config.dip.dip_split_backward,
+        recompute_modules=RECOMPUTE_MODULES if config.dip.dip_recompute_modules else (),
     )
     sizing = functools.partial(
         build_layout,
