@@ -137,11 +137,9 @@ def _patch_targets(
     """(module, what) to wrap: the norms and MLPs of the layers that keep their activations."""
     from megatron.core.transformer.mlp import MLP
 
-    from .recompute import LayerGroup
-
     targets = []
     for layer in layers:
-        if isinstance(layer, LayerGroup):  # block-recomputed: checkpointed whole
+        if getattr(layer, "members", None) is not None:  # `recompute.LayerGroup`: checkpointed
             continue
         for _, child in layer.named_children():
             if "layernorm" in modules and _is_norm(child):
