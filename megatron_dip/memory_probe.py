@@ -170,6 +170,10 @@ MEASURED_MODES: tuple[MemoryPolicy, ...] = (
     # recomputation of the first layer (as many layers as the chunk has: `fitted_policy`).
     MemoryPolicy(Recompute.NONE, 0, 1),
     MemoryPolicy(Recompute.BLOCK, 1, 1),
+    # Cheap module recomputation (the norms' and the MLP activation's outputs), alone and in
+    # the layers block recomputation of the first one leaves.
+    MemoryPolicy(Recompute.NONE, 0, 0, ("layernorm", "mlp_act")),
+    MemoryPolicy(Recompute.BLOCK, 1, 0, ("layernorm", "mlp_act")),
 )
 
 

@@ -408,3 +408,44 @@ def test_block_and_uniform_recompute_follow_megatron_s_rules() -> None:
     assert logits > 0
     last_uniform = cm.stage_cost(last, sub, MemoryPolicy(Recompute.UNIFORM, 8)).activation_bytes
     assert last_uniform == pytest.approx(layer_in + shared + logits, abs=8)
+
+
+@pytest.mark.parametrize(("module", "gated"), [("vit", False), ("llm", True)])
+def test_module_recompute_frees_a_third_of_a_layer_for_a_few_percent(module, gated) -> None:
+    """Cheap module recomputation (`MemoryPolicy.modules`) on VLM-S (TP4, sequence parallel):
+    "layernorm" frees each pre-norm's output and statistics, "mlp_act" the activation's output
+    (GELU: 1 FFN width; SwiGLU: 3 of its 5), together a third (ViT-5B) to a half (Llama3-8B) of
+    a layer's bytes, for the norms' and activation's memory-bound passes again in backward:
+    under an eighth of full recomputation's time per byte freed. Block N applies it to the layers
+    it leaves; it does not apply to full or uniform recomputation."""
+    cm = CostModel(VLM_S.model, H800, shape=ParallelShape(tp=4, sp=True))
+    chunk, sub = ChunkSpec(module, 1, 1, 5, 9), _sub(module, 8, 8192, 8 * 1024**2)
+    spec, tp = VLM_S.model.module(module), 4
+    h, f, tokens = spec.layer.hidden, spec.layer.ffn, 8192
+    none, full = cm.stage_cost(chunk, sub), cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.FULL))
+    both = ("layernorm", "mlp_act")
+    got = {
+        m: cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 0, m))
+        for m in (both[:1], both[1:], both)
+    }
+    freed = {m: none.activation_bytes - c.activation_bytes for m, c in got.items()}
+    stat = 4 / (2 * h)  # one fp32 statistic per token, in bf16 hidden widths
+    norm = 2 * 2 * tokens * h / tp * (1 + (1 if spec.arch.normalization == "RMSNorm" else 2) * stat)
+    assert freed[both[:1]] == pytest.approx(4 * norm, rel=1e-3)
+    assert freed[both[1:]] == pytest.approx(4 * 2 * tokens * (3 if gated else 1) * f / tp, rel=1e-6)
+    assert freed[both] == pytest.approx(freed[both[:1]] + freed[both[1:]], abs=4)
+    share = freed[both] / none.activation_bytes  # ViT-5B 37%, Llama3-8B 48%
+    assert (0.3 if not gated else 0.45) < share < 0.55
+    per_byte = (got[both].backward - none.backward) / freed[both]
+    full_per_byte = (full.backward - none.backward) / (
+        none.activation_bytes - full.activation_bytes
+    )
+    assert 0 < per_byte < full_per_byte / 8  # ViT-5B 8x, Llama3-8B 17x cheaper
+    assert got[both].forward == none.forward
+    block = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 1))
+    block_both = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 1, 0, both))
+    assert block.activation_bytes - block_both.activation_bytes == pytest.approx(
+        3 * freed[both] / 4, abs=4
+    )
+    with pytest.raises(ValueError, match="full recomputes every layer"):
+        MemoryPolicy(Recompute.FULL, 0, 0, both).check()

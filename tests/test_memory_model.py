@@ -39,6 +39,10 @@ KNOWN_OVER = {("dit", "first"): 0.20}
 # (-0.07% without offload: small integer tensors of the input layers, not modelled) is -5.9%.
 OFFLOAD_TOLERANCE = 0.03
 OFFLOAD_RESIDUAL_BYTES = 256
+# Module recomputation (the norms' and the MLP activation's outputs) is held to 3% too; float32
+# only, like the other modes (in bfloat16 the text encoder's last chunk keeps ~4% more under
+# "mlp_act" than predicted, not yet understood; the others are within 3%).
+MODULES_TOLERANCE = 0.03
 DTYPES = {"float32": 4, "bfloat16": 2}
 
 
@@ -119,6 +123,8 @@ def test_predicted_activation_bytes_are_within_10_percent_of_autograds(groups, k
             assert 0 <= error < KNOWN_OVER[(module, where)], (module, where, measured, predicted)
             continue
         assert abs(error) < TOLERANCE, (module, where, measured, predicted)
+        if mode.modules:
+            assert abs(error) < MODULES_TOLERANCE, (module, where, measured, predicted)
         if mode.offload:
             small = abs(predicted - measured) <= OFFLOAD_RESIDUAL_BYTES
             assert abs(error) < OFFLOAD_TOLERANCE or small, (module, where, measured, predicted)

@@ -303,6 +303,47 @@ def test_memory_pass_offloads_where_it_is_cheaper_than_recomputing():
     assert tight.added_time == pytest.approx(4 * 0.5)
 
 
+def test_memory_pass_recomputes_cheap_modules_before_layers():
+    """With module recomputation among the candidates (`stage_modes(modules=...)`: each of
+    none, selective, block 1 and block N/2 also with the modules, full still last) the pass
+    frees memory by the norms' and activation's outputs first (a third of the bytes for a few
+    per cent of the time) and recomputes layers only on top of that, where it must."""
+    both = ("layernorm", "mlp_act")
+    modes = stage_modes(4, modules=both)
+    plain = stage_modes(4)
+    assert len(modes) == 9 and modes[:4] == plain[:4] and modes[-1] == plain[-1]
+    assert modes[4:8] == tuple(MemoryPolicy(p.method, p.layers, 0, both) for p in plain[:4])
+    assert len(stage_modes(4, offload=True, modules=both)) == 13
+    g = unit_graph(single_module(2, 4))
+    prio = priorities_from_units(g.stages, [("m", mb) for mb in range(4)])
+    orders = list_schedule(g, priority=prio).orders  # rank 0 keeps 4 activations alive
+    cheap, block = MemoryPolicy(Recompute.NONE, 0, 0, both), MemoryPolicy(Recompute.BLOCK, 1)
+    block_cheap = MemoryPolicy(Recompute.BLOCK, 1, 0, both)
+    table = {
+        plain[0]: (3.0, 100),
+        cheap: (3.05, 65),
+        block: (3.25, 75),
+        block_cheap: (3.28, 50),
+        plain[-1]: (4.2, 10),
+    }
+
+    def choose(limit: float):
+        return choose_recompute(
+            orders,
+            mode_cost=lambda s, m: table[m],
+            modes_of=lambda s: (plain[0], cheap, block, block_cheap, plain[-1]),
+            keeps_activations=lambda s: True,
+            memory_limit=[limit, 1000],
+        )
+
+    roomy = choose(260)
+    assert {roomy.of(StageId("m", 0, mb)) for mb in range(4)} == {cheap}
+    assert roomy.added_time == pytest.approx(4 * 0.05)
+    tight = choose(200)  # 4 x 65 > 200: block recomputation on top, full nowhere
+    assert {tight.of(StageId("m", 0, mb)) for mb in range(4)} <= {cheap, block_cheap}
+    assert tight.added_time < 4 * 0.28
+
+
 def test_the_memory_pass_keeps_offloaded_bytes_under_the_host_limit():
     """Offload is free but host memory holds two stages' offloaded bytes at once: without a
     host limit all four alive stages offload; with it two do, and the pass fits the device

@@ -37,6 +37,7 @@ from megatron_dip.schedule import (
     Backward,
     BatchTotals,
     ChunkSpec,
+    Forward,
     MemoryPolicy,
     MessageKey,
     MessageKind,
@@ -369,6 +370,44 @@ def test_offload_keeps_less_on_the_device_and_gives_the_same_gradients(groups, p
         for name, g in base[2].items():
             torch.testing.assert_close(got[2][name], g, rtol=1e-12, atol=1e-15, msg=name)
         torch.testing.assert_close(got[3], base[3], rtol=1e-12, atol=1e-15)
+
+
+MODULE_POLICIES = tuple(
+    MemoryPolicy(method, n, 0, mods)
+    for mods in (("layernorm",), ("mlp_act",), ("layernorm", "mlp_act"))
+    for method, n in ((Recompute.NONE, 0), (Recompute.SELECTIVE, 0), (Recompute.BLOCK, 1))
+)
+
+
+@pytest.mark.parametrize("kind", ["vlm", "t2v"])
+def test_module_recompute_plans_give_the_same_gradients_bit_for_bit(groups, kind):
+    """Cheap module recomputation (`MemoryPolicy.modules`: the norms' and the MLP activation's
+    outputs, recomputed in backward from inputs autograd keeps anyway), alone and with
+    selective and block recomputation, on every layer kind (Megatron's GPT layer with
+    LayerNorm / RMSNorm, GELU / SwiGLU; the DiT layer), fused and split
+    backwards: the plan's loss and gradients are those of the plan without it, bit for bit
+    (the recomputed outputs are the same kernels on the same inputs), and the reference's."""
+    batch, placement, plan = _setup(kind)
+
+    def policy(ins: Forward) -> MemoryPolicy:
+        s = ins.stage
+        return MODULE_POLICIES[(s.chunk + 2 * s.microbatch + s.sub) % len(MODULE_POLICIES)]
+
+    loss, ref = _reference(batch, groups)
+    runs = {}
+    for name, p in (("plain", plan), ("modules", st.with_recompute(plan, policy))):
+        for split in (False, True):
+            chunks = _chunks(batch, placement, groups)
+            result = _run(batch, placement, st.split_plan(p) if split else p, chunks)
+            assert result.objective == pytest.approx(loss, rel=1e-12)
+            runs[(name, split)] = (result.objective, _grads(chunks))
+    for split in (False, True):
+        plain, modules = runs[("plain", split)], runs[("modules", split)]
+        assert modules[0] == plain[0] and modules[1].keys() == plain[1].keys() == ref.keys()
+        for name, g in plain[1].items():
+            assert torch.equal(modules[1][name], g), (split, name)
+            r = ref[name]
+            torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12 * float(r.abs().max()))
 
 
 @pytest.mark.parametrize("kind", ["vlm", "t2v"])

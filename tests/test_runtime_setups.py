@@ -285,13 +285,16 @@ def with_recompute(plan: Plan, choose: Callable[[Forward], MemoryPolicy]) -> Pla
 
 def cycle_recompute(ins: Forward) -> MemoryPolicy:
     """Every recompute mode in turn: none, full, selective, Megatron's block (first layer) and
-    uniform (2-layer groups) methods."""
+    uniform (2-layer groups) methods, and cheap module recomputation (`MemoryPolicy.modules`)
+    alone and in the layers block recomputation leaves."""
     modes = (
         MemoryPolicy(Recompute.NONE, 0),
         MemoryPolicy(Recompute.FULL, 0),
         MemoryPolicy(Recompute.SELECTIVE, 0),
         MemoryPolicy(Recompute.BLOCK, 1),
         MemoryPolicy(Recompute.UNIFORM, 2),
+        MemoryPolicy(Recompute.NONE, 0, 0, ("layernorm", "mlp_act")),
+        MemoryPolicy(Recompute.BLOCK, 1, 0, ("layernorm",)),
     )
     s = ins.stage
     return modes[(s.chunk + s.microbatch + s.sub) % len(modes)]
@@ -299,7 +302,8 @@ def cycle_recompute(ins: Forward) -> MemoryPolicy:
 
 def cycle_policy(placement: Placement) -> Callable[[Forward], MemoryPolicy]:
     """`cycle_recompute`'s modes plus offload of one layer, alone and after block recompute of
-    the first one (offload and recompute in one plan), as far as the chunk has the layers."""
+    the first one (offload and recompute in one plan), as far as the chunk has the layers, and
+    module recomputation (alone and with selective) beside them."""
     modes = (
         MemoryPolicy(Recompute.NONE, 0),
         MemoryPolicy(Recompute.FULL, 0),
@@ -308,6 +312,8 @@ def cycle_policy(placement: Placement) -> Callable[[Forward], MemoryPolicy]:
         MemoryPolicy(Recompute.BLOCK, 1, 1),
         MemoryPolicy(Recompute.BLOCK, 1),
         MemoryPolicy(Recompute.UNIFORM, 2),
+        MemoryPolicy(Recompute.SELECTIVE, 0, 0, ("mlp_act",)),
+        MemoryPolicy(Recompute.NONE, 0, 0, ("layernorm", "mlp_act")),
     )
 
     def choose(ins: Forward) -> MemoryPolicy:

@@ -41,6 +41,7 @@ from megatron_dip.schedule import (
     plan_from_bytes,
     plan_to_bytes,
 )
+from megatron_dip.schedule.ir import RECOMPUTE_MODULES
 from megatron_dip.schedule.serialize import MAGIC
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +70,10 @@ def _instruction(draw, modules):
         mode = draw(st.sampled_from(list(Recompute)))
         layers = draw(st.integers(1, 40)) if mode.takes_layers else 0
         offload = draw(st.integers(0, 40)) if mode in (Recompute.NONE, Recompute.BLOCK) else 0
-        return Forward(draw(_stage(modules)), MemoryPolicy(mode, layers, offload))
+        cheap = mode in (Recompute.NONE, Recompute.SELECTIVE, Recompute.BLOCK) and not offload
+        names = draw(st.sampled_from([(), ("layernorm",), ("mlp_act",), RECOMPUTE_MODULES]))
+        policy = MemoryPolicy(mode, layers, offload, names if cheap else ())
+        return Forward(draw(_stage(modules)), policy)
     if kind == 1:
         return Backward(draw(_stage(modules)))
     if kind == 4:
@@ -235,11 +239,8 @@ def test_format_subs_and_recompute():
     placement = Placement(1, (ModuleLayout("vit", 1, True, chunks),))
     subs = (SubMicrobatch("vit", 3, 0, 0, 1, 1, 1), SubMicrobatch("vit", 3, 1, 1, 2, 1, 1))
     s0, s1 = StageId("vit", 0, 3, 0), StageId("vit", 0, 3, 1)
-    program = (
-        Forward(s0, MemoryPolicy(Recompute.FULL)),
-        Forward(s1, MemoryPolicy(Recompute.SELECTIVE)),
-        Backward(s1),
-    )
+    cheap = Forward(s1, MemoryPolicy(Recompute.SELECTIVE, 0, 0, RECOMPUTE_MODULES))
+    program = (Forward(s0, MemoryPolicy(Recompute.FULL)), cheap, Backward(s1))
     plan = Plan(
         iteration=0,
         placement=placement,
@@ -250,7 +251,10 @@ def test_format_subs_and_recompute():
         programs=(Program(0, program),),
         name="x",
     )
-    assert format_plan(plan).splitlines()[1] == "r0: F vit0.3.0:full F vit0.3.1:sel B vit0.3.1"
+    assert (
+        format_plan(plan).splitlines()[1]
+        == "r0: F vit0.3.0:full F vit0.3.1:sel:layernorm:mlp_act B vit0.3.1"
+    )
     program = (
         Forward(s0, MemoryPolicy(Recompute.NONE, 0, 1)),
         Forward(s1, MemoryPolicy(Recompute.BLOCK, 1, 2)),

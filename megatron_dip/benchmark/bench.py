@@ -137,7 +137,7 @@ def stock_results(spec, batches: Sequence) -> list[list]:
     from megatron_dip.batching import layout_batch
     from megatron_dip.planner.sizing import activation_limits
     from megatron_dip.planner.static_baselines import StaticPipeline
-    from megatron_dip.planner.stock_configs import StockWork, evaluate_stock
+    from megatron_dip.planner.stock_configs import StockWork, evaluate_stock, recompute_modes
     from megatron_dip.training.iteration.planning import make_planner
 
     planner = make_planner(spec)
@@ -148,6 +148,9 @@ def stock_results(spec, batches: Sequence) -> list[list]:
         len(spec.stage_units[0]),
     )
     limits = activation_limits(spec.placement, spec.cost_model, device=spec.device)
+    # The emulated stock run takes Megatron's recompute flags (`recompute_flags`), which do not
+    # carry `--recompute-modules`: the grid without Megatron's "layernorm" module here.
+    modes = [m for m in recompute_modes(pipe.placement) if not m.modules]
     out = []
     for b in batches:
         layout = layout_batch(spec.model, b, planner.layout_config.with_whole_modules())
@@ -163,6 +166,7 @@ def stock_results(spec, batches: Sequence) -> list[list]:
                 cost_model=spec.cost_model,
                 tensors=tensors,
                 limits=limits,
+                modes=modes,
                 channel=single_channel,
             )
         )

@@ -40,8 +40,8 @@ import numpy as np
 from megatron_dip.modelspec import ModuleSpec, MultimodalSpec
 from megatron_dip.schedule.ir import SubMicrobatch, TensorSpec, WorkId
 
-from .costs import CostContext, Op, Work, mlp_ops, self_attention_ops
-from .stored import Stored, norm_stored, transformer_layer_stored
+from .costs import CostContext, Op, Work, activation_op, mlp_ops, norm_op, self_attention_ops
+from .stored import Stored, norm_stored, recompute_saved, transformer_layer_stored
 
 INDEX_DTYPE = "int64"
 
@@ -286,6 +286,30 @@ class Modality:
         """What one layer keeps for backward (`stored.py`)."""
         rms = self.norm_of(spec) == "RMSNorm"
         return transformer_layer_stored(spec.layer, w, c, rms=rms, rotary=self.rotary)
+
+    # The layer's pre-norms (`runtime.module_recompute` wraps a layer's direct children that
+    # are norms): two in a standard layer.
+    norms_per_layer: ClassVar[int] = 2
+
+    def recompute_saved(self, spec: ModuleSpec, w: Work, c: CostContext, module: str) -> Stored:
+        """What one layer keeps less when `module` (`schedule.ir.RECOMPUTE_MODULES`) is
+        recomputed in backward (`stored.recompute_saved`, per pre-norm for "layernorm")."""
+        del w
+        rms = self.norm_of(spec) == "RMSNorm"
+        saved = recompute_saved(spec.layer, c, module, rms=rms)
+        if module == "layernorm":
+            per_norm = norm_stored(spec.layer.hidden, c, rms=rms)
+            for _ in range(self.norms_per_layer - 2):
+                saved += per_norm
+        return saved
+
+    def recompute_ops(self, spec: ModuleSpec, w: Work, c: CostContext, module: str) -> list[Op]:
+        """Forward operators the backward runs again when `module` is recomputed: the layer's
+        norms or its MLP activation (memory-bound element-wise passes, `costs.norm_op`,
+        `costs.activation_op`, as the layer's own forward prices them)."""
+        if module == "layernorm":
+            return [norm_op(spec.layer, w, c)] * self.norms_per_layer
+        return [activation_op(spec.layer, w, c)]
 
     def input_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
         """Forward operators of the input layers (charged to the first chunk)."""

@@ -121,12 +121,22 @@ def attention_core(layer, pairs: float, seg: float, c: CostContext, *, causal: b
     return Op(flops, c.dt * tokens * (2 * width + kv) / c.tp, OpKind.ATTN, rows=seg, core=True)
 
 
+def norm_op(layer, w: Work, c: CostContext) -> Op:
+    """One pre-norm over the layer's hidden states (read and write once)."""
+    return mem(w.tokens * layer.hidden / c.rep, 2, c)
+
+
+def activation_op(layer, w: Work, c: CostContext) -> Op:
+    """The MLP's activation function over fc1's output (SwiGLU: read both halves, write one)."""
+    return mem(w.tokens * layer.ffn / c.tp, 3 if layer.gated_mlp else 2, c)
+
+
 def self_attention_ops(layer, w: Work, c: CostContext, *, causal: bool) -> list[Op]:
     """Norm, QKV projection, attention core, output projection and residual of one layer."""
     h, t, q = layer.hidden, w.tokens, layer.attention_width
     kv = 2 * layer.kv_groups * layer.head_dim
     return [
-        mem(t * h / c.rep, 2, c),  # norm
+        norm_op(layer, w, c),
         gemm(t, h, q + kv, c, shard_in=False),
         attention_core(layer, w.pairs, w.seg, c, causal=causal),
         gemm(t, q, h, c, shard_in=True),
@@ -139,9 +149,9 @@ def mlp_ops(layer, w: Work, c: CostContext) -> list[Op]:
     h, f, t = layer.hidden, layer.ffn, w.tokens
     up = 2 * f if layer.gated_mlp else f
     return [
-        mem(t * h / c.rep, 2, c),
+        norm_op(layer, w, c),
         gemm(t, h, up, c, shard_in=False),
-        mem(t * f / c.tp, 3 if layer.gated_mlp else 2, c),  # SwiGLU / GELU
+        activation_op(layer, w, c),  # SwiGLU / GELU
         gemm(t, f, h, c, shard_in=True),
         mem(t * h / c.rep, 3, c),
     ]

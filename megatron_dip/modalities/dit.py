@@ -203,6 +203,8 @@ class DitModality(Modality):
         captions = [samples[i.sample_index].text_tokens for i in items]
         return sum(captions), sum(i.tokens * n for i, n in zip(items, captions))
 
+    norms_per_layer = 3  # norm1, the cross-attention norm, norm2
+
     def layer_ops(self, spec: ModuleSpec, w: Work, c: CostContext) -> list[Op]:
         h = spec.layer.hidden
         return [

@@ -17,7 +17,9 @@ hooks (`megatron_dip.memory_probe`, `tests/test_memory_model.py`), not the paper
   the activation's output and its linear half plus the GLU offset: 5 x FFN in all;
 * a first layer that converts float32 input data to a 16-bit dtype keeps the copy.
 
-Selective recomputation drops the attention cores' share (`Stored.core`).
+Selective recomputation drops the attention cores' share (`Stored.core`). Cheap module
+recomputation (`MemoryPolicy.modules`, `recompute_saved`) drops what a norm or the MLP's
+activation keeps beyond its input, and its output, which the next GEMM keeps.
 """
 
 from __future__ import annotations
@@ -108,3 +110,20 @@ def transformer_layer_stored(layer, w: Work, c: CostContext, *, rms: bool, rotar
     (with rotary embeddings when `rotary`), MLP."""
     norm = norm_stored(layer.hidden, c, rms=rms)
     return norm + self_attention_stored(layer, w, c, rotary=rotary) + norm + mlp_stored(layer)
+
+
+def recompute_saved(layer, c: CostContext, module: str, *, rms: bool) -> Stored:
+    """What one standard layer keeps less when `module` is recomputed in backward
+    (`schedule.ir.RECOMPUTE_MODULES`). "layernorm": each of the two pre-norms keeps only its
+    input (the residual stream, which it keeps anyway) instead of its own saved tensors, and its
+    output (linear_qkv's / linear_fc1's saved input) is recomputed: `norm_stored` per norm. For
+    the composite RMSNorm that holds too: the fp32 input copy and the normalised output it keeps
+    stand for the output and the statistics. "mlp_act": the activation keeps only fc1's output
+    (its input: 2 FFN widths for SwiGLU, 1 for GELU) of the `mlp_stored` FFN widths, so the rest
+    (GELU: fc2's input; SwiGLU: the SiLU output, the offset linear half and fc2's input) goes."""
+    if module == "layernorm":
+        norm = norm_stored(layer.hidden, c, rms=rms)
+        return norm + norm
+    if module == "mlp_act":
+        return Stored(sharded=(3 if layer.gated_mlp else 1) * layer.ffn / layer.hidden)
+    raise ValueError(f"unknown recompute module {module!r}")

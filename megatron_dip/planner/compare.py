@@ -29,7 +29,7 @@ from ..data.packing import PackingLimits
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
 from ..schedule.engine import ChannelFn, per_peer_channel
-from ..schedule.ir import ChunkSpec, MemoryPolicy, Placement, Plan, Recompute
+from ..schedule.ir import RECOMPUTE_MODULES, ChunkSpec, MemoryPolicy, Placement, Plan, Recompute
 from .bounds import balanced_bound
 from .devices import DeviceSpec
 from .dip import DipPlanner, planner_config
@@ -166,6 +166,7 @@ class Comparison:
             sub_sizes=self.sub_sizes,
             memory_limit=self.memory(self.dip_placement),
             offload_activations=True,
+            recompute_modules=RECOMPUTE_MODULES,  # the norms' and MLP activation's outputs
         )
         # plans that do not fit are scored as such, not raised
         config = dataclasses.replace(config, strict_memory=False)

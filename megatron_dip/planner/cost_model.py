@@ -279,7 +279,8 @@ class CostModel:
         memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> StageCost:
         """Time and activation memory of `chunk` on `sub` under the memory policy `memory`
-        (recomputation, see `Recompute`, and offload): the plan's one pricing of a policy."""
+        (recomputation, see `Recompute`, offload and cheap module recomputation): the plan's
+        one pricing of a policy."""
         w = self._work(sub)
         key = (chunk.module, chunk.layer_start, chunk.layer_end, w, memory)
         cost = self._stage_cache.get(key)
@@ -315,6 +316,7 @@ class CostModel:
             Recompute.BLOCK: min(layers, n) * fwd_l,
             Recompute.UNIFORM: n * fwd_l,
         }.get(recompute, 0.0)
+        bwd += self._plain_layers(n, policy) * self._modules_time(spec, w, policy.modules)
         nbytes = self.chunk_activation_bytes(chunk, sub, policy)
         if policy.offload:
             out, back = self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l)
@@ -324,6 +326,28 @@ class CostModel:
         if not spec.trainable:  # no weight gradients: the backward is its input half alone
             return StageCost(fwd, bwd - weight, nbytes, 0.0)
         return StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, policy))
+
+    @staticmethod
+    def _plain_layers(n: int, policy: MemoryPolicy) -> int:
+        """How many of a chunk's `n` layers keep their activations under `policy` (where its
+        cheap module recomputation applies)."""
+        if policy.method in (Recompute.FULL, Recompute.UNIFORM):
+            return 0
+        return n - (min(policy.layers, n) if policy.method is Recompute.BLOCK else 0)
+
+    def _modules_time(self, spec: ModuleSpec, w: Work, modules: tuple[str, ...]) -> float:
+        """Seconds one layer's backward adds to recompute `modules` (their forward operators,
+        `Modality.recompute_ops`: memory-bound passes priced at the device's HBM bandwidth)."""
+        modality = modality_of(spec)
+        ops = [op for m in modules for op in modality.recompute_ops(spec, w, self._ctx, m)]
+        return sum(self._op_time(o) for o in ops)
+
+    def _modules_saved(self, spec: ModuleSpec, w: Work, modules: tuple[str, ...]) -> float:
+        """Bytes one layer keeps less when `modules` are recomputed (`Modality.recompute_saved`)."""
+        c, modality = self._ctx, modality_of(spec)
+        return sum(
+            modality.recompute_saved(spec, w, c, m).nbytes(spec.layer.hidden, w, c) for m in modules
+        )
 
     def _weight_share(self, spec: ModuleSpec, w: Work) -> float:
         """The weight-gradient share of a layer's analytic backward: its weight GEMMs (as long
@@ -427,7 +451,8 @@ class CostModel:
         memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> int:
         """Bytes `chunk` holds for `sub` under `memory` from the end of its forward to the end
-        of its backward on the device (offloaded layers' saved tensors live in host memory).
+        of its backward on the device (offloaded layers' saved tensors live in host memory;
+        modules recomputed in the layers that keep their activations keep less).
 
         Every chunk keeps the messages it received (the producers' hand-overs, or the previous
         chunk's output) until its backward; FULL keeps nothing else (the runtime recomputes the
@@ -446,7 +471,7 @@ class CostModel:
         recompute, layers = memory.method, memory.layers
         if recompute is Recompute.FULL:
             return int(received)
-        total = self._layers_stored(spec, chunk.num_layers, w, recompute, layers)
+        total = self._layers_stored(spec, chunk.num_layers, w, recompute, layers, memory.modules)
         if first:
             total += (
                 received + modality.chunk_stored(spec, w, c) + modality.input_stored(spec, w, c)
@@ -488,7 +513,7 @@ class CostModel:
         total = self.chunk_activation_bytes(chunk, sub, memory)
         if recompute is not Recompute.FULL:
             keep = recompute if recompute is Recompute.SELECTIVE else Recompute.NONE
-            total -= self._layers_stored(spec, plain, w, keep, 0)
+            total -= self._layers_stored(spec, plain, w, keep, 0, memory.modules)
         total += n * _weight_gemm_bytes(modality.layer_ops(spec, w, c))
         if chunk.layer_start == 0:
             total += _weight_gemm_bytes(modality.input_ops(spec, w, c))
@@ -496,16 +521,21 @@ class CostModel:
             total += _weight_gemm_bytes(modality.output_ops(spec, w, c))
         return int(total)
 
-    def _layers_stored(self, spec, n: int, w, recompute: Recompute, layers: int) -> float:
+    def _layers_stored(
+        self, spec, n: int, w, recompute: Recompute, layers: int, modules: tuple[str, ...] = ()
+    ) -> float:
         """Bytes the chunk's `n` transformer layers keep: all their stored tensors (less the
         attention cores' under SELECTIVE), except for Megatron's partial recomputation: BLOCK N
         checkpoints the first N layers one by one (each keeps its input hidden state), UNIFORM N
-        checkpoints groups of N layers (each group keeps its input)."""
+        checkpoints groups of N layers (each group keeps its input). The layers that keep their
+        activations keep less by the recomputed `modules`' share."""
         c = self._ctx
         stored = modality_of(spec).layer_stored(spec, w, c)
         whole = stored.nbytes(
             spec.layer.hidden, w, c, keep_core=recompute is not Recompute.SELECTIVE
         )
+        if modules and recompute not in (Recompute.FULL, Recompute.UNIFORM):
+            whole -= self._modules_saved(spec, w, tuple(modules))
         hidden = c.dt * w.tokens * spec.layer.hidden / c.rep  # a checkpoint's input
         if recompute is Recompute.BLOCK:
             k = min(layers, n)

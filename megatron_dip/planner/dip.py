@@ -100,6 +100,9 @@ class PlannerConfig:
     # at most this many bytes at once per rank (default: the device's `host_offload_share`).
     offload_activations: bool = False
     host_memory_limit_bytes: float | None = None
+    # The memory pass may also recompute these cheap modules (`schedule.ir.RECOMPUTE_MODULES`:
+    # the norms, the MLP activation) in the layers that keep their activations.
+    recompute_modules: tuple[str, ...] = ()
     megatron_candidate: bool = True  # also try Megatron's order on this placement, keep faster
     # Check every plan against the IR's rules before returning it (off only where no plan is
     # ever run: the start-up search's scoring, `scoring_config`).
@@ -142,6 +145,7 @@ def planner_config(
     offload_activations: bool = False,
     split_backward: bool = False,
     split_search: bool = False,
+    recompute_modules: tuple[str, ...] = (),
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
@@ -157,6 +161,7 @@ def planner_config(
         offload_activations=offload_activations,
         split_backward=split_backward,
         split_search=split_search,
+        recompute_modules=tuple(recompute_modules),
     )
 
 
@@ -797,7 +802,12 @@ class DipPlanner:
             chunk = self.placement.module(stage.module).chunks[stage.chunk]
             offload = self.config.offload_activations
             hidden = functools.partial(self._hidden, chunk, sub_of[stage.work])
-            found = memo[stage] = stage_modes(chunk.num_layers, offload=offload, hidden=hidden)
+            found = memo[stage] = stage_modes(
+                chunk.num_layers,
+                offload=offload,
+                hidden=hidden,
+                modules=self.config.recompute_modules,
+            )
         return found
 
     def _uniform_choice(self) -> RecomputeChoice:

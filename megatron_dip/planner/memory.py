@@ -43,10 +43,15 @@ StageModes = Callable[[StageId], Sequence[MemoryPolicy]]
 
 
 def stage_modes(
-    layers: int, *, offload: bool = False, hidden: int | Callable[[int], int] = 1
+    layers: int,
+    *,
+    offload: bool = False,
+    hidden: int | Callable[[int], int] = 1,
+    modules: tuple[str, ...] = (),
 ) -> tuple[MemoryPolicy, ...]:
     """The memory policies the memory pass chooses from for a chunk of `layers` layers (always
-    five, or nine with `offload`; the cheapest first and the one that holds least last).
+    five, or nine with `offload`, four more with `modules`; the cheapest first and the one that
+    holds least last).
 
     `hidden(n)`: how many layers' copies hide behind the chunk's compute after block
     recomputation of its first n layers (`CostModel.hidden_offload_layers`; an int: the same for
@@ -54,7 +59,13 @@ def stage_modes(
     about as much per byte as full recompute, so the offload policies are the offload that
     hides after block recomputation of none, one and half of the layers, and of the most
     layers after which one layer's offload still hides: the time-memory frontier between none
-    and full. Where nothing hides, one layer is offered (exposed)."""
+    and full. Where nothing hides, one layer is offered (exposed).
+
+    `modules`: cheap module recomputation (`MemoryPolicy.modules`: the norms' and the MLP
+    activation's outputs, a third to a half of a layer's bytes for a few per cent of its
+    forward, about ten times cheaper per byte than recomputing layers) in the layers that keep
+    their activations, offered with none, selective and block 1 / N/2 recompute (not with
+    offload, which the runtime does not combine with it)."""
     half = max(1, layers // 2)
     recompute = (
         NO_RECOMPUTE,
@@ -62,10 +73,13 @@ def stage_modes(
         MemoryPolicy(Recompute.BLOCK, 1),
         MemoryPolicy(Recompute.BLOCK, half),
     )
+    if modules:
+        mods = tuple(sorted(modules))
+        recompute += tuple(MemoryPolicy(p.method, p.layers, 0, mods) for p in recompute)
     if not offload:
         return (*recompute, MemoryPolicy(Recompute.FULL, 0))
     if layers == 0:  # an input- or output-only chunk: nothing to offload (same count of modes)
-        return (*recompute, *recompute, MemoryPolicy(Recompute.FULL, 0))
+        return (*recompute, *recompute[:4], MemoryPolicy(Recompute.FULL, 0))
     hides = hidden if callable(hidden) else (lambda n: hidden)
     most = next((n for n in range(layers - 1, half, -1) if hides(n) >= 1), half)
     offloads = tuple(_block_then_offload(layers, n, max(1, hides(n))) for n in (0, 1, half, most))

@@ -44,9 +44,13 @@ _BLOCK_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 def mode_label(mode: MemoryPolicy) -> str:
     """ "none", "selective", "full", "block 8", "uniform 1" (Megatron's flag values), "offload 4"
-    (fine-grained offload of 4 layers per chunk)."""
-    method, layers, offload = mode.method, mode.layers, mode.offload
+    (fine-grained offload of 4 layers per chunk), "selective (core_attn, layernorm)"
+    (Megatron's `--recompute-modules`)."""
+    method, layers, offload, modules = mode.method, mode.layers, mode.offload, mode.modules
     label = f"{method.value} {layers}" if method.takes_layers else method.value
+    if modules:
+        names = ("core_attn",) if method is Recompute.SELECTIVE else ()
+        label = f"selective ({', '.join(names + modules)})"
     if not offload:
         return label
     return f"offload {offload}" if method is Recompute.NONE else f"{label} + offload {offload}"
@@ -61,7 +65,11 @@ def recompute_modes(placement: Placement, *, offload: bool = False) -> list[Memo
     """Megatron's recompute settings worth trying on `placement`: none, selective, full, block N
     on a grid up to the largest chunk, uniform with 1-layer groups (Megatron's default) and with
     one group per chunk; with `offload` also fine-grained offload of K layers per chunk on the
-    same grid, alone and after block recomputation of one layer (module docstring)."""
+    same grid, alone and after block recomputation of one layer (module docstring). Megatron's
+    selective recomputation also takes `--recompute-modules layernorm` (its norms keep only
+    their inputs; Megatron refuses it where Transformer Engine fuses the norm into linear_qkv,
+    which the cost model's GPU kernels do not assume): with core_attn (Megatron's default
+    module) and alone. Its dense MLP activation has no such switch (only experts' "moe_act")."""
     top = max_chunk_layers(placement)
     blocks = sorted({n for n in _BLOCK_GRID if n < top} | {top})
     modes: list[MemoryPolicy] = [
@@ -70,6 +78,8 @@ def recompute_modes(placement: Placement, *, offload: bool = False) -> list[Memo
         MemoryPolicy(Recompute.FULL, 0),
         *(MemoryPolicy(Recompute.BLOCK, n) for n in blocks),
         *dict.fromkeys([MemoryPolicy(Recompute.UNIFORM, 1), MemoryPolicy(Recompute.UNIFORM, top)]),
+        MemoryPolicy(Recompute.SELECTIVE, 0, 0, ("layernorm",)),
+        MemoryPolicy(Recompute.NONE, 0, 0, ("layernorm",)),
     ]
     if offload and top > 0:
         modes += [MemoryPolicy(Recompute.NONE, 0, k) for k in blocks]

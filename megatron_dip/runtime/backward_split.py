@@ -121,8 +121,13 @@ class SavedStore:
         self.boxes = kept
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        """The tensors still held (for `memory_probe.HeldActivations`)."""
-        return (b.tensor for b in self.boxes if b.tensor is not None)
+        """The tensors still held (for `memory_probe.HeldActivations`); a box may hold a
+        `module_recompute.Recipe` instead of a tensor: what it holds."""
+        for box in self.boxes:
+            if isinstance(box.tensor, torch.Tensor):
+                yield box.tensor
+            elif box.tensor is not None:
+                yield from box.tensor.tensors()
 
 
 @dataclass

@@ -21,6 +21,10 @@ Offload (`MemoryPolicy.offload` K, with NONE or BLOCK N): `run_policy` runs the 
 layers [N, N + K) under `offload.ActivationOffload`'s saved-tensor hooks and returns the record,
 whose `prefetch` the executor calls before the chunk's backward.
 
+Module recomputation (`MemoryPolicy.modules`, with NONE, SELECTIVE or BLOCK N): `run_policy` runs
+the chunk, after the method's switches, under `module_recompute.recomputed_modules` (the norms'
+and the MLP activation's outputs of the layers that keep their activations are recomputed).
+
 Random state. `preserve_rng_state` restores the torch CPU/CUDA generators before recomputing;
 `megatron_rng_context` also restores the states of Megatron's model-parallel RNG tracker (used
 by dropout under tensor parallelism), as Megatron's own `CheckpointFunction` does.
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron_dip.runtime.module_recompute import recomputed_modules
 from megatron_dip.runtime.offload import ActivationOffload, offloaded_layers
 from megatron_dip.schedule.ir import MemoryPolicy, Recompute
 
@@ -203,11 +208,14 @@ def run_policy(
 ) -> tuple[Any, ActivationOffload | None]:
     """`run_chunk` under a whole memory policy: (outputs, the offload record, None when nothing
     is offloaded). Emulated chunks (`recompute_context`) get the policy and sleep its time."""
+    policy = policy.check()
     own = getattr(chunk, "recompute_context", None)
+    if callable(own) and torch.is_grad_enabled() and (policy.offload or policy.modules):
+        with own(policy):
+            return call(inputs=inputs, batch=batch), None
+    if policy.modules and torch.is_grad_enabled():
+        return _run_with_modules(chunk, policy, call, inputs, batch), None
     if not policy.offload or not torch.is_grad_enabled() or callable(own):
-        if callable(own) and policy.offload and torch.is_grad_enabled():
-            with own(policy):
-                return call(inputs=inputs, batch=batch), None
         return run_chunk(chunk, policy.method, call, inputs, batch, policy.layers), None
     record = ActivationOffload.for_device(_device_of(chunk))
     with contextlib.ExitStack() as stack:
@@ -216,3 +224,17 @@ def run_policy(
         start = policy.offload_start
         stack.enter_context(offloaded_layers(chunk, start, policy.offload, record))
         return call(inputs=inputs, batch=batch), record
+
+
+def _run_with_modules(
+    chunk: torch.nn.Module, policy: MemoryPolicy, call: Callable[[], Any], inputs: Any, batch: Any
+) -> Any:
+    """The chunk under NONE, SELECTIVE or BLOCK N (`check` refuses the rest) with its
+    `policy.modules` recomputed in the layers that keep their activations."""
+    with contextlib.ExitStack() as stack:
+        if policy.method is Recompute.BLOCK:
+            stack.enter_context(grouped_layers(chunk, policy.method, policy.layers))
+        elif policy.method is Recompute.SELECTIVE:
+            stack.enter_context(selective_attention(chunk))
+        stack.enter_context(recomputed_modules(chunk, policy.modules, policy.label))
+        return call(inputs=inputs, batch=batch)

@@ -70,6 +70,15 @@ class Recompute(str, enum.Enum):
         return self in (Recompute.BLOCK, Recompute.UNIFORM)
 
 
+# Cheap partial recomputation (`MemoryPolicy.modules`): "layernorm" is Megatron-Core's
+# `recompute_modules` entry (the norms before the attention and the MLP keep only their input;
+# their outputs, the inputs of linear_qkv / linear_fc1, are recomputed in backward), "mlp_act"
+# the MLP's activation function (its output, fc2's input, recomputed from fc1's output: Megatron
+# calls this "moe_act" for experts and has no switch for a dense MLP).
+RECOMPUTE_MODULES = ("layernorm", "mlp_act")
+_MODULE_LABELS = {"layernorm": "ln", "mlp_act": "act"}
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class MemoryPolicy:
     """What one chunk keeps of one sub-microbatch's activations, and where: recompute `method`
@@ -82,6 +91,12 @@ class MemoryPolicy:
     have the most forward to hide behind, and their reloads are needed last). Only NONE and
     BLOCK combine with offload.
 
+    `modules`: cheap partial recomputation (`RECOMPUTE_MODULES`, sorted) in the layers that
+    keep their activations (all under NONE and SELECTIVE, the last n - N under BLOCK N): each
+    named module keeps only its input and recomputes its output in backward. It combines with
+    NONE, SELECTIVE and BLOCK, not with offload (the runtime's offload hooks would move the
+    recomputed outputs' inputs too, an exactness risk it does not take).
+
     The plan's one memory value: a `Forward` carries it, the cost model prices it
     (`CostModel.stage_cost`), the memory pass chooses it and the runtime's dispatcher
     (`runtime.recompute.run_policy`) carries it out. Not a tuple, so that it never compares
@@ -91,9 +106,11 @@ class MemoryPolicy:
     method: Recompute = Recompute.NONE
     layers: int = 0
     offload: int = 0
+    modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Recompute(self.method))
+        object.__setattr__(self, "modules", tuple(self.modules))
 
     def check(self, num_layers: int | None = None) -> MemoryPolicy:
         """The policy itself; ValueError when its numbers do not fit its method (or a chunk of
@@ -114,16 +131,35 @@ class MemoryPolicy:
             raise ValueError(
                 f"memory policy {self.label}: offloads past the chunk's {num_layers} layers"
             )
+        self._check_modules()
         return self
+
+    def _check_modules(self) -> None:
+        """ValueError unless `modules` are known, sorted, unique and on a method they fit."""
+        mods = tuple(self.modules)
+        if any(m not in RECOMPUTE_MODULES for m in mods) or mods != tuple(sorted(set(mods))):
+            raise ValueError(
+                f"memory policy {self.label}: recompute modules must be sorted, distinct names "
+                f"of {RECOMPUTE_MODULES}, got {mods}"
+            )
+        if mods and self.method in (Recompute.FULL, Recompute.UNIFORM):
+            raise ValueError(
+                f"memory policy {self.label}: {self.method.value} recomputes every "
+                "layer; module recomputation applies to the layers that keep activations"
+            )
+        if mods and self.offload:
+            raise ValueError(
+                f"memory policy {self.label}: module recomputation does not combine with offload"
+            )
 
     @property
     def recompute_only(self) -> MemoryPolicy:
         """The recomputation half: this policy without its offload."""
-        return MemoryPolicy(self.method, self.layers)
+        return MemoryPolicy(self.method, self.layers, 0, self.modules)
 
     def with_offload(self, offload: int) -> MemoryPolicy:
         """This policy's recomputation with `offload` K layers offloaded."""
-        return MemoryPolicy(self.method, self.layers, offload)
+        return MemoryPolicy(self.method, self.layers, offload, self.modules)
 
     @property
     def offload_start(self) -> int:
@@ -134,6 +170,7 @@ class MemoryPolicy:
     def label(self) -> str:
         """`none`, `block2`, `off3`, `block1+off2`, ... (printouts, traces, reports)."""
         base = self.method.value + (str(self.layers) if self.layers else "")
+        base += "".join(f"+{_MODULE_LABELS.get(m, m)}" for m in self.modules)
         if not self.offload:
             return base
         off = f"off{self.offload}"

@@ -7,7 +7,8 @@ Tokens (separated by spaces, in program order):
   (`B llm2.3` is the backward of llm chunk 2 on microbatch 3). A recomputed forward carries a
   suffix: `F vit0.3.1:sel` (selective), `F vit0.3.1:full`, `:block2` / `:uniform2` (Megatron's
   block / uniform method over 2 layers); `:off3` says the saved tensors of 3 of its layers go
-  to host memory (`F llm1.2:block1:off2`: block recompute of one layer, the next two offloaded).
+  to host memory (`F llm1.2:block1:off2`: block recompute of one layer, the next two offloaded);
+  `:layernorm` / `:mlp_act` name cheap module recomputation (`F vit0.3:block1:layernorm:mlp_act`).
 * `>act(r1)` / `>grad(r3)` — post the send of an activation / gradient to rank 1 / 3;
   `<act(r0)` / `<grad(r2)` — post the receive of one from rank 0 / 2. Consecutive sends and
   receives form one batch and are printed inside brackets: `[<act(r0) >grad(r0)]`.
@@ -61,6 +62,7 @@ def _token(ins: Instruction, split: set[tuple[str, int]]) -> str:
         memory = ins.memory
         layers = str(memory.layers) if memory.layers else ""
         offload = f":off{memory.offload}" if memory.offload else ""
+        offload += "".join(f":{m}" for m in memory.modules)
         suffix = _RECOMPUTE_SUFFIX[memory.method]
         return f"F {_stage_token(ins.stage, split)}{suffix}{layers}{offload}"
     if isinstance(ins, (Backward, BackwardWeight)):

@@ -18,6 +18,7 @@ from typing import Any
 from .engine import PlanError
 from .ir import (
     FORMAT_VERSION,
+    RECOMPUTE_MODULES,
     Backward,
     BackwardInput,
     BackwardWeight,
@@ -85,23 +86,30 @@ class _Tables:
         return self._intern("specs", specs, row)
 
 
-# A Forward's memory policy is one integer: method index + methods x (N + _LAYER_SPAN x K), so
-# plans without offload (K = 0) keep the bytes they had before offload existed.
+# A Forward's memory policy is one integer: method index + methods x (N + _LAYER_SPAN x (K +
+# _LAYER_SPAN x M)), M the bit set of its recompute modules (`RECOMPUTE_MODULES` order), so plans
+# without offload and module recomputation (K = M = 0) keep the bytes they had before.
 _LAYER_SPAN = 1 << 16
 
 
 def _encode_policy(ins: Forward) -> int:
     memory = ins.memory
-    if not 0 <= memory.layers < _LAYER_SPAN:
-        raise PlanError(f"{ins.stage}: cannot serialize {memory.layers} recompute layers")
-    n = memory.layers + _LAYER_SPAN * memory.offload
+    for what, n in (("recompute", memory.layers), ("offload", memory.offload)):
+        if not 0 <= n < _LAYER_SPAN:
+            raise PlanError(f"{ins.stage}: cannot serialize {n} {what} layers")
+    bits = sum(1 << RECOMPUTE_MODULES.index(m) for m in memory.modules)
+    n = memory.layers + _LAYER_SPAN * (memory.offload + _LAYER_SPAN * bits)
     return _RECOMPUTE.index(memory.method) + len(_RECOMPUTE) * n
 
 
 def _decode_forward(stage: StageId, code: int) -> Forward:
     n, method = divmod(code, len(_RECOMPUTE))
-    offload, layers = divmod(n, _LAYER_SPAN)
-    return Forward(stage, MemoryPolicy(_RECOMPUTE[method], layers, offload))
+    n, layers = divmod(n, _LAYER_SPAN)
+    bits, offload = divmod(n, _LAYER_SPAN)
+    if bits >> len(RECOMPUTE_MODULES):
+        raise PlanError(f"{stage}: unknown recompute modules in policy code {code}")
+    modules = tuple(m for i, m in enumerate(RECOMPUTE_MODULES) if bits >> i & 1)
+    return Forward(stage, MemoryPolicy(_RECOMPUTE[method], layers, offload, modules))
 
 
 def _encode_program(p: Program, t: _Tables) -> list[int]:

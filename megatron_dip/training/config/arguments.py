@@ -154,6 +154,14 @@ class DipArgs:
         "priced on the GPU's share of its host link, where that is cheaper than recomputing",
         megatron=False,
     )
+    dip_recompute_modules: bool = arg(
+        "--dip-recompute-modules",
+        False,
+        "let the memory pass also recompute the cheap modules of a layer in backward (its norms, "
+        "Megatron's recompute module 'layernorm', and its MLP activation): their outputs are not "
+        "kept, a third to a half of a layer's activations for a few per cent of its forward",
+        megatron=False,
+    )
     dip_cost_profile: str | None = arg(
         "--dip-cost-profile",
         None,

@@ -23,7 +23,7 @@ from megatron_dip.parallel import ParallelShape, ShapeError
 from megatron_dip.planner.dip import planner_config
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy, Recompute
+from megatron_dip.schedule.ir import NO_RECOMPUTE, RECOMPUTE_MODULES, MemoryPolicy, Recompute
 
 from ..checkpoint import dirs
 from ..checkpoint.dirs import CheckpointError
@@ -395,6 +395,7 @@ def resolve(
         offload_activations=config.dip.dip_offload_activations,
         split_backward=config.dip.dip_split_backward,
         split_search=config.dip.dip_split_search,
+        recompute_modules=RECOMPUTE_MODULES if config.dip.dip_recompute_modules else (),
     )
     sizing = functools.partial(
         build_layout,
