@@ -90,7 +90,10 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
         (m, c, r)
         for m in ("vit", "llm")
         for c in ("first", "middle", "last")
-        for r in ("none", "selective", "full", "block2", "uniform2", "off1", "block1+off1")
+        for r in (
+            *("none", "selective", "full", "block2", "uniform2", "off1", "block1+off1"),
+            *("none+ln+act", "block1+ln+act"),
+        )
     }
     assert all(r["error"] is None or abs(r["error"]) < 0.10 for r in memory)
     timed = report["overhead"]["iterations"]
