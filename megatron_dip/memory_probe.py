@@ -135,7 +135,7 @@ class MeasuringPipeline(LocalPipeline):
         batch = batch.to(chunk.device)  # the data on the device before the forward, not in it
         params = [p for p in chunk.parameters()]
         data = [batch.segments, batch.positions, *batch.tensors.values()]
-        policy = fitted_policy(self.recompute, chunk.chunk.num_layers)
+        policy = self.recompute.fitted(chunk.chunk.num_layers)
         with cuda_memory(chunk.device) as cuda, saved_bytes(exclude=[*params, *data]) as record:
             outputs, _ = run_policy(chunk, policy, chunk, inputs, batch)
         for t in _tensors(inputs):  # the runtime keeps received messages for the backward
@@ -167,7 +167,7 @@ MEASURED_MODES: tuple[MemoryPolicy, ...] = (
     MemoryPolicy(Recompute.BLOCK, 2),
     MemoryPolicy(Recompute.UNIFORM, 2),
     # Offload of one layer (its saved tensors leave the device), alone and after block
-    # recomputation of the first layer (as many layers as the chunk has: `fitted_policy`).
+    # recomputation of the first layer (as many layers as the chunk has: `MemoryPolicy.fitted`).
     MemoryPolicy(Recompute.NONE, 0, 1),
     MemoryPolicy(Recompute.BLOCK, 1, 1),
     # Cheap module recomputation (the norms' and the MLP activation's outputs), alone and in
@@ -175,11 +175,6 @@ MEASURED_MODES: tuple[MemoryPolicy, ...] = (
     MemoryPolicy(Recompute.NONE, 0, 0, ("layernorm", "mlp_act")),
     MemoryPolicy(Recompute.BLOCK, 1, 0, ("layernorm", "mlp_act")),
 )
-
-
-def fitted_policy(mode: MemoryPolicy, num_layers: int) -> MemoryPolicy:
-    """`mode` as a memory policy offloading no more layers than a chunk of `num_layers` has."""
-    return mode.with_offload(min(mode.offload, max(0, num_layers - mode.offload_start)))
 
 
 def mode_name(mode: MemoryPolicy) -> str:

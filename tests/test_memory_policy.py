@@ -86,6 +86,10 @@ def test_offload_starts_after_the_block_recomputed_layers() -> None:
     MemoryPolicy(Recompute.BLOCK, 3, 2).check(num_layers=5)
     with pytest.raises(ValueError, match="offloads past the chunk's 4 layers"):
         MemoryPolicy(Recompute.BLOCK, 3, 2).check(num_layers=4)
+    # A uniform setting fitted to a chunk: its offload clamped to the layers after block N.
+    assert MemoryPolicy(Recompute.BLOCK, 3, 2).fitted(4) == MemoryPolicy(Recompute.BLOCK, 3, 1)
+    assert MemoryPolicy(Recompute.BLOCK, 3, 2).fitted(2) == MemoryPolicy(Recompute.BLOCK, 3)
+    assert MemoryPolicy(Recompute.NONE, 0, 2).fitted(8) == MemoryPolicy(Recompute.NONE, 0, 2)
 
 
 def test_plan_validation_checks_a_policy_against_its_chunk() -> None:

@@ -319,9 +319,7 @@ def cycle_policy(placement: Placement) -> Callable[[Forward], MemoryPolicy]:
     def choose(ins: Forward) -> MemoryPolicy:
         s = ins.stage
         policy = modes[(s.chunk + s.microbatch + s.sub) % len(modes)]
-        layers = placement.module(s.module).chunks[s.chunk].num_layers
-        room = max(0, layers - policy.offload_start)
-        return policy.with_offload(min(policy.offload, room))
+        return policy.fitted(placement.module(s.module).chunks[s.chunk].num_layers)
 
     return choose
 

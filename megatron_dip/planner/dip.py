@@ -59,7 +59,7 @@ from .memory import (
 )
 from .overheads import host_overheads
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
-from .simulator import activation_peaks, simulate
+from .simulator import activation_peaks, reduction_time, simulate
 from .stock_configs import best_fitting_mode, max_chunk_layers, peaks_fit, with_recompute
 from .submicrobatch import split_modules
 
@@ -543,10 +543,8 @@ class DipPlanner:
 
     def _reduce_time(self, chunk: ChunkSpec) -> float:
         """Seconds of `chunk`'s data-parallel gradient reduction, as the simulator prices its
-        `ReduceGrads` (0 without data parallelism or a cost model that prices none)."""
-        price = getattr(self.cost_model, "grad_reduce_time", None)
-        dp = self.config.data_parallel
-        return 0.0 if price is None or dp <= 1 else price(chunk, dp)
+        `ReduceGrads`."""
+        return reduction_time(self.cost_model, chunk, self.config.data_parallel)
 
     def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float, float]:
         """(B, W) seconds of a stage's split backward, each with its instruction's host time,

@@ -238,14 +238,24 @@ def _durations(c: StageCost, host: float) -> tuple[float, float, float, float]:
     return (c.forward + host, c.backward + host, c.backward_input + host, c.weight + host)
 
 
-def _reduction_times(plan: Plan, cost_model: StageCostModel) -> dict[tuple[str, int], float]:
-    """Seconds of each chunk's data-parallel gradient reduction (cost models without
-    `grad_reduce_time`, stand-ins, price them at 0)."""
+def reduction_time(cost_model: StageCostModel, chunk: ChunkSpec, data_parallel: int) -> float:
+    """Seconds of `chunk`'s data-parallel gradient reduction: the cost model's
+    `grad_reduce_time`; 0 without data parallelism or for cost models that price none
+    (stand-ins)."""
     price = getattr(cost_model, "grad_reduce_time", None)
+    return 0.0 if price is None or data_parallel <= 1 else price(chunk, data_parallel)
+
+
+def _reduction_times(plan: Plan, cost_model: StageCostModel) -> dict[tuple[str, int], float]:
+    """Seconds of each chunk's data-parallel gradient reduction (`reduction_time`)."""
     dp = plan.totals.data_parallel_size
-    if price is None or dp <= 1:
+    if dp <= 1:
         return {}
-    return {(m.name, c.index): price(c, dp) for m in plan.placement.modules for c in m.chunks}
+    return {
+        (m.name, c.index): reduction_time(cost_model, c, dp)
+        for m in plan.placement.modules
+        for c in m.chunks
+    }
 
 
 class PlanTiming:

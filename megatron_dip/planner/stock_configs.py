@@ -92,9 +92,11 @@ def with_recompute(plan: Plan, mode: MemoryPolicy) -> Plan:
     chunk's layers."""
 
     def fitted(stage) -> dict:
-        layers = plan.placement.module(stage.module).chunks[stage.chunk].num_layers
-        room = max(0, layers - min(mode.offload_start, layers))
-        return {"memory": mode.with_offload(min(mode.offload, room))}
+        return {
+            "memory": mode.fitted(
+                plan.placement.module(stage.module).chunks[stage.chunk].num_layers
+            )
+        }
 
     programs = tuple(
         Program(

@@ -161,6 +161,12 @@ class MemoryPolicy:
         """This policy's recomputation with `offload` K layers offloaded."""
         return MemoryPolicy(self.method, self.layers, offload, self.modules)
 
+    def fitted(self, num_layers: int) -> MemoryPolicy:
+        """This policy for a chunk of `num_layers` layers: its offload clamped to the layers
+        the chunk has from `offload_start` on (a uniform setting applied to every chunk)."""
+        room = max(0, num_layers - self.offload_start)
+        return self if self.offload <= room else self.with_offload(room)
+
     @property
     def offload_start(self) -> int:
         """Chunk-local index of the first offloaded layer."""
