@@ -508,8 +508,7 @@ class CostModel:
         w, c = self._work(sub), self._ctx
         modality = modality_of(spec)
         n, recompute = chunk.num_layers, memory.method
-        redo = {Recompute.FULL: n, Recompute.BLOCK: min(memory.layers, n), Recompute.UNIFORM: n}
-        plain = n - redo.get(recompute, 0)
+        plain = self._plain_layers(n, memory)
         total = self.chunk_activation_bytes(chunk, sub, memory)
         if recompute is not Recompute.FULL:
             keep = recompute if recompute is Recompute.SELECTIVE else Recompute.NONE
