@@ -243,6 +243,34 @@ def test_planner_splits_backwards_only_where_faster_and_fitting():
     assert sim2.iteration_time <= base.iteration_time
 
 
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_split_always_runs_a_split_plan_where_the_fused_one_is_faster(pipeline):
+    """With host time per instruction (1 ms, far above the tiny model's compute) a split plan's
+    extra W instructions make it slower: `split_backward` keeps the fused plan, `split_always`
+    a valid split plan (what a benchmark of the split runtime needs), slower in simulation."""
+    from planner_cases import tiny_case
+
+    from megatron_dip.planner.dip import DipPlanner
+    from megatron_dip.planner.overheads import HostOverheads
+    from megatron_dip.planner.simulator import simulate
+
+    case = tiny_case(pipeline=pipeline, search=False)
+    base = case.planner(None)
+    cost = base.cost_model.with_overheads(HostOverheads(instruction=1e-3))
+
+    def planned(**flags):
+        config = replace(base.config, **flags)
+        plan = DipPlanner(base.model, cost, base.placement, config).plan_batch(case.batch)[0].plan
+        validate_plan(plan)
+        weights = sum(isinstance(i, BackwardWeight) for p in plan.programs for i in p.instructions)
+        return weights, simulate(plan, cost).iteration_time
+
+    fused = planned()
+    assert planned(split_backward=True) == fused and fused[0] == 0
+    weights, time = planned(split_backward=True, split_always=True)
+    assert weights > 0 and time > fused[1]
+
+
 def test_list_scheduler_puts_weights_into_the_drain_within_memory():
     """One module over P ranks, F = B = W = 1 (fused backward 2), each rank limited to 1F1B's
     memory (rank r holds at most P - r microbatches): the list scheduler with split backwards

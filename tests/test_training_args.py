@@ -56,6 +56,13 @@ BAD = [
     (["--micro-batch-size", "2"], 1, "--micro-batch-size", "must be 1"),
     (["--dip-planner-workers", "64"], 1, "--dip-planner-workers", "half"),
     (["--dip-planner-workers", "0"], 1, "--dip-planner-workers", "must lie"),
+    (["--dip-split-search"], 1, "--dip-split-search", "needs --dip-split-backward"),
+    (
+        ["--dip-split-backward-always"],
+        1,
+        "--dip-split-backward-always",
+        "needs --dip-split-backward",
+    ),
     (["--dip-lookahead", "-1"], 1, "--dip-lookahead", ">= 0"),
     (["--dip-comm-timeout-s", "0"], 1, "--dip-comm-timeout-s", "> 0 seconds"),
     (["--dip-search-time-ms", "-5"], 1, "--dip-search-time-ms", ">= 0"),

@@ -116,6 +116,10 @@ class PlannerConfig:
     # split list schedules (`_split_search`). Off by default: on VLM-S, T2V-S and VLM-M it found
     # no faster order and costs about 0.5 s of CPU per plan (docs/benchmarks.md).
     split_search: bool = False
+    # With `split_backward`: run the fastest fitting split plan even where the fused plan
+    # simulates faster, so that a benchmark measures the split runtime (its W, its reductions)
+    # against the split simulation. Never a speed setting.
+    split_always: bool = False
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
@@ -145,6 +149,7 @@ def planner_config(
     offload_activations: bool = False,
     split_backward: bool = False,
     split_search: bool = False,
+    split_always: bool = False,
     recompute_modules: tuple[str, ...] = (),
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
@@ -161,6 +166,7 @@ def planner_config(
         offload_activations=offload_activations,
         split_backward=split_backward,
         split_search=split_search,
+        split_always=split_always,
         recompute_modules=tuple(recompute_modules),
     )
 
@@ -423,12 +429,18 @@ class DipPlanner:
         into its bubbles (`weight_fill.split_into_bubbles`) and DIP's own schedule (`own`, of
         `scheduled` = dataflow, sub-microbatches, order, recompute choice) list-scheduled with
         split backwards (`split_schedule`), and, with `use_search`, the order the search finds
-        when it scores split list schedules, with its simulated time."""
+        when it scores split list schedules, with its simulated time. With `split_always`, the
+        fastest fitting split candidate even where `plan` is faster (`plan` where none fits)."""
         from .weight_fill import split_into_bubbles
 
         limits = self._memory_limits()
+        always = self.config.split_always
         best, sim = split_into_bubbles(
-            plan, self.cost_model, limits=limits, channel=per_peer_channel
+            plan,
+            self.cost_model,
+            limits=limits,
+            channel=per_peer_channel,
+            require_faster=not always,
         )
         found = self._split_list_schedule(own, *scheduled, limits, use_search=use_search)
         logger.debug(
@@ -436,8 +448,12 @@ class DipPlanner:
             sim.iteration_time,
             "none fits" if found is None else f"{found[1].iteration_time:.6g} s",
         )
-        if found is not None and found[1].iteration_time < sim.iteration_time:
+        if found is not None and (
+            found[1].iteration_time < sim.iteration_time or (always and best is plan)
+        ):
             best, sim = found
+        if always and best is plan:
+            logger.warning("--dip-split-backward-always: no split plan fits; running the fused one")
         if best is not plan and self.config.validate_plans:
             validate_plan(best)
         return best, sim.iteration_time

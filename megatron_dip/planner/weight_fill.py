@@ -32,10 +32,13 @@ def split_into_bubbles(
     channel: ChannelFn = single_channel,
     baseline: SimResult | None = None,
     rounds: int = 2,
+    require_faster: bool = True,
 ) -> tuple[Plan, SimResult]:
     """`plan` with split backwards and W in its bubbles when that fits `limits` (per-rank
     activation bytes; None: no limit) and simulates faster than `plan`; else `plan` itself.
-    Returns the plan and its simulation. `baseline`: `plan`'s simulation, if already known."""
+    Returns the plan and its simulation. `baseline`: `plan`'s simulation, if already known.
+    `require_faster=False` keeps a fitting split plan also where it is not faster (a run that
+    measures the split runtime: `PlannerConfig.split_always`)."""
     base = baseline or simulate(plan, cost_model, channel=channel)
     if plan.forward_only:
         return plan, base
@@ -62,7 +65,7 @@ def split_into_bubbles(
         memory_limit=budget,
         rounds=rounds,
     )
-    if result.makespan >= base.iteration_time:
+    if require_faster and result.makespan >= base.iteration_time:
         return plan, base
     candidate = dataclasses.replace(plan, programs=programs, name=plan.name + "+bw")
     sim = simulate(candidate, cost_model, channel=channel)

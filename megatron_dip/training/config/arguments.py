@@ -131,6 +131,14 @@ class DipArgs:
         "rows)",
         megatron=False,
     )
+    dip_split_backward_always: bool = arg(
+        "--dip-split-backward-always",
+        False,
+        "with --dip-split-backward: run the fastest split plan that fits even where the fused "
+        "plan simulates faster (to measure the split backward's runtime against its simulation; "
+        "never faster)",
+        megatron=False,
+    )
     dip_planner_timeout_s: float = arg(
         "--dip-planner-timeout-s",
         20.0,

@@ -252,6 +252,12 @@ def _check_dip(config: TrainConfig) -> None:
             "--dip-startup-workers",
             f"must be >= 0 (0: one per usable CPU core), got {d.dip_startup_workers}",
         )
+    for flag, value in (
+        ("--dip-split-search", d.dip_split_search),
+        ("--dip-split-backward-always", d.dip_split_backward_always),
+    ):
+        if value and not d.dip_split_backward:
+            raise _fail(flag, "needs --dip-split-backward")
     if d.dip_memory_limit_gb is not None and not d.dip_memory_limit_gb > 0:
         raise _fail("--dip-memory-limit-gb", f"must be > 0, got {d.dip_memory_limit_gb}")
     if d.dip_data_scale is not None and not d.dip_data_scale > 0:
@@ -395,6 +401,7 @@ def resolve(
         offload_activations=config.dip.dip_offload_activations,
         split_backward=config.dip.dip_split_backward,
         split_search=config.dip.dip_split_search,
+        split_always=config.dip.dip_split_backward_always,
         recompute_modules=RECOMPUTE_MODULES if config.dip.dip_recompute_modules else (),
     )
     sizing = functools.partial(
