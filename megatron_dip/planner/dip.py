@@ -77,6 +77,8 @@ SPLIT_RELAXATION_FACTORS = (1.25,)
 REFINE_ROUNDS = 5
 # Rounds of taking back the recomputation a fitting candidate's own schedule does not need.
 RELAX_ROUNDS = 2
+# ... on this many of the memory pass's candidates (the shortest list schedules).
+RELAX_BEST = 4
 
 
 @dataclass(frozen=True)
@@ -701,8 +703,10 @@ class DipPlanner:
         recompute (MILP) so that schedule fits the real limit, then reschedule under the real
         limit with those costs. This trades recomputation for the bubbles that throttling
         forwards at the limit would cost; several factors, because the right amount of extra
-        in-flight work depends on the batch. Factors whose schedule cannot fit add their error
-        to `errors`."""
+        in-flight work depends on the batch. Each factor's choice also gives the relaxed
+        schedule's own orders timed with its costs (`_kept`); the RELAX_BEST shortest
+        candidates then give back the recomputation their orders do not need (`_relaxed`).
+        Factors whose schedule cannot fit add their error to `errors`."""
         free = self._graph(dataflow, sub_of, self._uniform_choice(), forward_only=False)
         unbounded = self._list_schedule(free, order, None, self._uniform_choice())
         if all(p <= lim for p, lim in zip(unbounded.peak_memory, limits)):
@@ -720,15 +724,17 @@ class DipPlanner:
             kept = self._kept(dataflow, sub_of, order, limits, (loose, choice))
             if kept is not None:
                 out.append(kept)
-        return out
+        # Taking back recomputation gains a few per cent; only the best candidates can win.
+        out.sort(key=lambda c: (c[0].overcommitted, c[0].makespan))
+        relaxed = [self._relaxed(dataflow, sub_of, order, limits, c) for c in out[:RELAX_BEST]]
+        return relaxed + out[RELAX_BEST:]
 
     def _kept(
         self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
     ) -> tuple[ListSchedule, RecomputeChoice] | None:
         """The relaxed schedule's own orders (`planned`: the schedule and the choice the memory
-        pass made on its alive-sets) timed with the choice's costs (`retime.retimed`), then
-        relaxed (`_relaxed`): every alive-set of these orders fits by the pass's construction,
-        so no forward is throttled. None where they do not fit after all (the pass's greedy
+        pass made on its alive-sets) timed with the choice's costs (`retime.retimed`): every
+        alive-set of these orders fits by the pass's construction, so no forward is throttled. None where they do not fit after all (the pass's greedy
         answer may end over a limit) or its offload breaks the host limit."""
         loose, choice = planned
         graph = self._graph(dataflow, sub_of, choice, forward_only=False)
@@ -748,7 +754,7 @@ class DipPlanner:
             != choice.modes
         ):
             return None
-        return self._relaxed(dataflow, sub_of, order, limits, (kept, choice))
+        return kept, choice
 
     def _choose(
         self,
@@ -798,8 +804,7 @@ class DipPlanner:
             choice = RecomputeChoice(modes, added)
             graph = self._graph(dataflow, sub_of, choice, forward_only=False)
             schedule = self._list_schedule(graph, order, limits, choice)
-        planned = self._within_host_limit(dataflow, sub_of, order, limits, (schedule, choice))
-        return self._relaxed(dataflow, sub_of, order, limits, planned)
+        return self._within_host_limit(dataflow, sub_of, order, limits, (schedule, choice))
 
     def _relaxed(
         self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
