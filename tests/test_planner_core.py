@@ -13,7 +13,9 @@ from megatron_dip.planner.list_scheduler import (
 )
 from megatron_dip.planner.memory import (
     MemoryLimitError,
+    RecomputeChoice,
     choose_recompute,
+    relax_choice,
     stage_modes,
     within_host_limit,
 )
@@ -152,6 +154,21 @@ def test_memory_limit_turns_greedy_into_1f1b():
     assert limited.peak_memory == (4, 3, 2, 1)
     # Both are bubble-optimal for uniform stages: (M + P - 1) * (f + b).
     assert free.makespan == limited.makespan == (8 + 4 - 1) * 3
+
+
+def test_retiming_keeps_the_orders_and_their_peaks():
+    """The 1F1B orders of a memory-limited schedule timed again with the backwards one second
+    shorter: the same orders and peaks, each rank's timeline as 1F1B's with b = 1 (the list
+    scheduler itself, given these costs without a limit, would keep every forward in flight)."""
+    from megatron_dip.planner.retime import retimed
+
+    flow = single_module(4, 8)
+    prio = priorities_from_units(unit_graph(flow).stages, [("m", mb) for mb in range(8)])
+    limited = list_schedule(unit_graph(flow), priority=prio, memory_limit=[4, 3, 2, 1])
+    faster = retimed(limited, unit_graph(flow, bwd=1.0), lambda s: MemoryPolicy(Recompute.NONE))
+    assert faster.orders == limited.orders and faster.peak_memory == limited.peak_memory
+    assert not faster.overcommitted and faster.makespan == (8 + 4 - 1) * 2
+    assert retimed(limited, unit_graph(flow, act=2), lambda s: None, [4, 3, 2, 1]).overcommitted
 
 
 def test_fixed_order_waits_for_its_next_forward():
@@ -483,6 +500,29 @@ def test_the_memory_pass_undoes_greedy_upgrades_that_became_unnecessary(monkeypa
     )
     assert [choice.of(s) for s in (a, b, c)] == [none, sel, none]
     assert choice.added_time == pytest.approx(1.1)
+
+
+def test_relaxing_takes_back_what_the_schedules_own_alive_sets_do_not_need():
+    """A choice made on a looser order (a, b, c all alive: each recomputes) relaxed on the
+    throttled order the schedule ran (at most two alive at once, limit 100): one upgrade of
+    each pair stays, the costliest one not needed (c's) is taken back, and its time with it.
+    Orders that do not fit the choice itself leave it as it is."""
+    a, b, c = (StageId("m", 0, k) for k in range(3))
+    none, sel = MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.SELECTIVE, 0)
+    sel_time = {a: 1.0, b: 1.1, c: 1.2}
+    choice = RecomputeChoice({a: sel, b: sel, c: sel}, 3.3)
+    kw = dict(
+        mode_cost=lambda s, m: (0.0, 60) if m == none else (sel_time[s], 30),
+        modes_of=lambda s: (none, sel),
+        keeps_activations=lambda s: True,
+    )
+    order = [Forward(a), Forward(b), Backward(a), Forward(c), Backward(b), Backward(c)]
+    relaxed = relax_choice([order], choice, memory_limit=[100], **kw)
+    # Costliest first: c back to none leaves {b, c} at 30 + 60; b then would take {b, c} to
+    # 120; a back to none leaves {a, b} at 60 + 30. b's recomputation serves both pairs.
+    assert [relaxed.of(s) for s in (a, b, c)] == [none, sel, none]
+    assert relaxed.added_time == pytest.approx(1.1)
+    assert relax_choice([order], choice, memory_limit=[50], **kw) is choice
 
 
 def test_the_memory_pass_ends_where_no_mode_relieves_a_set(monkeypatch):

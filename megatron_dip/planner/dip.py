@@ -54,10 +54,12 @@ from .memory import (
     MemoryLimitError,
     RecomputeChoice,
     choose_recompute,
+    relax_choice,
     stage_modes,
     within_host_limit,
 )
 from .overheads import host_overheads
+from .retime import retimed
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
 from .simulator import activation_peaks, reduction_time, simulate
 from .stock_configs import best_fitting_mode, max_chunk_layers, peaks_fit, with_recompute
@@ -73,6 +75,10 @@ RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
 SPLIT_RELAXATION_FACTORS = (1.25,)
 # Memory passes on a candidate's own (throttled) schedule where it still overcommits.
 REFINE_ROUNDS = 5
+# Rounds of taking back the recomputation a fitting candidate's own schedule does not need.
+RELAX_ROUNDS = 2
+# ... on this many of the memory pass's candidates (the shortest list schedules).
+RELAX_BEST = 4
 
 
 @dataclass(frozen=True)
@@ -713,8 +719,10 @@ class DipPlanner:
         recompute (MILP) so that schedule fits the real limit, then reschedule under the real
         limit with those costs. This trades recomputation for the bubbles that throttling
         forwards at the limit would cost; several factors, because the right amount of extra
-        in-flight work depends on the batch. Factors whose schedule cannot fit add their error
-        to `errors`."""
+        in-flight work depends on the batch. Each factor's choice also gives the relaxed
+        schedule's own orders timed with its costs (`_kept`); the RELAX_BEST shortest
+        candidates then give back the recomputation their orders do not need (`_relaxed`).
+        Factors whose schedule cannot fit add their error to `errors`."""
         free = self._graph(dataflow, sub_of, self._uniform_choice(), forward_only=False)
         unbounded = self._list_schedule(free, order, None, self._uniform_choice())
         if all(p <= lim for p, lim in zip(unbounded.peak_memory, limits)):
@@ -729,7 +737,40 @@ class DipPlanner:
                 errors.append(err)
                 continue
             out.append(self._refined(dataflow, sub_of, order, limits, choice))
-        return out
+            kept = self._kept(dataflow, sub_of, order, limits, (loose, choice))
+            if kept is not None:
+                out.append(kept)
+        # Taking back recomputation gains a few per cent; only the best candidates can win.
+        out.sort(key=lambda c: (c[0].overcommitted, c[0].makespan))
+        relaxed = [self._relaxed(dataflow, sub_of, order, limits, c) for c in out[:RELAX_BEST]]
+        return relaxed + out[RELAX_BEST:]
+
+    def _kept(
+        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
+    ) -> tuple[ListSchedule, RecomputeChoice] | None:
+        """The relaxed schedule's own orders (`planned`: the schedule and the choice the memory
+        pass made on its alive-sets) timed with the choice's costs (`retime.retimed`): every
+        alive-set of these orders fits by the pass's construction, so no forward is throttled. None where they do not fit after all (the pass's greedy
+        answer may end over a limit) or its offload breaks the host limit."""
+        loose, choice = planned
+        graph = self._graph(dataflow, sub_of, choice, forward_only=False)
+        kept = retimed(loose, graph, choice.of, limits)
+        if kept is None or kept.overcommitted:
+            return None
+        host = self._host_limits(sub_of)
+        if (
+            host
+            and within_host_limit(
+                kept.orders,
+                choice,
+                host_bytes=host["host_bytes"],
+                host_limit=host["host_limit"],
+                keeps_activations=lambda s: dataflow.needs_backward(s.module),
+            ).modes
+            != choice.modes
+        ):
+            return None
+        return kept, choice
 
     def _choose(
         self,
@@ -780,6 +821,39 @@ class DipPlanner:
             graph = self._graph(dataflow, sub_of, choice, forward_only=False)
             schedule = self._list_schedule(graph, order, limits, choice)
         return self._within_host_limit(dataflow, sub_of, order, limits, (schedule, choice))
+
+    def _relaxed(
+        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
+    ) -> tuple[ListSchedule, RecomputeChoice]:
+        """`planned` (schedule, choice), or the same with the recomputation its schedule's own
+        alive-sets do not need taken back (`relax_choice`), in the same orders timed again
+        (`retime.retimed`) or scheduled again, whichever fits and runs shortest, where that is
+        shorter (at most RELAX_ROUNDS times)."""
+        schedule, choice = planned
+        for _ in range(RELAX_ROUNDS):
+            if schedule.overcommitted:
+                break
+            relaxed = relax_choice(
+                schedule.orders,
+                choice,
+                mode_cost=functools.partial(self._mode_cost, sub_of),
+                modes_of=functools.partial(self._modes_of, sub_of),
+                keeps_activations=lambda s: dataflow.needs_backward(s.module),
+                memory_limit=limits,
+                **self._host_limits(sub_of),
+                row_cache=self._memos(sub_of)[3],
+            )
+            if relaxed is choice:
+                break
+            graph = self._graph(dataflow, sub_of, relaxed, forward_only=False)
+            tries = [self._list_schedule(graph, order, limits, relaxed)]
+            tries.append(retimed(schedule, graph, relaxed.of, limits))
+            tries = [t for t in tries if t is not None and not t.overcommitted]
+            best = min(tries, key=lambda t: t.makespan, default=None)
+            if best is None or best.makespan >= schedule.makespan:
+                break
+            schedule, choice = best, relaxed
+        return schedule, choice
 
     def _within_host_limit(
         self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple

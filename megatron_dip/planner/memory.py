@@ -206,6 +206,68 @@ def within_host_limit(
     return RecomputeChoice(modes, added)
 
 
+def relax_choice(
+    orders: Sequence[Sequence[Forward | Backward]],
+    choice: RecomputeChoice,
+    *,
+    mode_cost: ModeCost,
+    modes_of: StageModes,
+    keeps_activations: Callable[[StageId], bool],
+    memory_limit: Sequence[float],
+    host_bytes: HostBytes | None = None,
+    host_limit: Sequence[float] | None = None,
+    row_cache: dict | None = None,
+) -> RecomputeChoice:
+    """`choice` with each stage stepped back to the cheapest of its modes that keeps every
+    alive-set of `orders` under its rank's limits (`_undo_unneeded`, costliest upgrade first).
+
+    The pass chooses modes on a schedule relaxed to more in-flight work than the real limit
+    allows; the schedule made under the real limit with those modes throttles forwards and
+    keeps fewer stages alive at once, so some of the recomputation it pays for frees bytes no
+    alive-set of its own orders needs. Stages whose mode is not among `modes_of` keep it."""
+    modes: dict[StageId | tuple[str, int], MemoryPolicy] = {}
+    added = choice.added_time
+    problem = _Problem(mode_cost, modes_of, keeps_activations, host_bytes, row_cache)
+    for rank, order in enumerate(orders):
+        stages, peaks = _alive_sets(order, keeps_activations)
+        if not stages or not peaks:
+            continue
+        rows = [_row(problem, st, tuple(modes_of(st))) for st in stages]
+        held = [choice.of(st) for st in stages]
+        mode = np.array([r[0].index(m) if m in r[0] else -1 for r, m in zip(rows, held)])
+        if not (mode > 0).any():
+            continue
+        fixed = mode < 0  # a mode outside the list: that mode alone, never moved
+        rows = [
+            _fixed_row(r, m, mode_cost, st) if f else r
+            for r, m, st, f in zip(rows, held, stages, fixed)
+        ]
+        mode[fixed] = 0
+        time = np.array([r[1] for r in rows], dtype=float)
+        nbytes = np.array([r[2] for r in rows], dtype=float)
+        pb = _RankProblem(
+            stages, [r[0] for r in rows], time, nbytes, peaks, memory_limit[rank], peaks=peaks
+        )
+        if host_bytes is not None and host_limit is not None:
+            _with_host(pb, problem, host_limit[rank])
+        if not pb.fits(mode):
+            continue  # `orders` do not fit `choice` itself: nothing to take back
+        relaxed = _undo_unneeded(pb, mode)
+        for i in np.flatnonzero((relaxed != mode) & ~fixed):
+            modes[stages[i]] = pb.modes[i][relaxed[i]]
+            added -= float(time[i, mode[i]] - time[i, relaxed[i]])
+    if not modes:
+        return choice
+    return RecomputeChoice({**choice.modes, **modes}, added)
+
+
+def _fixed_row(row: tuple, mode: MemoryPolicy, mode_cost: ModeCost, stage: StageId) -> tuple:
+    """A row of `row`'s width holding `mode` in every place."""
+    t, b = mode_cost(stage, mode)
+    k = len(row[0])
+    return (mode,) * k, [t] * k, [b] * k
+
+
 # The memory pass is bounded by work, never by the clock: every result the ranks must agree on
 # (plans made inline, by a restarted planner, or on another machine) depends on its input only.
 # The greedy answer (relieve the fullest alive-set by the upgrade saving most bytes per second,
