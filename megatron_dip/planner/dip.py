@@ -116,6 +116,10 @@ class PlannerConfig:
     # split list schedules (`_split_search`). Off by default: on VLM-S, T2V-S and VLM-M it found
     # no faster order and costs about 0.5 s of CPU per plan (docs/benchmarks.md).
     split_search: bool = False
+    # Also plan each batch with every split module's sub-microbatch size times each of these
+    # factors and keep the plan that fits and simulates fastest (`sub_size_choice`; the
+    # configured sizes win ties). Each factor plans the batch once more.
+    sub_size_scales: tuple[int, ...] = ()
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
@@ -146,6 +150,7 @@ def planner_config(
     split_backward: bool = False,
     split_search: bool = False,
     recompute_modules: tuple[str, ...] = (),
+    sub_size_scales: tuple[int, ...] = (),
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
@@ -162,14 +167,18 @@ def planner_config(
         split_backward=split_backward,
         split_search=split_search,
         recompute_modules=tuple(recompute_modules),
+        sub_size_scales=tuple(sub_size_scales),
     )
 
 
 def scoring_config(base: PlannerConfig) -> PlannerConfig:
     """`base` as a placement is scored with it: greedy (no search, so the score depends on the
-    data alone), plans over the memory limit scored as such rather than raised, and not
-    validated (a score's plans are simulated, never run; the run's own plans are checked)."""
-    return replace(base, use_search=False, strict_memory=False, validate_plans=False)
+    data alone), plans over the memory limit scored as such rather than raised, not validated
+    (a score's plans are simulated, never run; the run's own plans are checked), and at the
+    configured sub-microbatch sizes only (a placement's score, not its best plan)."""
+    return replace(
+        base, use_search=False, strict_memory=False, validate_plans=False, sub_size_scales=()
+    )
 
 
 @dataclass(frozen=True)
@@ -279,15 +288,12 @@ class DipPlanner:
         forward_only: bool = False,
         search: bool | None = None,
     ) -> ReplicaPlan:
-        """The plan of one replica of a laid-out batch."""
-        return self.plan_replica(
-            layout.replicas[replica].works,
-            iteration=layout.iteration,
-            replica=replica,
-            totals=layout.totals,
-            forward_only=forward_only,
-            search=search,
-        )
+        """The plan of one replica of a laid-out batch (at the configured sub-microbatch sizes
+        or, with `config.sub_size_scales`, at the coarser ones where that plan is faster:
+        `sub_size_choice`)."""
+        from .sub_size_choice import plan_with_sizes
+
+        return plan_with_sizes(self, layout, replica, forward_only=forward_only, search=search)
 
     def plan_replica(
         self,
