@@ -131,6 +131,14 @@ class DipArgs:
         "rows)",
         megatron=False,
     )
+    dip_coarser_sub_microbatches: bool = arg(
+        "--dip-coarser-sub-microbatches",
+        False,
+        "also plan each batch with twice the sub-microbatch sizes (larger encoder GEMMs, coarser "
+        "units, more activations per stage) and keep that plan where it simulates faster within "
+        "memory (planning takes about twice as long)",
+        megatron=False,
+    )
     dip_planner_timeout_s: float = arg(
         "--dip-planner-timeout-s",
         20.0,

@@ -396,6 +396,7 @@ def resolve(
         split_backward=config.dip.dip_split_backward,
         split_search=config.dip.dip_split_search,
         recompute_modules=RECOMPUTE_MODULES if config.dip.dip_recompute_modules else (),
+        sub_size_scales=(2,) if config.dip.dip_coarser_sub_microbatches else (),
     )
     sizing = functools.partial(
         build_layout,
