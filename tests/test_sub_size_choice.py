@@ -32,6 +32,7 @@ def test_scaled_sizes_multiply_every_module_once() -> None:
         {"text": 9, "dit": 3},
     ]
     assert scaled_sizes({"vit": 4}, ()) == []
+    assert scaled_sizes({"vit": 4, "dit": 1}, (1.5,)) == [{"vit": 6, "dit": 2}]
 
 
 def test_coarser_cut_is_planned_and_kept_where_faster() -> None:

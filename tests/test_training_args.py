@@ -289,7 +289,7 @@ def test_presets_fill_unset_flags_and_flags_win():
         world_size=4,
         base=["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1"],
     )
-    assert coarser.planner.sub_size_scales == (2,) and coarser.sub_sizes == {"vit": 2}
+    assert coarser.planner.sub_size_scales == (1.5, 2.0) and coarser.sub_sizes == {"vit": 2}
     paper = _resolve(  # explicit segments: no start-up placement search at paper scale here
         ["--dip-segments", "vit=1,llm=2"],
         world_size=16,

@@ -32,7 +32,7 @@ from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import RECOMPUTE_MODULES, ChunkSpec, MemoryPolicy, Placement, Plan, Recompute
 from .bounds import balanced_bound
 from .devices import DeviceSpec
-from .dip import DipPlanner, planner_config
+from .dip import COARSER_SUB_SIZES, DipPlanner, planner_config
 from .placement import (
     PlacementCandidate,
     build_dip_placement,
@@ -56,9 +56,10 @@ from .submicrobatch import choose_sub_sizes
 __all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
 
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # the ablation steps' uniform modes
-# The full DIP also plans each batch at twice the sub-microbatch sizes (`sub_size_choice`); the
-# ablation steps before the memory pass plan at the configured sizes only.
-SUB_SIZE_SCALES = (2,)
+# The full DIP also plans each batch at 1.5 and 2 times the sub-microbatch sizes
+# (`sub_size_choice`, training's --dip-coarser-sub-microbatches); the ablation steps before the
+# memory pass plan at the configured sizes only.
+SUB_SIZE_SCALES = COARSER_SUB_SIZES
 
 
 @dataclass(frozen=True)

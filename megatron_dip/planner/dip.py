@@ -71,6 +71,9 @@ RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
 # The same for schedules with split backwards (`DipPlanner._split_choices`): fewer, to keep the
 # split candidate's planning time small.
 SPLIT_RELAXATION_FACTORS = (1.25,)
+# The coarser sub-microbatch sizes a run with --dip-coarser-sub-microbatches (and the study's
+# full DIP) also plans each batch at, as multiples of the configured ones (`sub_size_choice`).
+COARSER_SUB_SIZES = (1.5, 2.0)
 # Memory passes on a candidate's own (throttled) schedule where it still overcommits.
 REFINE_ROUNDS = 5
 
@@ -117,9 +120,9 @@ class PlannerConfig:
     # no faster order and costs about 0.5 s of CPU per plan (docs/benchmarks.md).
     split_search: bool = False
     # Also plan each batch with every split module's sub-microbatch size times each of these
-    # factors and keep the plan that fits and simulates fastest (`sub_size_choice`; the
-    # configured sizes win ties). Each factor plans the batch once more.
-    sub_size_scales: tuple[int, ...] = ()
+    # factors (rounded up) and keep the plan that fits and simulates fastest
+    # (`sub_size_choice`; the configured sizes win ties). Each new cut plans the batch once more.
+    sub_size_scales: tuple[float, ...] = ()
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
@@ -150,7 +153,7 @@ def planner_config(
     split_backward: bool = False,
     split_search: bool = False,
     recompute_modules: tuple[str, ...] = (),
-    sub_size_scales: tuple[int, ...] = (),
+    sub_size_scales: tuple[float, ...] = (),
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the

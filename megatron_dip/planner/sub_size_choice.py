@@ -14,6 +14,7 @@ whatever split the plan holds (each sub-microbatch's instance range), so nothing
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -27,12 +28,12 @@ if TYPE_CHECKING:
     from .dip import DipPlanner, ReplicaPlan
 
 
-def scaled_sizes(sizes: Mapping[str, int], scales: Sequence[int]) -> list[dict[str, int]]:
-    """The sizes `sizes` times each of `scales` (every module's alike), in order, without
-    repeats or the sizes themselves."""
+def scaled_sizes(sizes: Mapping[str, int], scales: Sequence[float]) -> list[dict[str, int]]:
+    """The sizes `sizes` times each of `scales` (every module's alike, rounded up), in order,
+    without repeats or the sizes themselves."""
     out: list[dict[str, int]] = []
     for scale in scales:
-        scaled = {m: max(1, n * scale) for m, n in sizes.items()}
+        scaled = {m: max(1, math.ceil(n * scale - 1e-9)) for m, n in sizes.items()}
         if scaled != dict(sizes) and scaled not in out:
             out.append(scaled)
     return out
@@ -57,11 +58,13 @@ def plan_with_sizes(
     if not others:
         return best
     spent, best_key = best.planning_seconds, _key(planner, best)
+    seen = [mine.works]
     for sizes in others:
         config = replace(planner.layout_config, sub_sizes=sizes)
         works = split_microbatches(planner.model, mine.microbatches, config)
-        if works == mine.works:  # no microbatch has more instances than the configured size
+        if works in seen:  # the same cut (no microbatch has that many instances)
             continue
+        seen.append(works)
         found = plan_of(works)
         spent += found.planning_seconds
         key = _key(planner, found)
