@@ -17,15 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ..batching import BatchLayout, split_microbatches
 from ..schedule.engine import per_peer_channel
 from .simulator import simulate
 from .stock_configs import fits
-
-if TYPE_CHECKING:
-    from .dip import DipPlanner, ReplicaPlan
 
 
 def scaled_sizes(sizes: Mapping[str, int], scales: Sequence[float]) -> list[dict[str, int]]:
@@ -40,16 +36,17 @@ def scaled_sizes(sizes: Mapping[str, int], scales: Sequence[float]) -> list[dict
 
 
 def plan_with_sizes(
-    planner: DipPlanner,
+    planner,
     layout: BatchLayout,
     replica: int,
     *,
     forward_only: bool = False,
     search: bool | None = None,
-) -> ReplicaPlan:
-    """The plan of one replica of `layout` (cut at the planner's configured sizes) or of the
-    same microbatches cut at each of `config.sub_size_scales`' sizes, whichever fits the memory
-    limit and simulates fastest (module docstring); its `planning_seconds` are all of them."""
+):
+    """The `ReplicaPlan` of one replica of `layout` (cut at the configured sizes of `planner`,
+    the run's `DipPlanner`) or of the same microbatches cut at each of
+    `config.sub_size_scales`' sizes, whichever fits the memory limit and simulates fastest
+    (module docstring); its `planning_seconds` are all of them."""
     mine = layout.replicas[replica]
     plan_of = _planning(planner, layout, replica, forward_only=forward_only, search=search)
     best = plan_of(mine.works)
@@ -73,10 +70,10 @@ def plan_with_sizes(
     return replace(best, planning_seconds=spent)
 
 
-def _planning(planner: DipPlanner, layout: BatchLayout, replica: int, **kwargs):
+def _planning(planner, layout: BatchLayout, replica: int, **kwargs):
     """One replica's `plan_replica` of some cut of its microbatches."""
 
-    def plan_of(works) -> ReplicaPlan:
+    def plan_of(works):
         return planner.plan_replica(
             works, iteration=layout.iteration, replica=replica, totals=layout.totals, **kwargs
         )
@@ -84,7 +81,7 @@ def _planning(planner: DipPlanner, layout: BatchLayout, replica: int, **kwargs):
     return plan_of
 
 
-def _key(planner: DipPlanner, found: ReplicaPlan) -> tuple[bool, float]:
+def _key(planner, found) -> tuple[bool, float]:
     """(over the memory limit, simulated iteration): the lower the better."""
     sim = simulate(found.plan, planner.cost_model, channel=per_peer_channel)
     limits = planner._memory_limits()
