@@ -515,6 +515,53 @@ def test_microbatch_without_images_and_frozen_text_encoder(groups):
     assert frozen and all(p.grad is None for c in frozen for p in c.parameters())
 
 
+def _coarser_plan(batch, placement, configured: dict[str, int]):
+    """The planner's plan of `batch` at `configured` sizes or at twice them (`sub_size_scales`)."""
+    from megatron_dip.batching import BatchLayout, ReplicaLayout, split_microbatch
+    from megatron_dip.planner.cost_model import CostModel
+    from megatron_dip.planner.devices import get_device
+    from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+
+    model = batch.model
+    metas = tuple(tuple(st.sample_meta(model, s) for s in mb) for mb in batch.microbatches)
+    works = tuple(
+        split_microbatch(model, list(mb), index=i, seq_length=st.SEQ, sub_sizes=configured)
+        for i, mb in enumerate(metas)
+    )
+    config = PlannerConfig(
+        shape=ParallelShape(dtype=st.CFG.dtype, seq_length=st.SEQ),
+        sub_sizes=configured,
+        sub_size_scales=(2,),
+        use_search=False,
+        megatron_candidate=False,
+    )
+    cost = CostModel(model, get_device("h100"), dtype_bytes=8)
+    planner = DipPlanner(model, cost, placement, config)
+    layout = BatchLayout(0, (ReplicaLayout(0, metas, works),), batch.totals)
+    return planner.plan_layout(layout, 0).plan
+
+
+def test_runtime_runs_the_coarser_cut_the_planner_chose(groups):
+    """The planner cut this batch's ViT work at twice the configured size (its simulation is
+    faster): the runtime takes each sub-microbatch's instances from the plan, and the plan's
+    loss and gradients are the reference's."""
+    mbs = st.group_samples(st.samples("vlm", 10), [3, 2, 3, 2])
+    batch = st.make_batch("vlm", mbs, sizes={"vit": 1})
+    placement = st.dip_placement(batch.model, 1, {m.name: 2 for m in batch.model.modules})
+    plan = _coarser_plan(batch, placement, {"vit": 1})
+    vit = [s.num_instances for s in plan.submicrobatches if s.module == "vit"]
+    assert max(vit) == 2 and len(vit) < sum(1 for s in batch.subs if s.module == "vit")
+    chunks = _chunks(batch, placement, groups)
+    result = _run(batch, placement, plan, chunks, config=ExecutorConfig(debug=True))
+    loss, ref = _reference(batch, groups)
+    assert result.objective == pytest.approx(loss, rel=1e-12)
+    got = _grads(chunks)
+    assert got.keys() == ref.keys()
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12 * float(g.abs().max()))
+    assert not any(result.leftovers.values())
+
+
 def test_stock_no_pipelining_on_our_chunks_matches_reference(groups):
     """One rank: Megatron's `forward_backward_no_pipelining` through the stock adapter."""
     from megatron_dip.runtime.stock import StockPipeline

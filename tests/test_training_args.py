@@ -290,6 +290,13 @@ def test_presets_fill_unset_flags_and_flags_win():
     assert spec.training.global_batch_size == 6 and spec.sub_sizes == {"vit": 3}
     assert spec.model.module("llm").num_layers == 12
     assert [m.num_chunks for m in spec.placement.modules] == [4, 4]
+    assert spec.planner.sub_size_scales == ()  # plans at the configured sizes only
+    coarser = _resolve(
+        ["--dip-coarser-sub-microbatches"],
+        world_size=4,
+        base=["--model", "tiny-vlm", "--train-iters", "2", "--lr", "1"],
+    )
+    assert coarser.planner.sub_size_scales == (1.5, 2.0) and coarser.sub_sizes == {"vit": 2}
     paper = _resolve(  # explicit segments: no start-up placement search at paper scale here
         ["--dip-segments", "vit=1,llm=2"],
         world_size=16,

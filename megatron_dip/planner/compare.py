@@ -32,7 +32,7 @@ from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import RECOMPUTE_MODULES, ChunkSpec, MemoryPolicy, Placement, Plan, Recompute
 from .bounds import balanced_bound
 from .devices import DeviceSpec
-from .dip import DipPlanner, planner_config
+from .dip import COARSER_SUB_SIZES, DipPlanner, planner_config
 from .placement import (
     PlacementCandidate,
     build_dip_placement,
@@ -56,6 +56,10 @@ from .submicrobatch import choose_sub_sizes
 __all__ = ["packing_limits"]  # re-exported: the one packing of every schedule
 
 MODES = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # the ablation steps' uniform modes
+# The full DIP also plans each batch at 1.5 and 2 times the sub-microbatch sizes
+# (`sub_size_choice`, training's --dip-coarser-sub-microbatches); the ablation steps before the
+# memory pass plan at the configured sizes only.
+SUB_SIZE_SCALES = COARSER_SUB_SIZES
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ class Comparison:
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
         """`placement_search.greedy_score` of `batches` under the candidate."""
         trial = dataclasses.replace(self, dip=cand)
-        planner = trial.planner(use_search=False)
+        planner = trial.planner(use_search=False, sub_size_scales=())
         limits = trial.memory(cand.placement)
         return greedy_score(planner, batches, limits=limits, channel=self.dip_channel)
 
@@ -167,6 +171,7 @@ class Comparison:
             memory_limit=self.memory(self.dip_placement),
             offload_activations=True,
             recompute_modules=RECOMPUTE_MODULES,  # the norms' and MLP activation's outputs
+            sub_size_scales=SUB_SIZE_SCALES,
         )
         # plans that do not fit are scored as such, not raised
         config = dataclasses.replace(config, strict_memory=False)
@@ -263,7 +268,6 @@ class Comparison:
     def _dip_steps(self, layout: BatchLayout, replica: ReplicaLayout) -> list[Outcome]:
         """DIP's ablation steps; each keeps the previous step's plan when that one is faster
         (the planner holds both), so a step never loses."""
-        works, totals = list(replica.works), layout.totals
         steps = [
             (
                 "dip: separated",
@@ -272,19 +276,28 @@ class Comparison:
                     use_search=False,
                     optimize_memory=False,
                     megatron_candidate=False,
+                    sub_size_scales=(),
                 ),
             ),
             (
                 "dip: +interleave",
-                dict(use_search=False, optimize_memory=False, megatron_candidate=False),
+                dict(
+                    use_search=False,
+                    optimize_memory=False,
+                    megatron_candidate=False,
+                    sub_size_scales=(),
+                ),
             ),
-            ("dip: +mcts", dict(optimize_memory=False, megatron_candidate=False)),
+            (
+                "dip: +mcts",
+                dict(optimize_memory=False, megatron_candidate=False, sub_size_scales=()),
+            ),
             ("dip: +memory", {}),  # also tries Megatron's order on its placement
         ]
         limits = self.memory(self.dip_placement)
         out: list[Outcome] = []
         for name, overrides in steps:
-            outcome = self._dip(name, overrides, works, totals, layout.iteration, limits)
+            outcome = self._dip(name, overrides, layout, replica.replica, limits)
             previous = out[-1] if out else None
             if (
                 previous is not None
@@ -295,21 +308,23 @@ class Comparison:
                     previous, name=name, plan_seconds=outcome.plan_seconds
                 )
             out.append(outcome)
-        out.append(self._split_step(out[-1], works, totals, layout.iteration, limits))
+        out.append(self._split_step(out[-1], layout, replica.replica, limits))
         return out
 
-    def _split_step(self, full: Outcome, works, totals, iteration: int, limits) -> Outcome:
+    def _split_step(
+        self, full: Outcome, layout: BatchLayout, replica: int, limits: list[float]
+    ) -> Outcome:
         """The full DIP planned again with `PlannerConfig.split_backward` (the split is one more
         candidate of the planner: its list schedule with B/W, and the post-pass on its chosen
         plan); the previous step's plan where that is faster."""
         name = "dip: +B/W split (full DIP)"
-        split = self._dip(name, dict(split_backward=True), works, totals, iteration, limits)
+        split = self._dip(name, dict(split_backward=True), layout, replica, limits)
         if full.fits and (not split.fits or full.sim.iteration_time < split.sim.iteration_time):
             return dataclasses.replace(full, name=name, plan_seconds=split.plan_seconds)
         return split
 
     def _dip(
-        self, name: str, overrides: dict, works, totals, iteration: int, limits: list[float]
+        self, name: str, overrides: dict, layout: BatchLayout, replica: int, limits: list[float]
     ) -> Outcome:
         best = None
         modes = (None,) if overrides.get("optimize_memory", True) else MODES
@@ -317,7 +332,7 @@ class Comparison:
             uniform = None if mode is None else MemoryPolicy(mode)
             planner = self.planner(**overrides, uniform_recompute=uniform)
             started = time.perf_counter()
-            rp = planner.plan_replica(works, iteration=iteration, replica=0, totals=totals)
+            rp = planner.plan_layout(layout, replica)
             seconds = time.perf_counter() - started
             sim = simulate(rp.plan, self.cost_model, channel=self.dip_channel)
             label = "per-chunk" if mode is None else mode.value

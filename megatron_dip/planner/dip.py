@@ -73,6 +73,9 @@ RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
 # The same for schedules with split backwards (`DipPlanner._split_choices`): fewer, to keep the
 # split candidate's planning time small.
 SPLIT_RELAXATION_FACTORS = (1.25,)
+# The coarser sub-microbatch sizes a run with --dip-coarser-sub-microbatches (and the study's
+# full DIP) also plans each batch at, as multiples of the configured ones (`sub_size_choice`).
+COARSER_SUB_SIZES = (1.5, 2.0)
 # Memory passes on a candidate's own (throttled) schedule where it still overcommits.
 REFINE_ROUNDS = 5
 # Rounds of taking back the recomputation a fitting candidate's own schedule does not need.
@@ -126,6 +129,10 @@ class PlannerConfig:
     # simulates faster, so that a benchmark measures the split runtime (its W, its reductions)
     # against the split simulation. Never a speed setting.
     split_always: bool = False
+    # Also plan each batch with every split module's sub-microbatch size times each of these
+    # factors (rounded up) and keep the plan that fits and simulates fastest
+    # (`sub_size_choice`; the configured sizes win ties). Each new cut plans the batch once more.
+    sub_size_scales: tuple[float, ...] = ()
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
@@ -157,6 +164,7 @@ def planner_config(
     split_search: bool = False,
     split_always: bool = False,
     recompute_modules: tuple[str, ...] = (),
+    sub_size_scales: tuple[float, ...] = (),
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
@@ -174,14 +182,18 @@ def planner_config(
         split_search=split_search,
         split_always=split_always,
         recompute_modules=tuple(recompute_modules),
+        sub_size_scales=tuple(sub_size_scales),
     )
 
 
 def scoring_config(base: PlannerConfig) -> PlannerConfig:
     """`base` as a placement is scored with it: greedy (no search, so the score depends on the
-    data alone), plans over the memory limit scored as such rather than raised, and not
-    validated (a score's plans are simulated, never run; the run's own plans are checked)."""
-    return replace(base, use_search=False, strict_memory=False, validate_plans=False)
+    data alone), plans over the memory limit scored as such rather than raised, not validated
+    (a score's plans are simulated, never run; the run's own plans are checked), and at the
+    configured sub-microbatch sizes only (a placement's score, not its best plan)."""
+    return replace(
+        base, use_search=False, strict_memory=False, validate_plans=False, sub_size_scales=()
+    )
 
 
 @dataclass(frozen=True)
@@ -291,15 +303,12 @@ class DipPlanner:
         forward_only: bool = False,
         search: bool | None = None,
     ) -> ReplicaPlan:
-        """The plan of one replica of a laid-out batch."""
-        return self.plan_replica(
-            layout.replicas[replica].works,
-            iteration=layout.iteration,
-            replica=replica,
-            totals=layout.totals,
-            forward_only=forward_only,
-            search=search,
-        )
+        """The plan of one replica of a laid-out batch (at the configured sub-microbatch sizes
+        or, with `config.sub_size_scales`, at the coarser ones where that plan is faster:
+        `sub_size_choice`)."""
+        from .sub_size_choice import plan_with_sizes
+
+        return plan_with_sizes(self, layout, replica, forward_only=forward_only, search=search)
 
     def plan_replica(
         self,

@@ -139,6 +139,14 @@ class DipArgs:
         "never faster)",
         megatron=False,
     )
+    dip_coarser_sub_microbatches: bool = arg(
+        "--dip-coarser-sub-microbatches",
+        False,
+        "also plan each batch with 1.5 and 2 times the sub-microbatch sizes (larger encoder "
+        "GEMMs, coarser units, more activations per stage) and keep the plan that simulates "
+        "fastest within memory (planning takes up to about twice as long)",
+        megatron=False,
+    )
     dip_planner_timeout_s: float = arg(
         "--dip-planner-timeout-s",
         20.0,

@@ -20,7 +20,7 @@ from dataclasses import replace
 from megatron_dip.batching import packing_limits
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.parallel import ParallelShape, ShapeError
-from megatron_dip.planner.dip import planner_config
+from megatron_dip.planner.dip import COARSER_SUB_SIZES, planner_config
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, RECOMPUTE_MODULES, MemoryPolicy, Recompute
@@ -403,6 +403,7 @@ def resolve(
         split_search=config.dip.dip_split_search,
         split_always=config.dip.dip_split_backward_always,
         recompute_modules=RECOMPUTE_MODULES if config.dip.dip_recompute_modules else (),
+        sub_size_scales=COARSER_SUB_SIZES if config.dip.dip_coarser_sub_microbatches else (),
     )
     sizing = functools.partial(
         build_layout,
