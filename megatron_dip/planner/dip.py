@@ -794,15 +794,20 @@ class DipPlanner:
         """The memory pass (`choose_recompute`) on `orders` under the device and host limits
         (`exact=False`: its greedy answer alone, for `_refined`'s top-ups)."""
         return choose_recompute(
-            orders,
+            orders, **self._pass_inputs(dataflow, sub_of, limits), floor=floor, exact=exact
+        )
+
+    def _pass_inputs(self, dataflow: Dataflow, sub_of: Mapping, limits) -> dict:
+        """What the memory pass and its relaxation (`choose_recompute`, `relax_choice`) take
+        besides the orders: each stage's modes and their costs, which stages keep activations,
+        the device and host limits, and the batch's row cache."""
+        return dict(
             mode_cost=functools.partial(self._mode_cost, sub_of),
             modes_of=functools.partial(self._modes_of, sub_of),
             keeps_activations=lambda s: dataflow.needs_backward(s.module),
             memory_limit=limits,
             **self._host_limits(sub_of),
             row_cache=self._memos(sub_of)[3],
-            floor=floor,
-            exact=exact,
         )
 
     def _refined(
@@ -843,14 +848,7 @@ class DipPlanner:
             if schedule.overcommitted:
                 break
             relaxed = relax_choice(
-                schedule.orders,
-                choice,
-                mode_cost=functools.partial(self._mode_cost, sub_of),
-                modes_of=functools.partial(self._modes_of, sub_of),
-                keeps_activations=lambda s: dataflow.needs_backward(s.module),
-                memory_limit=limits,
-                **self._host_limits(sub_of),
-                row_cache=self._memos(sub_of)[3],
+                schedule.orders, choice, **self._pass_inputs(dataflow, sub_of, limits)
             )
             if relaxed is choice:
                 break
