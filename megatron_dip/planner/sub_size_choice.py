@@ -14,6 +14,7 @@ whatever split the plan holds (each sub-microbatch's instance range), so nothing
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -48,7 +49,14 @@ def plan_with_sizes(
     `config.sub_size_scales`' sizes, whichever fits the memory limit and simulates fastest
     (module docstring); its `planning_seconds` are all of them."""
     mine = layout.replicas[replica]
-    plan_of = _planning(planner, layout, replica, forward_only=forward_only, search=search)
+    plan_of = functools.partial(
+        planner.plan_replica,
+        iteration=layout.iteration,
+        replica=replica,
+        totals=layout.totals,
+        forward_only=forward_only,
+        search=search,
+    )
     best = plan_of(mine.works)
     scales = () if forward_only else planner.config.sub_size_scales
     others = scaled_sizes(planner.config.sub_sizes, scales)
@@ -68,17 +76,6 @@ def plan_with_sizes(
         if key < best_key:
             best, best_key = found, key
     return replace(best, planning_seconds=spent)
-
-
-def _planning(planner, layout: BatchLayout, replica: int, **kwargs):
-    """One replica's `plan_replica` of some cut of its microbatches."""
-
-    def plan_of(works):
-        return planner.plan_replica(
-            works, iteration=layout.iteration, replica=replica, totals=layout.totals, **kwargs
-        )
-
-    return plan_of
 
 
 def _key(planner, found) -> tuple[bool, float]:
