@@ -184,12 +184,22 @@ class FaultJob:
         return self.root / f"rank{rank}.json"
 
     def wait_iterations(self, n: int, bound: float) -> bool:
-        deadline = time.monotonic() + bound
-        while time.monotonic() < deadline:
-            if self.metrics.exists() and len(self.metrics.read_text().splitlines()) >= n:
-                return True
-            time.sleep(0.05)
-        return False
+        """Whether the job logged `n` iterations within `bound` seconds; False as soon as a
+        rank ended before (`ended()` then names why)."""
+        return _wait_metrics(self.metrics, n, bound, lambda: any(self.ended()))
+
+    def ended(self) -> dict[int, str]:
+        """Each rank that already ended: its outcome line (or its exit code)."""
+        import json
+
+        out = {}
+        for r, p in enumerate(self.procs):
+            if p.poll() is not None:
+                try:
+                    out[r] = json.loads(self.out(r).read_text())["error"]
+                except (OSError, ValueError, KeyError):
+                    out[r] = f"exit code {p.returncode}"
+        return out
 
     def outcomes(self, ranks, bound: float) -> dict[int, dict]:
         """The JSON outcome of each of `ranks` that reported within `bound` seconds."""
@@ -233,7 +243,9 @@ class LauncherJob:
             self.launcher = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_iterations(self, n: int, bound: float) -> bool:
-        return FaultJob.wait_iterations(self, n, bound)
+        """Whether the job logged `n` iterations within `bound` seconds (False as soon as
+        torchrun ended)."""
+        return _wait_metrics(self.metrics, n, bound, lambda: self.launcher.poll() is not None)
 
     def ranks(self) -> set[int]:
         """The rank processes (torchrun's children)."""
@@ -249,6 +261,19 @@ class LauncherJob:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.launcher.wait()
+
+
+def _wait_metrics(metrics: Path, n: int, bound: float, ended) -> bool:
+    """Whether `metrics` holds `n` lines within `bound` seconds; False once `ended()` holds
+    (the job cannot get there any more)."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return True
+        if ended():
+            return metrics.exists() and len(metrics.read_text().splitlines()) >= n
+        time.sleep(0.05)
+    return False
 
 
 def _parent(pid: int) -> int | None:
