@@ -243,6 +243,49 @@ def test_planner_splits_backwards_only_where_faster_and_fitting():
     assert sim2.iteration_time <= base.iteration_time
 
 
+def test_at_its_memory_limit_a_plan_splits_the_backwards_whose_w_holds_no_more():
+    """The LLM's chunks under full recomputation: their W would hold the layers B rebuilt,
+    more than their forward kept. Limited to the fused plan's own peaks, the
+    split plan keeps exactly those backwards fused, splits the rest (a valid mixed plan) and
+    stays within the peaks; without a limit every backward is split."""
+    from planner_cases import tiny_case
+
+    from megatron_dip.planner.simulator import simulate, stage_costs
+    from megatron_dip.planner.weight_fill import split_into_bubbles
+    from megatron_dip.schedule.ir import MemoryPolicy, Recompute
+
+    case = tiny_case(pipeline=2, search=False)
+    cost = case.cost_model()
+    plan = case.planner(None).plan_batch(case.batch)[0].plan
+    full = MemoryPolicy(Recompute.FULL)
+
+    def recomputed(ins):
+        llm = isinstance(ins, Forward) and ins.stage.module == "llm"
+        return replace(ins, memory=full) if llm else ins
+
+    programs = [
+        replace(p, instructions=tuple(map(recomputed, p.instructions))) for p in plan.programs
+    ]
+    plan = replace(plan, programs=tuple(programs))
+    costs, _ = stage_costs(plan, cost)
+    heavy = {s for s, c in costs.items() if c.pending_weight_bytes > c.activation_bytes}
+    assert heavy == {s for s in costs if s.module == "llm"}
+    peaks = list(simulate(plan, cost).peak_activation_bytes)
+
+    def fused_and_weights(q):
+        kinds = [i for p in q.programs for i in p.instructions]
+        fused = {i.stage for i in kinds if type(i) is Backward}
+        return fused, {i.stage for i in kinds if isinstance(i, BackwardWeight)}
+
+    open_split, _ = split_into_bubbles(plan, cost, require_faster=False)
+    assert fused_and_weights(open_split)[0] == set()
+    held, sim = split_into_bubbles(plan, cost, limits=peaks, require_faster=False)
+    validate_plan(held)
+    fused, weights = fused_and_weights(held)
+    assert fused == heavy and weights and not weights & heavy
+    assert all(p <= q for p, q in zip(sim.peak_activation_bytes, peaks))
+
+
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_split_always_runs_a_split_plan_where_the_fused_one_is_faster(pipeline):
     """With host time per instruction (1 ms, far above the tiny model's compute) a split plan's

@@ -369,14 +369,22 @@ def as_numpy(grads: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
 
 
 def split_plan(plan: Plan) -> Plan:
-    """`plan` with every backward split into B and W and explicit gradient reductions: the W of
+    """`plan` with its backwards split into B and W and explicit gradient reductions: the W of
     even microbatches right after its B, those of odd ones deferred to the end of the program
-    (graphs held across other stages' backwards), as far as a W can move."""
+    (graphs held across other stages' backwards), as far as a W can move; every third
+    microbatch's backwards stay fused (a mixed plan, as the planner makes at its memory
+    limit)."""
     from megatron_dip.schedule.backward_split import split_backwards, with_reductions
-    from megatron_dip.schedule.ir import BackwardWeight, ReduceGrads
+    from megatron_dip.schedule.ir import Backward, BackwardWeight, ReduceGrads
 
+    fused = {
+        i.stage
+        for p in plan.programs
+        for i in p.instructions
+        if type(i) is Backward and i.stage.microbatch % 3 == 2
+    }
     programs = []
-    for p in split_backwards(plan):
+    for p in split_backwards(plan, fused):
         body = [i for i in p.instructions if not isinstance(i, ReduceGrads)]
         late = [i for i in body if isinstance(i, BackwardWeight) and i.stage.microbatch % 2]
         body = [i for i in body if not (isinstance(i, BackwardWeight) and i.stage.microbatch % 2)]

@@ -19,7 +19,7 @@ these rules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from .engine import PlanError
 from .ir import (
@@ -69,11 +69,11 @@ def makes_weight_grads(ins: Instruction, placement: Placement) -> bool:
     return False
 
 
-def _split_program(program: Program, placement: Placement) -> Program:
+def _split_program(program: Program, placement: Placement, fused: Collection[StageId]) -> Program:
     trainable = {m.name for m in placement.modules if m.trainable}
     out: list[Instruction] = []
     for ins in program.instructions:
-        if type(ins) is Backward:
+        if type(ins) is Backward and ins.stage not in fused:
             out.append(BackwardInput(ins.stage))
             if ins.stage.module in trainable:
                 out.append(BackwardWeight(ins.stage))
@@ -139,12 +139,15 @@ def place_weights(
     return tuple(out)
 
 
-def split_backwards(plan: Plan) -> tuple[Program, ...]:
-    """The programs of `plan` with every fused Backward split into B and W (W right after its
-    B; frozen modules get no W) and an explicit reduction per trainable chunk."""
+def split_backwards(plan: Plan, fused: Collection[StageId] = frozenset()) -> tuple[Program, ...]:
+    """The programs of `plan` with every fused Backward but those of the stages in `fused`
+    split into B and W (W right after its B; frozen modules get no W) and an explicit reduction
+    per trainable chunk. (A fused Backward stays valid beside split ones: where a W would hold
+    more than the stage's activations, e.g. recomputed layers' inputs, a plan at its memory
+    limit keeps that stage fused.)"""
     if plan.forward_only:
         return plan.programs
-    return tuple(_split_program(p, plan.placement) for p in plan.programs)
+    return tuple(_split_program(p, plan.placement, fused) for p in plan.programs)
 
 
 # ---------------------------------------------------------------------------------------------
