@@ -268,6 +268,13 @@ class MultimodalSpec:
         """The modules feeding `name`, in model order."""
         return [m for m in self.modules if m.feeds == name]
 
+    def output_needs_gradients(self, name: str) -> bool:
+        """Whether module `name`'s output needs gradients in backward: it, or a module feeding
+        it (transitively), has trainable parameters."""
+        return self.module(name).trainable or any(
+            self.output_needs_gradients(m.name) for m in self.producers_of(name)
+        )
+
     def modules_of_kind(self, kind: str) -> list[ModuleSpec]:
         """The modules of one kind, in model order."""
         return [m for m in self.modules if m.kind == kind]

@@ -287,6 +287,36 @@ def test_dit_cross_attention_and_frozen_text_encoder() -> None:
     )
 
 
+def test_a_chunk_fed_by_data_alone_runs_its_whole_backward_as_w() -> None:
+    """The runtime's split backward has no input gradient to compute for a chunk whose inputs
+    need none (`runtime/backward_split.py`): its W is the whole backward and holds everything
+    the forward kept. Which inputs need gradients: a ViT's first chunk none, its later ones
+    yes; the LLM's first chunk only on a sub-microbatch with image rows from a trainable
+    ViT."""
+    cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4))
+    vit0, vit1 = ChunkSpec("vit", 0, 0, 0, 8), ChunkSpec("vit", 1, 1, 8, 16)
+    llm0 = ChunkSpec("llm", 0, 2, 0, 8)
+    images = _sub("vit", 4, 4 * 1024)
+    text = _sub("llm", 1, 4096)
+    mixed = replace(text, input_tokens=1024)
+    assert not cm.inputs_need_gradients(vit0, images) and cm.inputs_need_gradients(vit1, images)
+    assert cm.inputs_need_gradients(llm0, mixed) and not cm.inputs_need_gradients(llm0, text)
+    frozen = CostModel(VLM_S.model.replace_module("vit", trainable=False), H100)
+    assert not frozen.inputs_need_gradients(llm0, mixed)
+    first, later = cm.stage_cost(vit0, images), cm.stage_cost(vit1, images)
+    assert first.weight == first.backward and first.backward_input == 0
+    assert first.pending_weight_bytes == first.activation_bytes
+    assert 0 < later.weight < later.backward
+    assert later.pending_weight_bytes < later.activation_bytes
+    for policy in (MemoryPolicy(Recompute.FULL), MemoryPolicy(Recompute.BLOCK, 4)):
+        held = cm.stage_cost(vit0, images, policy)
+        assert (
+            held.pending_weight_bytes
+            == held.activation_bytes
+            == cm.weight_bytes(vit0, images, policy)
+        )
+
+
 def test_transfer_time_is_latency_plus_bandwidth() -> None:
     cm = CostModel(VLM_S.model, H100)
     assert cm.transfer_time(0) == H100.p2p_latency

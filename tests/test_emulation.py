@@ -202,7 +202,8 @@ def test_split_backward_sleeps_the_cost_models_b_then_w(
     sleeps the stage's input-gradient seconds (`StageCost.backward_input`) and its W
     (`backward_weight`) the weight-gradient seconds (`StageCost.weight`), scaled, and nothing
     else; the weight's gradient arrives in W. An LLM chunk receives gradients-needing inputs;
-    the ViT's first chunk does not, and, as a real first chunk, runs both in W."""
+    the ViT's first chunk does not: the cost model prices its whole backward as W
+    (`CostModel.inputs_need_gradients`) and, as a real first chunk, it runs it all in W."""
     from megatron_dip.emulation import chunk as emulated
     from megatron_dip.runtime.backward_split import (
         SavedStore,
@@ -246,10 +247,14 @@ def test_split_backward_sleeps_the_cost_models_b_then_w(
     in_w = [x for x in sleeps.seconds if x > 1e-3]
     b_s = pytest.approx(scale * cost.backward_input, abs=1e-3)
     w_s = pytest.approx(scale * cost.weight, abs=1e-3)
+    assert bool(leaves) == spec.cost_model.inputs_need_gradients(
+        plan.placement.module(module).chunks[0], plan.submicrobatch(stage.work)
+    )
     if leaves:
-        assert in_b == [b_s] and in_w == [w_s]
+        assert in_b == [b_s] and in_w == [w_s] and cost.backward_input > 0
     else:
-        assert in_b == [] and in_w == [b_s, w_s]
+        assert cost.backward_input == 0 and cost.weight == cost.backward
+        assert in_b == [] and in_w == [w_s]
     assert chunk.weight.grad is not None
 
 

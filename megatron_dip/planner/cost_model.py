@@ -325,7 +325,23 @@ class CostModel:
         weight = n * self._weight_share(spec, w) * bwd_l + extra
         if not spec.trainable:  # no weight gradients: the backward is its input half alone
             return StageCost(fwd, bwd - weight, nbytes, 0.0)
+        if not self.inputs_need_gradients(chunk, sub):
+            # Nothing upstream waits for an input gradient: the runtime's split backward runs
+            # the whole backward in W (`runtime/backward_split.py`), and B frees nothing.
+            return StageCost(fwd, bwd, nbytes, bwd, nbytes)
         return StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, policy))
+
+    def inputs_need_gradients(self, chunk: ChunkSpec, sub: SubMicrobatch) -> bool:
+        """Whether `chunk`'s inputs on `sub` need gradients: a later chunk's of a trainable
+        module, or any chunk's whose module receives hand-overs (`sub.input_tokens`) from a
+        module whose output needs gradients. A first chunk fed by data alone (a ViT's patches,
+        a sub-microbatch of text without images, a frozen encoder's output) has none."""
+        model = self.model
+        producers = model.producers_of(chunk.module)
+        handed = sub.input_tokens > 0 and any(
+            model.output_needs_gradients(p.name) for p in producers
+        )
+        return handed or (chunk.index > 0 and model.module(chunk.module).trainable)
 
     @staticmethod
     def _plain_layers(n: int, policy: MemoryPolicy) -> int:
@@ -505,6 +521,8 @@ class CostModel:
         spec = self.model.module(chunk.module)
         if not spec.trainable:
             return 0
+        if not self.inputs_need_gradients(chunk, sub):  # B frees nothing: W keeps it all
+            return self.chunk_activation_bytes(chunk, sub, memory)
         w, c = self._work(sub), self._ctx
         modality = modality_of(spec)
         n, recompute = chunk.num_layers, memory.method

@@ -514,12 +514,26 @@ class DipPlanner:
         self, own: Plan, dataflow: Dataflow, sub_of: Mapping, order, options, limits
     ) -> tuple[Plan, object] | None:
         """`order` list-scheduled with split backwards under each recompute choice of
-        `options`, the fastest as a plan with its simulation; None where none fits `limits`."""
+        `options`, the fastest as a plan with its simulation; None where none fits `limits`.
+        Where none fits with every backward split, the stages whose pending W would hold more
+        than their activations (recomputed layers, rebuilt in B) keep their fused backward."""
+        for keep_heavy in (False, True):
+            found = self._split_options_plan(
+                own, dataflow, sub_of, order, options, limits, keep_heavy
+            )
+            if found is not None or limits is None:
+                return found
+        return None
+
+    def _split_options_plan(
+        self, own: Plan, dataflow, sub_of: Mapping, order, options, limits, keep_heavy: bool
+    ) -> tuple[Plan, object] | None:
+        """`_split_order_plan` with or without the heavy stages fused (`keep_heavy`)."""
         from .split_schedule import split_plan
 
         best = None
         for option in options:
-            found = self._split_scheduled(dataflow, sub_of, order, option, limits)
+            found = self._split_scheduled(dataflow, sub_of, order, option, limits, keep_heavy)
             if found is not None and (best is None or found.makespan < best.makespan):
                 best = found
         if best is None:
@@ -531,18 +545,22 @@ class DipPlanner:
             return None
         return plan, sim
 
-    def _split_graph(self, dataflow: Dataflow, sub_of: Mapping, choice):
-        """The stage graph under `choice` with split backwards and the chunks' reductions."""
+    def _split_graph(self, dataflow: Dataflow, sub_of: Mapping, choice, keep_heavy: bool = False):
+        """The stage graph under `choice` with split backwards and the chunks' reductions
+        (`keep_heavy`: `_split_cost`'s)."""
         from .split_schedule import split_graph, with_reductions
 
         fused = self._graph(dataflow, sub_of, choice, forward_only=False)
-        graph = split_graph(fused, functools.partial(self._split_cost, sub_of, choice))
+        cost = functools.partial(self._split_cost, sub_of, choice, keep_heavy=keep_heavy)
+        graph = split_graph(fused, cost)
         return with_reductions(graph, dataflow.placement, self._reduce_time)
 
-    def _split_scheduled(self, dataflow, sub_of, order, choice, limits) -> ListSchedule | None:
+    def _split_scheduled(
+        self, dataflow, sub_of, order, choice, limits, keep_heavy: bool = False
+    ) -> ListSchedule | None:
         from .split_schedule import best_split_schedule
 
-        graph = self._split_graph(dataflow, sub_of, choice)
+        graph = self._split_graph(dataflow, sub_of, choice, keep_heavy)
         return best_split_schedule(
             graph,
             priority=priorities_from_units(graph.stages, order),
@@ -577,13 +595,16 @@ class DipPlanner:
         `ReduceGrads`."""
         return reduction_time(self.cost_model, chunk, self.config.data_parallel)
 
-    def _split_cost(self, sub_of: Mapping, choice, stage: StageId) -> tuple[float, float, float]:
+    def _split_cost(
+        self, sub_of: Mapping, choice, stage: StageId, *, keep_heavy: bool = False
+    ) -> tuple[float, float, float]:
         """(B, W) seconds of a stage's split backward, each with its instruction's host time,
-        and the bytes its pending W holds; W 0 for a module without weight gradients (its
-        backward stays whole)."""
+        and the bytes its pending W holds; W 0 (the backward stays whole) for a module without
+        weight gradients, and with `keep_heavy` for a stage whose pending W would hold more
+        than its activations."""
         c = self._stage_cost(sub_of, stage, choice.of(stage))
         host = host_overheads(self.cost_model).instruction
-        if c.weight <= 0:
+        if c.weight <= 0 or (keep_heavy and c.pending_weight_bytes > c.activation_bytes):
             return c.backward + host, 0.0, float(c.activation_bytes)
         return c.backward_input + host, c.weight + host, float(c.pending_weight_bytes)
 
