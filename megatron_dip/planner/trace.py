@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from ..schedule.engine import ExecutionResult
-from ..schedule.ir import Backward, BackwardInput, BackwardWeight, Forward, Plan
+from ..schedule.ir import Forward, Plan, compute_label
 
 __all__ = [
     "HasTimeline",
@@ -50,15 +50,6 @@ class HasTimeline(Protocol):
     timeline: Timeline
 
 
-def span_label(ins: Forward | Backward) -> str:
-    """Short label of a compute instruction: `F vit3 mb2.1`."""
-    s = ins.stage
-    kind = "F" if isinstance(ins, Forward) else "B"
-    if isinstance(ins, BackwardInput | BackwardWeight):  # a split backward's halves
-        kind = "BI" if isinstance(ins, BackwardInput) else "BW"
-    return f"{kind} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
-
-
 def plan_timeline(plan: Plan, execution: ExecutionResult) -> tuple[tuple[Span, ...], ...]:
     """The compute spans of `execution` (an `execute_programs` result of `plan`'s programs)."""
     ranks = []
@@ -71,7 +62,7 @@ def plan_timeline(plan: Plan, execution: ExecutionResult) -> tuple[tuple[Span, .
             recompute = ins.memory.label if fwd else "none"
             row.append(
                 Span(
-                    span_label(ins),
+                    compute_label(ins),
                     s.module,
                     fwd,
                     start,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_dip.schedule.ir import Backward, BackwardWeight, Forward, Instruction
+from megatron_dip.schedule.ir import Backward, BackwardWeight, Forward, Instruction, compute_label
 
 InstructionHook = Callable[[int, Instruction, float, float], None]
 # (label, module, is_forward, start, end): the shape `planner.trace.write_chrome_trace` takes.
@@ -74,8 +74,8 @@ class InstructionClock:
 
 class SpanRecorder:
     """An `on_instruction` hook recording every Forward, Backward and BackwardWeight: `spans`
-    (`Span`, labelled "F vit0 mb3.1"; a split backward's weight half "W ...", its input half
-    "B ...") and `ops` ((instruction, measured seconds)). Send/Recv/Wait and reductions are left
+    (`Span`, labelled as the simulated trace does, `ir.compute_label`: "F vit0 mb3.1", a split
+    backward's halves "BI ..." and "BW ...") and `ops` ((instruction, measured seconds)). Send/Recv/Wait and reductions are left
     out. Kept across iterations until `take()`, which returns and clears them."""
 
     def __init__(self) -> None:
@@ -87,10 +87,7 @@ class SpanRecorder:
         if not isinstance(ins, (Forward, Backward, BackwardWeight)):
             return
         fwd = isinstance(ins, Forward)
-        kind = "F" if fwd else "W" if isinstance(ins, BackwardWeight) else "B"
-        s = ins.stage
-        label = f"{kind} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
-        self.spans.append((label, s.module, fwd, start, end))
+        self.spans.append((compute_label(ins), ins.stage.module, fwd, start, end))
         self.ops.append((ins, end - start))
 
     def take(self) -> tuple[list[Span], list[tuple[Forward | Backward | BackwardWeight, float]]]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from .ir import (
     Backward,
-    BackwardInput,
     BackwardWeight,
     Forward,
     Instruction,
@@ -26,6 +25,7 @@ from .ir import (
     ReduceGrads,
     Send,
     Wait,
+    compute_tag,
 )
 
 ComputeTime = Callable[[int, Instruction], float]
@@ -394,13 +394,9 @@ class _Machine:
         return "pending: " + "; ".join(pending)
 
 
-_COMPUTE_TAGS = ((Forward, "F"), (BackwardInput, "BI"), (BackwardWeight, "BW"), (Backward, "B"))
-
-
 def _short(ins: Instruction) -> str:
-    tag = next((t for cls, t in _COMPUTE_TAGS if isinstance(ins, cls)), None)
-    if tag is not None:
-        return f"{tag} {ins.stage}"
+    if isinstance(ins, (Forward, Backward, BackwardWeight)):
+        return f"{compute_tag(ins)} {ins.stage}"
     if isinstance(ins, ReduceGrads):
         return f"reduce {ins.module}{ins.chunk}"
     if isinstance(ins, Send):

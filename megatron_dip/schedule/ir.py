@@ -302,6 +302,24 @@ class BackwardWeight:
     stage: StageId
 
 
+def compute_tag(ins: Forward | Backward | BackwardWeight) -> str:
+    """The short name of a compute instruction's kind, the same in plan printouts, simulated
+    and measured traces and errors: F, B (a fused backward), BI and BW (a split backward's
+    input and weight halves)."""
+    if isinstance(ins, Forward):
+        return "F"
+    if isinstance(ins, BackwardWeight):
+        return "BW"
+    return "BI" if isinstance(ins, BackwardInput) else "B"
+
+
+def compute_label(ins: Forward | Backward | BackwardWeight) -> str:
+    """A trace span's label of a compute instruction: `F vit3 mb2.1` (kind, module and chunk,
+    microbatch.sub-microbatch), simulated and measured alike."""
+    s = ins.stage
+    return f"{compute_tag(ins)} {s.module}{s.chunk} mb{s.microbatch}.{s.sub}"
+
+
 @dataclass(frozen=True)
 class ReduceGrads:
     """Start the data-parallel gradient reduction of chunk `chunk` of `module` on this rank."""

@@ -25,7 +25,6 @@ from collections import Counter
 
 from .ir import (
     Backward,
-    BackwardInput,
     BackwardWeight,
     Forward,
     Instruction,
@@ -36,6 +35,7 @@ from .ir import (
     Send,
     StageId,
     Wait,
+    compute_tag,
 )
 
 _RECOMPUTE_SUFFIX = {
@@ -45,9 +45,6 @@ _RECOMPUTE_SUFFIX = {
     Recompute.BLOCK: ":block",
     Recompute.UNIFORM: ":uniform",
 }
-
-
-_BACKWARD_TOKEN = {Backward: "B", BackwardInput: "BI", BackwardWeight: "BW"}
 
 
 def _stage_token(stage: StageId, split: set[tuple[str, int]]) -> str:
@@ -66,7 +63,7 @@ def _token(ins: Instruction, split: set[tuple[str, int]]) -> str:
         suffix = _RECOMPUTE_SUFFIX[memory.method]
         return f"F {_stage_token(ins.stage, split)}{suffix}{layers}{offload}"
     if isinstance(ins, (Backward, BackwardWeight)):
-        return f"{_BACKWARD_TOKEN[type(ins)]} {_stage_token(ins.stage, split)}"
+        return f"{compute_tag(ins)} {_stage_token(ins.stage, split)}"
     if isinstance(ins, ReduceGrads):
         return f"R {ins.module}{ins.chunk}"
     if isinstance(ins, (Send, Recv)):

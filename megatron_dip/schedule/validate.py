@@ -32,6 +32,7 @@ from .ir import (
     Send,
     StageId,
     Wait,
+    compute_tag,
 )
 from .passes import (
     ComputeId,
@@ -59,7 +60,7 @@ def _short(ins: Instruction) -> str:
 
 def _split_short(ins: BackwardWeight | ReduceGrads) -> str:
     if isinstance(ins, BackwardWeight):
-        return f"BW {ins.stage}"
+        return f"{compute_tag(ins)} {ins.stage}"
     return f"reduce {ins.module}{ins.chunk}"
 
 
