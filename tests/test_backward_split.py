@@ -386,6 +386,51 @@ def test_planner_with_split_backward_fits_and_never_loses(search: bool, monkeypa
     assert len(searched) == search
 
 
+def test_list_scheduled_split_keeps_heavy_backwards_fused_where_all_split_does_not_fit(
+    monkeypatch,
+):
+    """DIP's own order list-scheduled with split backwards (`DipPlanner._split_order_plan`):
+    where no all-split schedule fits (forced here), it schedules again with the stages whose
+    pending W holds more than their activations fused; under a binding limit (60% of the
+    unlimited peak, so some chunks recompute) that gives a valid mixed plan within the limit
+    whose fused backwards are exactly those heavy stages."""
+    from planner_cases import tiny_case
+
+    from megatron_dip.planner import weight_fill
+    from megatron_dip.planner.dip import DipPlanner
+    from megatron_dip.planner.simulator import simulate, stage_costs
+
+    case = tiny_case(pipeline=2, search=False)
+    cost = case.cost_model()
+    free = simulate(case.planner(None).plan_batch(case.batch)[0].plan, cost)
+    limit = 0.6 * max(free.peak_activation_bytes)
+    planner = case.planner(limit)
+    planner.config = replace(planner.config, split_backward=True, split_always=True)
+    tried = []
+    options_plan = DipPlanner._split_options_plan
+
+    def all_split_never_fits(self, *args):
+        tried.append(args[-1])
+        return options_plan(self, *args) if args[-1] else None
+
+    monkeypatch.setattr(DipPlanner, "_split_options_plan", all_split_never_fits)
+    # Only the list-scheduled split candidate: the post-pass (imported by the planner as it
+    # runs) keeps the fused plan.
+    monkeypatch.setattr(
+        weight_fill, "split_into_bubbles", lambda plan, cost, **kw: (plan, simulate(plan, cost))
+    )
+    plan = planner.plan_batch(case.batch)[0].plan
+    validate_plan(plan)
+    assert tried[:2] == [False, True]
+    costs, _ = stage_costs(plan, cost)
+    heavy = {s for s, c in costs.items() if c.pending_weight_bytes > c.activation_bytes}
+    kinds = [i for p in plan.programs for i in p.instructions]
+    fused = {i.stage for i in kinds if type(i) is Backward}
+    weights = {i.stage for i in kinds if isinstance(i, BackwardWeight)}
+    assert heavy and fused == heavy and weights and not weights & heavy
+    assert all(peak <= limit for peak in simulate(plan, cost).peak_activation_bytes)
+
+
 # -- the runtime's split: W from the weight nodes' recorded gradients --------------------------
 
 
