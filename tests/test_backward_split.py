@@ -63,6 +63,21 @@ def split(plan):
     return replace(plan, programs=split_backwards(plan))
 
 
+def heavy_stages(plan, cost) -> set:
+    """The stages whose pending W would hold more than their activations (recomputed in B)."""
+    from megatron_dip.planner.simulator import stage_costs
+
+    costs, _ = stage_costs(plan, cost)
+    return {s for s, c in costs.items() if c.pending_weight_bytes > c.activation_bytes}
+
+
+def fused_and_weights(plan) -> tuple[set, set]:
+    """(stages with a fused backward, stages with a separate W) of `plan`."""
+    kinds = [i for p in plan.programs for i in p.instructions]
+    fused = {i.stage for i in kinds if type(i) is Backward}
+    return fused, {i.stage for i in kinds if isinstance(i, BackwardWeight)}
+
+
 def test_split_plans_validate_serialize_and_print():
     for plan in (build_1f1b_plan(num_ranks=2, num_microbatches=3), two_modules()):
         s = split(plan)
@@ -268,14 +283,9 @@ def test_at_its_memory_limit_a_plan_splits_the_backwards_whose_w_holds_no_more()
     ]
     plan = replace(plan, programs=tuple(programs))
     costs, _ = stage_costs(plan, cost)
-    heavy = {s for s, c in costs.items() if c.pending_weight_bytes > c.activation_bytes}
+    heavy = heavy_stages(plan, cost)
     assert heavy == {s for s in costs if s.module == "llm"}
     peaks = list(simulate(plan, cost).peak_activation_bytes)
-
-    def fused_and_weights(q):
-        kinds = [i for p in q.programs for i in p.instructions]
-        fused = {i.stage for i in kinds if type(i) is Backward}
-        return fused, {i.stage for i in kinds if isinstance(i, BackwardWeight)}
 
     open_split, _ = split_into_bubbles(plan, cost, require_faster=False)
     assert fused_and_weights(open_split)[0] == set()
@@ -398,7 +408,7 @@ def test_list_scheduled_split_keeps_heavy_backwards_fused_where_all_split_does_n
 
     from megatron_dip.planner import weight_fill
     from megatron_dip.planner.dip import DipPlanner
-    from megatron_dip.planner.simulator import simulate, stage_costs
+    from megatron_dip.planner.simulator import simulate
 
     case = tiny_case(pipeline=2, search=False)
     cost = case.cost_model()
@@ -422,11 +432,8 @@ def test_list_scheduled_split_keeps_heavy_backwards_fused_where_all_split_does_n
     plan = planner.plan_batch(case.batch)[0].plan
     validate_plan(plan)
     assert tried[:2] == [False, True]
-    costs, _ = stage_costs(plan, cost)
-    heavy = {s for s, c in costs.items() if c.pending_weight_bytes > c.activation_bytes}
-    kinds = [i for p in plan.programs for i in p.instructions]
-    fused = {i.stage for i in kinds if type(i) is Backward}
-    weights = {i.stage for i in kinds if isinstance(i, BackwardWeight)}
+    heavy = heavy_stages(plan, cost)
+    fused, weights = fused_and_weights(plan)
     assert heavy and fused == heavy and weights and not weights & heavy
     assert all(peak <= limit for peak in simulate(plan, cost).peak_activation_bytes)
 
