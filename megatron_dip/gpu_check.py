@@ -20,6 +20,11 @@
    recomputation): the allocator's growth then shows what offload left on the device.
 5. Layer profile: a summary of the profiles `scripts/profile_gpu.sh` wrote into `--profiles`
    (VLM-S layers at TP4), next to the analytic cost model's times for the same points.
+6. Split backward: the first model trained in fp32 with every backward split into B and W
+   (`--dip-split-backward --dip-split-backward-always`; with Transformer Engine >= 2.3 its
+   layers queue their weight GEMMs for `backward_dw`, `runtime/delayed_wgrad.py`) against
+   the same run with fused backwards: losses and gradient norms must agree within 1e-4
+   (relative; the same arithmetic, summed in another order).
 
 It prints one table and writes `OUT_DIR/gpu_check.json`; each part that fails is reported with
 its error and the others still run; the exit status is 1 when any part failed or a check did
@@ -51,6 +56,7 @@ logger = logging.getLogger("megatron_dip.gpu_check")
 
 MODELS = ("tiny-vlm", "tiny-t2v")
 LOSS_TOLERANCE = 0.02
+SPLIT_TOLERANCE = 1e-4
 _BYTES = {"bfloat16": 2, "float32": 4}
 
 
@@ -101,6 +107,34 @@ def training_check(models, *, iterations: int, cuda: bool, work: Path, flags=())
             "ok": max(diffs) < LOSS_TOLERANCE and len(gpu["losses"]) == iterations,
         }
     return out
+
+
+def split_backward_check(model: str, *, iterations: int, cuda: bool, work: Path, flags=()) -> dict:
+    """Part 6 (module docstring): `model` in fp32 (`flags` less --bf16), fused against split;
+    the split run's traces (in `work`) count the weight halves it ran."""
+    flags = [f for f in flags if f != "--bf16"]
+    traces = work / "split-traces"
+    split_flags = [*flags, "--dip-split-backward", "--dip-split-backward-always"]
+    split_flags += ["--dip-trace-dir", str(traces), "--dip-trace-interval", "1"]
+    fused = _train(model, attention="auto", iterations=iterations, cuda=cuda, extra=flags)
+    split = _train(model, attention="auto", iterations=iterations, cuda=cuda, extra=split_flags)
+    weights = sum(_measured_names(t).count("BW") for t in sorted(traces.glob("*.json")))
+    diffs = [
+        abs(split[k][i] - fused[k][i]) / max(abs(fused[k][i]), 1e-12)
+        for k in ("losses", "grad_norms")
+        for i in fused[k]
+    ]
+    return {
+        "model": model,
+        "te_delayed_weight_gradients": cuda and megatron_compat.te_delays_weight_gradients(),
+        "losses_fused": fused["losses"],
+        "losses_split": split["losses"],
+        "grad_norms_fused": fused["grad_norms"],
+        "grad_norms_split": split["grad_norms"],
+        "weight_instructions": weights,
+        "max_relative_difference": max(diffs),
+        "ok": max(diffs) < SPLIT_TOLERANCE and len(split["losses"]) == iterations and weights > 0,
+    }
 
 
 def _microbatches(model, preset, *, count: int):
@@ -228,17 +262,22 @@ def overhead_check(work: Path) -> dict:
     return {"iterations": per_iteration, "overhead_per_instruction_ms": mean}
 
 
-def _measured_spans(trace: Path) -> list[tuple[float, float]]:
-    """(start, end) seconds of the measured compute instructions of pipeline rank 0, in order."""
+def _measured_events(trace: Path) -> list[dict]:
+    """The measured compute instructions of pipeline rank 0 in a runtime trace."""
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     measured = [p for p, n in names.items() if n.startswith("measured")]
-    spans = [
-        (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-        for e in events
-        if e.get("ph") == "X" and e.get("pid") in measured[:1]
-    ]
-    return sorted(spans)
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in measured[:1]]
+
+
+def _measured_spans(trace: Path) -> list[tuple[float, float]]:
+    """(start, end) seconds of the measured compute instructions of pipeline rank 0, in order."""
+    return sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in _measured_events(trace))
+
+
+def _measured_names(trace: Path) -> list[str]:
+    """The compute labels (`ir.compute_label`: F, B, BI, BW) of `_measured_events`."""
+    return [e["name"].split()[0] for e in _measured_events(trace)]
 
 
 def profile_check(directory: Path) -> list[dict]:
@@ -377,6 +416,19 @@ def _offload_lines(over: dict) -> list[str]:
     ]
 
 
+def _split_lines(split: dict) -> list[str]:
+    if "ok" not in split:
+        return []
+    how = "TE delayed weight GEMMs" if split["te_delayed_weight_gradients"] else "autograd"
+    return [
+        f"[split backward] {split['model']} fp32, B/W split ({how}, "
+        f"{split['weight_instructions']} weight halves) vs fused: largest "
+        f"relative difference of losses and gradient norms "
+        f"{split['max_relative_difference']:.2e} {'OK' if split['ok'] else 'FAIL'} "
+        f"(< {SPLIT_TOLERANCE:.0e})"
+    ]
+
+
 def table(report: dict) -> str:
     """The one table printed at the end: every part, one line per row."""
     env = report.get("environment", {})
@@ -387,6 +439,7 @@ def table(report: dict) -> str:
     lines += _memory_lines(_rows(report, "memory"))
     lines += _overhead_lines(report.get("overhead", {}))
     lines += _offload_lines(report.get("offload", {}))
+    lines += _split_lines(report.get("split_backward", {}))
     lines += _profile_lines(_rows(report, "profile"))
     for name in report["failed"]:
         part = report.get(name, {})
@@ -442,11 +495,21 @@ def run_checks(
     )
     _part(report, "overhead", lambda: overhead_check(work))
     _part(report, "offload", lambda: offload_check(cuda))
+    _part(
+        report,
+        "split_backward",
+        lambda: split_backward_check(
+            models[0], iterations=iterations, cuda=cuda, work=work, flags=flags
+        ),
+    )
     if profiles is not None:
         _part(report, "profile", lambda: profile_check(profiles))
     training = report.get("training", {})
     if isinstance(training, dict) and not all(m["ok"] for m in training.get("models", {}).values()):
         report["failed"].append("training")
+    split = report.get("split_backward", {})
+    if isinstance(split, dict) and split.get("ok") is False:
+        report["failed"].append("split_backward")
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     return report
 

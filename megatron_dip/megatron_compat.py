@@ -12,7 +12,9 @@ Differences handled here (feature-detected, not version-compared, where the API 
 * 0.19 rejects `variable_seq_lengths=True` with the default MoE token dispatcher, even in dense
   models: `variable_seq_lengths_config()` adds `moe_token_dispatcher_type="alltoall"`;
 * layer specs: the Transformer Engine spec only when `transformer_engine` imports, else the
-  local spec (`get_gpt_layer_local_spec`, `WrappedTorchNorm`);
+  local spec (`get_gpt_layer_local_spec`, `WrappedTorchNorm`); TE's delayed weight gradients
+  (`delay_wgrad_compute`, TE >= 2.3) set past the config's MoE-only check
+  (`delay_weight_gradients`);
 * Megatron's scratch buffer for attention scores (`parallel_state`'s global memory buffer)
   exists only after `initialize_model_parallel`; `ensure_global_memory_buffer()` creates it;
 * dist_checkpointing's torch_dist writer takes its results queue from a module global that it
@@ -243,6 +245,30 @@ def transformer_engine_available() -> bool:
     except Exception:  # ImportError, or OSError/RuntimeError from a broken CUDA build
         return False
     return True
+
+
+#: The first Transformer Engine release whose layers take `delay_wgrad_compute`.
+TE_DELAYED_WGRAD = "2.3.0"
+
+
+def te_delays_weight_gradients() -> bool:
+    """Whether the installed Transformer Engine can queue its layers' weight GEMMs for
+    `backward_dw` (`delay_wgrad_compute`, TE >= 2.3; Megatron-Core's TE layers refuse the flag
+    below that). False without Transformer Engine."""
+    if not transformer_engine_available():
+        return False
+    from megatron.core.utils import is_te_min_version
+
+    return is_te_min_version(TE_DELAYED_WGRAD)
+
+
+def delay_weight_gradients(tconfig) -> None:
+    """Build Transformer Engine layers from `tconfig` with their weight GEMMs queued for
+    `backward_dw` (a split backward's W, `runtime/delayed_wgrad.py`). Set after the config's
+    own checks: its `__post_init__` allows `delay_wgrad_compute` only beside its MoE
+    expert-parallel overlap (the one schedule that calls `backward_dw` in Megatron-Core); the
+    TE layer wrappers read the field when they are built, and our executor makes the calls."""
+    tconfig.delay_wgrad_compute = True
 
 
 def resolve_use_te(use_te: bool | None) -> bool:

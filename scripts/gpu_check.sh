@@ -19,7 +19,10 @@
 #      the allocator's growth next to the memory model, per chunk; the executor's
 #      per-instruction overhead (CUDA-event timeline vs host time); activation offload: the
 #      memory rows of its policies (off1, block1+off1) and its copies' host-link bandwidth and
-#      overlap with compute (CUDA events); the profile next to the analytic cost model. It prints one table and writes OUT_DIR/gpu_check.json.
+#      overlap with compute (CUDA events); the profile next to the analytic cost model; tiny-vlm
+#      in fp32 with split backwards (B/W; Transformer Engine >= 2.3: its delayed weight GEMMs)
+#      against fused ones, losses and gradient norms within 1e-4. It prints one table and writes
+#      OUT_DIR/gpu_check.json.
 # OUT_DIR defaults to $OUT when set (the device tool's result folder), else ./gpu-check.
 # Exit status: 0 all held; 1 a part failed or a check did not hold; 2 bad arguments; 3 no GPU
 # or the installation failed.

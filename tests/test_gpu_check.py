@@ -103,5 +103,17 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
     assert all(r["analytic_forward_ms"] > 0 for r in report["profile"])
     offload = report["offload"]
     assert offload["offloaded_mb"] == 4 and offload["d2h_gb_per_s"] > 0
-    for section in ("[training]", "[memory]", "[executor]", "[offload]", "[profile]"):
+    split = report["split_backward"]
+    assert split["ok"] and split["te_delayed_weight_gradients"] is False
+    assert split["weight_instructions"] > 0  # the split run did split
+    assert sorted(split["losses_split"]) == ["1", "2"] and split["max_relative_difference"] < 1e-4
+    sections = (
+        "[training]",
+        "[memory]",
+        "[executor]",
+        "[offload]",
+        "[profile]",
+        "[split backward]",
+    )
+    for section in sections:
         assert section in done.stdout

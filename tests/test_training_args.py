@@ -325,6 +325,35 @@ def test_sequence_parallel_reaches_chunks_planner_and_message_shapes():
     assert not _resolve(["--tensor-model-parallel-size", "2"], world_size=2).shape.sequence_parallel
 
 
+def test_split_backward_delays_te_weight_gradients_in_the_chunks_and_their_ddp(monkeypatch):
+    """Under --dip-split-backward (DIP's schedule only) the chunks' Megatron config asks
+    Transformer Engine layers to queue their weight GEMMs for `backward_dw` (set past the
+    config's MoE-only check) where TE can (>= 2.3), and the DDP wrappers hook those layers;
+    without TE, or with Megatron's stock schedules, nothing changes."""
+    from megatron_dip import megatron_compat
+    from megatron_dip.modalities import modality_of
+    from megatron_dip.models.common import transformer_config
+    from megatron_dip.training.assembly.backend import model_config
+    from megatron_dip.training.assembly.build import ddp_config
+
+    def chunk_config(spec):
+        llm = spec.model.module("llm")
+        style = modality_of(llm).layer_style(llm)
+        return transformer_config(llm, model_config(spec), shape=spec.shape, style=style)
+
+    split = _resolve(["--dip-split-backward"], world_size=1)
+    assert split.delays_weight_gradients and ddp_config(split).delay_wgrad_compute
+    assert not chunk_config(split).delay_wgrad_compute  # no Transformer Engine here
+    monkeypatch.setattr(megatron_compat, "resolve_use_te", lambda use_te: True)
+    monkeypatch.setattr(megatron_compat, "te_delays_weight_gradients", lambda: True)
+    assert chunk_config(split).delay_wgrad_compute
+    fused = _resolve([], world_size=1)
+    assert not fused.delays_weight_gradients and not chunk_config(fused).delay_wgrad_compute
+    assert not ddp_config(fused).delay_wgrad_compute
+    stock = _resolve(["--dip-schedule", "1f1b", "--dip-split-backward"], world_size=1)
+    assert not stock.delays_weight_gradients and not chunk_config(stock).delay_wgrad_compute
+
+
 def test_stock_schedules_get_megatrons_placement():
     spec = _resolve(
         ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"], world_size=2

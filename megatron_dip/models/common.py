@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional
 
+from megatron_dip import megatron_compat
 from megatron_dip.modelspec import ModuleSpec
 from megatron_dip.parallel import ParallelShape
 from megatron_dip.parallel.groups import layer_collection
@@ -157,13 +158,14 @@ def transformer_config(
     where the shape says it is in effect: asked for and TP > 1). Dropout is off because a
     random mask would differ between layouts; Megatron's own weight initialisation is skipped
     (`perform_initialization=False`): `init.py` initialises every parameter from its global
-    name.
+    name. With `config.delay_wgrad` and Transformer Engine layers that can, their weight
+    GEMMs wait for `backward_dw` (`megatron_compat.delay_weight_gradients`).
     """
     from megatron.core.transformer import TransformerConfig
 
     layer = module.layer
     dtype = torch_dtype(config.dtype)
-    return TransformerConfig(
+    tconfig = TransformerConfig(
         num_layers=module.num_layers,
         hidden_size=layer.hidden,
         ffn_hidden_size=layer.ffn,
@@ -196,6 +198,10 @@ def transformer_config(
         use_cpu_initialization=False,
         init_method_std=config.init_std,
     )
+    te = megatron_compat.resolve_use_te(config.use_te)
+    if config.delay_wgrad and te and megatron_compat.te_delays_weight_gradients():
+        megatron_compat.delay_weight_gradients(tconfig)
+    return tconfig
 
 
 def gpt_layer_spec(normalization: str, backend, *, causal: bool, qk_norm: bool = False):

@@ -23,6 +23,10 @@ class ModelConfig:
     parallel sizes and whether sequence parallelism is in effect are the run's
     `parallel.ParallelShape`, handed to the chunk builders beside this config.
     `use_te`: Transformer Engine layer specs (None: when transformer_engine imports).
+    `delay_wgrad`: Transformer Engine layers queue their weight GEMMs for `backward_dw` (a
+    split backward's W; `runtime/delayed_wgrad.py`), where the installed TE can (>= 2.3);
+    without TE, or with an older one, nothing changes (the split re-runs those layers'
+    backwards in W instead, exact but slower).
     `attention`: the packed-sequence attention kernel (`models.attention`): "auto" is Transformer
     Engine's THD attention with TE layers, else ours (torch's FlashAttention varlen kernel where it
     runs, else SDPA segment by segment); "varlen" / "segments" force our module with that kernel.
@@ -35,6 +39,7 @@ class ModelConfig:
     adaln_zero: bool = True
     use_te: bool | None = None
     gradient_accumulation_fusion: bool = False
+    delay_wgrad: bool = False
     timestep_embed_dim: int = 256
     attention: str = "auto"
 

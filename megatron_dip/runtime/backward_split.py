@@ -43,8 +43,9 @@ Python autograd Functions among the weight nodes compute all their gradients in 
 engine cannot ask them for one), so run as weight nodes they would repeat in W the input GEMM
 they did in B and do in B the weight GEMM W does. Megatron's local linear layers are such a
 Function: `linear_split` runs them through Megatron's own deferral in B and computes their
-weight gradients in W. Transformer Engine's layers would take the same place
-(`delay_wgrad_compute`, `backward_dw`); not wired (no TE here).
+weight gradients in W. Transformer Engine's layers built with `delay_wgrad_compute` defer
+their weight GEMMs themselves (`delayed_wgrad`): for autograd their weights are done in B,
+where the layer's backward queues the GEMM, and W calls their `backward_dw()`.
 
 A chunk without weight gradients (a frozen module) has no W: its B runs the whole backward and
 keeps nothing.
@@ -60,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from .delayed_wgrad import compute_delayed, is_delayed
 from .linear_split import DeferredLinears, split_deferrable
 from .sent_outputs import backward
 
@@ -149,6 +151,7 @@ class PendingWeight:
     pinned: list[tuple[Node, tuple]] = field(default_factory=list)  # weight node, its gradient
     store: SavedStore | None = None
     linears: DeferredLinears = field(default_factory=lambda: DeferredLinears([]))
+    delayed: tuple[torch.nn.Module, ...] = ()  # layers whose `backward_dw` W calls
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Tensors this pending W holds: recorded gradients and kept saved tensors."""
@@ -236,12 +239,13 @@ def classify(
 
 def _done_in_b(param: torch.Tensor) -> bool:
     """Whether a split backward accumulates `param`'s gradient in B: a vector (a norm's weight,
-    a bias added alone), or the weight of Megatron's row-parallel linear (its output gradient,
-    full width on every TP rank, would cost W about the stage's activations to hold)."""
+    a bias added alone), the weight of Megatron's row-parallel linear (its output gradient,
+    full width on every TP rank, would cost W about the stage's activations to hold), or a
+    weight whose layer delays its GEMM itself (`delayed_wgrad`: B only queues it)."""
     row_parallel = getattr(param, "tensor_model_parallel", False) and (
         getattr(param, "partition_dim", None) == 1
     )
-    return param.dim() <= 1 or row_parallel
+    return param.dim() <= 1 or row_parallel or is_delayed(param)
 
 
 def input_leaves(inputs: Iterable[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -295,14 +299,17 @@ def backward_input(
     *,
     keep_graph: bool,
     store: SavedStore | None = None,
+    delayed: Sequence[torch.nn.Module] = (),
 ) -> PendingWeight | None:
     """B: accumulate the gradients of `leaves` (the chunk's inputs). With `keep_graph` (a W
     follows for `params`) only those, recording what W needs (module docstring); without, the
-    whole backward (no W). `store`: the stage forward's saved tensors, emptied of B's own."""
+    whole backward (no W). `store`: the stage forward's saved tensors, emptied of B's own.
+    `delayed`: the chunk's layers that queue their weight GEMMs (`delayed_wgrad`), for W."""
     if not roots:
         return None
     if not keep_graph:
         backward(roots, grads)
+        compute_delayed(delayed)
         return None
     grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads)]
     edges = [get_gradient_edge(r) for r in roots]
@@ -324,6 +331,7 @@ def backward_input(
     _keep_own_linears(graph, linears, store)
     pending = _pending(graph, recorded, params)
     pending.linears = linears
+    pending.delayed = tuple(delayed)
     if graph.w_roots:
         pending.groups.append(
             _Group(
@@ -376,8 +384,9 @@ def _pin(grads: tuple, _incoming: tuple) -> tuple:
 
 def backward_weight(pending: PendingWeight | None) -> None:
     """W: accumulate the gradients of the chunk's parameters from what B recorded (its groups
-    name them), one engine call per group (so no call reaches back into the input side), and
-    free it all."""
+    name them), one engine call per group (so no call reaches back into the input side), then
+    the delayed layers' queued GEMMs (after the engine calls, which may queue some: a first
+    chunk's whole backward is W), and free it all."""
     if pending is None:
         return
     handles = [node.register_prehook(functools.partial(_pin, g)) for node, g in pending.pinned]
@@ -388,11 +397,13 @@ def backward_weight(pending: PendingWeight | None) -> None:
             torch.autograd.backward(
                 group.edges, group.grads, inputs=group.params, retain_graph=True
             )
+        compute_delayed(pending.delayed)
     finally:
         for h in handles:
             h.remove()
     pending.groups.clear()
     pending.pinned.clear()
+    pending.delayed = ()
     pending.store = None
 
 

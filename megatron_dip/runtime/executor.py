@@ -89,6 +89,7 @@ from .checks import (
 )
 from .data import BatchSource
 from .ddp import reduce_sequence_parallel_grads
+from .delayed_wgrad import check_accumulated, compute_delayed, delayed_modules
 from .errors import MessageError
 from .gradsync import grad_sync_points
 from .iteration import IterationResult
@@ -238,6 +239,11 @@ class Executor:
         self._weighted = {
             i.stage for i in self.program.instructions if isinstance(i, BackwardWeight)
         }
+        # Layers computing their weight gradients in `backward_dw` (Transformer Engine's
+        # delayed wgrad), per chunk: found once, called after every backward of the chunk.
+        self._delayed = {key: delayed_modules(unwrap_chunk(c)) for key, c in self.chunks.items()}
+        for key, modules in self._delayed.items():
+            check_accumulated(self.chunks[key], modules)
         self._sync_log: list[tuple[int, tuple[str, int]]] = []
         self._sent = SentOutputs()
         self.freed_bytes = 0  # sent outputs' data freed before their backward (this run)
@@ -512,6 +518,8 @@ class Executor:
                 engine_backward(roots, grads)
             elif roots:
                 torch.autograd.backward(roots, grads)
+            if roots:
+                compute_delayed(self._delayed[(stage.module, stage.chunk)])
         self._produce_input_grads(index, stage, saved)
         return 1
 
@@ -529,6 +537,7 @@ class Executor:
                 params,
                 keep_graph=keep,
                 store=saved.store,
+                delayed=self._delayed[(stage.module, stage.chunk)],
             )
         if keep:
             self._pending[stage] = pending

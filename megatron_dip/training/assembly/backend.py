@@ -83,6 +83,7 @@ def model_config(spec: RunSpec) -> ModelConfig:
         dtype=spec.dtype,
         init_std=spec.training.init_std,
         attention=spec.training.attention,
+        delay_wgrad=spec.delays_weight_gradients,
     )
 
 

@@ -80,6 +80,9 @@ def ddp_config(spec: RunSpec):
         use_distributed_optimizer=spec.distributed_optimizer,
         bucket_size=None,
         grad_reduce_in_fp32=spec.dtype != "float32",
+        # Parameters whose layers delay their weight GEMMs get their hooks on the layer
+        # (`runtime/delayed_wgrad.py`); no other parameter is affected.
+        delay_wgrad_compute=spec.delays_weight_gradients,
     )
 
 

@@ -139,3 +139,11 @@ class RunSpec:
     @property
     def is_stock(self) -> bool:
         return self.schedule != "dip"
+
+    @property
+    def delays_weight_gradients(self) -> bool:
+        """Whether layers that can queue their weight GEMMs for a split backward's W do
+        (Transformer Engine's `delay_wgrad_compute`; the model and its DDP wrappers are built
+        so): under DIP's schedule with --dip-split-backward. Megatron's stock schedules never
+        call `backward_dw`."""
+        return not self.is_stock and self.planner.split_backward

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import replace
 
+from megatron_dip import megatron_compat
 from megatron_dip.batching import packing_limits
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.parallel import ParallelShape, ShapeError
@@ -390,6 +391,7 @@ def resolve(
     data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     device = run_device(config, cuda=cuda)
     kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
+    _warn_split_without_delayed_wgrad(config, cuda=cuda, emulate=emulate)
     cost = run_cost_model(config, model, device, shape=shape, kernels=kernels)
     uniform = None if recompute == NO_RECOMPUTE else recompute
     base = planner_config(
@@ -459,6 +461,22 @@ def resolve(
         pretrained=pretrained,
         flags=config.flat(),
     )
+
+
+def _warn_split_without_delayed_wgrad(config: TrainConfig, *, cuda: bool, emulate: bool) -> None:
+    """--dip-split-backward on Transformer Engine layers too old to queue their weight GEMMs
+    (TE < 2.3): the split stays exact, but W re-runs those layers' backwards, which the cost
+    model does not price; say so once, at start-up."""
+    if not config.dip.dip_split_backward or emulate or not cuda:
+        return
+    te = megatron_compat.transformer_engine_available()
+    if te and not megatron_compat.te_delays_weight_gradients():
+        logger.warning(
+            "--dip-split-backward: Transformer Engine < %s cannot delay its layers' weight "
+            "GEMMs; each split backward's W re-runs those layers' backwards (exact, slower "
+            "than planned)",
+            megatron_compat.TE_DELAYED_WGRAD,
+        )
 
 
 def _search(config: TrainConfig) -> SearchConfig:
