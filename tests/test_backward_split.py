@@ -369,16 +369,18 @@ def test_planner_with_split_backward_fits_and_never_loses(search: bool, monkeypa
     """`PlannerConfig.split_backward` under a memory limit that binds (60% of the unlimited
     plan's peak): a valid split plan within the limit per the simulator, no slower than the
     same planner's fused plan; with the search on, also when the search runs again with split
-    schedules as its score (`DipPlanner._split_search`)."""
+    schedules as its score (`SplitCandidates.searched_order`)."""
     from planner_cases import tiny_case
 
-    from megatron_dip.planner.dip import DipPlanner
     from megatron_dip.planner.simulator import simulate
+    from megatron_dip.planner.split_candidates import SplitCandidates
 
     searched = []
-    split_search = DipPlanner._split_search
+    searched_order = SplitCandidates.searched_order
     monkeypatch.setattr(
-        DipPlanner, "_split_search", lambda *a: searched.append(1) or split_search(*a)
+        SplitCandidates,
+        "searched_order",
+        lambda *a: searched.append(1) or searched_order(*a),
     )
     case = tiny_case(pipeline=4, search=search)
     cost = case.cost_model()
@@ -399,7 +401,7 @@ def test_planner_with_split_backward_fits_and_never_loses(search: bool, monkeypa
 def test_list_scheduled_split_keeps_heavy_backwards_fused_where_all_split_does_not_fit(
     monkeypatch,
 ):
-    """DIP's own order list-scheduled with split backwards (`DipPlanner._split_order_plan`):
+    """DIP's own order list-scheduled with split backwards (`SplitCandidates.order_plan`):
     where no all-split schedule fits (forced here), it schedules again with the stages whose
     pending W holds more than their activations fused; under a binding limit (60% of the
     unlimited peak, so some chunks recompute) that gives a valid mixed plan within the limit
@@ -407,8 +409,8 @@ def test_list_scheduled_split_keeps_heavy_backwards_fused_where_all_split_does_n
     from planner_cases import tiny_case
 
     from megatron_dip.planner import weight_fill
-    from megatron_dip.planner.dip import DipPlanner
     from megatron_dip.planner.simulator import simulate
+    from megatron_dip.planner.split_candidates import SplitCandidates
 
     case = tiny_case(pipeline=2, search=False)
     cost = case.cost_model()
@@ -417,13 +419,13 @@ def test_list_scheduled_split_keeps_heavy_backwards_fused_where_all_split_does_n
     planner = case.planner(limit)
     planner.config = replace(planner.config, split_backward=True, split_always=True)
     tried = []
-    options_plan = DipPlanner._split_options_plan
+    options_plan = SplitCandidates.options_plan
 
     def all_split_never_fits(self, *args):
         tried.append(args[-1])
         return options_plan(self, *args) if args[-1] else None
 
-    monkeypatch.setattr(DipPlanner, "_split_options_plan", all_split_never_fits)
+    monkeypatch.setattr(SplitCandidates, "options_plan", all_split_never_fits)
     # Only the list-scheduled split candidate: the post-pass (imported by the planner as it
     # runs) keeps the fused plan.
     monkeypatch.setattr(

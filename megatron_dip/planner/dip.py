@@ -30,7 +30,6 @@ from ..schedule.graph import Dataflow
 from ..schedule.ir import (
     NO_RECOMPUTE,
     BatchTotals,
-    ChunkSpec,
     Forward,
     MemoryPolicy,
     MessageKey,
@@ -61,7 +60,8 @@ from .memory import (
 from .overheads import host_overheads
 from .retime import retimed
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
-from .simulator import activation_peaks, reduction_time, simulate
+from .simulator import activation_peaks, simulate
+from .split_candidates import best_split_plan
 from .stock_configs import best_fitting_mode, max_chunk_layers, peaks_fit, with_recompute
 from .submicrobatch import split_modules
 
@@ -70,9 +70,6 @@ logger = logging.getLogger(__name__)
 # How much more in-flight activation memory the memory pass lets the scheduler plan with before
 # recomputation brings it back under the real limit.
 RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
-# The same for schedules with split backwards (`DipPlanner._split_choices`): fewer, to keep the
-# split candidate's planning time small.
-SPLIT_RELAXATION_FACTORS = (1.25,)
 # The coarser sub-microbatch sizes a run with --dip-coarser-sub-microbatches (and the study's
 # full DIP) also plans each batch at, as multiples of the configured ones (`sub_size_choice`).
 COARSER_SUB_SIZES = (1.5, 2.0)
@@ -122,8 +119,9 @@ class PlannerConfig:
     # the fused backward has not been measured on a GPU (docs/benchmarks.md).
     split_backward: bool = False
     # With `split_backward` and the search on, search the unit order a second time scored by
-    # split list schedules (`_split_search`). Off by default: on VLM-S, T2V-S and VLM-M it found
-    # no faster order and costs about 0.5 s of CPU per plan (docs/benchmarks.md).
+    # split list schedules (`split_candidates.SplitCandidates.searched_order`). Off by default:
+    # on VLM-S, T2V-S and VLM-M it found no faster order and costs about 0.5 s of CPU per plan
+    # (docs/benchmarks.md).
     split_search: bool = False
     # With `split_backward`: run the fastest fitting split plan even where the fused plan
     # simulates faster, so that a benchmark measures the split runtime (its W, its reductions)
@@ -366,7 +364,7 @@ class DipPlanner:
         if self.config.split_backward and not forward_only and not quick:
             with self._pass("backward split"):
                 scheduled = (dataflow, sub_of, result.order, choice)
-                plan, simulated = self._split_backwards(plan, own, scheduled, use_search)
+                plan, simulated = best_split_plan(self, plan, own, scheduled, use_search)
         overcommitted = schedule.overcommitted and plan.name == "dip"
         if overcommitted:
             self._overcommitted(schedule, errors)
@@ -436,177 +434,6 @@ class DipPlanner:
                 validate_plan(found[0])
             return found[0], found[1].iteration_time
         return plan, ours.iteration_time
-
-    def _split_backwards(
-        self, plan: Plan, own: Plan, scheduled: tuple, use_search: bool = False
-    ) -> tuple[Plan, float]:
-        """The fastest within memory of `plan` (the chosen fused plan), `plan` with its W moved
-        into its bubbles (`weight_fill.split_into_bubbles`) and DIP's own schedule (`own`, of
-        `scheduled` = dataflow, sub-microbatches, order, recompute choice) list-scheduled with
-        split backwards (`split_schedule`), and, with `use_search`, the order the search finds
-        when it scores split list schedules, with its simulated time. With `split_always`, the
-        fastest fitting split candidate even where `plan` is faster (`plan` where none fits)."""
-        from .weight_fill import split_into_bubbles
-
-        limits = self._memory_limits()
-        always = self.config.split_always
-        best, sim = split_into_bubbles(
-            plan,
-            self.cost_model,
-            limits=limits,
-            channel=per_peer_channel,
-            require_faster=not always,
-        )
-        found = self._split_list_schedule(own, *scheduled, limits, use_search=use_search)
-        logger.debug(
-            "split backwards: post-pass %.6g s, list schedule %s",
-            sim.iteration_time,
-            "none fits" if found is None else f"{found[1].iteration_time:.6g} s",
-        )
-        if found is not None and (
-            found[1].iteration_time < sim.iteration_time or (always and best is plan)
-        ):
-            best, sim = found
-        if always and best is plan:
-            logger.warning("--dip-split-backward-always: no split plan fits; running the fused one")
-        if best is not plan and self.config.validate_plans:
-            validate_plan(best)
-        return best, sim.iteration_time
-
-    def _split_list_schedule(
-        self,
-        own: Plan,
-        dataflow: Dataflow,
-        sub_of: Mapping,
-        order,
-        choice,
-        limits,
-        *,
-        use_search: bool = False,
-    ) -> tuple[Plan, object] | None:
-        """DIP's order list-scheduled with split backwards under its recompute choice and under
-        the choices the memory pass makes for split schedules (`_split_choices`), and, with
-        `use_search` and `split_search`, the order searched by split makespans
-        (`_split_search`) under `choice`:
-        the fastest simulated as a plan with its simulation; None where none fits `limits`."""
-        options = [choice, *self._split_choices(dataflow, sub_of, order, limits)]
-        found = [self._split_order_plan(own, dataflow, sub_of, order, options, limits)]
-        searched = None
-        if use_search and self.config.split_search:
-            searched = self._split_search(dataflow, sub_of, choice, limits)
-        if searched is not None and tuple(searched) != tuple(order):
-            found.append(self._split_order_plan(own, dataflow, sub_of, searched, [choice], limits))
-        fitting = [f for f in found if f is not None]
-        return min(fitting, key=lambda f: f[1].iteration_time, default=None)
-
-    def _split_search(self, dataflow: Dataflow, sub_of: Mapping, choice, limits) -> tuple:
-        """The unit order the search finds when it scores each order by its split list
-        schedule's makespan (`split_schedule.SplitScore`) under `choice`."""
-        from .split_schedule import SEARCH_OVERSHOOTS, SEARCH_ROUNDS, SplitScore
-
-        graph = self._split_graph(dataflow, sub_of, choice)
-        factory = functools.partial(
-            SplitScore, graph, limits, self.config.fill_bubbles, SEARCH_OVERSHOOTS, SEARCH_ROUNDS
-        )
-        return self._search(graph, dataflow, limits, use_search=True, factory=factory).order
-
-    def _split_order_plan(
-        self, own: Plan, dataflow: Dataflow, sub_of: Mapping, order, options, limits
-    ) -> tuple[Plan, object] | None:
-        """`order` list-scheduled with split backwards under each recompute choice of
-        `options`, the fastest as a plan with its simulation; None where none fits `limits`.
-        Where none fits with every backward split, the stages whose pending W would hold more
-        than their activations (recomputed layers, rebuilt in B) keep their fused backward."""
-        for keep_heavy in (False, True):
-            found = self._split_options_plan(
-                own, dataflow, sub_of, order, options, limits, keep_heavy
-            )
-            if found is not None or limits is None:
-                return found
-        return None
-
-    def _split_options_plan(
-        self, own: Plan, dataflow, sub_of: Mapping, order, options, limits, keep_heavy: bool
-    ) -> tuple[Plan, object] | None:
-        """`_split_order_plan` with or without the heavy stages fused (`keep_heavy`)."""
-        from .split_schedule import split_plan
-
-        best = None
-        for option in options:
-            found = self._split_scheduled(dataflow, sub_of, order, option, limits, keep_heavy)
-            if found is not None and (best is None or found.makespan < best.makespan):
-                best = found
-        if best is None:
-            return None
-        plan = split_plan(own, best, dataflow, functools.partial(self._tensors, sub_of))
-        sim = simulate(plan, self.cost_model, channel=per_peer_channel)
-        caps = limits or [float("inf")] * len(sim.peak_activation_bytes)
-        if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):
-            return None
-        return plan, sim
-
-    def _split_graph(self, dataflow: Dataflow, sub_of: Mapping, choice, keep_heavy: bool = False):
-        """The stage graph under `choice` with split backwards and the chunks' reductions
-        (`keep_heavy`: `_split_cost`'s)."""
-        from .split_schedule import split_graph, with_reductions
-
-        fused = self._graph(dataflow, sub_of, choice, forward_only=False)
-        cost = functools.partial(self._split_cost, sub_of, choice, keep_heavy=keep_heavy)
-        graph = split_graph(fused, cost)
-        return with_reductions(graph, dataflow.placement, self._reduce_time)
-
-    def _split_scheduled(
-        self, dataflow, sub_of, order, choice, limits, keep_heavy: bool = False
-    ) -> ListSchedule | None:
-        from .split_schedule import best_split_schedule
-
-        graph = self._split_graph(dataflow, sub_of, choice, keep_heavy)
-        return best_split_schedule(
-            graph,
-            priority=priorities_from_units(graph.stages, order),
-            memory_limit=limits,
-            recompute=choice.of,
-            fill_bubbles=self.config.fill_bubbles,
-        )
-
-    def _split_choices(self, dataflow, sub_of, order, limits) -> list[RecomputeChoice]:
-        """The memory pass for split schedules: schedule with split backwards as if the limit
-        were `factor` times larger, then choose recomputation so that what that schedule keeps
-        alive (a stage until its W) fits the real limit (`RELAXATION_FACTORS`)."""
-        from .split_schedule import held_until_weights
-
-        if limits is None or not self.config.optimize_memory:
-            return []
-        out = []
-        for factor in SPLIT_RELAXATION_FACTORS:
-            loose = self._split_scheduled(
-                dataflow, sub_of, order, self._uniform_choice(), [x * factor for x in limits]
-            )
-            if loose is None:
-                continue
-            try:
-                out.append(self._choose(held_until_weights(loose.orders), dataflow, sub_of, limits))
-            except MemoryLimitError:
-                continue
-        return out
-
-    def _reduce_time(self, chunk: ChunkSpec) -> float:
-        """Seconds of `chunk`'s data-parallel gradient reduction, as the simulator prices its
-        `ReduceGrads`."""
-        return reduction_time(self.cost_model, chunk, self.config.data_parallel)
-
-    def _split_cost(
-        self, sub_of: Mapping, choice, stage: StageId, *, keep_heavy: bool = False
-    ) -> tuple[float, float, float]:
-        """(B, W) seconds of a stage's split backward, each with its instruction's host time,
-        and the bytes its pending W holds; W 0 (the backward stays whole) for a module without
-        weight gradients, and with `keep_heavy` for a stage whose pending W would hold more
-        than its activations."""
-        c = self._stage_cost(sub_of, stage, choice.of(stage))
-        host = host_overheads(self.cost_model).instruction
-        if c.weight <= 0 or (keep_heavy and c.pending_weight_bytes > c.activation_bytes):
-            return c.backward + host, 0.0, float(c.activation_bytes)
-        return c.backward_input + host, c.weight + host, float(c.pending_weight_bytes)
 
     def _stage_times(self, merged: Sequence[MicrobatchWork], mode: MemoryPolicy) -> list[float]:
         """Forward and backward compute of every (chunk, sub-microbatch) of `merged` under

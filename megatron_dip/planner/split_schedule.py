@@ -13,7 +13,7 @@ data-parallel reductions, which the scheduler keeps from being exposed by deferr
 `split_plan` makes the plan from the
 schedule (communication, W placed, one gradient reduction per trainable chunk). The DIP planner
 keeps the split plan only where it simulates faster than the fused one within memory
-(`DipPlanner._split_backwards`), so splitting is one more candidate: it can only help.
+(`split_candidates.best_split_plan`), so splitting is one more candidate: it can only help.
 """
 
 from __future__ import annotations
