@@ -38,7 +38,8 @@ from .placement import (
     build_dip_placement,
     choose_dip_placement,
 )
-from .placement_search import greedy_score, static_candidates
+from .placement_neighbours import search_candidates
+from .placement_search import greedy_score, rank_load_bound
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .sizing import activation_limits, average_workload
@@ -148,7 +149,8 @@ class Comparison:
             workload=workload,
             unit_instances=sub_sizes,
             evaluate=functools.partial(cmp.score_placement, calibration[:2]),
-            extra=static_candidates(static),
+            extra=search_candidates(model, static),
+            bound=functools.partial(cmp.bound_placement, calibration[:2]),
         )
         return cmp
 
@@ -158,6 +160,13 @@ class Comparison:
         planner = trial.planner(use_search=False, sub_size_scales=())
         limits = trial.memory(cand.placement)
         return greedy_score(planner, batches, limits=limits, channel=self.dip_channel)
+
+    def bound_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
+        """`placement_search.rank_load_bound` of `batches` under the candidate: no
+        `score_placement` of it is lower, so the search need not score a candidate whose bound
+        exceeds the best score (the same choice for less work)."""
+        trial = dataclasses.replace(self, dip=cand)
+        return rank_load_bound(trial.planner(use_search=False, sub_size_scales=()), batches)
 
     def memory(self, placement: Placement) -> list[float]:
         return activation_limits(placement, self.cost_model, device=self.device)

@@ -37,11 +37,8 @@ from megatron_dip.planner.placement import (
     choose_dip_placement,
     parse_segments,
 )
-from megatron_dip.planner.placement_search import (
-    greedy_score,
-    rank_load_bound,
-    static_candidates,
-)
+from megatron_dip.planner.placement_neighbours import search_candidates
+from megatron_dip.planner.placement_search import greedy_score, rank_load_bound
 from megatron_dip.planner.sizing import (
     MemoryBudgetError,
     activation_budget,
@@ -253,10 +250,13 @@ def _named_static(sizing: _Sizing, flag: str) -> PlacementCandidate:
     static = static_pipelines(
         sizing.model, sizing.cost_model, num_ranks=sizing.pp, workload=sizing.workload
     )
-    known = {placement_flag(c.name, {}): c for c in static_candidates(static)}
+    known = {placement_flag(c.name, {}): c for c in search_candidates(sizing.model, static)}
     if flag not in known:
+        listed = [f for f in known if "-cut-" not in f]  # the cut variants would drown them
         raise _fail(
-            "--dip-segments", f"unknown static placement {flag!r}; known: {', '.join(known)}"
+            "--dip-segments",
+            f"unknown static placement {flag!r}; known: {', '.join(listed)} "
+            "(and the start-up search's '-cut-' variants of the one-list ones)",
         )
     return known[flag]
 
@@ -284,7 +284,7 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         workload=sizing.workload,
         unit_instances=sizing.sub_sizes,
         evaluate=sizing.score,
-        extra=static_candidates(static),
+        extra=search_candidates(model, static),
         bound=sizing.bound,
         workers=workers,
     )
