@@ -38,8 +38,8 @@ from .placement import (
     build_dip_placement,
     choose_dip_placement,
 )
-from .placement_neighbours import search_candidates
-from .placement_search import greedy_score, rank_load_bound
+from .placement_climb import climb_cut
+from .placement_search import greedy_score, rank_load_bound, static_candidates
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .sizing import activation_limits, average_workload
@@ -142,16 +142,19 @@ class Comparison:
         static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
         rule_candidate = PlacementCandidate("rule", rule)
         cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
-        cmp.dip, cmp.placement_scores = choose_dip_placement(
+        evaluate = functools.partial(cmp.score_placement, calibration[:2])
+        bound = functools.partial(cmp.bound_placement, calibration[:2])
+        chosen, cmp.placement_scores = choose_dip_placement(
             model,
             cost_model,
             num_ranks=p,
             workload=workload,
             unit_instances=sub_sizes,
-            evaluate=functools.partial(cmp.score_placement, calibration[:2]),
-            extra=search_candidates(model, static),
-            bound=functools.partial(cmp.bound_placement, calibration[:2]),
+            evaluate=evaluate,
+            extra=static_candidates(static),
+            bound=bound,
         )
+        cmp.dip = climb_cut(model, chosen, cmp.placement_scores, evaluate=evaluate, bound=bound)
         return cmp
 
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
