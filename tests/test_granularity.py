@@ -138,6 +138,7 @@ def test_the_start_up_search_scores_on_worker_processes_with_the_same_choice(cap
             spec = resolve_run([*_TINY, "--dip-startup-workers", str(workers)], world_size=2)
         (record,) = [r for r in caplog.records if "chosen" in r.getMessage()]
         pooled = [r for r in caplog.records if r.name == candidate_pool.__name__]
-        assert record.args[2] == workers and len(pooled) == (workers > 1)
+        # one pool for the search, and one per step of the cut's climb (placement_climb)
+        assert record.args[2] == workers and bool(pooled) == (workers > 1)
         seen.append((spec.placement_name, spec.segments, record.args[-1]))
     assert seen[0] == seen[1] and len(seen[0][2]) > 2

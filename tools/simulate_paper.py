@@ -85,6 +85,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
     search = SearchConfig(
         max_rollouts=args.search_rollouts, time_budget_s=args.search_time_ms / 1e3, seed=args.seed
     )
+    started = time.perf_counter()
     cmp, stream = paper_comparison(
         setup_name,
         mixture,
@@ -93,6 +94,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         calibration_batches=args.calibration_batches,
         search=search,
     )
+    sizing_seconds = time.perf_counter() - started  # the start-up placement search, mostly
     study = Study()
     for _ in range(args.batches):
         batch = next(stream)
@@ -105,6 +107,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         "mixture": mixture,
         "dip_placement": cmp.dip.name,
         "placement_scores": cmp.placement_scores,
+        "sizing_seconds": sizing_seconds,
         "sub_sizes": cmp.sub_sizes,
         **study.summary(),
         "rows": [r.as_dict() for r in [*study.stock_rows(), *study.peer_rows(), *study.dip_rows()]],
@@ -157,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(title, study), flush=True)
             if result["vs_zb_h1"] is not None:
                 print(f"   DIP vs the ZB-H1 peer: {result['vs_zb_h1']:.2f}x", flush=True)
-            print(f"   ({args.batches} batches, {result['wall_seconds']:.0f} s)\n", flush=True)
+            print(
+                f"   ({args.batches} batches, {result['wall_seconds']:.0f} s; placement search "
+                f"{result['sizing_seconds']:.0f} s, {len(result['placement_scores'])} "
+                "candidates scored)\n",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -38,7 +38,8 @@ from .placement import (
     build_dip_placement,
     choose_dip_placement,
 )
-from .placement_search import greedy_score, static_candidates
+from .placement_climb import climb_cut
+from .placement_search import greedy_score, rank_load_bound, static_candidates
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .sizing import activation_limits, average_workload
@@ -141,15 +142,19 @@ class Comparison:
         static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
         rule_candidate = PlacementCandidate("rule", rule)
         cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
-        cmp.dip, cmp.placement_scores = choose_dip_placement(
+        evaluate = functools.partial(cmp.score_placement, calibration[:2])
+        bound = functools.partial(cmp.bound_placement, calibration[:2])
+        chosen, cmp.placement_scores = choose_dip_placement(
             model,
             cost_model,
             num_ranks=p,
             workload=workload,
             unit_instances=sub_sizes,
-            evaluate=functools.partial(cmp.score_placement, calibration[:2]),
+            evaluate=evaluate,
             extra=static_candidates(static),
+            bound=bound,
         )
+        cmp.dip = climb_cut(model, chosen, cmp.placement_scores, evaluate=evaluate, bound=bound)
         return cmp
 
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
@@ -158,6 +163,13 @@ class Comparison:
         planner = trial.planner(use_search=False, sub_size_scales=())
         limits = trial.memory(cand.placement)
         return greedy_score(planner, batches, limits=limits, channel=self.dip_channel)
+
+    def bound_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
+        """`placement_search.rank_load_bound` of `batches` under the candidate: no
+        `score_placement` of it is lower, so the search need not score a candidate whose bound
+        exceeds the best score (the same choice for less work)."""
+        trial = dataclasses.replace(self, dip=cand)
+        return rank_load_bound(trial.planner(use_search=False, sub_size_scales=()), batches)
 
     def memory(self, placement: Placement) -> list[float]:
         return activation_limits(placement, self.cost_model, device=self.device)

@@ -54,7 +54,7 @@ def _layer_weights(
     return items
 
 
-def _pipeline_from_cuts(
+def pipeline_from_cuts(
     name: str,
     model: MultimodalSpec,
     items: list[tuple[str, int, float]],
@@ -62,6 +62,8 @@ def _pipeline_from_cuts(
     num_ranks: int,
     v: int,
 ) -> StaticPipeline:
+    """The pipeline whose stage i holds the `items` (module, layer, weight) in `cuts[i]`,
+    stage i on rank i mod `num_ranks` as its virtual stage i // `num_ranks` (of `v`)."""
     runs: dict[str, list[tuple[int, int, int]]] = {
         m.name: [] for m in model.modules
     }  # (stage, start, end)
@@ -97,7 +99,7 @@ def one_list_pipeline(
     items = _layer_weights(model, cost_model, workload, by)
     stages = num_ranks * num_model_chunks
     cuts = balanced_layer_split(len(items), stages, lambda i, s, e: sum(w for *_, w in items[s:e]))
-    return _pipeline_from_cuts(f"{by}-split", model, items, cuts, num_ranks, num_model_chunks)
+    return pipeline_from_cuts(f"{by}-split", model, items, cuts, num_ranks, num_model_chunks)
 
 
 def stock_pipeline(
@@ -121,7 +123,7 @@ def stock_pipeline(
     tail_cuts = balanced_layer_split(len(tail), stages, cost)
     offset = len(items) - len(tail)
     cuts = [(0 if i == 0 else s + offset, e + offset) for i, (s, e) in enumerate(tail_cuts)]
-    return _pipeline_from_cuts("stock", model, items, cuts, num_ranks, num_model_chunks)
+    return pipeline_from_cuts("stock", model, items, cuts, num_ranks, num_model_chunks)
 
 
 def static_pipelines(

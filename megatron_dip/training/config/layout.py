@@ -7,7 +7,8 @@ keeping 95% of peak efficiency), and the placement: for `--dip-schedule 1f1b|int
 stock Megatron placement of `--dip-stock-placement`; for DIP the `--dip-segments` given, or a
 start-up search over DIP's segment counts (the latency rule K_i = floor(T_i / T_min) among them)
 and the static Megatron placements (encoder on the first stage, one layer list cut by cost or
-parameters, 1 or 2 chunks per rank), scored by simulated greedy plans of the first calibration
+parameters, 1 or 2 chunks per rank; a winning one-list cut then moved a layer at a time while
+that scores lower), scored by simulated greedy plans of the first calibration
 batches (`planner.placement_search`) under the cost model, host overheads included
 (--dip-host-overheads): so the search trades granularity against the runtime's per-instruction
 cost, and the sub-microbatch sizes count the host time of a pass through a module's chunks. A
@@ -37,11 +38,9 @@ from megatron_dip.planner.placement import (
     choose_dip_placement,
     parse_segments,
 )
-from megatron_dip.planner.placement_search import (
-    greedy_score,
-    rank_load_bound,
-    static_candidates,
-)
+from megatron_dip.planner.placement_climb import climb_cut
+from megatron_dip.planner.placement_neighbours import CUT, cut_candidate
+from megatron_dip.planner.placement_search import greedy_score, rank_load_bound, static_candidates
 from megatron_dip.planner.sizing import (
     MemoryBudgetError,
     activation_budget,
@@ -249,22 +248,31 @@ def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
 
 
 def _named_static(sizing: _Sizing, flag: str) -> PlacementCandidate:
-    """The static placement --dip-segments static:NAME names (no search)."""
+    """The static placement --dip-segments static:NAME names (no search); NAME-cut-SIZES
+    (layers per stage, "cost-split-v1-cut-18/19/19/39") is a cut the start-up search moved."""
     static = static_pipelines(
         sizing.model, sizing.cost_model, num_ranks=sizing.pp, workload=sizing.workload
     )
     known = {placement_flag(c.name, {}): c for c in static_candidates(static)}
-    if flag not in known:
+    head, moved, sizes = flag.partition(CUT.replace(" ", "-"))
+    if head not in known:
         raise _fail(
             "--dip-segments", f"unknown static placement {flag!r}; known: {', '.join(known)}"
         )
-    return known[flag]
+    if not moved:
+        return known[head]
+    try:  # a cut the start-up search moved: "static:cost-split-v1-cut-18/19/19/39"
+        return cut_candidate(sizing.model, known[head], [int(x) for x in sizes.split("/")])
+    except ValueError as e:
+        raise _fail("--dip-segments", f"{flag!r}: {e}") from None
 
 
 def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
     """The placement of `segments` (`given`: --dip-segments; static:NAME names a static one),
     or for PP > 1 the start-up search: DIP's segment counts (`segments`, the latency rule's,
-    among them) and the static Megatron placements, scored by simulated greedy plans."""
+    among them) and the static Megatron placements, scored by simulated greedy plans; a static
+    one-list cut that wins is then moved a layer at a time while that scores lower
+    (`placement_climb`)."""
     model, cost, pp = sizing.model, sizing.cost_model, sizing.pp
     flag = sizing.config.dip.dip_segments or ""
     if flag.startswith(STATIC_PREFIX):
@@ -287,6 +295,9 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         extra=static_candidates(static),
         bound=sizing.bound,
         workers=workers,
+    )
+    chosen = climb_cut(
+        model, chosen, scores, evaluate=sizing.score, bound=sizing.bound, workers=workers
     )
     segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
