@@ -10,7 +10,8 @@ would hold more than their activations (recomputed layers, rebuilt in B) keep th
 backward. Splitting is one more candidate, so it can only help the simulated iteration.
 
 Like `fallback` and `sub_size_choice`, this works through the planner's own graph, cost, memory
-and search helpers: one planner, one way of pricing a stage.
+and search helpers (`planner`: the `DipPlanner`, which imports this module): one planner, one
+way of pricing a stage.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..schedule.engine import per_peer_channel
 from ..schedule.graph import Dataflow
@@ -30,9 +31,6 @@ from .memory import MemoryLimitError, RecomputeChoice
 from .overheads import host_overheads
 from .simulator import SimResult, reduction_time, simulate
 
-if TYPE_CHECKING:
-    from .dip import DipPlanner
-
 logger = logging.getLogger(__name__)
 
 # How much more in-flight activation memory the memory pass lets a split schedule plan with
@@ -42,7 +40,7 @@ SPLIT_RELAXATION_FACTORS = (1.25,)
 
 
 def best_split_plan(
-    planner: DipPlanner, plan: Plan, own: Plan, scheduled: tuple, use_search: bool = False
+    planner, plan: Plan, own: Plan, scheduled: tuple, use_search: bool = False
 ) -> tuple[Plan, float]:
     """The fastest within memory of `plan` (the chosen fused plan), `plan` with its W moved
     into its bubbles and DIP's own schedule (`own`, of `scheduled` = dataflow,
@@ -85,7 +83,7 @@ class SplitCandidates:
     fused plan of `dataflow`, whose microbatches and messages the split plans keep),
     `sub_of` (its sub-microbatches by work id) and the activation `limits` (None: none)."""
 
-    planner: DipPlanner
+    planner: Any  # the `DipPlanner` (not imported: it imports this module)
     dataflow: Dataflow
     sub_of: Mapping
     own: Plan
