@@ -234,20 +234,10 @@ class _QueuedFc1(torch.nn.Module):
 def _chunks_with_queued_fc1(batch, placement, groups, *, delay: bool):
     import test_runtime_setups as st
 
-    from megatron_dip.modalities import build_chunk
-
-    chunks = []
-    for c in placement.chunks_on_rank(0):
-        chunk = build_chunk(
-            batch.model,
-            c,
-            num_chunks=placement.module(c.module).num_chunks,
-            config=st.CFG,
-            groups=groups,
-        )
+    chunks = st.rank_chunks(batch, placement, groups)
+    for chunk in chunks:
         for layer in chunk.layers:
             layer.mlp.linear_fc1 = _QueuedFc1(layer.mlp.linear_fc1, delay=delay)
-        chunks.append(chunk)
     return chunks
 
 

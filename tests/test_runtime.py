@@ -81,19 +81,6 @@ def _setup(kind: str, *, segments: int = 2, forward_only: bool = False):
     return batch, placement, plan
 
 
-def _chunks(batch, placement, groups):
-    return [
-        build_chunk(
-            batch.model,
-            c,
-            num_chunks=placement.module(c.module).num_chunks,
-            config=st.CFG,
-            groups=groups,
-        )
-        for c in placement.chunks_on_rank(0)
-    ]
-
-
 def _run(batch, placement, plan, chunks, **runtime_options):
     runtime = st.rank_runtime(
         batch, placement, chunks, pp_group=dist.group.WORLD, **runtime_options
@@ -263,7 +250,7 @@ def test_stock_and_dip_share_one_normalisation(per_token):
 
 def test_plan_for_other_chunks_is_refused_before_running(groups):
     batch, placement, plan = _setup("vlm")
-    chunks = _chunks(batch, placement, groups)
+    chunks = st.rank_chunks(batch, placement, groups)
     with pytest.raises(PlanError, match="was not built"):
         _run(batch, placement, plan, chunks[1:])
     wrong = ChunkSpec("vit", 0, 0, 0, 3)
@@ -397,7 +384,7 @@ def test_module_recompute_plans_give_the_same_gradients_bit_for_bit(groups, kind
     runs = {}
     for name, p in (("plain", plan), ("modules", st.with_recompute(plan, policy))):
         for split in (False, True):
-            chunks = _chunks(batch, placement, groups)
+            chunks = st.rank_chunks(batch, placement, groups)
             result = _run(batch, placement, st.split_plan(p) if split else p, chunks)
             assert result.objective == pytest.approx(loss, rel=1e-12)
             runs[(name, split)] = (result.objective, _grads(chunks))
@@ -413,7 +400,7 @@ def test_module_recompute_plans_give_the_same_gradients_bit_for_bit(groups, kind
 @pytest.mark.parametrize("kind", ["vlm", "t2v"])
 def test_per_token_loss_matches_reference(groups, kind):
     batch, placement, plan = _setup(kind)
-    chunks = _chunks(batch, placement, groups)
+    chunks = st.rank_chunks(batch, placement, groups)
     config = ExecutorConfig(loss=LossConfig(per_token=True), debug=True)
     result = _run(batch, placement, plan, chunks, config=config)
     loss, ref = _reference(batch, groups, per_token_loss=True)
@@ -429,7 +416,7 @@ def test_per_token_loss_matches_reference(groups, kind):
 
 def test_forward_only_plan_reports_losses_and_keeps_nothing(groups):
     batch, placement, plan = _setup("vlm", forward_only=True)
-    chunks = _chunks(batch, placement, groups)
+    chunks = st.rank_chunks(batch, placement, groups)
     result = _run(batch, placement, plan, chunks)
     assert all(p.grad is None for c in chunks for p in c.parameters())
     loss, _ = _reference(batch, groups)
@@ -448,7 +435,7 @@ def test_drop_in_installed_into_megatron_runs_the_plan(groups):
 
     original = schedules.get_forward_backward_func
     batch, placement, plan = _setup("t2v")
-    chunks = _chunks(batch, placement, groups)
+    chunks = st.rank_chunks(batch, placement, groups)
     schedule = DipSchedule(
         model=batch.model,
         placement=placement,
@@ -502,7 +489,7 @@ def test_microbatch_without_images_and_frozen_text_encoder(groups):
     for batch in cases:
         placement = st.dip_placement(batch.model, 1, {m.name: 2 for m in batch.model.modules})
         plan = st.segment_plan(batch, placement)
-        chunks = _chunks(batch, placement, groups)
+        chunks = st.rank_chunks(batch, placement, groups)
         result = _run(batch, placement, plan, chunks)
         loss, ref = _reference(batch, groups)
         assert result.objective == pytest.approx(loss, rel=1e-12)
@@ -551,7 +538,7 @@ def test_runtime_runs_the_coarser_cut_the_planner_chose(groups):
     plan = _coarser_plan(batch, placement, {"vit": 1})
     vit = [s.num_instances for s in plan.submicrobatches if s.module == "vit"]
     assert max(vit) == 2 and len(vit) < sum(1 for s in batch.subs if s.module == "vit")
-    chunks = _chunks(batch, placement, groups)
+    chunks = st.rank_chunks(batch, placement, groups)
     result = _run(batch, placement, plan, chunks, config=ExecutorConfig(debug=True))
     loss, ref = _reference(batch, groups)
     assert result.objective == pytest.approx(loss, rel=1e-12)
@@ -569,7 +556,7 @@ def test_stock_no_pipelining_on_our_chunks_matches_reference(groups):
 
     batch = st.make_batch("t2v", st.group_samples(st.samples("t2v", 10), [3, 2, 3, 2]))
     placement, units = st.stock_placement(batch.model, 1, vp=1)
-    chunks = _chunks(batch, placement, groups)
+    chunks = st.rank_chunks(batch, placement, groups)
     source = SampleBatchSource(
         model=batch.model,
         plan=st.segment_plan(batch, placement),

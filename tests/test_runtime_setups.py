@@ -229,6 +229,22 @@ def stock_placement(model: MultimodalSpec, num_ranks: int, vp: int) -> tuple[Pla
     return Placement(num_ranks, tuple(layouts)), units
 
 
+def rank_chunks(batch: Batch, placement: Placement, groups) -> list[torch.nn.Module]:
+    """Rank 0's chunks of `placement`, built with `CFG` on the model groups `groups`."""
+    from megatron_dip.modalities import build_chunk
+
+    return [
+        build_chunk(
+            batch.model,
+            c,
+            num_chunks=placement.module(c.module).num_chunks,
+            config=CFG,
+            groups=groups,
+        )
+        for c in placement.chunks_on_rank(0)
+    ]
+
+
 def rank_runtime(batch: Batch, placement: Placement, chunks, *, pp_group, **options):
     """The `RankRuntime` of `chunks` on `pp_group`, fed with the batch's samples and holding
     plans to the model's message shapes; `options`: the rest of its keywords."""
