@@ -12,7 +12,7 @@ import pytest
 import test_runtime_setups as st
 import torch
 import torch.distributed as dist
-from test_runtime import _chunks, _key, _run, _setup
+from test_runtime import _key, _run, _setup
 
 from megatron_dip.models.chunk import ModelGroups
 from megatron_dip.runtime.errors import (
@@ -155,7 +155,7 @@ def test_verdicts_are_combined_so_that_every_rank_raises(groups, monkeypatch):
 
 def test_timing_hook_reports_every_instruction_once_in_order(groups):
     batch, placement, plan = _setup("vlm")
-    chunks = _chunks(batch, placement, groups)
+    chunks = st.rank_chunks(batch, placement, groups)
     seen: list[tuple] = []
     before = time.time()
     _run(
