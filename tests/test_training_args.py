@@ -65,6 +65,7 @@ BAD = [
     ),
     (["--dip-lookahead", "-1"], 1, "--dip-lookahead", ">= 0"),
     (["--dip-comm-timeout-s", "0"], 1, "--dip-comm-timeout-s", "> 0 seconds"),
+    (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes", "> 0 minutes"),
     (["--dip-search-time-ms", "-5"], 1, "--dip-search-time-ms", ">= 0"),
     (["--dip-segments", "vit=0"], 1, "--dip-segments", "MODULE=N"),
     (["--dip-segments", "foo=1"], 1, "--dip-segments", "unknown module"),
@@ -402,6 +403,20 @@ def test_extra_args_provider_extends_a_megatron_parser():
     torch_format = config.replace(ckpt_format="torch", train_iters=2)
     with pytest.raises(ConfigError, match="^--ckpt-format: only torch_dist"):
         resolve(torch_format, world_size=1, cuda=False)
+
+
+def test_megatrons_distributed_timeout_bounds_the_wait_for_rank_0s_sizing():
+    """Megatron-LM's launch scripts pass --distributed-timeout-minutes: it is accepted, and
+    bounds the other ranks' wait for rank 0's start-up sizing (else --dip-comm-timeout-s)."""
+    from megatron_dip.training.config.validate import startup_timeout_s
+
+    default = parse_config([*BASE, "--dip-comm-timeout-s", "45"], default_model="tiny-vlm")
+    assert startup_timeout_s(default) == 45.0
+    given = default.replace(distributed_timeout_minutes=30)
+    assert startup_timeout_s(given) == 1800.0
+    assert resolve(given, world_size=1, cuda=False).runtime.comm_timeout_s == 45.0
+    parsed = parse_config([*BASE, "--distributed-timeout-minutes", "30"], default_model="tiny-vlm")
+    assert parsed.parallel.distributed_timeout_minutes == 30
 
 
 def test_entry_point_exits_2_on_a_bad_flag_without_initialising(monkeypatch, caplog):

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 SLOW_PLANNER_S = 5.0  # per plan: later than the iterations that need them
@@ -192,13 +193,24 @@ def shared_sizing_run() -> dict:
     def refuse() -> None:
         raise ConfigError("--dip-segments: refused on rank 0")
 
-    got = shared_by_rank0(compute, cuda=False, timeout_s=60.0)
+    def slow() -> str:
+        time.sleep(3.0)
+        return "late"
+
+    got = shared_by_rank0(compute, cuda=False, timeout_s=60.0, startup_timeout_s=60.0)
     try:
-        shared_by_rank0(refuse, cuda=False, timeout_s=60.0)
+        shared_by_rank0(refuse, cuda=False, timeout_s=60.0, startup_timeout_s=60.0)
         error = None
     except ConfigError as e:
         error = str(e)
-    return {"got": got, "calls": calls, "error": error}
+    # --distributed-timeout-minutes bounds the wait for rank 0 (0.5 s here), whatever the
+    # pipeline's timeout; rank 0 itself may or may not notice that nobody listened.
+    try:
+        late = shared_by_rank0(slow, cuda=False, timeout_s=60.0, startup_timeout_s=0.5)
+    except RuntimeError as e:
+        late = str(e)
+    dist.barrier()
+    return {"got": got, "calls": calls, "error": error, "late": late}
 
 
 def planner_fault_runs(base: list[str], *, world_size: int) -> dict:

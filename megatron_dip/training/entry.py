@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from .config.arguments import ConfigError, TrainConfig, parse_config
 from .config.run import RunSpec
-from .config.validate import resolve
+from .config.validate import resolve, startup_timeout_s
 
 logger = logging.getLogger("megatron_dip.training")
 
@@ -66,7 +66,10 @@ def validated(config: TrainConfig, *, world_size: int) -> RunSpec:
         from .assembly.setup import shared_by_rank0
 
         shared = functools.partial(
-            shared_by_rank0, cuda=cuda, timeout_s=config.dip.dip_comm_timeout_s
+            shared_by_rank0,
+            cuda=cuda,
+            timeout_s=config.dip.dip_comm_timeout_s,
+            startup_timeout_s=startup_timeout_s(config),
         )
     return resolve(config, world_size=world_size, cuda=cuda, shared=shared)
 

@@ -92,13 +92,24 @@ def init_distributed(*, cuda: bool, timeout_s: float = 600.0) -> bool:
     return True
 
 
-def shared_by_rank0(compute, *, cuda: bool, timeout_s: float):
+def shared_by_rank0(compute, *, cuda: bool, timeout_s: float, startup_timeout_s: float):
     """`compute()` run on rank 0 only and its result (or its ConfigError) handed to every rank:
     the start-up sizing and placement search runs once per job, not once per rank. Creates the
-    world group (`init_distributed`); the wait is bounded by the world group's timeout."""
+    world group (`init_distributed`, `timeout_s`: --dip-comm-timeout-s); the wait for rank 0
+    goes through a gloo group of its own, bounded by `startup_timeout_s`
+    (--distributed-timeout-minutes), and the group is destroyed after."""
+    init_distributed(cuda=cuda, timeout_s=timeout_s)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=startup_timeout_s))
+    try:
+        return _rank0_result(compute, group, startup_timeout_s)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def _rank0_result(compute, group, timeout_s: float):
+    """`compute()`'s outcome on rank 0, broadcast over `group` to every rank."""
     from ..config.arguments import ConfigError
 
-    init_distributed(cuda=cuda, timeout_s=timeout_s)
     box: list = [None]
     if dist.get_rank() == 0:
         try:
@@ -106,14 +117,15 @@ def shared_by_rank0(compute, *, cuda: bool, timeout_s: float):
         except ConfigError as e:
             box = [("config", str(e))]
         except Exception as e:  # the others must not wait for a result that never comes
-            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=0)
+            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], 0, group=group)
             raise
     try:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, 0, group=group)
     except RuntimeError as e:
         raise RuntimeError(
             f"rank {dist.get_rank()}: rank 0's start-up sizing (placement search) did not "
-            f"arrive within {timeout_s:.0f} s (--dip-comm-timeout-s): {e}"
+            f"arrive within {timeout_s:g} s (--distributed-timeout-minutes, by default "
+            f"--dip-comm-timeout-s): {e}"
         ) from None
     kind, value = box[0]
     if kind == "config":

@@ -50,6 +50,13 @@ class ParallelArgs:
         "chunk's reduction at its last backward; the stock schedules get Megatron's DDP hooks, "
         "without the flag they reduce after the schedule)",
     )
+    distributed_timeout_minutes: int | None = arg(
+        "--distributed-timeout-minutes",
+        None,
+        "minutes every rank waits for rank 0's start-up sizing (the placement search, run "
+        "once per job on rank 0) before it stops with an error naming the flag (default: "
+        "--dip-comm-timeout-s, which bounds every wait after start-up)",
+    )
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,13 @@ def _check_dip(config: TrainConfig) -> None:
             f"must be > 0 seconds (how long a blocking pipeline wait may take), "
             f"got {d.dip_comm_timeout_s}",
         )
+    minutes = config.parallel.distributed_timeout_minutes
+    if minutes is not None and not minutes > 0:
+        raise _fail(
+            "--distributed-timeout-minutes",
+            f"must be > 0 minutes (how long the ranks wait for rank 0's start-up sizing), "
+            f"got {minutes}",
+        )
     if not d.dip_planner_timeout_s > 0:
         raise _fail(
             "--dip-planner-timeout-s",
@@ -538,6 +545,14 @@ def _reporting(config: TrainConfig) -> Reporting:
         metrics_json=d.dip_metrics_json,
         log_blend=d.dip_log_blend,
     )
+
+
+def startup_timeout_s(config: TrainConfig) -> float:
+    """Seconds the other ranks wait for rank 0's start-up sizing (the placement search):
+    Megatron-LM's --distributed-timeout-minutes where given (its launch scripts pass it, and a
+    search on a large model may take longer than any pipeline wait), else --dip-comm-timeout-s."""
+    minutes = config.parallel.distributed_timeout_minutes
+    return config.dip.dip_comm_timeout_s if minutes is None else 60.0 * minutes
 
 
 def _runtime(config: TrainConfig) -> RuntimeLimits:
