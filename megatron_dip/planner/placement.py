@@ -232,6 +232,9 @@ class PlacementCandidate:
     name: str
     placement: Placement
     stage_units: list | None = None
+    # The rule a static candidate's layers were cut by ("stock", "cost-split", "params-split";
+    # a cut the start-up search moved keeps its base's); None for DIP's own segments.
+    family: str | None = None
 
 
 def choose_dip_placement(

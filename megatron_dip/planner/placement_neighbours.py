@@ -64,16 +64,15 @@ def moved_boundaries(cuts: Sequence[tuple[int, int]]) -> list[list[tuple[int, in
     return out
 
 
-def base_name(name: str) -> str:
-    """The static candidate a cut was moved from: "static cost-split v1" for itself and for
-    "static cost-split v1 cut 18/19/19/39"."""
-    return name.split(CUT, maxsplit=1)[0]
+def base_name(cand: PlacementCandidate) -> str:
+    """The static candidate a cut was moved from, "static cost-split v1" (for itself and for
+    its moved cuts), from its family and virtual stages."""
+    return f"static {cand.family} v{len(cand.stage_units[0])}"
 
 
 def searched(cand: PlacementCandidate, bases: Sequence[str] = NEIGHBOUR_BASES) -> bool:
     """Whether `cand` is a static one-list placement whose cut the search moves."""
-    kind = base_name(cand.name).removeprefix("static ").rsplit(" v", 1)[0]
-    return cand.stage_units is not None and cand.name.startswith("static ") and kind in bases
+    return cand.stage_units is not None and cand.family in bases
 
 
 def cut_candidate(
@@ -85,7 +84,7 @@ def cut_candidate(
     total = sum(m.num_layers for m in model.modules)
     if len(sizes) != stages or sum(sizes) != total or min(sizes) < 1:
         raise ValueError(
-            f"a cut of {base_name(base.name)!r} needs {stages} positive stage sizes adding up to "
+            f"a cut of {base_name(base)!r} needs {stages} positive stage sizes adding up to "
             f"{total} layers, not {'/'.join(map(str, sizes))}"
         )
     ends = [sum(sizes[: i + 1]) for i in range(stages)]
@@ -93,8 +92,8 @@ def cut_candidate(
     items = [(m.name, layer, 0.0) for m in model.modules for layer in range(m.num_layers)]
     p = base.placement.num_ranks
     built = pipeline_from_cuts("", model, items, cuts, p, stages // p)
-    name = f"{base_name(base.name)}{CUT}{'/'.join(map(str, sizes))}"
-    return PlacementCandidate(name, built.placement, built.stage_units)
+    name = f"{base_name(base)}{CUT}{'/'.join(map(str, sizes))}"
+    return PlacementCandidate(name, built.placement, built.stage_units, family=base.family)
 
 
 def neighbour_candidates(

@@ -24,7 +24,9 @@ from .stock_configs import fits
 def static_candidates(static: Sequence[StaticPipeline]) -> list[PlacementCandidate]:
     """The static placements as candidates, with their virtual stages (for Megatron's order)."""
     return [
-        PlacementCandidate(f"static {q.name} v{q.num_model_chunks}", q.placement, q.stage_units)
+        PlacementCandidate(
+            f"static {q.name} v{q.num_model_chunks}", q.placement, q.stage_units, family=q.name
+        )
         for q in static
     ]
 
