@@ -262,6 +262,14 @@ def te_delays_weight_gradients() -> bool:
     return is_te_min_version(TE_DELAYED_WGRAD)
 
 
+def te_queues_weight_gradients(delay_wgrad: bool, use_te: bool | None) -> bool:
+    """Whether chunks built with `ModelConfig(delay_wgrad, use_te)` have layers that queue
+    their weight GEMMs for W: Transformer Engine layers (`resolve_use_te`) of a release that
+    can (`te_delays_weight_gradients`). The one place the model builder and the cost model's
+    kernels decide it."""
+    return delay_wgrad and resolve_use_te(use_te) and te_delays_weight_gradients()
+
+
 def delay_weight_gradients(tconfig) -> None:
     """Build Transformer Engine layers from `tconfig` with their weight GEMMs queued for
     `backward_dw` (a split backward's W, `runtime/delayed_wgrad.py`). Set after the config's

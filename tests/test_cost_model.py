@@ -9,7 +9,7 @@ import pytest
 
 from megatron_dip.modelspec import PAPER_SETUPS, tiny_t2v
 from megatron_dip.parallel import ParallelShape
-from megatron_dip.planner.cost_model import CPU_KERNELS, CostModel, load_profile
+from megatron_dip.planner.cost_model import CPU_KERNELS, CostModel, Kernels, load_profile
 from megatron_dip.planner.devices import DEVICES, H100, H800, get_device, match_device
 from megatron_dip.schedule.ir import ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
 
@@ -315,6 +315,32 @@ def test_a_chunk_fed_by_data_alone_runs_its_whole_backward_as_w() -> None:
             == held.activation_bytes
             == cm.weight_bytes(vit0, images, policy)
         )
+
+
+def test_transformer_engines_queue_holds_every_linears_tensors_until_w() -> None:
+    """Under Transformer Engine's delayed weight GEMMs (`Kernels.te_delayed_wgrad`) a pending W
+    also holds the row-parallel linears' sharded inputs and gathered output gradients, and the
+    column-parallel ones' gathered inputs (what TE's queue keeps), where our own split holds
+    only the column-parallel ones' sequence-sharded inputs and output gradients; their weight
+    GEMMs' time moves from B to W. Llama3-8B layers at TP4 with sequence parallelism."""
+    shape = ParallelShape(tp=4, sp=True)
+    local = CostModel(VLM_S.model, H100, shape=shape)
+    te = CostModel(VLM_S.model, H100, shape=shape, kernels=Kernels(te_delayed_wgrad=True))
+    chunk, sub = ChunkSpec("llm", 1, 1, 8, 12), _sub("llm", 1, 4096, 4096 * 512)
+    layer, m, tp, dt = VLM_S.model.module("llm").layer, 4096, 4, 2
+    h, f = layer.hidden, layer.ffn
+    qkv = layer.attention_width + 2 * layer.kv_groups * layer.head_dim
+    # Per layer, (input, output gradient) of QKV, out-projection, fc1 (SwiGLU: 2f), fc2.
+    te_held = m * (
+        (h + qkv / tp) + (layer.attention_width / tp + h) + (h + 2 * f / tp) + (f / tp + h)
+    )
+    local_held = m * ((h / tp + qkv / tp) + (h / tp + 2 * f / tp))
+    extra = te.weight_bytes(chunk, sub) - local.weight_bytes(chunk, sub)
+    assert extra == pytest.approx(chunk.num_layers * dt * (te_held - local_held), rel=1e-9)
+    assert te.chunk_activation_bytes(chunk, sub) == local.chunk_activation_bytes(chunk, sub)
+    a, b = local.stage_cost(chunk, sub), te.stage_cost(chunk, sub)
+    assert a.backward == pytest.approx(b.backward)
+    assert b.weight > a.weight and b.backward_input < a.backward_input
 
 
 def test_transfer_time_is_latency_plus_bandwidth() -> None:

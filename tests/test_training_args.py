@@ -336,6 +336,7 @@ def test_split_backward_delays_te_weight_gradients_in_the_chunks_and_their_ddp(m
     from megatron_dip.models.common import transformer_config
     from megatron_dip.training.assembly.backend import model_config
     from megatron_dip.training.assembly.build import ddp_config
+    from megatron_dip.training.config.pricing import run_kernels
 
     def chunk_config(spec):
         llm = spec.model.module("llm")
@@ -348,6 +349,11 @@ def test_split_backward_delays_te_weight_gradients_in_the_chunks_and_their_ddp(m
     monkeypatch.setattr(megatron_compat, "resolve_use_te", lambda use_te: True)
     monkeypatch.setattr(megatron_compat, "te_delays_weight_gradients", lambda: True)
     assert chunk_config(split).delay_wgrad_compute
+    # ... and the cost model prices what TE's queue holds for W (every linear's tensors)
+    config = parse_config([*BASE, "--dip-split-backward"], default_model="tiny-vlm")
+    for cuda, delay in ((True, True), (True, False), (False, True)):
+        kernels = run_kernels(config, cuda=cuda, dtype="bfloat16", emulate=False, delay_wgrad=delay)
+        assert kernels.te_delayed_wgrad == (cuda and delay)
     fused = _resolve([], world_size=1)
     assert not fused.delays_weight_gradients and not chunk_config(fused).delay_wgrad_compute
     assert not ddp_config(fused).delay_wgrad_compute

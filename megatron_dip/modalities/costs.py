@@ -68,6 +68,10 @@ class Kernels:
 
     attention: str = "flash"
     fused_rms_norm: bool = True
+    # Transformer Engine's linears queue their weight GEMMs for a split backward's W
+    # (`delay_wgrad_compute`, `runtime/delayed_wgrad.py`): every linear's, row-parallel too,
+    # each holding the input and output gradient it was given in B (`gemm`).
+    te_delayed_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -94,13 +98,20 @@ class CostContext:
 
 def gemm(m: float, k: int, n: int, c: CostContext, *, shard_in: bool) -> Op:
     """[m, k] x [k, n] split over TP: column-parallel (full input) or row-parallel (full output).
-    `w_held`: what its weight gradient, deferred to a split backward's W, needs: the saved input
-    (under sequence parallelism the sequence shard, Megatron gathers it again) and the output
-    gradient (TP-sharded). Only a column-parallel GEMM's weight gradient is deferred: a
-    row-parallel one's output gradient is full width on every TP rank, so holding it for W would
-    cost about as much memory as the stage's activations; it is done in B (0 here)."""
+    `w_held`: what its weight gradient, deferred to a split backward's W, needs. Our split
+    (`runtime/backward_split.py`) defers only a column-parallel GEMM's: the saved input (under
+    sequence parallelism the sequence shard, Megatron gathers it again) and the output gradient
+    (TP-sharded); a row-parallel one's output gradient is full width on every TP rank, so
+    holding it for W would cost about as much memory as the stage's activations; it is done in
+    B (0 here). Transformer Engine's queue (`Kernels.te_delayed_wgrad`) defers every GEMM's,
+    each with the tensors its weight GEMM reads: the gathered input and the sharded output
+    gradient of a column-parallel one, the sharded input and the gathered (full-width) output
+    gradient of a row-parallel one."""
     act = m * (k / c.tp + n) if shard_in else m * (k + n / c.tp)
-    held = 0.0 if shard_in else m * (k / c.rep + n / c.tp)
+    if c.kernels.te_delayed_wgrad:
+        held = m * (k / c.tp + n) if shard_in else m * (k + n / c.tp)
+    else:
+        held = 0.0 if shard_in else m * (k / c.rep + n / c.tp)
     return Op(
         2 * m * k * n / c.tp, c.dt * (k * n / c.tp + act), OpKind.GEMM, rows=m, w_held=c.dt * held
     )

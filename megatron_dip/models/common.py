@@ -198,8 +198,7 @@ def transformer_config(
         use_cpu_initialization=False,
         init_method_std=config.init_std,
     )
-    te = megatron_compat.resolve_use_te(config.use_te)
-    if config.delay_wgrad and te and megatron_compat.te_delays_weight_gradients():
+    if megatron_compat.te_queues_weight_gradients(config.delay_wgrad, config.use_te):
         megatron_compat.delay_weight_gradients(tconfig)
     return tconfig
 

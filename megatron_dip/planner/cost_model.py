@@ -624,6 +624,7 @@ def _weight_gemm_bytes(ops: list[Op]) -> float:
 
 
 def _deferred_gemm(op: Op) -> bool:
-    """Whether a split backward defers `op`'s weight gradient to W: a column-parallel weight
-    GEMM (`modalities.costs.gemm`: a row-parallel one's is done in B)."""
+    """Whether a split backward defers `op`'s weight gradient to W: a weight GEMM that holds
+    something for it (`modalities.costs.gemm`: column-parallel ones, and row-parallel ones
+    under Transformer Engine's queue)."""
     return op.kind is OpKind.GEMM and not op.core and op.w_held > 0

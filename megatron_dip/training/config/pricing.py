@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from megatron_dip import megatron_compat
 from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import GPU_KERNELS, CostModel, Kernels
 from megatron_dip.planner.devices import (
@@ -55,9 +56,12 @@ def run_device(config: TrainConfig, *, cuda: bool) -> DeviceSpec:
     return dataclasses.replace(get_device("H100"), name=found, memory_bytes=memory)
 
 
-def run_kernels(config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool) -> Kernels:
-    """The kernels the chunks will run (their saved tensors differ); an emulated run prices the
-    GPU run it stands for."""
+def run_kernels(
+    config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool, delay_wgrad: bool
+) -> Kernels:
+    """The kernels the chunks will run (their saved tensors differ), `delay_wgrad`: the chunks
+    are built to queue weight GEMMs for W (`RunSpec.delays_weight_gradients`), which
+    Transformer Engine's layers then do; an emulated run prices the GPU run it stands for."""
     from megatron_dip.models.kernels import resolve_kernels
 
     if emulate:
@@ -66,7 +70,8 @@ def run_kernels(config: TrainConfig, *, cuda: bool, dtype: str, emulate: bool) -
     if attention == "varlen" and not (cuda and dtype == "bfloat16"):
         raise _fail("--dip-attention", "varlen (FlashAttention) needs CUDA and --bf16")
     kernel, fused = resolve_kernels(cuda=cuda, dtype=dtype, attention=attention)
-    return Kernels(attention=kernel, fused_rms_norm=fused)
+    queued = cuda and megatron_compat.te_queues_weight_gradients(delay_wgrad, None)
+    return Kernels(attention=kernel, fused_rms_norm=fused, te_delayed_wgrad=queued)
 
 
 def run_cost_model(

@@ -87,6 +87,12 @@ class RuntimeLimits:
     max_nonfinite_iters: int  # 0: never stop
 
 
+def delays_weight_gradients(schedule: str, *, split_backward: bool) -> bool:
+    """`RunSpec.delays_weight_gradients` from --dip-schedule and --dip-split-backward (also
+    asked before the spec exists, to price the chunks' kernels)."""
+    return schedule == "dip" and split_backward
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a rank needs to build its part of the run (identical on every rank)."""
@@ -146,4 +152,4 @@ class RunSpec:
         (Transformer Engine's `delay_wgrad_compute`; the model and its DDP wrappers are built
         so): under DIP's schedule with --dip-split-backward. Megatron's stock schedules never
         call `backward_dw`."""
-        return not self.is_stock and self.planner.split_backward
+        return delays_weight_gradients(self.schedule, split_backward=self.planner.split_backward)

@@ -34,7 +34,7 @@ from .arguments import fail as _fail
 from .data_config import data_spec, model_spec
 from .presets import RunPreset, get_run_preset
 from .pricing import run_cost_model, run_device, run_kernels
-from .run import Checkpointing, Reporting, RunSpec, RuntimeLimits, Training
+from .run import Checkpointing, Reporting, RunSpec, RuntimeLimits, Training, delays_weight_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -397,7 +397,10 @@ def resolve(
     shape = _run_shape(config, tp=tp, pp=pp, dp=dp, dtype="bfloat16" if emulate else dtype)
     data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     device = run_device(config, cuda=cuda)
-    kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate)
+    delay = delays_weight_gradients(
+        config.dip.dip_schedule, split_backward=config.dip.dip_split_backward
+    )
+    kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate, delay_wgrad=delay)
     _warn_split_without_delayed_wgrad(config, cuda=cuda, emulate=emulate)
     cost = run_cost_model(config, model, device, shape=shape, kernels=kernels)
     uniform = None if recompute == NO_RECOMPUTE else recompute
