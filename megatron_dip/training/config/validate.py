@@ -21,7 +21,8 @@ from megatron_dip import megatron_compat
 from megatron_dip.batching import packing_limits
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.parallel import ParallelShape, ShapeError
-from megatron_dip.planner.dip import COARSER_SUB_SIZES, planner_config
+from megatron_dip.planner.cost_model import CostModel
+from megatron_dip.planner.dip import COARSER_SUB_SIZES, PlannerConfig, planner_config
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, RECOMPUTE_MODULES, MemoryPolicy, Recompute
@@ -380,14 +381,7 @@ def resolve(
     config, preset = apply_preset(config)
     model, tokenizer_spec, tokenizer = model_spec(config, preset)
     emulate = config.dip.dip_emulate_compute
-    if emulate:
-        # Emulated cluster: one process per pipeline rank (and replica); TP is folded into the
-        # cost model, which prices each stage as a TP rank of the real run would compute it.
-        _check_emulation(config)
-        tp = config.parallel.tensor_model_parallel_size
-        _, pp, dp = _check_sizes(config.replace(tensor_model_parallel_size=1), world_size)
-    else:
-        tp, pp, dp = _check_sizes(config, world_size)
+    tp, pp, dp = _parallel_sizes(config, world_size, emulate=emulate)
     _check_training(config)
     recompute = recompute_mode(config)  # refuses a bad combination
     _check_dip(config)
@@ -397,26 +391,8 @@ def resolve(
     shape = _run_shape(config, tp=tp, pp=pp, dp=dp, dtype="bfloat16" if emulate else dtype)
     data = data_spec(config, model, tokenizer_spec, tokenizer, dp=dp)
     device = run_device(config, cuda=cuda)
-    delay = delays_weight_gradients(
-        config.dip.dip_schedule, split_backward=config.dip.dip_split_backward
-    )
-    kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate, delay_wgrad=delay)
-    _warn_split_without_delayed_wgrad(config, cuda=cuda, emulate=emulate)
-    cost = run_cost_model(config, model, device, shape=shape, kernels=kernels)
-    uniform = None if recompute == NO_RECOMPUTE else recompute
-    base = planner_config(
-        shape=shape,
-        packing=packing_limits(model, config.train.seq_length),
-        search=_search(config),
-        use_search=config.dip.dip_search_time_ms > 0,
-        uniform_recompute=uniform,
-        offload_activations=config.dip.dip_offload_activations,
-        split_backward=config.dip.dip_split_backward,
-        split_search=config.dip.dip_split_search,
-        split_always=config.dip.dip_split_backward_always,
-        recompute_modules=RECOMPUTE_MODULES if config.dip.dip_recompute_modules else (),
-        sub_size_scales=COARSER_SUB_SIZES if config.dip.dip_coarser_sub_microbatches else (),
-    )
+    cost = _priced(config, model, device, shape=shape, cuda=cuda, dtype=dtype)
+    base = _base_planner(config, model, shape=shape, recompute=recompute)
     sizing = functools.partial(
         build_layout,
         config,
@@ -470,6 +446,48 @@ def resolve(
         resume=resume,
         pretrained=pretrained,
         flags=config.flat(),
+    )
+
+
+def _parallel_sizes(config: TrainConfig, world_size: int, *, emulate: bool) -> tuple[int, ...]:
+    """(TP, PP, DP) of the run, checked against the world."""
+    if not emulate:
+        return _check_sizes(config, world_size)
+    # Emulated cluster: one process per pipeline rank (and replica); TP is folded into the
+    # cost model, which prices each stage as a TP rank of the real run would compute it.
+    _check_emulation(config)
+    _, pp, dp = _check_sizes(config.replace(tensor_model_parallel_size=1), world_size)
+    return config.parallel.tensor_model_parallel_size, pp, dp
+
+
+def _priced(config: TrainConfig, model, device, *, shape, cuda: bool, dtype: str) -> CostModel:
+    """The run's cost model: the kernels its chunks run (Transformer Engine's queued weight
+    GEMMs included) on `device`."""
+    emulate = config.dip.dip_emulate_compute
+    delay = delays_weight_gradients(
+        config.dip.dip_schedule, split_backward=config.dip.dip_split_backward
+    )
+    kernels = run_kernels(config, cuda=cuda, dtype=dtype, emulate=emulate, delay_wgrad=delay)
+    _warn_split_without_delayed_wgrad(config, cuda=cuda, emulate=emulate)
+    return run_cost_model(config, model, device, shape=shape, kernels=kernels)
+
+
+def _base_planner(config: TrainConfig, model, *, shape, recompute) -> PlannerConfig:
+    """The planner's configuration from the flags, before the sizing step fixes its
+    sub-microbatch sizes and memory limit."""
+    d = config.dip
+    return planner_config(
+        shape=shape,
+        packing=packing_limits(model, config.train.seq_length),
+        search=_search(config),
+        use_search=d.dip_search_time_ms > 0,
+        uniform_recompute=None if recompute == NO_RECOMPUTE else recompute,
+        offload_activations=d.dip_offload_activations,
+        split_backward=d.dip_split_backward,
+        split_search=d.dip_split_search,
+        split_always=d.dip_split_backward_always,
+        recompute_modules=RECOMPUTE_MODULES if d.dip_recompute_modules else (),
+        sub_size_scales=COARSER_SUB_SIZES if d.dip_coarser_sub_microbatches else (),
     )
 
 
