@@ -25,6 +25,13 @@
    layers queue their weight GEMMs for `backward_dw`, `runtime/delayed_wgrad.py`) against
    the same run with fused backwards: losses and gradient norms must agree within 1e-4
    (relative; the same arithmetic, summed in another order).
+7. Pending W: the first model's chunks (first / middle / last of each module) built as part 6
+   builds them, each backward split through the reference pipeline (`memory_probe.
+   measure_pending_weights`): the bytes W releases on the device (the allocator's drop, with
+   the weight gradients it allocates added back, plus the received messages), what the
+   saved-tensor hooks see, and `CostModel.weight_bytes` priced for the kernels that run
+   (Transformer Engine's weight-GEMM queue where it queues). On CUDA the middle chunks must be
+   within 15% of the model.
 
 It prints one table and writes `OUT_DIR/gpu_check.json`; each part that fails is reported with
 its error and the others still run; the exit status is 1 when any part failed or a check did
@@ -57,6 +64,9 @@ logger = logging.getLogger("megatron_dip.gpu_check")
 MODELS = ("tiny-vlm", "tiny-t2v")
 LOSS_TOLERANCE = 0.02
 SPLIT_TOLERANCE = 1e-4
+# What a pending W holds on the device against `CostModel.weight_bytes` (middle chunks): the
+# CPU test holds our own split's within 7%; on a GPU Transformer Engine's queue is priced too.
+PENDING_W_TOLERANCE = 0.15
 _BYTES = {"bfloat16": 2, "float32": 4}
 
 
@@ -176,10 +186,7 @@ def memory_check(
     for name in models:
         preset = get_run_preset(name)
         model = preset.model()
-        ranges = {
-            m.name: [(0, 1), (1, m.num_layers - 1), (m.num_layers - 1, m.num_layers)]
-            for m in model.modules
-        }
+        ranges = {m.name: _three_chunks(m.num_layers) for m in model.modules}
         cost = CostModel(model, H100, dtype_bytes=_BYTES[dtype], kernels=kernels)
         batches = _microbatches(model, preset, count=microbatches)
         sizes = dict(p.split("=") for p in (preset.sub_microbatch_size or "").split(",") if p)
@@ -197,6 +204,58 @@ def memory_check(
             )
             rows += _memory_rows(name, mode_name(mode), records)
     return rows
+
+
+def pending_weight_check(
+    model_name: str, *, cuda: bool, microbatches: int = 2, dtype: str = "bfloat16"
+) -> dict:
+    """Part 7 (module docstring): one row per (module, chunk) of `model_name`."""
+    from megatron_dip.memory_probe import measure_pending_weights
+    from megatron_dip.models import ModelConfig
+    from megatron_dip.models.chunk import ModelGroups
+    from megatron_dip.planner.cost_model import CostModel, Kernels
+    from megatron_dip.planner.devices import H100
+    from megatron_dip.training.config.presets import get_run_preset
+
+    queued = cuda and megatron_compat.te_queues_weight_gradients(True, None)
+    kernel, fused = resolve_kernels(cuda=cuda, dtype=dtype)
+    kernels = Kernels(attention=kernel, fused_rms_norm=fused, te_delayed_wgrad=queued)
+    preset = get_run_preset(model_name)
+    model = preset.model()
+    sizes = dict(p.split("=") for p in (preset.sub_microbatch_size or "").split(",") if p)
+    records = measure_pending_weights(
+        model,
+        _microbatches(model, preset, count=microbatches),
+        cost_model=CostModel(model, H100, dtype_bytes=_BYTES[dtype], kernels=kernels),
+        config=ModelConfig(dtype=dtype, seed=7, delay_wgrad=True),
+        groups=ModelGroups(tp=dist.group.WORLD, cp=dist.group.WORLD),
+        seq_length=preset.seq_length,
+        ranges={m.name: _three_chunks(m.num_layers) for m in model.modules},
+        sizes={k: int(v) for k, v in sizes.items()},
+    )
+    rows: dict = {}
+    for r in records:
+        where = "first" if r.first else ("last" if r.last else "middle")
+        row = rows.setdefault(
+            (r.module, where), dict.fromkeys(("predicted", "saved", "allocated"), 0)
+        )
+        row.update(module=r.module, chunk=where)
+        row["predicted"] += r.predicted
+        row["saved"] += r.measured
+        row["allocated"] += r.allocated
+    out = list(rows.values())
+    for row in out:
+        row["error"] = (
+            row["allocated"] / row["predicted"] - 1 if cuda and row["predicted"] else None
+        )
+    middle = [r["error"] for r in out if r["chunk"] == "middle" and r["error"] is not None]
+    ok = all(abs(e) <= PENDING_W_TOLERANCE for e in middle)
+    return {"model": model_name, "te_delayed_weight_gradients": queued, "rows": out, "ok": ok}
+
+
+def _three_chunks(num_layers: int) -> list[tuple[int, int]]:
+    """A module's first layer, its middle layers and its last layer, as three chunks."""
+    return [(0, 1), (1, num_layers - 1), (num_layers - 1, num_layers)]
 
 
 def _memory_rows(model: str, mode: str, records) -> list[dict]:
@@ -416,6 +475,18 @@ def _offload_lines(over: dict) -> list[str]:
     ]
 
 
+def _pending_weight_lines(part: dict) -> list[str]:
+    if "rows" not in part:
+        return []
+    how = "TE's weight-GEMM queue" if part["te_delayed_weight_gradients"] else "our split"
+    lines = [f"[pending W] {part['model']} ({how}) module chunk: predicted / saved / allocated MiB"]
+    for r in part["rows"]:
+        mib = " / ".join(_fmt(r[k] / 2**20, ".3f") for k in ("predicted", "saved", "allocated"))
+        err = "n/a" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        lines.append(f"  {r['module']:6} {r['chunk']:6} {mib}  (allocated vs model {err})")
+    return lines
+
+
 def _split_lines(split: dict) -> list[str]:
     if "ok" not in split:
         return []
@@ -440,6 +511,7 @@ def table(report: dict) -> str:
     lines += _overhead_lines(report.get("overhead", {}))
     lines += _offload_lines(report.get("offload", {}))
     lines += _split_lines(report.get("split_backward", {}))
+    lines += _pending_weight_lines(report.get("pending_weight", {}))
     lines += _profile_lines(_rows(report, "profile"))
     for name in report["failed"]:
         part = report.get(name, {})
@@ -502,14 +574,20 @@ def run_checks(
             models[0], iterations=iterations, cuda=cuda, work=work, flags=flags
         ),
     )
+    _part(
+        report,
+        "pending_weight",
+        lambda: pending_weight_check(models[0], cuda=cuda, microbatches=microbatches, dtype=dtype),
+    )
     if profiles is not None:
         _part(report, "profile", lambda: profile_check(profiles))
     training = report.get("training", {})
     if isinstance(training, dict) and not all(m["ok"] for m in training.get("models", {}).values()):
         report["failed"].append("training")
-    split = report.get("split_backward", {})
-    if isinstance(split, dict) and split.get("ok") is False:
-        report["failed"].append("split_backward")
+    for name in ("split_backward", "pending_weight"):
+        part = report.get(name, {})
+        if isinstance(part, dict) and part.get("ok") is False:
+            report["failed"].append(name)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     return report
 

@@ -226,11 +226,7 @@ class PendingWeightPipeline(LocalPipeline):
         return outputs
 
     def _backward(self, stages, loss: torch.Tensor) -> None:
-        from megatron_dip.runtime.backward_split import (
-            backward_input,
-            backward_weight,
-            trainable_parameters,
-        )
+        from megatron_dip.runtime.backward_split import backward_input, trainable_parameters
 
         if loss.requires_grad:
             loss.backward()
@@ -242,16 +238,53 @@ class PendingWeightPipeline(LocalPipeline):
             params = trainable_parameters(chunk)
             leaves = [t for m in record.received for t in m.values() if t.requires_grad]
             pending = backward_input(outs, grads, leaves, params, keep_graph=True, store=store)
-            held = SavedBytes(excluded={_storage_key(t) for t in [*chunk.parameters(), *data]})
-            for t in [*pending.tensors(), *_tensors(record.received)]:
-                held.add(t)
+            excluded = {_storage_key(t) for t in [*chunk.parameters(), *data]}
+            measured = _nbytes([*pending.tensors(), *_tensors(record.received)], excluded)
+            received = _nbytes(_tensors(record.received), excluded)
+            released = _released_by_weight_half(pending, params, outs[0].device)
             predicted = self.cost_model.weight_bytes(chunk.chunk, sub)
             self.records.append(
                 PendingWeightBytes(
-                    chunk.chunk.module, chunk.is_first, chunk.is_last, sub, held.nbytes, predicted
+                    chunk.chunk.module,
+                    chunk.is_first,
+                    chunk.is_last,
+                    sub,
+                    measured,
+                    predicted,
+                    allocated=released + received if outs[0].device.type == "cuda" else 0,
                 )
             )
-            backward_weight(pending)
+
+
+def _nbytes(tensors: Iterable[torch.Tensor], excluded: set) -> int:
+    """Bytes of the storages of `tensors`, each once, those in `excluded` left out."""
+    held = SavedBytes(excluded=excluded)
+    for t in tensors:
+        held.add(t)
+    return held.nbytes
+
+
+def _released_by_weight_half(pending, params, device: torch.device) -> int:
+    """Run W (`backward_weight`); on CUDA the bytes it released (the allocator's drop, with the
+    weight gradients it allocated added back): what the pending W held on the device,
+    whatever held it (autograd's boxes, Transformer Engine's weight-GEMM queue). 0 elsewhere."""
+    from megatron_dip.runtime.backward_split import backward_weight
+
+    if device.type != "cuda":
+        backward_weight(pending)
+        return 0
+    without = [p for p in params if p.grad is None]
+    store = pending.store
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    backward_weight(pending)
+    # The graph is not run again, but this probe still holds the chunk's outputs and so its
+    # nodes: empty W's boxes as dropping the outputs does in the runtime.
+    for box in store.boxes if store is not None else ():
+        box.tensor = None
+    torch.cuda.synchronize(device)
+    grads = sum(p.grad.untyped_storage().nbytes() for p in without if p.grad is not None)
+    return before - torch.cuda.memory_allocated(device) + grads
 
 
 @dataclass(frozen=True)
@@ -264,6 +297,7 @@ class PendingWeightBytes:
     sub: SubMicrobatch
     measured: int
     predicted: int
+    allocated: int = 0  # on CUDA: the bytes W released, the received messages added
 
 
 def measure_pending_weights(

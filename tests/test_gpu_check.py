@@ -107,6 +107,12 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
     assert split["ok"] and split["te_delayed_weight_gradients"] is False
     assert split["weight_instructions"] > 0  # the split run did split
     assert sorted(split["losses_split"]) == ["1", "2"] and split["max_relative_difference"] < 1e-4
+    pending = report["pending_weight"]
+    assert pending["ok"] and pending["te_delayed_weight_gradients"] is False
+    chunks = {(r["module"], r["chunk"]) for r in pending["rows"]}
+    assert ("llm", "middle") in chunks and ("vit", "middle") in chunks
+    for r in pending["rows"]:  # hooks see what the model prices (no allocator on the CPU)
+        assert r["predicted"] > 0 and r["saved"] > 0 and r["allocated"] == 0 and r["error"] is None
     sections = (
         "[training]",
         "[memory]",
@@ -114,6 +120,7 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
         "[offload]",
         "[profile]",
         "[split backward]",
+        "[pending W]",
     )
     for section in sections:
         assert section in done.stdout
