@@ -51,6 +51,7 @@ from ..schedule.ir import (
     StageId,
     SubMicrobatch,
 )
+from ..schedule.prefetch import reload_points
 from .cost_model import StageCost
 from .overheads import host_overheads
 from .trace import Span, chrome_trace_events, plan_timeline
@@ -187,38 +188,85 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
 
 def _holdings(
     program: Program, indices: Iterable[int], costs: dict, has_backward: set[StageId]
-) -> Iterator[tuple[int, int]]:
-    """`(index, activation bytes held after it)` for each instruction of `indices` (compute
-    instructions of `program`, in program order) that changes what the rank holds."""
+) -> Iterator[tuple[int, bool, int]]:
+    """`(index, at its start, activation bytes held from then on)` for each instruction of
+    `indices` (compute instructions of `program`, in program order) that changes what the rank
+    holds: at its end, and at its start where it starts an offloaded stage's reload
+    (`schedule.prefetch`: the reloaded bytes are held from there to that stage's backward)."""
     held = 0
     weighted = {i.stage for i in program.instructions if isinstance(i, BackwardWeight)}
+    reloads = reload_points(program.instructions)
+    early = set(reloads.values())  # the others reload as they start
     for index in indices:
         ins = program.instructions[index]
+        later = reloads.get(index)
+        own = isinstance(ins, Backward) and index not in early
+        reloaded = 0
+        if later is not None:
+            reloaded += int(costs[program.instructions[later].stage].reload_bytes)
+        if own:
+            reloaded += int(costs[ins.stage].reload_bytes)
+        if reloaded:
+            held += reloaded
+            yield index, True, held
         if isinstance(ins, Forward) and ins.stage in has_backward:
             held += int(costs[ins.stage].activation_bytes)
         elif isinstance(ins, BackwardInput) and ins.stage in weighted:  # now what W needs
             cost = costs[ins.stage]
             held += int(cost.pending_weight_bytes) - int(cost.activation_bytes)
+            held -= int(cost.reload_bytes)
         elif isinstance(ins, BackwardWeight):
             held -= int(costs[ins.stage].pending_weight_bytes)
         elif isinstance(ins, Backward) and ins.stage not in weighted:
-            held -= int(costs[ins.stage].activation_bytes)
+            held -= int(costs[ins.stage].activation_bytes) + int(costs[ins.stage].reload_bytes)
         else:
             continue
-        yield index, held
+        yield index, False, held
 
 
 def _memory(
     plan: Plan, execution: ExecutionResult, costs: dict, has_backward: set[StageId]
 ) -> tuple[tuple[int, ...], tuple[tuple[tuple[float, int], ...], ...]]:
     peaks, timelines = [], []
-    for program, spans in zip(plan.programs, execution.spans):
+    for program, spans, copies in zip(
+        plan.programs, execution.spans, execution.copies or [()] * len(plan.programs)
+    ):
         # spans of one rank never overlap: program order is time order
+        start_of = {index: start for index, start, _ in spans}
         end_of = {index: end for index, _, end in spans}
-        steps = [(end_of[i], held) for i, held in _holdings(program, end_of, costs, has_backward)]
-        peaks.append(max([0, *(held for _, held in steps)]))
+        deltas, last = [], 0
+        for i, first, held in _holdings(program, end_of, costs, has_backward):
+            deltas.append((start_of[i] if first else end_of[i], held - last))
+            last = held
+        deltas += _copying(program, end_of, copies, costs)
+        deltas.sort(key=lambda d: d[0])  # stable: program order at equal times
+        steps, held = [], 0
+        for at, delta in deltas:
+            held += delta
+            steps.append((at, held))
+        peaks.append(max([0, *(h for _, h in steps)]))
         timelines.append(tuple(steps))
     return tuple(peaks), tuple(timelines)
+
+
+def _copying(
+    program: Program, end_of: dict, copies: Iterable[tuple[int, float, float]], costs: dict
+) -> list[tuple[float, int]]:
+    """(time, bytes) steps of the offloaded bytes the engine's copy channel has not copied out
+    yet when their forward ends, beyond what the cost model keeps for that (`activation_bytes`
+    holds its chunk-local estimate): held from the forward's end to the copy's (a copy queued
+    behind others leaves more)."""
+    out = []
+    for pc, begin, end in copies:
+        ins = program.instructions[pc]
+        if not isinstance(ins, Forward) or end <= end_of[pc]:
+            continue
+        cost = costs[ins.stage]
+        left = cost.copy_bytes * min(1.0, (end - end_of[pc]) / max(end - begin, 1e-30))
+        extra = int(left - (cost.copy_bytes - cost.reload_bytes))
+        if extra > 0:
+            out += [(end_of[pc], extra), (end, -extra)]
+    return out
 
 
 def activation_peaks(plan: Plan, cost_model: StageCostModel) -> tuple[int, ...]:
@@ -228,7 +276,7 @@ def activation_peaks(plan: Plan, cost_model: StageCostModel) -> tuple[int, ...]:
     peaks = []
     for program in plan.programs:
         steps = _holdings(program, range(len(program.instructions)), costs, has_backward)
-        peaks.append(max([0, *(held for _, held in steps)]))
+        peaks.append(max([0, *(held for _, _, held in steps)]))
     return tuple(peaks)
 
 
@@ -254,6 +302,8 @@ def _host_copy(c: StageCost, ins: Instruction) -> tuple[float, float]:
     (or input half's) first reload."""
     if isinstance(ins, Forward):
         return c.copy_lead, c.copy_out
+    if isinstance(ins, BackwardWeight):
+        return 0.0, 0.0
     return c.reload_window, c.reload
 
 

@@ -7,16 +7,20 @@ recomputation's checkpointed layers). While one of them runs its forward, autogr
 * pack: the tensor is copied into a host buffer (pinned where CUDA exists) on a side copy
   stream that first waits for the compute stream, an event marks the end of the copy, and the
   device tensor is released once the copy stream is done with it (`record_stream`), so the
-  allocator can reuse the memory while compute goes on;
-* `prefetch()` (the executor calls it as the chunk's backward starts): the tensors of the last
-  offloaded layer (the first the backward needs) are copied back on the side stream, with an
-  event per tensor;
+  allocator can reuse the memory while compute goes on. Reloads run on a second side stream
+  (the PCIe link is full duplex: a reload need not queue behind later copies out; the schedule
+  engine times one copy channel per direction);
+* `prefetch_all()` (the executor calls it as the rank starts the compute instruction before
+  the chunk's backward, `schedule.prefetch.reload_points`): every offloaded layer is copied
+  back on the side stream, the last (the first the backward needs) first, with an event per
+  tensor, so the reload overlaps that instruction and the backward waits only for what is not
+  back yet (the cost model and the engine's copy channel price it so; the memory models hold
+  the reloaded bytes from that point on);
+* `prefetch()` (the executor calls it as the chunk's backward starts, for a backward right
+  after its own forward): the tensors of the last offloaded layer;
 * unpack: the compute stream waits for that tensor's reload event (reloading it now if no
   prefetch ran); the first unpack of a layer's tensors starts the reload of the layer before
-  it, so one layer comes back while the previous one's backward runs and at most about two
-  offloaded layers are on the device again at once (what the memory model assumes: offloaded
-  bytes leave the device from the forward to the chunk's backward, whose compute the reload
-  overlaps).
+  it, so without a `prefetch_all` one layer comes back while the previous one's backward runs.
 
 Parameters and leaves that require grad are not packed (they stay on the device for the whole
 step: the weights, the received messages the runtime keeps for sending their gradients).
@@ -50,7 +54,8 @@ class _Slot:
 class ActivationOffload:
     """The offloaded saved tensors of one chunk forward (module docstring)."""
 
-    stream: Any = None  # the side copy stream (CUDA), None on CPU
+    stream: Any = None  # the side stream of the copies out (CUDA), None on CPU
+    reload_stream: Any = None  # the side stream of the reloads (CUDA), None on CPU
     slots: list[_Slot] = field(default_factory=list)
     offloaded_bytes: int = 0
     layers: int = 0  # offloaded layers that ran their forward so far
@@ -58,8 +63,8 @@ class ActivationOffload:
 
     @classmethod
     def for_device(cls, device: torch.device) -> ActivationOffload:
-        """An empty record whose copies run on `copy_stream(device)`."""
-        return cls(stream=copy_stream(device))
+        """An empty record whose copies run on `copy_stream(device, ...)`."""
+        return cls(stream=copy_stream(device), reload_stream=copy_stream(device, reload=True))
 
     def pack(self, t: torch.Tensor) -> Any:
         """Autograd's pack hook: `t` itself when it stays on the device, else its slot index."""
@@ -100,17 +105,24 @@ class ActivationOffload:
             if slot.layer == layer:
                 self._reload(slot)
 
+    def prefetch_all(self) -> None:
+        """Start copying back every offloaded layer's tensors, the last layer first (the order
+        the backward needs them in)."""
+        for layer in reversed(range(self.layers)):
+            self.prefetch(layer)
+
     def _reload(self, slot: _Slot) -> None:
         if slot.reloaded is not None:
             return
         if self.stream is None:
             slot.reloaded = slot.host.to(slot.device, copy=True)
             return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(slot.copied)
+        stream = self.reload_stream or self.stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(slot.copied)
             slot.reloaded = slot.host.to(slot.device, non_blocking=True)
             slot.ready = torch.cuda.Event()
-            slot.ready.record(self.stream)
+            slot.ready.record(stream)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Autograd's unpack hook: the tensor back on its device."""
@@ -131,16 +143,18 @@ class ActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-_STREAMS: dict[torch.device, Any] = {}
+_STREAMS: dict[tuple[torch.device, bool], Any] = {}
 
 
-def copy_stream(device: torch.device) -> Any:
-    """The side stream offload copies run on (one per CUDA device); None off CUDA."""
+def copy_stream(device: torch.device, *, reload: bool = False) -> Any:
+    """The side stream offload copies out (or, with `reload`, the reloads) run on (one each per
+    CUDA device); None off CUDA."""
     if device.type != "cuda":
         return None
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+    key = (device, reload)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device)
+    return _STREAMS[key]
 
 
 class OffloadedLayer(torch.nn.Module):

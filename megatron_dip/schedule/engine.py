@@ -9,11 +9,12 @@ The machine is evaluated in max-plus form (each time is a max over the times it 
 no global event queue is needed and the result does not depend on the order ranks are visited.
 
 Host copies (activation offload, with a `host_copy` duration): every rank has one copy channel
-(the runtime's one side copy stream per device), whose copies run one after another in the order
-they are issued. A forward's copy out is issued `lead` seconds into the forward and never delays
-the compute. A backward's reload is issued as the backward starts (when the runtime prefetches)
-and the backward, `window` seconds in, waits for it: the backward ends later by the reload's
-finish past that point.
+per direction (the runtime's two side copy streams per device, device to host and back: the
+PCIe link is full duplex), whose copies run one after another in the order they are issued. A forward's copy out is issued `lead` seconds into the forward and never delays
+the compute. A backward's reload is issued where the runtime starts it (`prefetch.reload_points`:
+as the rank starts the compute instruction before the backward, or the backward itself), and
+the backward, `window` seconds in, waits for it: it ends later by the reload's finish past that
+point.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .ir import (
     Wait,
     compute_tag,
 )
+from .prefetch import reload_points
 
 ComputeTime = Callable[[int, Instruction], float]
 TransferTime = Callable[[Send], float]
@@ -62,7 +64,7 @@ class ExecutionResult:
     data-parallel gradient reduction (they run one after another beside the compute and count
     in `finish`), `op_complete[(rank, is_send, key)]` when each point-to-point operation
     completed, `copies[r]` (instruction index, start, end) of each host copy on rank r's copy
-    channel (a forward's copy out, a backward's reload; empty without `host_copy`)."""
+    channels (a forward's copy out, a backward's reload; empty without `host_copy`)."""
 
     finish: list[float]
     spans: list[list[tuple[int, float, float]]]
@@ -235,6 +237,12 @@ class _Machine:
         self.waits: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.reductions: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.copies: list[list[tuple[int, float, float]]] = [[] for _ in programs]
+        self.reloads: list[dict[int, int]] = []  # per rank: compute index -> backward reloaded
+        self.reloaded: dict[tuple[int, int], float] = {}  # (rank, backward) -> reload end
+        self.channel_free = [[0.0, 0.0] for _ in programs]  # per rank: copy out, reload
+        self.copied: dict[tuple[int, object], float] = {}  # (rank, stage) -> copy out end
+        if host_copy is not None:
+            self.reloads = [reload_points(p.instructions) for p in programs]
         self.wait_ops: dict[tuple[int, int], list[list[int]]] = {}  # (rank, pc) -> ops per key
 
     # -- rank progress ---------------------------------------------------------------------
@@ -251,7 +259,7 @@ class _Machine:
             if cls is Forward or cls is Backward or cls is BackwardWeight:
                 start = clock
                 clock = start + compute_time(r, ins)
-                if self.host_copy is not None and cls is not BackwardWeight:
+                if self.host_copy is not None:
                     clock = self._copy(r, pc, ins, start, clock)
                 spans.append((pc, start, clock))
                 pc += 1
@@ -280,19 +288,46 @@ class _Machine:
         return moved
 
     def _copy(self, r: int, pc: int, ins: Instruction, start: float, end: float) -> float:
-        """Issue compute instruction `ins`'s host copy on rank r's copy channel (after the
-        copies issued before it) and return when `ins` ends: a copy out delays nothing; a
-        backward waits, `window` seconds in, for its reload."""
-        offset, seconds = self.host_copy(r, ins)
-        if seconds <= 0:
-            return end
-        done = self.copies[r]
-        at = start + offset if isinstance(ins, Forward) else start
-        begin = max(at, done[-1][2] if done else 0.0)
-        done.append((pc, begin, begin + seconds))
+        """Issue the host copies that start with compute instruction `ins` on rank r's copy
+        channels and return when `ins` ends: a backward's own reload unless an earlier
+        instruction started it, the reload of the backward `ins` comes before, a forward's copy
+        out (which delays nothing); a backward waits, `window` seconds in, for its reload."""
+        own = None
+        if isinstance(ins, Backward):
+            copy = self.host_copy(r, ins)
+            own = self.reloaded.pop((r, pc), None)
+            if own is None and copy[1] > 0:
+                own = self._issue(r, pc, start, copy)
+                self.reloaded.pop((r, pc))
+        later = self.reloads[r].get(pc)
+        if later is not None:
+            self._issue(r, later, start, self.host_copy(r, self.programs[r].instructions[later]))
         if isinstance(ins, Forward):
+            offset, seconds = self.host_copy(r, ins)
+            self._issue(r, pc, start + offset, (offset, seconds))
+        if own is None:
             return end
-        return end + max(0.0, begin + seconds - (start + offset))
+        return end + max(0.0, own - (start + copy[0]))
+
+    def _issue(self, r: int, pc: int, at: float, copy: tuple[float, float]) -> float:
+        """Put instruction pc's copy of `copy[1]` seconds on rank r's channel of its direction
+        at `at`, after what is queued there and, for a reload, after its stage's copy out;
+        when it ends (a reload's end is kept for its backward)."""
+        if copy[1] <= 0:
+            return at
+        ins = self.programs[r].instructions[pc]
+        reload = not isinstance(ins, Forward)
+        free = self.channel_free[r]
+        begin = max(at, free[reload])
+        if reload:
+            begin = max(begin, self.copied.pop((r, ins.stage), 0.0))
+        free[reload] = begin + copy[1]
+        self.copies[r].append((pc, begin, begin + copy[1]))
+        if reload:
+            self.reloaded[(r, pc)] = begin + copy[1]
+        else:
+            self.copied[(r, ins.stage)] = begin + copy[1]
+        return begin + copy[1]
 
     def _reduce(self, r: int, pc: int, clock: float, duration: float) -> None:
         """A reduction starts when posted and after the rank's previous one (one data-parallel
