@@ -485,10 +485,11 @@ class CostModel:
         recompute: MemoryPolicy = NO_RECOMPUTE,
     ) -> int:
         """The most layers `chunk` can offload on `sub` after `recompute`'s recomputation (NONE
-        or BLOCK N) whose reloads hide behind the backward (no wait) and whose copy out leaves
-        at most one layer's bytes on the device when the forward ends (more would move no more
-        bytes off the device at the forward's end, only load the copy channel); 0 where not even
-        one does: the offload worth offering beside recomputation."""
+        or BLOCK N) whose reload hides (behind about one forward of the chunk before the
+        backward and the backwards of the layers after the offloaded ones: no wait) and whose
+        copy out leaves at most one layer's bytes on the device when the forward ends (more
+        would move no more bytes off the device by then, only load the copy channel); 0 where
+        not even one does: the offload worth offering beside recomputation."""
         spec, w = self.model.module(chunk.module), self._work(sub)
         fwd_l, bwd_l, _ = self._layer(spec, w)
         best = 0
