@@ -313,9 +313,9 @@ def test_recompute_keeps_less_and_gives_the_same_gradients(groups, mode):
 )
 def test_offload_keeps_less_on_the_device_and_gives_the_same_gradients(groups, policy):
     """Offloaded layers' saved tensors leave autograd's device bytes (they go to the host
-    record, in its count) and come back for the backward: identical gradients, prefetched (the
-    last layer, or all of them as the instruction before the backward starts) or reloaded on
-    demand, a layer at a time; parameters and the received leaf are never offloaded."""
+    record, in its count) and come back for the backward: identical gradients, prefetched or
+    reloaded on demand, a layer at a time; parameters and the received leaf are never
+    offloaded."""
     batch, placement, plan = _setup("vlm", segments=1)
     spec = placement.module("llm").chunks[0]
     chunk = build_chunk(batch.model, spec, num_chunks=1, config=st.CFG, groups=groups)
@@ -326,7 +326,7 @@ def test_offload_keeps_less_on_the_device_and_gives_the_same_gradients(groups, p
     rows = source.sub_batch(sub.work).tensors["vit.positions"].numel()
     emb = torch.randn(rows, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
-    def once(p: MemoryPolicy, prefetch: str = ""):
+    def once(p: MemoryPolicy, prefetch: bool = False):
         chunk.zero_grad(set_to_none=True)
         saved = [0]
 
@@ -337,20 +337,17 @@ def test_offload_keeps_less_on_the_device_and_gives_the_same_gradients(groups, p
         inp = [{"vit.embeddings": emb.clone().requires_grad_(True)}]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, record = run_policy(chunk, p, chunk, inp, source.sub_batch(sub.work))
-        if record is not None and prefetch == "last":
+        if record is not None and prefetch:
             record.prefetch()  # the last offloaded layer only: the others as backward goes
             back = {slot.layer for slot in record.slots if slot.reloaded is not None}
             assert back == {record.layers - 1} and record.layers == p.offload
-        if record is not None and prefetch == "all":  # before the instruction ahead of it
-            record.prefetch_all()
-            assert all(slot.reloaded is not None for slot in record.slots)
         out["loss"].backward()
         grads = {n: q.grad.clone() for n, q in chunk.named_parameters()}
         return saved[0], record, grads, inp[0]["vit.embeddings"].grad
 
     base = once(MemoryPolicy())
     recomputed = once(MemoryPolicy(policy.method, policy.layers))
-    for prefetch in ("", "last", "all"):
+    for prefetch in (False, True):
         got = once(policy, prefetch)
         record = got[1]
         assert record is not None and record.slots and record.offloaded_bytes > 0

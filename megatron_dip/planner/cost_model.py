@@ -29,13 +29,14 @@ backward, before the backward reaches them. The copy gets the GPU's share of its
 with the chunk's own pipeline messages, which cross the same PCIe link to the NIC. As the
 runtime does it (`runtime/offload.py`): the copy out never blocks the compute stream, so it
 delays nothing, but the bytes it has not copied when the forward ends are still on the device
-(counted in `activation_bytes`); the reload blocks. The runtime starts the whole reload as the
-rank starts the compute instruction before the backward (`schedule.prefetch`), so it overlaps
-that instruction and the backwards of the layers after the offloaded ones; its bytes are back
-from then on (`StageCost.reload_bytes`). The copies occupy the rank's one copy stream in order
-(`StageCost.copy_out` / `reload`): the schedule engine times that channel and the backward's
-wait for its reload (`reload_stall` here is the chunk-local estimate the planner's own passes
-use, with about one forward of the chunk before the backward).
+(counted in `activation_bytes`); the reload blocks. The runtime prefetches the last offloaded
+layer as the backward starts and each further layer as the backward reaches the one after it,
+so the first reload must hide behind the backwards of the layers after the offloaded ones and
+each later one behind one layer's backward. The copies occupy the rank's copy streams in
+order, one per direction (`StageCost.copy_out` / `reload`): the schedule engine times those
+channels, and the wait for the first reload there (`reload_stall` here is the chunk-local
+estimate the planner's own passes use), and the simulator holds what a queued copy out has not
+moved yet.
 
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
 
@@ -86,11 +87,11 @@ class StageCost:
 
     Activation offload (module docstring): `copy_out` link seconds of the copy out, starting
     `copy_lead` seconds into the forward (it delays nothing: the compute stream never waits for
-    it); `reload` link seconds of the reload the backward waits for, `reload_window` seconds
-    into it; `reload_stall` the seconds of `backward` that are the chunk-local estimate of that
-    wait (a timing of the rank's copy channel replaces it with its own); `reload_bytes` the
-    bytes back on the device from the reload's start (`schedule.prefetch`) to the backward's
-    end, beyond `activation_bytes`; `copy_bytes` the offloaded bytes."""
+    it); `reload` link seconds of the first reload the backward waits for, `reload_window`
+    seconds into it; `reload_stall` the seconds of `backward` that are the chunk-local estimate
+    of that wait (a timing of the rank's copy channels replaces it with its own); `copy_bytes`
+    the offloaded bytes (what the copy out moves), `copy_residual` those of them the cost model
+    expects the copy out not to have moved when the forward ends (in `activation_bytes`)."""
 
     forward: float
     backward: float
@@ -102,8 +103,8 @@ class StageCost:
     reload: float = 0.0
     reload_window: float = 0.0
     reload_stall: float = 0.0
-    reload_bytes: int = 0
     copy_bytes: int = 0
+    copy_residual: int = 0
 
     @property
     def pending_weight_bytes(self) -> int:
@@ -345,7 +346,7 @@ class CostModel:
         copies = _NO_COPIES
         if policy.offload:
             copies = self._offload_copies(spec, chunk, w, policy, fwd_l, bwd_l)
-            bwd += copies.reload_stall
+            bwd += copies.reload_stall + copies.later_stall
             nbytes += int(copies.residual)
         # The weight GEMMs once more; the input / output layers' own.
         weight = n * self._weight_share(spec, w) * bwd_l + extra
@@ -453,26 +454,30 @@ class CostModel:
         direction's link time holds the offloaded bytes and the chunk's pipeline message at the
         GPU's share of the host link. The copy out starts after the first offloaded layer's
         forward and delays nothing; what it has not copied by the forward's end (a linear
-        drain) stays on the device. The reload starts as the rank starts the compute
-        instruction before the backward (`schedule.prefetch`; here about one forward of this
-        chunk) and must be done when the backward reaches the offloaded layers, after the
-        backwards of the layers after them."""
+        drain) stays on the device. The reload: the last offloaded layer (with the message) is
+        prefetched as the backward starts and must be back when the backward reaches it, after
+        the backwards of the layers after the offloaded ones; each earlier one is reloaded
+        while the backward of the one after it runs, and waits for what that does not hide."""
         c = self._ctx
         n = chunk.num_layers
         start = policy.offload_start
         k = min(policy.offload, n - start)
         share, latency = self.device.host_link_share, self.device.p2p_latency
         moved = self._offloaded(spec, chunk, w, policy)
-        link = (moved + c.dt * w.tokens * spec.layer.hidden / c.rep) / share + latency
+        message = c.dt * w.tokens * spec.layer.hidden / c.rep / share + latency
+        copy_out = moved / share + message
         out_window = max(0, n - start - 1) * fwd_l
-        residual = moved * max(0.0, 1.0 - out_window / link)
+        residual = moved * max(0.0, 1.0 - out_window / copy_out) if copy_out > 0 else 0.0
+        layer = moved / max(1, k) / share
         window = max(0, n - start - k) * bwd_l
+        first = layer + message
         return _OffloadCopies(
-            copy_out=link,
+            copy_out=copy_out,
             copy_lead=(start + 1) * fwd_l,
-            reload=link,
+            reload=first,
             reload_window=window,
-            reload_stall=max(0.0, link - n * fwd_l - window),
+            reload_stall=max(0.0, first - window),
+            later_stall=max(0, k - 1) * max(0.0, layer - bwd_l),
             residual=residual,
             layer_bytes=moved / max(1, k),
             moved=moved,
@@ -485,18 +490,17 @@ class CostModel:
         recompute: MemoryPolicy = NO_RECOMPUTE,
     ) -> int:
         """The most layers `chunk` can offload on `sub` after `recompute`'s recomputation (NONE
-        or BLOCK N) whose reload hides (behind about one forward of the chunk before the
-        backward and the backwards of the layers after the offloaded ones: no wait) and whose
-        copy out leaves at most one layer's bytes on the device when the forward ends (more
-        would move no more bytes off the device by then, only load the copy channel); 0 where
-        not even one does: the offload worth offering beside recomputation."""
+        or BLOCK N) whose reloads hide behind the backward (no wait) and whose copy out leaves
+        at most one layer's bytes on the device when the forward ends (more would move no more
+        bytes off the device at the forward's end, only load the copy channel); 0 where not even
+        one does: the offload worth offering beside recomputation."""
         spec, w = self.model.module(chunk.module), self._work(sub)
         fwd_l, bwd_l, _ = self._layer(spec, w)
         best = 0
         # more layers: more link, less overlap
         for k in range(1, chunk.num_layers - recompute.offload_start + 1):
             copies = self._offload_copies(spec, chunk, w, recompute.with_offload(k), fwd_l, bwd_l)
-            if copies.reload_stall or copies.residual > copies.layer_bytes:
+            if copies.reload_stall or copies.later_stall or copies.residual > copies.layer_bytes:
                 break
             best = k
         return best
@@ -673,14 +677,16 @@ def _deferred_gemm(op: Op) -> bool:
 @dataclass(frozen=True)
 class _OffloadCopies:
     """The copies of one chunk's offload (`CostModel._offload_copies`): the `StageCost` fields
-    of the same names, the bytes the copy out leaves on the device at the forward's end
-    (`residual`, part of `activation_bytes`) and one offloaded layer's bytes."""
+    of the same names, the waits for later layers' reloads (`later_stall`, part of the
+    backward), the bytes the copy out leaves on the device at the forward's end (`residual`,
+    part of `activation_bytes`) and one offloaded layer's bytes."""
 
     copy_out: float
     copy_lead: float
     reload: float
     reload_window: float
     reload_stall: float
+    later_stall: float
     residual: float
     layer_bytes: float
     moved: float = 0.0
@@ -694,9 +700,9 @@ class _OffloadCopies:
             reload=self.reload,
             reload_window=self.reload_window,
             reload_stall=self.reload_stall,
-            reload_bytes=int(self.moved - self.residual),
             copy_bytes=int(self.moved),
+            copy_residual=int(self.residual),
         )
 
 
-_NO_COPIES = _OffloadCopies(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+_NO_COPIES = _OffloadCopies(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)

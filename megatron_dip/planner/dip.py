@@ -535,11 +535,7 @@ class DipPlanner:
         if self.config.optimize_memory and limits is not None and not forward_only and trade:
             with self._pass("memory pass"):
                 candidates = self._recompute_candidates(
-                    dataflow,
-                    sub_of,
-                    search.order,
-                    self._reload_limits(dataflow, sub_of, limits),
-                    errors=errors,
+                    dataflow, sub_of, search.order, limits, errors=errors
                 )
             for candidate in candidates:  # one that fits before one that does not
                 new, old = candidate[0], schedule
@@ -764,27 +760,6 @@ class DipPlanner:
         return RecomputeChoice(
             {(m.name, c.index): mode for m in self.placement.modules for c in m.chunks}, 0.0
         )
-
-    def _reload_limits(self, dataflow: Dataflow, sub_of: Mapping, limits: list[float]):
-        """`limits` less, per rank, room for two offloaded stages' reloads: a reload's bytes
-        come back as the rank starts the compute instruction before its backward
-        (`schedule.prefetch`), so at the alive-set before a backward that backward's stage and
-        the next one's may hold theirs besides what the alive-set holds (the memory pass and
-        the list scheduler count a stage's bytes after its forward). Room for the largest
-        reload any offered mode of the rank's stages makes; the limits unchanged without
-        offload."""
-        if not self.config.offload_activations:
-            return limits
-        most = [0.0] * len(limits)
-        for stage in dataflow.stages():
-            if not dataflow.needs_backward(stage.module):
-                continue
-            rank = dataflow.rank_of(stage)
-            for mode in self._modes_of(sub_of, stage):
-                if mode.offload:
-                    held = self._stage_cost(sub_of, stage, mode).reload_bytes
-                    most[rank] = max(most[rank], float(held))
-        return [lim - 2 * m for lim, m in zip(limits, most)]
 
     def _hidden(self, chunk, sub, block: int) -> int:
         """Layers whose offload hides after block recomputation of the first `block`."""

@@ -11,9 +11,9 @@ this module only supplies durations and reads the result:
   latency models the per-operation hand-over overhead of emulated clusters (docs/design.md, "Emulated clusters") (it grows with
   the number of messages, so schedules that send more messages must pay for it);
 * activation offload: a forward's copy out and a backward's first reload run on the rank's
-  copy channel (`execute_programs`' `host_copy`, `StageCost.copy_out` / `reload`); the copy out
-  delays nothing, the backward waits for its reload (instead of `StageCost.reload_stall`, the
-  cost model's chunk-local estimate);
+  copy channels (`execute_programs`' `host_copy`, `StageCost.copy_out` / `reload`); the copy
+  out delays nothing, the backward waits for its reload (instead of `StageCost.reload_stall`,
+  the cost model's chunk-local estimate);
 * host overheads (`overheads.HostOverheads` of the cost model, zero for stand-ins): every compute
   instruction also takes `instruction` seconds, every posted batch of sends/receives `batch`
   seconds of its rank, and `message_latency` / `post_overhead` default to the cost model's
@@ -24,8 +24,11 @@ the end of its forward and releases them at the end of its backward (of a split 
 `BackwardInput` trades them for what the pending W holds, `StageCost.pending_weight_bytes`, which
 its `BackwardWeight` releases). A forward-only stage (frozen
 module with nothing trainable upstream) runs without autograd and holds nothing afterwards; what
-its consumers keep of its output is part of their own activation bytes. Transient working memory
-inside an operator, parameters, gradients and optimizer state are not part of this timeline.
+its consumers keep of its output is part of their own activation bytes. An offloading stage's
+`activation_bytes` hold what the cost model expects its copy out not to have moved when the
+forward ends; where the copy channel queued it so that more is left, the rest is held too until
+the copy ends. Transient working memory inside an operator, parameters, gradients and optimizer
+state are not part of this timeline.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ from ..schedule.ir import (
     StageId,
     SubMicrobatch,
 )
-from ..schedule.prefetch import reload_points
 from .cost_model import StageCost
 from .overheads import host_overheads
 from .trace import Span, chrome_trace_events, plan_timeline
@@ -188,40 +190,25 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
 
 def _holdings(
     program: Program, indices: Iterable[int], costs: dict, has_backward: set[StageId]
-) -> Iterator[tuple[int, bool, int]]:
-    """`(index, at its start, activation bytes held from then on)` for each instruction of
-    `indices` (compute instructions of `program`, in program order) that changes what the rank
-    holds: at its end, and at its start where it starts an offloaded stage's reload
-    (`schedule.prefetch`: the reloaded bytes are held from there to that stage's backward)."""
+) -> Iterator[tuple[int, int]]:
+    """`(index, activation bytes held after it)` for each instruction of `indices` (compute
+    instructions of `program`, in program order) that changes what the rank holds."""
     held = 0
     weighted = {i.stage for i in program.instructions if isinstance(i, BackwardWeight)}
-    reloads = reload_points(program.instructions)
-    early = set(reloads.values())  # the others reload as they start
     for index in indices:
         ins = program.instructions[index]
-        later = reloads.get(index)
-        own = isinstance(ins, Backward) and index not in early
-        reloaded = 0
-        if later is not None:
-            reloaded += int(costs[program.instructions[later].stage].reload_bytes)
-        if own:
-            reloaded += int(costs[ins.stage].reload_bytes)
-        if reloaded:
-            held += reloaded
-            yield index, True, held
         if isinstance(ins, Forward) and ins.stage in has_backward:
             held += int(costs[ins.stage].activation_bytes)
         elif isinstance(ins, BackwardInput) and ins.stage in weighted:  # now what W needs
             cost = costs[ins.stage]
             held += int(cost.pending_weight_bytes) - int(cost.activation_bytes)
-            held -= int(cost.reload_bytes)
         elif isinstance(ins, BackwardWeight):
             held -= int(costs[ins.stage].pending_weight_bytes)
         elif isinstance(ins, Backward) and ins.stage not in weighted:
-            held -= int(costs[ins.stage].activation_bytes) + int(costs[ins.stage].reload_bytes)
+            held -= int(costs[ins.stage].activation_bytes)
         else:
             continue
-        yield index, False, held
+        yield index, held
 
 
 def _memory(
@@ -232,11 +219,10 @@ def _memory(
         plan.programs, execution.spans, execution.copies or [()] * len(plan.programs)
     ):
         # spans of one rank never overlap: program order is time order
-        start_of = {index: start for index, start, _ in spans}
         end_of = {index: end for index, _, end in spans}
         deltas, last = [], 0
-        for i, first, held in _holdings(program, end_of, costs, has_backward):
-            deltas.append((start_of[i] if first else end_of[i], held - last))
+        for i, held in _holdings(program, end_of, costs, has_backward):
+            deltas.append((end_of[i], held - last))
             last = held
         deltas += _copying(program, end_of, copies, costs)
         deltas.sort(key=lambda d: d[0])  # stable: program order at equal times
@@ -263,7 +249,7 @@ def _copying(
             continue
         cost = costs[ins.stage]
         left = cost.copy_bytes * min(1.0, (end - end_of[pc]) / max(end - begin, 1e-30))
-        extra = int(left - (cost.copy_bytes - cost.reload_bytes))
+        extra = int(left - cost.copy_residual)
         if extra > 0:
             out += [(end_of[pc], extra), (end, -extra)]
     return out
@@ -276,7 +262,7 @@ def activation_peaks(plan: Plan, cost_model: StageCostModel) -> tuple[int, ...]:
     peaks = []
     for program in plan.programs:
         steps = _holdings(program, range(len(program.instructions)), costs, has_backward)
-        peaks.append(max([0, *(held for _, _, held in steps)]))
+        peaks.append(max([0, *(held for _, held in steps)]))
     return tuple(peaks)
 
 
@@ -302,8 +288,6 @@ def _host_copy(c: StageCost, ins: Instruction) -> tuple[float, float]:
     (or input half's) first reload."""
     if isinstance(ins, Forward):
         return c.copy_lead, c.copy_out
-    if isinstance(ins, BackwardWeight):
-        return 0.0, 0.0
     return c.reload_window, c.reload
 
 

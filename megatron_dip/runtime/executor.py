@@ -68,7 +68,6 @@ from megatron_dip.schedule.ir import (
     Wait,
     WorkId,
 )
-from megatron_dip.schedule.prefetch import reload_points
 
 from .backward_split import (
     PendingWeight,
@@ -231,8 +230,6 @@ class Executor:
             {} if plan.forward_only else grad_sync_points(self.program, placement, set(self._ddp))
         )
         self._last_use = _last_use(self.program)
-        # Where each offloaded stage's reload starts: what the engine and the cost model price.
-        self._reload_at = reload_points(self.program.instructions)
         # Resolved once: the per-instruction loop should do no avoidable Python work.
         self._handlers = {t: getattr(self, name) for t, name in _HANDLERS.items()}
         self._nvtx = config.nvtx and torch.cuda.is_available()
@@ -338,10 +335,6 @@ class Executor:
         i = 0
         while i < len(instrs):
             ins, mark = instrs[i], clock.mark() if clock is not None else None
-            if isinstance(ins, Backward):  # its own reload first (if no earlier one started)
-                self._prefetch(ins.stage)
-            if i in self._reload_at:
-                self._prefetch(instrs[self._reload_at[i]].stage)
             if traced:
                 with self._traced(i, ins):
                     consumed = self._handlers[type(ins)](i, ins)
@@ -571,12 +564,6 @@ class Executor:
         if saved.offload is not None:
             saved.offload.prefetch()  # the last offloaded layer; the others as backward goes
         return saved
-
-    def _prefetch(self, stage: StageId) -> None:
-        """Start reloading all of `stage`'s offloaded activations (its backward comes next)."""
-        saved = self._saved.get(stage)
-        if saved is not None and saved.offload is not None:
-            saved.offload.prefetch_all()
 
     def _no_sync(self, stage: StageId):
         chunk = self._chunk(stage)

@@ -10,17 +10,16 @@ recomputation's checkpointed layers). While one of them runs its forward, autogr
   allocator can reuse the memory while compute goes on. Reloads run on a second side stream
   (the PCIe link is full duplex: a reload need not queue behind later copies out; the schedule
   engine times one copy channel per direction);
-* `prefetch_all()` (the executor calls it as the rank starts the compute instruction before
-  the chunk's backward, `schedule.prefetch.reload_points`): every offloaded layer is copied
-  back on the side stream, the last (the first the backward needs) first, with an event per
-  tensor, so the reload overlaps that instruction and the backward waits only for what is not
-  back yet (the cost model and the engine's copy channel price it so; the memory models hold
-  the reloaded bytes from that point on);
-* `prefetch()` (the executor calls it as the chunk's backward starts, for a backward right
-  after its own forward): the tensors of the last offloaded layer;
+* `prefetch()` (the executor calls it as the chunk's backward starts): the tensors of the last
+  offloaded layer (the first the backward needs) are copied back on the reload stream, once
+  their copy out is done, with an event per tensor;
 * unpack: the compute stream waits for that tensor's reload event (reloading it now if no
   prefetch ran); the first unpack of a layer's tensors starts the reload of the layer before
-  it, so without a `prefetch_all` one layer comes back while the previous one's backward runs.
+  it, so one layer comes back while the previous one's backward runs and at most about two
+  offloaded layers are on the device again at once (what the memory model assumes: offloaded
+  bytes leave the device from the forward, or from the end of their copy out, to the chunk's
+  backward, whose compute the reload overlaps; the cost model prices that chain of reloads and
+  the schedule engine the copy channels).
 
 Parameters and leaves that require grad are not packed (they stay on the device for the whole
 step: the weights, the received messages the runtime keeps for sending their gradients).
@@ -104,12 +103,6 @@ class ActivationOffload:
         for slot in self.slots:
             if slot.layer == layer:
                 self._reload(slot)
-
-    def prefetch_all(self) -> None:
-        """Start copying back every offloaded layer's tensors, the last layer first (the order
-        the backward needs them in)."""
-        for layer in reversed(range(self.layers)):
-            self.prefetch(layer)
 
     def _reload(self, slot: _Slot) -> None:
         if slot.reloaded is not None:

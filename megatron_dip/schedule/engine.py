@@ -10,11 +10,11 @@ no global event queue is needed and the result does not depend on the order rank
 
 Host copies (activation offload, with a `host_copy` duration): every rank has one copy channel
 per direction (the runtime's two side copy streams per device, device to host and back: the
-PCIe link is full duplex), whose copies run one after another in the order they are issued. A forward's copy out is issued `lead` seconds into the forward and never delays
-the compute. A backward's reload is issued where the runtime starts it (`prefetch.reload_points`:
-as the rank starts the compute instruction before the backward, or the backward itself), and
-the backward, `window` seconds in, waits for it: it ends later by the reload's finish past that
-point.
+PCIe link is full duplex), whose copies run one after another in the order they are issued. A
+forward's copy out is issued `lead` seconds into the forward and never delays the compute. A
+backward's reload is issued as the backward starts (where the runtime prefetches), once its
+stage's copy out is done, and the backward, `window` seconds in, waits for it: it ends later by
+the reload's finish past that point.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from .ir import (
     Wait,
     compute_tag,
 )
-from .prefetch import reload_points
 
 ComputeTime = Callable[[int, Instruction], float]
 TransferTime = Callable[[Send], float]
@@ -237,12 +236,8 @@ class _Machine:
         self.waits: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.reductions: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.copies: list[list[tuple[int, float, float]]] = [[] for _ in programs]
-        self.reloads: list[dict[int, int]] = []  # per rank: compute index -> backward reloaded
-        self.reloaded: dict[tuple[int, int], float] = {}  # (rank, backward) -> reload end
         self.channel_free = [[0.0, 0.0] for _ in programs]  # per rank: copy out, reload
         self.copied: dict[tuple[int, object], float] = {}  # (rank, stage) -> copy out end
-        if host_copy is not None:
-            self.reloads = [reload_points(p.instructions) for p in programs]
         self.wait_ops: dict[tuple[int, int], list[list[int]]] = {}  # (rank, pc) -> ops per key
 
     # -- rank progress ---------------------------------------------------------------------
@@ -288,46 +283,33 @@ class _Machine:
         return moved
 
     def _copy(self, r: int, pc: int, ins: Instruction, start: float, end: float) -> float:
-        """Issue the host copies that start with compute instruction `ins` on rank r's copy
-        channels and return when `ins` ends: a backward's own reload unless an earlier
-        instruction started it, the reload of the backward `ins` comes before, a forward's copy
-        out (which delays nothing); a backward waits, `window` seconds in, for its reload."""
-        own = None
-        if isinstance(ins, Backward):
-            copy = self.host_copy(r, ins)
-            own = self.reloaded.pop((r, pc), None)
-            if own is None and copy[1] > 0:
-                own = self._issue(r, pc, start, copy)
-                self.reloaded.pop((r, pc))
-        later = self.reloads[r].get(pc)
-        if later is not None:
-            self._issue(r, later, start, self.host_copy(r, self.programs[r].instructions[later]))
-        if isinstance(ins, Forward):
-            offset, seconds = self.host_copy(r, ins)
-            self._issue(r, pc, start + offset, (offset, seconds))
-        if own is None:
+        """Issue compute instruction `ins`'s host copy on rank r's copy channel of its
+        direction and return when `ins` ends: a copy out delays nothing; a backward waits,
+        `window` seconds in, for its reload."""
+        if isinstance(ins, BackwardWeight):  # it moves nothing
             return end
-        return end + max(0.0, own - (start + copy[0]))
+        offset, seconds = self.host_copy(r, ins)
+        if seconds <= 0:
+            return end
+        if isinstance(ins, Forward):
+            self._issue(r, ins, start + offset, seconds, pc)
+            return end
+        ready = self._issue(r, ins, start, seconds, pc)
+        return end + max(0.0, ready - (start + offset))
 
-    def _issue(self, r: int, pc: int, at: float, copy: tuple[float, float]) -> float:
-        """Put instruction pc's copy of `copy[1]` seconds on rank r's channel of its direction
-        at `at`, after what is queued there and, for a reload, after its stage's copy out;
-        when it ends (a reload's end is kept for its backward)."""
-        if copy[1] <= 0:
-            return at
-        ins = self.programs[r].instructions[pc]
+    def _issue(self, r: int, ins: Instruction, at: float, seconds: float, pc: int) -> float:
+        """Put `ins`'s copy of `seconds` on rank r's channel of its direction at `at`, after
+        what is queued there and, for a reload, after its stage's copy out; when it ends."""
         reload = not isinstance(ins, Forward)
         free = self.channel_free[r]
         begin = max(at, free[reload])
         if reload:
             begin = max(begin, self.copied.pop((r, ins.stage), 0.0))
-        free[reload] = begin + copy[1]
-        self.copies[r].append((pc, begin, begin + copy[1]))
-        if reload:
-            self.reloaded[(r, pc)] = begin + copy[1]
         else:
-            self.copied[(r, ins.stage)] = begin + copy[1]
-        return begin + copy[1]
+            self.copied[(r, ins.stage)] = begin + seconds
+        free[reload] = begin + seconds
+        self.copies[r].append((pc, begin, begin + seconds))
+        return begin + seconds
 
     def _reduce(self, r: int, pc: int, clock: float, duration: float) -> None:
         """A reduction starts when posted and after the rank's previous one (one data-parallel
