@@ -155,8 +155,9 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
     keeps its received input, held anyway). As the runtime copies: the copy out (offload + the
     chunk's message, at the GPU's share of the shared host link) never delays the forward, but
     what it has not copied when the forward ends stays on the device; the first reload waits
-    behind the backwards of the layers after the offloaded ones, each later one behind one
-    layer's backward."""
+    behind the backwards of the layers after the offloaded ones, the later ones queue behind it,
+    each issued as the backward frees a layer after the offloaded ones (else as it reaches the
+    offloaded layer after it)."""
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, 8192, 2 * 4096**2)
     none = cm.stage_cost(chunk, sub)
@@ -180,7 +181,12 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
         assert off.reload == pytest.approx(first)
         assert off.reload_window == pytest.approx((8 - k) * none.backward / 8)
         stall = max(0.0, first - off.reload_window)
-        later = (k - 1) * max(0.0, moved / k / share - none.backward / 8)
+        layer, bwd_l = moved / k / share, none.backward / 8
+        if k == 2:  # the second issued after one freed layer, queued behind the first
+            reached = max(off.reload_window, first)
+            later = max(0.0, max(bwd_l, first) + layer - (reached + bwd_l))
+        else:  # one layer: none; the whole chunk: each issued as the backward reaches the next
+            later = (k - 1) * max(0.0, layer - bwd_l)
         assert off.reload_stall == pytest.approx(stall)
         assert off.backward == pytest.approx(none.backward + stall + later)
     # One layer: its copy out outlasts the 7 later layers' forwards by ~1/8 of the chunk's

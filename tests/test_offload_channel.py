@@ -1,14 +1,18 @@
 """Activation offload as the runtime copies: the engine's per-rank copy channels (one per
-direction) and what the simulator's memory timeline holds while a copy out is queued."""
+direction), what the simulator's memory timeline holds while a copy out is queued, and the
+reloads paced by the layers the backward frees (cost model and runtime)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
+import torch
 
-from megatron_dip.planner.cost_model import StageCost
+from megatron_dip.planner.cost_model import StageCost, _reload_waits
 from megatron_dip.planner.simulator import simulate
+from megatron_dip.runtime.offload import ActivationOffload, offloaded_layers
 from megatron_dip.schedule.baselines import build_1f1b_plan
 from megatron_dip.schedule.engine import execute_programs
 from megatron_dip.schedule.ir import (
@@ -98,3 +102,74 @@ def test_memory_holds_what_a_queued_copy_out_has_not_moved() -> None:
         (3.0, 200),
     )
     assert result.peak_activation_bytes[0] == 200 + left_f1
+
+
+def test_reload_waits_pace_reloads_by_the_freed_layers() -> None:
+    """The cost model's reload waits (`_reload_waits`): with layers after the offloaded ones,
+    the second reload starts once the backward has freed one of them and hides; with none
+    after, each starts as the backward reaches the offloaded layer after it and waits for what
+    one layer's backward does not hide; the reload stream queues them in order."""
+    # 2 offloaded, 4 after: the first (2 s) hides behind 4 s; the second, issued at 1 s after
+    # the first (ready 4), is ready before the backward reaches it (5).
+    assert _reload_waits(2, 4, 2.0, 0.0, 1.0) == [0.0, 0.0]
+    # None after: the first waits its whole reload (2.5), the others their excess (1 each).
+    assert _reload_waits(3, 0, 2.0, 0.5, 1.0) == pytest.approx([2.5, 1.0, 1.0])
+    # 3 offloaded, 2 after, a stream too slow to keep up: the queue decides.
+    assert _reload_waits(3, 2, 2.0, 0.5, 1.0) == pytest.approx([0.5, 1.0, 1.0])
+
+
+class _Layer(torch.nn.Module):
+    """tanh(x W), logging ("reach", i) when the backward reaches its product's gradient."""
+
+    def __init__(self, i: int, log: list) -> None:
+        super().__init__()
+        self.i, self.log = i, log
+        self.weight = torch.nn.Parameter(torch.eye(4, dtype=torch.float64) * (1 + i / 10))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        y = hidden @ self.weight
+        y.register_hook(lambda g: self.log.append(("reach", self.i)))
+        return torch.tanh(y)
+
+
+def test_the_layers_after_the_offloaded_ones_pace_the_reloads() -> None:
+    """Offload of layers 0 and 1 of 4: the executor's prefetch brings layer 1 back as the
+    backward starts, and layer 0's reload starts once the backward is through layer 3 (not as
+    it reaches layer 1); the gradients are those without offload."""
+    log: list = []
+    chunk = torch.nn.Module()
+    chunk.layers = torch.nn.ModuleList(_Layer(i, log) for i in range(4))
+
+    def run(offload: bool) -> list:
+        chunk.zero_grad(set_to_none=True)
+        x = torch.linspace(-1, 1, 8, dtype=torch.float64).reshape(2, 4).requires_grad_(True)
+        record = ActivationOffload()
+        reload = record._reload
+        record._reload = lambda slot: (
+            slot.reloaded is None and log.append(("reload", slot.layer)),  # a reload starts
+            reload(slot),
+        )
+        with contextlib.ExitStack() as stack:
+            if offload:
+                stack.enter_context(offloaded_layers(chunk, 0, 2, record))
+            hidden = x
+            for layer in chunk.layers:
+                hidden = layer(hidden)
+        log.clear()
+        record.prefetch()
+        hidden.sum().backward()
+        return [x.grad, *(p.grad for p in chunk.parameters())]
+
+    plain = run(False)
+    got = run(True)
+    events = [e for i, e in enumerate(log) if i == 0 or e != log[i - 1]]
+    assert events == [
+        ("reload", 1),
+        ("reach", 3),
+        ("reload", 0),
+        ("reach", 2),
+        ("reach", 1),
+        ("reach", 0),
+    ]
+    for a, b in zip(got, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -30,9 +30,11 @@ with the chunk's own pipeline messages, which cross the same PCIe link to the NI
 runtime does it (`runtime/offload.py`): the copy out never blocks the compute stream, so it
 delays nothing, but the bytes it has not copied when the forward ends are still on the device
 (counted in `activation_bytes`); the reload blocks. The runtime prefetches the last offloaded
-layer as the backward starts and each further layer as the backward reaches the one after it,
-so the first reload must hide behind the backwards of the layers after the offloaded ones and
-each later one behind one layer's backward. The copies occupy the rank's copy streams in
+layer as the backward starts and one more each time the backward has freed a layer after the
+offloaded ones (so the reloaded bytes stay within about one layer of what the backward freed),
+or, past those, as the backward reaches the layer after it (`_reload_waits`): the first reload
+must hide behind the backwards of the layers after the offloaded ones, the later ones queue
+behind it on the reload stream. The copies occupy the rank's copy streams in
 order, one per direction (`StageCost.copy_out` / `reload`): the schedule engine times those
 channels, and the wait for the first reload there (`reload_stall` here is the chunk-local
 estimate the planner's own passes use), and the simulator holds what a queued copy out has not
@@ -454,10 +456,8 @@ class CostModel:
         direction's link time holds the offloaded bytes and the chunk's pipeline message at the
         GPU's share of the host link. The copy out starts after the first offloaded layer's
         forward and delays nothing; what it has not copied by the forward's end (a linear
-        drain) stays on the device. The reload: the last offloaded layer (with the message) is
-        prefetched as the backward starts and must be back when the backward reaches it, after
-        the backwards of the layers after the offloaded ones; each earlier one is reloaded
-        while the backward of the one after it runs, and waits for what that does not hide."""
+        drain) stays on the device. The reloads, one layer each (the first with the message),
+        as `_reload_waits` times them."""
         c = self._ctx
         n = chunk.num_layers
         start = policy.offload_start
@@ -469,15 +469,16 @@ class CostModel:
         out_window = max(0, n - start - 1) * fwd_l
         residual = moved * max(0.0, 1.0 - out_window / copy_out) if copy_out > 0 else 0.0
         layer = moved / max(1, k) / share
-        window = max(0, n - start - k) * bwd_l
+        after = max(0, n - start - k)
         first = layer + message
+        waits = _reload_waits(k, after, layer, message, bwd_l)
         return _OffloadCopies(
             copy_out=copy_out,
             copy_lead=(start + 1) * fwd_l,
             reload=first,
-            reload_window=window,
-            reload_stall=max(0.0, first - window),
-            later_stall=max(0, k - 1) * max(0.0, layer - bwd_l),
+            reload_window=after * bwd_l,
+            reload_stall=waits[0],
+            later_stall=sum(waits[1:]),
             residual=residual,
             layer_bytes=moved / max(1, k),
             moved=moved,
@@ -672,6 +673,28 @@ def _deferred_gemm(op: Op) -> bool:
     """Whether a split backward defers `op`'s weight gradient to W: a column-parallel weight
     GEMM (`modalities.costs.gemm`: a row-parallel one's is done in B)."""
     return op.kind is OpKind.GEMM and not op.core and op.w_held > 0
+
+
+def _reload_waits(k: int, after: int, layer: float, message: float, bwd_l: float) -> list[float]:
+    """Seconds the backward of a chunk waits for each of its `k` offloaded layers' reloads
+    (the last offloaded layer first), `after` layers after them, each reload `layer` link
+    seconds (the first also the `message`'s), each layer's backward `bwd_l`; time 0 is the
+    backward's start. As `runtime/offload.py` issues them on its one reload stream: the i-th
+    as the backward has freed i of the layers after the offloaded ones (i <= `after`) or as
+    the backward starts the offloaded layer after it, whichever comes first; each queues
+    behind the one before it."""
+    waits: list[float] = []
+    ready = reached = 0.0  # the last reload's end; when the backward started its layer
+    clock = after * bwd_l  # when the backward reaches the next offloaded layer, before waiting
+    for i in range(k):
+        issue = 0.0 if i == 0 else reached
+        if 0 < i <= after:
+            issue = min(issue, i * bwd_l)
+        ready = max(issue, ready) + layer + (message if i == 0 else 0.0)
+        waits.append(max(0.0, ready - clock))
+        reached = clock + waits[-1]
+        clock = reached + bwd_l
+    return waits
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,17 @@ recomputation's checkpointed layers). While one of them runs its forward, autogr
 * `prefetch()` (the executor calls it as the chunk's backward starts): the tensors of the last
   offloaded layer (the first the backward needs) are copied back on the reload stream, once
   their copy out is done, with an event per tensor;
+* each layer after the offloaded ones (`PacingLayer`) starts the next offloaded layer's reload
+  once the backward is through it (its input's gradient is computed, its saved tensors freed),
+  so the reloads run on the reload stream while the backward frees about as many layers' bytes
+  as they bring back;
 * unpack: the compute stream waits for that tensor's reload event (reloading it now if no
   prefetch ran); the first unpack of a layer's tensors starts the reload of the layer before
-  it, so one layer comes back while the previous one's backward runs and at most about two
-  offloaded layers are on the device again at once (what the memory model assumes: offloaded
-  bytes leave the device from the forward, or from the end of their copy out, to the chunk's
-  backward, whose compute the reload overlaps; the cost model prices that chain of reloads and
-  the schedule engine the copy channels).
+  it, if not yet started (past what the layers after the offloaded ones pace), so the reloaded
+  bytes stay within about one layer of what the backward has freed (what the memory model
+  assumes: offloaded bytes leave the device from the forward, or from the end of their copy
+  out, to the chunk's backward, whose compute the reloads overlap; the cost model prices those
+  reloads, `cost_model._reload_waits`, and the schedule engine the copy channels).
 
 Parameters and leaves that require grad are not packed (they stay on the device for the whole
 step: the weights, the received messages the runtime keeps for sending their gradients).
@@ -104,6 +108,13 @@ class ActivationOffload:
             if slot.layer == layer:
                 self._reload(slot)
 
+    def prefetch_next(self, *_: Any) -> None:
+        """Start the reload of the last offloaded layer not reloading yet (the one the backward
+        needs next); a tensor hook (`PacingLayer`), so it takes and ignores a gradient."""
+        pending = [layer for layer in range(self.layers) if layer not in self._reloading]
+        if pending:
+            self.prefetch(pending[-1])
+
     def _reload(self, slot: _Slot) -> None:
         if slot.reloaded is not None:
             return
@@ -175,12 +186,40 @@ class OffloadedLayer(torch.nn.Module):
             return self.member(*args, **kwargs)
 
 
+class PacingLayer(torch.nn.Module):
+    """A layer after a chunk's offloaded ones: once the backward is through it (the gradient
+    of its input, the first positional argument or `hidden_states`, is computed), the next
+    offloaded layer's reload starts (`ActivationOffload.prefetch_next`)."""
+
+    def __init__(self, layer: torch.nn.Module, record: ActivationOffload) -> None:
+        super().__init__()
+        self.member = layer
+        self._record = record
+
+    @property
+    def config(self) -> Any:
+        """The layer's Megatron config (what the chunk's loop may read of a layer)."""
+        return self.member.config
+
+    @property
+    def layer_number(self) -> int:
+        """The layer's global 1-based number."""
+        return self.member.layer_number
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._record.prefetch_next)
+        return self.member(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def offloaded_layers(
     chunk: torch.nn.Module, start: int, count: int, record: ActivationOffload
 ) -> Iterator[None]:
-    """`chunk.layers[start:start + count]` offloaded into `record` while inside (the layer list
-    may already hold block recomputation's checkpointed groups, one per layer)."""
+    """`chunk.layers[start:start + count]` offloaded into `record` while inside, the layers
+    after them pacing its reloads (`PacingLayer`; the layer list may already hold block
+    recomputation's checkpointed groups, one per layer)."""
     original = chunk.layers
     layers = list(original)
     if start + count > len(layers):
@@ -189,6 +228,8 @@ def offloaded_layers(
         )
     for i in range(start, start + count):
         layers[i] = OffloadedLayer(layers[i], record)
+    for i in range(start + count, len(layers)):
+        layers[i] = PacingLayer(layers[i], record)
     chunk.layers = torch.nn.ModuleList(layers)
     try:
         yield
