@@ -130,7 +130,7 @@ def test_recompute_trades_time_for_memory() -> None:
 def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
     """`hidden_offload_layers`: offloading that many layers (alone or after block 1) adds no
     time and leaves at most one layer's bytes on the device after the forward; one more does
-    not (or the chunk has no more layers)."""
+    not (or the chunk has no more layers). With `drained`, the most that leave none."""
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, tokens, 2 * tokens**2)
     for recompute in (MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.BLOCK, 1)):
@@ -148,6 +148,15 @@ def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
                 - cm.offloaded_bytes(chunk, sub, recompute.with_offload(k + 1))
             )
             assert more.backward > base.backward or left > layer
+        # `drained`: no more than that, and the copy out of those ends within the forward.
+        d = cm.hidden_offload_layers(chunk, sub, recompute, drained=True)
+        assert 0 <= d <= k
+        if d:
+            drained = cm.stage_cost(chunk, sub, recompute.with_offload(d))
+            assert drained.copy_residual == 0 and drained.backward == base.backward
+        if d < chunk.num_layers - n:
+            more = cm.stage_cost(chunk, sub, recompute.with_offload(d + 1))
+            assert more.copy_residual > 0 or more.backward > base.backward
 
 
 def test_offload_trades_host_link_time_for_device_memory() -> None:

@@ -361,6 +361,27 @@ def test_planned_offload_stays_within_the_host_limit():
     assert max(simulate(plan, cost).peak_activation_bytes) <= limit_gb * 2**30
 
 
+def test_drained_offload_plans_compete_with_the_others():
+    """With offload, the planner also plans the batch offering only offloads whose copy out
+    ends within the forward (`drained_planner`) and keeps whichever fitting plan simulates
+    faster: never slower than either alone."""
+    free = make_planner().plan_batch(batch(2), search=False)[0]
+    cost = make_planner().cost_model
+    limit_gb = 0.6 * max(simulate(free.plan, cost).peak_activation_bytes) / 2**30
+    kw = dict(memory_gb=limit_gb, device=FAST_HOST_LINK, offload_activations=True)
+    both = make_planner(**kw)
+    drained = both.drained_planner()
+    assert drained is not None and drained.config.drained_offload
+    assert drained.drained_planner() is None and both.drained_planner() is drained
+    alone = make_planner(**kw, drained_offload_candidate=False)
+    assert alone.drained_planner() is None and make_planner().drained_planner() is None
+    times = [
+        simulate(p.plan_batch(batch(2), search=False)[0].plan, cost).iteration_time
+        for p in (both, alone, drained)
+    ]
+    assert times[0] == min(times)
+
+
 def _wait_any_ready(store, iteration: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not store.check([f"dip/{iteration}/ready"]):

@@ -489,19 +489,24 @@ class CostModel:
         chunk: ChunkSpec,
         sub: SubMicrobatch,
         recompute: MemoryPolicy = NO_RECOMPUTE,
+        *,
+        drained: bool = False,
     ) -> int:
         """The most layers `chunk` can offload on `sub` after `recompute`'s recomputation (NONE
         or BLOCK N) whose reloads hide behind the backward (no wait) and whose copy out leaves
         at most one layer's bytes on the device when the forward ends (more would move no more
-        bytes off the device at the forward's end, only load the copy channel); 0 where not even
-        one does: the offload worth offering beside recomputation."""
+        bytes off the device at the forward's end, only load the copy channel); with `drained`,
+        none (the copy out ends within the forward: it never queues behind the previous
+        forward's on the rank's copy channel, which the memory pass does not see); 0 where not
+        even one does: the offload worth offering beside recomputation."""
         spec, w = self.model.module(chunk.module), self._work(sub)
         fwd_l, bwd_l, _ = self._layer(spec, w)
         best = 0
         # more layers: more link, less overlap
         for k in range(1, chunk.num_layers - recompute.offload_start + 1):
             copies = self._offload_copies(spec, chunk, w, recompute.with_offload(k), fwd_l, bwd_l)
-            if copies.reload_stall or copies.later_stall or copies.residual > copies.layer_bytes:
+            left = 0.0 if drained else copies.layer_bytes
+            if copies.reload_stall or copies.later_stall or copies.residual > left:
                 break
             best = k
         return best

@@ -131,6 +131,14 @@ class PlannerConfig:
     # factors (rounded up) and keep the plan that fits and simulates fastest
     # (`sub_size_choice`; the configured sizes win ties). Each new cut plans the batch once more.
     sub_size_scales: tuple[float, ...] = ()
+    # With `offload_activations`: also plan each batch offering only the offloads whose copy
+    # out ends within the forward (`drained_offload`, `CostModel.hidden_offload_layers`), and
+    # keep the plan that fits and simulates fastest (`sub_size_choice`). The memory pass prices
+    # a stage alone; an offload whose copy out outlasts its forward can queue on the rank's
+    # copy channel behind the previous one, which only the simulation sees. Each batch is
+    # planned once more per sub-microbatch cut.
+    drained_offload_candidate: bool = True
+    drained_offload: bool = False  # offer only those offloads (the candidate's planner)
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
@@ -240,6 +248,7 @@ class DipPlanner:
         # statistics only, nothing planned depends on them.
         self.pass_seconds: Counter[str] = Counter()
         self.shapes = MessageShapes(model, config.shape)
+        self._drained: DipPlanner | None = None  # `drained_planner`
 
     # -- data side ---------------------------------------------------------------------------
 
@@ -764,7 +773,24 @@ class DipPlanner:
     def _hidden(self, chunk, sub, block: int) -> int:
         """Layers whose offload hides after block recomputation of the first `block`."""
         recompute = MemoryPolicy(Recompute.BLOCK, block) if block else NO_RECOMPUTE
-        return self.cost_model.hidden_offload_layers(chunk, sub, recompute)
+        drained = self.config.drained_offload
+        return self.cost_model.hidden_offload_layers(chunk, sub, recompute, drained=drained)
+
+    def drained_planner(self) -> DipPlanner | None:
+        """The planner of `PlannerConfig.drained_offload_candidate`'s plans (the same but for
+        `drained_offload`; made once), None where that candidate is off or would change
+        nothing (no offload, no memory pass, or this planner is that one)."""
+        c = self.config
+        if not (c.offload_activations and c.optimize_memory and c.drained_offload_candidate):
+            return None
+        if c.drained_offload:
+            return None
+        if self._drained is None:
+            config = replace(c, drained_offload=True)
+            self._drained = DipPlanner(
+                self.model, self.cost_model, self.placement, config, stage_units=self.stage_units
+            )
+        return self._drained
 
     def host_limits(self) -> list[float] | None:
         """Per rank, the offloaded bytes it may keep in host memory at once

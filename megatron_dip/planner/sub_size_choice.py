@@ -10,6 +10,9 @@ are cut again with those sizes (`batching.split_microbatches`, the one definitio
 and planned whole (search, memory pass, candidates), and the plan that fits the memory limit
 with the shortest simulated iteration wins (the configured sizes on ties). The runtime runs
 whatever split the plan holds (each sub-microbatch's instance range), so nothing else changes.
+
+The same way, with offload, the plans whose memory pass offers only offloads whose copy out
+ends within the forward (`PlannerConfig.drained_offload_candidate`) compete with the others.
 """
 
 from __future__ import annotations
@@ -47,7 +50,29 @@ def plan_with_sizes(
     """The `ReplicaPlan` of one replica of `layout` (cut at the configured sizes of `planner`,
     the run's `DipPlanner`) or of the same microbatches cut at each of
     `config.sub_size_scales`' sizes, whichever fits the memory limit and simulates fastest
-    (module docstring); its `planning_seconds` are all of them."""
+    (module docstring); with `planner.drained_planner()` (`PlannerConfig.
+    drained_offload_candidate`), also that planner's plan of the same, where it fits and
+    simulates faster. Its `planning_seconds` are all of them."""
+    best = _plan_with_sizes(planner, layout, replica, forward_only=forward_only, search=search)
+    drained = None if forward_only else planner.drained_planner()
+    if drained is None:
+        return best
+    found = _plan_with_sizes(drained, layout, replica, search=search)
+    spent = best.planning_seconds + found.planning_seconds
+    if _key(drained, found) < _key(planner, best):
+        best = found
+    return replace(best, planning_seconds=spent)
+
+
+def _plan_with_sizes(
+    planner,
+    layout: BatchLayout,
+    replica: int,
+    *,
+    forward_only: bool = False,
+    search: bool | None = None,
+):
+    """`plan_with_sizes` with `planner` alone."""
     mine = layout.replicas[replica]
     plan_of = functools.partial(
         planner.plan_replica,
