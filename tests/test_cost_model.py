@@ -219,6 +219,11 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
     moved = cm.offloaded_bytes(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7, 1))
     exposed = (moved + hidden) / share + latency
     assert last.backward == pytest.approx(block7.backward + exposed)
+    # Offload past the chunk's last layer (block recompute of all 8 first, as a uniform stock
+    # setting can ask): nothing offloaded, nothing more kept.
+    past = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 8, 1))
+    block8 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 8))
+    assert past.copy_bytes == 0 and past.activation_bytes == block8.activation_bytes
     # A slower host link (A100: PCIe Gen4) makes the same reloads wait longer.
     slow = CostModel(VLM_S.model, get_device("a100"), shape=ParallelShape(tp=4, sp=True))
     assert H100.host_link_share == 2 * get_device("a100").host_link_share

@@ -471,7 +471,7 @@ class CostModel:
         layer = moved / max(1, k) / share
         after = max(0, n - start - k)
         first = layer + message
-        waits = _reload_waits(k, after, layer, message, bwd_l)
+        waits = _reload_waits(max(1, k), after, layer, message, bwd_l)  # k 0: the message
         return _OffloadCopies(
             copy_out=copy_out,
             copy_lead=(start + 1) * fwd_l,
