@@ -130,7 +130,8 @@ def test_recompute_trades_time_for_memory() -> None:
 def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
     """`hidden_offload_layers`: offloading that many layers (alone or after block 1) adds no
     time and leaves at most one layer's bytes on the device after the forward; one more does
-    not (or the chunk has no more layers). With `drained`, the most that leave none."""
+    not (or the chunk has no more layers). The "drained" offer: the most that leave none;
+    "chained": no more than the paced offer (paced reloads wait no longer than chained ones)."""
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, tokens, 2 * tokens**2)
     for recompute in (MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.BLOCK, 1)):
@@ -149,7 +150,7 @@ def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
             )
             assert more.backward > base.backward or left > layer
         # `drained`: no more than that, and the copy out of those ends within the forward.
-        d = cm.hidden_offload_layers(chunk, sub, recompute, drained=True)
+        d = cm.hidden_offload_layers(chunk, sub, recompute, offer="drained")
         assert 0 <= d <= k
         if d:
             drained = cm.stage_cost(chunk, sub, recompute.with_offload(d))
@@ -157,6 +158,13 @@ def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
         if d < chunk.num_layers - n:
             more = cm.stage_cost(chunk, sub, recompute.with_offload(d + 1))
             assert more.copy_residual > 0 or more.backward > base.backward
+        # "chained": no more than paced, and those cost nothing under the paced runtime.
+        c = cm.hidden_offload_layers(chunk, sub, recompute, offer="chained")
+        assert 0 <= c <= k
+        chained = cm.stage_cost(chunk, sub, recompute.with_offload(max(c, 1)))
+        assert not c or chained.backward == base.backward
+    with pytest.raises(ValueError, match="offload offer"):
+        cm.hidden_offload_layers(chunk, sub, offer="eager")
 
 
 def test_offload_trades_host_link_time_for_device_memory() -> None:

@@ -116,6 +116,14 @@ def test_reload_waits_pace_reloads_by_the_freed_layers() -> None:
     assert _reload_waits(3, 0, 2.0, 0.5, 1.0) == pytest.approx([2.5, 1.0, 1.0])
     # 3 offloaded, 2 after, a stream too slow to keep up: the queue decides.
     assert _reload_waits(3, 2, 2.0, 0.5, 1.0) == pytest.approx([0.5, 1.0, 1.0])
+    # Chained one layer ahead (`paced=False`, issue 24g's runtime, the "chained" offer): the
+    # first behind the layers after the offloaded ones, each later one behind one layer's
+    # backward; never shorter waits than paced.
+    assert _reload_waits(2, 4, 2.0, 0.0, 1.0, paced=False) == [0.0, 1.0]
+    assert _reload_waits(3, 2, 2.0, 0.5, 1.0, paced=False) == pytest.approx([0.5, 1.0, 1.0])
+    for case in [(2, 4, 2.0, 0.0, 1.0), (4, 1, 1.5, 0.2, 1.0), (3, 6, 0.9, 0.1, 1.0)]:
+        paced, chained = _reload_waits(*case), _reload_waits(*case, paced=False)
+        assert all(p <= c + 1e-12 for p, c in zip(paced, chained))
 
 
 class _Layer(torch.nn.Module):

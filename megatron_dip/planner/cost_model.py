@@ -68,11 +68,15 @@ __all__ = [
     "CostProfile",
     "HostOverheads",
     "Kernels",
+    "OFFLOAD_OFFERS",
     "StageCost",
     "load_profile",
 ]
 
 _CACHE_LIMIT = 200_000
+# Which offloads `CostModel.hidden_offload_layers` counts as hidden (its docstring); the
+# planner plans a batch with each as a candidate (`PlannerConfig.offload_offer`).
+OFFLOAD_OFFERS = ("paced", "drained", "chained")
 GPU_KERNELS = Kernels()  # Transformer Engine / FlashAttention, fused norms
 CPU_KERNELS = Kernels(attention="segments", fused_rms_norm=False)  # SDPA per segment, torch norms
 
@@ -450,14 +454,23 @@ class CostModel:
         return found
 
     def _offload_copies(
-        self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd_l: float, bwd_l: float
+        self,
+        spec,
+        chunk: ChunkSpec,
+        w,
+        policy: MemoryPolicy,
+        fwd_l: float,
+        bwd_l: float,
+        *,
+        paced: bool = True,
     ) -> _OffloadCopies:
         """The copies of `policy`'s offload as the runtime makes them (module docstring). Each
         direction's link time holds the offloaded bytes and the chunk's pipeline message at the
         GPU's share of the host link. The copy out starts after the first offloaded layer's
         forward and delays nothing; what it has not copied by the forward's end (a linear
         drain) stays on the device. The reloads, one layer each (the first with the message),
-        as `_reload_waits` times them."""
+        as `_reload_waits` times them (`paced=False`: chained one layer ahead, for
+        `hidden_offload_layers`' "chained" offer only)."""
         c = self._ctx
         n = chunk.num_layers
         start = policy.offload_start
@@ -471,7 +484,8 @@ class CostModel:
         layer = moved / max(1, k) / share
         after = max(0, n - start - k)
         first = layer + message
-        waits = _reload_waits(max(1, k), after, layer, message, bwd_l)  # k 0: the message
+        # k 0: the message
+        waits = _reload_waits(max(1, k), after, layer, message, bwd_l, paced=paced)
         return _OffloadCopies(
             copy_out=copy_out,
             copy_lead=(start + 1) * fwd_l,
@@ -490,22 +504,30 @@ class CostModel:
         sub: SubMicrobatch,
         recompute: MemoryPolicy = NO_RECOMPUTE,
         *,
-        drained: bool = False,
+        offer: str = "paced",
     ) -> int:
         """The most layers `chunk` can offload on `sub` after `recompute`'s recomputation (NONE
-        or BLOCK N) whose reloads hide behind the backward (no wait) and whose copy out leaves
-        at most one layer's bytes on the device when the forward ends (more would move no more
-        bytes off the device at the forward's end, only load the copy channel); with `drained`,
-        none (the copy out ends within the forward: it never queues behind the previous
-        forward's on the rank's copy channel, which the memory pass does not see); 0 where not
-        even one does: the offload worth offering beside recomputation."""
+        or BLOCK N) that `offer` (`OFFLOAD_OFFERS`) counts as hidden; 0 where not even one is:
+        the offload worth offering beside recomputation. "paced": the reloads hide behind the
+        backward as the runtime paces them (no wait) and the copy out leaves at most one layer's
+        bytes on the device when the forward ends (more would move no more bytes off the device
+        at the forward's end, only load the copy channel). "drained": the same, but the copy out
+        ends within the forward (it never queues behind the previous forward's on the rank's
+        copy channel, which the memory pass does not see). "chained": as "paced", but the reloads
+        hide even chained one layer ahead (each behind one layer's backward, issue 24g's offer):
+        fewer layers where a reload outlasts a layer's backward, whose plans the paced runtime
+        runs the same or faster."""
+        if offer not in OFFLOAD_OFFERS:
+            raise ValueError(f"offload offer {offer!r}: one of {OFFLOAD_OFFERS}")
         spec, w = self.model.module(chunk.module), self._work(sub)
         fwd_l, bwd_l, _ = self._layer(spec, w)
         best = 0
         # more layers: more link, less overlap
         for k in range(1, chunk.num_layers - recompute.offload_start + 1):
-            copies = self._offload_copies(spec, chunk, w, recompute.with_offload(k), fwd_l, bwd_l)
-            left = 0.0 if drained else copies.layer_bytes
+            policy = recompute.with_offload(k)
+            paced = offer != "chained"
+            copies = self._offload_copies(spec, chunk, w, policy, fwd_l, bwd_l, paced=paced)
+            left = 0.0 if offer == "drained" else copies.layer_bytes
             if copies.reload_stall or copies.later_stall or copies.residual > left:
                 break
             best = k
@@ -680,20 +702,22 @@ def _deferred_gemm(op: Op) -> bool:
     return op.kind is OpKind.GEMM and not op.core and op.w_held > 0
 
 
-def _reload_waits(k: int, after: int, layer: float, message: float, bwd_l: float) -> list[float]:
+def _reload_waits(
+    k: int, after: int, layer: float, message: float, bwd_l: float, *, paced: bool = True
+) -> list[float]:
     """Seconds the backward of a chunk waits for each of its `k` offloaded layers' reloads
     (the last offloaded layer first), `after` layers after them, each reload `layer` link
     seconds (the first also the `message`'s), each layer's backward `bwd_l`; time 0 is the
     backward's start. As `runtime/offload.py` issues them on its one reload stream: the i-th
     as the backward has freed i of the layers after the offloaded ones (i <= `after`) or as
-    the backward starts the offloaded layer after it, whichever comes first; each queues
-    behind the one before it."""
+    the backward starts the offloaded layer after it, whichever comes first (`paced=False`:
+    only the latter, issue 24g's runtime); each queues behind the one before it."""
     waits: list[float] = []
     ready = reached = 0.0  # the last reload's end; when the backward started its layer
     clock = after * bwd_l  # when the backward reaches the next offloaded layer, before waiting
     for i in range(k):
         issue = 0.0 if i == 0 else reached
-        if 0 < i <= after:
+        if paced and 0 < i <= after:
             issue = min(issue, i * bwd_l)
         ready = max(issue, ready) + layer + (message if i == 0 else 0.0)
         waits.append(max(0.0, ready - clock))
