@@ -129,7 +129,9 @@ def test_recompute_trades_time_for_memory() -> None:
 @pytest.mark.parametrize("tokens", [2048, 8192, 16384])
 def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
     """`hidden_offload_layers`: offloading that many layers (alone or after block 1) adds no
-    time, one more does (or the chunk has no more layers)."""
+    time and leaves at most one layer's bytes on the device after the forward; one more does
+    not (or the chunk has no more layers). The "drained" offer: the most that leave none;
+    "chained": no more than the paced offer (paced reloads wait no longer than chained ones)."""
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, tokens, 2 * tokens**2)
     for recompute in (MemoryPolicy(Recompute.NONE, 0), MemoryPolicy(Recompute.BLOCK, 1)):
@@ -141,40 +143,80 @@ def test_hidden_offload_layers_is_the_most_that_costs_nothing(tokens) -> None:
         assert (free.forward, free.backward) == (base.forward, base.backward)
         if k < chunk.num_layers - n:
             more = cm.stage_cost(chunk, sub, recompute.with_offload(k + 1))
-            assert more.forward + more.backward > base.forward + base.backward
+            layer = cm.offloaded_bytes(chunk, sub, recompute.with_offload(1))
+            left = more.activation_bytes - (
+                base.activation_bytes
+                - cm.offloaded_bytes(chunk, sub, recompute.with_offload(k + 1))
+            )
+            assert more.backward > base.backward or left > layer
+        # `drained`: no more than that, and the copy out of those ends within the forward.
+        d = cm.hidden_offload_layers(chunk, sub, recompute, offer="drained")
+        assert 0 <= d <= k
+        if d:
+            drained = cm.stage_cost(chunk, sub, recompute.with_offload(d))
+            assert drained.copy_residual == 0 and drained.backward == base.backward
+        if d < chunk.num_layers - n:
+            more = cm.stage_cost(chunk, sub, recompute.with_offload(d + 1))
+            assert more.copy_residual > 0 or more.backward > base.backward
+        # "chained": no more than paced, and those cost nothing under the paced runtime.
+        c = cm.hidden_offload_layers(chunk, sub, recompute, offer="chained")
+        assert 0 <= c <= k
+        chained = cm.stage_cost(chunk, sub, recompute.with_offload(max(c, 1)))
+        assert not c or chained.backward == base.backward
+    with pytest.raises(ValueError, match="offload offer"):
+        cm.hidden_offload_layers(chunk, sub, offer="eager")
 
 
 def test_offload_trades_host_link_time_for_device_memory() -> None:
     """Offloaded layers leave the device (all their stored bytes; a middle chunk's first layer
-    keeps its received input, held anyway); the copies cost nothing while each direction's link
-    time (offload + the chunk's message, at the GPU's share of the shared host link) hides
-    behind the compute it overlaps, and the excess beyond it."""
+    keeps its received input, held anyway). As the runtime copies: the copy out (offload + the
+    chunk's message, at the GPU's share of the shared host link) never delays the forward, but
+    what it has not copied when the forward ends stays on the device; the first reload waits
+    behind the backwards of the layers after the offloaded ones, the later ones queue behind it,
+    each issued as the backward frees a layer after the offloaded ones (else as it reaches the
+    offloaded layer after it)."""
     cm = CostModel(VLM_S.model, H100, shape=ParallelShape(tp=4, sp=True))
     chunk, sub = ChunkSpec("llm", 1, 1, 4, 12), _sub("llm", 2, 8192, 2 * 4096**2)
     none = cm.stage_cost(chunk, sub)
     block1 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 1))
     hidden = 2 * 8192 * 4096 / 4  # bf16, sequence parallel over TP4
+    share, latency = H100.host_link_share, H100.p2p_latency
     # A layer's stored bytes: block 1 keeps only the first layer's input.
     per_layer = none.activation_bytes - block1.activation_bytes + hidden
     for k in (1, 2, 8):
         off = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, k))
         moved = cm.offloaded_bytes(chunk, sub, MemoryPolicy(Recompute.NONE, 0, k))
         assert moved == pytest.approx(k * per_layer - hidden, rel=1e-6)
-        assert off.activation_bytes == pytest.approx(none.activation_bytes - moved, abs=1)
-        link = (moved + hidden) / H100.host_link_share + H100.p2p_latency
+        link = (moved + hidden) / share + latency
+        assert off.copy_out == pytest.approx(link)
+        assert off.forward == none.forward  # the compute stream never waits for the copy out
         # A middle chunk of 8 layers: the copy out overlaps the forwards of the 7 layers after
-        # the first offloaded one, the reload the backwards of the 8 - k after the offloaded.
-        out_window, back_window = 7 * none.forward / 8, (8 - k) * none.backward / 8
-        assert off.forward == pytest.approx(none.forward + max(0.0, link - out_window))
-        assert off.backward == pytest.approx(none.backward + max(0.0, link - back_window))
-    # One layer saves what block 1 saves; its reload hides behind the later layers' backwards,
-    # its copy out outlasts the 7 later layers' forwards by ~1/8 of the chunk's forward here.
+        # the first offloaded one; the rest of its bytes are still on the device.
+        left = moved * max(0.0, 1 - 7 * none.forward / 8 / link)
+        assert off.activation_bytes == pytest.approx(none.activation_bytes - moved + left, abs=2)
+        first = moved / k / share + hidden / share + latency
+        assert off.reload == pytest.approx(first)
+        assert off.reload_window == pytest.approx((8 - k) * none.backward / 8)
+        stall = max(0.0, first - off.reload_window)
+        layer, bwd_l = moved / k / share, none.backward / 8
+        if k == 2:  # the second issued after one freed layer, queued behind the first
+            reached = max(off.reload_window, first)
+            later = max(0.0, max(bwd_l, first) + layer - (reached + bwd_l))
+        else:  # one layer: none; the whole chunk: each issued as the backward reaches the next
+            later = (k - 1) * max(0.0, layer - bwd_l)
+        assert off.reload_stall == pytest.approx(stall)
+        assert off.backward == pytest.approx(none.backward + stall + later)
+    # One layer: its copy out outlasts the 7 later layers' forwards by ~1/8 of the chunk's
+    # forward here, so ~1/8 of its bytes are still there when the forward ends; its reload
+    # hides behind the later layers' backwards.
     one = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 1))
-    assert one.activation_bytes == block1.activation_bytes
-    assert none.forward < one.forward < 1.15 * none.forward
-    assert one.backward == none.backward < block1.backward
-    # The whole chunk does not: the link is ~10x slower than the layers produce activations.
-    assert cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 8)).forward > 2 * none.forward
+    assert block1.activation_bytes < one.activation_bytes < none.activation_bytes
+    assert one.forward == none.forward and one.backward == none.backward < block1.backward
+    # The whole chunk: the link is ~10x slower than the layers produce activations, so most of
+    # its bytes are still on the device after the forward and the reloads wait.
+    whole = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 8))
+    assert whole.activation_bytes > 0.8 * none.activation_bytes
+    assert whole.backward > 2 * none.backward
     # Block recompute of the first layer, then offload of the next: both savings.
     mixed = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 1, 1))
     assert mixed.activation_bytes < block1.activation_bytes
@@ -183,15 +225,20 @@ def test_offload_trades_host_link_time_for_device_memory() -> None:
     block7 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7))
     last = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7, 1))
     moved = cm.offloaded_bytes(chunk, sub, MemoryPolicy(Recompute.BLOCK, 7, 1))
-    exposed = (moved + hidden) / H100.host_link_share + H100.p2p_latency
+    exposed = (moved + hidden) / share + latency
     assert last.backward == pytest.approx(block7.backward + exposed)
-    # A slower host link (A100: PCIe Gen4) exposes more of the same copies.
+    # Offload past the chunk's last layer (block recompute of all 8 first, as a uniform stock
+    # setting can ask): nothing offloaded, nothing more kept.
+    past = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 8, 1))
+    block8 = cm.stage_cost(chunk, sub, MemoryPolicy(Recompute.BLOCK, 8))
+    assert past.copy_bytes == 0 and past.activation_bytes == block8.activation_bytes
+    # A slower host link (A100: PCIe Gen4) makes the same reloads wait longer.
     slow = CostModel(VLM_S.model, get_device("a100"), shape=ParallelShape(tp=4, sp=True))
     assert H100.host_link_share == 2 * get_device("a100").host_link_share
     off4 = (c.stage_cost(chunk, sub, MemoryPolicy(Recompute.NONE, 0, 4)) for c in (cm, slow))
     base = (c.stage_cost(chunk, sub) for c in (cm, slow))
     (fast4, slow4), (fast0, slow0) = off4, base
-    assert slow4.forward - slow0.forward > fast4.forward - fast0.forward > 0
+    assert slow4.backward - slow0.backward > fast4.backward - fast0.backward > 0
 
 
 def test_activation_memory_counts_what_the_layers_keep() -> None:

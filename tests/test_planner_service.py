@@ -326,7 +326,10 @@ def test_the_fallback_offloads_where_memory_binds_within_the_host_limit():
         )
         plans[host] = planner.fallback_plan(planner.layout(batch(4, samples=20)), 0)
         assert plans[host].name == "dip (megatron order)"
-        assert max(activation_peaks(plans[host], cost)) <= limit_gb * 2**30
+        # Priced on the device it was planned for: an offloading stage holds what its copy
+        # out has not moved at the forward's end, which a slower host link (`cost`'s) leaves.
+        peaks = activation_peaks(plans[host], planner.cost_model)
+        assert max(peaks) <= limit_gb * 2**30
     assert max(offload_peaks(plans[None], cost)) > 1.0  # it offloads where nothing bounds it
     assert max(offload_peaks(plans[1.0], cost)) <= 1.0
     modes = {
@@ -358,7 +361,41 @@ def test_planned_offload_stays_within_the_host_limit():
     )
     plan = tight.plan_batch(batch(2), search=False)[0].plan
     assert max(offload_peaks(plan, cost)) <= wide / 4
-    assert max(simulate(plan, cost).peak_activation_bytes) <= limit_gb * 2**30
+    # The device peak as simulated on the device it was planned for (copy channels and what a
+    # copy out has not moved yet included; `cost`'s host link is far slower).
+    assert max(simulate(plan, tight.cost_model).peak_activation_bytes) <= limit_gb * 2**30
+
+
+def test_offload_offers_compete_with_each_other(monkeypatch):
+    """With offload, the planner also plans the batch under its other offload offers
+    (`offer_planners`: "drained", copies out that end within the forward; "chained", issue
+    24g's) and keeps whichever fitting plan simulates faster: never slower than any alone. An
+    offer that equals the planner's on every stage is not planned (it plans the same)."""
+    from megatron_dip.planner.dip import DipPlanner
+
+    free = make_planner().plan_batch(batch(2), search=False)[0]
+    cost = make_planner().cost_model
+    limit_gb = 0.6 * max(simulate(free.plan, cost).peak_activation_bytes) / 2**30
+    kw = dict(memory_gb=limit_gb, offload_activations=True)
+    both = make_planner(**kw)
+    others = both.offer_planners()
+    assert [p.config.offload_offer for p in others] == ["drained", "chained"]
+    assert all(p.offer_planners() == [] for p in others) and both.offer_planners() == others
+    alone = make_planner(**kw, offload_offer_candidates=())
+    assert alone.offer_planners() == [] and make_planner().offer_planners() == []
+    # The tiny model's offers agree on every stage: the candidates are skipped, same plan.
+    layout = alone.layout(batch(2))
+    works = layout.replicas[0].works
+    assert not any(alone.offers_differ(p, works) for p in others)
+    plan = alone.plan_batch(batch(2), search=False)[0].plan
+    assert both.plan_batch(batch(2), search=False)[0].plan == plan
+    # Where they differ, each is planned and the fastest fitting plan kept.
+    monkeypatch.setattr(DipPlanner, "offers_differ", lambda self, other, works: True)
+    times = [
+        simulate(p.plan_batch(batch(2), search=False)[0].plan, both.cost_model).iteration_time
+        for p in (both, alone, *others)
+    ]
+    assert times[0] == min(times)
 
 
 def _wait_any_ready(store, iteration: int, timeout: float = 120.0) -> None:

@@ -197,10 +197,9 @@ class EmulatedBatchSource:
         if memory.method is Recompute.FULL:
             memory = NO_RECOMPUTE
         cost = self.cost_model.stage_cost(chunk, sub, memory)
-        # Offload's transfers run on their own channel; what the copy out does not hide
-        # behind the forward is slept here, with what the reload does not hide.
-        exposed_out = cost.forward - self.cost_model.stage_cost(chunk, sub).forward
-        return (cost.backward + exposed_out) * self.config.scale
+        # Offload's transfers run on their own channels and the copy out delays nothing; the
+        # backward sleeps the cost model's estimate of its wait for the reload.
+        return cost.backward * self.config.scale
 
     def _link(self, key: MessageKey) -> Link:
         remote = self.df.sender_of(key) != self.df.receiver_of(key)
@@ -276,11 +275,17 @@ class ScaledCostModel:
         memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> Any:
         cost = self.base.stage_cost(chunk, sub, memory)
+        scale = self.scale
         return dataclasses.replace(
             cost,
-            forward=cost.forward * self.scale,
-            backward=cost.backward * self.scale,
-            weight=cost.weight * self.scale,
+            forward=cost.forward * scale,
+            backward=cost.backward * scale,
+            weight=cost.weight * scale,
+            copy_out=cost.copy_out * scale,
+            copy_lead=cost.copy_lead * scale,
+            reload=cost.reload * scale,
+            reload_window=cost.reload_window * scale,
+            reload_stall=cost.reload_stall * scale,
         )
 
     def transfer_time(self, nbytes: int) -> float:

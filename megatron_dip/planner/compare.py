@@ -158,9 +158,10 @@ class Comparison:
         return cmp
 
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
-        """`placement_search.greedy_score` of `batches` under the candidate."""
+        """`placement_search.greedy_score` of `batches` under the candidate (its plans without
+        the other sub-microbatch cuts and offload offers: each would plan the batch again)."""
         trial = dataclasses.replace(self, dip=cand)
-        planner = trial.planner(use_search=False, sub_size_scales=())
+        planner = trial.planner(use_search=False, sub_size_scales=(), offload_offer_candidates=())
         limits = trial.memory(cand.placement)
         return greedy_score(planner, batches, limits=limits, channel=self.dip_channel)
 

@@ -22,14 +22,23 @@ against autograd's saved tensors by `tests/test_memory_model.py`). What a layer 
 computes and stores is its modality's (`Modality.layer_ops`, `layer_stored`, `input_ops`,
 `output_ops`, ...; the operator vocabulary is `modalities.costs`); this module prices it.
 
-Activation offload (`MemoryPolicy.offload`, priced by `_offload_time`): the saved tensors of
+Activation offload (`MemoryPolicy.offload`, priced by `_offload_copies`): the saved tensors of
 K layers go to host memory on a copy stream during the chunk's forward and come back during its
 backward, before the backward reaches them. The copy gets the GPU's share of its host link
 (`DeviceSpec.host_link_share`: the GPUs under one PCIe switch copy at once) and competes there
-with the chunk's own pipeline messages, which cross the same PCIe link to the NIC: a direction's
-transfer that outlasts the compute it overlaps (for the copy out, the forwards of the layers
-after the first offloaded one; for the reload, the backwards of the layers after the offloaded
-ones) delays the chunk by the excess.
+with the chunk's own pipeline messages, which cross the same PCIe link to the NIC. As the
+runtime does it (`runtime/offload.py`): the copy out never blocks the compute stream, so it
+delays nothing, but the bytes it has not copied when the forward ends are still on the device
+(counted in `activation_bytes`); the reload blocks. The runtime prefetches the last offloaded
+layer as the backward starts and one more each time the backward has freed a layer after the
+offloaded ones (so the reloaded bytes stay within about one layer of what the backward freed),
+or, past those, as the backward reaches the layer after it (`_reload_waits`): the first reload
+must hide behind the backwards of the layers after the offloaded ones, the later ones queue
+behind it on the reload stream. The copies occupy the rank's copy streams in
+order, one per direction (`StageCost.copy_out` / `reload`): the schedule engine times those
+channels, and the wait for the first reload there (`reload_stall` here is the chunk-local
+estimate the planner's own passes use), and the simulator holds what a queued copy out has not
+moved yet.
 
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
 
@@ -40,6 +49,7 @@ planner's stage graph and the simulator add the host time to their instruction d
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -58,11 +68,15 @@ __all__ = [
     "CostProfile",
     "HostOverheads",
     "Kernels",
+    "OFFLOAD_OFFERS",
     "StageCost",
     "load_profile",
 ]
 
 _CACHE_LIMIT = 200_000
+# Which offloads `CostModel.hidden_offload_layers` counts as hidden (its docstring); the
+# planner plans a batch with each as a candidate (`PlannerConfig.offload_offer`).
+OFFLOAD_OFFERS = ("paced", "drained", "chained")
 GPU_KERNELS = Kernels()  # Transformer Engine / FlashAttention, fused norms
 CPU_KERNELS = Kernels(attention="segments", fused_rms_norm=False)  # SDPA per segment, torch norms
 
@@ -75,13 +89,28 @@ class StageCost:
     `BackwardWeight`; the `BackwardInput` takes `backward - weight`); 0 for frozen modules.
     `weight_bytes`: the bytes held from a split backward's B to its W instead of
     `activation_bytes` (`CostModel.weight_bytes`); None: the activations (a cost without the
-    split's memory model)."""
+    split's memory model).
+
+    Activation offload (module docstring): `copy_out` link seconds of the copy out, starting
+    `copy_lead` seconds into the forward (it delays nothing: the compute stream never waits for
+    it); `reload` link seconds of the first reload the backward waits for, `reload_window`
+    seconds into it; `reload_stall` the seconds of `backward` that are the chunk-local estimate
+    of that wait (a timing of the rank's copy channels replaces it with its own); `copy_bytes`
+    the offloaded bytes (what the copy out moves), `copy_residual` those of them the cost model
+    expects the copy out not to have moved when the forward ends (in `activation_bytes`)."""
 
     forward: float
     backward: float
     activation_bytes: int
     weight: float = 0.0
     weight_bytes: int | None = None
+    copy_out: float = 0.0
+    copy_lead: float = 0.0
+    reload: float = 0.0
+    reload_window: float = 0.0
+    reload_stall: float = 0.0
+    copy_bytes: int = 0
+    copy_residual: int = 0
 
     @property
     def pending_weight_bytes(self) -> int:
@@ -290,12 +319,14 @@ class CostModel:
         scale = self._scale.get(chunk.module, 1.0)
         if scale == 1.0:
             return cost
-        return StageCost(
-            cost.forward * scale,
-            cost.backward * scale,
-            cost.activation_bytes,
-            cost.weight * scale,
-            cost.weight_bytes,
+        return dataclasses.replace(
+            cost,
+            forward=cost.forward * scale,
+            backward=cost.backward * scale,
+            weight=cost.weight * scale,
+            copy_lead=cost.copy_lead * scale,
+            reload_window=cost.reload_window * scale,
+            reload_stall=cost.reload_stall * scale,
         )
 
     def _stage_cost(
@@ -318,18 +349,22 @@ class CostModel:
         }.get(recompute, 0.0)
         bwd += self._plain_layers(n, policy) * self._modules_time(spec, w, policy.modules)
         nbytes = self.chunk_activation_bytes(chunk, sub, policy)
+        copies = _NO_COPIES
         if policy.offload:
-            out, back = self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l)
-            fwd, bwd = fwd + out, bwd + back
+            copies = self._offload_copies(spec, chunk, w, policy, fwd_l, bwd_l)
+            bwd += copies.reload_stall + copies.later_stall
+            nbytes += int(copies.residual)
         # The weight GEMMs once more; the input / output layers' own.
         weight = n * self._weight_share(spec, w) * bwd_l + extra
         if not spec.trainable:  # no weight gradients: the backward is its input half alone
-            return StageCost(fwd, bwd - weight, nbytes, 0.0)
-        if not self.inputs_need_gradients(chunk, sub):
+            cost = StageCost(fwd, bwd - weight, nbytes, 0.0)
+        elif not self.inputs_need_gradients(chunk, sub):
             # Nothing upstream waits for an input gradient: the runtime's split backward runs
             # the whole backward in W (`runtime/backward_split.py`), and B frees nothing.
-            return StageCost(fwd, bwd, nbytes, bwd, nbytes)
-        return StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, policy))
+            cost = StageCost(fwd, bwd, nbytes, bwd, nbytes)
+        else:
+            cost = StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, policy))
+        return copies.priced(cost) if policy.offload else cost
 
     def inputs_need_gradients(self, chunk: ChunkSpec, sub: SubMicrobatch) -> bool:
         """Whether `chunk`'s inputs on `sub` need gradients: a later chunk's of a trainable
@@ -418,44 +453,82 @@ class CostModel:
             _bounded_put(self._stored_cache, key, found)
         return found
 
-    def _offload_time(
-        self, spec, chunk: ChunkSpec, w, policy: MemoryPolicy, fwd_l: float, bwd_l: float
-    ) -> tuple[float, float]:
-        """Seconds the copy out and the reload add to the forward and the backward: what each
-        direction's link time (offloaded bytes plus the chunk's pipeline message, at the GPU's
-        share of the host link) exceeds the compute it can overlap. The copy out starts after
-        the first offloaded layer's forward: the forwards of the chunk's later layers overlap
-        it. The reload starts with the chunk's backward (the runtime prefetches there) and must
-        be done when the backward reaches the offloaded layers: only the backwards of the layers
-        after them overlap it (none when they are the chunk's last)."""
+    def _offload_copies(
+        self,
+        spec,
+        chunk: ChunkSpec,
+        w,
+        policy: MemoryPolicy,
+        fwd_l: float,
+        bwd_l: float,
+        *,
+        paced: bool = True,
+    ) -> _OffloadCopies:
+        """The copies of `policy`'s offload as the runtime makes them (module docstring). Each
+        direction's link time holds the offloaded bytes and the chunk's pipeline message at the
+        GPU's share of the host link. The copy out starts after the first offloaded layer's
+        forward and delays nothing; what it has not copied by the forward's end (a linear
+        drain) stays on the device. The reloads, one layer each (the first with the message),
+        as `_reload_waits` times them (`paced=False`: chained one layer ahead, for
+        `hidden_offload_layers`' "chained" offer only)."""
         c = self._ctx
         n = chunk.num_layers
         start = policy.offload_start
         k = min(policy.offload, n - start)
-        message = c.dt * w.tokens * spec.layer.hidden / c.rep
-        link = (self._offloaded(spec, chunk, w, policy) + message) / self.device.host_link_share
-        link += self.device.p2p_latency
+        share, latency = self.device.host_link_share, self.device.p2p_latency
+        moved = self._offloaded(spec, chunk, w, policy)
+        message = c.dt * w.tokens * spec.layer.hidden / c.rep / share + latency
+        copy_out = moved / share + message
         out_window = max(0, n - start - 1) * fwd_l
-        back_window = max(0, n - start - k) * bwd_l
-        return max(0.0, link - out_window), max(0.0, link - back_window)
+        residual = moved * max(0.0, 1.0 - out_window / copy_out) if copy_out > 0 else 0.0
+        layer = moved / max(1, k) / share
+        after = max(0, n - start - k)
+        first = layer + message
+        # k 0: the message
+        waits = _reload_waits(max(1, k), after, layer, message, bwd_l, paced=paced)
+        return _OffloadCopies(
+            copy_out=copy_out,
+            copy_lead=(start + 1) * fwd_l,
+            reload=first,
+            reload_window=after * bwd_l,
+            reload_stall=waits[0],
+            later_stall=sum(waits[1:]),
+            residual=residual,
+            layer_bytes=moved / max(1, k),
+            moved=moved,
+        )
 
     def hidden_offload_layers(
         self,
         chunk: ChunkSpec,
         sub: SubMicrobatch,
         recompute: MemoryPolicy = NO_RECOMPUTE,
+        *,
+        offer: str = "paced",
     ) -> int:
         """The most layers `chunk` can offload on `sub` after `recompute`'s recomputation (NONE
-        or BLOCK N) whose copies both hide behind the compute they overlap (`_offload_time` adds
-        nothing; 0 where not even one does): the offload worth offering beside recomputation
-        (more than that costs its excess)."""
+        or BLOCK N) that `offer` (`OFFLOAD_OFFERS`) counts as hidden; 0 where not even one is:
+        the offload worth offering beside recomputation. "paced": the reloads hide behind the
+        backward as the runtime paces them (no wait) and the copy out leaves at most one layer's
+        bytes on the device when the forward ends (more would move no more bytes off the device
+        at the forward's end, only load the copy channel). "drained": the same, but the copy out
+        ends within the forward (it never queues behind the previous forward's on the rank's
+        copy channel, which the memory pass does not see). "chained": as "paced", but the reloads
+        hide even chained one layer ahead (each behind one layer's backward, issue 24g's offer):
+        fewer layers where a reload outlasts a layer's backward, whose plans the paced runtime
+        runs the same or faster."""
+        if offer not in OFFLOAD_OFFERS:
+            raise ValueError(f"offload offer {offer!r}: one of {OFFLOAD_OFFERS}")
         spec, w = self.model.module(chunk.module), self._work(sub)
         fwd_l, bwd_l, _ = self._layer(spec, w)
         best = 0
         # more layers: more link, less overlap
         for k in range(1, chunk.num_layers - recompute.offload_start + 1):
             policy = recompute.with_offload(k)
-            if self._offload_time(spec, chunk, w, policy, fwd_l, bwd_l) != (0.0, 0.0):
+            paced = offer != "chained"
+            copies = self._offload_copies(spec, chunk, w, policy, fwd_l, bwd_l, paced=paced)
+            left = 0.0 if offer == "drained" else copies.layer_bytes
+            if copies.reload_stall or copies.later_stall or copies.residual > left:
                 break
             best = k
         return best
@@ -628,3 +701,61 @@ def _deferred_gemm(op: Op) -> bool:
     something for it (`modalities.costs.gemm`: column-parallel ones, and row-parallel ones
     under Transformer Engine's queue)."""
     return op.kind is OpKind.GEMM and not op.core and op.w_held > 0
+
+
+def _reload_waits(
+    k: int, after: int, layer: float, message: float, bwd_l: float, *, paced: bool = True
+) -> list[float]:
+    """Seconds the backward of a chunk waits for each of its `k` offloaded layers' reloads
+    (the last offloaded layer first), `after` layers after them, each reload `layer` link
+    seconds (the first also the `message`'s), each layer's backward `bwd_l`; time 0 is the
+    backward's start. As `runtime/offload.py` issues them on its one reload stream: the i-th
+    as the backward has freed i of the layers after the offloaded ones (i <= `after`) or as
+    the backward starts the offloaded layer after it, whichever comes first (`paced=False`:
+    only the latter, issue 24g's runtime); each queues behind the one before it."""
+    waits: list[float] = []
+    ready = reached = 0.0  # the last reload's end; when the backward started its layer
+    clock = after * bwd_l  # when the backward reaches the next offloaded layer, before waiting
+    for i in range(k):
+        issue = 0.0 if i == 0 else reached
+        if paced and 0 < i <= after:
+            issue = min(issue, i * bwd_l)
+        ready = max(issue, ready) + layer + (message if i == 0 else 0.0)
+        waits.append(max(0.0, ready - clock))
+        reached = clock + waits[-1]
+        clock = reached + bwd_l
+    return waits
+
+
+@dataclass(frozen=True)
+class _OffloadCopies:
+    """The copies of one chunk's offload (`CostModel._offload_copies`): the `StageCost` fields
+    of the same names, the waits for later layers' reloads (`later_stall`, part of the
+    backward), the bytes the copy out leaves on the device at the forward's end (`residual`,
+    part of `activation_bytes`) and one offloaded layer's bytes."""
+
+    copy_out: float
+    copy_lead: float
+    reload: float
+    reload_window: float
+    reload_stall: float
+    later_stall: float
+    residual: float
+    layer_bytes: float
+    moved: float = 0.0
+
+    def priced(self, cost: StageCost) -> StageCost:
+        """`cost` carrying these copies (its times and bytes already include them)."""
+        return dataclasses.replace(
+            cost,
+            copy_out=self.copy_out,
+            copy_lead=self.copy_lead,
+            reload=self.reload,
+            reload_window=self.reload_window,
+            reload_stall=self.reload_stall,
+            copy_bytes=int(self.moved),
+            copy_residual=int(self.residual),
+        )
+
+
+_NO_COPIES = _OffloadCopies(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)

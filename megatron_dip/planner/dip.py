@@ -41,6 +41,7 @@ from ..schedule.ir import (
 from ..schedule.passes import add_communication
 from ..schedule.validate import validate_plan
 from .candidates import megatron_order_plan, merge_submicrobatches
+from .cost_model import OFFLOAD_OFFERS
 from .list_scheduler import (
     ListSchedule,
     build_stage_graph,
@@ -131,11 +132,25 @@ class PlannerConfig:
     # factors (rounded up) and keep the plan that fits and simulates fastest
     # (`sub_size_choice`; the configured sizes win ties). Each new cut plans the batch once more.
     sub_size_scales: tuple[float, ...] = ()
+    # With `offload_activations`: which offloads the memory pass offers beside recomputation
+    # (`cost_model.OFFLOAD_OFFERS`, `CostModel.hidden_offload_layers`), and the other offers
+    # each batch is also planned with, keeping the plan that fits and simulates fastest
+    # (`sub_size_choice`). The memory pass prices a stage alone: an offload whose copy out
+    # outlasts its forward can queue on the rank's copy channel behind the previous one, which
+    # only the simulation sees ("drained" offers none such), and the "paced" offer's longer
+    # reload chains can cost more there than they save ("chained" offers issue 24g's). A
+    # candidate whose offers equal this planner's on every stage of the batch is not planned
+    # (the same plan); each other one plans the batch once more per sub-microbatch cut.
+    offload_offer: str = "paced"
+    offload_offer_candidates: tuple[str, ...] = ("drained", "chained")
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
 
     def __post_init__(self) -> None:
         if self.shape.seq_length is None:
             raise ValueError("PlannerConfig.shape has no seq_length (--seq-length)")
+        for offer in (self.offload_offer, *self.offload_offer_candidates):
+            if offer not in OFFLOAD_OFFERS:
+                raise ValueError(f"PlannerConfig: offload offer {offer!r} not in {OFFLOAD_OFFERS}")
 
     @property
     def seq_length(self) -> int:
@@ -188,9 +203,15 @@ def scoring_config(base: PlannerConfig) -> PlannerConfig:
     """`base` as a placement is scored with it: greedy (no search, so the score depends on the
     data alone), plans over the memory limit scored as such rather than raised, not validated
     (a score's plans are simulated, never run; the run's own plans are checked), and at the
-    configured sub-microbatch sizes only (a placement's score, not its best plan)."""
+    configured sub-microbatch sizes and offload offer only (a placement's score, not its best
+    plan)."""
     return replace(
-        base, use_search=False, strict_memory=False, validate_plans=False, sub_size_scales=()
+        base,
+        use_search=False,
+        strict_memory=False,
+        validate_plans=False,
+        sub_size_scales=(),
+        offload_offer_candidates=(),
     )
 
 
@@ -240,6 +261,7 @@ class DipPlanner:
         # statistics only, nothing planned depends on them.
         self.pass_seconds: Counter[str] = Counter()
         self.shapes = MessageShapes(model, config.shape)
+        self._offer_planners: dict[str, DipPlanner] = {}  # `offer_planners`
 
     # -- data side ---------------------------------------------------------------------------
 
@@ -762,9 +784,53 @@ class DipPlanner:
         )
 
     def _hidden(self, chunk, sub, block: int) -> int:
-        """Layers whose offload hides after block recomputation of the first `block`."""
+        """Layers whose offload hides after block recomputation of the first `block` (as
+        `PlannerConfig.offload_offer` counts them)."""
         recompute = MemoryPolicy(Recompute.BLOCK, block) if block else NO_RECOMPUTE
-        return self.cost_model.hidden_offload_layers(chunk, sub, recompute)
+        offer = self.config.offload_offer
+        return self.cost_model.hidden_offload_layers(chunk, sub, recompute, offer=offer)
+
+    def offer_planners(self) -> list[DipPlanner]:
+        """The planners of `PlannerConfig.offload_offer_candidates`' plans (the same but for
+        `offload_offer`, with no candidates of their own; each made once); none without
+        offload or the memory pass (nothing offered)."""
+        c = self.config
+        if not (c.offload_activations and c.optimize_memory):
+            return []
+        out = []
+        for offer in dict.fromkeys(c.offload_offer_candidates):
+            if offer == c.offload_offer:
+                continue
+            if offer not in self._offer_planners:
+                config = replace(c, offload_offer=offer, offload_offer_candidates=())
+                self._offer_planners[offer] = DipPlanner(
+                    self.model,
+                    self.cost_model,
+                    self.placement,
+                    config,
+                    stage_units=self.stage_units,
+                )
+            out.append(self._offer_planners[offer])
+        return out
+
+    def offers_differ(self, other: DipPlanner, works: Sequence[MicrobatchWork]) -> bool:
+        """Whether the memory pass of `other` (a planner of this one's placement) offers any
+        stage of `works` other memory policies than this planner's (`stage_modes`): where not,
+        `other` plans them the same (nothing else in a plan depends on the offer)."""
+        for sub in (s for w in works for s in w.submicrobatches):
+            for chunk in self.placement.module(sub.module).chunks:
+                modes = [
+                    stage_modes(
+                        chunk.num_layers,
+                        offload=p.config.offload_activations,
+                        hidden=functools.partial(p._hidden, chunk, sub),
+                        modules=p.config.recompute_modules,
+                    )
+                    for p in (self, other)
+                ]
+                if modes[0] != modes[1]:
+                    return True
+        return False
 
     def host_limits(self) -> list[float] | None:
         """Per rank, the offloaded bytes it may keep in host memory at once

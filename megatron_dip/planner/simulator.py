@@ -10,6 +10,10 @@ this module only supplies durations and reads the result:
 * a message lasts `transfer_time(bytes of its tensors) + message_latency`. The extra per-message
   latency models the per-operation hand-over overhead of emulated clusters (docs/design.md, "Emulated clusters") (it grows with
   the number of messages, so schedules that send more messages must pay for it);
+* activation offload: a forward's copy out and a backward's first reload run on the rank's
+  copy channels (`execute_programs`' `host_copy`, `StageCost.copy_out` / `reload`); the copy
+  out delays nothing, the backward waits for its reload (instead of `StageCost.reload_stall`,
+  the cost model's chunk-local estimate);
 * host overheads (`overheads.HostOverheads` of the cost model, zero for stand-ins): every compute
   instruction also takes `instruction` seconds, every posted batch of sends/receives `batch`
   seconds of its rank, and `message_latency` / `post_overhead` default to the cost model's
@@ -20,8 +24,11 @@ the end of its forward and releases them at the end of its backward (of a split 
 `BackwardInput` trades them for what the pending W holds, `StageCost.pending_weight_bytes`, which
 its `BackwardWeight` releases). A forward-only stage (frozen
 module with nothing trainable upstream) runs without autograd and holds nothing afterwards; what
-its consumers keep of its output is part of their own activation bytes. Transient working memory
-inside an operator, parameters, gradients and optimizer state are not part of this timeline.
+its consumers keep of its output is part of their own activation bytes. An offloading stage's
+`activation_bytes` hold what the cost model expects its copy out not to have moved when the
+forward ends; where the copy channel queued it so that more is left, the rest is held too until
+the copy ends. Transient working memory inside an operator, parameters, gradients and optimizer
+state are not part of this timeline.
 """
 
 from __future__ import annotations
@@ -208,13 +215,44 @@ def _memory(
     plan: Plan, execution: ExecutionResult, costs: dict, has_backward: set[StageId]
 ) -> tuple[tuple[int, ...], tuple[tuple[tuple[float, int], ...], ...]]:
     peaks, timelines = [], []
-    for program, spans in zip(plan.programs, execution.spans):
+    for program, spans, copies in zip(
+        plan.programs, execution.spans, execution.copies or [()] * len(plan.programs)
+    ):
         # spans of one rank never overlap: program order is time order
         end_of = {index: end for index, _, end in spans}
-        steps = [(end_of[i], held) for i, held in _holdings(program, end_of, costs, has_backward)]
-        peaks.append(max([0, *(held for _, held in steps)]))
+        deltas, last = [], 0
+        for i, held in _holdings(program, end_of, costs, has_backward):
+            deltas.append((end_of[i], held - last))
+            last = held
+        deltas += _copying(program, end_of, copies, costs)
+        deltas.sort(key=lambda d: d[0])  # stable: program order at equal times
+        steps, held = [], 0
+        for at, delta in deltas:
+            held += delta
+            steps.append((at, held))
+        peaks.append(max([0, *(h for _, h in steps)]))
         timelines.append(tuple(steps))
     return tuple(peaks), tuple(timelines)
+
+
+def _copying(
+    program: Program, end_of: dict, copies: Iterable[tuple[int, float, float]], costs: dict
+) -> list[tuple[float, int]]:
+    """(time, bytes) steps of the offloaded bytes the engine's copy channel has not copied out
+    yet when their forward ends, beyond what the cost model keeps for that (`activation_bytes`
+    holds its chunk-local estimate): held from the forward's end to the copy's (a copy queued
+    behind others leaves more)."""
+    out = []
+    for pc, begin, end in copies:
+        ins = program.instructions[pc]
+        if not isinstance(ins, Forward) or end <= end_of[pc]:
+            continue
+        cost = costs[ins.stage]
+        left = cost.copy_bytes * min(1.0, (end - end_of[pc]) / max(end - begin, 1e-30))
+        extra = int(left - cost.copy_residual)
+        if extra > 0:
+            out += [(end_of[pc], extra), (end, -extra)]
+    return out
 
 
 def activation_peaks(plan: Plan, cost_model: StageCostModel) -> tuple[int, ...]:
@@ -234,8 +272,23 @@ _SLOTS: dict[type, int] = {BackwardInput: 2, BackwardWeight: 3, Forward: 0, Back
 
 def _durations(c: StageCost, host: float) -> tuple[float, float, float, float]:
     """(forward, fused backward, input-gradient half, weight-gradient half) of a stage, each
-    with the host time of its instruction."""
-    return (c.forward + host, c.backward + host, c.backward_input + host, c.weight + host)
+    with the host time of its instruction; the backward without the cost model's estimate of
+    its wait for the first reload, which the engine's copy channel times (`_host_copy`)."""
+    stall = c.reload_stall
+    return (
+        c.forward + host,
+        c.backward - stall + host,
+        c.backward_input - stall + host,
+        c.weight + host,
+    )
+
+
+def _host_copy(c: StageCost, ins: Instruction) -> tuple[float, float]:
+    """The engine's `host_copy` of a stage's instruction: a forward's copy out, a backward's
+    (or input half's) first reload."""
+    if isinstance(ins, Forward):
+        return c.copy_lead, c.copy_out
+    return c.reload_window, c.reload
 
 
 def reduction_time(cost_model: StageCostModel, chunk: ChunkSpec, data_parallel: int) -> float:
@@ -276,6 +329,8 @@ class PlanTiming:
         self.message_latency = host.message if message_latency is None else message_latency
         self.post_overhead = host.batch if post_overhead is None else post_overhead
         self.durations = {s: _durations(c, host.instruction) for s, c in costs.items()}
+        self.costs = costs
+        self.copies = any(c.copy_out or c.reload for c in costs.values())
         self.reductions = _reduction_times(plan, cost_model)
 
     def compute_time(self, rank: int, ins: Instruction) -> float:
@@ -286,6 +341,10 @@ class PlanTiming:
                 return self.reductions.get((ins.module, ins.chunk), 0.0)
             slot = next(v for t, v in _SLOTS.items() if isinstance(ins, t))
         return self.durations[ins.stage][slot]
+
+    def host_copy(self, rank: int, ins: Instruction) -> tuple[float, float]:
+        """(lead or window, seconds) of a compute instruction's host copy (offload)."""
+        return _host_copy(self.costs[ins.stage], ins)
 
     def transfer_time(self, send: Send) -> float:
         """Seconds of a message, its per-message latency included."""
@@ -300,6 +359,7 @@ class PlanTiming:
             transfer_time=self.transfer_time,
             post_overhead=self.post_overhead,
             channel=channel,
+            host_copy=self.host_copy if self.copies else None,
         )
 
 

@@ -10,6 +10,10 @@ are cut again with those sizes (`batching.split_microbatches`, the one definitio
 and planned whole (search, memory pass, candidates), and the plan that fits the memory limit
 with the shortest simulated iteration wins (the configured sizes on ties). The runtime runs
 whatever split the plan holds (each sub-microbatch's instance range), so nothing else changes.
+
+The same way, with offload, the plans of each of the memory pass's other offload offers
+(`PlannerConfig.offload_offer_candidates`) compete with the others, where that offer differs on
+some stage of the batch.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import replace
 
 from ..batching import BatchLayout, split_microbatches
 from ..schedule.engine import per_peer_channel
+from .memory import MemoryLimitError
 from .simulator import simulate
 from .stock_configs import fits
 
@@ -47,22 +52,24 @@ def plan_with_sizes(
     """The `ReplicaPlan` of one replica of `layout` (cut at the configured sizes of `planner`,
     the run's `DipPlanner`) or of the same microbatches cut at each of
     `config.sub_size_scales`' sizes, whichever fits the memory limit and simulates fastest
-    (module docstring); its `planning_seconds` are all of them."""
+    (module docstring); each cut also planned by `planner.offer_planners()` where their offers
+    differ (`PlannerConfig.offload_offer_candidates`). Its `planning_seconds` are all of them."""
     mine = layout.replicas[replica]
     plan_of = functools.partial(
-        planner.plan_replica,
+        _plan_offers,
+        planner,
         iteration=layout.iteration,
         replica=replica,
         totals=layout.totals,
         forward_only=forward_only,
         search=search,
     )
-    best = plan_of(mine.works)
+    best, best_key = plan_of(mine.works)
     scales = () if forward_only else planner.config.sub_size_scales
     others = scaled_sizes(planner.config.sub_sizes, scales)
     if not others:
         return best
-    spent, best_key = best.planning_seconds, _key(planner, best)
+    spent = best.planning_seconds
     seen = [mine.works]
     for sizes in others:
         config = replace(planner.layout_config, sub_sizes=sizes)
@@ -70,12 +77,38 @@ def plan_with_sizes(
         if works in seen:  # the same cut (no microbatch has that many instances)
             continue
         seen.append(works)
-        found = plan_of(works)
+        found, key = plan_of(works)
         spent += found.planning_seconds
-        key = _key(planner, found)
         if key < best_key:
             best, best_key = found, key
     return replace(best, planning_seconds=spent)
+
+
+def _plan_offers(planner, works, *, forward_only: bool, **kw) -> tuple:
+    """(`ReplicaPlan`, its `_key` or None where nothing was compared) of `works` planned by
+    `planner` or, where faster and fitting, by one of `planner.offer_planners()`; one whose
+    offers equal those of a planner already planned on every stage is skipped (the same
+    plan), as is one that cannot fit (`MemoryLimitError`), and a forward-only plan offers
+    nothing. Its `planning_seconds` are all of them (but those of a plan that raised)."""
+    best = planner.plan_replica(works, forward_only=forward_only, **kw)
+    planned, key = [planner], None
+    spent = best.planning_seconds
+    for other in [] if forward_only else planner.offer_planners():
+        if not all(p.offers_differ(other, works) for p in planned):
+            continue
+        planned.append(other)
+        try:
+            found = other.plan_replica(works, forward_only=forward_only, **kw)
+        except MemoryLimitError:  # this offer cannot fit where the planner's own does
+            continue
+        spent += found.planning_seconds
+        key = _key(planner, best) if key is None else key
+        found_key = _key(planner, found)
+        if found_key < key:
+            best, key = found, found_key
+    if key is None and planner.config.sub_size_scales and not forward_only:
+        key = _key(planner, best)
+    return replace(best, planning_seconds=spent), key
 
 
 def _key(planner, found) -> tuple[bool, float]:

@@ -7,16 +7,23 @@ recomputation's checkpointed layers). While one of them runs its forward, autogr
 * pack: the tensor is copied into a host buffer (pinned where CUDA exists) on a side copy
   stream that first waits for the compute stream, an event marks the end of the copy, and the
   device tensor is released once the copy stream is done with it (`record_stream`), so the
-  allocator can reuse the memory while compute goes on;
+  allocator can reuse the memory while compute goes on. Reloads run on a second side stream
+  (the PCIe link is full duplex: a reload need not queue behind later copies out; the schedule
+  engine times one copy channel per direction);
 * `prefetch()` (the executor calls it as the chunk's backward starts): the tensors of the last
-  offloaded layer (the first the backward needs) are copied back on the side stream, with an
-  event per tensor;
+  offloaded layer (the first the backward needs) are copied back on the reload stream, once
+  their copy out is done, with an event per tensor;
+* each layer after the offloaded ones (`PacingLayer`) starts the next offloaded layer's reload
+  once the backward is through it (its input's gradient is computed, its saved tensors freed),
+  so the reloads run on the reload stream while the backward frees about as many layers' bytes
+  as they bring back;
 * unpack: the compute stream waits for that tensor's reload event (reloading it now if no
   prefetch ran); the first unpack of a layer's tensors starts the reload of the layer before
-  it, so one layer comes back while the previous one's backward runs and at most about two
-  offloaded layers are on the device again at once (what the memory model assumes: offloaded
-  bytes leave the device from the forward to the chunk's backward, whose compute the reload
-  overlaps).
+  it, if not yet started (past what the layers after the offloaded ones pace), so the reloaded
+  bytes stay within about one layer of what the backward has freed (what the memory model
+  assumes: offloaded bytes leave the device from the forward, or from the end of their copy
+  out, to the chunk's backward, whose compute the reloads overlap; the cost model prices those
+  reloads, `cost_model._reload_waits`, and the schedule engine the copy channels).
 
 Parameters and leaves that require grad are not packed (they stay on the device for the whole
 step: the weights, the received messages the runtime keeps for sending their gradients).
@@ -50,7 +57,8 @@ class _Slot:
 class ActivationOffload:
     """The offloaded saved tensors of one chunk forward (module docstring)."""
 
-    stream: Any = None  # the side copy stream (CUDA), None on CPU
+    stream: Any = None  # the side stream of the copies out (CUDA), None on CPU
+    reload_stream: Any = None  # the side stream of the reloads (CUDA), None on CPU
     slots: list[_Slot] = field(default_factory=list)
     offloaded_bytes: int = 0
     layers: int = 0  # offloaded layers that ran their forward so far
@@ -58,8 +66,8 @@ class ActivationOffload:
 
     @classmethod
     def for_device(cls, device: torch.device) -> ActivationOffload:
-        """An empty record whose copies run on `copy_stream(device)`."""
-        return cls(stream=copy_stream(device))
+        """An empty record whose copies run on `copy_stream(device, ...)`."""
+        return cls(stream=copy_stream(device), reload_stream=copy_stream(device, reload=True))
 
     def pack(self, t: torch.Tensor) -> Any:
         """Autograd's pack hook: `t` itself when it stays on the device, else its slot index."""
@@ -100,17 +108,25 @@ class ActivationOffload:
             if slot.layer == layer:
                 self._reload(slot)
 
+    def prefetch_next(self, *_: Any) -> None:
+        """Start the reload of the last offloaded layer not reloading yet (the one the backward
+        needs next); a tensor hook (`PacingLayer`), so it takes and ignores a gradient."""
+        pending = [layer for layer in range(self.layers) if layer not in self._reloading]
+        if pending:
+            self.prefetch(pending[-1])
+
     def _reload(self, slot: _Slot) -> None:
         if slot.reloaded is not None:
             return
         if self.stream is None:
             slot.reloaded = slot.host.to(slot.device, copy=True)
             return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(slot.copied)
+        stream = self.reload_stream or self.stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(slot.copied)
             slot.reloaded = slot.host.to(slot.device, non_blocking=True)
             slot.ready = torch.cuda.Event()
-            slot.ready.record(self.stream)
+            slot.ready.record(stream)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Autograd's unpack hook: the tensor back on its device."""
@@ -131,16 +147,18 @@ class ActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-_STREAMS: dict[torch.device, Any] = {}
+_STREAMS: dict[tuple[torch.device, bool], Any] = {}
 
 
-def copy_stream(device: torch.device) -> Any:
-    """The side stream offload copies run on (one per CUDA device); None off CUDA."""
+def copy_stream(device: torch.device, *, reload: bool = False) -> Any:
+    """The side stream offload copies out (or, with `reload`, the reloads) run on (one each per
+    CUDA device); None off CUDA."""
     if device.type != "cuda":
         return None
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+    key = (device, reload)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device)
+    return _STREAMS[key]
 
 
 class OffloadedLayer(torch.nn.Module):
@@ -168,12 +186,40 @@ class OffloadedLayer(torch.nn.Module):
             return self.member(*args, **kwargs)
 
 
+class PacingLayer(torch.nn.Module):
+    """A layer after a chunk's offloaded ones: once the backward is through it (the gradient
+    of its input, the first positional argument or `hidden_states`, is computed), the next
+    offloaded layer's reload starts (`ActivationOffload.prefetch_next`)."""
+
+    def __init__(self, layer: torch.nn.Module, record: ActivationOffload) -> None:
+        super().__init__()
+        self.member = layer
+        self._record = record
+
+    @property
+    def config(self) -> Any:
+        """The layer's Megatron config (what the chunk's loop may read of a layer)."""
+        return self.member.config
+
+    @property
+    def layer_number(self) -> int:
+        """The layer's global 1-based number."""
+        return self.member.layer_number
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._record.prefetch_next)
+        return self.member(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def offloaded_layers(
     chunk: torch.nn.Module, start: int, count: int, record: ActivationOffload
 ) -> Iterator[None]:
-    """`chunk.layers[start:start + count]` offloaded into `record` while inside (the layer list
-    may already hold block recomputation's checkpointed groups, one per layer)."""
+    """`chunk.layers[start:start + count]` offloaded into `record` while inside, the layers
+    after them pacing its reloads (`PacingLayer`; the layer list may already hold block
+    recomputation's checkpointed groups, one per layer)."""
     original = chunk.layers
     layers = list(original)
     if start + count > len(layers):
@@ -182,6 +228,8 @@ def offloaded_layers(
         )
     for i in range(start, start + count):
         layers[i] = OffloadedLayer(layers[i], record)
+    for i in range(start + count, len(layers)):
+        layers[i] = PacingLayer(layers[i], record)
     chunk.layers = torch.nn.ModuleList(layers)
     try:
         yield

@@ -7,6 +7,14 @@ the deadlock check used by validation; with a cost model's durations it is the s
 
 The machine is evaluated in max-plus form (each time is a max over the times it depends on), so
 no global event queue is needed and the result does not depend on the order ranks are visited.
+
+Host copies (activation offload, with a `host_copy` duration): every rank has one copy channel
+per direction (the runtime's two side copy streams per device, device to host and back: the
+PCIe link is full duplex), whose copies run one after another in the order they are issued. A
+forward's copy out is issued `lead` seconds into the forward and never delays the compute. A
+backward's reload is issued as the backward starts (where the runtime prefetches), once its
+stage's copy out is done, and the backward, `window` seconds in, waits for it: it ends later by
+the reload's finish past that point.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from .ir import (
 
 ComputeTime = Callable[[int, Instruction], float]
 TransferTime = Callable[[Send], float]
+# (rank, compute instruction) -> (lead or window seconds, seconds on the rank's copy channel):
+# a forward's copy out issued `lead` into it, a backward's reload it waits for `window` into it.
+HostCopy = Callable[[int, Instruction], "tuple[float, float]"]
 
 
 class PlanError(ValueError):
@@ -51,13 +62,15 @@ class ExecutionResult:
     start, end) of each blocking wait, `reductions[r]` (instruction index, start, end) of each
     data-parallel gradient reduction (they run one after another beside the compute and count
     in `finish`), `op_complete[(rank, is_send, key)]` when each point-to-point operation
-    completed."""
+    completed, `copies[r]` (instruction index, start, end) of each host copy on rank r's copy
+    channels (a forward's copy out, a backward's reload; empty without `host_copy`)."""
 
     finish: list[float]
     spans: list[list[tuple[int, float, float]]]
     waits: list[list[tuple[int, float, float]]]
     _ops: list = field(repr=False, compare=False, default_factory=list)  # (rank, send, key, t)
     reductions: list[list[tuple[int, float, float]]] = field(default_factory=list)
+    copies: list[list[tuple[int, float, float]]] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
@@ -200,8 +213,10 @@ class _Machine:
         transfer_time: TransferTime,
         post_overhead: float,
         channel: ChannelFn,
+        host_copy: HostCopy | None = None,
     ) -> None:
         self.programs = programs
+        self.host_copy = host_copy
         self.compute_time = compute_time
         self.transfer_time = transfer_time
         self.post_overhead = post_overhead
@@ -220,6 +235,9 @@ class _Machine:
         self.spans: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.waits: list[list[tuple[int, float, float]]] = [[] for _ in programs]
         self.reductions: list[list[tuple[int, float, float]]] = [[] for _ in programs]
+        self.copies: list[list[tuple[int, float, float]]] = [[] for _ in programs]
+        self.channel_free = [[0.0, 0.0] for _ in programs]  # per rank: copy out, reload
+        self.copied: dict[tuple[int, object], float] = {}  # (rank, stage) -> copy out end
         self.wait_ops: dict[tuple[int, int], list[list[int]]] = {}  # (rank, pc) -> ops per key
 
     # -- rank progress ---------------------------------------------------------------------
@@ -236,6 +254,8 @@ class _Machine:
             if cls is Forward or cls is Backward or cls is BackwardWeight:
                 start = clock
                 clock = start + compute_time(r, ins)
+                if self.host_copy is not None:
+                    clock = self._copy(r, pc, ins, start, clock)
                 spans.append((pc, start, clock))
                 pc += 1
             elif cls is ReduceGrads:
@@ -261,6 +281,35 @@ class _Machine:
             moved = True
         self.pc[r], self.clock[r] = pc, clock
         return moved
+
+    def _copy(self, r: int, pc: int, ins: Instruction, start: float, end: float) -> float:
+        """Issue compute instruction `ins`'s host copy on rank r's copy channel of its
+        direction and return when `ins` ends: a copy out delays nothing; a backward waits,
+        `window` seconds in, for its reload."""
+        if isinstance(ins, BackwardWeight):  # it moves nothing
+            return end
+        offset, seconds = self.host_copy(r, ins)
+        if seconds <= 0:
+            return end
+        if isinstance(ins, Forward):
+            self._issue(r, ins, start + offset, seconds, pc)
+            return end
+        ready = self._issue(r, ins, start, seconds, pc)
+        return end + max(0.0, ready - (start + offset))
+
+    def _issue(self, r: int, ins: Instruction, at: float, seconds: float, pc: int) -> float:
+        """Put `ins`'s copy of `seconds` on rank r's channel of its direction at `at`, after
+        what is queued there and, for a reload, after its stage's copy out; when it ends."""
+        reload = not isinstance(ins, Forward)
+        free = self.channel_free[r]
+        begin = max(at, free[reload])
+        if reload:
+            begin = max(begin, self.copied.pop((r, ins.stage), 0.0))
+        else:
+            self.copied[(r, ins.stage)] = begin + seconds
+        free[reload] = begin + seconds
+        self.copies[r].append((pc, begin, begin + seconds))
+        return begin + seconds
 
     def _reduce(self, r: int, pc: int, clock: float, duration: float) -> None:
         """A reduction starts when posted and after the rank's previous one (one data-parallel
@@ -356,7 +405,7 @@ class _Machine:
             (ops.rank[i], type(ops.op[i]) is Send, ops.op[i].key, self.op_done[i])
             for i in self.done_order
         ]
-        return ExecutionResult(finish, self.spans, self.waits, done, self.reductions)
+        return ExecutionResult(finish, self.spans, self.waits, done, self.reductions, self.copies)
 
     def _finished(self, r: int) -> bool:
         if self.pc[r] < len(self.programs[r].instructions):
@@ -413,8 +462,12 @@ def execute_programs(
     transfer_time: TransferTime | None = None,
     post_overhead: float = 0.0,
     channel: ChannelFn = single_channel,
+    host_copy: HostCopy | None = None,
 ) -> ExecutionResult:
     """Run `programs` on the abstract machine and return their timing.
+
+    `host_copy`: the seconds of each compute instruction's host copy and where it starts or
+    is waited for (module docstring; None: no host copies).
 
     `channel` maps each operation to the ordered stream it travels on (`single_channel`: one
     per rank, Megatron-Core's single pipeline communicator; `per_peer_channel`: one per sender and
@@ -429,5 +482,6 @@ def execute_programs(
         transfer_time or (lambda s: 0.0),
         post_overhead,
         channel,
+        host_copy,
     )
     return machine.run()
