@@ -274,19 +274,7 @@ class ScaledCostModel:
         sub: Any,
         memory: MemoryPolicy = NO_RECOMPUTE,
     ) -> Any:
-        cost = self.base.stage_cost(chunk, sub, memory)
-        scale = self.scale
-        return dataclasses.replace(
-            cost,
-            forward=cost.forward * scale,
-            backward=cost.backward * scale,
-            weight=cost.weight * scale,
-            copy_out=cost.copy_out * scale,
-            copy_lead=cost.copy_lead * scale,
-            reload=cost.reload * scale,
-            reload_window=cost.reload_window * scale,
-            reload_stall=cost.reload_stall * scale,
-        )
+        return self.base.stage_cost(chunk, sub, memory).scaled(self.scale, self.scale)
 
     def transfer_time(self, nbytes: int) -> float:
         return self.base.transfer_time(nbytes) * self.scale

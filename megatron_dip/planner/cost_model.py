@@ -117,6 +117,21 @@ class StageCost:
         """Bytes held from a split backward's B to its W."""
         return self.activation_bytes if self.weight_bytes is None else self.weight_bytes
 
+    def scaled(self, compute: float, link: float = 1.0) -> StageCost:
+        """This cost with its compute seconds (and the offsets into them) times `compute` and
+        its host-link seconds (`copy_out`, `reload`) times `link`; bytes unchanged."""
+        return dataclasses.replace(
+            self,
+            forward=self.forward * compute,
+            backward=self.backward * compute,
+            weight=self.weight * compute,
+            copy_out=self.copy_out * link,
+            copy_lead=self.copy_lead * compute,
+            reload=self.reload * link,
+            reload_window=self.reload_window * compute,
+            reload_stall=self.reload_stall * compute,
+        )
+
     @property
     def backward_input(self) -> float:
         """Seconds of the input-gradient half of a split backward."""
@@ -317,17 +332,8 @@ class CostModel:
             cost = self._stage_cost(chunk, sub, w, memory)
             _bounded_put(self._stage_cache, key, cost)
         scale = self._scale.get(chunk.module, 1.0)
-        if scale == 1.0:
-            return cost
-        return dataclasses.replace(
-            cost,
-            forward=cost.forward * scale,
-            backward=cost.backward * scale,
-            weight=cost.weight * scale,
-            copy_lead=cost.copy_lead * scale,
-            reload_window=cost.reload_window * scale,
-            reload_stall=cost.reload_stall * scale,
-        )
+        # Calibration measures compute: the host link's seconds stay as priced.
+        return cost if scale == 1.0 else cost.scaled(scale)
 
     def _stage_cost(
         self, chunk: ChunkSpec, sub: SubMicrobatch, w: Work, policy: MemoryPolicy

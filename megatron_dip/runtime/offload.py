@@ -161,9 +161,9 @@ def copy_stream(device: torch.device, *, reload: bool = False) -> Any:
     return _STREAMS[key]
 
 
-class OffloadedLayer(torch.nn.Module):
-    """One layer whose forward runs under an `ActivationOffload`'s hooks (the same parameters;
-    a layer returning a tuple passes it on unchanged)."""
+class _RecordedLayer(torch.nn.Module):
+    """A chunk's layer wrapped for an `ActivationOffload` (the same parameters; what the
+    chunk's loop reads of a layer passed through)."""
 
     def __init__(self, layer: torch.nn.Module, record: ActivationOffload) -> None:
         super().__init__()
@@ -180,31 +180,21 @@ class OffloadedLayer(torch.nn.Module):
         """The layer's global 1-based number (the chunk's loop asks it for per-layer options)."""
         return self.member.layer_number
 
+
+class OffloadedLayer(_RecordedLayer):
+    """One layer whose forward runs under an `ActivationOffload`'s hooks (a layer returning a
+    tuple passes it on unchanged)."""
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._record.begin_layer()
         with self._record.hooks():
             return self.member(*args, **kwargs)
 
 
-class PacingLayer(torch.nn.Module):
+class PacingLayer(_RecordedLayer):
     """A layer after a chunk's offloaded ones: once the backward is through it (the gradient
     of its input, the first positional argument or `hidden_states`, is computed), the next
     offloaded layer's reload starts (`ActivationOffload.prefetch_next`)."""
-
-    def __init__(self, layer: torch.nn.Module, record: ActivationOffload) -> None:
-        super().__init__()
-        self.member = layer
-        self._record = record
-
-    @property
-    def config(self) -> Any:
-        """The layer's Megatron config (what the chunk's loop may read of a layer)."""
-        return self.member.config
-
-    @property
-    def layer_number(self) -> int:
-        """The layer's global 1-based number."""
-        return self.member.layer_number
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs.get("hidden_states")
