@@ -8,7 +8,8 @@ hands out the run's one Megatron `ProcessGroupCollection` (DDP, optimizer). The 
 collections are built here too: what the layers read (`layer_collection`, from the models'
 `ModelGroups`) and what the stock schedules read (`schedule_collection`, the stock adapter's).
 `importer_groups` makes the Hugging Face importer's groups (a world of TP x PP processes, no
-data parallelism). `ChannelGroups` is also built by tests over groups of their own.
+data parallelism), `startup_group` the start-up's own. `ChannelGroups` is also built by tests
+over groups of their own.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from . import grid
 from .shape import ParallelShape
 
 
-def _new_group(ranks: Sequence[int], timeout: timedelta | None) -> dist.ProcessGroup:
+def _new_group(
+    ranks: Sequence[int], timeout: timedelta | None, backend: str | None = None
+) -> dist.ProcessGroup:
     """The one call of the package that creates a process group (collective over the world)."""
-    return dist.new_group(list(ranks), timeout=timeout)
+    return dist.new_group(list(ranks), timeout=timeout, backend=backend)
 
 
 def _new_groups(
@@ -199,6 +202,13 @@ def create_run_groups(
         created=created,
         **groups,
     )
+
+
+def startup_group(timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group of the whole world with a timeout of its own: the start-up's object
+    broadcast (rank 0's sizing, bounded by --distributed-timeout-minutes) waits on it, whatever
+    the world group's timeout; destroy it once used."""
+    return _new_group(range(dist.get_world_size()), timeout, backend="gloo")
 
 
 def importer_groups(*, tp: int, pp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -21,7 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_dip.cpu_support import seed_model_parallel_rng
-from megatron_dip.parallel.groups import ChannelGroups, RunGroups, create_run_groups
+from megatron_dip.parallel.groups import (
+    ChannelGroups,
+    RunGroups,
+    create_run_groups,
+    startup_group,
+)
 from megatron_dip.runtime.stalls import NoWatch, PhaseWatch
 
 from ..config.run import RunSpec
@@ -99,7 +104,7 @@ def shared_by_rank0(compute, *, cuda: bool, timeout_s: float, startup_timeout_s:
     goes through a gloo group of its own, bounded by `startup_timeout_s`
     (--distributed-timeout-minutes), and the group is destroyed after."""
     init_distributed(cuda=cuda, timeout_s=timeout_s)
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=startup_timeout_s))
+    group = startup_group(timedelta(seconds=startup_timeout_s))
     try:
         return _rank0_result(compute, group, startup_timeout_s)
     finally:
