@@ -69,6 +69,7 @@ def plan_with_sizes(
     others = scaled_sizes(planner.config.sub_sizes, scales)
     if not others:
         return best
+    best_key = _key(planner, best) if best_key is None else best_key
     spent = best.planning_seconds
     seen = [mine.works]
     for sizes in others:
@@ -79,6 +80,7 @@ def plan_with_sizes(
         seen.append(works)
         found, key = plan_of(works)
         spent += found.planning_seconds
+        key = _key(planner, found) if key is None else key
         if key < best_key:
             best, best_key = found, key
     return replace(best, planning_seconds=spent)
@@ -106,8 +108,6 @@ def _plan_offers(planner, works, *, forward_only: bool, **kw) -> tuple:
         found_key = _key(planner, found)
         if found_key < key:
             best, key = found, found_key
-    if key is None and planner.config.sub_size_scales and not forward_only:
-        key = _key(planner, best)
     return replace(best, planning_seconds=spent), key
 
 
