@@ -16,6 +16,8 @@ from megatron_dip.modelspec import Setup
 from megatron_dip.planner.compare import Comparison
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import get_device
+from megatron_dip.planner.placement_neighbours import neighbour_candidates
+from megatron_dip.planner.placement_search import static_candidates
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.stock_configs import mode_label, recompute_modes
 from megatron_dip.planner.study import Study, format_table
@@ -44,11 +46,13 @@ BATCHES = [
 ]
 
 
-def _comparison(memory_gib: float) -> Comparison:
+def _comparison(memory_gib: float, placement: str | None = None) -> Comparison:
     device = dataclasses.replace(get_device("H100"), memory_bytes=memory_gib * 2**30)
     cost = CostModel(MODEL, device)
     search = SearchConfig(max_rollouts=4, time_budget_s=600.0, seed=0)
-    return Comparison.create(SETUP, cost, device=device, calibration=BATCHES, search=search)
+    return Comparison.create(
+        SETUP, cost, device=device, calibration=BATCHES, search=search, placement=placement
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +77,33 @@ def test_recompute_grid_holds_megatrons_flags():
     assert MemoryPolicy(Recompute.BLOCK, 1) in modes and MemoryPolicy(Recompute.BLOCK, top) in modes
     assert MemoryPolicy(Recompute.UNIFORM, 1) in modes and len(set(modes)) == len(modes)
     assert [mode_label(m) for m in modes[:4]] == ["none", "selective", "full", "block 1"]
+
+
+def test_a_named_placement_is_rebuilt_without_the_search(free_study):
+    """`placement=` (simulate_paper.py --placement): the placement a study printed, built again
+    without scoring any candidate: the searched one by its name, a static one moved a layer, and
+    DIP's segments; a name that is none of those is refused, naming the static ones."""
+    searched, _ = free_study
+    assert searched.placement_scores  # the search ran there
+    again = _comparison(80.0, placement=searched.dip.name)
+    assert again.placement_scores == {}
+    assert (again.dip.placement, again.dip.stage_units) == (
+        searched.dip.placement,
+        searched.dip.stage_units,
+    )
+    base = next(c for c in static_candidates(searched.static) if c.family == "cost-split")
+    moved = neighbour_candidates(MODEL, base)[0]
+    got = _comparison(80.0, placement=moved.name).dip
+    assert moved.name.startswith(f"{base.name} cut ") and got.placement == moved.placement
+    assert got.placement != base.placement and got.stage_units == moved.stage_units
+    segments = _comparison(80.0, placement="vit=2,llm=1").dip.placement
+    assert {m.name: m.num_chunks for m in segments.modules} == {"vit": 4, "llm": 2}
+    with pytest.raises(ValueError, match="unknown static placement .*known: static "):
+        _comparison(80.0, placement="static cost-split v9")
+    with pytest.raises(ValueError, match="positive stage sizes"):
+        _comparison(80.0, placement=f"{base.name} cut 1/2")
+    with pytest.raises(ValueError, match="MODULE=N"):
+        _comparison(80.0, placement="vit:2")
 
 
 def test_every_schedule_is_at_least_the_balanced_bound(free_study):

@@ -14,7 +14,11 @@ the recompute setting, and planner time per batch. Below the stock rows, the Zer
 ZB-H1 (Megatron's 1F1B order with split backwards, weight gradients in the bubbles, within
 1F1B's activation peak) on each static 1F1B placement; never the baseline (Megatron users do not
 run it), its best row compared with DIP in the last line.
-Deterministic by seed (the search runs a fixed number of rollouts).
+Deterministic by seed (the search runs a fixed number of rollouts). `--placement` fixes DIP's
+placement to one the table printed (a row's "DIP placement"), skipping the start-up search:
+
+    python tools/simulate_paper.py --setups vlm-l --mixtures mixed --batches 3 --calibration-batches 2 \
+        --placement "static cost-split v2 cut 4/4/3/5/5/5/5/4/5/5/6/15/15/16/16/15"
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="H800")
     p.add_argument("--search-rollouts", type=int, default=64)
     p.add_argument("--search-time-ms", type=float, default=10000)
+    p.add_argument(
+        "--placement",
+        help="DIP's placement as the table names it (e.g. 'static cost-split v2 cut "
+        "4/4/3/5/5/5/5/4/5/5/6/15/15/16/16/15' or 'vit=1,llm=3'), instead of the start-up "
+        "search's choice (minutes to most of an hour); one setup only",
+    )
     p.add_argument("--json", type=Path, help="write all results here")
     p.add_argument(
         "--gap",
@@ -77,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(error)
     if args.batches < 1:
         p.error("--batches must be >= 1")
+    if args.placement is not None and "," in args.setups:
+        p.error("--placement names the placement of one setup: give one --setups")
     return args
 
 
@@ -86,14 +98,20 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         max_rollouts=args.search_rollouts, time_budget_s=args.search_time_ms / 1e3, seed=args.seed
     )
     started = time.perf_counter()
-    cmp, stream = paper_comparison(
-        setup_name,
-        mixture,
-        device=args.device,
-        seed=args.seed,
-        calibration_batches=args.calibration_batches,
-        search=search,
-    )
+    try:
+        cmp, stream = paper_comparison(
+            setup_name,
+            mixture,
+            device=args.device,
+            seed=args.seed,
+            calibration_batches=args.calibration_batches,
+            search=search,
+            placement=args.placement,
+        )
+    except ValueError as err:
+        if args.placement is None:
+            raise
+        sys.exit(f"simulate_paper.py: --placement {args.placement!r}: {err}")
     sizing_seconds = time.perf_counter() - started  # the start-up placement search, mostly
     study = Study()
     for _ in range(args.batches):

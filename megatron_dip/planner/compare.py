@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..batching import (
@@ -34,11 +34,14 @@ from .bounds import balanced_bound
 from .devices import DeviceSpec
 from .dip import COARSER_SUB_SIZES, DipPlanner, planner_config
 from .placement import (
+    ModuleWorkload,
     PlacementCandidate,
     build_dip_placement,
     choose_dip_placement,
+    parse_segments,
 )
 from .placement_climb import climb_cut
+from .placement_neighbours import named_cut
 from .placement_search import greedy_score, rank_load_bound, static_candidates
 from .search import SearchConfig
 from .simulator import SimResult, simulate
@@ -122,8 +125,11 @@ class Comparison:
         device: DeviceSpec,
         calibration: Sequence[BatchMeta],
         search: SearchConfig,
+        placement: str | None = None,
     ) -> Comparison:
-        """Size placements and sub-microbatch sizes from `calibration` batches (averages)."""
+        """Size placements and sub-microbatch sizes from `calibration` batches (averages).
+        `placement`: DIP's placement by the name the study prints for it (`named`), instead of
+        the start-up search's choice."""
         model, p = setup.model, setup.pipeline_parallel
         limits = packing_limits(model, setup.seq_length)
         whole = LayoutConfig(seq_length=setup.seq_length, packing=limits)
@@ -142,20 +148,54 @@ class Comparison:
         static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
         rule_candidate = PlacementCandidate("rule", rule)
         cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
-        evaluate = functools.partial(cmp.score_placement, calibration[:2])
-        bound = functools.partial(cmp.bound_placement, calibration[:2])
-        chosen, cmp.placement_scores = choose_dip_placement(
+        if placement is None:
+            cmp.dip = cmp.searched(calibration, workload)
+        else:
+            cmp.dip = cmp.named(placement, workload)
+        return cmp
+
+    def searched(
+        self, calibration: Sequence[BatchMeta], workload: Mapping[str, ModuleWorkload]
+    ) -> PlacementCandidate:
+        """The start-up search's placement, scored on the first two `calibration` batches:
+        DIP's segment counts and the static placements, then the chosen static cut moved a
+        layer at a time while that scores lower (`placement_scores` gets every score)."""
+        model = self.setup.model
+        evaluate = functools.partial(self.score_placement, calibration[:2])
+        bound = functools.partial(self.bound_placement, calibration[:2])
+        chosen, self.placement_scores = choose_dip_placement(
             model,
-            cost_model,
-            num_ranks=p,
+            self.cost_model,
+            num_ranks=self.setup.pipeline_parallel,
             workload=workload,
-            unit_instances=sub_sizes,
+            unit_instances=self.sub_sizes,
             evaluate=evaluate,
-            extra=static_candidates(static),
+            extra=static_candidates(self.static),
             bound=bound,
         )
-        cmp.dip = climb_cut(model, chosen, cmp.placement_scores, evaluate=evaluate, bound=bound)
-        return cmp
+        return climb_cut(model, chosen, self.placement_scores, evaluate=evaluate, bound=bound)
+
+    def named(self, name: str, workload: Mapping[str, ModuleWorkload]) -> PlacementCandidate:
+        """The placement `name` names, as the study prints DIP's: a static one ("static
+        cost-split v2"), or such a cut moved ("static cost-split v1 cut 18/19/19/39"), or DIP's
+        segments per module ("vit=1,llm=3"); no search. ValueError for a name that is none of
+        those, naming the static ones."""
+        model = self.setup.model
+        if not name.startswith("static "):
+            segments = parse_segments(name)
+            placement, _ = build_dip_placement(
+                model,
+                self.cost_model,
+                num_ranks=self.setup.pipeline_parallel,
+                workload=workload,
+                segments=segments,
+            )
+            return PlacementCandidate(name, placement)
+        known = {c.name: c for c in static_candidates(self.static)}
+        try:
+            return named_cut(model, known, name)
+        except KeyError as err:
+            raise ValueError(err.args[0]) from None
 
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
         """`placement_search.greedy_score` of `batches` under the candidate (its plans without

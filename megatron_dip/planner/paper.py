@@ -57,9 +57,11 @@ def paper_comparison(
     seed: int,
     calibration_batches: int,
     search: SearchConfig,
+    placement: str | None = None,
 ) -> tuple[Comparison, BatchStream]:
     """The `Comparison` of one setup and mixture (placements sized on the stream's first
-    `calibration_batches`) and the seeded batch stream it draws from (not advanced)."""
+    `calibration_batches`; DIP's the start-up search's choice, or the one `placement` names,
+    `Comparison.named`) and the seeded batch stream it draws from (not advanced)."""
     setup = PAPER_SETUPS[setup_name]
     spec = get_device(device)
     cost = CostModel(setup.model, spec, shape=setup.shape)
@@ -71,7 +73,9 @@ def paper_comparison(
         ),
     )
     calibration = stream.peek(calibration_batches)
-    cmp = Comparison.create(setup, cost, device=spec, calibration=calibration, search=search)
+    cmp = Comparison.create(
+        setup, cost, device=spec, calibration=calibration, search=search, placement=placement
+    )
     return cmp, stream
 
 

@@ -13,7 +13,7 @@ order), which is all `cut_candidate` needs to build it again from the base.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..modelspec import MultimodalSpec
 from ..schedule.ir import Placement
@@ -94,6 +94,28 @@ def cut_candidate(
     built = pipeline_from_cuts("", model, items, cuts, p, stages // p)
     name = f"{base_name(base)}{CUT}{'/'.join(map(str, sizes))}"
     return PlacementCandidate(name, built.placement, built.stage_units, family=base.family)
+
+
+def named_cut(
+    model: MultimodalSpec,
+    known: Mapping[str, PlacementCandidate],
+    name: str,
+    *,
+    marker: str = CUT,
+) -> PlacementCandidate:
+    """The candidate `name` names: one of `known` (by its key), or "KEY{marker}SIZES", that
+    one's cut with SIZES ("18/19/19/39") layers per stage (`cut_candidate`). KeyError naming
+    the known keys for an unknown one, ValueError for sizes that do not fit its stages."""
+    head, moved, sizes = name.partition(marker)
+    if head not in known:
+        raise KeyError(f"unknown static placement {name!r}; known: {', '.join(known)}")
+    if not moved:
+        return known[head]
+    try:
+        layers = [int(x) for x in sizes.split("/")]
+    except ValueError:
+        raise ValueError(f"the layers per stage are not numbers: {sizes!r}") from None
+    return cut_candidate(model, known[head], layers)
 
 
 def neighbour_candidates(

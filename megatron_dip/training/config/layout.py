@@ -39,7 +39,7 @@ from megatron_dip.planner.placement import (
     parse_segments,
 )
 from megatron_dip.planner.placement_climb import climb_cut
-from megatron_dip.planner.placement_neighbours import CUT, cut_candidate
+from megatron_dip.planner.placement_neighbours import CUT, named_cut
 from megatron_dip.planner.placement_search import greedy_score, rank_load_bound, static_candidates
 from megatron_dip.planner.sizing import (
     MemoryBudgetError,
@@ -254,15 +254,10 @@ def _named_static(sizing: _Sizing, flag: str) -> PlacementCandidate:
         sizing.model, sizing.cost_model, num_ranks=sizing.pp, workload=sizing.workload
     )
     known = {placement_flag(c.name, {}): c for c in static_candidates(static)}
-    head, moved, sizes = flag.partition(CUT.replace(" ", "-"))
-    if head not in known:
-        raise _fail(
-            "--dip-segments", f"unknown static placement {flag!r}; known: {', '.join(known)}"
-        )
-    if not moved:
-        return known[head]
     try:  # a cut the start-up search moved: "static:cost-split-v1-cut-18/19/19/39"
-        return cut_candidate(sizing.model, known[head], [int(x) for x in sizes.split("/")])
+        return named_cut(sizing.model, known, flag, marker=CUT.replace(" ", "-"))
+    except KeyError as e:
+        raise _fail("--dip-segments", e.args[0]) from None
     except ValueError as e:
         raise _fail("--dip-segments", f"{flag!r}: {e}") from None
 
