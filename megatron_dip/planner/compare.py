@@ -179,7 +179,7 @@ class Comparison:
         """The placement `name` names, as the study prints DIP's: a static one ("static
         cost-split v2"), or such a cut moved ("static cost-split v1 cut 18/19/19/39"), or DIP's
         segments per module ("vit=1,llm=3"); no search. ValueError for a name that is none of
-        those, naming the static ones."""
+        those (an unknown static one: naming the static ones)."""
         model = self.setup.model
         if not name.startswith("static "):
             segments = parse_segments(name)
