@@ -96,8 +96,9 @@ def test_a_named_placement_is_rebuilt_without_the_search(free_study):
     got = _comparison(80.0, placement=moved.name).dip
     assert moved.name.startswith(f"{base.name} cut ") and got.placement == moved.placement
     assert got.placement != base.placement and got.stage_units == moved.stage_units
-    segments = _comparison(80.0, placement="vit=2,llm=1").dip.placement
-    assert {m.name: m.num_chunks for m in segments.modules} == {"vit": 4, "llm": 2}
+    segments = _comparison(80.0, placement="vit=2, llm=1").dip
+    assert segments.name == "vit=2,llm=1"  # as the start-up search names it
+    assert {m.name: m.num_chunks for m in segments.placement.modules} == {"vit": 4, "llm": 2}
     with pytest.raises(ValueError, match="unknown static placement .*known: static "):
         _comparison(80.0, placement="static cost-split v9")
     with pytest.raises(ValueError, match="positive stage sizes"):

@@ -39,6 +39,7 @@ from .placement import (
     build_dip_placement,
     choose_dip_placement,
     parse_segments,
+    segments_candidate,
 )
 from .placement_climb import climb_cut
 from .placement_neighbours import named_cut
@@ -182,15 +183,13 @@ class Comparison:
         those (an unknown static one: naming the static ones)."""
         model = self.setup.model
         if not name.startswith("static "):
-            segments = parse_segments(name)
-            placement, _ = build_dip_placement(
+            return segments_candidate(
                 model,
                 self.cost_model,
                 num_ranks=self.setup.pipeline_parallel,
                 workload=workload,
-                segments=segments,
+                segments=parse_segments(name),
             )
-            return PlacementCandidate(name, placement)
         known = {c.name: c for c in static_candidates(self.static)}
         try:
             return named_cut(model, known, name)

@@ -261,10 +261,9 @@ def choose_dip_placement(
     pickle): the same choice again, sooner. Returns the candidate and the scores of the
     candidates scored (for the log)."""
     if segments:
-        placement, _ = build_dip_placement(
+        return segments_candidate(
             model, cost_model, num_ranks=num_ranks, workload=workload, segments=segments
-        )
-        return PlacementCandidate(_segments_name(segments), placement), {}
+        ), {}
     candidates = _segment_candidates(model, cost_model, num_ranks, workload, unit_instances)
     candidates += list(extra)
     bounds = [0.0] * len(candidates)
@@ -301,11 +300,28 @@ def _segment_candidates(
     base = {m.name: m.num_chunks // num_ranks for m in rule.modules}
     candidates = []
     for cand in segment_candidates(model, base, num_ranks=num_ranks):
-        placement, _ = build_dip_placement(
-            model, cost_model, num_ranks=num_ranks, workload=workload, segments=cand
+        candidates.append(
+            segments_candidate(
+                model, cost_model, num_ranks=num_ranks, workload=workload, segments=cand
+            )
         )
-        candidates.append(PlacementCandidate(_segments_name(cand), placement))
     return candidates
+
+
+def segments_candidate(
+    model: MultimodalSpec,
+    cost_model,
+    *,
+    num_ranks: int,
+    workload: Mapping[str, ModuleWorkload],
+    segments: Mapping[str, int],
+) -> PlacementCandidate:
+    """DIP's placement of `segments` per module, named as the start-up search names it
+    ("vit=1,llm=3")."""
+    placement, _ = build_dip_placement(
+        model, cost_model, num_ranks=num_ranks, workload=workload, segments=segments
+    )
+    return PlacementCandidate(_segments_name(segments), placement)
 
 
 def _segments_name(segments: Mapping[str, int]) -> str:
