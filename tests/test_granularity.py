@@ -58,12 +58,12 @@ def _search(spec, batches, workload, cost):
 
     from megatron_dip.planner.dip import DipPlanner
     from megatron_dip.planner.placement import choose_dip_placement
-    from megatron_dip.planner.placement_search import greedy_score
+    from megatron_dip.planner.placement_search import simulated_score
 
     def evaluate(cand) -> float:
         config = dataclasses.replace(spec.planner, use_search=False)
         planner = DipPlanner(spec.model, cost, cand.placement, config)
-        return greedy_score(planner, batches, limits=None)
+        return simulated_score(planner, batches, limits=None)
 
     return choose_dip_placement(
         spec.model,

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch.distributed as dist
 
+from megatron_dip.planner.placement_ties import MAX_FINALISTS, TIE_MARGIN
 from megatron_dip.schedule.ir import MemoryPolicy, Recompute
 from megatron_dip.training.config import arguments as args_module
 from megatron_dip.training.config.arguments import TrainConfig, build_parser, parse_config
@@ -531,8 +532,9 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
     from megatron_dip.training.iteration.planning import make_planner
 
     base = ["--model", model, "--train-iters", "2", "--lr", "1"]
-    bounds, scored = {}, {}
+    bounds, scored, planned = {}, {}, {}
     real_bound, real_score = layout._Sizing.bound, layout._Sizing.score
+    real_plan_score = layout._Sizing.plan_score
 
     def bound(self, cand):
         bounds[cand.name] = real_bound(self, cand)
@@ -542,8 +544,13 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
         scored[cand.name] = real_score(self, cand)
         return scored[cand.name]
 
+    def plan_score(self, cand):
+        planned[cand.name] = real_plan_score(self, cand)
+        return planned[cand.name]
+
     monkeypatch.setattr(layout._Sizing, "bound", bound)
     monkeypatch.setattr(layout._Sizing, "score", score)
+    monkeypatch.setattr(layout._Sizing, "plan_score", plan_score)
     with caplog.at_level(logging.INFO, logger="megatron_dip.training.config.layout"):
         spec = _resolve(  # one process: the recording `score` above does not pickle
             ["--pipeline-model-parallel-size", "2", "--dip-segments", "auto"]
@@ -561,7 +568,17 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
     assert workers == 1
     assert count == len(scores)
     assert {"static stock v1", "static cost-split v1", "static cost-split v2"} <= set(bounds)
-    assert scores[chosen] == min(scores.values())
+    # Near-ties of the best greedy score are planned again as the run plans (placement_ties):
+    # the finalists are the best and those within the margin whose bound does not exceed it.
+    best = min(scores.values())
+    near = sorted(
+        (s, n) for n, s in scores.items() if s <= best * (1 + TIE_MARGIN) and bounds[n] <= best
+    )
+    assert set(planned) == ({n for _, n in near[:MAX_FINALISTS]} if len(near) > 1 else set())
+    if planned:
+        assert planned[chosen] == min(planned.values())
+    else:
+        assert scores[chosen] == best
     static = chosen.startswith("static ")
     assert (spec.stage_units is not None) == static and (spec.segments == {}) == static
     assert make_planner(spec).stage_units == spec.stage_units

@@ -125,6 +125,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         "mixture": mixture,
         "dip_placement": cmp.dip.name,
         "placement_scores": cmp.placement_scores,
+        "tie_scores": cmp.tie_scores,
         "sizing_seconds": sizing_seconds,
         "sub_sizes": cmp.sub_sizes,
         **study.summary(),
@@ -181,12 +182,20 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"   ({args.batches} batches, {result['wall_seconds']:.0f} s; placement search "
                 f"{result['sizing_seconds']:.0f} s, {len(result['placement_scores'])} "
-                "candidates scored)\n",
+                f"candidates scored{_ties(result['tie_scores'])})\n",
                 flush=True,
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _ties(tie_scores: dict[str, float]) -> str:
+    """The near-ties the run's plans settled (`placement_ties`), for the summary line."""
+    if not tie_scores:
+        return ""
+    planned = ", ".join(f"{name}: {s:.3f} s" for name, s in tie_scores.items())
+    return f"; near-ties planned again: {planned}"
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ from .placement import (
 )
 from .placement_climb import climb_cut
 from .placement_neighbours import named_cut
-from .placement_search import greedy_score, rank_load_bound, static_candidates
+from .placement_search import rank_load_bound, simulated_score, static_candidates
+from .placement_ties import settle_near_ties
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .sizing import activation_limits, average_workload
@@ -112,6 +113,7 @@ class Comparison:
     # schedules share one per pipeline group.
     dip_channel: ChannelFn = per_peer_channel
     placement_scores: dict[str, float] = dataclasses.field(default_factory=dict)
+    tie_scores: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def dip_placement(self) -> Placement:
@@ -160,10 +162,14 @@ class Comparison:
     ) -> PlacementCandidate:
         """The start-up search's placement, scored on the first two `calibration` batches:
         DIP's segment counts and the static placements, then the chosen static cut moved a
-        layer at a time while that scores lower (`placement_scores` gets every score)."""
+        layer at a time while that scores lower, then its near-ties settled by the run's own
+        plans (`placement_ties`; `placement_scores` gets every greedy score, `tie_scores`
+        the finalists' planned ones)."""
         model = self.setup.model
-        evaluate = functools.partial(self.score_placement, calibration[:2])
-        bound = functools.partial(self.bound_placement, calibration[:2])
+        batches = calibration[:2]
+        evaluate = functools.partial(self.score_placement, batches)
+        bound = functools.partial(self.bound_placement, batches)
+        scored: dict[str, PlacementCandidate] = {}
         chosen, self.placement_scores = choose_dip_placement(
             model,
             self.cost_model,
@@ -173,8 +179,19 @@ class Comparison:
             evaluate=evaluate,
             extra=static_candidates(self.static),
             bound=bound,
+            scored=scored,
         )
-        return climb_cut(model, chosen, self.placement_scores, evaluate=evaluate, bound=bound)
+        chosen = climb_cut(
+            model, chosen, self.placement_scores, evaluate=evaluate, bound=bound, scored=scored
+        )
+        chosen, self.tie_scores = settle_near_ties(
+            chosen,
+            self.placement_scores,
+            scored,
+            evaluate=functools.partial(self.plan_placement, batches),
+            bound=bound,
+        )
+        return chosen
 
     def named(self, name: str, workload: Mapping[str, ModuleWorkload]) -> PlacementCandidate:
         """The placement `name` names, as the study prints DIP's: a static one ("static
@@ -197,12 +214,21 @@ class Comparison:
             raise ValueError(err.args[0]) from None
 
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
-        """`placement_search.greedy_score` of `batches` under the candidate (its plans without
+        """`placement_search.simulated_score` of `batches` under the candidate (its plans without
         the other sub-microbatch cuts and offload offers: each would plan the batch again)."""
         trial = dataclasses.replace(self, dip=cand)
         planner = trial.planner(use_search=False, sub_size_scales=(), offload_offer_candidates=())
         limits = trial.memory(cand.placement)
-        return greedy_score(planner, batches, limits=limits, channel=self.dip_channel)
+        return simulated_score(planner, batches, limits=limits, channel=self.dip_channel)
+
+    def plan_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
+        """`simulated_score`'s measure of the candidate's plans as the study's DIP plans them
+        (every candidate of the planner, the split backward among them) but without the search
+        (so the score is a function of the batches): the near-ties' score."""
+        trial = dataclasses.replace(self, dip=cand)
+        planner = trial.planner(use_search=False, split_backward=True)
+        limits = trial.memory(cand.placement)
+        return simulated_score(planner, batches, limits=limits, channel=self.dip_channel)
 
     def bound_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
         """`placement_search.rank_load_bound` of `batches` under the candidate: no

@@ -199,20 +199,17 @@ def planner_config(
     )
 
 
-def scoring_config(base: PlannerConfig) -> PlannerConfig:
-    """`base` as a placement is scored with it: greedy (no search, so the score depends on the
-    data alone), plans over the memory limit scored as such rather than raised, not validated
-    (a score's plans are simulated, never run; the run's own plans are checked), and at the
-    configured sub-microbatch sizes and offload offer only (a placement's score, not its best
-    plan)."""
-    return replace(
-        base,
-        use_search=False,
-        strict_memory=False,
-        validate_plans=False,
-        sub_size_scales=(),
-        offload_offer_candidates=(),
-    )
+def scoring_config(base: PlannerConfig, *, greedy: bool = True) -> PlannerConfig:
+    """`base` as a placement is scored with it: without the search (so the score depends on
+    the data alone), plans over the memory limit scored as such rather than raised, not
+    validated (a score's plans are simulated, never run; the run's own plans are checked), and
+    (`greedy`, the start-up search's score) at the configured sub-microbatch sizes and offload
+    offer only (a placement's score, not its best plan); not `greedy`: with every candidate
+    the run's planner has (`placement_ties`' score of near-ties)."""
+    config = replace(base, use_search=False, strict_memory=False, validate_plans=False)
+    if not greedy:
+        return config
+    return replace(config, sub_size_scales=(), offload_offer_candidates=())
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,7 @@ def choose_dip_placement(
     extra: Sequence[PlacementCandidate] = (),
     bound: Callable[[PlacementCandidate], float] | None = None,
     workers: int = 1,
+    scored: dict[str, PlacementCandidate] | None = None,
 ) -> tuple[PlacementCandidate, dict[str, float]]:
     """The candidate that makes `evaluate` (e.g. the simulated iteration time of planned
     calibration batches) smallest: DIP placements of several segment counts (the latency rule
@@ -259,7 +260,8 @@ def choose_dip_placement(
     best score so far is not scored (it cannot win): the same choice for less work. `workers`
     processes score that many candidates at a time (`candidate_pool`; `evaluate` must then
     pickle): the same choice again, sooner. Returns the candidate and the scores of the
-    candidates scored (for the log)."""
+    candidates scored (for the log); `scored` gains those candidates by name (for
+    `placement_ties`)."""
     if segments:
         return segments_candidate(
             model, cost_model, num_ranks=num_ranks, workload=workload, segments=segments
@@ -281,6 +283,8 @@ def choose_dip_placement(
         for i, score in scorer.scored(range(len(candidates)), stop=cannot_win):
             cand = candidates[i]
             scores[cand.name] = score
+            if scored is not None:
+                scored[cand.name] = cand
             # Ties go to fewer chunks (fewer messages on a real network), then to the earlier
             # candidate: the choice never depends on which worker finished first.
             key = (score, sum(m.num_chunks for m in cand.placement.modules), i)

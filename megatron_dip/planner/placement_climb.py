@@ -30,17 +30,21 @@ def climb_cut(
     bound: Callable[[PlacementCandidate], float] | None = None,
     workers: int = 1,
     max_steps: int = MAX_STEPS,
+    scored: dict[str, PlacementCandidate] | None = None,
 ) -> PlacementCandidate:
     """From `chosen` (scored in `scores`), the neighbouring cut that scores lowest while that
     is strictly lower than where it stands, step by step; `chosen` itself if no neighbour beats
-    it or it is not a static one-list cut. `scores` gains every neighbour scored (for the log);
-    `bound` and `workers` as in `choose_dip_placement` (the same choice, for less work)."""
+    it or it is not a static one-list cut. `scores` gains every neighbour scored (for the log),
+    `scored` the neighbours themselves by name; `bound` and `workers` as in
+    `choose_dip_placement` (the same choice, for less work)."""
     best, best_score = chosen, scores[chosen.name]
     seen = {chosen.placement}  # the cost rule's cut is also a neighbour of its neighbours
     for _ in range(max_steps):
         fresh = [c for c in neighbour_candidates(model, best) if c.placement not in seen]
         seen.update(c.placement for c in fresh)
         step = _lowest(fresh, best_score, scores, evaluate, bound, workers)
+        if scored is not None:
+            scored.update((c.name, c) for c in fresh if c.name in scores)
         if step is None:
             break
         best, best_score = step

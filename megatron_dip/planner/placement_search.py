@@ -1,9 +1,9 @@
-"""Scoring placement candidates at start-up: greedy DIP plans of calibration batches, simulated.
+"""Scoring placement candidates at start-up: DIP plans of calibration batches, simulated.
 
 `planner.placement.choose_dip_placement` picks the candidate with the smallest score among DIP's
 segment counts and the static Megatron placements (`static_candidates`); both the simulation
 study (`compare.Comparison`) and the training entry point (`training.config.layout`) score with
-`greedy_score`, so a static placement with Megatron's order (which the planner tries as a
+`simulated_score`, so a static placement with Megatron's order (which the planner tries as a
 candidate plan) is always in the running and the choice never loses to it on those batches.
 """
 
@@ -31,16 +31,17 @@ def static_candidates(static: Sequence[StaticPipeline]) -> list[PlacementCandida
     ]
 
 
-def greedy_score(
+def simulated_score(
     planner: DipPlanner,
     batches: Sequence[BatchMeta],
     *,
     limits: Sequence[float] | None,
     channel: ChannelFn = per_peer_channel,
 ) -> float:
-    """Mean simulated iteration time of the first replica's greedy plans of `batches` (Megatron's
-    order with its recompute settings among the planner's candidates); a plan whose activations
-    exceed `limits` counts double."""
+    """Mean simulated iteration time of the first replica's plans of `batches` by `planner`; a
+    plan whose activations exceed `limits` counts double. The start-up search gives it a
+    greedy planner (`dip.scoring_config`: Megatron's order with its recompute settings among
+    its candidates); `placement_ties` the run's own, without the search."""
     times = []
     for b in batches:
         plan = planner.plan_layout(planner.layout(b), 0).plan
@@ -51,7 +52,7 @@ def greedy_score(
 
 
 def rank_load_bound(planner: DipPlanner, batches: Sequence[BatchMeta]) -> float:
-    """A lower bound on `greedy_score` for the planner's placement: the mean over `batches` of
+    """A lower bound on `simulated_score` for the planner's placement: the mean over `batches` of
     the busiest rank's compute on the first replica, each module's share of a microbatch priced
     whole (no plan of that work, split or not, recomputing or not, with host overheads or
     without, takes less). The start-up search skips a candidate whose bound exceeds the best
@@ -70,4 +71,4 @@ def rank_load_bound(planner: DipPlanner, batches: Sequence[BatchMeta]) -> float:
     return sum(loads) / len(loads)
 
 
-__all__ = ["greedy_score", "rank_load_bound", "static_candidates"]
+__all__ = ["simulated_score", "rank_load_bound", "static_candidates"]

@@ -40,7 +40,12 @@ from megatron_dip.planner.placement import (
 )
 from megatron_dip.planner.placement_climb import climb_cut
 from megatron_dip.planner.placement_neighbours import CUT, named_cut
-from megatron_dip.planner.placement_search import greedy_score, rank_load_bound, static_candidates
+from megatron_dip.planner.placement_search import (
+    rank_load_bound,
+    simulated_score,
+    static_candidates,
+)
+from megatron_dip.planner.placement_ties import settle_near_ties
 from megatron_dip.planner.sizing import (
     MemoryBudgetError,
     activation_budget,
@@ -213,25 +218,36 @@ class _Sizing:
         )
 
     def score(self, cand: PlacementCandidate) -> float:
-        """`greedy_score` of the first calibration batches; inf when no plan can fit."""
-        try:
-            limit = self.memory_limit(cand.placement)
-        except ConfigError:
-            return math.inf
-        planner = self.planner(cand, limit)
-        return greedy_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
+        """`simulated_score` of the first calibration batches by the greedy planner; inf when
+        no plan can fit."""
+        return self._simulated(cand, greedy=True)
+
+    def plan_score(self, cand: PlacementCandidate) -> float:
+        """`simulated_score` of the same batches planned as the run plans them, but without
+        the search (a function of the data): the start-up search's near-ties' score."""
+        return self._simulated(cand, greedy=False)
 
     def bound(self, cand: PlacementCandidate) -> float:
         """`rank_load_bound` of the scored batches: no score of `cand` is lower."""
         return rank_load_bound(self.planner(cand, None), self.batches[:SCORED_BATCHES])
 
-    def planner(self, cand: PlacementCandidate, limit: list[float] | None) -> DipPlanner:
-        """The run's planner (greedy, `scoring_config`) on the candidate placement."""
+    def planner(
+        self, cand: PlacementCandidate, limit: list[float] | None, *, greedy: bool = True
+    ) -> DipPlanner:
+        """The run's planner (`scoring_config`) on the candidate placement."""
         config = replace(self.base, sub_sizes=dict(self.sub_sizes), memory_limit_bytes=limit)
-        config = scoring_config(config)
+        config = scoring_config(config, greedy=greedy)
         return DipPlanner(
             self.model, self.cost_model, cand.placement, config, stage_units=cand.stage_units
         )
+
+    def _simulated(self, cand: PlacementCandidate, *, greedy: bool) -> float:
+        try:
+            limit = self.memory_limit(cand.placement)
+        except ConfigError:
+            return math.inf
+        planner = self.planner(cand, limit, greedy=greedy)
+        return simulated_score(planner, self.batches[:SCORED_BATCHES], limits=limit)
 
 
 def _wanted_segments(config: TrainConfig, model, cost_model, workload, pp: int):
@@ -267,7 +283,7 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
     or for PP > 1 the start-up search: DIP's segment counts (`segments`, the latency rule's,
     among them) and the static Megatron placements, scored by simulated greedy plans; a static
     one-list cut that wins is then moved a layer at a time while that scores lower
-    (`placement_climb`)."""
+    (`placement_climb`), and near-ties are settled by the run's own plans (`placement_ties`)."""
     model, cost, pp = sizing.model, sizing.cost_model, sizing.pp
     flag = sizing.config.dip.dip_segments or ""
     if flag.startswith(STATIC_PREFIX):
@@ -280,6 +296,7 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
     started = time.perf_counter()  # for the log only: the choice depends on the data alone
     workers = sizing.config.dip.dip_startup_workers or usable_cores()
     static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
+    scored: dict[str, PlacementCandidate] = {}
     chosen, scores = choose_dip_placement(
         model,
         cost,
@@ -290,9 +307,19 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         extra=static_candidates(static),
         bound=sizing.bound,
         workers=workers,
+        scored=scored,
     )
     chosen = climb_cut(
-        model, chosen, scores, evaluate=sizing.score, bound=sizing.bound, workers=workers
+        model,
+        chosen,
+        scores,
+        evaluate=sizing.score,
+        bound=sizing.bound,
+        workers=workers,
+        scored=scored,
+    )
+    chosen, _ = settle_near_ties(
+        chosen, scores, scored, evaluate=sizing.plan_score, bound=sizing.bound, workers=workers
     )
     segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
