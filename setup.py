@@ -37,6 +37,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.2",
+            "pytest-xdist>=3.5",  # the README's test command runs two workers
             "hypothesis>=6.100",
             "ruff>=0.6",
             # the tested versions: transformers 5.24 (its PIL Qwen2-VL image processor is the

@@ -13,6 +13,8 @@ import pytest
 from distributed_harness import run_world
 from hf_models import save_llava, save_mistral, save_qwen2_5_vl, save_qwen3
 
+pytestmark = pytest.mark.distributed
+
 
 def hf_world4(*, rank: int, world_size: int, data: str, tmp: str, folders: dict) -> dict:
     """The 4-rank target: every family's import, then the LLaVA fine-tune."""
