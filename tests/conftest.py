@@ -64,10 +64,13 @@ def single_rank_world(tmp_path_factory):
 WORLDS = "gloo worlds"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_itemcollected(item):
+    """The `distributed` tests in one xdist group, every other module in its own (marked as each
+    item is collected, before any `pytest_collection_modifyitems`, where xdist reads them)."""
+    world = item.get_closest_marker("distributed") is not None
+    item.add_marker(pytest.mark.xdist_group(WORLDS if world else item.path.name))
+
+
 def pytest_collection_modifyitems(config, items):
-    """The `distributed` tests first and in one xdist group; every other module its own group."""
-    for item in items:
-        world = item.get_closest_marker("distributed") is not None
-        item.add_marker(pytest.mark.xdist_group(WORLDS if world else item.path.name))
+    """The `distributed` tests first (the order of the groups under --no-loadscope-reorder)."""
     items.sort(key=lambda item: item.get_closest_marker("distributed") is None)  # stable
