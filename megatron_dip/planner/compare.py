@@ -216,18 +216,23 @@ class Comparison:
     def score_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
         """`placement_search.simulated_score` of `batches` under the candidate (its plans without
         the other sub-microbatch cuts and offload offers: each would plan the batch again)."""
-        trial = dataclasses.replace(self, dip=cand)
-        planner = trial.planner(use_search=False, sub_size_scales=(), offload_offer_candidates=())
-        limits = trial.memory(cand.placement)
-        return simulated_score(planner, batches, limits=limits, channel=self.dip_channel)
+        return self._simulated(
+            batches, cand, use_search=False, sub_size_scales=(), offload_offer_candidates=()
+        )
 
     def plan_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
         """`simulated_score`'s measure of the candidate's plans as the study's DIP plans them
         (every candidate of the planner, the split backward among them) but without the search
         (so the score is a function of the batches): the near-ties' score."""
+        return self._simulated(batches, cand, use_search=False, split_backward=True)
+
+    def _simulated(
+        self, batches: Sequence[BatchMeta], cand: PlacementCandidate, **overrides: object
+    ) -> float:
+        """`simulated_score` of `batches` by this study's planner, with `overrides`, on `cand`."""
         trial = dataclasses.replace(self, dip=cand)
-        planner = trial.planner(use_search=False, split_backward=True)
         limits = trial.memory(cand.placement)
+        planner = trial.planner(**overrides)
         return simulated_score(planner, batches, limits=limits, channel=self.dip_channel)
 
     def bound_placement(self, batches: Sequence[BatchMeta], cand: PlacementCandidate) -> float:
