@@ -201,6 +201,13 @@ class FaultJob:
                     out[r] = f"exit code {p.returncode}"
         return out
 
+    def log_tail(self, rank: int, lines: int = 15) -> str:
+        """The last `lines` lines of `rank`'s stderr."""
+        try:
+            return "\n".join((self.root / f"rank{rank}.log").read_text().splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
     def outcomes(self, ranks, bound: float) -> dict[int, dict]:
         """The JSON outcome of each of `ranks` that reported within `bound` seconds."""
         import json

@@ -2,7 +2,7 @@
 outlives the job (helpers: `fault_matrix.py`).
 
 * A stalled rank (SIGSTOP of rank 2 of tiny-vlm PP2 x DP2 at iteration 3, --dip-comm-timeout-s
-  5): every other rank stops within the timeout plus a few seconds with one `StallError` line
+  10): every other rank stops within the timeout plus a few seconds with one `StallError` line
   naming its phase, its group and rank 2 as stalled; then (as torchrun does) rank 2 is killed,
   and no process of the job is left.
 * A killed rank (SIGKILL of rank 0, which hosts the plan store and the planner process, while
@@ -39,7 +39,10 @@ from fault_matrix import FaultJob, LauncherJob, alive, descendants, gone_after, 
 pytestmark = pytest.mark.distributed
 logger = logging.getLogger(__name__)
 
-TIMEOUT_S = 5
+# Long enough that no rank of a healthy job waits this long for a peer on a loaded 2-core machine
+# (three jobs, their planners and another test process share it; at 5 s, rank 0's iteration
+# boundary once lagged its peers' past it, on CI), short enough to keep the stall test quick.
+TIMEOUT_S = 10
 # Generous bounds that prove "no hang" on a loaded 2-core machine (the done-when is timeout +
 # 10 s per rank; the measured times are logged).
 LINE_BOUND_S = TIMEOUT_S + 40
@@ -82,9 +85,19 @@ def _inject(job: FaultJob, rank: int, sig: int) -> dict:
         "semaphores": _semaphores(family),
         "trackers": [p for p in family if "resource_tracker" in _cmdline(p)],
     }
+    _assert_healthy(job)
     state["t0"] = time.time()
     os.kill(job.procs[rank].pid, sig)
     return state
+
+
+def _assert_healthy(job: FaultJob) -> None:
+    """No rank reported an outcome before the fault: a job that already failed would pass
+    its failure off as the fault's. Names every rank's line and the end of each rank's log."""
+    early = job.outcomes(range(job.world_size), 0)
+    if early:
+        tails = {r: job.log_tail(r) for r in range(job.world_size)}
+        raise AssertionError(f"ranks ended before the fault was injected: {early}; logs: {tails}")
 
 
 def _cmdline(pid: int) -> str:
@@ -187,11 +200,12 @@ def test_every_rank_names_the_rank_that_stalled_or_died(rank_faults, fault):
     target = 2 if fault == "stall" else 0
     others = [r for r in range(4) if r != target]
     assert sorted(res["outcomes"]) == others, f"ranks that reported: {sorted(res['outcomes'])}"
+    every = {r: (round(res["exit_s"][r], 1), res["outcomes"][r]["error"]) for r in others}
     for r in others:
         line = res["outcomes"][r]["error"]
-        assert line is not None and line.startswith("StallError: "), line
+        assert line is not None and line.startswith("StallError: "), every
         assert "\n" not in line
-        assert re.search(rf"Stalled: rank {target} \(no heartbeat", line), line
+        assert re.search(rf"Stalled: rank {target} \(no heartbeat", line), every
         assert re.match(rf"StallError: rank {r}: '[a-z -]+' of iteration \d+ over the ", line)
         assert "arrived: [" in line and "not arrived:" in line
         assert res["exit_s"][r] < LINE_BOUND_S
