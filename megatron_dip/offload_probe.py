@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_dip.runtime.offload import ActivationOffload
+from megatron_dip.runtime.offload import ActivationOffload, copy_stream
 
 
 def _timed(device: torch.device, run: Callable[[], object]) -> float:
-    """Seconds `run` takes on `device` (CUDA events on the current stream, host time else)."""
+    """Seconds `run` takes on `device` (CUDA events on the current stream, host time else),
+    the copies it left on offload's side streams included (the end waits for them: a copy out
+    alone is never waited for by the current stream)."""
     if device.type != "cuda":
         started = time.perf_counter()
         run()
@@ -29,6 +31,9 @@ def _timed(device: torch.device, run: Callable[[], object]) -> float:
     torch.cuda.synchronize(device)
     start.record()
     run()
+    current = torch.cuda.current_stream(device)
+    for reload in (False, True):
+        current.wait_stream(copy_stream(device, reload=reload))
     end.record()
     torch.cuda.synchronize(device)
     return start.elapsed_time(end) / 1e3

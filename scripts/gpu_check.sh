@@ -22,7 +22,10 @@
 #      overlap with compute (CUDA events); the profile next to the analytic cost model; tiny-vlm
 #      in fp32 with split backwards (B/W; Transformer Engine >= 2.3: its delayed weight GEMMs)
 #      against fused ones, losses and gradient norms within 1e-4. It prints one table and writes
-#      OUT_DIR/gpu_check.json.
+#      OUT_DIR/gpu_check.json;
+#   3. runs the entry point as a user starts it: `torchrun pretrain_vlm_dip.py` tiny-vlm on the
+#      GPU (NCCL, bf16, the planner process), 12 iterations with a save and an evaluation, then
+#      resumed from that checkpoint to 14 (logs: OUT_DIR/entry-12.log, entry-14.log).
 # OUT_DIR defaults to $OUT when set (the device tool's result folder), else ./gpu-check.
 # Exit status: 0 all held; 1 a part failed or a check did not hold; 2 bad arguments; 3 no GPU
 # or the installation failed.
@@ -81,4 +84,25 @@ timeout 300 python -m megatron_dip.gpu_check --out "$DEST" --profiles "$DEST/pro
 rc=${PIPESTATUS[0]}
 echo "gpu_check.sh: checks exit $rc after $(($(date +%s) - start)) s"
 [ "$rc" -eq 0 ] || status=1
+
+# 3. The entry point as a user starts it (torchrun, NCCL, the planner process, bf16): train,
+# save, evaluate, then resume from the checkpoint for two more iterations.
+run_dir=$(mktemp -d -t dip-gpu-entry-XXXX)
+python scripts/make_tiny_llava_sample.py "$run_dir/llava" --num-samples 32 > /dev/null
+entry=(torchrun --standalone --nproc-per-node 1 pretrain_vlm_dip.py --model tiny-vlm
+    --global-batch-size 4 --dip-data "llava:$run_dir/llava/data.json" --dip-image-size 32
+    --lr 3e-3 --log-interval 2 --eval-interval 6 --eval-iters 1 --dip-lookahead 2
+    --dip-search-time-ms 200 --save "$run_dir/ckpt" --load "$run_dir/ckpt" --save-interval 6
+    --bf16)
+# The resumed run's longer schedule replaces the checkpoint's (as a user extending a run does).
+for iters in 12 14; do
+    more=()
+    [ "$iters" -eq 12 ] || more=(--override-opt_param-scheduler)
+    timeout 180 "${entry[@]}" --train-iters "$iters" ${more[@]+"${more[@]}"} 2>&1 |
+        grep -v "Warning\|warnings.warn" > "$DEST/entry-$iters.log"
+    rc=${PIPESTATUS[0]}
+    tail -4 "$DEST/entry-$iters.log"
+    echo "gpu_check.sh: torchrun pretrain_vlm_dip.py --train-iters $iters: exit $rc"
+    [ "$rc" -eq 0 ] || status=1
+done
 exit "$status"

@@ -188,6 +188,13 @@ class FaultJob:
         rank ended before (`ended()` then names why)."""
         return _wait_metrics(self.metrics, n, bound, lambda: any(self.ended()))
 
+    def wait_next_iteration(self, bound: float) -> bool:
+        """Whether rank 0 logs one more iteration within `bound` seconds, watched closely (every
+        5 ms): right after, every rank has just left that iteration's stats gather together,
+        so none has been waiting on another for long (`_wait_metrics`)."""
+        done = len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
+        return _wait_metrics(self.metrics, done + 1, bound, lambda: any(self.ended()), poll=0.005)
+
     def ended(self) -> dict[int, str]:
         """Each rank that already ended: its outcome line (or its exit code)."""
         import json
@@ -270,16 +277,16 @@ class LauncherJob:
         self.launcher.wait()
 
 
-def _wait_metrics(metrics: Path, n: int, bound: float, ended) -> bool:
-    """Whether `metrics` holds `n` lines within `bound` seconds; False once `ended()` holds
-    (the job cannot get there any more)."""
+def _wait_metrics(metrics: Path, n: int, bound: float, ended, poll: float = 0.05) -> bool:
+    """Whether `metrics` holds `n` lines within `bound` seconds (looking every `poll` s);
+    False once `ended()` holds (the job cannot get there any more)."""
     deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
             return True
         if ended():
             return metrics.exists() and len(metrics.read_text().splitlines()) >= n
-        time.sleep(0.05)
+        time.sleep(poll)
     return False
 
 

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -138,6 +140,53 @@ def test_packed_params_cover_the_pack():
     assert (p.max_seqlen_q, p.max_seqlen_kv) == (4, 5)
     with pytest.raises(ValueError, match="3 query segments but 2"):
         attention.packed_params([3, 1, 4], [2, 5], device="cpu")
+
+
+def _varlen_of(keywords):
+    """A CPU stand-in for torch's `varlen_attn` of a release taking `keywords`: SDPA per segment
+    with what that release does by default (scale 1/sqrt(head dim), no causality, no GQA)."""
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+        assert set(options) <= keywords, f"{sorted(options)} passed, {sorted(keywords)} taken"
+        causal = options.get("is_causal", False) or options.get("window_size") == (-1, 0)
+        if q.shape[1] != k.shape[1]:
+            assert options.get("enable_gqa"), "grouped heads without enable_gqa"
+        params = attention.PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+            max_seqlen_q=max_q, max_seqlen_kv=max_k,
+        )  # fmt: skip
+        scale = options.get("scale", 1 / math.sqrt(q.shape[-1]))
+        return attention._run_segments(q, k, v, params, causal, scale)
+
+    return kernel
+
+
+# The varlen kernel's keywords in torch 2.9 (`is_causal`), 2.11 (no `enable_gqa`) and 2.13.
+VARLEN_RELEASES = {
+    "2.9": frozenset({"is_causal", "return_aux"}),
+    "2.11": frozenset({"return_aux", "scale", "window_size"}),
+    "2.13": frozenset({"return_aux", "scale", "window_size", "enable_gqa", "seqused_k"}),
+}
+
+
+@pytest.mark.parametrize("release", sorted(VARLEN_RELEASES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_kernel_of_every_torch_release_computes_the_packed_attention(
+    monkeypatch, release, causal
+):
+    """The varlen kernel's keywords differ by torch release (on a GPU, torch 2.11 refused
+    `enable_gqa`): what a release lacks is done before the call, with the same result as the
+    per-segment kernel for grouped heads and a scale that is not the default."""
+    keywords = VARLEN_RELEASES[release]
+    monkeypatch.setattr(attention, "_varlen", lambda: _varlen_of(keywords))
+    monkeypatch.setattr(attention, "_keywords", lambda kernel: keywords)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(9, 4, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    params = attention.packed_params([4, 3, 2], device="cpu")
+    want = attention._run_segments(q, k, v, params, causal, 0.3)
+    got = attention._run_varlen(q, k, v, params, causal, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["vlm", "t2v", "omni"])

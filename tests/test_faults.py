@@ -86,6 +86,10 @@ def _inject(job: FaultJob, rank: int, sig: int) -> dict:
         "trackers": [p for p in family if "resource_tracker" in _cmdline(p)],
     }
     _assert_healthy(job)
+    # At an iteration boundary: a rank that was already waiting on a slow peer before the fault
+    # (on a loaded CI machine every non-zero rank once waited the whole timeout for rank 0's
+    # plan, rank 2 reporting that just before its SIGSTOP) would blur which fault it names.
+    assert job.wait_next_iteration(60), f"the job stopped training; ended: {job.ended()}"
     state["t0"] = time.time()
     os.kill(job.procs[rank].pid, sig)
     return state

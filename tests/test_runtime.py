@@ -25,6 +25,7 @@ from megatron_dip.runtime.executor import ExecutorConfig, check_handlers
 from megatron_dip.runtime.gradsync import grad_sync_points
 from megatron_dip.runtime.loss import (
     LossConfig,
+    LossTracker,
     loss_weight,
     megatron_loss_func,
     microbatch_mean_scale,
@@ -243,6 +244,35 @@ def test_stock_and_dip_share_one_normalisation(per_token):
     else:
         assert float(out) == pytest.approx(7.5 * microbatch_mean_scale(m, 12), rel=1e-15)
         assert dip == microbatch_mean_scale(m, 12)
+
+
+def test_loss_reports_stay_on_the_device_of_the_loss():
+    """Megatron reduces the reports where the loss is (NCCL on a GPU): the token count joins
+    the loss sum on its device. (On a GPU the report once stacked a CUDA sum with a CPU count;
+    the meta device stands in for it here.)"""
+    from types import SimpleNamespace
+
+    work = SimpleNamespace(module="llm", microbatch=0)
+    plan = SimpleNamespace(
+        dependencies=[],
+        submicrobatches=[SimpleNamespace(module="llm", microbatch=0, work=work)],
+        placement=SimpleNamespace(modules=[SimpleNamespace(name="llm")]),
+        totals=BatchTotals(num_microbatches=1, num_samples=2, num_loss_tokens=12),
+    )
+    batches = SimpleNamespace(loss_tokens=lambda w: 12)
+    tracker = LossTracker(
+        plan=plan, batches=batches, config=LossConfig(per_token=True), reduction_averages=True
+    )
+    stage = StageId("llm", 0, 0)
+    loss = torch.tensor(7.5, dtype=torch.float32)
+    tracker.weighted(stage, {"loss": loss, "num_tokens": 12}, where="test")
+    assert tracker.reports()[0]["lm loss"].tolist() == [7.5, 12.0]
+    tracker = LossTracker(
+        plan=plan, batches=batches, config=LossConfig(per_token=True), reduction_averages=True
+    )
+    tracker._sums[0] = [loss.to("meta").double(), 12]  # what `weighted` keeps, on a device
+    (report,) = tracker.reports()
+    assert report["lm loss"].device.type == "meta" and report["lm loss"].shape == (2,)
 
 
 # -- executor on real chunks ----------------------------------------------------------------------

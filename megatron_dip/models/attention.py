@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Sequence
 
@@ -267,7 +268,11 @@ def _run_segments(query, key, value, params: PackedSeqParams, causal: bool, scal
 
 def _run_varlen(query, key, value, params: PackedSeqParams, causal: bool, scale: float):
     """torch's FlashAttention varlen kernel over the whole pack."""
-    return _varlen()(
+    kernel = _varlen()
+    query, key, value, options = varlen_arguments(
+        _keywords(kernel), query, key, value, causal=causal, scale=scale
+    )
+    return kernel(
         query,
         key,
         value,
@@ -275,10 +280,37 @@ def _run_varlen(query, key, value, params: PackedSeqParams, causal: bool, scale:
         params.cu_seqlens_kv,
         int(params.max_seqlen_q),
         int(params.max_seqlen_kv),
-        scale=scale,
-        window_size=(-1, 0) if causal else (-1, -1),
-        enable_gqa=query.shape[1] != key.shape[1],
+        **options,
     )
+
+
+@functools.cache
+def _keywords(function) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
+def varlen_arguments(keywords, query, key, value, *, causal: bool, scale: float):
+    """(query, key, value, keyword arguments) for a `varlen_attn` that takes `keywords`: its
+    signature changed across torch releases (2.9: `is_causal`; later `window_size`, `scale`,
+    `enable_gqa`). What an older one lacks is done here: the scale folded into the query (the
+    kernel divides by sqrt(head dim)), grouped key/value heads repeated for their queries (as
+    `enable_gqa` does: query head i reads key head i // (query heads / key heads))."""
+    options = {}
+    if "window_size" in keywords:
+        options["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif causal:
+        options["is_causal"] = True
+    if "scale" in keywords:
+        options["scale"] = scale
+    else:
+        query = query * (scale * math.sqrt(query.shape[-1]))
+    if query.shape[1] != key.shape[1]:
+        if "enable_gqa" in keywords:
+            options["enable_gqa"] = True
+        else:
+            group = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    return query, key, value, options
 
 
 def packed_backend(backend, *, kernel: str = "auto"):

@@ -199,14 +199,10 @@ class LossTracker:
 
     def reports(self) -> list[dict[str, torch.Tensor]]:
         """{report_name: tensor([loss_sum, num_tokens])} per microbatch, in microbatch order."""
-        return [
-            {
-                self.config.report_name: torch.stack(
-                    [
-                        torch.as_tensor(v[0], dtype=torch.float64),
-                        torch.tensor(float(v[1]), dtype=torch.float64),
-                    ]
-                )
-            }
-            for _, v in sorted(self._sums.items())
-        ]
+        out = []
+        for _, (loss_sum, tokens) in sorted(self._sums.items()):
+            # On the loss's device (Megatron reduces its reports there: NCCL on a GPU).
+            total = torch.as_tensor(loss_sum, dtype=torch.float64)
+            report = torch.stack([total, total.new_tensor(tokens)])
+            out.append({self.config.report_name: report})
+        return out

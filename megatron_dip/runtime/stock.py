@@ -185,7 +185,10 @@ class StockStage(torch.nn.Module):
         if self._input is not None:
             self._input_used = True
             return self._input.clone()
-        return torch.zeros(self.length, 1, 1, dtype=self.config.pipeline_dtype, requires_grad=True)
+        device = next((q.device for q in self.parameters()), torch.device("cpu"))
+        return torch.zeros(
+            self.length, 1, 1, dtype=self.config.pipeline_dtype, device=device, requires_grad=True
+        )
 
     def _connected(self, out: torch.Tensor) -> torch.Tensor:
         """`out`, made to depend on a received input the stage did not use (with a zero

@@ -81,7 +81,9 @@ class PlainAdamW:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm of the replica's whole gradient (TP duplicates counted once)."""
-        local = torch.zeros(1, dtype=torch.float64)
+        # On the gradients' device: the model group's collective is NCCL on a GPU.
+        device = grads[0].device if grads else torch.device("cpu")
+        local = torch.zeros(1, dtype=torch.float64, device=device)
         tp_rank = getattr(self.params[0], "_dip_tp_rank", 0) if self.params else 0
         for p, g in zip(self.params, grads):
             if getattr(p, "shared", False):  # a tied embedding's second copy (Megatron's rule)

@@ -112,7 +112,7 @@ def gather_stats(
     measured = measured_ops(result.ops)
     row = [loss, tokens, result.busy, result.ended - result.started, blanked]
     row += [measured.get(m, 0.0) for m in modules] + [predicted.get(m, 0.0) for m in modules]
-    mine = torch.tensor(row, dtype=torch.float64)
+    mine = torch.tensor(row, dtype=torch.float64, device=ctx.device)  # NCCL on a GPU
     rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     # Bounded by --dip-comm-timeout-s whatever the world group's own timeout is.
     ctx.watch.wait(dist.all_gather(rows, mine, async_op=True))
