@@ -631,6 +631,44 @@ def test_megatron_linears_split_without_computing_either_gemm_twice(single_rank_
         assert "main_grad" not in q.__dict__ and "grad_added_to_main_grad" not in q.__dict__
 
 
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_pending_w_holds_the_graph_of_b_until_w():
+    """W reads nodes of B's graph through Python handles (Megatron's linears' saved inputs).
+    In torch 2.11 a Python Function's handle does not keep its node alive: on one H200 the
+    split failed in its first W ("saved tensors ... already been freed") once the executor had
+    dropped B's roots. So the pending W anchors the roots' graph: a C++ root node by its handle
+    (the graph without the root's data), a Python Function's root by the tensor; W lets go."""
+    from megatron_dip.runtime.backward_split import (
+        SavedStore,
+        backward_input,
+        backward_weight,
+        graph_anchor,
+    )
+
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    store = SavedStore()
+    with store.hooks():
+        h = x @ w
+        roots = [torch.tanh(h), _Identity.apply(h)]
+    grads = [torch.ones_like(r) for r in roots]
+    pending = backward_input(roots, grads, [x], [w], keep_graph=True, store=store)
+    assert pending.anchors[0] is roots[0].grad_fn and graph_anchor(roots[0]) is roots[0].grad_fn
+    assert pending.anchors[1] is roots[1]  # a Python Function's root: the tensor itself
+    backward_weight(pending)
+    assert pending.anchors == ()
+    torch.testing.assert_close(w.grad, x.t() @ (grads[0] * (1 - roots[0] ** 2) + grads[1]))
+
+
 def _reduction_case():
     """One rank holding two independent modules: x (one microbatch, its chunk's reduction
     takes 10 s) scheduled first, y (6 microbatches, no reduction) after it. F = B = W = 1, so

@@ -152,6 +152,8 @@ class PendingWeight:
     store: SavedStore | None = None
     linears: DeferredLinears = field(default_factory=lambda: DeferredLinears([]))
     delayed: tuple[torch.nn.Module, ...] = ()  # layers whose `backward_dw` W calls
+    # What keeps B's graph alive until W (`graph_anchor`): W reads nodes B left behind.
+    anchors: tuple = ()
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Tensors this pending W holds: recorded gradients and kept saved tensors."""
@@ -330,6 +332,7 @@ def backward_input(
             h.remove()
     _keep_own_linears(graph, linears, store)
     pending = _pending(graph, recorded, params)
+    pending.anchors = tuple(graph_anchor(r) for r in roots)
     pending.linears = linears
     pending.delayed = tuple(delayed)
     if graph.w_roots:
@@ -405,6 +408,24 @@ def backward_weight(pending: PendingWeight | None) -> None:
     pending.pinned.clear()
     pending.delayed = ()
     pending.store = None
+    pending.anchors = ()
+
+
+def graph_anchor(root: torch.Tensor) -> object:
+    """What keeps `root`'s autograd graph alive while W needs it, holding as little as it can.
+
+    W reads nodes of B's graph through Python handles: Megatron's linears (their saved input,
+    `linear_split`) and the weight nodes of its engine calls. A Python autograd Function's
+    handle (its `ctx`) keeps its node alive in some torch releases only: in torch 2.11 the node
+    dies with the last tensor or node pointing to it, and its saved tensors with it (autograd's
+    "already been freed"), as soon as the executor drops B's roots. A root's C++ `grad_fn`
+    handle owns its node, hence the graph below it, without the root's data; a root made by a
+    Python Function (a sent output's hand-over) is held itself (its data is then the freed
+    output's one-element placeholder)."""
+    fn = root.grad_fn
+    if fn is None or isinstance(fn, torch.autograd.function.BackwardCFunction):
+        return root
+    return fn
 
 
 def trainable_parameters(chunk: torch.nn.Module) -> list[torch.nn.Parameter]:
