@@ -35,14 +35,17 @@ def _beat(store, prefix: str, rank: int, n: int, phase: str, iteration: int) -> 
 
 def test_the_post_mortem_names_who_arrived_who_waits_elsewhere_and_who_stalled(tmp_path):
     """Rank 0 times out in 'grad sync' with rank 1; rank 1's heartbeat moves (it waits in the
-    pipeline), rank 2's does not (stopped), rank 3 reported its own timeout in 'grad sync'."""
+    pipeline), rank 2's does not (stopped), rank 3 reported its own timeout in 'grad sync' and
+    finished that post-mortem (it exits, so it beats no more)."""
     store = dist.FileStore(str(tmp_path / "store"), 1)
     watch = PhaseWatch(store=store, rank=0, world_size=4, timeout_s=5.0, beat_s=0.1)
     prefix = watch.prefix
     _beat(store, prefix, 2, 7, "pipeline schedule", 3)
     store.set(
         f"{prefix}/report/3",
-        json.dumps({"phase": "grad sync", "iteration": 4, "group": "world", "failed": False}),
+        json.dumps(
+            {"phase": "grad sync", "iteration": 4, "group": "world", "failed": False, "done": True}
+        ),
     )
     stop = threading.Event()
 
@@ -72,6 +75,31 @@ def test_the_post_mortem_names_who_arrived_who_waits_elsewhere_and_who_stalled(t
     assert "Stalled: rank 2 (no heartbeat for" in line
     assert "last heartbeat in 'pipeline schedule' (iteration 3)" in line
     assert "\n" not in line
+
+
+def test_a_rank_stopped_after_reporting_its_own_stall_is_named_stalled(tmp_path):
+    """On loaded CI, rank 2 timed out, reported, and was stopped (SIGSTOP) during its own
+    post-mortem: its report hid it and every line said "Stalled: none". A report not marked
+    done, with a heartbeat that does not move, is a stall; one marked done is not; and this
+    rank marks its own report done once its post-mortem ends."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    watch = PhaseWatch(store=store, rank=0, world_size=3, timeout_s=5.0, beat_s=0.1)
+    prefix = watch.prefix
+    reported = {"phase": "plan fetch", "iteration": 10, "group": "world", "failed": False}
+    _beat(store, prefix, 1, 4, "plan fetch", 10)
+    store.set(f"{prefix}/report/1", json.dumps({**reported, "done": True}))  # exited
+    _beat(store, prefix, 2, 9, "plan fetch", 10)
+    store.set(f"{prefix}/report/2", json.dumps(reported))  # stopped in its post-mortem
+    watch.start()
+    watch.iteration = 10
+    try:
+        with pytest.raises(StallError) as info, watch.phase("sample agreement"):
+            raise TimeoutError("timed out after 5 s")
+    finally:
+        watch.stop()
+    assert info.value.stalled == [2], str(info.value)
+    assert "Stalled: rank 2 (no heartbeat for" in str(info.value)
+    assert json.loads(store.get(f"{prefix}/report/0"))["done"] is True
 
 
 def test_a_rank_that_failed_is_named_with_its_error():

@@ -13,7 +13,9 @@ group, the error) into the job's store and reads everybody else's for a short gr
 (`PhaseWatch.grace_s`). A rank that is alive but blocked elsewhere cannot report, so every rank
 also runs a heartbeat thread that writes a counter and its current phase into the store every
 `beat_s` seconds: a rank whose counter did not move during the grace period is *stalled*
-(stopped, hung, dead), and its last heartbeat says where it was. Then every rank raises one
+(stopped, hung, dead), and its last heartbeat says where it was; so is a rank that reported its
+own stall but stopped before finishing that post-mortem (each marks its report done at the end:
+a rank that reports and exits stops beating too). Then every rank raises one
 `StallError` line naming its own phase and group, the ranks of that group that did and did not
 arrive, and the stalled ranks (`describe_stall`). A rank that fails with any other error reports
 it too (`report_failure`), so its peers name it instead of the connection it closed.
@@ -363,7 +365,8 @@ class PhaseWatch:
         """Report, collect the others' reports and heartbeats for `grace_s`, and build the
         error this rank raises (module docstring)."""
         cause = _short(error)
-        self._report({**phase.as_dict(), "error": cause, "failed": False})
+        record = {**phase.as_dict(), "error": cause, "failed": False}
+        self._report(record)
         everyone = range(self.world_size)
         first = self._read("beat", everyone)
         deadline = time.monotonic() + self.grace_s
@@ -374,11 +377,15 @@ class PhaseWatch:
                 break
             time.sleep(min(0.1, self.beat_s / 2))
         beats = self._read("beat", everyone)
+        reports.update(self._read("report", everyone))  # who finished meanwhile
         stalled = [
             r
             for r in everyone
-            if r not in reports and beats.get(r, {}).get("n") == first.get(r, {}).get("n")
+            if r != self.rank
+            and _unfinished(reports.get(r))
+            and beats.get(r, {}).get("n") == first.get(r, {}).get("n")
         ]
+        self._report({**record, "done": True})
         line = describe_stall(
             rank=self.rank,
             phase=phase,
@@ -390,6 +397,14 @@ class PhaseWatch:
             outcome=outcome,
         )
         return StallError(line, phase=phase.name, stalled=stalled)
+
+
+def _unfinished(report: Mapping[str, Any] | None) -> bool:
+    """Whether a rank with this report (None: none) could still be expected to beat: it did
+    not report, or it reported its own stall and has not finished that post-mortem (a rank
+    stopped inside it, after its report, is as stalled as one that never reported). A rank
+    that failed of its own error, or finished its post-mortem, stops beating as it exits."""
+    return report is None or not (report.get("failed") or report.get("done"))
 
 
 def describe_store_host(environ: Mapping[str, str]) -> str:
