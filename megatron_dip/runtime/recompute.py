@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron_dip.runtime.checks import chunks_device
 from megatron_dip.runtime.module_recompute import recomputed_modules
 from megatron_dip.runtime.offload import ActivationOffload, offloaded_layers
 from megatron_dip.schedule.ir import MemoryPolicy, Recompute
@@ -194,11 +195,6 @@ def run_chunk(
         return call(inputs=inputs, batch=batch)
 
 
-def _device_of(chunk: torch.nn.Module) -> torch.device:
-    param = next(chunk.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
 def run_policy(
     chunk: torch.nn.Module,
     policy: MemoryPolicy,
@@ -217,7 +213,7 @@ def run_policy(
         return _run_with_modules(chunk, policy, call, inputs, batch), None
     if not policy.offload or not torch.is_grad_enabled() or callable(own):
         return run_chunk(chunk, policy.method, call, inputs, batch, policy.layers), None
-    record = ActivationOffload.for_device(_device_of(chunk))
+    record = ActivationOffload.for_device(chunks_device([chunk]))
     with contextlib.ExitStack() as stack:
         if policy.method is Recompute.BLOCK:
             stack.enter_context(grouped_layers(chunk, policy.method, policy.layers))

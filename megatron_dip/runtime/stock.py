@@ -50,7 +50,7 @@ from megatron_dip.schedule.ir import (
     WorkId,
 )
 
-from .checks import TensorFn, unwrap_chunk
+from .checks import TensorFn, chunks_device, unwrap_chunk
 from .data import BatchSource
 from .loss import megatron_loss_func
 from .p2p import torch_dtype_of
@@ -185,7 +185,7 @@ class StockStage(torch.nn.Module):
         if self._input is not None:
             self._input_used = True
             return self._input.clone()
-        device = next((q.device for q in self.parameters()), torch.device("cpu"))
+        device = chunks_device(self.parts)
         return torch.zeros(
             self.length, 1, 1, dtype=self.config.pipeline_dtype, device=device, requires_grad=True
         )
