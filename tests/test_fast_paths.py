@@ -10,7 +10,7 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_cases import cases, limit_for
+from planner_cases import cases, fixed_cases, limit_for
 from reference_planner import reference_execute_programs, reference_list_schedule
 
 from megatron_dip.planner.list_scheduler import (
@@ -248,3 +248,37 @@ def _chain_schedule() -> list:
     sched = list_schedule(graph, priority=[(k,) for k in range(n)], memory_limit=[2.0, 3.0])
     orders = [[f"{type(i).__name__} {i.stage}" for i in o] for o in sched.orders]
     return [orders, sched.makespan, list(sched.peak_memory)]
+
+
+def test_warm_up_compiles_the_kernel_for_the_argument_types_of_real_plans(monkeypatch) -> None:
+    """Rank 0 warms the kernel up on a thread so that a fallback plan does not compile it
+    (training/iteration/planning): the warm-up's arguments must have the types of the planner's
+    own calls, memory limits, split backwards and data-parallel reductions included, or numba
+    compiles a second specialization inside the plan after all."""
+    import dataclasses
+
+    import pytest
+
+    from megatron_dip.planner import list_scheduler, schedule_kernel
+
+    if not schedule_kernel.COMPILED:
+        pytest.skip("numba is not installed: nothing is compiled")
+    import numba
+
+    seen: dict[str, set] = {"warm-up": set(), "plans": set()}
+    phase = ["warm-up"]
+    kernel = list_scheduler.run_schedule
+
+    def recording(*args):
+        seen[phase[0]].add(tuple(str(numba.typeof(a)) for a in args))
+        return kernel(*args)
+
+    monkeypatch.setattr(list_scheduler, "run_schedule", recording)
+    list_scheduler.warm_up()
+    phase[0] = "plans"
+    case = dataclasses.replace(fixed_cases()[1], search=False)
+    planner = case.planner(limit_for(case))
+    planner.config = dataclasses.replace(planner.config, split_backward=True)
+    plans = planner.plan_batch(case.batch)
+    assert any(p.plan.programs for p in plans)
+    assert len(seen["warm-up"]) == 1 and seen["plans"] == seen["warm-up"]

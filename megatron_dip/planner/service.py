@@ -377,15 +377,19 @@ class PlanClient:
         or with `shares_fallback=True` every replica's (a list)."""
         variant = self.decide(iteration)
         self.plan_calibration = None
+        started = time.monotonic()
         if variant == INLINE:
             self.inline_count += 1
+            plan = self._fallback(iteration, inline)
             logger.warning(
-                "iteration %d: no plan ready from the planner, planning inline%s",
+                "iteration %d: no plan ready from the planner; %s in %.0f ms",
                 iteration,
-                "" if self.shares_fallback is None else " (once, on rank 0)",
+                {None: "planned inline", True: "planned inline for every replica"}.get(
+                    self.shares_fallback, "fetched rank 0's inline plan"
+                ),
+                1e3 * (time.monotonic() - started),
             )
-            return self._fallback(iteration, inline), variant
-        started = time.monotonic()
+            return plan, variant
         data = self.store.get(_key(iteration, variant, self.replica))
         plan = plan_from_bytes(data)
         if plan.iteration != iteration or plan.replica != self.replica:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import threading
 from collections import Counter
 
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from megatron_dip.batching import layout_batch
 from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import BatchStream
 from megatron_dip.planner.dip import DipPlanner, ReplicaPlan
+from megatron_dip.planner.list_scheduler import warm_up
 from megatron_dip.planner.service import (
     INLINE,
     PlanClient,
@@ -107,6 +109,18 @@ def _share_store(ctx: ParallelContext, timeout_s: float = 300.0):
     return store, StoreAddress("127.0.0.1", int(port), timeout_s)
 
 
+def _warm_up_in_background() -> threading.Thread:
+    """Load (or compile) the list scheduler's kernel on a thread of rank 0, which plans the
+    iterations the planner process has nothing ready for. Where Megatron's order does not apply
+    to such a batch, its fallback is one list schedule; without this, that iteration's plan
+    compiled the kernel (8 s of one idle core on a fresh install) while every other rank waited
+    for it, and on a loaded machine past --dip-comm-timeout-s. numba's compiler lock makes an
+    early fallback wait for this thread's compilation rather than compile twice."""
+    thread = threading.Thread(target=warm_up, name="dip-kernel-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 class DipPlans:
     """Plans of this rank's replica (module docstring)."""
 
@@ -120,10 +134,12 @@ class DipPlans:
         self.service: PlannerService | None = None
         self.client: PlanClient | None = None
         self._submitted = -1
+        self.kernel_warm_up: threading.Thread | None = None
         if self.lookahead > 0:
             store, address = _share_store(ctx, timeout_s=spec.runtime.comm_timeout_s)
             self.client = PlanClient(store, replica=ctx.dp_rank, shares_fallback=ctx.rank == 0)
             if ctx.rank == 0:
+                self.kernel_warm_up = _warm_up_in_background()
                 factory = planner_factory(spec)
                 silent = spec.runtime.planner_timeout_s
                 self.service = PlannerService(
