@@ -264,12 +264,30 @@ def test_a_late_plan_is_made_once_on_rank_0_and_shared(store_address):
     # is the quick list schedule (no search, no candidates).
     assert p0.name == "dip" and p0.iteration == 4
     validate_plan(p1)
+    assert master.check(["dip/4/inline/began"])
     rank0.cleanup(4, num_replicas=1)
-    assert not master.check(["dip/4/inline/0"])
+    assert not master.check(["dip/4/inline/0"]) and not master.check(["dip/4/inline/began"])
     # Four microbatches: Megatron's order applies, and that is the fallback.
     four = planner.layout(batch(4, samples=20))
     assert len(four.replicas[0].works) == 4
     assert planner.fallback_plan(four, 0).name == "dip (megatron order)"
+
+
+def test_a_peer_that_times_out_on_rank_0s_fallback_says_where_rank_0_was(store_address):
+    """The fallback is rank 0's alone, so a peer that waits past the store's timeout names
+    whether rank 0 had begun that plan (slow or stuck inside it) or not (behind, in an earlier
+    step); cleanup removes the marker."""
+    address, master = store_address
+    quick = StoreAddress(address.host, address.port, timeout_s=0.3)
+    rank1 = PlanClient(quick.connect(), replica=0, shares_fallback=False)
+    with pytest.raises(RuntimeError, match=r"iteration 6: .*\(it has not begun that plan: it is"):
+        rank1.fetch(6, lambda: pytest.fail("only rank 0 plans a late iteration"))
+    master.set("dip/7/decision", INLINE)
+    master.set("dip/7/inline/began", "1")  # what rank 0 sets before it plans
+    with pytest.raises(RuntimeError, match=r"iteration 7: .*\(it began that plan and has not"):
+        rank1.fetch(7, lambda: pytest.fail("only rank 0 plans a late iteration"))
+    rank1.cleanup(7, num_replicas=1)
+    assert not master.check(["dip/7/inline/began"])
 
 
 def test_the_fallback_fits_the_memory_limit_without_a_simulation():

@@ -412,7 +412,9 @@ class PlanClient:
         """The inline plan: computed here, or made once on rank 0 and shared (class doc)."""
         if self.shares_fallback is None:
             return inline()
+        began = _key(iteration, INLINE, "began")
         if self.shares_fallback:
+            self.store.set(began, "1")  # so that a peer that times out can say where rank 0 was
             plans = inline()
             for replica, plan in enumerate(plans):
                 self.store.set(_key(iteration, INLINE, replica), plan_to_bytes(plan))
@@ -420,9 +422,14 @@ class PlanClient:
         try:  # bounded by the store's timeout (--dip-comm-timeout-s)
             data = self.store.get(_key(iteration, INLINE, self.replica))
         except RuntimeError as e:
+            where = (
+                "it began that plan and has not finished it"
+                if _has(self.store, began)
+                else "it has not begun that plan: it is still in an earlier step"
+            )
             raise RuntimeError(
                 f"iteration {iteration}: rank 0 published no fallback plan for replica "
-                f"{self.replica} within the plan store's timeout: {e}"
+                f"{self.replica} within the plan store's timeout ({where}): {e}"
             ) from None
         return plan_from_bytes(data)
 
@@ -430,6 +437,7 @@ class PlanClient:
         """Delete an iteration's keys once every rank has fetched its plan."""
         for r in range(num_replicas):
             self.store.delete_key(_key(iteration, INLINE, r))
+        self.store.delete_key(_key(iteration, INLINE, "began"))
         for variant in (GREEDY, SEARCHED):
             for r in range(num_replicas):
                 self.store.delete_key(_key(iteration, variant, r))
