@@ -212,7 +212,7 @@ def test_megatron_order_peaks_are_the_order_s_whatever_its_message_timing(segmen
     fit from the peaks of the NO_RECOMPUTE order re-tagged (`activation_peaks`), simulating
     only the modes that fit: this holds only if a mode's own plan (its messages placed by that
     mode's durations) holds exactly those peaks."""
-    from megatron_dip.planner.candidates import merge_submicrobatches
+    from megatron_dip.planner.candidates import megatron_candidate, merge_submicrobatches
     from megatron_dip.planner.simulator import activation_peaks, simulate
     from megatron_dip.planner.stock_configs import max_chunk_layers, with_recompute
 
@@ -223,8 +223,8 @@ def test_megatron_order_peaks_are_the_order_s_whatever_its_message_timing(segmen
     merged = merge_submicrobatches(planner.model, works)
 
     def order(mode):
-        return planner._megatron_order(
-            merged, mode, totals=layout.totals, iteration=layout.iteration, replica=0
+        return megatron_candidate(
+            planner, merged, mode, totals=layout.totals, iteration=layout.iteration, replica=0
         )
 
     plain = order(NO_RECOMPUTE)

@@ -8,15 +8,31 @@ simulates faster, so DIP never loses to the stock schedule on such batches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from ..batching import MicrobatchWork
 from ..batching.split import with_input_tokens
 from ..modelspec import MultimodalSpec
 from ..schedule.baselines import build_megatron_plan
-from ..schedule.ir import BatchTotals, Dependency, Placement, Plan, WorkId
+from ..schedule.engine import per_peer_channel
+from ..schedule.ir import (
+    NO_RECOMPUTE,
+    BatchTotals,
+    Dependency,
+    Forward,
+    MemoryPolicy,
+    Placement,
+    Plan,
+    WorkId,
+)
 from ..schedule.passes import ComputeTimeFn, TensorFn
+from ..schedule.validate import validate_plan
+from .overheads import host_overheads
+from .simulator import activation_peaks, simulate
+from .stock_configs import best_fitting_mode, max_chunk_layers, peaks_fit, with_recompute
 
 
 def megatron_stage_units(placement: Placement) -> list[list[list[tuple[str, int]]]]:
@@ -111,3 +127,107 @@ def merge_submicrobatches(
         )
         out.append(MicrobatchWork(w.info, tuple(with_input_tokens(model, merged, deps)), deps))
     return out
+
+
+def megatron_candidate(
+    planner: Any,
+    merged: Sequence[MicrobatchWork],
+    mode: MemoryPolicy,
+    *,
+    totals: BatchTotals,
+    iteration: int,
+    replica: int,
+) -> Plan | None:
+    """Megatron's order on `planner`'s placement (a `DipPlanner`, not imported: it imports
+    this module) for `merged` (`merge_submicrobatches`), with `mode` on every stage and
+    messages placed by that mode's durations; None where Megatron's order does not apply."""
+    sub_of = {s.work: s for w in merged for s in w.submicrobatches}
+    cost_model, placement = planner.cost_model, planner.placement
+    host = host_overheads(cost_model)
+
+    def duration(rank: int, ins) -> float:
+        chunk = placement.module(ins.stage.module).chunks[ins.stage.chunk]
+        c = cost_model.stage_cost(chunk, sub_of[ins.stage.work], mode)
+        fwd, bwd = host.instruction_times(c.forward, c.backward)
+        return max(fwd if isinstance(ins, Forward) else bwd, 1e-12)
+
+    alt = megatron_order_plan(
+        planner.model,
+        placement,
+        merged,
+        totals=totals,
+        iteration=iteration,
+        replica=replica,
+        tensors=functools.partial(planner._tensors, sub_of),
+        compute_time=duration,
+        stage_units=planner.stage_units,
+    )
+    return None if alt is None else with_recompute(alt, mode)
+
+
+def best_of_megatron(
+    planner: Any,
+    plan: Plan,
+    works: Sequence[MicrobatchWork],
+    *,
+    totals: BatchTotals,
+    replica: int,
+    over: bool,
+) -> tuple[Plan, float]:
+    """`plan` or Megatron's order on the same placement under the fastest uniform recompute
+    setting that fits (Megatron's flags: none, selective, block N, uniform, full), whichever
+    simulates faster within the memory limit (per-peer channels: the runtime's
+    communicators); Megatron's whenever it fits and `plan` does not (`over`). With the
+    simulated iteration time of the one returned."""
+    cost_model = planner.cost_model
+    merged = merge_submicrobatches(planner.model, works)
+    megatron_order = functools.cache(
+        functools.partial(
+            megatron_candidate,
+            planner,
+            merged,
+            totals=totals,
+            iteration=plan.iteration,
+            replica=replica,
+        )
+    )
+    ours = simulate(plan, cost_model, channel=per_peer_channel).iteration_time
+    plain = megatron_order(NO_RECOMPUTE)
+    if plain is None:
+        return plan, ours
+    # Recomputation only lengthens Megatron's fixed order: when `plan` fits and is no slower
+    # than that order without any, no recompute setting of it can win.
+    if not over and ours <= simulate(plain, cost_model, channel=per_peer_channel).iteration_time:
+        return plan, ours
+    limits = planner._memory_limits() or [float("inf")] * planner.placement.num_ranks
+    found = best_fitting_mode(
+        megatron_order,
+        layers=max_chunk_layers(planner.placement),
+        cost_model=cost_model,
+        limits=limits,
+        channel=per_peer_channel,
+        stage_times=functools.cache(functools.partial(_stage_times, planner, merged)),
+        fits_of=functools.partial(_fits_in_order, cost_model, plain, limits),
+    )
+    if found is not None and (over or found[1].iteration_time < ours):
+        if planner.config.validate_plans:
+            validate_plan(found[0])
+        return found[0], found[1].iteration_time
+    return plan, ours
+
+
+def _stage_times(planner: Any, merged: Sequence[MicrobatchWork], mode: MemoryPolicy) -> list:
+    """Forward and backward compute of every (chunk, sub-microbatch) of `merged` under `mode`
+    on every stage, in one fixed order (what Megatron's order runs)."""
+    times = []
+    for sub in (s for w in merged for s in w.submicrobatches):
+        for chunk in planner.placement.module(sub.module).chunks:
+            c = planner.cost_model.stage_cost(chunk, sub, mode)
+            times += (c.forward, c.backward)
+    return times
+
+
+def _fits_in_order(cost_model, plan: Plan, limits: Sequence[float], mode: MemoryPolicy) -> bool:
+    """Whether `plan` (Megatron's order) holds no more than `limits` under `mode` on every
+    stage: its activation peaks, which the order alone decides."""
+    return peaks_fit(activation_peaks(with_recompute(plan, mode), cost_model), limits)

@@ -25,12 +25,10 @@ from ..data.sample import BatchMeta, SampleMeta
 from ..modalities import modality_of
 from ..modelspec import MultimodalSpec
 from ..parallel import ParallelShape
-from ..schedule.engine import per_peer_channel
 from ..schedule.graph import Dataflow
 from ..schedule.ir import (
     NO_RECOMPUTE,
     BatchTotals,
-    Forward,
     MemoryPolicy,
     MessageKey,
     Placement,
@@ -40,7 +38,7 @@ from ..schedule.ir import (
 )
 from ..schedule.passes import add_communication
 from ..schedule.validate import validate_plan
-from .candidates import megatron_order_plan, merge_submicrobatches
+from .candidates import best_of_megatron
 from .cost_model import OFFLOAD_OFFERS
 from .list_scheduler import (
     ListSchedule,
@@ -50,36 +48,18 @@ from .list_scheduler import (
     priorities_from_units,
     unit_priority_ranks,
 )
-from .memory import (
-    MemoryLimitError,
-    RecomputeChoice,
-    choose_recompute,
-    relax_choice,
-    stage_modes,
-    within_host_limit,
-)
+from .memory import MemoryLimitError, RecomputeChoice, stage_modes
 from .overheads import host_overheads
-from .retime import retimed
+from .recompute_candidates import RecomputeCandidates
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
-from .simulator import activation_peaks, simulate
 from .split_candidates import best_split_plan
-from .stock_configs import best_fitting_mode, max_chunk_layers, peaks_fit, with_recompute
 from .submicrobatch import split_modules
 
 logger = logging.getLogger(__name__)
 
-# How much more in-flight activation memory the memory pass lets the scheduler plan with before
-# recomputation brings it back under the real limit.
-RELAXATION_FACTORS = (1.25, 1.5, 2.0, 3.0)
 # The coarser sub-microbatch sizes a run with --dip-coarser-sub-microbatches (and the study's
 # full DIP) also plans each batch at, as multiples of the configured ones (`sub_size_choice`).
 COARSER_SUB_SIZES = (1.5, 2.0)
-# Memory passes on a candidate's own (throttled) schedule where it still overcommits.
-REFINE_ROUNDS = 5
-# Rounds of taking back the recomputation a fitting candidate's own schedule does not need.
-RELAX_ROUNDS = 2
-# ... on this many of the memory pass's candidates (the shortest list schedules).
-RELAX_BEST = 4
 
 
 @dataclass(frozen=True)
@@ -377,8 +357,8 @@ class DipPlanner:
         simulated, own = None, plan
         if self.config.megatron_candidate and not forward_only and not quick:
             with self._pass("candidates"):
-                plan, simulated = self._best_of(
-                    plan, works, totals=totals, replica=replica, over=schedule.overcommitted
+                plan, simulated = best_of_megatron(
+                    self, plan, works, totals=totals, replica=replica, over=schedule.overcommitted
                 )
         if self.config.split_backward and not forward_only and not quick:
             with self._pass("backward split"):
@@ -406,105 +386,6 @@ class DipPlanner:
         from .fallback import fallback_plan
 
         return fallback_plan(self, layout, replica)
-
-    def _best_of(
-        self,
-        plan: Plan,
-        works: Sequence[MicrobatchWork],
-        *,
-        totals: BatchTotals,
-        replica: int,
-        over: bool,
-    ) -> tuple[Plan, float]:
-        """`plan` or Megatron's order on the same placement under the fastest uniform recompute
-        setting that fits (Megatron's flags: none, selective, block N, uniform, full), whichever
-        simulates faster within the memory limit (per-peer channels: the runtime's
-        communicators); Megatron's whenever it fits and `plan` does not (`over`)."""
-        merged = merge_submicrobatches(self.model, works)
-        megatron_order = functools.cache(
-            functools.partial(
-                self._megatron_order,
-                merged,
-                totals=totals,
-                iteration=plan.iteration,
-                replica=replica,
-            )
-        )
-        ours = simulate(plan, self.cost_model, channel=per_peer_channel)
-        plain = megatron_order(NO_RECOMPUTE)
-        if plain is None:
-            return plan, ours.iteration_time
-        # Recomputation only lengthens Megatron's fixed order: when `plan` fits and is no slower
-        # than that order without any, no recompute setting of it can win.
-        if not over and ours.iteration_time <= self._simulated(plain):
-            return plan, ours.iteration_time
-        limits = self._memory_limits() or [float("inf")] * self.placement.num_ranks
-        found = best_fitting_mode(
-            megatron_order,
-            layers=max_chunk_layers(self.placement),
-            cost_model=self.cost_model,
-            limits=limits,
-            channel=per_peer_channel,
-            stage_times=functools.cache(functools.partial(self._stage_times, merged)),
-            fits_of=functools.partial(self._fits_in_order, plain, limits),
-        )
-        if found is not None and (over or found[1].iteration_time < ours.iteration_time):
-            if self.config.validate_plans:
-                validate_plan(found[0])
-            return found[0], found[1].iteration_time
-        return plan, ours.iteration_time
-
-    def _stage_times(self, merged: Sequence[MicrobatchWork], mode: MemoryPolicy) -> list[float]:
-        """Forward and backward compute of every (chunk, sub-microbatch) of `merged` under
-        `mode` on every stage, in one fixed order (what Megatron's order runs)."""
-        times = []
-        for sub in (s for w in merged for s in w.submicrobatches):
-            for chunk in self.placement.module(sub.module).chunks:
-                c = self.cost_model.stage_cost(chunk, sub, mode)
-                times += (c.forward, c.backward)
-        return times
-
-    def _fits_in_order(self, plan: Plan, limits: Sequence[float], mode: MemoryPolicy) -> bool:
-        """Whether `plan` (Megatron's order) holds no more than `limits` under `mode` on every
-        stage: its activation peaks, which the order alone decides."""
-        return peaks_fit(activation_peaks(with_recompute(plan, mode), self.cost_model), limits)
-
-    def _simulated(self, plan: Plan) -> float:
-        return simulate(plan, self.cost_model, channel=per_peer_channel).iteration_time
-
-    def _megatron_order(
-        self,
-        merged: Sequence[MicrobatchWork],
-        mode: MemoryPolicy,
-        *,
-        totals: BatchTotals,
-        iteration: int,
-        replica: int,
-    ) -> Plan | None:
-        """Megatron's order on this placement with `mode` on every stage (messages placed by
-        that mode's durations); None where Megatron's order does not apply."""
-        sub_of = {s.work: s for w in merged for s in w.submicrobatches}
-
-        host = host_overheads(self.cost_model)
-
-        def duration(rank: int, ins) -> float:
-            chunk = self.placement.module(ins.stage.module).chunks[ins.stage.chunk]
-            c = self.cost_model.stage_cost(chunk, sub_of[ins.stage.work], mode)
-            fwd, bwd = host.instruction_times(c.forward, c.backward)
-            return max(fwd if isinstance(ins, Forward) else bwd, 1e-12)
-
-        alt = megatron_order_plan(
-            self.model,
-            self.placement,
-            merged,
-            totals=totals,
-            iteration=iteration,
-            replica=replica,
-            tensors=functools.partial(self._tensors, sub_of),
-            compute_time=duration,
-            stage_units=self.stage_units,
-        )
-        return None if alt is None else with_recompute(alt, mode)
 
     def _memos(self, sub_of: Mapping) -> tuple[dict, dict, dict, dict]:
         """Per plan: message tensors, stage costs, candidate modes, the memory pass's rows."""
@@ -553,9 +434,8 @@ class DipPlanner:
         trade = not quick or schedule.overcommitted  # quick: only what it takes to fit
         if self.config.optimize_memory and limits is not None and not forward_only and trade:
             with self._pass("memory pass"):
-                candidates = self._recompute_candidates(
-                    dataflow, sub_of, search.order, limits, errors=errors
-                )
+                pass_ = RecomputeCandidates(self, dataflow, sub_of, search.order, limits)
+                candidates = pass_.all(errors=errors)
             for candidate in candidates:  # one that fits before one that does not
                 new, old = candidate[0], schedule
                 if (new.overcommitted, new.makespan) < (old.overcommitted, old.makespan):
@@ -581,180 +461,6 @@ class DipPlanner:
             f"activation-memory limit cannot be met {how} ({over}); "
             "raise --dip-memory-limit-gb or use smaller sub-microbatches"
         )
-
-    def _recompute_candidates(
-        self,
-        dataflow: Dataflow,
-        sub_of: Mapping,
-        order,
-        limits: list[float],
-        *,
-        errors: list[MemoryLimitError],
-    ) -> list[tuple[ListSchedule, RecomputeChoice]]:
-        """Schedule as if the memory limit were `factor` times larger, choose per-chunk
-        recompute (MILP) so that schedule fits the real limit, then reschedule under the real
-        limit with those costs. This trades recomputation for the bubbles that throttling
-        forwards at the limit would cost; several factors, because the right amount of extra
-        in-flight work depends on the batch. Each factor's choice also gives the relaxed
-        schedule's own orders timed with its costs (`_kept`); the RELAX_BEST shortest
-        candidates then give back the recomputation their orders do not need (`_relaxed`).
-        Factors whose schedule cannot fit add their error to `errors`."""
-        free = self._graph(dataflow, sub_of, self._uniform_choice(), forward_only=False)
-        unbounded = self._list_schedule(free, order, None, self._uniform_choice())
-        if all(p <= lim for p, lim in zip(unbounded.peak_memory, limits)):
-            return []  # memory does not bind: nothing to trade
-        out = []
-        for factor in RELAXATION_FACTORS:
-            relaxed = [x * factor for x in limits]
-            loose = self._list_schedule(free, order, relaxed, self._uniform_choice())
-            try:
-                choice = self._choose(loose.orders, dataflow, sub_of, limits)
-            except MemoryLimitError as err:
-                errors.append(err)
-                continue
-            out.append(self._refined(dataflow, sub_of, order, limits, choice))
-            kept = self._kept(dataflow, sub_of, order, limits, (loose, choice))
-            if kept is not None:
-                out.append(kept)
-        # Taking back recomputation gains a few per cent; only the best candidates can win.
-        out.sort(key=lambda c: (c[0].overcommitted, c[0].makespan))
-        relaxed = [self._relaxed(dataflow, sub_of, order, limits, c) for c in out[:RELAX_BEST]]
-        return relaxed + out[RELAX_BEST:]
-
-    def _kept(
-        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
-    ) -> tuple[ListSchedule, RecomputeChoice] | None:
-        """The relaxed schedule's own orders (`planned`: the schedule and the choice the memory
-        pass made on its alive-sets) timed with the choice's costs (`retime.retimed`): every
-        alive-set of these orders fits by the pass's construction, so no forward is throttled. None where they do not fit after all (the pass's greedy
-        answer may end over a limit) or its offload breaks the host limit."""
-        loose, choice = planned
-        graph = self._graph(dataflow, sub_of, choice, forward_only=False)
-        kept = retimed(loose, graph, choice.of, limits)
-        if kept is None or kept.overcommitted:
-            return None
-        host = self._host_limits(sub_of)
-        if (
-            host
-            and within_host_limit(
-                kept.orders,
-                choice,
-                host_bytes=host["host_bytes"],
-                host_limit=host["host_limit"],
-                keeps_activations=lambda s: dataflow.needs_backward(s.module),
-            ).modes
-            != choice.modes
-        ):
-            return None
-        return kept, choice
-
-    def _choose(
-        self,
-        orders,
-        dataflow: Dataflow,
-        sub_of: Mapping,
-        limits: list[float],
-        floor=None,
-        *,
-        exact: bool = True,
-    ) -> RecomputeChoice:
-        """The memory pass (`choose_recompute`) on `orders` under the device and host limits
-        (`exact=False`: its greedy answer alone, for `_refined`'s top-ups)."""
-        return choose_recompute(
-            orders, **self._pass_inputs(dataflow, sub_of, limits), floor=floor, exact=exact
-        )
-
-    def _pass_inputs(self, dataflow: Dataflow, sub_of: Mapping, limits) -> dict:
-        """What the memory pass and its relaxation (`choose_recompute`, `relax_choice`) take
-        besides the orders: each stage's modes and their costs, which stages keep activations,
-        the device and host limits, and the batch's row cache."""
-        return dict(
-            mode_cost=functools.partial(self._mode_cost, sub_of),
-            modes_of=functools.partial(self._modes_of, sub_of),
-            keeps_activations=lambda s: dataflow.needs_backward(s.module),
-            memory_limit=limits,
-            **self._host_limits(sub_of),
-            row_cache=self._memos(sub_of)[3],
-        )
-
-    def _refined(
-        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], choice
-    ) -> tuple[ListSchedule, RecomputeChoice]:
-        """The list schedule under the real limit with `choice`'s costs; where that schedule
-        still overcommits (under the limit the scheduler throttles forwards, so its alive-sets
-        differ from the relaxed schedule's the choice was made on), the memory pass again on
-        the schedule's own orders, only upgrading from `choice` (at most REFINE_ROUNDS times)."""
-        graph = self._graph(dataflow, sub_of, choice, forward_only=False)
-        schedule = self._list_schedule(graph, order, limits, choice)
-        for _ in range(REFINE_ROUNDS):
-            if not schedule.overcommitted:
-                break
-            try:
-                more = self._choose(
-                    schedule.orders, dataflow, sub_of, limits, floor=choice.of, exact=False
-                )
-            except MemoryLimitError:
-                break
-            if not more.modes:
-                break
-            modes, added = {**choice.modes, **more.modes}, choice.added_time + more.added_time
-            choice = RecomputeChoice(modes, added)
-            graph = self._graph(dataflow, sub_of, choice, forward_only=False)
-            schedule = self._list_schedule(graph, order, limits, choice)
-        return self._within_host_limit(dataflow, sub_of, order, limits, (schedule, choice))
-
-    def _relaxed(
-        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
-    ) -> tuple[ListSchedule, RecomputeChoice]:
-        """`planned` (schedule, choice), or the same with the recomputation its schedule's own
-        alive-sets do not need taken back (`relax_choice`), in the same orders timed again
-        (`retime.retimed`) or scheduled again, whichever fits and runs shortest, where that is
-        shorter (at most RELAX_ROUNDS times)."""
-        schedule, choice = planned
-        for _ in range(RELAX_ROUNDS):
-            if schedule.overcommitted:
-                break
-            relaxed = relax_choice(
-                schedule.orders, choice, **self._pass_inputs(dataflow, sub_of, limits)
-            )
-            if relaxed is choice:
-                break
-            graph = self._graph(dataflow, sub_of, relaxed, forward_only=False)
-            tries = [self._list_schedule(graph, order, limits, relaxed)]
-            tries.append(retimed(schedule, graph, relaxed.of, limits))
-            tries = [t for t in tries if t is not None and not t.overcommitted]
-            best = min(tries, key=lambda t: t.makespan, default=None)
-            if best is None or best.makespan >= schedule.makespan:
-                break
-            schedule, choice = best, relaxed
-        return schedule, choice
-
-    def _within_host_limit(
-        self, dataflow: Dataflow, sub_of: Mapping, order, limits: list[float], planned: tuple
-    ) -> tuple[ListSchedule, RecomputeChoice]:
-        """`planned` (schedule, choice), with offload that takes the schedule's alive-sets over
-        the host limit replaced by full recomputation and rescheduled until none does (each
-        round only removes offload; the last removes all of it)."""
-        schedule, choice = planned
-        host = self._host_limits(sub_of)
-        if not host:
-            return schedule, choice
-        within = functools.partial(
-            within_host_limit,
-            host_bytes=host["host_bytes"],
-            keeps_activations=lambda s: dataflow.needs_backward(s.module),
-            mode_cost=functools.partial(self._mode_cost, sub_of),
-        )
-        for attempt in range(REFINE_ROUNDS + 1):
-            fixed = within(schedule.orders, choice, host_limit=host["host_limit"])
-            if fixed.modes == choice.modes:
-                break
-            if attempt == REFINE_ROUNDS:  # no offload left at all
-                fixed = within(schedule.orders, choice, host_limit=[0.0] * len(limits))
-            choice = fixed
-            graph = self._graph(dataflow, sub_of, choice, forward_only=False)
-            schedule = self._list_schedule(graph, order, limits, choice)
-        return schedule, choice
 
     def _modes_of(self, sub_of: Mapping, stage: StageId) -> tuple[MemoryPolicy, ...]:
         """The stage's candidate memory policies (`stage_modes`; memoized per plan)."""

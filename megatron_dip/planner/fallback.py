@@ -29,7 +29,7 @@ from ..schedule.ir import (
     Recompute,
 )
 from ..schedule.validate import validate_plan
-from .candidates import merge_submicrobatches
+from .candidates import megatron_candidate, merge_submicrobatches
 from .stock_configs import max_chunk_layers, with_recompute
 
 
@@ -156,8 +156,13 @@ def fallback_plan(planner, layout: BatchLayout, replica: int) -> Plan:
     `DipPlanner`."""
     works = layout.replicas[replica].works
     merged = merge_submicrobatches(planner.model, works)
-    order = planner._megatron_order(
-        merged, NO_RECOMPUTE, totals=layout.totals, iteration=layout.iteration, replica=replica
+    order = megatron_candidate(
+        planner,
+        merged,
+        NO_RECOMPUTE,
+        totals=layout.totals,
+        iteration=layout.iteration,
+        replica=replica,
     )
     if order is not None:
         limits = planner._memory_limits() or [float("inf")] * planner.placement.num_ranks

@@ -29,6 +29,7 @@ from ..schedule.validate import validate_plan
 from .list_scheduler import ListSchedule, priorities_from_units
 from .memory import MemoryLimitError, RecomputeChoice
 from .overheads import host_overheads
+from .recompute_candidates import RecomputeCandidates
 from .simulator import SimResult, reduction_time, simulate
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class SplitCandidates:
         planner = self.planner
         if self.limits is None or not planner.config.optimize_memory:
             return []
+        memory_pass = RecomputeCandidates(planner, self.dataflow, self.sub_of, order, self.limits)
         out = []
         for factor in SPLIT_RELAXATION_FACTORS:
             loose_limits = [x * factor for x in self.limits]
@@ -201,7 +203,7 @@ class SplitCandidates:
                 continue
             alive = held_until_weights(loose.orders)
             try:
-                out.append(planner._choose(alive, self.dataflow, self.sub_of, self.limits))
+                out.append(memory_pass.choose(alive))
             except MemoryLimitError:
                 continue
         return out
