@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megatron_dip.planner.cost_model import StageCost, _reload_waits
+from megatron_dip.planner.cost_model import StageCost
+from megatron_dip.planner.offload_copies import reload_waits
 from megatron_dip.planner.simulator import simulate
 from megatron_dip.runtime.offload import ActivationOffload, offloaded_layers
 from megatron_dip.schedule.baselines import build_1f1b_plan
@@ -104,25 +105,25 @@ def test_memory_holds_what_a_queued_copy_out_has_not_moved() -> None:
     assert result.peak_activation_bytes[0] == 200 + left_f1
 
 
-def test_reload_waits_pace_reloads_by_the_freed_layers() -> None:
-    """The cost model's reload waits (`_reload_waits`): with layers after the offloaded ones,
+def testreload_waits_pace_reloads_by_the_freed_layers() -> None:
+    """The cost model's reload waits (`reload_waits`): with layers after the offloaded ones,
     the second reload starts once the backward has freed one of them and hides; with none
     after, each starts as the backward reaches the offloaded layer after it and waits for what
     one layer's backward does not hide; the reload stream queues them in order."""
     # 2 offloaded, 4 after: the first (2 s) hides behind 4 s; the second, issued at 1 s after
     # the first (ready 4), is ready before the backward reaches it (5).
-    assert _reload_waits(2, 4, 2.0, 0.0, 1.0) == [0.0, 0.0]
+    assert reload_waits(2, 4, 2.0, 0.0, 1.0) == [0.0, 0.0]
     # None after: the first waits its whole reload (2.5), the others their excess (1 each).
-    assert _reload_waits(3, 0, 2.0, 0.5, 1.0) == pytest.approx([2.5, 1.0, 1.0])
+    assert reload_waits(3, 0, 2.0, 0.5, 1.0) == pytest.approx([2.5, 1.0, 1.0])
     # 3 offloaded, 2 after, a stream too slow to keep up: the queue decides.
-    assert _reload_waits(3, 2, 2.0, 0.5, 1.0) == pytest.approx([0.5, 1.0, 1.0])
+    assert reload_waits(3, 2, 2.0, 0.5, 1.0) == pytest.approx([0.5, 1.0, 1.0])
     # Chained one layer ahead (`paced=False`, issue 24g's runtime, the "chained" offer): the
     # first behind the layers after the offloaded ones, each later one behind one layer's
     # backward; never shorter waits than paced.
-    assert _reload_waits(2, 4, 2.0, 0.0, 1.0, paced=False) == [0.0, 1.0]
-    assert _reload_waits(3, 2, 2.0, 0.5, 1.0, paced=False) == pytest.approx([0.5, 1.0, 1.0])
+    assert reload_waits(2, 4, 2.0, 0.0, 1.0, paced=False) == [0.0, 1.0]
+    assert reload_waits(3, 2, 2.0, 0.5, 1.0, paced=False) == pytest.approx([0.5, 1.0, 1.0])
     for case in [(2, 4, 2.0, 0.0, 1.0), (4, 1, 1.5, 0.2, 1.0), (3, 6, 0.9, 0.1, 1.0)]:
-        paced, chained = _reload_waits(*case), _reload_waits(*case, paced=False)
+        paced, chained = reload_waits(*case), reload_waits(*case, paced=False)
         assert all(p <= c + 1e-12 for p, c in zip(paced, chained))
 
 

@@ -22,23 +22,8 @@ against autograd's saved tensors by `tests/test_memory_model.py`). What a layer 
 computes and stores is its modality's (`Modality.layer_ops`, `layer_stored`, `input_ops`,
 `output_ops`, ...; the operator vocabulary is `modalities.costs`); this module prices it.
 
-Activation offload (`MemoryPolicy.offload`, priced by `_offload_copies`): the saved tensors of
-K layers go to host memory on a copy stream during the chunk's forward and come back during its
-backward, before the backward reaches them. The copy gets the GPU's share of its host link
-(`DeviceSpec.host_link_share`: the GPUs under one PCIe switch copy at once) and competes there
-with the chunk's own pipeline messages, which cross the same PCIe link to the NIC. As the
-runtime does it (`runtime/offload.py`): the copy out never blocks the compute stream, so it
-delays nothing, but the bytes it has not copied when the forward ends are still on the device
-(counted in `activation_bytes`); the reload blocks. The runtime prefetches the last offloaded
-layer as the backward starts and one more each time the backward has freed a layer after the
-offloaded ones (so the reloaded bytes stay within about one layer of what the backward freed),
-or, past those, as the backward reaches the layer after it (`_reload_waits`): the first reload
-must hide behind the backwards of the layers after the offloaded ones, the later ones queue
-behind it on the reload stream. The copies occupy the rank's copy streams in
-order, one per direction (`StageCost.copy_out` / `reload`): the schedule engine times those
-channels, and the wait for the first reload there (`reload_stall` here is the chunk-local
-estimate the planner's own passes use), and the simulator holds what a queued copy out has not
-moved yet.
+Activation offload (`MemoryPolicy.offload`): the bytes it moves and keeps are priced here, its
+copies' timing against the chunk's compute in `offload_copies`.
 
 Profiles (`load_profile`) replace the analytic per-layer times where they cover a module.
 
@@ -59,6 +44,7 @@ from ..modelspec import ModuleSpec, MultimodalSpec
 from ..parallel.shape import ONE_PROCESS, ParallelShape
 from ..schedule.ir import NO_RECOMPUTE, ChunkSpec, MemoryPolicy, Recompute, SubMicrobatch
 from .devices import CostProfile, DeviceSpec, load_profile
+from .offload_copies import NO_COPIES, OffloadCopies, offload_copies
 from .overheads import NO_OVERHEADS, HostOverheads
 
 __all__ = [
@@ -91,7 +77,7 @@ class StageCost:
     `activation_bytes` (`CostModel.weight_bytes`); None: the activations (a cost without the
     split's memory model).
 
-    Activation offload (module docstring): `copy_out` link seconds of the copy out, starting
+    Activation offload (`offload_copies`): `copy_out` link seconds of the copy out, starting
     `copy_lead` seconds into the forward (it delays nothing: the compute stream never waits for
     it); `reload` link seconds of the first reload the backward waits for, `reload_window`
     seconds into it; `reload_stall` the seconds of `backward` that are the chunk-local estimate
@@ -355,7 +341,7 @@ class CostModel:
         }.get(recompute, 0.0)
         bwd += self._plain_layers(n, policy) * self._modules_time(spec, w, policy.modules)
         nbytes = self.chunk_activation_bytes(chunk, sub, policy)
-        copies = _NO_COPIES
+        copies = NO_COPIES
         if policy.offload:
             copies = self._offload_copies(spec, chunk, w, policy, fwd_l, bwd_l)
             bwd += copies.reload_stall + copies.later_stall
@@ -370,7 +356,7 @@ class CostModel:
             cost = StageCost(fwd, bwd, nbytes, bwd, nbytes)
         else:
             cost = StageCost(fwd, bwd, nbytes, weight, self.weight_bytes(chunk, sub, policy))
-        return copies.priced(cost) if policy.offload else cost
+        return _carrying(cost, copies) if policy.offload else cost
 
     def inputs_need_gradients(self, chunk: ChunkSpec, sub: SubMicrobatch) -> bool:
         """Whether `chunk`'s inputs on `sub` need gradients: a later chunk's of a trainable
@@ -469,39 +455,23 @@ class CostModel:
         bwd_l: float,
         *,
         paced: bool = True,
-    ) -> _OffloadCopies:
-        """The copies of `policy`'s offload as the runtime makes them (module docstring). Each
-        direction's link time holds the offloaded bytes and the chunk's pipeline message at the
-        GPU's share of the host link. The copy out starts after the first offloaded layer's
-        forward and delays nothing; what it has not copied by the forward's end (a linear
-        drain) stays on the device. The reloads, one layer each (the first with the message),
-        as `_reload_waits` times them (`paced=False`: chained one layer ahead, for
-        `hidden_offload_layers`' "chained" offer only)."""
+    ) -> OffloadCopies:
+        """The copies of `policy`'s offload for `chunk` on `w` (`offload_copies`), beside the
+        chunk's pipeline message, at the GPU's share of the host link (`paced=False`: the
+        reloads chained one layer ahead, for `hidden_offload_layers`' "chained" offer only)."""
         c = self._ctx
-        n = chunk.num_layers
-        start = policy.offload_start
-        k = min(policy.offload, n - start)
-        share, latency = self.device.host_link_share, self.device.p2p_latency
-        moved = self._offloaded(spec, chunk, w, policy)
-        message = c.dt * w.tokens * spec.layer.hidden / c.rep / share + latency
-        copy_out = moved / share + message
-        out_window = max(0, n - start - 1) * fwd_l
-        residual = moved * max(0.0, 1.0 - out_window / copy_out) if copy_out > 0 else 0.0
-        layer = moved / max(1, k) / share
-        after = max(0, n - start - k)
-        first = layer + message
-        # k 0: the message
-        waits = _reload_waits(max(1, k), after, layer, message, bwd_l, paced=paced)
-        return _OffloadCopies(
-            copy_out=copy_out,
-            copy_lead=(start + 1) * fwd_l,
-            reload=first,
-            reload_window=after * bwd_l,
-            reload_stall=waits[0],
-            later_stall=sum(waits[1:]),
-            residual=residual,
-            layer_bytes=moved / max(1, k),
-            moved=moved,
+        share = self.device.host_link_share
+        message = c.dt * w.tokens * spec.layer.hidden / c.rep / share + self.device.p2p_latency
+        return offload_copies(
+            layers=chunk.num_layers,
+            start=policy.offload_start,
+            offloaded=min(policy.offload, chunk.num_layers - policy.offload_start),
+            moved=self._offloaded(spec, chunk, w, policy),
+            message=message,
+            link=share,
+            fwd_layer=fwd_l,
+            bwd_layer=bwd_l,
+            paced=paced,
         )
 
     def hidden_offload_layers(
@@ -709,59 +679,15 @@ def _deferred_gemm(op: Op) -> bool:
     return op.kind is OpKind.GEMM and not op.core and op.w_held > 0
 
 
-def _reload_waits(
-    k: int, after: int, layer: float, message: float, bwd_l: float, *, paced: bool = True
-) -> list[float]:
-    """Seconds the backward of a chunk waits for each of its `k` offloaded layers' reloads
-    (the last offloaded layer first), `after` layers after them, each reload `layer` link
-    seconds (the first also the `message`'s), each layer's backward `bwd_l`; time 0 is the
-    backward's start. As `runtime/offload.py` issues them on its one reload stream: the i-th
-    as the backward has freed i of the layers after the offloaded ones (i <= `after`) or as
-    the backward starts the offloaded layer after it, whichever comes first (`paced=False`:
-    only the latter, issue 24g's runtime); each queues behind the one before it."""
-    waits: list[float] = []
-    ready = reached = 0.0  # the last reload's end; when the backward started its layer
-    clock = after * bwd_l  # when the backward reaches the next offloaded layer, before waiting
-    for i in range(k):
-        issue = 0.0 if i == 0 else reached
-        if paced and 0 < i <= after:
-            issue = min(issue, i * bwd_l)
-        ready = max(issue, ready) + layer + (message if i == 0 else 0.0)
-        waits.append(max(0.0, ready - clock))
-        reached = clock + waits[-1]
-        clock = reached + bwd_l
-    return waits
-
-
-@dataclass(frozen=True)
-class _OffloadCopies:
-    """The copies of one chunk's offload (`CostModel._offload_copies`): the `StageCost` fields
-    of the same names, the waits for later layers' reloads (`later_stall`, part of the
-    backward), the bytes the copy out leaves on the device at the forward's end (`residual`,
-    part of `activation_bytes`) and one offloaded layer's bytes."""
-
-    copy_out: float
-    copy_lead: float
-    reload: float
-    reload_window: float
-    reload_stall: float
-    later_stall: float
-    residual: float
-    layer_bytes: float
-    moved: float = 0.0
-
-    def priced(self, cost: StageCost) -> StageCost:
-        """`cost` carrying these copies (its times and bytes already include them)."""
-        return dataclasses.replace(
-            cost,
-            copy_out=self.copy_out,
-            copy_lead=self.copy_lead,
-            reload=self.reload,
-            reload_window=self.reload_window,
-            reload_stall=self.reload_stall,
-            copy_bytes=int(self.moved),
-            copy_residual=int(self.residual),
-        )
-
-
-_NO_COPIES = _OffloadCopies(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+def _carrying(cost: StageCost, copies: OffloadCopies) -> StageCost:
+    """`cost` carrying `copies` (its times and bytes already include them)."""
+    return dataclasses.replace(
+        cost,
+        copy_out=copies.copy_out,
+        copy_lead=copies.copy_lead,
+        reload=copies.reload,
+        reload_window=copies.reload_window,
+        reload_stall=copies.reload_stall,
+        copy_bytes=int(copies.moved),
+        copy_residual=int(copies.residual),
+    )

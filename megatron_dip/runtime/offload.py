@@ -23,7 +23,7 @@ recomputation's checkpointed layers). While one of them runs its forward, autogr
   bytes stay within about one layer of what the backward has freed (what the memory model
   assumes: offloaded bytes leave the device from the forward, or from the end of their copy
   out, to the chunk's backward, whose compute the reloads overlap; the cost model prices those
-  reloads, `cost_model._reload_waits`, and the schedule engine the copy channels).
+  reloads, `offload_copies.reload_waits`, and the schedule engine the copy channels).
 
 Parameters and leaves that require grad are not packed (they stay on the device for the whole
 step: the weights, the received messages the runtime keeps for sending their gradients).
