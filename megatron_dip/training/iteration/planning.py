@@ -50,6 +50,8 @@ from ..config.run import RunSpec
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_JOIN_S = 120.0  # a cold compilation of the scheduler kernel: 8 s of one idle core
+
 
 def planner_factory(spec: RunSpec) -> functools.partial:
     """Builds the run's planner (here and in the planner process): on a static placement
@@ -206,9 +208,14 @@ class DipPlans:
         return self.service.restarts if self.service is not None else 0
 
     def close(self) -> None:
+        """Stop the planner process; let a warm-up still compiling (a run shorter than a cold
+        compilation) finish rather than end the interpreter under it."""
         if self.service is not None:
             self.service.close()
             self.service = None
+        if self.kernel_warm_up is not None:
+            self.kernel_warm_up.join(timeout=WARM_UP_JOIN_S)
+            self.kernel_warm_up = None
 
 
 class StockPlans:
