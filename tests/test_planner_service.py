@@ -513,7 +513,9 @@ def test_a_stopped_planner_is_found_by_its_heartbeat_killed_and_restarted(
     # A starting planner gets the busy limit for its first heartbeat; a running one, once it
     # beats, the heartbeat timeout (the long busy limit keeps a slow search from counting).
     busy = 3.0 if state == "starting" else 120.0
-    service = PlannerService(factory, address, timeout_s=2.0, busy_limit_s=busy)
+    service = PlannerService(
+        factory, address, timeout_s=2.0, busy_limit_s=busy, startup_limit_s=busy
+    )
     try:
         if state == "starting":
             service.start()  # stopped before it could import much
@@ -549,6 +551,36 @@ def test_a_planner_stuck_in_one_plan_is_killed_and_restarted(store_address, capl
             time.sleep(0.05)
         message = _restarted(service, caplog)
         assert "made no progress for" in message and "restart 1" in message
+    finally:
+        service.close()
+
+
+def _slow_to_build(seconds: float):
+    """A planner factory whose build takes `seconds` (in the planner process)."""
+    time.sleep(seconds)
+    return make_planner(rollouts=4)
+
+
+def test_a_planner_slower_to_start_than_the_busy_limit_is_waited_for(store_address, caplog):
+    """Start-up (imports, the planner's build, the kernel's compilation on a fresh machine) is
+    bounded work with its own limit: a start-up longer than the planning loop's busy limit is
+    not killed for it (restarted, it would start from scratch again, and again, under load)."""
+    address, master = store_address
+    factory = functools.partial(_slow_to_build, 4.0)
+    service = PlannerService(
+        factory, address, timeout_s=1.0, busy_limit_s=1.5, startup_limit_s=120.0
+    )
+    try:
+        service.submit(batch(0))
+        deadline = time.monotonic() + 120
+        while service.startup is None:
+            assert time.monotonic() < deadline, "the planner never started"
+            service.ensure_alive()  # as every iteration does
+            time.sleep(0.1)
+        assert service.restarts == 0, [r.getMessage() for r in caplog.records]
+        assert service.startup["planner_build_s"] >= 4.0
+        _wait_ready(master, 0, SEARCHED)
+        assert service.restarts == 0
     finally:
         service.close()
 

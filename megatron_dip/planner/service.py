@@ -186,7 +186,10 @@ class PlannerService:
     `timeout_s` (--dip-planner-timeout-s): a planner whose heartbeat is silent this long
     (stopped, or stuck holding its interpreter), or whose planning loop makes no progress for
     `busy_limit_s` (a deadlock; default 3 x `timeout_s`), is killed and restarted like one that
-    crashed. Call `start`, `submit` and `ensure_alive` from one thread that lives as long as the
+    crashed. Its start-up (imports, the planner's build, the scheduler kernel's compilation on a
+    fresh machine) is bounded work and gets `startup_limit_s` (default 10 x `timeout_s`)
+    instead: a start-up killed for being slow on a loaded machine would start again from
+    scratch, and so on, and deliver nothing. Call `start`, `submit` and `ensure_alive` from one thread that lives as long as the
     service (the planner dies with the thread that started it: `process.py`).
     """
 
@@ -199,6 +202,7 @@ class PlannerService:
         faults: PlannerFaults | None = None,
         timeout_s: float = 20.0,
         busy_limit_s: float | None = None,
+        startup_limit_s: float | None = None,
     ) -> None:
         if lookahead < 0:
             raise ValueError(f"--dip-lookahead must be >= 0, got {lookahead}")
@@ -208,6 +212,9 @@ class PlannerService:
         self.faults = faults  # tests only: misbehaviour of the first planner process
         self.timeout_s = timeout_s
         self.busy_limit_s = busy_limit_s if busy_limit_s is not None else 3 * timeout_s
+        self.startup_limit_s = max(
+            self.busy_limit_s, startup_limit_s if startup_limit_s is not None else 10 * timeout_s
+        )
         self._decided = -1
         self._process: PlannerProcess | None = None
         self._publisher: _Publisher | None = None
@@ -250,7 +257,7 @@ class PlannerService:
             self._process.stop_signal()
             # Let the silence outlast the timeout, so the very next check finds it whatever
             # the machine's speed (training never waits for a planner otherwise).
-            limit = self.timeout_s if self._process.beating else self.busy_limit_s
+            limit = self.timeout_s if self._process.beating else self.startup_limit_s
             time.sleep(limit + 0.5)
 
     def submit(self, batch: BatchMeta) -> None:
@@ -285,11 +292,14 @@ class PlannerService:
         if p is None or not p.is_alive():
             return
         silent, busy = p.silent_s(), p.busy_s + p.silent_s()
+        started = self.startup is not None
+        limit = self.busy_limit_s if started else self.startup_limit_s
         # Before its first heartbeat the process imports: it gets the longer limit.
-        if silent > (self.timeout_s if p.beating else self.busy_limit_s):
+        if silent > (self.timeout_s if p.beating else limit):
             why = f"sent no heartbeat for {silent:.1f} s (stopped or hung)"
-        elif busy > self.busy_limit_s:
-            why = f"made no progress for {busy:.1f} s (deadlocked or far too slow)"
+        elif busy > limit:
+            doing = "made no progress" if started else "was still starting"
+            why = f"{doing} for {busy:.1f} s (deadlocked or far too slow)"
         else:
             return
         self._unresponsive = why

@@ -151,8 +151,9 @@ class DipArgs:
         "--dip-planner-timeout-s",
         20.0,
         "a planner process silent for this many seconds (stopped, hung), or whose planning "
-        "loop makes no progress for 3 times as long (deadlocked), is killed and restarted "
-        "(counted like a crash); iterations meanwhile are planned inline",
+        "loop makes no progress for 3 times as long (deadlocked), or whose start-up takes 10 "
+        "times as long, is killed and restarted (counted like a crash); iterations meanwhile "
+        "are planned inline",
         megatron=False,
     )
     dip_memory_limit_gb: float | None = arg(
