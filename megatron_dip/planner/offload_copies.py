@@ -27,9 +27,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class OffloadCopies:
     """The copies of one chunk's offload (`offload_copies`): the `StageCost` fields of the same
-    names (`CostModel` copies them there), the waits for later layers' reloads (`later_stall`, part of the backward), the bytes
-    the copy out leaves on the device at the forward's end (`residual`, part of
-    `activation_bytes`) and one offloaded layer's bytes."""
+    names (`CostModel` copies them there), the waits for later layers' reloads (`later_stall`,
+    part of the backward), the bytes the copy out leaves on the device at the forward's end
+    (`residual`, part of `activation_bytes`) and one offloaded layer's bytes."""
 
     copy_out: float
     copy_lead: float

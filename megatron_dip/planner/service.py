@@ -189,8 +189,9 @@ class PlannerService:
     crashed. Its start-up (imports, the planner's build, the scheduler kernel's compilation on a
     fresh machine) is bounded work and gets `startup_limit_s` (default 10 x `timeout_s`)
     instead: a start-up killed for being slow on a loaded machine would start again from
-    scratch, and so on, and deliver nothing. Call `start`, `submit` and `ensure_alive` from one thread that lives as long as the
-    service (the planner dies with the thread that started it: `process.py`).
+    scratch, and so on, and deliver nothing. Call `start`, `submit` and `ensure_alive` from one
+    thread that lives as long as the service (the planner dies with the thread that started
+    it: `process.py`).
     """
 
     def __init__(
