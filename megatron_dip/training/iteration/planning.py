@@ -4,8 +4,9 @@ DIP (`DipPlans`): rank 0 runs the planner service (a separate process planning t
 --dip-lookahead batches from `BatchStream.peek`, greedy first, then searched), delivering through a
 TCPStore that rank 0 hosts; every rank asks `PlanClient.fetch` for its replica's plan; when nothing
 is ready, rank 0 makes a fallback plan for every replica once (`DipPlanner.fallback_plan`:
-Megatron's order on the chosen placement, milliseconds) and shares it through the store (counted
-as inline). With --dip-lookahead 0 there is no planner process and every rank computes the same
+Megatron's order on the chosen placement, else one list schedule: milliseconds, with the list
+scheduler's kernel loaded on a thread at start-up, `_warm_up_in_background`) and shares it through
+the store (counted as inline). With --dip-lookahead 0 there is no planner process and every rank computes the same
 greedy plan itself (deterministic: the planner's work is bounded by its input, never the clock).
 
 Calibration (`DipPlans.calibrate`): every rank applies the same per-module scale factors, at the
