@@ -6,13 +6,16 @@ and plans of hypothesis-generated cases (`planner_cases.py`). `--fuzz` runs many
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_cases import cases, fixed_cases, limit_for
 from reference_planner import reference_execute_programs, reference_list_schedule
 
+from megatron_dip.planner import list_scheduler, schedule_kernel
 from megatron_dip.planner.list_scheduler import (
     StageGraph,
     list_makespan,
@@ -255,12 +258,6 @@ def test_warm_up_compiles_the_kernel_for_the_argument_types_of_real_plans(monkey
     (training/iteration/planning): the warm-up's arguments must have the types of the planner's
     own calls, memory limits, split backwards and data-parallel reductions included, or numba
     compiles a second specialization inside the plan after all."""
-    import dataclasses
-
-    import pytest
-
-    from megatron_dip.planner import list_scheduler, schedule_kernel
-
     if not schedule_kernel.COMPILED:
         pytest.skip("numba is not installed: nothing is compiled")
     import numba
