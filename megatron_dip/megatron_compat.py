@@ -11,6 +11,10 @@ Differences handled here (feature-detected, not version-compared, where the API 
 * `backward_step` takes `model_type` in 0.16 only;
 * 0.19 rejects `variable_seq_lengths=True` with the default MoE token dispatcher, even in dense
   models: `variable_seq_lengths_config()` adds `moe_token_dispatcher_type="alltoall"`;
+* `TransformerConfig` defaults its CUDA graph coverage to "full" and then warns that "full" is
+  deprecated, once per config built, in runs that use no CUDA graph (0.16: `cuda_graph_scope`;
+  0.19: `cuda_graph_modules`, the scope's new name): `quiet_config_defaults()` passes the value
+  the warning recommends instead (an empty list: the same meaning);
 * layer specs: the Transformer Engine spec only when `transformer_engine` imports, else the
   local spec (`get_gpt_layer_local_spec`, `WrappedTorchNorm`); TE's delayed weight gradients
   (`delay_wgrad_compute`, TE >= 2.3) set past the config's MoE-only check
@@ -368,6 +372,21 @@ def variable_seq_lengths_config() -> dict[str, Any]:
     if megatron_core_version() >= (0, 19):
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     return kwargs
+
+
+def quiet_config_defaults() -> dict[str, Any]:
+    """TransformerConfig keyword arguments that replace a release's default that warns about
+    itself (module docstring): a CUDA graph coverage field defaulting to "full" becomes the empty
+    list its deprecation warning asks for (0.16's `cuda_graph_scope`, 0.19's
+    `cuda_graph_modules`)."""
+    from megatron.core.transformer import TransformerConfig
+
+    fields = TransformerConfig.__dataclass_fields__
+    return {
+        name: []
+        for name in ("cuda_graph_scope", "cuda_graph_modules")
+        if name in fields and fields[name].default == "full"
+    }
 
 
 def ensure_global_memory_buffer() -> None:

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import warnings
 
 import pytest
 import torch.distributed as dist
@@ -436,6 +437,26 @@ def test_entry_point_exits_2_on_a_bad_flag_without_initialising(monkeypatch, cap
     assert status == 2
     assert "world size 6 is not divisible" in caplog.text
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_configuration_warning_is_said_once_per_job_by_rank_0(rank):
+    from megatron_dip.training.entry import setup_logging
+
+    names = ("megatron", "megatron_dip.planner.service", "megatron_dip.training.config")
+    levels = {n: logging.getLogger(n).level for n in names}
+    # setup_logging sets these loggers' levels and filters Megatron's CPU fallback warnings
+    with warnings.catch_warnings():
+        try:
+            setup_logging(rank)
+            config = logging.getLogger("megatron_dip.training.config.data_source")
+            assert config.isEnabledFor(logging.WARNING) == (rank == 0)
+            assert config.isEnabledFor(logging.ERROR)  # a refusal still names itself everywhere
+            data = logging.getLogger("megatron_dip.data.energon")  # what this rank's shards hold
+            assert data.isEnabledFor(logging.WARNING)
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
 
 
 def test_log_line_has_megatrons_fields_and_ours():

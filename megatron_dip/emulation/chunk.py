@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_dip import megatron_compat
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.schedule.ir import NO_RECOMPUTE, ChunkSpec, MemoryPolicy, Placement
 
@@ -221,6 +222,7 @@ def emulated_config(*, dtype: torch.dtype = torch.float32):
         perform_initialization=False,
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
+        **megatron_compat.quiet_config_defaults(),
     )
 
 

@@ -197,6 +197,7 @@ def transformer_config(
         perform_initialization=False,
         use_cpu_initialization=False,
         init_method_std=config.init_std,
+        **megatron_compat.quiet_config_defaults(),
     )
     if megatron_compat.te_queues_weight_gradients(config.delay_wgrad, config.use_te):
         megatron_compat.delay_weight_gradients(tconfig)

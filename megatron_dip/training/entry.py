@@ -27,10 +27,13 @@ logger = logging.getLogger("megatron_dip.training")
 
 def setup_logging(rank: int) -> None:
     """INFO on rank 0 (the log lines), warnings only elsewhere; Megatron-Core's own INFO
-    messages (bucket listings) and its CPU fallback warnings are left out."""
+    messages (bucket listings) and its CPU fallback warnings are left out. Warnings every rank
+    would repeat word for word are rank 0's alone: the configuration's (every rank resolves the
+    same flags) and the planner service's (the log line counts inline plans)."""
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    if rank != 0:  # the log line counts inline plans; one warning per iteration is enough
-        logging.getLogger("megatron_dip.planner.service").setLevel(logging.ERROR)
+    if rank != 0:
+        for said_by_rank_0 in ("megatron_dip.planner.service", "megatron_dip.training.config"):
+            logging.getLogger(said_by_rank_0).setLevel(logging.ERROR)
     for text in (
         "Transformer Engine and Apex are not installed",
         "Apex is not installed",
