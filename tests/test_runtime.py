@@ -6,6 +6,7 @@ is a local hand-over), fp64 tiny models; the multi-process behaviour is in test_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -142,6 +143,25 @@ def test_runtime_refuses_crossed_channel_order_even_without_validation():
             tensor_fn=None,
             validate=False,
         )
+
+
+def test_runtime_refuses_a_plan_posted_for_per_peer_streams_on_one_stream():
+    """A plan whose receives are posted ahead (`Channels.PER_PEER`) may deadlock where every
+    message of a rank shares one stream: refused before anything is posted, with the remedy."""
+    from megatron_dip.runtime.checks import check_streams
+    from megatron_dip.schedule import Channels, build_1f1b_plan
+    from megatron_dip.schedule.engine import per_peer_channel, single_channel
+
+    plan = build_1f1b_plan(num_ranks=2, num_microbatches=2)
+    check_streams(plan, single_channel)  # posted for one stream: runs on either
+    check_streams(plan, per_peer_channel)
+    ahead = dataclasses.replace(plan, channels=Channels.PER_PEER)
+    check_streams(ahead, per_peer_channel)
+    with pytest.raises(PlanError, match=r"posts its receives ahead.*--dip-receive-lead 0"):
+        check_streams(ahead, single_channel)
+    # Without messages (one pipeline rank) there is nothing to deadlock on.
+    lone = build_1f1b_plan(num_ranks=1, num_microbatches=2)
+    check_streams(dataclasses.replace(lone, channels=Channels.PER_PEER), single_channel)
 
 
 def test_outgoing_tensors_are_checked_before_anything_is_posted(groups):

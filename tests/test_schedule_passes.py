@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from megatron_dip.schedule import (
     Backward,
     BatchTotals,
+    Channels,
     ChunkSpec,
     Dataflow,
     DeadlockError,
@@ -33,6 +35,7 @@ from megatron_dip.schedule import (
     ideal_timing,
     validate_plan,
 )
+from megatron_dip.schedule.engine import per_peer_channel, single_channel
 from megatron_dip.schedule.passes import compute_id, compute_inputs
 
 
@@ -135,6 +138,113 @@ def test_random_orders_never_deadlock(seed, p, num_modules, m, forward_only, tim
     ideal = ideal_timing(orders, df, compute_time=lambda r, i: cost[i])
     ideal_makespan = max((f[-1] for f in ideal.finish if f), default=0.0)
     assert result.makespan >= ideal_makespan - 1e-9
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    p=st.integers(1, 6),
+    num_modules=st.integers(1, 3),
+    m=st.integers(1, 4),
+    lead=st.integers(1, 3),
+)
+def test_receives_posted_ahead_never_deadlock_on_per_peer_streams(seed, p, num_modules, m, lead):
+    rng = random.Random(seed)
+    placement, subs, deps = random_case(rng, p, num_modules, m)
+    df = Dataflow(placement, subs, deps)
+    orders = random_orders(rng, df, p, False)
+    cost = {c: rng.uniform(0.1, 3.0) for order in orders for c in order}
+    timed = lambda r, i: cost[i]  # noqa: E731
+    programs = add_communication(orders, df, tensors=tensors, compute_time=timed, receive_lead=lead)
+    plan = replace(make_plan(placement, subs, deps, programs), channels=Channels.PER_PEER)
+    validate_plan(plan)  # the zero-duration deadlock check on per-peer streams, channel order
+    assert [prog.compute() for prog in programs] == orders
+    ahead = add_communication(orders, df, tensors=tensors, compute_time=timed)
+    assert _posts(programs) == _posts(ahead)  # the same messages, only posted earlier
+    assert all(_receive_steps(x) <= _receive_steps(y) for x, y in zip(programs, ahead))
+    result = execute_programs(
+        programs,
+        compute_time=timed,
+        transfer_time=lambda s: rng.uniform(0, 0.5),
+        channel=per_peer_channel,
+    )
+    ideal = ideal_timing(orders, df, compute_time=timed)
+    assert result.makespan >= max((f[-1] for f in ideal.finish if f), default=0.0) - 1e-9
+
+
+def _posts(programs) -> list[set]:
+    return [
+        {(type(i), i.key) for i in p.instructions if isinstance(i, Send | Recv)} for p in programs
+    ]
+
+
+def _receive_steps(program) -> dict:
+    """Per receive: how many computes precede its post (compared as dicts' values below)."""
+    steps, computes = {}, 0
+    for ins in program.instructions:
+        if isinstance(ins, Recv):
+            steps[ins.key] = computes
+        elif isinstance(ins, Forward | Backward):
+            computes += 1
+    return _Steps(steps)
+
+
+class _Steps(dict):
+    def __le__(self, other) -> bool:
+        return self.keys() == other.keys() and all(v <= other[k] for k, v in self.items())
+
+
+def test_receives_posted_ahead_can_deadlock_on_one_stream():
+    # Why a plan declares its streams: on one stream per rank an early receive holds back the
+    # rank's later sends until its own sender delivers, and that sender may wait for them.
+    found = None
+    for seed in range(400):
+        rng = random.Random(seed)
+        placement, subs, deps = random_case(rng, 3, 2, 3)
+        df = Dataflow(placement, subs, deps)
+        orders = random_orders(rng, df, 3, False)
+        programs = add_communication(orders, df, tensors=tensors, receive_lead=1)
+        try:
+            execute_programs(programs, channel=single_channel)
+        except DeadlockError:
+            found = programs
+            break
+    assert found is not None
+    execute_programs(found, channel=per_peer_channel)  # the same programs on per-peer streams
+    plan = make_plan(placement, subs, deps, found)
+    with pytest.raises(DeadlockError):
+        validate_plan(plan)  # declared for one stream (the default): refused
+    validate_plan(replace(plan, channels=Channels.PER_PEER))
+
+
+def test_a_receive_posted_ahead_travels_while_the_rank_computes():
+    chunks = (ChunkSpec("m", 0, 0, 0, 1), ChunkSpec("m", 1, 1, 1, 2))
+    placement = Placement(2, (ModuleLayout("m", 2, True, chunks),))
+    subs = [SubMicrobatch("m", i, 0, 0, 1, 1, 1) for i in range(3)]
+    df = Dataflow(placement, subs, ())
+    orders = [
+        [F(0, 0), F(0, 1), F(0, 2), B(0, 0), B(0, 1), B(0, 2)],
+        [F(1, 0), B(1, 0), F(1, 1), B(1, 1), F(1, 2), B(1, 2)],
+    ]
+    # Rank 0's forwards are slower: mb 0's gradient reaches it while it still computes F mb 2,
+    # so a receive posted after that forward starts its transfer only then, and B mb 0 waits
+    # for the whole transfer; posted one compute ahead, the gradient travels meanwhile.
+    time = lambda r, i: 2.0 if isinstance(i, Backward) else (1.6 if r == 0 else 1.0)  # noqa: E731
+
+    def timed(lead: int) -> tuple[float, float]:
+        programs = add_communication(
+            orders, df, tensors=tensors, compute_time=time, receive_lead=lead
+        )
+        result = execute_programs(
+            programs, compute_time=time, transfer_time=lambda s: 0.25, channel=per_peer_channel
+        )
+        b0 = programs[0].instructions.index(B(0, 0))
+        return result.makespan, next(start for i, start, _ in result.spans[0] if i == b0)
+
+    (makespan, b0_start), (ahead, b0_ahead) = timed(0), timed(1)
+    assert b0_start == pytest.approx(5.3) and b0_ahead == pytest.approx(5.1)
+    assert ahead == pytest.approx(makespan - 0.25)
+    with pytest.raises(ValueError, match="receive_lead must be >= 0"):
+        add_communication(orders, df, tensors=tensors, receive_lead=-1)
 
 
 @given(seed=st.integers(0, 2**32 - 1), p=st.integers(2, 5))

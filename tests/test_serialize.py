@@ -41,7 +41,7 @@ from megatron_dip.schedule import (
     plan_from_bytes,
     plan_to_bytes,
 )
-from megatron_dip.schedule.ir import RECOMPUTE_MODULES
+from megatron_dip.schedule.ir import FORMAT_VERSION, RECOMPUTE_MODULES, Channels
 from megatron_dip.schedule.serialize import MAGIC
 
 # ---------------------------------------------------------------------------------------------
@@ -172,16 +172,17 @@ def test_bad_magic(data):
 
 
 def test_version_mismatch_names_both_versions(data):
-    newer = data[:7] + struct.pack(">H", 2) + data[9:]
-    with pytest.raises(PlanError, match="plan format version 2, this code reads version 1"):
+    newer = data[:7] + struct.pack(">H", FORMAT_VERSION + 1) + data[9:]
+    ours = f"this code reads version {FORMAT_VERSION}"
+    with pytest.raises(PlanError, match=f"plan format version {FORMAT_VERSION + 1}, {ours}"):
         plan_from_bytes(newer)
     plan = replace(build_1f1b_plan(num_ranks=2, num_microbatches=2), version=7)
-    with pytest.raises(PlanError, match="version 7, this code reads version 1"):
+    with pytest.raises(PlanError, match=f"version 7, {ours}"):
         plan_from_bytes(plan_to_bytes(plan))
 
 
 def _framed(payload: bytes) -> bytes:
-    return struct.pack(">7sHII", MAGIC, 1, len(payload), zlib.crc32(payload)) + payload
+    return struct.pack(">7sHII", MAGIC, FORMAT_VERSION, len(payload), zlib.crc32(payload)) + payload
 
 
 def test_malformed_payload_with_valid_crc(data):
@@ -265,3 +266,11 @@ def test_format_subs_and_recompute():
         format_plan(plan).splitlines()[1] == "r0: F vit0.3.0:off1 F vit0.3.1:block1:off2 B vit0.3.1"
     )
     assert plan_from_bytes(plan_to_bytes(plan)) == plan
+
+
+def test_the_streams_a_plan_was_posted_for_survive_the_round_trip():
+    plan = build_1f1b_plan(num_ranks=2, num_microbatches=2)
+    assert plan.channels is Channels.SINGLE
+    per_peer = replace(plan, channels=Channels.PER_PEER)
+    assert plan_from_bytes(plan_to_bytes(per_peer)) == per_peer
+    assert plan_to_bytes(per_peer) != plan_to_bytes(plan)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_dip.schedule import (
+    FORMAT_VERSION,
     Backward,
     BatchTotals,
     ChunkSpec,
@@ -132,8 +133,8 @@ FLAT = Placement(
 BASE_ERRORS = [
     (
         "version",
-        lambda p: replace(p, version=2),
-        "plan format version 2, this code understands version 1",
+        lambda p: replace(p, version=FORMAT_VERSION + 1),
+        f"plan format version {FORMAT_VERSION + 1}, this code understands version {FORMAT_VERSION}",
     ),
     (
         "duplicate microbatch",

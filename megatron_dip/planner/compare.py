@@ -30,6 +30,7 @@ from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec, Setup
 from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import RECOMPUTE_MODULES, ChunkSpec, MemoryPolicy, Placement, Plan, Recompute
+from ..schedule.passes import RECEIVE_LEAD
 from .bounds import balanced_bound
 from .devices import DeviceSpec
 from .dip import COARSER_SUB_SIZES, DipPlanner, planner_config
@@ -255,6 +256,7 @@ class Comparison:
             offload_activations=True,
             recompute_modules=RECOMPUTE_MODULES,  # the norms' and MLP activation's outputs
             sub_size_scales=SUB_SIZE_SCALES,
+            receive_lead=RECEIVE_LEAD,  # on `dip_channel`'s per-peer streams, as training
         )
         # plans that do not fit are scored as such, not raised
         config = dataclasses.replace(config, strict_memory=False)

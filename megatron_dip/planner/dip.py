@@ -29,14 +29,17 @@ from ..schedule.graph import Dataflow
 from ..schedule.ir import (
     NO_RECOMPUTE,
     BatchTotals,
+    Channels,
+    Dependency,
     MemoryPolicy,
     MessageKey,
     Placement,
     Plan,
     Recompute,
     StageId,
+    SubMicrobatch,
 )
-from ..schedule.passes import add_communication
+from ..schedule.passes import TensorFn, add_communication
 from ..schedule.validate import validate_plan
 from .candidates import best_of_megatron
 from .cost_model import OFFLOAD_OFFERS
@@ -124,6 +127,16 @@ class PlannerConfig:
     offload_offer: str = "paced"
     offload_offer_candidates: tuple[str, ...] = ("drained", "chained")
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
+    # Post each receive this many computes ahead of where one stream allows, so that a message
+    # on the critical path travels while the rank still computes (`add_communication`); the
+    # plans then need one stream per (sender, receiver) pair (`Channels.PER_PEER`: training's
+    # ChannelGroups). 0: plans that run on one stream too.
+    receive_lead: int = 0
+
+    @property
+    def channels(self) -> Channels:
+        """The streams this configuration's plans are posted for."""
+        return Channels.PER_PEER if self.receive_lead else Channels.SINGLE
 
     def __post_init__(self) -> None:
         if self.shape.seq_length is None:
@@ -158,6 +171,7 @@ def planner_config(
     split_always: bool = False,
     recompute_modules: tuple[str, ...] = (),
     sub_size_scales: tuple[float, ...] = (),
+    receive_lead: int = 0,
 ) -> PlannerConfig:
     """The one way a run's planner configuration is made: by training (`training.config`'s
     resolve, from the flags), the start-up placement search (`scoring_config` of it) and the
@@ -176,6 +190,7 @@ def planner_config(
         split_always=split_always,
         recompute_modules=tuple(recompute_modules),
         sub_size_scales=tuple(sub_size_scales),
+        receive_lead=receive_lead,
     )
 
 
@@ -334,26 +349,17 @@ class DipPlanner:
             use_search=use_search and not quick,
             quick=quick,
         )
-        tensors = functools.partial(self._tensors, sub_of)
-        with self._pass("communication"):
-            programs = add_communication(
-                schedule.orders, dataflow, tensors=tensors, compute_time=schedule.duration
-            )
-        plan = Plan(
+        plan = self._lowered(
+            schedule,
+            dataflow,
+            works,
+            (subs, deps),
+            tensors=functools.partial(self._tensors, sub_of),
             iteration=iteration,
-            placement=self.placement,
-            microbatches=tuple(w.info for w in works),
-            submicrobatches=subs,
-            dependencies=deps,
-            totals=totals,
-            programs=programs,
             replica=replica,
+            totals=totals,
             forward_only=forward_only,
-            name="dip",
         )
-        if self.config.validate_plans:
-            with self._pass("validation"):
-                validate_plan(plan)
         simulated, own = None, plan
         if self.config.megatron_candidate and not forward_only and not quick:
             with self._pass("candidates"):
@@ -377,6 +383,49 @@ class DipPlanner:
             simulated,
             overcommitted=overcommitted,
         )
+
+    def _lowered(
+        self,
+        schedule: ListSchedule,
+        dataflow: Dataflow,
+        works: Sequence[MicrobatchWork],
+        work: tuple[tuple[SubMicrobatch, ...], tuple[Dependency, ...]],
+        *,
+        tensors: TensorFn,
+        iteration: int,
+        replica: int,
+        totals: BatchTotals,
+        forward_only: bool,
+    ) -> Plan:
+        """DIP's plan of `schedule`'s compute orders for `works` (`work`: their
+        sub-microbatches and dependencies; `tensors`: their message shapes): their messages
+        added (`add_communication`), validated where the config asks."""
+        subs, deps = work
+        with self._pass("communication"):
+            programs = add_communication(
+                schedule.orders,
+                dataflow,
+                tensors=tensors,
+                compute_time=schedule.duration,
+                receive_lead=self.config.receive_lead,
+            )
+        plan = Plan(
+            iteration=iteration,
+            placement=self.placement,
+            microbatches=tuple(w.info for w in works),
+            submicrobatches=subs,
+            dependencies=deps,
+            totals=totals,
+            programs=programs,
+            replica=replica,
+            forward_only=forward_only,
+            name="dip",
+            channels=self.config.channels,
+        )
+        if self.config.validate_plans:
+            with self._pass("validation"):
+                validate_plan(plan)
+        return plan
 
     def fallback_plan(self, layout: BatchLayout, replica: int) -> Plan:
         """A plan of one replica in milliseconds, for an iteration the planner process has no

@@ -37,7 +37,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..schedule.engine import ChannelFn, ExecutionResult, execute_programs, single_channel
+from ..schedule.engine import (
+    ChannelFn,
+    ExecutionResult,
+    channel_of,
+    execute_programs,
+)
 from ..schedule.ir import (
     Backward,
     BackwardInput,
@@ -370,17 +375,18 @@ def simulate(
     message_latency: float | None = None,
     post_overhead: float | None = None,
     memory_limit_bytes: int | None = None,
-    channel: ChannelFn = single_channel,
+    channel: ChannelFn | None = None,
 ) -> SimResult:
     """Simulate one iteration of `plan` with durations from `cost_model`.
 
     `message_latency` is added to every message's transfer time, `post_overhead` to every posted
     batch of sends/receives (both seconds; None: the cost model's host overheads, see the module
-    docstring). Raises `schedule.DeadlockError` / `PlanError` for a plan that cannot run.
+    docstring); `channel`: the streams the messages travel on (None: those the plan declares,
+    `Plan.channels`). Raises `schedule.DeadlockError` / `PlanError` for a plan that cannot run.
     """
     costs, has_backward = stage_costs(plan, cost_model)
     execution = PlanTiming(plan, cost_model, costs, message_latency, post_overhead).run(
-        plan.programs, channel
+        plan.programs, channel_of(plan.channels) if channel is None else channel
     )
     iteration = execution.makespan
     busy = tuple(sum(end - start for _, start, end in spans) for spans in execution.spans)

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dip.schedule.engine import PlanError
+from megatron_dip.schedule.engine import ChannelFn, PlanError, per_peer_channel, single_channel
 from megatron_dip.schedule.graph import Dataflow
 from megatron_dip.schedule.ir import (
     FORMAT_VERSION,
+    Channels,
     ChunkSpec,
     MessageKey,
     Placement,
@@ -132,12 +133,14 @@ def check_before_run(
     chunks: Mapping[ChunkKey, Any],
     tensor_fn: TensorFn | None,
     validate: bool,
+    channel: ChannelFn = single_channel,
 ) -> Dataflow:
     """All checks that need no communication; returns the plan's data flow.
 
     Format version; the plan is for this world size and the built model's placement; this rank
-    holds exactly its chunks; (optionally) the full `validate_plan`; every channel carries its
-    messages in one order; (when `tensor_fn` is given) every message has the model's shapes.
+    holds exactly its chunks; the transport's streams (`channel`) are those the plan was posted
+    for; (optionally) the full `validate_plan`; every channel carries its messages in one
+    order; (when `tensor_fn` is given) every message has the model's shapes.
     """
     if plan.version != FORMAT_VERSION:
         raise PlanError(
@@ -146,12 +149,29 @@ def check_before_run(
         )
     check_plan_matches(plan, placement=placement, num_ranks=num_ranks)
     check_chunks(chunks, placement=placement, rank=rank)
+    check_streams(plan, channel)
     if validate:
         validate_plan(plan)
     check_channel_order(plan.programs)  # also part of validate_plan; cheap, so always run
     if tensor_fn is not None:
         check_message_specs(plan, tensor_fn)
     return Dataflow(plan.placement, plan.submicrobatches, plan.dependencies)
+
+
+def check_streams(plan: Plan, channel: ChannelFn) -> None:
+    """Raise `PlanError` when `plan` posts its receives for one stream per (sender, receiver)
+    pair (`Channels.PER_PEER`) and this transport carries every message of the rank on one
+    (`channel` is not `per_peer_channel`): there its programs could deadlock."""
+    if plan.channels is not Channels.PER_PEER or channel is per_peer_channel:
+        return
+    if any(isinstance(i, Send | Recv) for p in plan.programs for i in p.instructions):
+        raise PlanError(
+            f"plan {plan.name!r} (iteration {plan.iteration}) posts its receives ahead, for one "
+            "stream per (sender, receiver) pair (Plan.channels per-peer), but this transport "
+            "carries every message of the rank on one stream (no ChannelGroups), where those "
+            "programs can deadlock: give the transport ChannelGroups, or plan with "
+            "--dip-receive-lead 0 (PlannerConfig.receive_lead)"
+        )
 
 
 # -- agreeing on the verdict ----------------------------------------------------------------------

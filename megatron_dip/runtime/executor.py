@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from megatron_dip.cpu_support import cuda_to_cpu_suspended
-from megatron_dip.schedule.engine import PlanError
+from megatron_dip.schedule.engine import ChannelFn, PlanError
 from megatron_dip.schedule.ir import (
     INSTRUCTION_TYPES,
     Backward,
@@ -209,6 +209,7 @@ class Executor:
             placement=placement,
             num_ranks=pp_group.size(),
             tensor_fn=tensor_fn,
+            channel=transport.channel,
             groups=[
                 ("pipeline", pp_group, True),
                 ("tensor-parallel", tp_group, True),
@@ -255,6 +256,7 @@ class Executor:
         placement: Placement,
         num_ranks: int,
         tensor_fn: TensorFn | None,
+        channel: ChannelFn,
         groups: Sequence[VerdictGroup],
     ):
         """This rank's checks, then the verdict agreed over `groups` (raises on every rank if
@@ -270,6 +272,7 @@ class Executor:
                 chunks=indexed,
                 tensor_fn=tensor_fn,
                 validate=self.config.validate,
+                channel=channel,
             )
             identity = plan_identity(self.plan)
         except Exception as e:  # agreed first, then re-raised (by agree_on_plan)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from .ir import (
     Backward,
     BackwardWeight,
+    Channels,
     Forward,
     Instruction,
     MessageKey,
@@ -93,6 +94,11 @@ def single_channel(rank: int, op: Send | Recv) -> object:
 def per_peer_channel(rank: int, op: Send | Recv) -> object:
     """One ordered stream per (sender, receiver) pair: a 2-rank communicator per direction."""
     return ("send", op.peer) if isinstance(op, Send) else ("recv", op.peer)
+
+
+def channel_of(channels: Channels) -> ChannelFn:
+    """The streams a plan's `Plan.channels` declares, as the machine's channel function."""
+    return per_peer_channel if channels is Channels.PER_PEER else single_channel
 
 
 _KINDS: dict[type, type] = {

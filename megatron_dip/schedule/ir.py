@@ -19,10 +19,15 @@ Execution semantics (what `engine.py` models and the runtime implements):
   program. A plan either has one per trainable chunk of a rank or none on that rank (then the
   runtime starts each reduction after the chunk's last backward).
 * `Send`/`Recv` are *posted* without blocking. A maximal run of consecutive `Send`/`Recv`
-  instructions forms one batch (one `batch_isend_irecv`). Batches of a rank start in program
-  order, each only after the previous one completed (one NCCL stream per pipeline group). An
-  operation completes once its batch and the batch holding the matching operation on the peer
-  have both started; a batch completes when all its operations have.
+  instructions forms one batch (one `batch_isend_irecv`), split by *channel*: the ordered
+  streams messages travel on, as the plan's `channels` declares. `Channels.SINGLE`: every
+  message of a rank on one stream (one NCCL communicator per pipeline group, Megatron-Core's).
+  `Channels.PER_PEER`: one stream per ordered (sender, receiver) pair (a 2-rank communicator
+  per direction, the runtime's `ChannelGroups`). Batches of a channel start in program order,
+  each only after the previous one completed. An operation completes once its batch and the
+  batch holding the matching operation on the peer have both started; a batch completes when
+  all its operations have. A plan that is executable on one stream is executable on per-peer
+  streams too, not the other way round.
 * `Wait` blocks the rank until the named operations completed. Everything still outstanding at
   the end of a program is waited for implicitly.
 
@@ -37,7 +42,15 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `Plan.channels`
+
+
+class Channels(str, enum.Enum):
+    """Which messages share an ordered stream (module docstring): a plan's posting may rely on
+    per-peer streams (`PER_PEER`: receives posted ahead, `schedule.passes`) or not (`SINGLE`)."""
+
+    SINGLE = "single"
+    PER_PEER = "per-peer"
 
 
 class MessageKind(str, enum.Enum):
@@ -556,6 +569,9 @@ class Plan:
     replica: int = 0
     forward_only: bool = False
     name: str = "custom"
+    # The streams its programs were posted for (module docstring); `PER_PEER` plans may
+    # deadlock on one stream, so the runtime refuses them on a transport without ChannelGroups.
+    channels: Channels = Channels.SINGLE
     version: int = FORMAT_VERSION
     _sub_index: dict = field(default=None, compare=False, repr=False, hash=False)  # type: ignore[assignment]
 

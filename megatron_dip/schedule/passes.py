@@ -29,6 +29,10 @@ from .ir import (
     Wait,
 )
 
+# Computes a receive is posted ahead on per-peer streams (`add_communication`'s
+# `receive_lead`): what training (--dip-receive-lead) and the studies plan with.
+RECEIVE_LEAD = 1
+
 TensorFn = Callable[[MessageKey], tuple[TensorSpec, ...]]
 """Tensors a message carries; called with the same key on both ends of a message."""
 
@@ -216,8 +220,10 @@ def _message_ops(
     compute: Sequence[Sequence[Forward | Backward]],
     dataflow: Dataflow,
     timing: IdealTiming,
+    receive_lead: int = 0,
 ) -> list[list[_Op]]:
-    """Send and receive operations of every rank, with their posting and waiting steps."""
+    """Send and receive operations of every rank, with their posting and waiting steps
+    (receives `receive_lead` batches ahead: `add_communication`)."""
     ops: list[list[_Op]] = [[] for _ in compute]
     for r, order in enumerate(compute):
         for j, ins in enumerate(order):
@@ -227,12 +233,16 @@ def _message_ops(
                     continue  # nobody consumes it, or a local hand-over
                 q_rank, q = dest
                 t = timing.finish[r][j]
-                # The receiver posts in the first batch whose compute starts at or after t.
+                # The receiver posts in the first batch whose compute starts at or after t
+                # (`receive_lead` batches before it where streams are per peer).
                 recv_step = bisect.bisect_left(timing.start[q_rank], t, 0, q + 1)
-                ops[q_rank].append(_Op(t, key, False, r, recv_step, q))
+                ahead = max(0, recv_step - receive_lead)
+                ops[q_rank].append(_Op(t, key, False, r, ahead, q))
                 send_step = j + 1
                 posted_at = timing.finish[q_rank][recv_step - 1] if recv_step else 0.0
-                # Release the send buffer at the first wait that cannot delay its compute.
+                # Release the send buffer at the first wait that cannot delay its compute (as
+                # without the lead: an earlier release wait would hold the sender for the
+                # transfer, which the ideal timing does not see).
                 done_at = max(t, posted_at)
                 wait_step = bisect.bisect_left(timing.start[r], done_at, send_step)
                 ops[r].append(_Op(t, key, True, q_rank, send_step, wait_step))
@@ -266,6 +276,7 @@ def add_communication(
     *,
     tensors: TensorFn,
     compute_time: ComputeTimeFn | None = None,
+    receive_lead: int = 0,
 ) -> tuple[Program, ...]:
     """Insert `Send`/`Recv`/`Wait` into per-rank compute orders; return one program per rank.
 
@@ -295,7 +306,27 @@ def add_communication(
     starts. The same holds for the rank of X's counterpart, which has the same (T, key); both
     batches start, so X completes. Since all operations complete, every wait returns and every
     program runs to its end.
+
+    Receives posted ahead (`receive_lead` = s > 0; only for per-peer streams,
+    `ir.Channels.PER_PEER`). Posted as above, a receive whose compute starts, in the ideal
+    timing, when its message is produced (the critical path) is posted right before that compute,
+    so the transfer cannot overlap anything: on NCCL a transfer starts when both ends have posted.
+    With s > 0 each receive is posted s batches earlier (before compute max(0, j - s) instead of
+    j); sends and waits do not move. The rank's operations are then no longer in (T, key) order
+    across its batches (a receive may precede a send of smaller T), so one stream could deadlock:
+    a receive whose sender still waits for a later send of this rank would hold that send back.
+    Per (sender, receiver) stream the argument holds again, by the same induction. Take X (on
+    stream a -> b) and assume every operation before it in (T, key) completes. Its send is posted
+    as before. Its receive is posted before compute j' <= j, where j is the first compute of b
+    with S_j >= T: on b, every wait before that point precedes compute j' and names a receive
+    with T' <= S_i or a send with completion <= S_i for some i < j', and S_i < T, so all of them
+    complete. On stream a -> b both ends post in (T, key) order (the shift is the same for every
+    receive, so it keeps their order), so the batches before X's on that stream hold earlier
+    operations, which complete; both of X's batches start and X completes. The price is memory:
+    a receive's buffer exists s computes earlier.
     """
+    if receive_lead < 0:
+        raise ValueError(f"receive_lead must be >= 0, got {receive_lead}")
     timing = ideal_timing(compute, dataflow, compute_time=compute_time)
-    ops = _message_ops(compute, dataflow, timing)
+    ops = _message_ops(compute, dataflow, timing, receive_lead)
     return tuple(_assemble(r, order, ops[r], tensors) for r, order in enumerate(compute))

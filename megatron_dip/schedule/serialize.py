@@ -23,6 +23,7 @@ from .ir import (
     BackwardInput,
     BackwardWeight,
     BatchTotals,
+    Channels,
     ChunkSpec,
     Dependency,
     Forward,
@@ -171,6 +172,7 @@ def _encode(plan: Plan) -> dict[str, Any]:
     tot = plan.totals
     return {
         "head": [plan.iteration, plan.replica, plan.forward_only, plan.name, plan.num_ranks],
+        "channels": plan.channels.value,
         "totals": [
             tot.num_microbatches,
             tot.num_samples,
@@ -262,6 +264,7 @@ class _Decoder:
             replica=int(replica),
             forward_only=bool(forward_only),
             name=str(name),
+            channels=Channels(d["channels"]),
             version=version,
         )
 

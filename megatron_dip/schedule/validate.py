@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .backward_split import SplitScan
-from .engine import PlanError, execute_programs
+from .engine import PlanError, channel_of, execute_programs
 from .graph import Dataflow
 from .ir import (
     FORMAT_VERSION,
@@ -382,8 +382,9 @@ def validate_plan(plan: Plan) -> None:
     and the plan is not forward-only (a `BackwardInput` counts as the Backward; split backwards
     and reductions: `backward_split.SplitScan`); every send after its producing compute; every cross-rank
     message with exactly one Send and one Recv, correct peers and equal tensor specs; that the
-    programs run to completion under the semantics of `engine.py` (no deadlock); finally that
-    every rank-to-rank channel carries its messages in one order (`check_channel_order`).
+    programs run to completion under the semantics of `engine.py` on the streams the plan
+    declares (`Plan.channels`; no deadlock); finally that every rank-to-rank channel carries its
+    messages in one order (`check_channel_order`).
     """
     if plan.version != FORMAT_VERSION:
         raise PlanError(
@@ -396,7 +397,7 @@ def validate_plan(plan: Plan) -> None:
         _RankScan(plan, df, works, scan, rank).run()
     _check_coverage(plan, df, scan)
     _check_messages(scan)
-    execute_programs(plan.programs)
+    execute_programs(plan.programs, channel=channel_of(plan.channels))
     check_channel_order(plan.programs)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dip.planner.devices import DEVICE_NAMES
+from megatron_dip.schedule.passes import RECEIVE_LEAD
 
 from .megatron_args import (
     PRESET,
@@ -113,6 +114,15 @@ class DipArgs:
         "--dip-lookahead",
         2,
         "batches planned ahead by the planner process (0: no planner process, plan inline)",
+        megatron=False,
+    )
+    dip_receive_lead: int = arg(
+        "--dip-receive-lead",
+        RECEIVE_LEAD,
+        "post each pipeline receive this many computes earlier than one shared stream would "
+        "allow, so that a message on the critical path travels while the rank still computes "
+        "(the run's per-pair communicators make it safe; each receive buffer exists that much "
+        "earlier; 0: post as for one stream)",
         megatron=False,
     )
     dip_split_backward: bool = arg(

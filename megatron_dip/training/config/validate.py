@@ -230,6 +230,8 @@ def _check_dip(config: TrainConfig) -> None:
         raise _fail("--dip-search-time-ms", f"must be >= 0, got {d.dip_search_time_ms}")
     if d.dip_lookahead < 0:
         raise _fail("--dip-lookahead", f"must be >= 0, got {d.dip_lookahead}")
+    if d.dip_receive_lead < 0:
+        raise _fail("--dip-receive-lead", f"must be >= 0, got {d.dip_receive_lead}")
     if not d.dip_comm_timeout_s > 0:  # also refuses NaN
         raise _fail(
             "--dip-comm-timeout-s",
@@ -488,6 +490,8 @@ def _base_planner(config: TrainConfig, model, *, shape, recompute) -> PlannerCon
         split_always=d.dip_split_backward_always,
         recompute_modules=RECOMPUTE_MODULES if d.dip_recompute_modules else (),
         sub_size_scales=COARSER_SUB_SIZES if d.dip_coarser_sub_microbatches else (),
+        # Safe on the per-pair communicators every pipeline of a run gets (`RunGroups`).
+        receive_lead=d.dip_receive_lead if shape.pp > 1 else 0,
     )
 
 
