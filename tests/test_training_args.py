@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_dip.planner.placement_ties import MAX_FINALISTS, TIE_MARGIN
-from megatron_dip.schedule.ir import MemoryPolicy, Recompute
+from megatron_dip.schedule.ir import Channels, MemoryPolicy, Recompute
 from megatron_dip.training.config import arguments as args_module
 from megatron_dip.training.config.arguments import TrainConfig, build_parser, parse_config
 from megatron_dip.training.config.validate import ConfigError, resolve
@@ -66,6 +66,7 @@ BAD = [
         "needs --dip-split-backward",
     ),
     (["--dip-lookahead", "-1"], 1, "--dip-lookahead", ">= 0"),
+    (["--dip-receive-lead", "2"], 1, "--dip-receive-lead", "must be 0 or 1"),
     (["--dip-comm-timeout-s", "0"], 1, "--dip-comm-timeout-s", "> 0 seconds"),
     (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes", "> 0 minutes"),
     (["--dip-search-time-ms", "-5"], 1, "--dip-search-time-ms", ">= 0"),
@@ -294,6 +295,18 @@ def test_presets_fill_unset_flags_and_flags_win():
     assert spec.model.module("llm").num_layers == 12
     assert [m.num_chunks for m in spec.placement.modules] == [4, 4]
     assert spec.planner.sub_size_scales == ()  # plans at the configured sizes only
+    # receives posted one compute ahead on the pipeline's per-pair communicators
+    assert spec.planner.receive_lead == 1 and spec.planner.channels is Channels.PER_PEER
+    lead0 = [
+        "--global-batch-size",
+        "6",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--dip-receive-lead",
+        "0",
+    ]
+    assert _resolve(lead0, world_size=2).planner.channels is Channels.SINGLE
+    assert _resolve([], world_size=1).planner.receive_lead == 0  # one pipeline rank: no messages
     coarser = _resolve(
         ["--dip-coarser-sub-microbatches"],
         world_size=4,

@@ -11,6 +11,7 @@ from megatron_dip.schedule import (
     FORMAT_VERSION,
     Backward,
     BatchTotals,
+    Channels,
     ChunkSpec,
     DeadlockError,
     Dependency,
@@ -36,6 +37,7 @@ from megatron_dip.schedule import (
     execute_programs,
     validate_plan,
 )
+from megatron_dip.schedule.engine import per_peer_channel
 
 HIDDEN = (TensorSpec("hidden", (1,)),)
 
@@ -468,3 +470,43 @@ def test_check_plan_matches():
     other = two_modules().placement
     with pytest.raises(PlanError, match=r"modules \['model'\], expected \['vit', 'llm'\]"):
         check_plan_matches(plan, placement=other, num_ranks=2)
+
+
+def test_a_wait_waits_for_its_whole_batch_as_the_runtime_does():
+    """Rank 1 posts both activations in one batch and waits for the first only; the second is
+    made after rank 0 has the first gradient. Operation by operation that runs, but the runtime
+    waits for a named message's whole batch (NCCL completes a batch_isend_irecv together), so
+    the plan hangs there: validation refuses it."""
+    r0 = [
+        Forward(st(0, 0)),
+        Send(act(0), 1, HIDDEN),
+        Recv(grad(0), 1, HIDDEN),
+        Wait((grad(0),)),
+        Backward(st(0, 0)),
+        Forward(st(0, 1)),
+        Send(act(1), 1, HIDDEN),
+        Recv(grad(1), 1, HIDDEN),
+        Wait((act(0), act(1), grad(1))),
+        Backward(st(0, 1)),
+    ]
+    r1 = [
+        Recv(act(0), 0, HIDDEN),
+        Recv(act(1), 0, HIDDEN),
+        Wait((act(0),)),
+        Forward(st(1, 0)),
+        Backward(st(1, 0)),
+        Send(grad(0), 0, HIDDEN),
+        Wait((act(1),)),
+        Forward(st(1, 1)),
+        Backward(st(1, 1)),
+        Send(grad(1), 0, HIDDEN),
+        Wait((grad(0), grad(1))),
+    ]
+    programs = (Program(0, tuple(r0)), Program(1, tuple(r1)))
+    plan = replace(base(), programs=programs, channels=Channels.PER_PEER)
+    # each wait for its own operation, on per-pair streams: it runs to the end
+    execute_programs(programs, channel=per_peer_channel)
+    with pytest.raises(DeadlockError, match="rank 1 blocked at instruction 2"):
+        execute_programs(programs, channel=per_peer_channel, whole_batches=True)
+    with pytest.raises(DeadlockError, match="rank 1 blocked at instruction 2"):
+        validate_plan(plan)

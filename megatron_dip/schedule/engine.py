@@ -220,9 +220,11 @@ class _Machine:
         post_overhead: float,
         channel: ChannelFn,
         host_copy: HostCopy | None = None,
+        whole_batches: bool = False,
     ) -> None:
         self.programs = programs
         self.host_copy = host_copy
+        self.whole_batches = whole_batches
         self.compute_time = compute_time
         self.transfer_time = transfer_time
         self.post_overhead = post_overhead
@@ -331,8 +333,10 @@ class _Machine:
             mine_of = self.wait_ops[(r, self.pc[r])] = [
                 [i for i in ops.pair(key) or () if i >= 0 and ops.rank[i] == r] for key in ins.keys
             ]
+        done = self.complete if self.whole_batches else self.op_done
         for key, mine in zip(ins.keys, mine_of):
-            t = next((self.op_done[i] for i in mine if self.op_done[i] is not None), None)
+            at = (ops.batch[i] for i in mine) if self.whole_batches else mine
+            t = next((done[i] for i in at if done[i] is not None), None)
             if t is None:
                 if not mine:
                     raise PlanError(
@@ -469,11 +473,15 @@ def execute_programs(
     post_overhead: float = 0.0,
     channel: ChannelFn = single_channel,
     host_copy: HostCopy | None = None,
+    whole_batches: bool = False,
 ) -> ExecutionResult:
     """Run `programs` on the abstract machine and return their timing.
 
     `host_copy`: the seconds of each compute instruction's host copy and where it starts or
-    is waited for (module docstring; None: no host copies).
+    is waited for (module docstring; None: no host copies). `whole_batches`: a `Wait` returns
+    only when the batches holding its operations completed, as the runtime waits (NCCL
+    completes the operations of one `batch_isend_irecv` together), rather than when the
+    operations themselves did: the deadlock check of `validate_plan`.
 
     `channel` maps each operation to the ordered stream it travels on (`single_channel`: one
     per rank, Megatron-Core's single pipeline communicator; `per_peer_channel`: one per sender and
@@ -489,5 +497,6 @@ def execute_programs(
         post_overhead,
         channel,
         host_copy,
+        whole_batches,
     )
     return machine.run()

@@ -214,6 +214,7 @@ class _Op:
     peer: int
     post_step: int  # the batch before compute `post_step` (len(order) = the final batch)
     wait_step: int  # the wait before compute `wait_step` (len(order) = the final wait)
+    ahead: bool = False  # a receive posted one compute ahead: after that step's wait
 
 
 def _message_ops(
@@ -236,8 +237,8 @@ def _message_ops(
                 # The receiver posts in the first batch whose compute starts at or after t
                 # (`receive_lead` batches before it where streams are per peer).
                 recv_step = bisect.bisect_left(timing.start[q_rank], t, 0, q + 1)
-                ahead = max(0, recv_step - receive_lead)
-                ops[q_rank].append(_Op(t, key, False, r, ahead, q))
+                ahead = bool(receive_lead) and recv_step > 0
+                ops[q_rank].append(_Op(t, key, False, r, recv_step - ahead, q, ahead))
                 send_step = j + 1
                 posted_at = timing.finish[q_rank][recv_step - 1] if recv_step else 0.0
                 # Release the send buffer at the first wait that cannot delay its compute (as
@@ -254,20 +255,28 @@ def _assemble(
 ) -> Program:
     n = len(order)
     posts: list[list[_Op]] = [[] for _ in range(n + 1)]
+    ahead: list[list[_Op]] = [[] for _ in range(n + 1)]
     waits: list[list[_Op]] = [[] for _ in range(n + 1)]
     for op in ops:
-        posts[op.post_step].append(op)
+        (ahead if op.ahead else posts)[op.post_step].append(op)
         waits[min(op.wait_step, n)].append(op)
     out: list[Instruction] = []
     for k in range(n + 1):
-        for op in sorted(posts[k], key=lambda o: (o.t, o.key)):
-            cls = Send if op.is_send else Recv
-            out.append(cls(op.key, op.peer, tuple(tensors(op.key))))
+        out += _posted(posts[k], tensors)
         if waits[k]:
             out.append(Wait(tuple(o.key for o in sorted(waits[k], key=lambda o: (o.t, o.key)))))
+        out += _posted(ahead[k], tensors)  # after the wait: never waited for with it
         if k < n:
             out.append(order[k])
     return Program(rank, tuple(out))
+
+
+def _posted(ops: list[_Op], tensors: TensorFn) -> list[Send | Recv]:
+    """The Send/Recv instructions of `ops`, in (T, key) order."""
+    return [
+        (Send if op.is_send else Recv)(op.key, op.peer, tuple(tensors(op.key)))
+        for op in sorted(ops, key=lambda o: (o.t, o.key))
+    ]
 
 
 def add_communication(
@@ -307,26 +316,29 @@ def add_communication(
     batches start, so X completes. Since all operations complete, every wait returns and every
     program runs to its end.
 
-    Receives posted ahead (`receive_lead` = s > 0; only for per-peer streams,
+    Receives posted ahead (`receive_lead` = 1; only for per-peer streams,
     `ir.Channels.PER_PEER`). Posted as above, a receive whose compute starts, in the ideal
-    timing, when its message is produced (the critical path) is posted right before that compute,
-    so the transfer cannot overlap anything: on NCCL a transfer starts when both ends have posted.
-    With s > 0 each receive is posted s batches earlier (before compute max(0, j - s) instead of
-    j); sends and waits do not move. The rank's operations are then no longer in (T, key) order
-    across its batches (a receive may precede a send of smaller T), so one stream could deadlock:
-    a receive whose sender still waits for a later send of this rank would hold that send back.
-    Per (sender, receiver) stream the argument holds again, by the same induction. Take X (on
-    stream a -> b) and assume every operation before it in (T, key) completes. Its send is posted
-    as before. Its receive is posted before compute j' <= j, where j is the first compute of b
-    with S_j >= T: on b, every wait before that point precedes compute j' and names a receive
-    with T' <= S_i or a send with completion <= S_i for some i < j', and S_i < T, so all of them
-    complete. On stream a -> b both ends post in (T, key) order (the shift is the same for every
-    receive, so it keeps their order), so the batches before X's on that stream hold earlier
-    operations, which complete; both of X's batches start and X completes. The price is memory:
-    a receive's buffer exists s computes earlier.
+    timing, when its message is produced (the critical path) is posted right before that
+    compute, so the transfer cannot overlap anything: on NCCL a transfer starts when both ends
+    have posted. With the lead, a receive of batch j >= 1 is posted one compute earlier, right
+    after the wait before compute j - 1 (so no wait ever names it together with that step's
+    receives: the runtime waits for whole batches, and so does the deadlock check,
+    `validate_plan`); sends and waits do not move. On one stream this can deadlock (a receive
+    not yet due would hold back the rank's later sends), so the plan must declare per-peer
+    streams. There the argument holds again, by the same induction, now over batches. Take X
+    (on stream a -> b) and assume every operation before it in (T, key) completes. Its send is
+    posted as before. Its receive is posted after the wait before compute j - 1, where j is the
+    first compute of b with S_j >= T; every wait of b up to there precedes compute j - 1 and
+    names operations with T' <= S_(j-1) < T, and waits for their batches, which hold only such
+    operations (a batch of receives posted ahead holds the receives of one batch j, all with
+    T' <= S_j, and is first waited for before a compute i >= j); so b gets there. On stream
+    a -> b both ends post in (T, key) order, so the batches before X's on it hold earlier
+    operations, which complete; both of X's batches start and X completes. The price is
+    memory: a receive's buffer exists one compute earlier. Leads of 2 or more are refused: the
+    receives of several batches would share the first batch, which the first wait waits for.
     """
-    if receive_lead < 0:
-        raise ValueError(f"receive_lead must be >= 0, got {receive_lead}")
+    if receive_lead not in (0, 1):
+        raise ValueError(f"receive_lead must be 0 or 1, got {receive_lead}")
     timing = ideal_timing(compute, dataflow, compute_time=compute_time)
     ops = _message_ops(compute, dataflow, timing, receive_lead)
     return tuple(_assemble(r, order, ops[r], tensors) for r, order in enumerate(compute))

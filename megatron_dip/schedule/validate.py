@@ -397,7 +397,7 @@ def validate_plan(plan: Plan) -> None:
         _RankScan(plan, df, works, scan, rank).run()
     _check_coverage(plan, df, scan)
     _check_messages(scan)
-    execute_programs(plan.programs, channel=channel_of(plan.channels))
+    execute_programs(plan.programs, channel=channel_of(plan.channels), whole_batches=True)
     check_channel_order(plan.programs)
 
 

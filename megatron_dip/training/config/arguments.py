@@ -119,10 +119,10 @@ class DipArgs:
     dip_receive_lead: int = arg(
         "--dip-receive-lead",
         RECEIVE_LEAD,
-        "post each pipeline receive this many computes earlier than one shared stream would "
-        "allow, so that a message on the critical path travels while the rank still computes "
-        "(the run's per-pair communicators make it safe; each receive buffer exists that much "
-        "earlier; 0: post as for one stream)",
+        "1: post each pipeline receive one compute earlier than one shared stream would allow, "
+        "so that a message on the critical path travels while the rank still computes (the "
+        "run's per-pair communicators make it safe; each receive buffer exists one compute "
+        "earlier); 0: post as for one stream",
         megatron=False,
     )
     dip_split_backward: bool = arg(

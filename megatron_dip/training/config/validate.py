@@ -230,8 +230,11 @@ def _check_dip(config: TrainConfig) -> None:
         raise _fail("--dip-search-time-ms", f"must be >= 0, got {d.dip_search_time_ms}")
     if d.dip_lookahead < 0:
         raise _fail("--dip-lookahead", f"must be >= 0, got {d.dip_lookahead}")
-    if d.dip_receive_lead < 0:
-        raise _fail("--dip-receive-lead", f"must be >= 0, got {d.dip_receive_lead}")
+    if d.dip_receive_lead not in (0, 1):
+        raise _fail(
+            "--dip-receive-lead",
+            f"must be 0 or 1 (computes a receive is posted ahead), got {d.dip_receive_lead}",
+        )
     if not d.dip_comm_timeout_s > 0:  # also refuses NaN
         raise _fail(
             "--dip-comm-timeout-s",
