@@ -28,8 +28,10 @@ Execution semantics (what `engine.py` models and the runtime implements):
   batch holding the matching operation on the peer have both started; a batch completes when
   all its operations have. A plan that is executable on one stream is executable on per-peer
   streams too, not the other way round.
-* `Wait` blocks the rank until the named operations completed. Everything still outstanding at
-  the end of a program is waited for implicitly.
+* `Wait` blocks the rank until the named operations completed; the runtime waits for the
+  whole batches holding them (NCCL completes one `batch_isend_irecv` together), and so does the
+  deadlock check (`execute_programs(whole_batches=True)`), while the simulator times each
+  operation. Everything still outstanding at the end of a program is waited for implicitly.
 
 Messages are named by `MessageKey` (kind, producer stage, consumer stage), so a message can never
 be confused with another one, even when the previous and the next pipeline rank are the same
