@@ -32,13 +32,16 @@ def _training_lines(training: dict) -> list[str]:
     return lines
 
 
+def _mib_and_error(row: dict, keys: tuple[str, ...]) -> tuple[str, str]:
+    """A memory row's byte counts in MiB ("a / b / ..."), and its relative error in %."""
+    mib = " / ".join(_fmt(row[k] / 2**20, ".3f") for k in keys)
+    return mib, "n/a" if row["error"] is None else f"{100 * row['error']:+.1f}%"
+
+
 def _memory_lines(rows: list) -> list[str]:
     lines = ["[memory] model module chunk recompute: predicted / saved / allocated / peak MiB"]
     for r in rows:
-        mib = " / ".join(
-            _fmt(r[k] / 2**20, ".3f") for k in ("predicted", "saved", "allocated", "peak")
-        )
-        err = "n/a" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        mib, err = _mib_and_error(r, ("predicted", "saved", "allocated", "peak"))
         lines.append(
             f"  {r['model']:9} {r['module']:6} {r['chunk']:6} {r['recompute']:9} {mib}"
             f"  (model vs saved {err})"
@@ -86,8 +89,7 @@ def _pending_weight_lines(part: dict) -> list[str]:
     how = "TE's weight-GEMM queue" if part["te_delayed_weight_gradients"] else "our split"
     lines = [f"[pending W] {part['model']} ({how}) module chunk: predicted / saved / allocated MiB"]
     for r in part["rows"]:
-        mib = " / ".join(_fmt(r[k] / 2**20, ".3f") for k in ("predicted", "saved", "allocated"))
-        err = "n/a" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        mib, err = _mib_and_error(r, ("predicted", "saved", "allocated"))
         lines.append(f"  {r['module']:6} {r['chunk']:6} {mib}  (allocated vs model {err})")
     return lines
 

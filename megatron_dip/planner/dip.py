@@ -353,7 +353,8 @@ class DipPlanner:
             schedule,
             dataflow,
             works,
-            (subs, deps),
+            subs=subs,
+            deps=deps,
             tensors=functools.partial(self._tensors, sub_of),
             iteration=iteration,
             replica=replica,
@@ -389,18 +390,18 @@ class DipPlanner:
         schedule: ListSchedule,
         dataflow: Dataflow,
         works: Sequence[MicrobatchWork],
-        work: tuple[tuple[SubMicrobatch, ...], tuple[Dependency, ...]],
         *,
+        subs: tuple[SubMicrobatch, ...],
+        deps: tuple[Dependency, ...],
         tensors: TensorFn,
         iteration: int,
         replica: int,
         totals: BatchTotals,
         forward_only: bool,
     ) -> Plan:
-        """DIP's plan of `schedule`'s compute orders for `works` (`work`: their
+        """DIP's plan of `schedule`'s compute orders for `works` (`subs`, `deps`: their
         sub-microbatches and dependencies; `tensors`: their message shapes): their messages
         added (`add_communication`), validated where the config asks."""
-        subs, deps = work
         with self._pass("communication"):
             programs = add_communication(
                 schedule.orders,

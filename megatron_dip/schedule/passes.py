@@ -238,7 +238,8 @@ def _message_ops(
                 # (`receive_lead` batches before it where streams are per peer).
                 recv_step = bisect.bisect_left(timing.start[q_rank], t, 0, q + 1)
                 ahead = bool(receive_lead) and recv_step > 0
-                ops[q_rank].append(_Op(t, key, False, r, recv_step - ahead, q, ahead))
+                post_step = recv_step - 1 if ahead else recv_step
+                ops[q_rank].append(_Op(t, key, False, r, post_step, q, ahead))
                 send_step = j + 1
                 posted_at = timing.finish[q_rank][recv_step - 1] if recv_step else 0.0
                 # Release the send buffer at the first wait that cannot delay its compute (as
