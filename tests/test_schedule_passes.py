@@ -153,7 +153,9 @@ def test_receives_posted_ahead_never_deadlock_on_per_peer_streams(seed, p, num_m
     orders = random_orders(rng, df, p, False)
     cost = {c: rng.uniform(0.1, 3.0) for order in orders for c in order}
     timed = lambda r, i: cost[i]  # noqa: E731
-    programs = add_communication(orders, df, tensors=tensors, compute_time=timed, receive_lead=1)
+    programs = add_communication(
+        orders, df, tensors=tensors, compute_time=timed, channels=Channels.PER_PEER
+    )
     plan = replace(make_plan(placement, subs, deps, programs), channels=Channels.PER_PEER)
     validate_plan(plan)  # the zero-duration deadlock check on per-peer streams, channel order
     assert [prog.compute() for prog in programs] == orders
@@ -198,7 +200,7 @@ def test_receives_posted_ahead_can_deadlock_on_one_stream():
         placement, subs, deps = random_case(rng, 3, 2, 3)
         df = Dataflow(placement, subs, deps)
         orders = random_orders(rng, df, 3, False)
-        programs = add_communication(orders, df, tensors=tensors, receive_lead=1)
+        programs = add_communication(orders, df, tensors=tensors, channels=Channels.PER_PEER)
         try:
             execute_programs(programs, channel=single_channel)
         except DeadlockError:
@@ -226,9 +228,9 @@ def test_a_receive_posted_ahead_travels_while_the_rank_computes():
     # for the whole transfer; posted one compute ahead, the gradient travels meanwhile.
     time = lambda r, i: 2.0 if isinstance(i, Backward) else (1.6 if r == 0 else 1.0)  # noqa: E731
 
-    def timed(lead: int) -> tuple[float, float]:
+    def timed(channels: Channels) -> tuple[float, float]:
         programs = add_communication(
-            orders, df, tensors=tensors, compute_time=time, receive_lead=lead
+            orders, df, tensors=tensors, compute_time=time, channels=channels
         )
         result = execute_programs(
             programs, compute_time=time, transfer_time=lambda s: 0.25, channel=per_peer_channel
@@ -236,11 +238,10 @@ def test_a_receive_posted_ahead_travels_while_the_rank_computes():
         b0 = programs[0].instructions.index(B(0, 0))
         return result.makespan, next(start for i, start, _ in result.spans[0] if i == b0)
 
-    (makespan, b0_start), (ahead, b0_ahead) = timed(0), timed(1)
+    (makespan, b0_start) = timed(Channels.SINGLE)
+    (ahead, b0_ahead) = timed(Channels.PER_PEER)
     assert b0_start == pytest.approx(5.3) and b0_ahead == pytest.approx(5.1)
     assert ahead == pytest.approx(makespan - 0.25)
-    with pytest.raises(ValueError, match="receive_lead must be 0 or 1, got 2"):
-        add_communication(orders, df, tensors=tensors, receive_lead=2)
 
 
 @given(seed=st.integers(0, 2**32 - 1), p=st.integers(2, 5))

@@ -307,6 +307,8 @@ def test_presets_fill_unset_flags_and_flags_win():
     ]
     assert _resolve(lead0, world_size=2).planner.channels is Channels.SINGLE
     assert _resolve([], world_size=1).planner.receive_lead == 0  # one pipeline rank: no messages
+    with pytest.raises(ValueError, match="receive_lead must be 0 or 1, got 2"):
+        dataclasses.replace(spec.planner, receive_lead=2)  # one lead only (`add_communication`)
     coarser = _resolve(
         ["--dip-coarser-sub-microbatches"],
         world_size=4,

@@ -39,7 +39,7 @@ from ..schedule.ir import (
     StageId,
     SubMicrobatch,
 )
-from ..schedule.passes import TensorFn, add_communication
+from ..schedule.passes import RECEIVE_LEAD, TensorFn, add_communication
 from ..schedule.validate import validate_plan
 from .candidates import best_of_megatron
 from .cost_model import OFFLOAD_OFFERS
@@ -127,10 +127,10 @@ class PlannerConfig:
     offload_offer: str = "paced"
     offload_offer_candidates: tuple[str, ...] = ("drained", "chained")
     packing: PackingLimits | None = None  # default: `batching.packing_limits` of the model
-    # Post each receive this many computes ahead of where one stream allows, so that a message
-    # on the critical path travels while the rank still computes (`add_communication`); the
-    # plans then need one stream per (sender, receiver) pair (`Channels.PER_PEER`: training's
-    # ChannelGroups). 0: plans that run on one stream too.
+    # Post each receive this many computes ahead of where one stream allows (`RECEIVE_LEAD`, the
+    # only lead there is), so that a message on the critical path travels while the rank still
+    # computes (`add_communication`); the plans then need one stream per (sender, receiver)
+    # pair (`Channels.PER_PEER`: training's ChannelGroups). 0: plans that run on one stream too.
     receive_lead: int = 0
 
     @property
@@ -144,6 +144,10 @@ class PlannerConfig:
         for offer in (self.offload_offer, *self.offload_offer_candidates):
             if offer not in OFFLOAD_OFFERS:
                 raise ValueError(f"PlannerConfig: offload offer {offer!r} not in {OFFLOAD_OFFERS}")
+        if self.receive_lead not in (0, RECEIVE_LEAD):
+            raise ValueError(
+                f"PlannerConfig: receive_lead must be 0 or {RECEIVE_LEAD}, got {self.receive_lead}"
+            )
 
     @property
     def seq_length(self) -> int:
@@ -408,7 +412,7 @@ class DipPlanner:
                 dataflow,
                 tensors=tensors,
                 compute_time=schedule.duration,
-                receive_lead=self.config.receive_lead,
+                channels=self.config.channels,
             )
         plan = Plan(
             iteration=iteration,

@@ -153,13 +153,7 @@ class SplitCandidates:
         if best is None:
             return None
         tensors = functools.partial(self.planner._tensors, self.sub_of)
-        plan = split_plan(
-            self.own,
-            best,
-            self.dataflow,
-            tensors,
-            receive_lead=self.planner.config.receive_lead,
-        )
+        plan = split_plan(self.own, best, self.dataflow, tensors)
         sim = simulate(plan, self.planner.cost_model, channel=per_peer_channel)
         caps = self.limits or [float("inf")] * len(sim.peak_activation_bytes)
         if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):

@@ -166,12 +166,9 @@ def split_plan(
     schedule: ListSchedule,
     dataflow: Dataflow,
     tensors: TensorFn,
-    *,
-    receive_lead: int = 0,
 ) -> Plan:
     """`plan` (same batch, placement and sub-microbatches as `dataflow`) with the programs of
-    the split `schedule`: communication placed by its B/F orders (receives `receive_lead`
-    computes ahead, on `plan.channels`' streams), each W where the schedule has it, a reduction
+    the split `schedule`: communication placed by its B/F orders for `plan.channels`' streams, each W where the schedule has it, a reduction
     after each trainable chunk's last W."""
     computes = [
         tuple(i for i in order if not isinstance(i, BackwardWeight)) for order in schedule.orders
@@ -182,7 +179,7 @@ def split_plan(
         dataflow,
         tensors=tensors,
         compute_time=lambda r, ins: schedule.duration(r, ins) + delay.get(ins, 0.0),
-        receive_lead=receive_lead,
+        channels=plan.channels,
     )
     programs = place_weights(programs, schedule.orders, plan.placement)
     return dataclasses.replace(plan, programs=programs, name=plan.name + "+bw")

@@ -17,6 +17,7 @@ from .engine import DeadlockError, PlanError
 from .graph import Dataflow
 from .ir import (
     Backward,
+    Channels,
     Forward,
     Instruction,
     MessageKey,
@@ -29,8 +30,8 @@ from .ir import (
     Wait,
 )
 
-# Computes a receive is posted ahead on per-peer streams (`add_communication`'s
-# `receive_lead`): what training (--dip-receive-lead) and the studies plan with.
+# Computes a receive is posted ahead where the plan has per-peer streams (`add_communication`
+# with `Channels.PER_PEER`): what training (--dip-receive-lead) and the studies plan with.
 RECEIVE_LEAD = 1
 
 TensorFn = Callable[[MessageKey], tuple[TensorSpec, ...]]
@@ -221,10 +222,10 @@ def _message_ops(
     compute: Sequence[Sequence[Forward | Backward]],
     dataflow: Dataflow,
     timing: IdealTiming,
-    receive_lead: int = 0,
+    channels: Channels,
 ) -> list[list[_Op]]:
     """Send and receive operations of every rank, with their posting and waiting steps
-    (receives `receive_lead` batches ahead: `add_communication`)."""
+    (receives one batch ahead on per-peer streams: `add_communication`)."""
     ops: list[list[_Op]] = [[] for _ in compute]
     for r, order in enumerate(compute):
         for j, ins in enumerate(order):
@@ -235,9 +236,9 @@ def _message_ops(
                 q_rank, q = dest
                 t = timing.finish[r][j]
                 # The receiver posts in the first batch whose compute starts at or after t
-                # (`receive_lead` batches before it where streams are per peer).
+                # (one batch before it where streams are per peer).
                 recv_step = bisect.bisect_left(timing.start[q_rank], t, 0, q + 1)
-                ahead = bool(receive_lead) and recv_step > 0
+                ahead = channels is Channels.PER_PEER and recv_step > 0
                 post_step = recv_step - 1 if ahead else recv_step
                 ops[q_rank].append(_Op(t, key, False, r, post_step, q, ahead))
                 send_step = j + 1
@@ -286,7 +287,7 @@ def add_communication(
     *,
     tensors: TensorFn,
     compute_time: ComputeTimeFn | None = None,
-    receive_lead: int = 0,
+    channels: Channels = Channels.SINGLE,
 ) -> tuple[Program, ...]:
     """Insert `Send`/`Recv`/`Wait` into per-rank compute orders; return one program per rank.
 
@@ -317,8 +318,8 @@ def add_communication(
     batches start, so X completes. Since all operations complete, every wait returns and every
     program runs to its end.
 
-    Receives posted ahead (`receive_lead` = 1; only for per-peer streams,
-    `ir.Channels.PER_PEER`). Posted as above, a receive whose compute starts, in the ideal
+    Receives posted ahead (`channels` = `ir.Channels.PER_PEER`, for plans declaring per-peer
+    streams; `RECEIVE_LEAD` computes, the only lead there is). Posted as above, a receive whose compute starts, in the ideal
     timing, when its message is produced (the critical path) is posted right before that
     compute, so the transfer cannot overlap anything: on NCCL a transfer starts when both ends
     have posted. With the lead, a receive of batch j >= 1 is posted one compute earlier, right
@@ -335,11 +336,9 @@ def add_communication(
     T' <= S_j, and is first waited for before a compute i >= j); so b gets there. On stream
     a -> b both ends post in (T, key) order, so the batches before X's on it hold earlier
     operations, which complete; both of X's batches start and X completes. The price is
-    memory: a receive's buffer exists one compute earlier. Leads of 2 or more are refused: the
+    memory: a receive's buffer exists one compute earlier. There is no lead of 2 or more: the
     receives of several batches would share the first batch, which the first wait waits for.
     """
-    if receive_lead not in (0, 1):
-        raise ValueError(f"receive_lead must be 0 or 1, got {receive_lead}")
     timing = ideal_timing(compute, dataflow, compute_time=compute_time)
-    ops = _message_ops(compute, dataflow, timing, receive_lead)
+    ops = _message_ops(compute, dataflow, timing, channels)
     return tuple(_assemble(r, order, ops[r], tensors) for r, order in enumerate(compute))
