@@ -76,6 +76,7 @@ def test_the_checks_run_on_the_cpu_and_write_one_table_and_a_json(tmp_path):
         args, check=False, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (out / "work" / "rendezvous").exists()  # its process group's file: nothing left in /tmp
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["failed"] == [] and report["cuda"] is False
     assert report["environment"]["memory_model_kernels"] == {

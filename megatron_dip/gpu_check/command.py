@@ -7,7 +7,6 @@ import argparse
 import json
 import logging
 import shlex
-import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -42,11 +41,13 @@ def _part(report: dict, name: str, run: Callable[[], object]) -> None:
         report["failed"].append(name)
 
 
-def _single_rank_world(cuda: bool) -> None:
-    """The one-rank process group the runs share (NCCL on a GPU, gloo else)."""
+def _single_rank_world(cuda: bool, work: Path) -> None:
+    """The one-rank process group the runs share (NCCL on a GPU, gloo else), its rendezvous
+    file in `work` (a directory of its own would be left behind in the system's temp)."""
     if dist.is_initialized():
         return
-    store = Path(tempfile.mkdtemp(prefix="megatron-dip-gpu-check-")) / "store"
+    store = work / "rendezvous"
+    store.unlink(missing_ok=True)  # a file store left by an earlier check would be reused
     if cuda:
         torch.cuda.set_device(0)
     dist.init_process_group(
@@ -73,7 +74,7 @@ def run_checks(
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     work.mkdir(exist_ok=True)
-    _single_rank_world(cuda)
+    _single_rank_world(cuda, work)
     report: dict = {"failed": [], "cuda": cuda, "dtype": dtype}
     flags = [*flags, *(["--bf16"] if dtype == "bfloat16" else [])]
     _part(report, "environment", lambda: environment(cuda))
