@@ -238,8 +238,10 @@ class _Machine:
         transfer_time: TransferTime,
         post_overhead: float,
         channel: ChannelFn,
+        whole_batches: bool,
     ) -> None:
         self.programs = programs
+        self.whole_batches = whole_batches
         self.compute_time = compute_time
         self.transfer_time = transfer_time
         self.post_overhead = post_overhead
@@ -331,6 +333,9 @@ class _Machine:
         latest = self.clock[r]
         for key in ins.keys:
             t = self.op_complete.get((r, True, key), self.op_complete.get((r, False, key)))
+            if t is not None and self.whole_batches:  # the batch holding it, as a whole
+                mine = (True, key) if self.where.get((True, key), (-1,))[0] == r else (False, key)
+                t = self.batches[r][self.where[mine][1]].complete
             if t is None:
                 posted = [
                     s for s in ((True, key), (False, key)) if self.where.get(s, (-1,))[0] == r
@@ -458,14 +463,22 @@ def _short(ins: Instruction) -> str:
 
 
 def reference_execute_programs(
-    programs, *, compute_time=None, transfer_time=None, post_overhead=0.0, channel=single_channel
+    programs,
+    *,
+    compute_time=None,
+    transfer_time=None,
+    post_overhead=0.0,
+    channel=single_channel,
+    whole_batches=False,
 ) -> _Result:
-    """`execute_programs` as it was."""
+    """`execute_programs` as it was (a wait returns when the named operations completed, or,
+    with `whole_batches`, the whole batches holding them)."""
     machine = _Machine(
         programs,
         compute_time or (lambda r, i: 0.0),
         transfer_time or (lambda s: 0.0),
         post_overhead,
         channel,
+        whole_batches,
     )
     return machine.run()

@@ -126,10 +126,13 @@ def test_compiled_list_scheduler_matches_the_reference_on_planner_graphs(case, s
 
 
 def _same_execution(programs, **kwargs) -> None:
-    want = reference_execute_programs(programs, **kwargs)
-    got = execute_programs(programs, **kwargs)
-    assert (got.finish, got.spans, got.waits) == (want.finish, want.spans, want.waits)
-    assert list(got.op_complete.items()) == list(want.op_complete.items())
+    """Both engines time `programs` alike, waits per operation (the simulator's) and for
+    whole batches (the runtime's, which the deadlock check uses)."""
+    for whole_batches in (False, True):
+        want = reference_execute_programs(programs, whole_batches=whole_batches, **kwargs)
+        got = execute_programs(programs, whole_batches=whole_batches, **kwargs)
+        assert (got.finish, got.spans, got.waits) == (want.finish, want.spans, want.waits)
+        assert list(got.op_complete.items()) == list(want.op_complete.items())
 
 
 def _errors_alike(programs) -> None:
