@@ -85,8 +85,9 @@ class _Offloading:
 def test_memory_holds_what_a_queued_copy_out_has_not_moved() -> None:
     """Rank 0 of 1F1B on two ranks runs F0 F1 B0 B1: F0's copy out [0, 1.5] leaves a third of
     its bytes at its forward's end (1), F1's queues behind it [1.5, 3] and leaves two thirds at
-    2; beyond the cost model's 10, they are held until their copy ends."""
-    plan = build_1f1b_plan(num_ranks=2, num_microbatches=2)
+    2; beyond the cost model's 10, they are held until their copy ends (messages of no bytes:
+    no buffers in the timeline)."""
+    plan = build_1f1b_plan(num_ranks=2, num_microbatches=2, tensors=lambda key: ())
     result = simulate(plan, _Offloading())
     spans = result.execution.spans[0]
     assert [(s, e) for _, s, e in spans][:2] == [(0.0, 1.0), (1.0, 2.0)]

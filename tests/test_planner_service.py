@@ -116,6 +116,23 @@ def test_data_parallel_replicas_get_their_own_balanced_plans():
     assert max(times) / min(times) < 1.5
 
 
+def test_a_plan_fits_its_limit_with_its_message_buffers():
+    """The list scheduler and the memory pass see stored activations only. At a limit the free
+    plan exceeds only once its message buffers count, the planner schedules within room for
+    them (`DipPlanner._message_room`, `_fit_messages`): the plan fits with its buffers."""
+    from megatron_dip.planner.simulator import activation_peaks, message_peaks
+
+    cost = make_planner().cost_model
+    free = make_planner().plan_batch(batch(2))[0].plan
+    peak, buffers = max(activation_peaks(free, cost)), max(message_peaks(free))
+    assert 0 < buffers < peak
+    limit = peak - buffers / 2
+    tight = make_planner(memory_gb=limit / 2**30, megatron_candidate=False)
+    tight = tight.plan_batch(batch(2))[0].plan  # DIP's own order: no candidate to fall back on
+    assert max(activation_peaks(tight, cost)) <= limit
+    assert simulate(tight, cost).peak_activation_bytes == activation_peaks(tight, cost)
+
+
 def test_memory_limit_is_respected_in_simulation():
     free = make_planner().plan_batch(batch(2))[0]
     peak = max(simulate(free.plan, make_planner().cost_model).peak_activation_bytes)
@@ -294,21 +311,21 @@ def test_the_fallback_fits_the_memory_limit_without_a_simulation():
     """Megatron's order as the fallback, under a limit below what it holds without
     recomputation: a recompute setting is chosen from the order's own activation count (equal
     to the simulator's peaks), and the plan fits in simulation."""
-    from megatron_dip.planner.fallback import activation_peaks
+    from megatron_dip.planner.simulator import activation_peaks
 
     free = make_planner()
     four = free.layout(batch(4, samples=20))
     plain = free.fallback_plan(four, 0)
     cost = free.cost_model
     peaks = activation_peaks(plain, cost)
-    assert peaks == list(simulate(plain, cost).peak_activation_bytes)
+    assert peaks == simulate(plain, cost).peak_activation_bytes
     limit_gb = 0.7 * max(peaks) / 2**30
     tight = make_planner(memory_gb=limit_gb)
     plan = tight.fallback_plan(tight.layout(batch(4, samples=20)), 0)
     assert plan.name == "dip (megatron order)"
     sim = simulate(plan, cost)
     assert max(sim.peak_activation_bytes) <= limit_gb * 2**30
-    assert activation_peaks(plan, cost) == list(sim.peak_activation_bytes)
+    assert activation_peaks(plan, cost) == sim.peak_activation_bytes
     modes = {
         i.memory.method for p in plan.programs for i in p.instructions if isinstance(i, Forward)
     }
@@ -326,7 +343,8 @@ def test_the_fallback_offloads_where_memory_binds_within_the_host_limit():
     fine-grained offloading, the same K on every chunk) where that adds less time than
     recomputing (a host link fast enough that the tiny model's copies hide); a host limit
     below one offloaded stage leaves it to recompute instead."""
-    from megatron_dip.planner.fallback import activation_peaks, offload_peaks
+    from megatron_dip.planner.fallback import offload_peaks
+    from megatron_dip.planner.simulator import activation_peaks
 
     free = make_planner()
     cost = free.cost_model

@@ -12,7 +12,7 @@ from megatron_dip.modelspec import PAPER_SETUPS
 from megatron_dip.parallel import ParallelShape
 from megatron_dip.planner.cost_model import CostModel, StageCost
 from megatron_dip.planner.devices import H100
-from megatron_dip.planner.simulator import UniformCost, simulate
+from megatron_dip.planner.simulator import UniformCost, activation_peaks, message_peaks, simulate
 from megatron_dip.planner.trace import write_chrome_trace
 from megatron_dip.schedule.baselines import build_1f1b_plan, build_interleaved_plan
 from megatron_dip.schedule.engine import DeadlockError
@@ -60,10 +60,29 @@ def test_interleaved_bubble_matches_megatron_formula(p: int, v: int, m: int) -> 
 
 def test_1f1b_memory_peak_counts_inflight_microbatches() -> None:
     for p, m in [(4, 8), (4, 2), (6, 6)]:
-        r = simulate(build_1f1b_plan(num_ranks=p, num_microbatches=m), UniformCost(1.0, 2.0, 10))
-        assert r.peak_activation_bytes[0] == 10 * min(p, m)
-        assert r.peak_activation_bytes == tuple(10 * min(p - k, m) for k in range(p))
+        plan = build_1f1b_plan(num_ranks=p, num_microbatches=m)
+        r = simulate(plan, UniformCost(1.0, 2.0, 1000))
+        # each stage's 1000 bytes, and a few of the baseline's 4-byte message buffers
+        buffers = [peak - 1000 * min(p - k, m) for k, peak in enumerate(r.peak_activation_bytes)]
+        assert all(0 <= b <= 4 * 3 for b in buffers), buffers
+        assert r.peak_activation_bytes == activation_peaks(plan, UniformCost(1.0, 2.0, 1000))
         assert all(steps[-1][1] == 0 for steps in r.memory_timeline)  # everything released
+
+
+def test_message_buffers_are_held_from_post_to_their_use() -> None:
+    """A received tensor from its receive's post to the end of the compute consuming it (then
+    it is that compute's stored input), a sent one until the wait that releases it."""
+    plan = _two_rank_plan(deadlock=False)  # messages of 2048 bytes, 5 bytes per stage
+    cost = UniformCost(1.0, 2.0, 5)
+    # rank 0: F0 +5, send +2048, wait -2048, recv +2048, B0 -2053
+    # rank 1: recv +2048 (from the start), F1 +5 -2048, B1 -5, send +2048, wait -2048
+    assert message_peaks(plan) == (2048, 2048)
+    assert activation_peaks(plan, cost) == (2053, 2048)
+    r = simulate(plan, cost)
+    assert r.peak_activation_bytes == (2053, 2048)
+    f1_end = 1.0 + 1.0  # F0, the activation (no transfer time), F1
+    assert r.memory_timeline[1][:2] == ((0.0, 2048), (f1_end, 5))
+    assert all(steps[-1][1] == 0 for steps in r.memory_timeline)
 
 
 def test_message_latency_is_paid_per_message() -> None:

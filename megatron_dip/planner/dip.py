@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..batching import BatchLayout, LayoutConfig, MessageShapes, MicrobatchWork, layout_batch
@@ -55,7 +55,9 @@ from .memory import MemoryLimitError, RecomputeChoice, stage_modes
 from .overheads import host_overheads
 from .recompute_candidates import RecomputeCandidates
 from .search import SearchConfig, SearchResult, parallel_mcts_order, unit_constraints
+from .simulator import activation_peaks, message_peaks
 from .split_candidates import best_split_plan
+from .stock_configs import peaks_fit
 from .submicrobatch import split_modules
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,14 @@ logger = logging.getLogger(__name__)
 # The coarser sub-microbatch sizes a run with --dip-coarser-sub-microbatches (and the study's
 # full DIP) also plans each batch at, as multiples of the configured ones (`sub_size_choice`).
 COARSER_SUB_SIZES = (1.5, 2.0)
+
+# Times a plan is scheduled again when its message buffers take it over the memory limit
+# (`DipPlanner._fit_messages`).
+MESSAGE_REFITS = 2
+# The room a plan is first scheduled with for a rank's message buffers, in its largest received
+# plus its largest sent message (`DipPlanner._message_room`). On T2V-S's plans with receives
+# posted ahead a rank held 2.3-4.7 times that.
+MESSAGE_ROOM = 3
 
 
 @dataclass(frozen=True)
@@ -258,6 +268,7 @@ class DipPlanner:
         self.pass_seconds: Counter[str] = Counter()
         self.shapes = MessageShapes(model, config.shape)
         self._offer_planners: dict[str, DipPlanner] = {}  # `offer_planners`
+        self._reserved: tuple[int, ...] | None = None  # `_message_room`
 
     # -- data side ---------------------------------------------------------------------------
 
@@ -346,17 +357,10 @@ class DipPlanner:
         dataflow = Dataflow(self.placement, subs, deps)
         sub_of = {s.work: s for s in subs}
         use_search = self.config.use_search if search is None else search
-        schedule, result, choice, errors = self._schedule(
-            dataflow,
-            sub_of,
-            forward_only=forward_only,
-            use_search=use_search and not quick,
-            quick=quick,
-        )
-        plan = self._lowered(
-            schedule,
-            dataflow,
-            works,
+        lower = functools.partial(
+            self._lowered,
+            dataflow=dataflow,
+            works=works,
             subs=subs,
             deps=deps,
             tensors=functools.partial(self._tensors, sub_of),
@@ -365,19 +369,66 @@ class DipPlanner:
             totals=totals,
             forward_only=forward_only,
         )
-        simulated, own = None, plan
-        if self.config.megatron_candidate and not forward_only and not quick:
+        with self._message_room(dataflow, sub_of, planned=not (forward_only or quick)):
+            return self._planned(
+                works,
+                dataflow,
+                sub_of,
+                lower,
+                totals=totals,
+                forward_only=forward_only,
+                use_search=use_search,
+                quick=quick,
+                started=started,
+            )
+
+    def _planned(
+        self,
+        works: Sequence[MicrobatchWork],
+        dataflow: Dataflow,
+        sub_of: Mapping,
+        lower: Callable[[ListSchedule], Plan],
+        *,
+        totals: BatchTotals,
+        forward_only: bool,
+        use_search: bool,
+        quick: bool,
+        started: float,
+    ) -> ReplicaPlan:
+        """`plan_replica`'s plan, scheduled within the room for message buffers and lowered by
+        `lower` (`_lowered` of the replica)."""
+        schedule_it = functools.partial(
+            self._schedule,
+            dataflow,
+            sub_of,
+            forward_only=forward_only,
+            use_search=use_search and not quick,
+            quick=quick,
+        )
+        scheduled = schedule_it()
+        if scheduled[0].overcommitted and any(self._reserved or ()):
+            # Nothing fits within the first room: no room, then what the plan needs.
+            self._reserved = (0,) * len(self._reserved)
+            scheduled = schedule_it()
+        plan = lower(scheduled[0])
+        simulated, candidates = None, not (forward_only or quick)
+        if candidates:
+            plan, scheduled = self._fit_messages(plan, scheduled, lower, dataflow, sub_of)
+        schedule, result, choice, errors = scheduled
+        own, over = plan, schedule.overcommitted or not self._fits(plan)
+        if self.config.megatron_candidate and candidates:
             with self._pass("candidates"):
                 plan, simulated = best_of_megatron(
-                    self, plan, works, totals=totals, replica=replica, over=schedule.overcommitted
+                    self, plan, works, totals=totals, replica=plan.replica, over=over
                 )
-        if self.config.split_backward and not forward_only and not quick:
+        if self.config.split_backward and candidates:
             with self._pass("backward split"):
                 scheduled = (dataflow, sub_of, result.order, choice)
                 plan, simulated = best_split_plan(self, plan, own, scheduled, use_search)
-        overcommitted = schedule.overcommitted and plan.name == "dip"
+        over = schedule.overcommitted or (candidates and not self._fits(plan))
+        overcommitted = over and plan.name == "dip"  # the candidates are taken only if they fit
         if overcommitted:
-            self._overcommitted(schedule, errors)
+            self._overcommitted(plan, errors)
         return ReplicaPlan(
             plan,
             result.greedy_makespan,
@@ -392,9 +443,9 @@ class DipPlanner:
     def _lowered(
         self,
         schedule: ListSchedule,
+        *,
         dataflow: Dataflow,
         works: Sequence[MicrobatchWork],
-        *,
         subs: tuple[SubMicrobatch, ...],
         deps: tuple[Dependency, ...],
         tensors: TensorFn,
@@ -473,15 +524,19 @@ class DipPlanner:
         forward_only: bool,
         use_search: bool,
         quick: bool = False,
+        searched: SearchResult | None = None,
     ) -> tuple[ListSchedule, SearchResult, RecomputeChoice, list[MemoryLimitError]]:
-        """The list schedule of the searched order, with the recompute choice that fits the
-        memory limit best, and the memory pass's errors (for the caller's report)."""
+        """The list schedule of the searched order (`searched`: that search's, not searched
+        again), with the recompute choice that fits the memory limit best, and the memory
+        pass's errors (for the caller's report)."""
         limits = self._memory_limits()
         choice = self._uniform_choice()
         with self._pass("list schedule"):
             graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
-        with self._pass("search"):
-            search = self._search(graph, dataflow, limits, use_search=use_search)
+        search = searched
+        if search is None:
+            with self._pass("search"):
+                search = self._search(graph, dataflow, limits, use_search=use_search)
         with self._pass("list schedule"):
             schedule = self._list_schedule(graph, search.order, limits, choice)
         errors: list[MemoryLimitError] = []
@@ -496,13 +551,16 @@ class DipPlanner:
                     schedule, choice = candidate
         return schedule, search, choice, errors
 
-    def _overcommitted(self, schedule: ListSchedule, errors: list[MemoryLimitError]) -> None:
-        """Raise `MemoryLimitError` for a schedule over the limit (the memory pass, if on, found
-        no recompute choice that fits); with `strict_memory=False` only warn: that caller
-        scores plans that do not fit itself (simulation studies, ablations)."""
+    def _overcommitted(self, plan: Plan, errors: list[MemoryLimitError]) -> None:
+        """Raise `MemoryLimitError` for DIP's `plan` over the limit with its message buffers
+        (the memory pass, if on, found no recompute choice that fits, or the buffers took the
+        plan over and no schedule within the room fits: `_fit_messages`); with
+        `strict_memory=False` only warn: that caller scores plans that do not fit itself
+        (simulation studies, ablations)."""
+        peaks = activation_peaks(plan, self.cost_model)
         over = "; ".join(
             f"rank {r}: {p / 2**30:.4f} GiB > {lim / 2**30:.4f} GiB"
-            for r, (p, lim) in enumerate(zip(schedule.peak_memory, self._memory_limits() or []))
+            for r, (p, lim) in enumerate(zip(peaks, self._device_limits() or []))
             if p > lim
         )
         if not self.config.strict_memory:
@@ -512,8 +570,8 @@ class DipPlanner:
             raise errors[-1]
         how = "even with recomputation" if self.config.optimize_memory else "without recomputation"
         raise MemoryLimitError(
-            f"activation-memory limit cannot be met {how} ({over}); "
-            "raise --dip-memory-limit-gb or use smaller sub-microbatches"
+            f"activation-memory limit cannot be met {how} ({over}, pipeline message buffers "
+            "included); raise --dip-memory-limit-gb or use smaller sub-microbatches"
         )
 
     def _modes_of(self, sub_of: Mapping, stage: StageId) -> tuple[MemoryPolicy, ...]:
@@ -613,7 +671,79 @@ class DipPlanner:
         chunk = self.placement.module(stage.module).chunks[stage.chunk]
         return float(self.cost_model.offloaded_bytes(chunk, sub_of[stage.work], policy))
 
+    @contextlib.contextmanager
+    def _message_room(
+        self, dataflow: Dataflow, sub_of: Mapping, *, planned: bool
+    ) -> Iterator[None]:
+        """The block schedules `dataflow`'s plans within the activation limits less room for
+        their message buffers (`_memory_limits`; `planned` False: no room): at first
+        `MESSAGE_ROOM` times each rank's largest received plus its largest sent message, grown
+        by `_fit_messages` where a lowered plan needs more."""
+        if planned and self._device_limits() is not None:
+            received = [0] * self.placement.num_ranks
+            sent = list(received)
+            for stage in dataflow.stages():
+                for key in (*dataflow.forward_outputs(stage), *dataflow.backward_outputs(stage)):
+                    src, dst = dataflow.sender_of(key), dataflow.receiver_of(key)
+                    if src != dst:
+                        nbytes = sum(t.nbytes for t in self._tensors(sub_of, key))
+                        sent[src], received[dst] = (
+                            max(sent[src], nbytes),
+                            max(received[dst], nbytes),
+                        )
+            self._reserved = tuple(MESSAGE_ROOM * (a + b) for a, b in zip(received, sent))
+        try:
+            yield
+        finally:
+            self._reserved = None
+
+    def _fit_messages(
+        self, plan: Plan, scheduled: tuple, lower: Callable, dataflow: Dataflow, sub_of: Mapping
+    ) -> tuple[Plan, tuple]:
+        """`plan` (lowered from `scheduled`, `_schedule`'s), fitted to the device's limits with
+        its message buffers; from here on plans are scheduled within the limits less room for
+        them (`_memory_limits`).
+
+        The list scheduler and the memory pass fit stored activations only: messages exist once
+        a plan is lowered (`add_communication`), and their buffers (`simulator.message_peaks`:
+        a received tensor from its post to its consumer's end, a sent one until its release;
+        0.27-0.47 GB per rank on T2V-S) can take a plan at its limit over it. The room is each
+        rank's buffer peak; where the plan does not fit with its buffers, the searched order is
+        scheduled again within the limits less that room (conservative: the two peaks need not
+        coincide), the room growing to the largest buffers seen, `MESSAGE_REFITS` times at
+        most. A schedule over the room that does not fit with its own buffers either is not
+        taken: the plan before it is kept, and reported over the limit (`_overcommitted`)."""
+        if self._reserved is None:
+            return plan, scheduled
+        for _ in range(MESSAGE_REFITS):
+            if self._fits(plan):
+                break
+            self._reserved = tuple(map(max, self._reserved, message_peaks(plan)))
+            again = self._schedule(
+                dataflow, sub_of, forward_only=False, use_search=False, searched=scheduled[1]
+            )
+            lowered = lower(again[0])
+            if again[0].overcommitted and not self._fits(lowered):
+                break  # nothing fits within the room: the plan before is kept
+            scheduled, plan = again, lowered
+        return plan, scheduled
+
+    def _fits(self, plan: Plan) -> bool:
+        """Whether `plan` holds no more than the device's limits, message buffers included."""
+        limits = self._device_limits()
+        return limits is None or peaks_fit(activation_peaks(plan, self.cost_model), limits)
+
     def _memory_limits(self) -> list[float] | None:
+        """Per rank, the activation bytes plans are scheduled within: the device's limits
+        (`_device_limits`) less the room made for message buffers while a replica is planned
+        (`_message_room`)."""
+        limits = self._device_limits()
+        if limits is None or self._reserved is None:
+            return limits
+        return [lim - room for lim, room in zip(limits, self._reserved)]
+
+    def _device_limits(self) -> list[float] | None:
+        """Per rank, the activation bytes a plan may hold, its message buffers included."""
         limit = self.config.memory_limit_bytes
         if limit is None:
             return None

@@ -30,27 +30,13 @@ from ..schedule.ir import (
 )
 from ..schedule.validate import validate_plan
 from .candidates import megatron_candidate, merge_submicrobatches
+from .simulator import activation_peaks
 from .stock_configs import max_chunk_layers, with_recompute
 
 
-def activation_peaks(plan: Plan, cost_model) -> list[float]:
-    """Per rank, the most activation bytes `plan` holds at once (forwards of stages with a
-    backward add theirs, backwards free them; program order is each rank's time order)."""
-    cost = functools.cache(
-        lambda stage, mode: (
-            cost_model.stage_cost(
-                plan.placement.module(stage.module).chunks[stage.chunk],
-                plan.submicrobatch(stage.work),
-                mode,
-            ).activation_bytes
-        )
-    )
-    return _peaks(plan, cost)
-
-
 def offload_peaks(plan: Plan, cost_model) -> list[float]:
-    """Per rank, the most offloaded bytes `plan` keeps in host memory at once (counted as
-    `activation_peaks` counts the device's)."""
+    """Per rank, the most offloaded bytes `plan` keeps in host memory at once (from each
+    offloading forward to its backward, in program order)."""
     cost = functools.cache(
         lambda stage, mode: (
             cost_model.offloaded_bytes(
@@ -165,7 +151,7 @@ def fallback_plan(planner, layout: BatchLayout, replica: int) -> Plan:
         replica=replica,
     )
     if order is not None:
-        limits = planner._memory_limits() or [float("inf")] * planner.placement.num_ranks
+        limits = planner._device_limits() or [float("inf")] * planner.placement.num_ranks
         found = cheapest_fitting_mode(
             order,
             planner.cost_model,
@@ -181,4 +167,4 @@ def fallback_plan(planner, layout: BatchLayout, replica: int) -> Plan:
     ).plan
 
 
-__all__ = ["activation_peaks", "cheapest_fitting_mode", "fallback_plan", "offload_peaks"]
+__all__ = ["cheapest_fitting_mode", "fallback_plan", "offload_peaks"]

@@ -27,8 +27,11 @@ module with nothing trainable upstream) runs without autograd and holds nothing 
 its consumers keep of its output is part of their own activation bytes. An offloading stage's
 `activation_bytes` hold what the cost model expects its copy out not to have moved when the
 forward ends; where the copy channel queued it so that more is left, the rest is held too until
-the copy ends. Transient working memory inside an operator, parameters, gradients and optimizer
-state are not part of this timeline.
+the copy ends. The pipeline's message buffers are part of it too: a received tensor from its
+receive's post to the end of the compute consuming it, a sent one until the wait that releases
+it (`_message_changes`; with receives posted ahead they exist one compute earlier). Transient
+working memory inside an operator, parameters, gradients and optimizer state are not part of
+this timeline.
 """
 
 from __future__ import annotations
@@ -54,11 +57,14 @@ from ..schedule.ir import (
     Plan,
     Program,
     Recompute,
+    Recv,
     ReduceGrads,
     Send,
     StageId,
     SubMicrobatch,
+    Wait,
 )
+from ..schedule.passes import consumer_of
 from .cost_model import StageCost
 from .overheads import host_overheads
 from .trace import Span, chrome_trace_events, plan_timeline
@@ -66,6 +72,7 @@ from .trace import Span, chrome_trace_events, plan_timeline
 __all__ = [
     "PlanTiming",
     "activation_peaks",
+    "message_peaks",
     "SimResult",
     "StageCostModel",
     "UniformCost",
@@ -193,42 +200,90 @@ def stage_costs(plan: Plan, cost_model: StageCostModel) -> tuple[dict, set[Stage
     return costs, has_backward
 
 
-def _holdings(
-    program: Program, indices: Iterable[int], costs: dict, has_backward: set[StageId]
+def _stage_changes(
+    program: Program, costs: dict, has_backward: set[StageId]
 ) -> Iterator[tuple[int, int]]:
-    """`(index, activation bytes held after it)` for each instruction of `indices` (compute
-    instructions of `program`, in program order) that changes what the rank holds."""
-    held = 0
+    """`(index, bytes added)` at each compute instruction of `program` that changes the
+    activations the rank stores (the module docstring)."""
     weighted = {i.stage for i in program.instructions if isinstance(i, BackwardWeight)}
-    for index in indices:
-        ins = program.instructions[index]
+    for index, ins in enumerate(program.instructions):
         if isinstance(ins, Forward) and ins.stage in has_backward:
-            held += int(costs[ins.stage].activation_bytes)
+            yield index, int(costs[ins.stage].activation_bytes)
         elif isinstance(ins, BackwardInput) and ins.stage in weighted:  # now what W needs
             cost = costs[ins.stage]
-            held += int(cost.pending_weight_bytes) - int(cost.activation_bytes)
+            yield index, int(cost.pending_weight_bytes) - int(cost.activation_bytes)
         elif isinstance(ins, BackwardWeight):
-            held -= int(costs[ins.stage].pending_weight_bytes)
+            yield index, -int(costs[ins.stage].pending_weight_bytes)
         elif isinstance(ins, Backward) and ins.stage not in weighted:
-            held -= int(costs[ins.stage].activation_bytes)
-        else:
-            continue
-        yield index, held
+            yield index, -int(costs[ins.stage].activation_bytes)
+
+
+def _message_changes(program: Program) -> Iterator[tuple[int, int]]:
+    """`(index, bytes added)` at each instruction of `program` that changes the pipeline message
+    buffers the rank holds: a received tensor from its post (the runtime allocates it then) to
+    the end of the compute that consumes it (then it is part of that compute's stored
+    activations, or gone); a sent one from its post, right after the compute that made it, to
+    the wait that releases it (the runtime frees a sent output then, as Megatron's
+    `deallocate_output_tensor`) or the program's end."""
+    received: dict[tuple[bool, StageId], int] = {}
+    sent: dict = {}
+    for index, ins in enumerate(program.instructions):
+        if isinstance(ins, Send | Recv):
+            nbytes = sum(t.nbytes for t in ins.tensors)
+            if not nbytes:
+                continue
+            if isinstance(ins, Send):
+                sent[ins.key] = nbytes
+            else:
+                consumer = consumer_of(ins.key)
+                received[consumer] = received.get(consumer, 0) + nbytes
+            yield index, nbytes
+        elif isinstance(ins, Wait):
+            freed = sum(sent.pop(key, 0) for key in ins.keys)
+            if freed:
+                yield index, -freed
+        elif isinstance(ins, Forward | Backward):
+            freed = received.pop((isinstance(ins, Forward), ins.stage), 0)
+            if freed:
+                yield index, -freed
+
+
+def _changes(program: Program, costs: dict, has_backward: set[StageId]) -> list[tuple[int, int]]:
+    """`(index, bytes added)` per instruction of `program` that changes what the rank holds,
+    stored activations and message buffers together, in program order."""
+    added: dict[int, int] = {}
+    for index, delta in (
+        *_stage_changes(program, costs, has_backward),
+        *_message_changes(program),
+    ):
+        added[index] = added.get(index, 0) + delta
+    return sorted(added.items())
+
+
+def _times(program: Program, end_of: dict[int, float]) -> list[float]:
+    """When each instruction of `program` takes effect, from `end_of` (index: end) of its
+    computes and waits: a compute at its end, a wait when it returns, a post when the rank gets
+    to it (program order is time order)."""
+    times, now = [], 0.0
+    for index in range(len(program.instructions)):
+        now = end_of.get(index, now)
+        times.append(now)
+    return times
 
 
 def _memory(
     plan: Plan, execution: ExecutionResult, costs: dict, has_backward: set[StageId]
 ) -> tuple[tuple[int, ...], tuple[tuple[tuple[float, int], ...], ...]]:
     peaks, timelines = [], []
-    for program, spans, copies in zip(
-        plan.programs, execution.spans, execution.copies or [()] * len(plan.programs)
+    for program, spans, waits, copies in zip(
+        plan.programs,
+        execution.spans,
+        execution.waits,
+        execution.copies or [()] * len(plan.programs),
     ):
-        # spans of one rank never overlap: program order is time order
         end_of = {index: end for index, _, end in spans}
-        deltas, last = [], 0
-        for i, held in _holdings(program, end_of, costs, has_backward):
-            deltas.append((end_of[i], held - last))
-            last = held
+        times = _times(program, {**end_of, **{index: end for index, _, end in waits}})
+        deltas = [(times[i], delta) for i, delta in _changes(program, costs, has_backward)]
         deltas += _copying(program, end_of, copies, costs)
         deltas.sort(key=lambda d: d[0])  # stable: program order at equal times
         steps, held = [], 0
@@ -262,13 +317,24 @@ def _copying(
 
 def activation_peaks(plan: Plan, cost_model: StageCostModel) -> tuple[int, ...]:
     """Each rank's activation peak, as `simulate` reports it, without timing the plan: what a
-    rank holds changes only at its compute instructions, in program order."""
+    rank holds changes only at its instructions, in program order."""
     costs, has_backward = stage_costs(plan, cost_model)
-    peaks = []
-    for program in plan.programs:
-        steps = _holdings(program, range(len(program.instructions)), costs, has_backward)
-        peaks.append(max([0, *(held for _, held in steps)]))
-    return tuple(peaks)
+    return tuple(_peak(_changes(program, costs, has_backward)) for program in plan.programs)
+
+
+def _peak(changes: Iterable[tuple[int, int]]) -> int:
+    """The most bytes held at once under `(index, bytes added)` changes from nothing."""
+    held, peak = 0, 0
+    for _, delta in changes:
+        held += delta
+        peak = max(peak, held)
+    return peak
+
+
+def message_peaks(plan: Plan) -> tuple[int, ...]:
+    """Each rank's most bytes of pipeline message buffers at once (`_message_changes`), in
+    program order."""
+    return tuple(_peak(_message_changes(program)) for program in plan.programs)
 
 
 # Instruction type -> index into `_durations`' tuple.

@@ -50,17 +50,18 @@ def best_split_plan(
     candidate even where `plan` is faster (`plan` where none fits)."""
     from .weight_fill import split_into_bubbles
 
-    limits = planner._memory_limits()
     always = planner.config.split_always
     best, sim = split_into_bubbles(
         plan,
         planner.cost_model,
-        limits=limits,
+        limits=planner._device_limits(),
         channel=per_peer_channel,
         require_faster=not always,
     )
     dataflow, sub_of, order, choice = scheduled
-    candidates = SplitCandidates(planner, dataflow, sub_of, own, limits)
+    candidates = SplitCandidates(
+        planner, dataflow, sub_of, own, planner._memory_limits(), planner._device_limits()
+    )
     found = candidates.list_scheduled(order, choice, use_search=use_search)
     logger.debug(
         "split backwards: post-pass %.6g s, list schedule %s",
@@ -82,13 +83,16 @@ def best_split_plan(
 class SplitCandidates:
     """DIP's orders list-scheduled with split backwards, for one replica's plan: `own` (DIP's
     fused plan of `dataflow`, whose microbatches and messages the split plans keep),
-    `sub_of` (its sub-microbatches by work id) and the activation `limits` (None: none)."""
+    `sub_of` (its sub-microbatches by work id), the activation `limits` they are scheduled
+    within (None: none) and the `caps` their simulated peaks, message buffers included, must
+    fit (`DipPlanner._message_room`)."""
 
     planner: Any  # the `DipPlanner` (not imported: it imports this module)
     dataflow: Dataflow
     sub_of: Mapping
     own: Plan
     limits: Sequence[float] | None
+    caps: Sequence[float] | None
 
     def list_scheduled(
         self, order, choice: RecomputeChoice, *, use_search: bool = False
@@ -155,7 +159,7 @@ class SplitCandidates:
         tensors = functools.partial(self.planner._tensors, self.sub_of)
         plan = split_plan(self.own, best, self.dataflow, tensors)
         sim = simulate(plan, self.planner.cost_model, channel=per_peer_channel)
-        caps = self.limits or [float("inf")] * len(sim.peak_activation_bytes)
+        caps = self.caps or [float("inf")] * len(sim.peak_activation_bytes)
         if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):
             return None
         return plan, sim
