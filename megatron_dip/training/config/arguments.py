@@ -169,8 +169,9 @@ class DipArgs:
     dip_memory_limit_gb: float | None = arg(
         "--dip-memory-limit-gb",
         None,
-        "activation memory per pipeline rank the plans must respect, GiB "
-        "(default: GPU memory minus weights and optimizer state; none on CPU)",
+        "activation memory per pipeline rank the plans must respect, GiB: stored activations "
+        "and pipeline message buffers (default: GPU memory minus weights and optimizer state; "
+        "none on CPU)",
         megatron=False,
     )
     dip_offload_activations: bool = arg(
