@@ -19,9 +19,10 @@ from megatron_dip.data.packing import PackingLimits
 from megatron_dip.data.sample import BatchMeta, SampleMeta
 from megatron_dip.modelspec import LayerShape, ModuleSpec, MultimodalSpec
 from megatron_dip.parallel import ParallelShape
+from megatron_dip.planner.config import PlannerConfig
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import get_device
-from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.placement import ModuleWorkload, build_dip_placement
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.simulator import activation_peaks, simulate

@@ -17,9 +17,10 @@ from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.synthetic import generate_meta
 from megatron_dip.modelspec import tiny_vlm
 from megatron_dip.parallel import ParallelShape
+from megatron_dip.planner.config import PlannerConfig
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec, get_device
-from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.placement import ModuleWorkload, build_dip_placement
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.service import (

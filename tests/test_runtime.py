@@ -555,9 +555,10 @@ def test_microbatch_without_images_and_frozen_text_encoder(groups):
 def _coarser_plan(batch, placement, configured: dict[str, int]):
     """The planner's plan of `batch` at `configured` sizes or at twice them (`sub_size_scales`)."""
     from megatron_dip.batching import BatchLayout, ReplicaLayout, split_microbatch
+    from megatron_dip.planner.config import PlannerConfig
     from megatron_dip.planner.cost_model import CostModel
     from megatron_dip.planner.devices import get_device
-    from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+    from megatron_dip.planner.dip import DipPlanner
 
     model = batch.model
     metas = tuple(tuple(st.sample_meta(model, s) for s in mb) for mb in batch.microbatches)

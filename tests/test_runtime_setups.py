@@ -349,9 +349,10 @@ def sample_meta(model: MultimodalSpec, sample: Sample) -> SampleMeta:
 def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) -> Plan:
     """A searched DIP plan for `batch` (sub-microbatch sizes 2; recompute under the limit)."""
     from megatron_dip.batching import split_microbatch
+    from megatron_dip.planner.config import PlannerConfig
     from megatron_dip.planner.cost_model import CostModel
     from megatron_dip.planner.devices import get_device
-    from megatron_dip.planner.dip import DipPlanner, PlannerConfig
+    from megatron_dip.planner.dip import DipPlanner
     from megatron_dip.planner.search import SearchConfig
 
     model = batch.model

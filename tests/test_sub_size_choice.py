@@ -8,7 +8,8 @@ import dataclasses
 
 from planner_cases import tiny_case
 
-from megatron_dip.planner.dip import DipPlanner, scoring_config
+from megatron_dip.planner.config import scoring_config
+from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.simulator import simulate
 from megatron_dip.planner.stock_configs import fits
 from megatron_dip.planner.sub_size_choice import scaled_sizes

@@ -32,8 +32,9 @@ from ..schedule.engine import ChannelFn, per_peer_channel
 from ..schedule.ir import RECOMPUTE_MODULES, ChunkSpec, MemoryPolicy, Placement, Plan, Recompute
 from ..schedule.passes import RECEIVE_LEAD
 from .bounds import balanced_bound
+from .config import COARSER_SUB_SIZES, planner_config
 from .devices import DeviceSpec
-from .dip import COARSER_SUB_SIZES, DipPlanner, planner_config
+from .dip import DipPlanner
 from .placement import (
     ModuleWorkload,
     PlacementCandidate,

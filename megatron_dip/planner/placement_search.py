@@ -40,7 +40,7 @@ def simulated_score(
 ) -> float:
     """Mean simulated iteration time of the first replica's plans of `batches` by `planner`; a
     plan whose activations exceed `limits` counts double. The start-up search gives it a
-    greedy planner (`dip.scoring_config`: Megatron's order with its recompute settings among
+    greedy planner (`config.scoring_config`: Megatron's order with its recompute settings among
     its candidates); `placement_ties` the run's own, without the search."""
     times = []
     for b in batches:

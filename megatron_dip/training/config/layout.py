@@ -30,8 +30,9 @@ from megatron_dip.data.sample import BatchMeta
 from megatron_dip.data.stream import StreamError
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.planner.candidate_pool import usable_cores
+from megatron_dip.planner.config import PlannerConfig, scoring_config
 from megatron_dip.planner.devices import GIB
-from megatron_dip.planner.dip import DipPlanner, PlannerConfig, scoring_config
+from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.placement import (
     PlacementCandidate,
     build_dip_placement,

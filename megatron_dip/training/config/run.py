@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from megatron_dip.data.packing import PackingLimits
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.parallel import ParallelShape
+from megatron_dip.planner.config import PlannerConfig
 from megatron_dip.planner.cost_model import CostModel
 from megatron_dip.planner.devices import DeviceSpec
-from megatron_dip.planner.dip import PlannerConfig
 from megatron_dip.planner.service import PlannerFaults
 from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy, Placement
 

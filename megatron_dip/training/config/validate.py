@@ -21,8 +21,8 @@ from megatron_dip import megatron_compat
 from megatron_dip.batching import packing_limits
 from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.parallel import ParallelShape, ShapeError
+from megatron_dip.planner.config import COARSER_SUB_SIZES, PlannerConfig, planner_config
 from megatron_dip.planner.cost_model import CostModel
-from megatron_dip.planner.dip import COARSER_SUB_SIZES, PlannerConfig, planner_config
 from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
 from megatron_dip.schedule.ir import NO_RECOMPUTE, RECOMPUTE_MODULES, MemoryPolicy, Recompute
