@@ -262,7 +262,7 @@ class DipPlanner:
         if candidates:
             plan, scheduled = self._fit_messages(plan, scheduled, lower, dataflow, sub_of)
         schedule, result, choice, errors = scheduled
-        own, over = plan, schedule.overcommitted or not self._fits(plan)
+        own, over = plan, schedule.overcommitted or (candidates and not self._fits(plan))
         if self.config.megatron_candidate and candidates:
             with self._pass("candidates"):
                 plan, simulated = best_of_megatron(
@@ -272,7 +272,6 @@ class DipPlanner:
             with self._pass("backward split"):
                 scheduled = (dataflow, sub_of, result.order, choice)
                 plan, simulated = best_split_plan(self, plan, own, scheduled, use_search)
-        over = schedule.overcommitted or (candidates and not self._fits(plan))
         overcommitted = over and plan.name == "dip"  # the candidates are taken only if they fit
         if overcommitted:
             self._overcommitted(plan, errors)
@@ -351,6 +350,10 @@ class DipPlanner:
         if found is None:
             found = memo[key] = self.shapes.tensors(key, sub_of.__getitem__)
         return found
+
+    def _message_bytes(self, sub_of: Mapping, key: MessageKey) -> int:
+        """Bytes of message `key` of this plan (`_tensors`)."""
+        return sum(t.nbytes for t in self._tensors(sub_of, key))
 
     def _stage_cost(self, sub_of: Mapping, stage: StageId, mode: MemoryPolicy):
         """`cost_model.stage_cost` of a stage of this plan (memoized per plan)."""
@@ -527,22 +530,23 @@ class DipPlanner:
         `MESSAGE_ROOM` times each rank's largest received plus its largest sent message, grown
         by `_fit_messages` where a lowered plan needs more."""
         if planned and self._device_limits() is not None:
-            received = [0] * self.placement.num_ranks
-            sent = list(received)
-            for stage in dataflow.stages():
-                for key in (*dataflow.forward_outputs(stage), *dataflow.backward_outputs(stage)):
-                    src, dst = dataflow.sender_of(key), dataflow.receiver_of(key)
-                    if src != dst:
-                        nbytes = sum(t.nbytes for t in self._tensors(sub_of, key))
-                        sent[src], received[dst] = (
-                            max(sent[src], nbytes),
-                            max(received[dst], nbytes),
-                        )
-            self._reserved = tuple(MESSAGE_ROOM * (a + b) for a, b in zip(received, sent))
+            self._reserved = self._first_room(dataflow, sub_of)
         try:
             yield
         finally:
             self._reserved = None
+
+    def _first_room(self, dataflow: Dataflow, sub_of: Mapping) -> tuple[int, ...]:
+        """`MESSAGE_ROOM` times each rank's largest received plus largest sent message."""
+        received = [0] * self.placement.num_ranks
+        sent = list(received)
+        for stage in dataflow.stages():
+            for key in (*dataflow.forward_outputs(stage), *dataflow.backward_outputs(stage)):
+                src, dst = dataflow.sender_of(key), dataflow.receiver_of(key)
+                if src != dst:
+                    nbytes = self._message_bytes(sub_of, key)
+                    sent[src], received[dst] = max(sent[src], nbytes), max(received[dst], nbytes)
+        return tuple(MESSAGE_ROOM * (a + b) for a, b in zip(received, sent))
 
     def _fit_messages(
         self, plan: Plan, scheduled: tuple, lower: Callable, dataflow: Dataflow, sub_of: Mapping
@@ -612,8 +616,7 @@ class DipPlanner:
             return (*host.instruction_times(c.forward, c.backward), c.activation_bytes)
 
         def transfer(key: MessageKey) -> float:
-            nbytes = sum(t.nbytes for t in self._tensors(sub_of, key))
-            return self.cost_model.transfer_time(nbytes) + host.message
+            return self.cost_model.transfer_time(self._message_bytes(sub_of, key)) + host.message
 
         # One plan asks for the graph of one dataflow under several recompute choices: its edges
         # and transfer delays are built once (the last dataflow's graph is kept) and only the

@@ -168,8 +168,8 @@ def split_plan(
     tensors: TensorFn,
 ) -> Plan:
     """`plan` (same batch, placement and sub-microbatches as `dataflow`) with the programs of
-    the split `schedule`: communication placed by its B/F orders for `plan.channels`' streams, each W where the schedule has it, a reduction
-    after each trainable chunk's last W."""
+    the split `schedule`: communication placed by its B/F orders for `plan.channels`' streams,
+    each W where the schedule has it, a reduction after each trainable chunk's last W."""
     computes = [
         tuple(i for i in order if not isinstance(i, BackwardWeight)) for order in schedule.orders
     ]

@@ -319,13 +319,13 @@ def add_communication(
     program runs to its end.
 
     Receives posted ahead (`channels` = `ir.Channels.PER_PEER`, for plans declaring per-peer
-    streams; `RECEIVE_LEAD` computes, the only lead there is). Posted as above, a receive whose compute starts, in the ideal
-    timing, when its message is produced (the critical path) is posted right before that
-    compute, so the transfer cannot overlap anything: on NCCL a transfer starts when both ends
-    have posted. With the lead, a receive of batch j >= 1 is posted one compute earlier, right
-    after the wait before compute j - 1 (so no wait ever names it together with that step's
-    receives: the runtime waits for whole batches, and so does the deadlock check,
-    `validate_plan`); sends and waits do not move. On one stream this can deadlock (a receive
+    streams; `RECEIVE_LEAD` computes, the only lead there is). Posted as above, a receive whose
+    compute starts, in the ideal timing, when its message is produced (the critical path) is
+    posted right before that compute, so the transfer cannot overlap anything: on NCCL a
+    transfer starts when both ends have posted. With the lead, a receive of batch j >= 1 is
+    posted one compute earlier, right after the wait before compute j - 1 (so no wait ever
+    names it together with that step's receives: the runtime waits for whole batches, and so
+    does the deadlock check, `validate_plan`); sends and waits do not move. On one stream this can deadlock (a receive
     not yet due would hold back the rank's later sends), so the plan must declare per-peer
     streams. There the argument holds again, by the same induction, now over batches. Take X
     (on stream a -> b) and assume every operation before it in (T, key) completes. Its send is
