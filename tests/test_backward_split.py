@@ -440,6 +440,48 @@ def test_list_scheduled_split_keeps_heavy_backwards_fused_where_all_split_does_n
     assert all(peak <= limit for peak in simulate(plan, cost).peak_activation_bytes)
 
 
+def test_a_split_schedule_over_its_limit_with_its_message_buffers_is_scheduled_again(
+    monkeypatch,
+):
+    """A split candidate list-scheduled right up to the device's limit (no room for its message
+    buffers) holds more than the limit once its buffers count; `SplitCandidates.fitted`
+    schedules it again within the limit less those buffers (`message_room.grown_room`), and
+    the plan fits. Without the refit the candidate would be dropped."""
+    import functools
+
+    from planner_cases import tiny_case
+
+    from megatron_dip.planner import split_candidates
+    from megatron_dip.planner.simulator import message_peaks, simulate
+    from megatron_dip.planner.split_candidates import SplitCandidates
+    from megatron_dip.planner.split_schedule import split_plan
+
+    case = tiny_case(pipeline=2, search=False)
+    cost = case.cost_model()
+    free = simulate(case.planner(None).plan_batch(case.batch)[0].plan, cost)
+    planner = case.planner(0.8 * max(free.peak_activation_bytes))
+    planner.config = replace(planner.config, split_backward=True)
+    calls = []
+    fitted = SplitCandidates.fitted
+    monkeypatch.setattr(
+        SplitCandidates, "fitted", lambda self, *a: calls.append((self, a)) or fitted(self, *a)
+    )
+    planner.plan_batch(case.batch)
+    candidates, (order, _, choice, keep_heavy) = calls[0]
+    caps = list(candidates.caps)
+    no_room = replace(candidates, limits=caps)
+    schedule = no_room.scheduled(order, choice, caps, keep_heavy)
+    tensors = functools.partial(planner._tensors, no_room.sub_of)
+    plan = split_plan(no_room.own, schedule, no_room.dataflow, tensors)
+    over = [p - c for p, c in zip(simulate(plan, cost).peak_activation_bytes, caps)]
+    assert max(over) > 0 and max(over) <= max(message_peaks(plan)), over
+    plan, sim = no_room.fitted(order, schedule, choice, keep_heavy)
+    validate_plan(plan)
+    assert all(p <= c for p, c in zip(sim.peak_activation_bytes, caps))
+    monkeypatch.setattr(split_candidates, "MESSAGE_REFITS", 0)
+    assert no_room.fitted(order, schedule, choice, keep_heavy) is None
+
+
 def _reduction_case():
     """One rank holding two independent modules: x (one microbatch, its chunk's reduction
     takes 10 s) scheduled first, y (6 microbatches, no reduction) after it. F = B = W = 1, so

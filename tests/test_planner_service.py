@@ -134,6 +134,38 @@ def test_a_plan_fits_its_limit_with_its_message_buffers():
     assert simulate(tight, cost).peak_activation_bytes == activation_peaks(tight, cost)
 
 
+def test_where_nothing_fits_within_the_first_message_room_the_search_is_not_run_again(
+    monkeypatch,
+):
+    """At a limit so tight that no schedule fits within it less the first room for message
+    buffers (10% of the free plan's peak: full recomputation and little else), the planner
+    schedules the order it searched again with no room, then with the room the plan's buffers
+    need (`DipPlanner._planned`, `_fit_messages`): one search, and a plan within the limit."""
+    from planner_cases import tiny_case
+
+    from megatron_dip.planner.simulator import activation_peaks
+
+    case = tiny_case(pipeline=2, search=True)
+    cost = case.cost_model()
+    free = simulate(case.planner(None).plan_batch(case.batch)[0].plan, cost)
+    limit = 0.1 * max(free.peak_activation_bytes)
+    planner = case.planner(limit)
+    rooms, searches = [], []
+    schedule, search = DipPlanner._schedule, DipPlanner._search
+    monkeypatch.setattr(
+        DipPlanner,
+        "_schedule",
+        lambda self, *a, **k: rooms.append(self._reserved) or schedule(self, *a, **k),
+    )
+    monkeypatch.setattr(
+        DipPlanner, "_search", lambda self, *a, **k: searches.append(1) or search(self, *a, **k)
+    )
+    plan = planner.plan_batch(case.batch)[0].plan
+    assert any(rooms[0]) and not any(rooms[1]) and any(rooms[2])
+    assert len(searches) == 1
+    assert max(activation_peaks(plan, cost)) <= limit
+
+
 def test_memory_limit_is_respected_in_simulation():
     free = make_planner().plan_batch(batch(2))[0]
     peak = max(simulate(free.plan, make_planner().cost_model).peak_activation_bytes)

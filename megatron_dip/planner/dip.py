@@ -49,23 +49,16 @@ from .list_scheduler import (
     unit_priority_ranks,
 )
 from .memory import MemoryLimitError, RecomputeChoice, stage_modes
+from .message_room import MESSAGE_REFITS, first_room, grown_room
 from .overheads import host_overheads
 from .recompute_candidates import RecomputeCandidates
 from .search import SearchResult, parallel_mcts_order, unit_constraints
-from .simulator import activation_peaks, message_peaks
+from .simulator import activation_peaks
 from .split_candidates import best_split_plan
 from .stock_configs import peaks_fit
 from .submicrobatch import split_modules
 
 logger = logging.getLogger(__name__)
-
-# Times a plan is scheduled again when its message buffers take it over the memory limit
-# (`DipPlanner._fit_messages`).
-MESSAGE_REFITS = 2
-# The room a plan is first scheduled with for a rank's message buffers, in its largest received
-# plus its largest sent message (`DipPlanner._message_room`). On T2V-S's plans with receives
-# posted ahead a rank held 2.3-4.7 times that.
-MESSAGE_ROOM = 3
 
 
 @dataclass(frozen=True)
@@ -254,9 +247,10 @@ class DipPlanner:
         )
         scheduled = schedule_it()
         if scheduled[0].overcommitted and any(self._reserved or ()):
-            # Nothing fits within the first room: no room, then what the plan needs.
+            # Nothing fits within the first room: no room, then what the plan needs (the
+            # order searched within the room is scheduled again, not searched again).
             self._reserved = (0,) * len(self._reserved)
-            scheduled = schedule_it()
+            scheduled = schedule_it(searched=scheduled[1])
         plan = lower(scheduled[0])
         simulated, candidates = None, not (forward_only or quick)
         if candidates:
@@ -530,46 +524,30 @@ class DipPlanner:
         `MESSAGE_ROOM` times each rank's largest received plus its largest sent message, grown
         by `_fit_messages` where a lowered plan needs more."""
         if planned and self._device_limits() is not None:
-            self._reserved = self._first_room(dataflow, sub_of)
+            self._reserved = first_room(
+                dataflow, functools.partial(self._message_bytes, sub_of), self.placement.num_ranks
+            )
         try:
             yield
         finally:
             self._reserved = None
 
-    def _first_room(self, dataflow: Dataflow, sub_of: Mapping) -> tuple[int, ...]:
-        """`MESSAGE_ROOM` times each rank's largest received plus largest sent message."""
-        received = [0] * self.placement.num_ranks
-        sent = list(received)
-        for stage in dataflow.stages():
-            for key in (*dataflow.forward_outputs(stage), *dataflow.backward_outputs(stage)):
-                src, dst = dataflow.sender_of(key), dataflow.receiver_of(key)
-                if src != dst:
-                    nbytes = self._message_bytes(sub_of, key)
-                    sent[src], received[dst] = max(sent[src], nbytes), max(received[dst], nbytes)
-        return tuple(MESSAGE_ROOM * (a + b) for a, b in zip(received, sent))
-
     def _fit_messages(
         self, plan: Plan, scheduled: tuple, lower: Callable, dataflow: Dataflow, sub_of: Mapping
     ) -> tuple[Plan, tuple]:
         """`plan` (lowered from `scheduled`, `_schedule`'s), fitted to the device's limits with
-        its message buffers; from here on plans are scheduled within the limits less room for
-        them (`_memory_limits`).
-
-        The list scheduler and the memory pass fit stored activations only: messages exist once
-        a plan is lowered (`add_communication`), and their buffers (`simulator.message_peaks`:
-        a received tensor from its post to its consumer's end, a sent one until its release;
-        0.27-0.47 GB per rank on T2V-S) can take a plan at its limit over it. The room is each
-        rank's buffer peak; where the plan does not fit with its buffers, the searched order is
-        scheduled again within the limits less that room (conservative: the two peaks need not
-        coincide), the room growing to the largest buffers seen, `MESSAGE_REFITS` times at
-        most. A schedule over the room that does not fit with its own buffers either is not
-        taken: the plan before it is kept, and reported over the limit (`_overcommitted`)."""
+        its message buffers (`message_room`); from here on plans are scheduled within the limits
+        less room for them (`_memory_limits`). Where the plan does not fit with its buffers, the
+        searched order is scheduled again within the limits less the room grown to them
+        (conservative: the two peaks need not coincide), `MESSAGE_REFITS` times at most. A
+        schedule over the room that does not fit with its own buffers either is not taken: the
+        plan before it is kept, and reported over the limit (`_overcommitted`)."""
         if self._reserved is None:
             return plan, scheduled
         for _ in range(MESSAGE_REFITS):
             if self._fits(plan):
                 break
-            self._reserved = tuple(map(max, self._reserved, message_peaks(plan)))
+            self._reserved = grown_room(self._reserved, plan)
             again = self._schedule(
                 dataflow, sub_of, forward_only=False, use_search=False, searched=scheduled[1]
             )

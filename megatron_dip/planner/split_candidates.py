@@ -28,9 +28,11 @@ from ..schedule.ir import ChunkSpec, Plan, StageId
 from ..schedule.validate import validate_plan
 from .list_scheduler import ListSchedule, priorities_from_units
 from .memory import MemoryLimitError, RecomputeChoice
+from .message_room import MESSAGE_REFITS, grown_room
 from .overheads import host_overheads
 from .recompute_candidates import RecomputeCandidates
 from .simulator import SimResult, reduction_time, simulate
+from .stock_configs import peaks_fit
 
 logger = logging.getLogger(__name__)
 
@@ -147,22 +149,41 @@ class SplitCandidates:
         self, order, options: Sequence[RecomputeChoice], keep_heavy: bool
     ) -> tuple[Plan, SimResult] | None:
         """`order_plan` with or without the heavy stages fused (`keep_heavy`)."""
-        from .split_schedule import split_plan
-
-        best = None
+        best, chosen = None, None
         for option in options:
             found = self.scheduled(order, option, self.limits, keep_heavy)
             if found is not None and (best is None or found.makespan < best.makespan):
-                best = found
+                best, chosen = found, option
         if best is None:
             return None
+        return self.fitted(order, best, chosen, keep_heavy)
+
+    def fitted(
+        self, order, schedule: ListSchedule, choice: RecomputeChoice, keep_heavy: bool
+    ) -> tuple[Plan, SimResult] | None:
+        """`schedule` (of `order` under `choice`) lowered and simulated, if it fits the caps
+        with its message buffers; else scheduled again within the caps less its buffers, as
+        `DipPlanner._fit_messages` refits fused plans (`MESSAGE_REFITS` times at most: a split
+        schedule holds its pending W's activations longer, and its buffers outgrow the first
+        room more often than a fused one's); None where none fits."""
+        from .split_schedule import split_plan
+
         tensors = functools.partial(self.planner._tensors, self.sub_of)
-        plan = split_plan(self.own, best, self.dataflow, tensors)
-        sim = simulate(plan, self.planner.cost_model, channel=per_peer_channel)
-        caps = self.caps or [float("inf")] * len(sim.peak_activation_bytes)
-        if any(p > c for p, c in zip(sim.peak_activation_bytes, caps)):
-            return None
-        return plan, sim
+        caps = self.caps
+        room = None if caps is None else tuple(c - lim for c, lim in zip(caps, self.limits))
+        for refits in range(MESSAGE_REFITS + 1):
+            plan = split_plan(self.own, schedule, self.dataflow, tensors)
+            sim = simulate(plan, self.planner.cost_model, channel=per_peer_channel)
+            if caps is None or peaks_fit(sim.peak_activation_bytes, caps):
+                return plan, sim
+            if refits == MESSAGE_REFITS:
+                break
+            room = grown_room(room, plan)
+            limits = [c - r for c, r in zip(caps, room)]
+            schedule = self.scheduled(order, choice, limits, keep_heavy)
+            if schedule is None:
+                break
+        return None
 
     def graph(self, choice: RecomputeChoice, keep_heavy: bool = False):
         """The stage graph under `choice` with split backwards and the chunks' reductions
