@@ -34,6 +34,11 @@ def test_scaled_sizes_multiply_every_module_once() -> None:
     ]
     assert scaled_sizes({"vit": 4}, ()) == []
     assert scaled_sizes({"vit": 4, "dit": 1}, (1.5,)) == [{"vit": 6, "dit": 2}]
+    # Each scale a cut of its own: 1 x 1.5 and 1 x 2 both round to 2, so the second takes 3.
+    assert scaled_sizes({"vit": 4, "dit": 1}, (2, 1.5)) == [
+        {"vit": 6, "dit": 2},
+        {"vit": 8, "dit": 3},
+    ]
 
 
 def test_coarser_cut_is_planned_and_kept_where_faster() -> None:

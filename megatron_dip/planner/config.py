@@ -15,7 +15,8 @@ from .cost_model import OFFLOAD_OFFERS
 from .search import SearchConfig
 
 # The coarser sub-microbatch sizes a run with --dip-coarser-sub-microbatches (and the study's
-# full DIP) also plans each batch at, as multiples of the configured ones (`sub_size_choice`).
+# full DIP) also plans each batch at, as multiples of the configured ones, each a coarser cut
+# than the one before (`sub_size_choice.scaled_sizes`).
 COARSER_SUB_SIZES = (1.5, 2.0)
 
 

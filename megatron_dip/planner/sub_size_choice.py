@@ -31,13 +31,17 @@ from .stock_configs import fits
 
 
 def scaled_sizes(sizes: Mapping[str, int], scales: Sequence[float]) -> list[dict[str, int]]:
-    """The sizes `sizes` times each of `scales` (every module's alike, rounded up), in order,
-    without repeats or the sizes themselves."""
+    """The sizes `sizes` times each of `scales` above 1 (every module's alike, rounded up), by
+    increasing scale, each a coarser cut than the one before it: where rounding up gives a
+    module no more instances than the scale before did (1 instance times 1.5 and times 2 both
+    round to 2), it takes one more, so that every scale plans a cut of its own (T2V-S's DiT at
+    1 clip: 2 and 3 clips, not 2 twice)."""
     out: list[dict[str, int]] = []
-    for scale in scales:
-        scaled = {m: max(1, math.ceil(n * scale - 1e-9)) for m, n in sizes.items()}
-        if scaled != dict(sizes) and scaled not in out:
-            out.append(scaled)
+    before = dict(sizes)
+    for scale in sorted({s for s in scales if s > 1}):
+        scaled = {m: max(math.ceil(n * scale - 1e-9), before[m] + 1) for m, n in sizes.items()}
+        out.append(scaled)
+        before = scaled
     return out
 
 

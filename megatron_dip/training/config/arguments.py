@@ -152,7 +152,8 @@ class DipArgs:
     dip_coarser_sub_microbatches: bool = arg(
         "--dip-coarser-sub-microbatches",
         False,
-        "also plan each batch with 1.5 and 2 times the sub-microbatch sizes (larger encoder "
+        "also plan each batch with 1.5 and 2 times the sub-microbatch sizes (rounded up, each "
+        "a coarser cut than the one before: a size of 1 gives 2 and 3; larger encoder "
         "GEMMs, coarser units, more activations per stage) and keep the plan that simulates "
         "fastest within memory (planning takes up to about twice as long)",
         megatron=False,
