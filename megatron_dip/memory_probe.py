@@ -89,6 +89,17 @@ def _tensors(value) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _bytes(tensors: Iterable[torch.Tensor], leave_out: set = frozenset()) -> int:
+    """Bytes of the storages of `tensors`, each storage once, but those in `leave_out` (storage
+    keys)."""
+    seen: dict = {}
+    for t in tensors:
+        key = _storage_key(t)
+        if key not in leave_out and key not in seen:
+            seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class ChunkMemory:
     """One chunk forward: measured saved bytes and the cost model's prediction; on CUDA also the
@@ -321,11 +332,15 @@ class HeldActivations:
     outputs of its pending forwards), its local messages and the transport's messages in flight
     or received. Parameters are left out. Used as a context manager around `executor.run()`
     (it wraps the executor's per-instruction step); `peak` is the largest count, `samples` all.
+    `message_samples` count the transport's messages alone (in flight or received and not yet
+    taken by their consumer), `message_peak` their largest: the pipeline's message buffers,
+    as `planner.simulator.message_peaks` models them.
     """
 
     def __init__(self, executor) -> None:
         self.executor = executor
         self.samples: list[int] = []
+        self.message_samples: list[int] = []
         self._saved: list = []
         self._params = {_storage_key(p) for c in executor.chunks.values() for p in c.parameters()}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -333,6 +348,10 @@ class HeldActivations:
     @property
     def peak(self) -> int:
         return max(self.samples, default=0)
+
+    @property
+    def message_peak(self) -> int:
+        return max(self.message_samples, default=0)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -345,6 +364,7 @@ class HeldActivations:
         def after(index, ins) -> None:
             step(index, ins)
             self.samples.append(self.count())
+            self.message_samples.append(_bytes(self._messages()))
 
         self.executor._after = after
         self._hooks.__enter__()
@@ -369,15 +389,15 @@ class HeldActivations:
             if pending is not None:
                 yield from pending.tensors()
         yield from _tensors(ex._messages)
+        yield from self._messages()
+
+    def _messages(self) -> Iterator[torch.Tensor]:
+        """The transport's messages: sent and not yet released, received and not yet taken."""
         for name in ("_sending", "_received"):
-            yield from _tensors(getattr(ex.transport, name, {}))
+            yield from _tensors(getattr(self.executor.transport, name, {}))
 
     def count(self) -> int:
         """Bytes held now (class docstring)."""
-        seen: dict = {}
-        for t in self._held():
-            key = _storage_key(t)
-            if key not in self._params and key not in seen:
-                seen[key] = t.untyped_storage().nbytes()
+        held = _bytes(self._held(), leave_out=self._params)
         self._saved = [r for r in self._saved if r() is not None]
-        return sum(seen.values())
+        return held

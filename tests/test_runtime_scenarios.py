@@ -31,6 +31,7 @@ from test_runtime_workers import (
 from megatron_dip.parallel import ParallelShape
 from megatron_dip.runtime.executor import ExecutorConfig
 from megatron_dip.runtime.p2p import P2PConfig
+from megatron_dip.schedule.passes import RECEIVE_LEAD
 
 VLM_SIZES = {"vit": 2}
 T2V_SIZES = {"text": 2, "dit": 2}
@@ -99,6 +100,7 @@ def _pipeline_scenarios(out: dict, g: Groups, p: int, tag: str) -> None:
     tsplit = st.split_plan(tdplan)
     guarded(f"{tag}t2v_split", out, lambda: run_executor(t2v, tdpl, tsplit, g, channels=True))
     _held_activations(out, g, tag, [(vlm, pl2)])
+    _held_by_dip_plans(out, g, p, tag, [(vlm, dpl), (t2v, tdpl)])
 
 
 def _held_activations(out: dict, g: Groups, tag: str, cases) -> None:
@@ -114,6 +116,26 @@ def _held_activations(out: dict, g: Groups, tag: str, cases) -> None:
                     b, pl, q, g, deallocate=d
                 ),
             )
+
+
+def _held_by_dip_plans(out: dict, g: Groups, p: int, tag: str, cases) -> None:
+    """DIP's plans as training runs them (receives posted one compute ahead on one communicator
+    per pair of ranks, sent outputs freed, recomputation under the limit): the bytes held and
+    the message buffers at their peaks, next to the simulator's memory model of the plan."""
+    for batch, placement in cases:
+        plan = broadcast_plan(
+            lambda b=batch, pl=placement: st.dip_plan(
+                b, pl, memory_limit=DIP_MEMORY[p], receive_lead=RECEIVE_LEAD
+            ),
+            g.pp,
+        )
+        guarded(
+            f"{tag}held_{batch.kind}_dip",
+            out,
+            lambda b=batch, pl=placement, q=plan: run_held(
+                b, pl, q, g, deallocate=True, channels=True
+            ),
+        )
 
 
 def _omni_pipeline(out: dict, g: Groups, p: int, tag: str) -> None:

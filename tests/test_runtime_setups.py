@@ -346,8 +346,11 @@ def sample_meta(model: MultimodalSpec, sample: Sample) -> SampleMeta:
     return meta(sample, model=model)
 
 
-def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) -> Plan:
-    """A searched DIP plan for `batch` (sub-microbatch sizes 2; recompute under the limit)."""
+def dip_plan(
+    batch: Batch, placement: Placement, *, memory_limit: float | None, receive_lead: int = 0
+) -> Plan:
+    """A searched DIP plan for `batch` (sub-microbatch sizes 2; recompute under the limit;
+    `receive_lead` 1: receives posted one compute ahead, on per-pair channels)."""
     from megatron_dip.batching import split_microbatch
     from megatron_dip.planner.config import PlannerConfig
     from megatron_dip.planner.cost_model import CostModel
@@ -366,6 +369,7 @@ def dip_plan(batch: Batch, placement: Placement, *, memory_limit: float | None) 
         # These scenarios exercise DIP's own schedules (sub-microbatches, recompute), not the
         # Megatron-order candidate the planner may prefer on such tiny batches.
         megatron_candidate=False,
+        receive_lead=receive_lead,
     )
     planner = DipPlanner(model, cost, placement, config)
     works = [

@@ -314,23 +314,46 @@ def run_executor(
 
 
 def run_held(
-    batch: st.Batch, placement: Placement, plan: Plan, groups: Groups, *, deallocate: bool
+    batch: st.Batch,
+    placement: Placement,
+    plan: Plan,
+    groups: Groups,
+    *,
+    deallocate: bool,
+    channels: bool = False,
 ) -> dict[str, Any]:
     """`plan` on this rank's `RankRuntime` with sent outputs freed or kept
-    (`ExecutorConfig.deallocate_sent_outputs`), the activation bytes it holds measured after
-    every instruction (`memory_probe.HeldActivations`)."""
+    (`ExecutorConfig.deallocate_sent_outputs`), on one communicator per pair of ranks with
+    `channels`, the activation bytes it holds measured after every instruction
+    (`memory_probe.HeldActivations`), next to the rank's peak the simulator's memory model gives
+    (`activation_peaks`, stored activations and message buffers, priced with the kernels the CPU
+    runs)."""
     from megatron_dip.memory_probe import HeldActivations
+    from megatron_dip.planner.cost_model import CPU_KERNELS, CostModel
+    from megatron_dip.planner.devices import get_device
+    from megatron_dip.planner.simulator import activation_peaks, message_peaks
 
     chunks = _trained_chunks(batch, placement, groups, ddp=False)
     config = ExecutorConfig(deallocate_sent_outputs=deallocate)
-    runtime = st.rank_runtime(batch, placement, chunks, pp_group=groups.pp, config=config)
+    runtime = st.rank_runtime(
+        batch,
+        placement,
+        chunks,
+        pp_group=groups.pp,
+        config=config,
+        channels=ChannelGroups(groups.pp) if channels else None,
+    )
     executor = runtime._executor(plan, batch.by_index)  # the executor RankRuntime.run runs
     with HeldActivations(executor) as held:
         result = executor.run()
+    cost = CostModel(batch.model, get_device("h100"), dtype_bytes=8, kernels=CPU_KERNELS)  # float64
     return {
         "grads": grads_of(chunks),
         "objective": result.objective,
         "peak": held.peak,
+        "modelled_peak": activation_peaks(plan, cost)[groups.pp.rank()],
+        "message_peak": held.message_peak,
+        "modelled_message_peak": message_peaks(plan)[groups.pp.rank()],
         "freed_bytes": result.freed_bytes,
     }
 
