@@ -259,6 +259,19 @@ def _forward_only(batch: st.Batch, placement: Placement, plan: Plan) -> Plan:
     return replace(evaluation, replica=plan.replica)
 
 
+def _runtime(batch: st.Batch, placement: Placement, chunks, groups: Groups, *, config, channels):
+    """This rank's `RankRuntime` of `chunks`, on one communicator per pair of ranks with
+    `channels`."""
+    return st.rank_runtime(
+        batch,
+        placement,
+        chunks,
+        pp_group=groups.pp,
+        config=config,
+        channels=ChannelGroups(groups.pp) if channels else None,
+    )
+
+
 def run_executor(
     batch: st.Batch,
     placement: Placement,
@@ -271,14 +284,7 @@ def run_executor(
     shape: ParallelShape | None = None,
 ) -> dict[str, Any]:
     chunks = _trained_chunks(batch, placement, groups, ddp=ddp, shape=shape)
-    runtime = st.rank_runtime(
-        batch,
-        placement,
-        chunks,
-        pp_group=groups.pp,
-        config=config,
-        channels=ChannelGroups(groups.pp) if channels else None,
-    )
+    runtime = _runtime(batch, placement, chunks, groups, config=config, channels=channels)
     result = runtime.run(plan, batch.by_index)
     return {
         "grads": grads_of(chunks),
@@ -335,14 +341,7 @@ def run_held(
 
     chunks = _trained_chunks(batch, placement, groups, ddp=False)
     config = ExecutorConfig(deallocate_sent_outputs=deallocate)
-    runtime = st.rank_runtime(
-        batch,
-        placement,
-        chunks,
-        pp_group=groups.pp,
-        config=config,
-        channels=ChannelGroups(groups.pp) if channels else None,
-    )
+    runtime = _runtime(batch, placement, chunks, groups, config=config, channels=channels)
     executor = runtime._executor(plan, batch.by_index)  # the executor RankRuntime.run runs
     with HeldActivations(executor) as held:
         result = executor.run()
