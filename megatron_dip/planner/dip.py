@@ -521,8 +521,7 @@ class DipPlanner:
     ) -> Iterator[None]:
         """The block schedules `dataflow`'s plans within the activation limits less room for
         their message buffers (`_memory_limits`; `planned` False: no room): at first
-        `MESSAGE_ROOM` times each rank's largest received plus its largest sent message, grown
-        by `_fit_messages` where a lowered plan needs more."""
+        `message_room.first_room`, grown by `_fit_messages` where a lowered plan needs more."""
         if planned and self._device_limits() is not None:
             self._reserved = first_room(
                 dataflow, functools.partial(self._message_bytes, sub_of), self.placement.num_ranks
