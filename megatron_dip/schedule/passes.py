@@ -325,19 +325,20 @@ def add_communication(
     transfer starts when both ends have posted. With the lead, a receive of batch j >= 1 is
     posted one compute earlier, right after the wait before compute j - 1 (so no wait ever
     names it together with that step's receives: the runtime waits for whole batches, and so
-    does the deadlock check, `validate_plan`); sends and waits do not move. On one stream this can deadlock (a receive
-    not yet due would hold back the rank's later sends), so the plan must declare per-peer
-    streams. There the argument holds again, by the same induction, now over batches. Take X
-    (on stream a -> b) and assume every operation before it in (T, key) completes. Its send is
-    posted as before. Its receive is posted after the wait before compute j - 1, where j is the
-    first compute of b with S_j >= T; every wait of b up to there precedes compute j - 1 and
-    names operations with T' <= S_(j-1) < T, and waits for their batches, which hold only such
-    operations (a batch of receives posted ahead holds the receives of one batch j, all with
-    T' <= S_j, and is first waited for before a compute i >= j); so b gets there. On stream
-    a -> b both ends post in (T, key) order, so the batches before X's on it hold earlier
-    operations, which complete; both of X's batches start and X completes. The price is
-    memory: a receive's buffer exists one compute earlier. There is no lead of 2 or more: the
-    receives of several batches would share the first batch, which the first wait waits for.
+    does the deadlock check, `validate_plan`); sends and waits do not move. On one stream this
+    can deadlock (a receive not yet due would hold back the rank's later sends), so the plan
+    must declare per-peer streams. There the argument holds again, by the same induction, now
+    over batches. Take X (on stream a -> b) and assume every operation before it in (T, key)
+    completes. Its send is posted as before. Its receive is posted after the wait before compute
+    j - 1, where j is the first compute of b with S_j >= T; every wait of b up to there precedes
+    compute j - 1 and names operations with T' <= S_(j-1) < T, and waits for their batches,
+    which hold only such operations (a batch of receives posted ahead holds the receives of one
+    batch j, all with T' <= S_j, and is first waited for before a compute i >= j); so b gets
+    there. On stream a -> b both ends post in (T, key) order, so the batches before X's on it
+    hold earlier operations, which complete; both of X's batches start and X completes. The
+    price is memory: a receive's buffer exists one compute earlier. There is no lead of 2 or
+    more: the receives of several batches would share the first batch, which the first wait
+    waits for.
     """
     timing = ideal_timing(compute, dataflow, compute_time=compute_time)
     ops = _message_ops(compute, dataflow, timing, channels)
