@@ -252,11 +252,11 @@ class DipPlanner:
             self._reserved = (0,) * len(self._reserved)
             scheduled = schedule_it(searched=scheduled[1])
         plan = lower(scheduled[0])
-        simulated, candidates = None, not (forward_only or quick)
+        simulated, candidates, fits = None, not (forward_only or quick), True
         if candidates:
-            plan, scheduled = self._fit_messages(plan, scheduled, lower, dataflow, sub_of)
+            plan, scheduled, fits = self._fit_messages(plan, scheduled, lower, dataflow, sub_of)
         schedule, result, choice, errors = scheduled
-        own, over = plan, schedule.overcommitted or (candidates and not self._fits(plan))
+        own, over = plan, schedule.overcommitted or not fits
         if self.config.megatron_candidate and candidates:
             with self._pass("candidates"):
                 plan, simulated = best_of_megatron(
@@ -533,28 +533,31 @@ class DipPlanner:
 
     def _fit_messages(
         self, plan: Plan, scheduled: tuple, lower: Callable, dataflow: Dataflow, sub_of: Mapping
-    ) -> tuple[Plan, tuple]:
+    ) -> tuple[Plan, tuple, bool]:
         """`plan` (lowered from `scheduled`, `_schedule`'s), fitted to the device's limits with
-        its message buffers (`message_room`); from here on plans are scheduled within the limits
-        less room for them (`_memory_limits`). Where the plan does not fit with its buffers, the
-        searched order is scheduled again within the limits less the room grown to them
-        (conservative: the two peaks need not coincide), `MESSAGE_REFITS` times at most. A
-        schedule over the room that does not fit with its own buffers either is not taken: the
-        plan before it is kept, and reported over the limit (`_overcommitted`)."""
+        its message buffers (`message_room`), with whether it fits them; from here on plans are
+        scheduled within the limits less room for them (`_memory_limits`). Where the plan does
+        not fit with its buffers, the searched order is scheduled again within the limits less
+        the room grown to them (conservative: the two peaks need not coincide),
+        `MESSAGE_REFITS` times at most. A schedule over the room that does not fit with its own
+        buffers either is not taken: the plan before it is kept, and reported over the limit
+        (`_overcommitted`)."""
+        fits = self._fits(plan)
         if self._reserved is None:
-            return plan, scheduled
+            return plan, scheduled, fits
         for _ in range(MESSAGE_REFITS):
-            if self._fits(plan):
+            if fits:
                 break
             self._reserved = grown_room(self._reserved, plan)
             again = self._schedule(
                 dataflow, sub_of, forward_only=False, use_search=False, searched=scheduled[1]
             )
             lowered = lower(again[0])
-            if again[0].overcommitted and not self._fits(lowered):
+            lowered_fits = self._fits(lowered)
+            if again[0].overcommitted and not lowered_fits:
                 break  # nothing fits within the room: the plan before is kept
-            scheduled, plan = again, lowered
-        return plan, scheduled
+            scheduled, plan, fits = again, lowered, lowered_fits
+        return plan, scheduled, fits
 
     def _fits(self, plan: Plan) -> bool:
         """Whether `plan` holds no more than the device's limits, message buffers included."""
