@@ -120,7 +120,7 @@ def test_compiled_list_scheduler_matches_the_reference_on_planner_graphs(case, s
     for units in (cons.units, order):
         priority = priorities_from_units(graph.stages, units)
         assert unit_priority_ranks(graph, units).tolist() == priority_ranks(priority).tolist()
-        limits = planner._memory_limits()
+        limits = planner.scheduling_limits
         for fill in (True, False):
             _same_schedule(graph, priority, limits, fill)
 

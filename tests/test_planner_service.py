@@ -120,7 +120,7 @@ def test_data_parallel_replicas_get_their_own_balanced_plans():
 def test_a_plan_fits_its_limit_with_its_message_buffers():
     """The list scheduler and the memory pass see stored activations only. At a limit the free
     plan exceeds only once its message buffers count, the planner schedules within room for
-    them (`DipPlanner._message_room`, `_fit_messages`): the plan fits with its buffers."""
+    them (`DipPlanner.scheduling_limits`, `_fit_messages`): the plan fits with its buffers."""
     from megatron_dip.planner.simulator import activation_peaks, message_peaks
 
     cost = make_planner().cost_model
@@ -155,7 +155,7 @@ def test_where_nothing_fits_within_the_first_message_room_the_search_is_not_run_
     monkeypatch.setattr(
         DipPlanner,
         "_schedule",
-        lambda self, *a, **k: rooms.append(self._reserved) or schedule(self, *a, **k),
+        lambda self, *a, **k: rooms.append(self.message_room.bytes) or schedule(self, *a, **k),
     )
     monkeypatch.setattr(
         DipPlanner, "_search", lambda self, *a, **k: searches.append(1) or search(self, *a, **k)

@@ -72,7 +72,7 @@ def test_chosen_cut_fits_and_is_never_slower_under_a_binding_limit() -> None:
     plain = case.planner(limit * 0.8)
     (configured,) = plain.plan_batch(case.batch)
     (chosen,) = _with_scales(plain, (2, 4)).plan_batch(case.batch)
-    limits = plain._memory_limits()
+    limits = plain.scheduling_limits
     sim_configured = simulate(configured.plan, cost, channel=per_peer_channel)
     sim_chosen = simulate(chosen.plan, cost, channel=per_peer_channel)
     if fits(sim_configured, limits):

@@ -49,7 +49,7 @@ from .list_scheduler import (
     unit_priority_ranks,
 )
 from .memory import MemoryLimitError, RecomputeChoice, stage_modes
-from .message_room import MESSAGE_REFITS, first_room, grown_room
+from .message_room import MESSAGE_REFITS, MessageRoom
 from .overheads import host_overheads
 from .recompute_candidates import RecomputeCandidates
 from .search import SearchResult, parallel_mcts_order, unit_constraints
@@ -108,7 +108,8 @@ class DipPlanner:
         self.pass_seconds: Counter[str] = Counter()
         self.shapes = MessageShapes(model, config.shape)
         self._offer_planners: dict[str, DipPlanner] = {}  # `offer_planners`
-        self._reserved: tuple[int, ...] | None = None  # `_message_room`
+        # Kept for message buffers while a replica is planned (`scheduling_limits`).
+        self.message_room = MessageRoom()
 
     # -- data side ---------------------------------------------------------------------------
 
@@ -209,7 +210,7 @@ class DipPlanner:
             totals=totals,
             forward_only=forward_only,
         )
-        with self._message_room(dataflow, sub_of, planned=not (forward_only or quick)):
+        with self._room_kept(dataflow, sub_of, planned=not (forward_only or quick)):
             return self._planned(
                 works,
                 dataflow,
@@ -246,10 +247,10 @@ class DipPlanner:
             quick=quick,
         )
         scheduled = schedule_it()
-        if scheduled[0].overcommitted and any(self._reserved or ()):
+        if scheduled[0].overcommitted and self.message_room.keeps_any:
             # Nothing fits within the first room: no room, then what the plan needs (the
             # order searched within the room is scheduled again, not searched again).
-            self._reserved = (0,) * len(self._reserved)
+            self.message_room.drop()
             scheduled = schedule_it(searched=scheduled[1])
         plan = lower(scheduled[0])
         simulated, candidates, fits = None, not (forward_only or quick), True
@@ -373,7 +374,7 @@ class DipPlanner:
         """The list schedule of the searched order (`searched`: that search's, not searched
         again), with the recompute choice that fits the memory limit best, and the memory
         pass's errors (for the caller's report)."""
-        limits = self._memory_limits()
+        limits = self.scheduling_limits
         choice = self._uniform_choice()
         with self._pass("list schedule"):
             graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
@@ -404,7 +405,7 @@ class DipPlanner:
         peaks = activation_peaks(plan, self.cost_model)
         over = "; ".join(
             f"rank {r}: {p / 2**30:.4f} GiB > {lim / 2**30:.4f} GiB"
-            for r, (p, lim) in enumerate(zip(peaks, self._device_limits() or []))
+            for r, (p, lim) in enumerate(zip(peaks, self.device_limits or []))
             if p > lim
         )
         if not self.config.strict_memory:
@@ -515,40 +516,34 @@ class DipPlanner:
         chunk = self.placement.module(stage.module).chunks[stage.chunk]
         return float(self.cost_model.offloaded_bytes(chunk, sub_of[stage.work], policy))
 
-    @contextlib.contextmanager
-    def _message_room(
-        self, dataflow: Dataflow, sub_of: Mapping, *, planned: bool
-    ) -> Iterator[None]:
-        """The block schedules `dataflow`'s plans within the activation limits less room for
-        their message buffers (`_memory_limits`; `planned` False: no room): at first
-        `message_room.first_room`, grown by `_fit_messages` where a lowered plan needs more."""
-        if planned and self._device_limits() is not None:
-            self._reserved = first_room(
-                dataflow, functools.partial(self._message_bytes, sub_of), self.placement.num_ranks
-            )
-        try:
-            yield
-        finally:
-            self._reserved = None
+    def _room_kept(self, dataflow: Dataflow, sub_of: Mapping, *, planned: bool):
+        """The block schedules `dataflow`'s plans within the device's limits less room for
+        their message buffers (`scheduling_limits`; `planned` False or no limits: no room):
+        at first `message_room.first_room`, grown by `_fit_messages` where a lowered plan
+        needs more."""
+        if not planned or self.device_limits is None:
+            return contextlib.nullcontext()
+        message_bytes = functools.partial(self._message_bytes, sub_of)
+        return self.message_room.kept(dataflow, message_bytes, self.placement.num_ranks)
 
     def _fit_messages(
         self, plan: Plan, scheduled: tuple, lower: Callable, dataflow: Dataflow, sub_of: Mapping
     ) -> tuple[Plan, tuple, bool]:
         """`plan` (lowered from `scheduled`, `_schedule`'s), fitted to the device's limits with
         its message buffers (`message_room`), with whether it fits them; from here on plans are
-        scheduled within the limits less room for them (`_memory_limits`). Where the plan does
+        scheduled within the limits less room for them (`scheduling_limits`). Where the plan does
         not fit with its buffers, the searched order is scheduled again within the limits less
         the room grown to them (conservative: the two peaks need not coincide),
         `MESSAGE_REFITS` times at most. A schedule over the room that does not fit with its own
         buffers either is not taken: the plan before it is kept, and reported over the limit
         (`_overcommitted`)."""
         fits = self._fits(plan)
-        if self._reserved is None:
+        if self.message_room.bytes is None:
             return plan, scheduled, fits
         for _ in range(MESSAGE_REFITS):
             if fits:
                 break
-            self._reserved = grown_room(self._reserved, plan)
+            self.message_room.grow(plan)
             again = self._schedule(
                 dataflow, sub_of, forward_only=False, use_search=False, searched=scheduled[1]
             )
@@ -561,20 +556,20 @@ class DipPlanner:
 
     def _fits(self, plan: Plan) -> bool:
         """Whether `plan` holds no more than the device's limits, message buffers included."""
-        limits = self._device_limits()
+        limits = self.device_limits
         return limits is None or peaks_fit(activation_peaks(plan, self.cost_model), limits)
 
-    def _memory_limits(self) -> list[float] | None:
+    @property
+    def scheduling_limits(self) -> list[float] | None:
         """Per rank, the activation bytes plans are scheduled within: the device's limits
-        (`_device_limits`) less the room made for message buffers while a replica is planned
-        (`_message_room`)."""
-        limits = self._device_limits()
-        if limits is None or self._reserved is None:
-            return limits
-        return [lim - room for lim, room in zip(limits, self._reserved)]
+        (`device_limits`) less the room kept for message buffers while a replica is planned
+        (`message_room`)."""
+        return self.message_room.less(self.device_limits)
 
-    def _device_limits(self) -> list[float] | None:
-        """Per rank, the activation bytes a plan may hold, its message buffers included."""
+    @property
+    def device_limits(self) -> list[float] | None:
+        """Per rank, the activation bytes a plan may hold, its message buffers included (None:
+        no limit)."""
         limit = self.config.memory_limit_bytes
         if limit is None:
             return None

@@ -7,12 +7,14 @@ per rank on T2V-S) can take a plan scheduled right up to its limit over it. So p
 scheduled within the limit less a room for them: first `first_room`, then, where a lowered plan
 still does not fit with its buffers, the room grown to those buffers (`grown_room`) and the
 plan scheduled again, `MESSAGE_REFITS` times at most (`DipPlanner._fit_messages` for fused
-plans, `SplitCandidates.fitted` for split ones).
+plans, `SplitCandidates.fitted` for split ones). `MessageRoom` is the room a planner keeps while
+it plans a replica.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 from ..schedule.graph import Dataflow
 from ..schedule.ir import MessageKey, Plan
@@ -46,3 +48,44 @@ def grown_room(room: Sequence[float], plan: Plan) -> tuple[float, ...]:
     """Per rank, `room` grown where `plan`'s own message buffers need more
     (`simulator.message_peaks`)."""
     return tuple(map(max, room, message_peaks(plan)))
+
+
+class MessageRoom:
+    """Per rank, the bytes a planner keeps free for message buffers in the activation limits it
+    schedules within (`less`): none outside `kept`, `first_room` while a replica is planned,
+    `grow`n where a lowered plan needs more, `drop`ped where nothing fits within it."""
+
+    def __init__(self) -> None:
+        self.bytes: tuple[float, ...] | None = None
+
+    @contextlib.contextmanager
+    def kept(
+        self, dataflow: Dataflow, message_bytes: Callable[[MessageKey], int], num_ranks: int
+    ) -> Iterator[None]:
+        """The first room of `dataflow`'s plans (`first_room`) for the block, none after it."""
+        self.bytes = first_room(dataflow, message_bytes, num_ranks)
+        try:
+            yield
+        finally:
+            self.bytes = None
+
+    @property
+    def keeps_any(self) -> bool:
+        """Whether some rank keeps room now."""
+        return any(self.bytes or ())
+
+    def drop(self) -> None:
+        """No room on any rank (the block's plans fit nowhere within the first)."""
+        if self.bytes is not None:
+            self.bytes = (0,) * len(self.bytes)
+
+    def grow(self, plan: Plan) -> None:
+        """The room grown to `plan`'s own message buffers where they need more (`grown_room`)."""
+        if self.bytes is not None:
+            self.bytes = grown_room(self.bytes, plan)
+
+    def less(self, limits: Sequence[float] | None) -> list[float] | None:
+        """`limits` less the room (as they are where none is kept)."""
+        if limits is None or self.bytes is None:
+            return None if limits is None else list(limits)
+        return [lim - room for lim, room in zip(limits, self.bytes)]

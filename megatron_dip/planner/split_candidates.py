@@ -56,13 +56,13 @@ def best_split_plan(
     best, sim = split_into_bubbles(
         plan,
         planner.cost_model,
-        limits=planner._device_limits(),
+        limits=planner.device_limits,
         channel=per_peer_channel,
         require_faster=not always,
     )
     dataflow, sub_of, order, choice = scheduled
     candidates = SplitCandidates(
-        planner, dataflow, sub_of, own, planner._memory_limits(), planner._device_limits()
+        planner, dataflow, sub_of, own, planner.scheduling_limits, planner.device_limits
     )
     found = candidates.list_scheduled(order, choice, use_search=use_search)
     logger.debug(
@@ -87,7 +87,7 @@ class SplitCandidates:
     fused plan of `dataflow`, whose microbatches and messages the split plans keep),
     `sub_of` (its sub-microbatches by work id), the activation `limits` they are scheduled
     within (None: none) and the `caps` their simulated peaks, message buffers included, must
-    fit (`DipPlanner._message_room`)."""
+    fit (`DipPlanner.scheduling_limits`)."""
 
     planner: Any  # the `DipPlanner` (not imported: it imports this module)
     dataflow: Dataflow

@@ -118,6 +118,6 @@ def _plan_offers(planner, works, *, forward_only: bool, **kw) -> tuple:
 def _key(planner, found) -> tuple[bool, float]:
     """(over the memory limit, simulated iteration): the lower the better."""
     sim = simulate(found.plan, planner.cost_model, channel=per_peer_channel)
-    limits = planner._device_limits()
+    limits = planner.device_limits
     over = found.overcommitted or (limits is not None and not fits(sim, limits))
     return over, sim.iteration_time
