@@ -1,0 +1,33 @@
+"""tools/simulate_paper.py: the study's command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from megatron_dip.planner.search import mcts_order, unit_constraints
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location(
+        "simulate_paper", ROOT / "tools/simulate_paper.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_study_searches_its_rollouts_whatever_the_wall_time():
+    """A row depends on its seed, not on the machine's load: by default every search runs its
+    `--search-rollouts` to the end; `--search-time-ms` caps it only where asked."""
+    tool = _tool()
+    search = tool.search_config(tool.parse_args(["--setups", "vlm-s", "--search-rollouts", "9"]))
+    assert math.isinf(search.time_budget_s) and search.max_rollouts == 9
+    constraints = unit_constraints({"vit": [0, 1, 2], "llm": [0, 1, 2]}, {"vit": "llm"})
+    found = mcts_order(constraints, lambda order: float(hash(tuple(order)) % 97 + 1), search)
+    assert found.rollouts == 9
+    capped = tool.parse_args(["--setups", "vlm-s", "--search-time-ms", "250"])
+    assert tool.search_config(capped).time_budget_s == 0.25
