@@ -471,7 +471,7 @@ def test_a_split_schedule_over_its_limit_with_its_message_buffers_is_scheduled_a
     caps = list(candidates.caps)
     no_room = replace(candidates, limits=caps)
     schedule = no_room.scheduled(order, choice, caps, keep_heavy)
-    tensors = functools.partial(planner._tensors, no_room.sub_of)
+    tensors = functools.partial(planner.message_tensors, no_room.sub_of)
     plan = split_plan(no_room.own, schedule, no_room.dataflow, tensors)
     over = [p - c for p, c in zip(simulate(plan, cost).peak_activation_bytes, caps)]
     assert max(over) > 0 and max(over) <= max(message_peaks(plan)), over

@@ -104,8 +104,8 @@ def _replica(case):
     subs = tuple(s for w in works for s in w.submicrobatches)
     deps = tuple(d for w in works for d in w.dependencies)
     dataflow = Dataflow(planner.placement, subs, deps)
-    graph = planner._graph(
-        dataflow, {s.work: s for s in subs}, planner._uniform_choice(), forward_only=False
+    graph = planner.stage_graph(
+        dataflow, {s.work: s for s in subs}, planner.uniform_choice(), forward_only=False
     )
     return planner, layout, dataflow, graph
 

@@ -129,8 +129,8 @@ def test_the_planner_sees_the_instruction_overhead_in_its_durations() -> None:
     subs = tuple(s for w in works for s in w.submicrobatches)
     deps = tuple(d for w in works for d in w.dependencies)
     sub_of = {s.work: s for s in subs}
-    graph = planner._graph(
-        Dataflow(spec.placement, subs, deps), sub_of, planner._uniform_choice(), forward_only=False
+    graph = planner.stage_graph(
+        Dataflow(spec.placement, subs, deps), sub_of, planner.uniform_choice(), forward_only=False
     )
     for k, stage in enumerate(graph.stages):
         chunk = spec.placement.module(stage.module).chunks[stage.chunk]

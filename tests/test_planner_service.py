@@ -151,14 +151,16 @@ def test_where_nothing_fits_within_the_first_message_room_the_search_is_not_run_
     limit = 0.1 * max(free.peak_activation_bytes)
     planner = case.planner(limit)
     rooms, searches = [], []
-    schedule, search = DipPlanner._schedule, DipPlanner._search
+    schedule, search = DipPlanner._schedule, DipPlanner.search_order
     monkeypatch.setattr(
         DipPlanner,
         "_schedule",
         lambda self, *a, **k: rooms.append(self.message_room.bytes) or schedule(self, *a, **k),
     )
     monkeypatch.setattr(
-        DipPlanner, "_search", lambda self, *a, **k: searches.append(1) or search(self, *a, **k)
+        DipPlanner,
+        "search_order",
+        lambda self, *a, **k: searches.append(1) or search(self, *a, **k),
     )
     plan = planner.plan_batch(case.batch)[0].plan
     assert any(rooms[0]) and not any(rooms[1]) and any(rooms[2])
@@ -657,7 +659,7 @@ def test_planner_never_loses_to_megatron_order_on_its_placement():
         totals=chosen.plan.totals,
         iteration=0,
         replica=0,
-        tensors=functools.partial(planner._tensors, sub_of),
+        tensors=functools.partial(planner.message_tensors, sub_of),
         compute_time=lambda r, i: 1e-3,
     )
     assert alt is not None

@@ -158,7 +158,7 @@ def megatron_candidate(
         totals=totals,
         iteration=iteration,
         replica=replica,
-        tensors=functools.partial(planner._tensors, sub_of),
+        tensors=functools.partial(planner.message_tensors, sub_of),
         compute_time=duration,
         stage_units=planner.stage_units,
     )

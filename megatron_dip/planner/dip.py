@@ -40,8 +40,10 @@ from ..schedule.passes import TensorFn, add_communication
 from ..schedule.validate import validate_plan
 from .candidates import best_of_megatron
 from .config import PlannerConfig
+from .cost_model import StageCost
 from .list_scheduler import (
     ListSchedule,
+    StageGraph,
     build_stage_graph,
     list_makespan,
     list_schedule,
@@ -52,7 +54,7 @@ from .memory import MemoryLimitError, RecomputeChoice, stage_modes
 from .message_room import MESSAGE_REFITS, MessageRoom
 from .overheads import host_overheads
 from .recompute_candidates import RecomputeCandidates
-from .search import SearchResult, parallel_mcts_order, unit_constraints
+from .search import SearchResult, Unit, parallel_mcts_order, unit_constraints
 from .simulator import activation_peaks
 from .split_candidates import best_split_plan
 from .stock_configs import peaks_fit
@@ -99,7 +101,9 @@ class DipPlanner:
         missing = [m.name for m in split_modules(model) if m.name not in config.sub_sizes]
         if missing:
             raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
-        self._graph_cache: tuple | None = None  # (dataflow, forward_only, StageGraph), see _graph
+        self._graph_cache: tuple | None = (
+            None  # (dataflow, forward_only, StageGraph), see stage_graph
+        )
         # Per plan (keyed by its sub-microbatch table): message tensors and stage costs, asked
         # for several times each by the graph, memory and communication passes.
         self._memo: tuple = (None, {}, {}, {}, {})
@@ -204,7 +208,7 @@ class DipPlanner:
             works=works,
             subs=subs,
             deps=deps,
-            tensors=functools.partial(self._tensors, sub_of),
+            tensors=functools.partial(self.message_tensors, sub_of),
             iteration=iteration,
             replica=replica,
             totals=totals,
@@ -333,26 +337,28 @@ class DipPlanner:
 
         return fallback_plan(self, layout, replica)
 
-    def _memos(self, sub_of: Mapping) -> tuple[dict, dict, dict, dict]:
+    def plan_memos(self, sub_of: Mapping) -> tuple[dict, dict, dict, dict]:
         """Per plan: message tensors, stage costs, candidate modes, the memory pass's rows."""
         if self._memo[0] is not sub_of:
             self._memo = (sub_of, {}, {}, {}, {})
         return self._memo[1:]
 
-    def _tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
-        memo = self._memos(sub_of)[0]
+    def message_tensors(self, sub_of: Mapping, key: MessageKey) -> tuple:
+        """The tensors of message `key` of the plan of `sub_of` (its sub-microbatches by work
+        id; `MessageShapes.tensors`, memoized per plan)."""
+        memo = self.plan_memos(sub_of)[0]
         found = memo.get(key)
         if found is None:
             found = memo[key] = self.shapes.tensors(key, sub_of.__getitem__)
         return found
 
     def _message_bytes(self, sub_of: Mapping, key: MessageKey) -> int:
-        """Bytes of message `key` of this plan (`_tensors`)."""
-        return sum(t.nbytes for t in self._tensors(sub_of, key))
+        """Bytes of message `key` of this plan (`message_tensors`)."""
+        return sum(t.nbytes for t in self.message_tensors(sub_of, key))
 
-    def _stage_cost(self, sub_of: Mapping, stage: StageId, mode: MemoryPolicy):
+    def stage_cost(self, sub_of: Mapping, stage: StageId, mode: MemoryPolicy) -> StageCost:
         """`cost_model.stage_cost` of a stage of this plan (memoized per plan)."""
-        memo = self._memos(sub_of)[1]
+        memo = self.plan_memos(sub_of)[1]
         found = memo.get((stage, mode))
         if found is None:
             chunk = self.placement.module(stage.module).chunks[stage.chunk]
@@ -375,15 +381,15 @@ class DipPlanner:
         again), with the recompute choice that fits the memory limit best, and the memory
         pass's errors (for the caller's report)."""
         limits = self.scheduling_limits
-        choice = self._uniform_choice()
+        choice = self.uniform_choice()
         with self._pass("list schedule"):
-            graph = self._graph(dataflow, sub_of, choice, forward_only=forward_only)
+            graph = self.stage_graph(dataflow, sub_of, choice, forward_only=forward_only)
         search = searched
         if search is None:
             with self._pass("search"):
-                search = self._search(graph, dataflow, limits, use_search=use_search)
+                search = self.search_order(graph, dataflow, limits, use_search=use_search)
         with self._pass("list schedule"):
-            schedule = self._list_schedule(graph, search.order, limits, choice)
+            schedule = self.list_scheduled(graph, search.order, limits, choice)
         errors: list[MemoryLimitError] = []
         trade = not quick or schedule.overcommitted  # quick: only what it takes to fit
         if self.config.optimize_memory and limits is not None and not forward_only and trade:
@@ -419,9 +425,9 @@ class DipPlanner:
             "included); raise --dip-memory-limit-gb or use smaller sub-microbatches"
         )
 
-    def _modes_of(self, sub_of: Mapping, stage: StageId) -> tuple[MemoryPolicy, ...]:
+    def memory_policies(self, sub_of: Mapping, stage: StageId) -> tuple[MemoryPolicy, ...]:
         """The stage's candidate memory policies (`stage_modes`; memoized per plan)."""
-        memo = self._memos(sub_of)[2]
+        memo = self.plan_memos(sub_of)[2]
         found = memo.get(stage)
         if found is None:
             chunk = self.placement.module(stage.module).chunks[stage.chunk]
@@ -435,7 +441,9 @@ class DipPlanner:
             )
         return found
 
-    def _uniform_choice(self) -> RecomputeChoice:
+    def uniform_choice(self) -> RecomputeChoice:
+        """Every chunk under `PlannerConfig.uniform_recompute` (none: no recomputation), the
+        choice plans start from before the memory pass."""
         mode = self.config.uniform_recompute
         if mode is None or mode.method is Recompute.NONE:
             return RecomputeChoice({}, 0.0)
@@ -503,7 +511,7 @@ class DipPlanner:
             share = self.cost_model.device.host_offload_share
         return [float(share)] * self.placement.num_ranks
 
-    def _host_limits(self, sub_of: Mapping) -> dict:
+    def host_limit_args(self, sub_of: Mapping) -> dict:
         """The memory pass's host-memory arguments (none without offload)."""
         limits = self.host_limits()
         if limits is None:
@@ -579,15 +587,17 @@ class DipPlanner:
             raise ValueError(f"{len(limit)} memory limits for {self.placement.num_ranks} ranks")
         return [float(x) for x in limit]
 
-    def _graph(
+    def stage_graph(
         self, dataflow: Dataflow, sub_of: Mapping, choice: RecomputeChoice, *, forward_only: bool
-    ):
+    ) -> StageGraph:
+        """The list scheduler's graph of `dataflow`'s stages under `choice`, with the runtime's
+        host time in every duration."""
         # Durations as the runtime takes them: compute plus each instruction's and each
         # message's host time (the posted batches are the simulator's to charge).
         host = host_overheads(self.cost_model)
 
         def stage_cost(stage: StageId, recompute: MemoryPolicy) -> tuple[float, float, int]:
-            c = self._stage_cost(sub_of, stage, recompute)
+            c = self.stage_cost(sub_of, stage, recompute)
             return (*host.instruction_times(c.forward, c.backward), c.activation_bytes)
 
         def transfer(key: MessageKey) -> float:
@@ -609,8 +619,9 @@ class DipPlanner:
         self._graph_cache = (dataflow, forward_only, graph)
         return graph
 
-    def _mode_cost(self, sub_of: Mapping, stage: StageId, mode: MemoryPolicy) -> tuple[float, int]:
-        c = self._stage_cost(sub_of, stage, mode)
+    def mode_cost(self, sub_of: Mapping, stage: StageId, mode: MemoryPolicy) -> tuple[float, int]:
+        """(forward + backward seconds, stored activation bytes) of `stage` under `mode`."""
+        c = self.stage_cost(sub_of, stage, mode)
         return c.forward + c.backward, c.activation_bytes
 
     def _units(self, dataflow: Dataflow) -> dict[str, list[int]]:
@@ -621,7 +632,7 @@ class DipPlanner:
                 mbs.append(w.microbatch)
         return units
 
-    def _search(
+    def search_order(
         self, graph, dataflow: Dataflow, limits, *, use_search: bool, factory=None
     ) -> SearchResult:
         """The unit order search; `factory` makes its scorer (default: the fused list
@@ -637,7 +648,15 @@ class DipPlanner:
             config = replace(config, max_rollouts=1, workers=1)
         return parallel_mcts_order(constraints, factory, config)
 
-    def _list_schedule(self, graph, order, limits, choice: RecomputeChoice) -> ListSchedule:
+    def list_scheduled(
+        self,
+        graph: StageGraph,
+        order: Sequence[Unit],
+        limits: Sequence[float] | None,
+        choice: RecomputeChoice,
+    ) -> ListSchedule:
+        """`graph` list-scheduled in the unit `order`'s priorities within `limits`, under
+        `choice`."""
         return list_schedule(
             graph,
             priority=priorities_from_units(graph.stages, order),

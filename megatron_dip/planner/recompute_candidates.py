@@ -56,15 +56,15 @@ class RecomputeCandidates:
     def all(self, *, errors: list[MemoryLimitError]) -> list[Planned]:
         """Every candidate (none where memory does not bind); factors whose schedule cannot
         fit add their error to `errors`."""
-        uniform = self.planner._uniform_choice()
-        free = self.planner._graph(self.dataflow, self.sub_of, uniform, forward_only=False)
-        unbounded = self.planner._list_schedule(free, self.order, None, uniform)
+        uniform = self.planner.uniform_choice()
+        free = self.planner.stage_graph(self.dataflow, self.sub_of, uniform, forward_only=False)
+        unbounded = self.planner.list_scheduled(free, self.order, None, uniform)
         if all(p <= lim for p, lim in zip(unbounded.peak_memory, self.limits)):
             return []  # memory does not bind: nothing to trade
         out = []
         for factor in RELAXATION_FACTORS:
             relaxed = [x * factor for x in self.limits]
-            loose = self.planner._list_schedule(free, self.order, relaxed, uniform)
+            loose = self.planner.list_scheduled(free, self.order, relaxed, uniform)
             try:
                 choice = self.choose(loose.orders)
             except MemoryLimitError as err:
@@ -89,12 +89,12 @@ class RecomputeCandidates:
         the device and host limits, and the batch's row cache."""
         planner, sub_of = self.planner, self.sub_of
         return dict(
-            mode_cost=functools.partial(planner._mode_cost, sub_of),
-            modes_of=functools.partial(planner._modes_of, sub_of),
+            mode_cost=functools.partial(planner.mode_cost, sub_of),
+            modes_of=functools.partial(planner.memory_policies, sub_of),
             keeps_activations=self._keeps_activations,
             memory_limit=self.limits,
-            **planner._host_limits(sub_of),
-            row_cache=planner._memos(sub_of)[3],
+            **planner.host_limit_args(sub_of),
+            row_cache=planner.plan_memos(sub_of)[3],
         )
 
     def kept(self, planned: Planned) -> Planned | None:
@@ -104,11 +104,11 @@ class RecomputeCandidates:
         None where they do not fit after all (the pass's greedy answer may end over a limit)
         or its offload breaks the host limit."""
         loose, choice = planned
-        graph = self.planner._graph(self.dataflow, self.sub_of, choice, forward_only=False)
+        graph = self.planner.stage_graph(self.dataflow, self.sub_of, choice, forward_only=False)
         kept = retimed(loose, graph, choice.of, self.limits)
         if kept is None or kept.overcommitted:
             return None
-        host = self.planner._host_limits(self.sub_of)
+        host = self.planner.host_limit_args(self.sub_of)
         if (
             host
             and within_host_limit(
@@ -155,8 +155,10 @@ class RecomputeCandidates:
             relaxed = relax_choice(schedule.orders, choice, **self.inputs())
             if relaxed is choice:
                 break
-            graph = self.planner._graph(self.dataflow, self.sub_of, relaxed, forward_only=False)
-            tries = [self.planner._list_schedule(graph, self.order, self.limits, relaxed)]
+            graph = self.planner.stage_graph(
+                self.dataflow, self.sub_of, relaxed, forward_only=False
+            )
+            tries = [self.planner.list_scheduled(graph, self.order, self.limits, relaxed)]
             tries.append(retimed(schedule, graph, relaxed.of, self.limits))
             tries = [t for t in tries if t is not None and not t.overcommitted]
             best = min(tries, key=lambda t: t.makespan, default=None)
@@ -170,14 +172,14 @@ class RecomputeCandidates:
         the host limit replaced by full recomputation and rescheduled until none does (each
         round only removes offload; the last removes all of it)."""
         schedule, choice = planned
-        host = self.planner._host_limits(self.sub_of)
+        host = self.planner.host_limit_args(self.sub_of)
         if not host:
             return schedule, choice
         within = functools.partial(
             within_host_limit,
             host_bytes=host["host_bytes"],
             keeps_activations=self._keeps_activations,
-            mode_cost=functools.partial(self.planner._mode_cost, self.sub_of),
+            mode_cost=functools.partial(self.planner.mode_cost, self.sub_of),
         )
         for attempt in range(REFINE_ROUNDS + 1):
             fixed = within(schedule.orders, choice, host_limit=host["host_limit"])
@@ -191,8 +193,8 @@ class RecomputeCandidates:
 
     def scheduled(self, choice: RecomputeChoice) -> ListSchedule:
         """The plan's order list-scheduled under the real limits with `choice`'s costs."""
-        graph = self.planner._graph(self.dataflow, self.sub_of, choice, forward_only=False)
-        return self.planner._list_schedule(graph, self.order, self.limits, choice)
+        graph = self.planner.stage_graph(self.dataflow, self.sub_of, choice, forward_only=False)
+        return self.planner.list_scheduled(graph, self.order, self.limits, choice)
 
     def _keeps_activations(self, stage) -> bool:
         return self.dataflow.needs_backward(stage.module)

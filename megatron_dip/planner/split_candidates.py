@@ -127,7 +127,7 @@ class SplitCandidates:
             SEARCH_OVERSHOOTS,
             SEARCH_ROUNDS,
         )
-        found = self.planner._search(
+        found = self.planner.search_order(
             graph, self.dataflow, self.limits, use_search=True, factory=factory
         )
         return found.order
@@ -168,7 +168,7 @@ class SplitCandidates:
         room more often than a fused one's); None where none fits."""
         from .split_schedule import split_plan
 
-        tensors = functools.partial(self.planner._tensors, self.sub_of)
+        tensors = functools.partial(self.planner.message_tensors, self.sub_of)
         caps = self.caps
         room = None if caps is None else tuple(c - lim for c, lim in zip(caps, self.limits))
         for refits in range(MESSAGE_REFITS + 1):
@@ -190,7 +190,7 @@ class SplitCandidates:
         (`keep_heavy`: `stage_times`')."""
         from .split_schedule import split_graph, with_reductions
 
-        fused = self.planner._graph(self.dataflow, self.sub_of, choice, forward_only=False)
+        fused = self.planner.stage_graph(self.dataflow, self.sub_of, choice, forward_only=False)
         cost = functools.partial(self.stage_times, choice, keep_heavy=keep_heavy)
         graph = split_graph(fused, cost)
         return with_reductions(graph, self.dataflow.placement, self.reduce_time)
@@ -223,7 +223,7 @@ class SplitCandidates:
         out = []
         for factor in SPLIT_RELAXATION_FACTORS:
             loose_limits = [x * factor for x in self.limits]
-            loose = self.scheduled(order, planner._uniform_choice(), loose_limits)
+            loose = self.scheduled(order, planner.uniform_choice(), loose_limits)
             if loose is None:
                 continue
             alive = held_until_weights(loose.orders)
@@ -247,7 +247,7 @@ class SplitCandidates:
         weight gradients, and with `keep_heavy` for a stage whose pending W would hold more
         than its activations."""
         planner = self.planner
-        c = planner._stage_cost(self.sub_of, stage, choice.of(stage))
+        c = planner.stage_cost(self.sub_of, stage, choice.of(stage))
         host = host_overheads(planner.cost_model).instruction
         if c.weight <= 0 or (keep_heavy and c.pending_weight_bytes > c.activation_bytes):
             return c.backward + host, 0.0, float(c.activation_bytes)
