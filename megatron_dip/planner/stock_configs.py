@@ -111,12 +111,21 @@ def with_recompute(plan: Plan, mode: MemoryPolicy) -> Plan:
     return dataclasses.replace(plan, programs=programs)
 
 
+def schedule_name(num_model_chunks: int) -> str:
+    """Megatron's schedule of a static placement with `num_model_chunks` per rank, as the study
+    names it: "1f1b", "interleaved" (2 chunks, Megatron's usual virtual pipeline), "interleaved
+    v3", ..."""
+    if num_model_chunks == 1:
+        return "1f1b"
+    return "interleaved" if num_model_chunks == 2 else f"interleaved v{num_model_chunks}"
+
+
 @dataclass(frozen=True)
 class StockResult:
     """One stock configuration simulated on one batch (replica)."""
 
     pipeline: str  # the static placement's name
-    schedule: str  # "1f1b" or "interleaved"
+    schedule: str  # `schedule_name`, or "zb-h1"
     mode: MemoryPolicy
     sim: SimResult
     fits: bool
@@ -197,7 +206,7 @@ def evaluate_stock(
     `offload`) of `pipe` simulated on `work`; none
     when Megatron cannot run the schedule on it (interleaving needs at least as many
     microbatches as pipeline ranks, and a last group of 0 or at least PP microbatches)."""
-    schedule = "1f1b" if pipe.num_model_chunks == 1 else "interleaved"
+    schedule = schedule_name(pipe.num_model_chunks)
     if pipe.num_model_chunks > 1:
         try:  # Megatron's group size is PP; it refuses some microbatch counts
             p = pipe.placement.num_ranks
@@ -308,6 +317,7 @@ __all__ = [
     "mode_label",
     "peaks_fit",
     "recompute_modes",
+    "schedule_name",
     "strongest",
     "with_recompute",
 ]
