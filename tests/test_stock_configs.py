@@ -20,7 +20,7 @@ from megatron_dip.planner.placement import ModuleWorkload
 from megatron_dip.planner.placement_neighbours import neighbour_candidates
 from megatron_dip.planner.placement_search import static_candidates
 from megatron_dip.planner.search import SearchConfig
-from megatron_dip.planner.static_baselines import MAX_MODEL_CHUNKS, static_pipelines
+from megatron_dip.planner.static_baselines import INTERLEAVED_CHUNKS, static_pipelines
 from megatron_dip.planner.stock_configs import mode_label, recompute_modes
 from megatron_dip.planner.study import Study, format_table
 from megatron_dip.schedule.ir import NO_RECOMPUTE, MemoryPolicy, Recompute
@@ -110,19 +110,20 @@ def test_a_named_placement_is_rebuilt_without_the_search(free_study):
 
 
 def test_the_cost_split_runs_interleaved_over_up_to_four_chunks_per_rank(free_study):
-    """A Megatron expert also tunes the virtual pipeline size (on VLM-M and VLM-L mixed 3 and 4
-    chunks per rank beat 2): the grid has the cost-split cut at 1 to `MAX_MODEL_CHUNKS` chunks,
-    each its own row ("interleaved v3"), where the layers fill the stages."""
+    """A Megatron expert also tunes the virtual pipeline size (on VLM-M mixed 8 chunks per rank
+    beat 2 by 8%): the grid has the cost-split cut at 1 chunk and at each of
+    `INTERLEAVED_CHUNKS`, each its own row ("interleaved v3"), where the layers fill the stages
+    (10 layers on 2 ranks: up to 4 chunks each)."""
     cmp, study = free_study
-    assert MAX_MODEL_CHUNKS == 4
+    assert INTERLEAVED_CHUNKS == (2, 3, 4, 6, 8)
     chunks = sorted(p.num_model_chunks for p in cmp.static if p.name == "cost-split")
     assert chunks == [1, 2, 3, 4]
     schedules = {r.schedule for b in study.batches for r in b.stock if r.pipeline == "cost-split"}
     assert schedules == {"1f1b", "interleaved", "interleaved v3", "interleaved v4"}
     assert "megatron interleaved v4 (cost-split), none" in {r.name for r in study.stock_rows()}
     workload = {m.name: ModuleWorkload(4, 4 * 64) for m in MODEL.modules}
-    three = static_pipelines(MODEL, cmp.cost_model, num_ranks=3, workload=workload)
-    assert max(p.num_model_chunks for p in three) == 3  # 10 layers cannot fill 3 x 4 stages
+    one = static_pipelines(MODEL, cmp.cost_model, num_ranks=1, workload=workload)
+    assert {p.num_model_chunks for p in one} == {1}  # interleaving needs a pipeline
 
 
 def test_every_schedule_is_at_least_the_balanced_bound(free_study):
