@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 # The model chunks per rank of the interleaved cost-split placements (`static_pipelines`): the
 # virtual pipeline sizes a Megatron expert tries. Against 2 chunks, simulated on VLM-M mixed 3
-# chunks gave -2.6%, 4: -1.5%, 5: -0.1%, 6: -3.9%, 8: -8.3%; on VLM-L mixed (batch 0) 3: -3.9%,
-# 4: -4.6%, 6: +0.8%, 8: -1.9%.
+# chunks gave -2.6%, 4: -1.5%, 5: -0.1%, 6: -3.9%, 8: -8.3%, 12: -3.4%, 16: +2.2%; on VLM-L mixed
+# (batch 0) 3: -3.9%, 4: -4.6%, 6: +0.8%, 8: -1.9%.
 INTERLEAVED_CHUNKS = (2, 3, 4, 6, 8)
 
 Units = list[list[list[tuple[str, int]]]]  # [rank][virtual stage] -> (module, chunk) units
