@@ -101,9 +101,8 @@ class DipPlanner:
         missing = [m.name for m in split_modules(model) if m.name not in config.sub_sizes]
         if missing:
             raise ValueError(f"PlannerConfig.sub_sizes lacks module(s) {missing}")
-        self._graph_cache: tuple | None = (
-            None  # (dataflow, forward_only, StageGraph), see stage_graph
-        )
+        # (dataflow, forward_only, StageGraph) of the last graph built, see stage_graph
+        self._graph_cache: tuple | None = None
         # Per plan (keyed by its sub-microbatch table): message tensors and stage costs, asked
         # for several times each by the graph, memory and communication passes.
         self._memo: tuple = (None, {}, {}, {}, {})

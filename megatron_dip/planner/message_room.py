@@ -86,6 +86,8 @@ class MessageRoom:
 
     def less(self, limits: Sequence[float] | None) -> list[float] | None:
         """`limits` less the room (as they are where none is kept)."""
-        if limits is None or self.bytes is None:
-            return None if limits is None else list(limits)
+        if limits is None:
+            return None
+        if self.bytes is None:
+            return list(limits)
         return [lim - room for lim, room in zip(limits, self.bytes)]
