@@ -35,7 +35,7 @@ def test_the_shape_derives_the_world_and_sequence_parallelism_once() -> None:
         (lambda: ParallelShape.for_world(8, tp=0), "--tensor-model-parallel-size:"),
         (lambda: ParallelShape.for_world(8, pp=0), "--pipeline-model-parallel-size:"),
         (lambda: ParallelShape(tp=2, cp=2), "--context-parallel-size:"),
-        (lambda: ParallelShape(vp=0), "--num-layers-per-virtual-pipeline-stage:"),
+        (lambda: ParallelShape(vp=0), "--num-virtual-stages-per-pipeline-rank:"),
         (lambda: ParallelShape(seq_length=0), "--seq-length:"),
         (lambda: ParallelShape(sp=True).check_sequence_parallel(), "--sequence-parallel:"),
         (

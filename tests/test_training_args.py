@@ -124,6 +124,32 @@ BAD = [
         "multiple of PP=4",
     ),
     (["--dip-schedule", "1f1b", "--dip-segments", "vit=1"], 1, "--dip-segments", "dip"),
+    (
+        ["--num-virtual-stages-per-pipeline-rank", "4"],
+        1,
+        "--num-virtual-stages-per-pipeline-rank",
+        "DIP's start-up search chooses",
+    ),
+    (
+        ["--dip-schedule", "1f1b", "--num-virtual-stages-per-pipeline-rank", "2"],
+        1,
+        "--num-virtual-stages-per-pipeline-rank",
+        "not 1f1b",
+    ),
+    (
+        ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"]
+        + ["--num-virtual-stages-per-pipeline-rank", "1"],
+        2,
+        "--num-virtual-stages-per-pipeline-rank",
+        ">= 2 model chunks",
+    ),
+    (
+        ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"]
+        + ["--num-virtual-stages-per-pipeline-rank", "8"],
+        2,
+        "--pipeline-model-parallel-size",
+        "PP x V = 2 x 8 stages",
+    ),
     (["--save-interval", "5"], 1, "--save-interval", "needs --save"),
     (["--async-save"], 1, "--async-save", "needs --save"),
     (["--ckpt-step", "3"], 1, "--ckpt-step", "needs --load"),
@@ -383,8 +409,21 @@ def test_stock_schedules_get_megatrons_placement():
         ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"], world_size=2
     )
     assert spec.is_stock and len(spec.stage_units[0]) == 2
+    assert spec.shape.vp == 2  # Megatron's usual virtual pipeline size by default
     vit = spec.placement.module("vit")
     assert vit.num_chunks == 1 and vit.chunks[0].rank == 0  # the whole encoder on stage 0
+
+
+def test_the_interleaved_schedule_takes_megatrons_virtual_pipeline_size():
+    flags = ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"]
+    for placement in ("llava", "cost"):
+        spec = _resolve(
+            [*flags, "--dip-stock-placement", placement]
+            + ["--num-virtual-stages-per-pipeline-rank", "3"],
+            world_size=2,
+        )
+        assert spec.shape.vp == 3 and all(len(units) == 3 for units in spec.stage_units)
+        assert all(stage for units in spec.stage_units for stage in units)  # none empty
 
 
 def test_every_field_is_a_flag_with_help_and_unique_names():

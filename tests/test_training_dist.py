@@ -351,8 +351,8 @@ def test_tensor_parallel_checkpoint_loads_at_another_tp(world):
 def test_stock_recompute_and_overlapped_reduction_keep_the_gradients(world):
     """Megatron's schedules with recomputation inside the stages (full at PP=2 x DP=2 with the
     DP reduction overlapped through Megatron's DDP hooks, Megatron's block recomputation; selective
-    at PP=4) train exactly as
-    the plain stock run: same losses after one and two updates."""
+    at PP=4) train exactly as the plain stock run (Megatron's interleaved schedule over 3 chunks
+    per rank): same losses after one and two updates."""
     reference = world[0]["interleaved"]["losses"]
     overlap = world[0]["1f1b_overlap"]["losses"]
     assert sorted(overlap) == [1, 2, 3]

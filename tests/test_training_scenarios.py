@@ -102,10 +102,12 @@ def world4(
         world_size=world_size,
     )
     out.update(schedule_switch_runs(base, resume, ckpt=ckpt, tmp=tmp, world_size=world_size))
+    # Megatron's interleaved schedule at a virtual pipeline size other than its usual 2 (the
+    # distributed tests run 2): the reference of the stock runs below.
     out["interleaved"] = run(
         base + [
             "--pipeline-model-parallel-size", "2", "--train-iters", "3",
-            "--dip-schedule", "interleaved",
+            "--dip-schedule", "interleaved", "--num-virtual-stages-per-pipeline-rank", "3",
         ],
         world_size=world_size,
     )  # fmt: skip

@@ -123,9 +123,12 @@ def plan_runs(args: argparse.Namespace, preset: BenchPreset) -> tuple[list[dict]
     for choice in strongest_stock(
         flags, world_size=world, batches=args.calibration_batches, schedules=stock
     ):
-        label = f"megatron-{choice.schedule} ({choice.placement}, {choice.recompute})"
         runs.append(
-            {"label": label, "flags": flags + choice.flags(), "simulated": choice.simulated_s}
+            {
+                "label": choice.label,
+                "flags": flags + choice.flags(),
+                "simulated": choice.simulated_s,
+            }
         )
     if "dip" in args.schedules.split(","):
         searched = time.time()

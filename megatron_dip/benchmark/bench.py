@@ -183,18 +183,55 @@ class StockChoice:
     placement: str
     mode: MemoryPolicy
     simulated_s: dict[str, float | None] = field(default_factory=dict)
+    virtual_stages: int | None = None  # --num-virtual-stages-per-pipeline-rank (None: default)
 
     @property
     def recompute(self) -> str:
         """Megatron's name of the recompute setting ("none", "selective", "block 4", ...)."""
         return mode_label(self.mode)
 
+    @property
+    def label(self) -> str:
+        """E.g. "megatron-interleaved v4 (cost, block 2)", as the benchmark's table names it."""
+        chunks = f" v{self.virtual_stages}" if self.virtual_stages is not None else ""
+        return f"megatron-{self.schedule}{chunks} ({self.placement}, {self.recompute})"
+
+    @property
+    def key(self) -> str:
+        """Its entry in `simulated_s` (`simulated_key`)."""
+        return simulated_key(self.placement, self.virtual_stages, self.mode)
+
     def flags(self) -> list[str]:
-        """The run's flags: schedule, placement and Megatron's recompute flags."""
+        """The run's flags: schedule, placement, virtual stages and Megatron's recompute flags."""
         from megatron_dip.training.config.validate import recompute_flags
 
         out = ["--dip-schedule", self.schedule, "--dip-stock-placement", self.placement]
+        if self.virtual_stages is not None:
+            out += ["--num-virtual-stages-per-pipeline-rank", str(self.virtual_stages)]
         return out + recompute_flags(self.mode)
+
+
+def simulated_key(placement: str, virtual_stages: int | None, mode: MemoryPolicy) -> str:
+    """A stock configuration's name in `StockChoice.simulated_s`: "cost/block 2", or with
+    --num-virtual-stages-per-pipeline-rank "cost v4/block 2"."""
+    chunks = f" v{virtual_stages}" if virtual_stages is not None else ""
+    return f"{placement}{chunks}/{mode_label(mode)}"
+
+
+def stock_variants(schedule: str) -> list[tuple[str, int | None]]:
+    """(placement, virtual stages) a Megatron user tunes for `schedule`, as the study's grid
+    (`static_baselines.static_pipelines`): the interleaved cost cut over each of
+    `INTERLEAVED_CHUNKS` per rank, the other placements at Megatron's usual 2 (None: the
+    flag's default)."""
+    from megatron_dip.planner.static_baselines import INTERLEAVED_CHUNKS
+
+    out: list[tuple[str, int | None]] = []
+    for placement in STOCK_PLACEMENTS:
+        if schedule == "interleaved" and placement == "cost":
+            out += [(placement, v) for v in INTERLEAVED_CHUNKS]
+        else:
+            out.append((placement, None))
+    return out
 
 
 def strongest_stock(
@@ -208,8 +245,11 @@ def strongest_stock(
     choices = []
     for schedule in schedules:
         per_batch: list[list] = [[] for _ in range(batches)]
-        for placement in STOCK_PLACEMENTS:
+        chunks: dict[tuple[str, str], int | None] = {}  # (placement, schedule name) -> flag
+        for placement, virtual in stock_variants(schedule):
             run = [*flags, "--dip-schedule", schedule, "--dip-stock-placement", placement]
+            if virtual is not None:
+                run += ["--num-virtual-stages-per-pipeline-rank", str(virtual)]
             try:
                 spec = resolve_run(run, world_size=world_size)
             except ConfigError as e:
@@ -217,21 +257,26 @@ def strongest_stock(
                 continue
             for mine, results in zip(per_batch, stock_results(spec, first_batches(spec, batches))):
                 mine.extend(results)
+                chunks.update({(r.pipeline, r.schedule): virtual for r in results})
         best = strongest(per_batch)
         if best is None:
             raise ValueError(f"no stock configuration of --dip-schedule {schedule} fits in memory")
-        choices.append(StockChoice(schedule, best[0], best[2], _mean_times(per_batch)))
+        virtual = chunks[best[0], best[1]]
+        times = _mean_times(per_batch, chunks)
+        choices.append(StockChoice(schedule, best[0], best[2], times, virtual))
     return choices
 
 
-def _mean_times(per_batch: Sequence[Sequence]) -> dict[str, float | None]:
-    """ "placement/recompute" -> mean simulated seconds over the batches (None: does not fit
-    on some batch)."""
+def _mean_times(
+    per_batch: Sequence[Sequence], chunks: Mapping[tuple[str, str], int | None]
+) -> dict[str, float | None]:
+    """`simulated_key` -> mean simulated seconds over the batches (None: does not fit on some
+    batch); `chunks`: (placement, schedule) -> its virtual stages flag."""
     times: dict[str, list[float]] = {}
     fitting: dict[str, bool] = {}
     for results in per_batch:
         for r in results:
-            key = f"{r.pipeline}/{mode_label(r.mode)}"
+            key = simulated_key(r.pipeline, chunks[r.pipeline, r.schedule], r.mode)
             times.setdefault(key, []).append(r.sim.iteration_time)
             fitting[key] = fitting.get(key, True) and r.fits
     return {k: (sum(v) / len(v) if fitting[k] else None) for k, v in times.items()}

@@ -16,7 +16,7 @@ FLAGS = {
     "cp": "--context-parallel-size",
     "pp": "--pipeline-model-parallel-size",
     "dp": "the world size",
-    "vp": "--num-layers-per-virtual-pipeline-stage",
+    "vp": "--num-virtual-stages-per-pipeline-rank",
     "sp": "--sequence-parallel",
     "seq_length": "--seq-length",
 }

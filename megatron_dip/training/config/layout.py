@@ -136,11 +136,36 @@ def split_all(model: MultimodalSpec, microbatches, config: LayoutConfig) -> list
         raise _fail("--seq-length", str(e)) from None
 
 
+# Megatron's interleaved schedule without --num-virtual-stages-per-pipeline-rank: its usual 2.
+DEFAULT_VIRTUAL_STAGES = 2
+
+
+def stock_virtual_stages(config: TrainConfig) -> int:
+    """Model chunks per rank of the stock schedule: 1 for 1F1B; for the interleaved schedule
+    --num-virtual-stages-per-pipeline-rank (>= 2), by default `DEFAULT_VIRTUAL_STAGES`. A
+    ConfigError naming the flag where it does not apply (DIP chooses its own chunks)."""
+    schedule, given = config.dip.dip_schedule, config.parallel.num_virtual_stages_per_pipeline_rank
+    flag = "--num-virtual-stages-per-pipeline-rank"
+    if given is not None and schedule != "interleaved":
+        where = (
+            "DIP's start-up search chooses its chunks per rank (--dip-segments "
+            "static:cost-split-v4 names Megatron's cost cut over 4)"
+            if schedule == "dip"
+            else "1F1B runs one model chunk per rank"
+        )
+        raise _fail(flag, f"applies to --dip-schedule interleaved, not {schedule}: {where}")
+    if schedule != "interleaved":
+        return 1
+    if given is not None and given < 2:
+        raise _fail(flag, f"the interleaved schedule needs >= 2 model chunks per rank, got {given}")
+    return DEFAULT_VIRTUAL_STAGES if given is None else given
+
+
 def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
     schedule = config.dip.dip_schedule
     if config.dip.dip_segments not in (None, "auto"):
         raise _fail("--dip-segments", f"applies to --dip-schedule dip, not {schedule}")
-    vp = 2 if schedule == "interleaved" else 1
+    vp = stock_virtual_stages(config)
     if vp > 1 and pp < 2:
         raise _fail("--pipeline-model-parallel-size", "--dip-schedule interleaved needs PP >= 2")
     loss = model.loss_module
@@ -351,6 +376,7 @@ def build_layout(
     """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit;
     `base`: the run's planner configuration before sizing (its packing, TP, starting recompute
     mode), which the placement search's planners use too."""
+    stock_virtual_stages(config)  # refuses the flag where it does not apply, before any work
     limits = base.packing
     batches = calibration_batches(config, model, data, limits)
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]

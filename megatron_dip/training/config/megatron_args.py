@@ -35,6 +35,12 @@ class ParallelArgs:
     pipeline_model_parallel_size: int | None = arg(
         "--pipeline-model-parallel-size", None, "pipeline-parallel size (PP)" + PRESET
     )
+    num_virtual_stages_per_pipeline_rank: int | None = arg(
+        "--num-virtual-stages-per-pipeline-rank",
+        None,
+        "model chunks per pipeline rank of Megatron's interleaved schedule (--dip-schedule "
+        "interleaved; default: 2); DIP's start-up search chooses its own",
+    )
     sequence_parallel: bool = arg(
         "--sequence-parallel",
         False,
