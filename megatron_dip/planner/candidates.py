@@ -199,7 +199,7 @@ def best_of_megatron(
     # than that order without any, no recompute setting of it can win.
     if not over and ours <= simulate(plain, cost_model, channel=per_peer_channel).iteration_time:
         return plan, ours
-    limits = planner.device_limits or [float("inf")] * planner.placement.num_ranks
+    limits = planner.device_limits_or_infinite
     found = best_fitting_mode(
         megatron_order,
         layers=max_chunk_layers(planner.placement),

@@ -586,6 +586,12 @@ class DipPlanner:
             raise ValueError(f"{len(limit)} memory limits for {self.placement.num_ranks} ranks")
         return [float(x) for x in limit]
 
+    @property
+    def device_limits_or_infinite(self) -> list[float]:
+        """`device_limits`, with an infinite limit per rank where there is none (for the
+        passes that compare every rank's peak with a number)."""
+        return self.device_limits or [float("inf")] * self.placement.num_ranks
+
     def stage_graph(
         self, dataflow: Dataflow, sub_of: Mapping, choice: RecomputeChoice, *, forward_only: bool
     ) -> StageGraph:

@@ -151,7 +151,7 @@ def fallback_plan(planner, layout: BatchLayout, replica: int) -> Plan:
         replica=replica,
     )
     if order is not None:
-        limits = planner.device_limits or [float("inf")] * planner.placement.num_ranks
+        limits = planner.device_limits_or_infinite
         found = cheapest_fitting_mode(
             order,
             planner.cost_model,
