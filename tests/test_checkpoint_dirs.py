@@ -144,3 +144,23 @@ def test_train_iters_below_the_loaded_iteration(tmp_path, caplog):
     assert result.first_iteration == result.last_iteration == 3 and not result.losses
     assert "--train-iters 3: the checkpoint" in caplog.text and "nothing to train" in caplog.text
     assert not dist.is_initialized() and _listing(root) == before
+
+
+def test_checkpoint_flags_are_checked_before_the_start_up_sizing(tmp_path, monkeypatch):
+    """A bad --load costs no placement search, and --save is made only once every check,
+    the sizing's included, has passed."""
+    from megatron_dip.training.config import layout
+
+    root = _saved(tmp_path / "ckpt", 5)
+    sized = []
+    real = layout.build_layout
+    monkeypatch.setattr(layout, "build_layout", lambda *a, **k: sized.append(1) or real(*a, **k))
+    with pytest.raises(ConfigError, match=r"^--load .*no latest_checkpointed_iteration.txt"):
+        _resolve("--train-iters", "20", "--load", str(root))
+    assert not sized
+    save = tmp_path / "new" / "run"
+    with pytest.raises(ConfigError, match=r"^--seq-length"):  # refused by the sizing
+        _resolve("--train-iters", "20", "--save", str(save), "--seq-length", "2")
+    assert sized and not save.parent.exists()
+    _resolve("--train-iters", "20", "--save", str(save))
+    assert save.is_dir()

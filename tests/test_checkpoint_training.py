@@ -198,6 +198,27 @@ def test_another_seed_or_data_on_resume_is_named_before_loading(trained, tmp_pat
         _spec("--load", str(trained), "--train-iters", "2", "--global-batch-size", "4")
 
 
+def test_a_resumed_run_keeps_the_layout_its_checkpoint_recorded(trained, caplog):
+    """The checkpoint records the run's layout as flags; resuming takes them without sizing
+    again (`resumed_layout`), unless the user gives the layout."""
+    from megatron_dip.training.checkpoint.resume_checks import resume_header
+    from megatron_dip.training.config.resumed_layout import HEADER_KEY
+
+    root = trained[0]
+    header = resume_header(root / "iter_0000002")
+    assert header[HEADER_KEY] == {"segments": "vit=1,llm=2", "sub_sizes": "vit=2"}
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.config"):
+        spec = _spec("--load", str(root), "--train-iters", "2")
+    assert f"kept from {root / 'iter_0000002'} without searching: --dip-segments vit=1,llm=2" in (
+        caplog.text
+    )
+    assert spec.segments == {"vit": 1, "llm": 2} and spec.sub_sizes == {"vit": 2}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_dip.training.config"):
+        given = _spec("--load", str(root), "--train-iters", "2", "--dip-segments", "vit=1,llm=1")
+    assert "kept from" not in caplog.text and given.segments == {"vit": 1, "llm": 1}
+
+
 def test_a_load_that_does_not_exist_is_refused_unless_it_is_save(tmp_path):
     missing = tmp_path / "typo"
     with pytest.raises(

@@ -1,8 +1,9 @@
 """Checkpoint directories, the tracker file, and the checks a run makes of them before it starts.
 
-Torch-free and collective-free: `validate.py` calls `check_load` and `check_save` before any
-process group exists, so a bad --load / --save ends every rank at once with one line naming the
-flag and the file. Layout (Megatron-LM's names; the inside of an iteration directory is
+Torch-free and collective-free: `validate.py` calls `find_resume` and `check_save` before any
+process group exists and before the start-up placement search, so a bad --load / --save ends
+every rank at once with one line naming the flag and the file, and `create_save` once every
+check has passed. Layout (Megatron-LM's names; the inside of an iteration directory is
 `storage`'s):
 
     DIR/latest_checkpointed_iteration.txt    the newest complete checkpoint, written last, atomically
@@ -180,8 +181,9 @@ def _refuse_old_format(flag: str, root: Path) -> None:
 
 
 def check_save(save: str | Path, *, load: str | Path | None) -> None:
-    """Before training: `--save` can be created and written, and saving there cannot overwrite
-    checkpoints of another run (a directory that holds checkpoints must also be --load)."""
+    """Before training, touching nothing: checkpoints can be written below `--save` (no file in
+    its way), and saving there cannot overwrite checkpoints of another run (a directory that
+    holds checkpoints must also be --load). `create_save` then makes it."""
     save = Path(save)
     for parent in (save, *save.parents):
         if parent.exists():
@@ -191,13 +193,6 @@ def check_save(save: str | Path, *, load: str | Path | None) -> None:
                     "written below it"
                 )
             break
-    try:
-        save.mkdir(parents=True, exist_ok=True)
-        probe = save / f".write_test_{socket.gethostname()}_{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointError(f"--save {save}: not writable ({e.strerror or e})") from None
     _refuse_old_format("--save", save)
     found = sorted({*complete_iterations(save), *unverified_iterations(save)})
     same = load is not None and Path(load).resolve() == save.resolve()
@@ -208,6 +203,19 @@ def check_save(save: str | Path, *, load: str | Path | None) -> None:
             f"saving would mix two runs in one directory: pass --load {save} to resume, or "
             "choose another --save"
         )
+
+
+def create_save(save: str | Path) -> None:
+    """Make `--save` (after `check_save` and every other check of the run passed) and prove it
+    writable, so that the first save cannot fail on permissions hours into training."""
+    save = Path(save)
+    try:
+        save.mkdir(parents=True, exist_ok=True)
+        probe = save / f".write_test_{socket.gethostname()}_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"--save {save}: not writable ({e.strerror or e})") from None
 
 
 def check_load_exists(load: str | Path, *, save: str | Path | None) -> None:

@@ -89,7 +89,7 @@ def check_resume(config, resume: ResumePoint | None) -> None:
     c = config.checkpoint
     if resume is None or c.finetune:
         return
-    common = _common_state(resume.path)
+    common = verified_common_state(resume.path)
     header = common.get("megatron_dip") if isinstance(common, dict) else None
     if not isinstance(header, dict):
         return
@@ -127,7 +127,7 @@ def check_resume(config, resume: ResumePoint | None) -> None:
         )
 
 
-def _common_state(path: Path) -> dict | None:
+def verified_common_state(path: Path) -> dict | None:
     """The common state of checkpoint `path` once its file matches the manifest; None when it
     cannot be read (the load verifies every file and names the damage, on every rank)."""
     from . import checksums, storage
@@ -142,3 +142,10 @@ def _common_state(path: Path) -> dict | None:
         return storage.load_common(path)
     except CheckpointError:
         return None
+
+
+def resume_header(path: Path) -> dict | None:
+    """Our header of checkpoint `path`'s common state (`verified_common_state`), if it has one."""
+    common = verified_common_state(path)
+    header = common.get("megatron_dip") if isinstance(common, dict) else None
+    return header if isinstance(header, dict) else None

@@ -12,7 +12,8 @@ What one checkpoint holds (the files: `storage`; the directories and tracker:
   only when the world layout is the same;
 * the common state (`common.pt`, rank 0): "megatron_dip" (format, content "training" or
   "weights", iteration, model signature, layout, schedule, flags, the modules' records:
-  `modelspec.module_record`), "training" (consumed samples,
+  `modelspec.module_record`, and a DIP run's placement and sub-microbatch sizes as flags, which
+  a resumed run keeps: `config.resumed_layout`), "training" (consumed samples,
   LR schedule, positions of the training and evaluation data streams, cost-model calibration:
   a resumed run recalibrates at the same iterations) and Adam's step.
 
@@ -41,6 +42,7 @@ from megatron_dip.runtime.checks import unwrap_chunk
 
 from ..assembly.build import LocalModel
 from ..assembly.setup import ParallelContext
+from ..config.resumed_layout import HEADER_KEY as LAYOUT_FLAGS
 from ..config.run import RunSpec
 from . import checksums, optim_state, storage
 from .dirs import (
@@ -136,6 +138,7 @@ def save(
         "model": model_signature(spec.model), "layout": _layout(spec),
         "schedule": spec.schedule, "flags": dict(spec.flags),
         "modules": [module_record(m) for m in spec.model.modules],
+        LAYOUT_FLAGS: spec.layout_flags,  # what a resumed run keeps (`resumed_layout`)
     }  # fmt: skip
     training = {
         "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
@@ -151,6 +154,12 @@ def save(
     }
     writer = writer or CheckpointWriter(group=ctx.dp, async_save=False)
     return writer.save(state, root, iteration)
+
+
+def read_header(path: Path, model: MultimodalSpec | None) -> dict:
+    """The checked header (`check_header`) of the checkpoint at `path`, from its common state
+    alone (no tensor is read)."""
+    return check_header(storage.load_common(path), path, model)
 
 
 def check_header(common: Mapping, path: Path, model: MultimodalSpec | None) -> dict:
@@ -284,7 +293,7 @@ def load_weights(
     if resume is None:
         raise CheckpointError(f"{root}: no checkpoint there")
     checksums.verify(resume.path)
-    check_header(storage.load_common(resume.path), resume.path, model)
+    read_header(resume.path, model)
     inner = [unwrap_chunk(c) for c in chunks]
     dp_rank = data_parallel_group.rank() if data_parallel_group is not None else 0
     request = {"model": chunks_sharded_state_dict(inner, data_parallel_rank=dp_rank)}

@@ -139,12 +139,24 @@ class RunSpec:
     # start from, as (module, checkpoint) with module "" for the whole model (`finetune.py`).
     pretrained: tuple = ()
     # Every flag as resolved (preset defaults filled in): a record for checkpoint headers, read
-    # by nothing else.
+    # back only to decide whether a resumed run may keep this run's layout (`resumed_layout`).
     flags: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def is_stock(self) -> bool:
         return self.schedule != "dip"
+
+    @property
+    def layout_flags(self) -> dict | None:
+        """The --dip-segments and --dip-sub-microbatch-size values that rebuild this DIP run's
+        layout without the start-up search (`resumed_layout.recorded_layout`); None for the
+        stock schedules."""
+        from .layout import placement_flag
+        from .resumed_layout import recorded_layout
+
+        if self.is_stock:
+            return None
+        return recorded_layout(placement_flag(self.placement_name, self.segments), self.sub_sizes)
 
     @property
     def delays_weight_gradients(self) -> bool:

@@ -35,6 +35,7 @@ from .arguments import fail as _fail
 from .data_config import data_spec, model_spec
 from .presets import RunPreset, get_run_preset
 from .pricing import run_cost_model, run_device, run_kernels
+from .resumed_layout import kept_layout, size_run
 from .run import Checkpointing, Reporting, RunSpec, RuntimeLimits, Training, delays_weight_gradients
 
 logger = logging.getLogger(__name__)
@@ -149,10 +150,43 @@ def _check_checkpoint_flags(config: TrainConfig) -> None:
         raise _fail("--ckpt-step", "needs --load")
 
 
+def _sized(config: TrainConfig, *, model, cost, data, base, pp, device):
+    """`layout.build_layout` of the run under `config`'s layout flags."""
+    from .layout import build_layout  # the placement and sizing step
+
+    sub_sizes = parse_sub_sizes(config.dip.dip_sub_microbatch_size, model)
+    return build_layout(
+        config, model, cost, data=data, base=base, pp=pp, sub_sizes=sub_sizes, device=device
+    )
+
+
+def _sized_or_kept(config, build, resume, *, dp, segments_given, sizes_given):
+    """The run's layout: kept from the checkpoint it resumes where it may (`resumed_layout`),
+    else sized and searched (`build`). Runs on the rank that sizes the job."""
+    from ..checkpoint.resume_checks import resume_header
+
+    kept = None
+    if resume is not None:
+        header = resume_header(resume.path)
+        kept = kept_layout(config, header, source=str(resume.path), data_parallel=dp)
+    return size_run(config, build, kept, segments_given=segments_given, sizes_given=sizes_given)
+
+
+def _create_save(config: TrainConfig) -> None:
+    """Make --save once the run's every check has passed (`dirs.create_save`)."""
+    if config.checkpoint.save is None:
+        return
+    try:
+        dirs.create_save(config.checkpoint.save)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
     """(the checkpoint --load resumes from or None, the pretrained weights to start from),
     after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
-    --train-iters against the file system (`checkpoint.dirs`, `finetune`)."""
+    --train-iters against the file system (`checkpoint.dirs`, `finetune`), touching nothing
+    (`_create_save` makes --save)."""
     from ..checkpoint.finetune import pretrained_sources
     from ..checkpoint.resume_checks import check_resume
 
@@ -381,8 +415,9 @@ def resolve(
     """Check `config` for a world of `world_size` processes and build the `RunSpec`.
     `shared(compute)`: how the ranks of a job share the sizing step (`build_layout`, with its
     start-up placement search): computed on one rank and handed to the others (default: here)."""
-    from .layout import build_layout  # the placement and sizing step
-
+    # Before the preset fills them in: whether the user chose the layout (`resumed_layout`).
+    given = {"segments_given": config.dip.dip_segments is not None}
+    given["sizes_given"] = config.dip.dip_sub_microbatch_size is not None
     config, preset = apply_preset(config)
     model, tokenizer_spec, tokenizer = model_spec(config, preset)
     emulate = config.dip.dip_emulate_compute
@@ -398,23 +433,24 @@ def resolve(
     device = run_device(config, cuda=cuda)
     cost = _priced(config, model, device, shape=shape, cuda=cuda, dtype=dtype)
     base = _base_planner(config, model, shape=shape, recompute=recompute)
-    sizing = functools.partial(
-        build_layout,
-        config,
-        model,
-        cost,
+    # Read-only, before the minutes of the placement search: a bad --load / --save fails now.
+    resume, pretrained = check_checkpoints(config, model)
+    build = functools.partial(
+        _sized,
+        model=model,
+        cost=cost,
         data=data,
         base=base,
         pp=pp,
-        sub_sizes=parse_sub_sizes(config.dip.dip_sub_microbatch_size, model),
         device=device if cuda or emulate else None,
     )
+    sizing = functools.partial(_sized_or_kept, config, build, resume, dp=dp, **given)
     layout = sizing() if shared is None else shared(sizing)
     _check_tied_embeddings(config, model, layout.placement)
     planner = replace(
         base, sub_sizes=dict(layout.sub_sizes), memory_limit_bytes=layout.memory_limit
     )
-    resume, pretrained = check_checkpoints(config, model)  # last: it creates --save
+    _create_save(config)  # last: every check has passed
     return RunSpec(
         preset=preset,
         model=model,
