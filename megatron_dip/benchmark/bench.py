@@ -286,13 +286,12 @@ def dip_run_flags(flags: Sequence[str], *, world_size: int) -> tuple[list[str], 
     """The planner's own granularity of the DIP run with `flags` (resolved once: with host
     overheads the candidates are simulated), as explicit flags for the run and its floor, and
     the resolved spec."""
-    from megatron_dip.training.config.layout import placement_flag
-
     spec = resolve_run([*flags, "--dip-schedule", "dip"], world_size=world_size)
-    # The search's choice as a flag (a static placement too): the runs do not search again.
-    segments = placement_flag(spec.placement_name, spec.segments)
-    sizes = ",".join(f"{k}={v}" for k, v in spec.sub_sizes.items())
-    out = ["--dip-segments", segments]
+    # The search's choice as flags (a static placement too), as a checkpoint records them: the
+    # runs do not search again.
+    recorded = spec.layout_flags
+    out = ["--dip-segments", recorded["segments"]]
+    sizes = recorded["sub_sizes"]
     return (out + ["--dip-sub-microbatch-size", sizes] if sizes else out), spec
 
 
