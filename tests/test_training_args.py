@@ -145,6 +145,21 @@ BAD = [
     ),
     (
         ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"]
+        + ["--num-layers-per-virtual-pipeline-stage", "3"],
+        2,
+        "--num-layers-per-virtual-pipeline-stage",
+        "do not divide the 8 layers",
+    ),
+    (
+        ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"]
+        + ["--num-layers-per-virtual-pipeline-stage", "1"]
+        + ["--num-virtual-stages-per-pipeline-rank", "2"],
+        2,
+        "--num-layers-per-virtual-pipeline-stage",
+        "exclude each other",
+    ),
+    (
+        ["--dip-schedule", "interleaved", "--pipeline-model-parallel-size", "2"]
         + ["--num-virtual-stages-per-pipeline-rank", "8"],
         2,
         "--pipeline-model-parallel-size",
@@ -424,6 +439,12 @@ def test_the_interleaved_schedule_takes_megatrons_virtual_pipeline_size():
         )
         assert spec.shape.vp == 3 and all(len(units) == 3 for units in spec.stage_units)
         assert all(stage for units in spec.stage_units for stage in units)  # none empty
+    # Megatron-LM's older flag: V = layers / (PP x layers per virtual stage)
+    layers = _resolve(flags, world_size=2).model.loss_module.num_layers
+    older = _resolve(
+        [*flags, "--num-layers-per-virtual-pipeline-stage", str(layers // 4)], world_size=2
+    )
+    assert older.shape.vp == 2
 
 
 def test_every_field_is_a_flag_with_help_and_unique_names():

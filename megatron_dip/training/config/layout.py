@@ -140,13 +140,16 @@ def split_all(model: MultimodalSpec, microbatches, config: LayoutConfig) -> list
 DEFAULT_VIRTUAL_STAGES = 2
 
 
-def stock_virtual_stages(config: TrainConfig) -> int:
+def stock_virtual_stages(config: TrainConfig, model: MultimodalSpec) -> int:
     """Model chunks per rank of the stock schedule: 1 for 1F1B; for the interleaved schedule
-    --num-virtual-stages-per-pipeline-rank (>= 2), by default `DEFAULT_VIRTUAL_STAGES`. A
-    ConfigError naming the flag where it does not apply (DIP chooses its own chunks)."""
-    schedule, given = config.dip.dip_schedule, config.parallel.num_virtual_stages_per_pipeline_rank
-    flag = "--num-virtual-stages-per-pipeline-rank"
+    --num-virtual-stages-per-pipeline-rank (>= 2) or, as Megatron-LM derives it, the loss
+    module's layers (--num-layers) / (PP x --num-layers-per-virtual-pipeline-stage); by default
+    `DEFAULT_VIRTUAL_STAGES`. A ConfigError naming the flag where it does not apply (DIP
+    chooses its own chunks) or does not divide."""
+    schedule = config.dip.dip_schedule
+    given = _virtual_stages_given(config, model.loss_module.num_layers)
     if given is not None and schedule != "interleaved":
+        flag = given[0]
         where = (
             "DIP's start-up search chooses its chunks per rank (--dip-segments "
             "static:cost-split-v4 names Megatron's cost cut over 4)"
@@ -156,16 +159,44 @@ def stock_virtual_stages(config: TrainConfig) -> int:
         raise _fail(flag, f"applies to --dip-schedule interleaved, not {schedule}: {where}")
     if schedule != "interleaved":
         return 1
-    if given is not None and given < 2:
-        raise _fail(flag, f"the interleaved schedule needs >= 2 model chunks per rank, got {given}")
-    return DEFAULT_VIRTUAL_STAGES if given is None else given
+    if given is None:
+        return DEFAULT_VIRTUAL_STAGES
+    flag, stages = given
+    if stages < 2:
+        raise _fail(
+            flag, f"the interleaved schedule needs >= 2 model chunks per rank, got {stages}"
+        )
+    return stages
+
+
+def _virtual_stages_given(config: TrainConfig, layers: int) -> tuple[str, int] | None:
+    """(the flag, the chunks per rank it asks for) of Megatron-LM's two virtual-pipeline flags,
+    or None; both at once, or a layer count that does not divide, is refused."""
+    p = config.parallel
+    stages, per_stage = (
+        p.num_virtual_stages_per_pipeline_rank,
+        p.num_layers_per_virtual_pipeline_stage,
+    )
+    if per_stage is None:
+        return None if stages is None else ("--num-virtual-stages-per-pipeline-rank", stages)
+    flag = "--num-layers-per-virtual-pipeline-stage"
+    if stages is not None:
+        raise _fail(flag, "and --num-virtual-stages-per-pipeline-rank exclude each other: pass one")
+    pp = p.pipeline_model_parallel_size
+    if per_stage < 1 or layers % (pp * per_stage):
+        raise _fail(
+            flag,
+            f"{per_stage} layers per virtual stage do not divide the {layers} layers "
+            f"(--num-layers) over PP={pp}; pass --num-virtual-stages-per-pipeline-rank instead",
+        )
+    return flag, layers // (pp * per_stage)
 
 
 def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
     schedule = config.dip.dip_schedule
     if config.dip.dip_segments not in (None, "auto"):
         raise _fail("--dip-segments", f"applies to --dip-schedule dip, not {schedule}")
-    vp = stock_virtual_stages(config)
+    vp = stock_virtual_stages(config, model)
     if vp > 1 and pp < 2:
         raise _fail("--pipeline-model-parallel-size", "--dip-schedule interleaved needs PP >= 2")
     loss = model.loss_module
@@ -376,7 +407,7 @@ def build_layout(
     """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit;
     `base`: the run's planner configuration before sizing (its packing, TP, starting recompute
     mode), which the placement search's planners use too."""
-    stock_virtual_stages(config)  # refuses the flag where it does not apply, before any work
+    stock_virtual_stages(config, model)  # refuses the flag where it does not apply, before any work
     limits = base.packing
     batches = calibration_batches(config, model, data, limits)
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]

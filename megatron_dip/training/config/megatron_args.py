@@ -41,6 +41,11 @@ class ParallelArgs:
         "model chunks per pipeline rank of Megatron's interleaved schedule (--dip-schedule "
         "interleaved; default: 2); DIP's start-up search chooses its own",
     )
+    num_layers_per_virtual_pipeline_stage: int | None = arg(
+        "--num-layers-per-virtual-pipeline-stage",
+        None,
+        "Megatron-LM's older form of the same: V = --num-layers / (PP x this), which must divide",
+    )
     sequence_parallel: bool = arg(
         "--sequence-parallel",
         False,
