@@ -48,12 +48,18 @@ BATCHES = [
 ]
 
 
-def _comparison(memory_gib: float, placement: str | None = None) -> Comparison:
+def _comparison(memory_gib: float, placement: str | None = None, workers: int = 1) -> Comparison:
     device = dataclasses.replace(get_device("H100"), memory_bytes=memory_gib * 2**30)
     cost = CostModel(MODEL, device)
     search = SearchConfig(max_rollouts=4, time_budget_s=600.0, seed=0)
     return Comparison.create(
-        SETUP, cost, device=device, calibration=BATCHES, search=search, placement=placement
+        SETUP,
+        cost,
+        device=device,
+        calibration=BATCHES,
+        search=search,
+        placement=placement,
+        workers=workers,
     )
 
 
@@ -79,6 +85,24 @@ def test_recompute_grid_holds_megatrons_flags():
     assert MemoryPolicy(Recompute.BLOCK, 1) in modes and MemoryPolicy(Recompute.BLOCK, top) in modes
     assert MemoryPolicy(Recompute.UNIFORM, 1) in modes and len(set(modes)) == len(modes)
     assert [mode_label(m) for m in modes[:4]] == ["none", "selective", "full", "block 1"]
+
+
+def test_the_search_chooses_the_same_on_two_processes(free_study, monkeypatch, caplog):
+    """`workers` (simulate_paper.py --startup-workers) scores the start-up search's candidates,
+    its climb's and its near-ties' on that many processes (the study's scorer pickles): the
+    same scores and choice."""
+    import logging
+
+    from megatron_dip.planner import candidate_pool
+
+    searched, _ = free_study
+    monkeypatch.setattr(candidate_pool, "POOL_WORTH_S", 0.0)  # a pool even for tiny candidates
+    with caplog.at_level(logging.INFO, logger=candidate_pool.__name__):
+        parallel = _comparison(80.0, workers=2)
+    assert "scoring the rest on 2 processes" in caplog.text
+    assert parallel.dip.name == searched.dip.name
+    assert parallel.placement_scores == searched.placement_scores
+    assert parallel.tie_scores == searched.tie_scores
 
 
 def test_a_named_placement_is_rebuilt_without_the_search(free_study):

@@ -81,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "4/4/3/5/5/5/5/4/5/5/6/15/15/16/16/15' or 'vit=1,llm=3'), instead of the start-up "
         "search's choice (minutes to most of an hour); one setup only",
     )
+    p.add_argument(
+        "--startup-workers",
+        type=int,
+        default=1,
+        help="processes scoring the start-up search's placement candidates, as training's "
+        "--dip-startup-workers (the same choice for any count; at most the usable cores)",
+    )
     p.add_argument("--json", type=Path, help="write all results here")
     p.add_argument(
         "--gap",
@@ -94,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(error)
     if args.batches < 1:
         p.error("--batches must be >= 1")
+    if args.startup_workers < 1:
+        p.error("--startup-workers must be >= 1")
     if args.placement is not None and "," in args.setups:
         p.error("--placement names the placement of one setup: give one --setups")
     return args
@@ -119,6 +128,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
             calibration_batches=args.calibration_batches,
             search=search,
             placement=args.placement,
+            workers=args.startup_workers,
         )
     except ValueError as err:
         if args.placement is None:

@@ -131,10 +131,12 @@ class Comparison:
         calibration: Sequence[BatchMeta],
         search: SearchConfig,
         placement: str | None = None,
+        workers: int = 1,
     ) -> Comparison:
         """Size placements and sub-microbatch sizes from `calibration` batches (averages).
         `placement`: DIP's placement by the name the study prints for it (`named`), instead of
-        the start-up search's choice."""
+        the start-up search's choice; `workers`: processes scoring the search's candidates (the
+        same choice for any count, `candidate_pool`)."""
         model, p = setup.model, setup.pipeline_parallel
         limits = packing_limits(model, setup.seq_length)
         whole = LayoutConfig(seq_length=setup.seq_length, packing=limits)
@@ -154,13 +156,17 @@ class Comparison:
         rule_candidate = PlacementCandidate("rule", rule)
         cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
         if placement is None:
-            cmp.dip = cmp.searched(calibration, workload)
+            cmp.dip = cmp.searched(calibration, workload, workers=workers)
         else:
             cmp.dip = cmp.named(placement, workload)
         return cmp
 
     def searched(
-        self, calibration: Sequence[BatchMeta], workload: Mapping[str, ModuleWorkload]
+        self,
+        calibration: Sequence[BatchMeta],
+        workload: Mapping[str, ModuleWorkload],
+        *,
+        workers: int = 1,
     ) -> PlacementCandidate:
         """The start-up search's placement, scored on the first two `calibration` batches:
         DIP's segment counts and the static placements, then the chosen static cut moved a
@@ -181,10 +187,17 @@ class Comparison:
             evaluate=evaluate,
             extra=static_candidates(self.static),
             bound=bound,
+            workers=workers,
             scored=scored,
         )
         chosen = climb_cut(
-            model, chosen, self.placement_scores, evaluate=evaluate, bound=bound, scored=scored
+            model,
+            chosen,
+            self.placement_scores,
+            evaluate=evaluate,
+            bound=bound,
+            workers=workers,
+            scored=scored,
         )
         chosen, self.tie_scores = settle_near_ties(
             chosen,
@@ -192,6 +205,7 @@ class Comparison:
             scored,
             evaluate=functools.partial(self.plan_placement, batches),
             bound=bound,
+            workers=workers,
         )
         return chosen
 

@@ -58,10 +58,12 @@ def paper_comparison(
     calibration_batches: int,
     search: SearchConfig,
     placement: str | None = None,
+    workers: int = 1,
 ) -> tuple[Comparison, BatchStream]:
     """The `Comparison` of one setup and mixture (placements sized on the stream's first
-    `calibration_batches`; DIP's the start-up search's choice, or the one `placement` names,
-    `Comparison.named`) and the seeded batch stream it draws from (not advanced)."""
+    `calibration_batches`; DIP's the start-up search's choice, scored on `workers` processes,
+    or the one `placement` names, `Comparison.named`) and the seeded batch stream it draws from
+    (not advanced)."""
     setup = PAPER_SETUPS[setup_name]
     spec = get_device(device)
     cost = CostModel(setup.model, spec, shape=setup.shape)
@@ -74,7 +76,13 @@ def paper_comparison(
     )
     calibration = stream.peek(calibration_batches)
     cmp = Comparison.create(
-        setup, cost, device=spec, calibration=calibration, search=search, placement=placement
+        setup,
+        cost,
+        device=spec,
+        calibration=calibration,
+        search=search,
+        placement=placement,
+        workers=workers,
     )
     return cmp, stream
 
