@@ -190,7 +190,7 @@ class Comparison:
             workers=workers,
             scored=scored,
         )
-        chosen = climb_cut(
+        climbed = climb_cut(
             model,
             chosen,
             self.placement_scores,
@@ -200,12 +200,13 @@ class Comparison:
             scored=scored,
         )
         chosen, self.tie_scores = settle_near_ties(
-            chosen,
+            climbed,
             self.placement_scores,
             scored,
             evaluate=functools.partial(self.plan_placement, batches),
             bound=bound,
             workers=workers,
+            start=chosen,
         )
         return chosen
 

@@ -9,8 +9,9 @@ start-up search over DIP's segment counts (the latency rule K_i = floor(T_i / T_
 and the static Megatron placements (encoder on the first stage, one layer list cut by cost or
 parameters, 1 or 2 chunks per rank, the cost cut also 3, 4, 6 or 8; a winning one-list cut
 then moved a layer at a time while that scores lower), scored by simulated greedy plans of the
-first calibration batches (`planner.placement_search`) under the cost model, host overheads
-included (--dip-host-overheads): so the search trades granularity against the runtime's
+first calibration batches (`planner.placement_search`; the near-ties and the cut the climb
+started from then planned as the run plans, `planner.placement_ties`) under the cost model,
+host overheads included (--dip-host-overheads): so the search trades granularity against the runtime's
 per-instruction cost, and the sub-microbatch sizes count the host time of a pass through a
 module's chunks. A static placement keeps its virtual stages, so the planner can always fall
 back to Megatron's order on it: DIP never starts slower than them.
@@ -366,7 +367,7 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         workers=workers,
         scored=scored,
     )
-    chosen = climb_cut(
+    climbed = climb_cut(
         model,
         chosen,
         scores,
@@ -376,7 +377,13 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         scored=scored,
     )
     chosen, _ = settle_near_ties(
-        chosen, scores, scored, evaluate=sizing.plan_score, bound=sizing.bound, workers=workers
+        climbed,
+        scores,
+        scored,
+        evaluate=sizing.plan_score,
+        bound=sizing.bound,
+        workers=workers,
+        start=chosen,
     )
     segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
