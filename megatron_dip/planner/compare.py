@@ -39,14 +39,16 @@ from .placement import (
     ModuleWorkload,
     PlacementCandidate,
     build_dip_placement,
-    choose_dip_placement,
     parse_segments,
     segments_candidate,
 )
-from .placement_climb import climb_cut
 from .placement_neighbours import named_cut
-from .placement_search import rank_load_bound, simulated_score, static_candidates
-from .placement_ties import settle_near_ties
+from .placement_search import (
+    rank_load_bound,
+    search_placement,
+    simulated_score,
+    static_candidates,
+)
 from .search import SearchConfig
 from .simulator import SimResult, simulate
 from .sizing import activation_limits, average_workload
@@ -173,40 +175,18 @@ class Comparison:
         layer at a time while that scores lower, then its near-ties settled by the run's own
         plans (`placement_ties`; `placement_scores` gets every greedy score, `tie_scores`
         the finalists' planned ones)."""
-        model = self.setup.model
         batches = calibration[:2]
-        evaluate = functools.partial(self.score_placement, batches)
-        bound = functools.partial(self.bound_placement, batches)
-        scored: dict[str, PlacementCandidate] = {}
-        chosen, self.placement_scores = choose_dip_placement(
-            model,
+        chosen, self.placement_scores, self.tie_scores = search_placement(
+            self.setup.model,
             self.cost_model,
             num_ranks=self.setup.pipeline_parallel,
             workload=workload,
             unit_instances=self.sub_sizes,
-            evaluate=evaluate,
-            extra=static_candidates(self.static),
-            bound=bound,
+            static=self.static,
+            score=functools.partial(self.score_placement, batches),
+            plan_score=functools.partial(self.plan_placement, batches),
+            bound=functools.partial(self.bound_placement, batches),
             workers=workers,
-            scored=scored,
-        )
-        climbed = climb_cut(
-            model,
-            chosen,
-            self.placement_scores,
-            evaluate=evaluate,
-            bound=bound,
-            workers=workers,
-            scored=scored,
-        )
-        chosen, self.tie_scores = settle_near_ties(
-            climbed,
-            self.placement_scores,
-            scored,
-            evaluate=functools.partial(self.plan_placement, batches),
-            bound=bound,
-            workers=workers,
-            start=chosen,
         )
         return chosen
 

@@ -1,21 +1,28 @@
-"""Scoring placement candidates at start-up: DIP plans of calibration batches, simulated.
+"""The start-up placement search: placement candidates scored by DIP plans of calibration
+batches, simulated.
 
-`planner.placement.choose_dip_placement` picks the candidate with the smallest score among DIP's
-segment counts and the static Megatron placements (`static_candidates`); both the simulation
-study (`compare.Comparison`) and the training entry point (`training.config.layout`) score with
-`simulated_score`, so a static placement with Megatron's order (which the planner tries as a
-candidate plan) is always in the running and the choice never loses to it on those batches.
+`search_placement` runs its three steps for both the simulation study (`compare.Comparison`)
+and the training entry point (`training.config.layout`): `planner.placement.choose_dip_placement`
+picks the candidate with the smallest greedy score among DIP's segment counts and the static
+Megatron placements (`static_candidates`), `placement_climb` moves a winning one-list cut a layer
+at a time while that scores lower, and `placement_ties` plans the near-ties (and the cut the
+climb started from) as the run does. Scores are `simulated_score`s, so a static placement with
+Megatron's order (which the planner tries as a candidate plan) is always in the running and the
+choice never loses to it on those batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..data.sample import BatchMeta
+from ..modelspec import MultimodalSpec
 from ..schedule.engine import ChannelFn, per_peer_channel
 from .candidates import merge_submicrobatches
 from .dip import DipPlanner
-from .placement import PlacementCandidate
+from .placement import PlacementCandidate, choose_dip_placement
+from .placement_climb import climb_cut
+from .placement_ties import settle_near_ties
 from .simulator import simulate
 from .static_baselines import StaticPipeline
 from .stock_configs import fits
@@ -29,6 +36,51 @@ def static_candidates(static: Sequence[StaticPipeline]) -> list[PlacementCandida
         )
         for q in static
     ]
+
+
+def search_placement(
+    model: MultimodalSpec,
+    cost_model,
+    *,
+    num_ranks: int,
+    workload: Mapping,
+    unit_instances: Mapping[str, int],
+    static: Sequence[StaticPipeline],
+    score: Callable[[PlacementCandidate], float],
+    plan_score: Callable[[PlacementCandidate], float],
+    bound: Callable[[PlacementCandidate], float],
+    workers: int = 1,
+) -> tuple[PlacementCandidate, dict[str, float], dict[str, float]]:
+    """The start-up search's placement (module docstring): (the choice, every candidate's
+    greedy `score` by name, the finalists' `plan_score` by name, empty where none was planned).
+    `bound(c)` is a lower bound on `score(c)`; `workers` processes score (the same choice for
+    any count)."""
+    scored: dict[str, PlacementCandidate] = {}
+    chosen, scores = choose_dip_placement(
+        model,
+        cost_model,
+        num_ranks=num_ranks,
+        workload=workload,
+        unit_instances=unit_instances,
+        evaluate=score,
+        extra=static_candidates(static),
+        bound=bound,
+        workers=workers,
+        scored=scored,
+    )
+    climbed = climb_cut(
+        model, chosen, scores, evaluate=score, bound=bound, workers=workers, scored=scored
+    )
+    settled, planned = settle_near_ties(
+        climbed,
+        scores,
+        scored,
+        evaluate=plan_score,
+        bound=bound,
+        workers=workers,
+        start=chosen,
+    )
+    return settled, scores, planned
 
 
 def simulated_score(
@@ -71,4 +123,4 @@ def rank_load_bound(planner: DipPlanner, batches: Sequence[BatchMeta]) -> float:
     return sum(loads) / len(loads)
 
 
-__all__ = ["simulated_score", "rank_load_bound", "static_candidates"]
+__all__ = ["rank_load_bound", "search_placement", "simulated_score", "static_candidates"]

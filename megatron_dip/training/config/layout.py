@@ -11,10 +11,10 @@ parameters, 1 or 2 chunks per rank, the cost cut also 3, 4, 6 or 8; a winning on
 then moved a layer at a time while that scores lower), scored by simulated greedy plans of the
 first calibration batches (`planner.placement_search`; the near-ties and the cut the climb
 started from then planned as the run plans, `planner.placement_ties`) under the cost model,
-host overheads included (--dip-host-overheads): so the search trades granularity against the runtime's
-per-instruction cost, and the sub-microbatch sizes count the host time of a pass through a
-module's chunks. A static placement keeps its virtual stages, so the planner can always fall
-back to Megatron's order on it: DIP never starts slower than them.
+host overheads included (--dip-host-overheads): so the search trades granularity against the
+runtime's per-instruction cost, and the sub-microbatch sizes count the host time of a pass
+through a module's chunks. A static placement keeps its virtual stages, so the planner can
+always fall back to Megatron's order on it: DIP never starts slower than them.
 """
 
 from __future__ import annotations
@@ -37,17 +37,15 @@ from megatron_dip.planner.dip import DipPlanner
 from megatron_dip.planner.placement import (
     PlacementCandidate,
     build_dip_placement,
-    choose_dip_placement,
     parse_segments,
 )
-from megatron_dip.planner.placement_climb import climb_cut
 from megatron_dip.planner.placement_neighbours import CUT, named_cut
 from megatron_dip.planner.placement_search import (
     rank_load_bound,
+    search_placement,
     simulated_score,
     static_candidates,
 )
-from megatron_dip.planner.placement_ties import settle_near_ties
 from megatron_dip.planner.sizing import (
     MemoryBudgetError,
     activation_budget,
@@ -193,11 +191,12 @@ def _virtual_stages_given(config: TrainConfig, layers: int) -> tuple[str, int] |
     return flag, layers // (pp * per_stage)
 
 
-def _stock(config: TrainConfig, model, cost_model, workload, pp: int):
+def _stock(config: TrainConfig, model, cost_model, workload, pp: int, vp: int):
+    """Megatron's placement of the stock schedule over `vp` model chunks per rank
+    (`stock_virtual_stages`) and its virtual stages."""
     schedule = config.dip.dip_schedule
     if config.dip.dip_segments not in (None, "auto"):
         raise _fail("--dip-segments", f"applies to --dip-schedule dip, not {schedule}")
-    vp = stock_virtual_stages(config, model)
     if vp > 1 and pp < 2:
         raise _fail("--pipeline-model-parallel-size", "--dip-schedule interleaved needs PP >= 2")
     loss = model.loss_module
@@ -353,37 +352,17 @@ def _dip_placement(sizing: _Sizing, segments: dict[str, int], *, given: bool):
         return PlacementCandidate("--dip-segments" if given else "rule", placement)
     started = time.perf_counter()  # for the log only: the choice depends on the data alone
     workers = sizing.config.dip.dip_startup_workers or usable_cores()
-    static = static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload)
-    scored: dict[str, PlacementCandidate] = {}
-    chosen, scores = choose_dip_placement(
+    chosen, scores, _ = search_placement(
         model,
         cost,
         num_ranks=pp,
         workload=sizing.workload,
         unit_instances=sizing.sub_sizes,
-        evaluate=sizing.score,
-        extra=static_candidates(static),
+        static=static_pipelines(model, cost, num_ranks=pp, workload=sizing.workload),
+        score=sizing.score,
+        plan_score=sizing.plan_score,
         bound=sizing.bound,
         workers=workers,
-        scored=scored,
-    )
-    climbed = climb_cut(
-        model,
-        chosen,
-        scores,
-        evaluate=sizing.score,
-        bound=sizing.bound,
-        workers=workers,
-        scored=scored,
-    )
-    chosen, _ = settle_near_ties(
-        climbed,
-        scores,
-        scored,
-        evaluate=sizing.plan_score,
-        bound=sizing.bound,
-        workers=workers,
-        start=chosen,
     )
     segments = {m.name: m.num_chunks // pp for m in chosen.placement.modules}
     logger.info(
@@ -414,7 +393,7 @@ def build_layout(
     """Sub-microbatch sizes, placement (DIP's choice or stock) and per-rank activation limit;
     `base`: the run's planner configuration before sizing (its packing, TP, starting recompute
     mode), which the placement search's planners use too."""
-    stock_virtual_stages(config, model)  # refuses the flag where it does not apply, before any work
+    vp = stock_virtual_stages(config, model)  # refuses its flags early, where they do not apply
     limits = base.packing
     batches = calibration_batches(config, model, data, limits)
     microbatches = [list(mb) for b in batches for mb in pack(list(b.samples), limits)]
@@ -422,7 +401,7 @@ def build_layout(
     workload = average_workload(model, split_all(model, microbatches, whole))
     if config.dip.dip_schedule != "dip":
         sizes = choose_sub_sizes(model, cost_model, workload, given=sub_sizes)
-        placement, units = _stock(config, model, cost_model, workload, pp)
+        placement, units = _stock(config, model, cost_model, workload, pp, vp)
         return Layout(sizes, placement, units, {}, None)
     try:
         segments, given = _wanted_segments(config, model, cost_model, workload, pp)
