@@ -201,11 +201,11 @@ def test_another_seed_or_data_on_resume_is_named_before_loading(trained, tmp_pat
 def test_a_resumed_run_keeps_the_layout_its_checkpoint_recorded(trained, caplog):
     """The checkpoint records the run's layout as flags; resuming takes them without sizing
     again (`resumed_layout`), unless the user gives the layout."""
-    from megatron_dip.training.checkpoint.resume_checks import resume_header
+    from megatron_dip.training.checkpoint import storage
     from megatron_dip.training.config.resumed_layout import HEADER_KEY
 
     root = trained[0]
-    header = resume_header(root / "iter_0000002")
+    header = storage.load_common(root / "iter_0000002")["megatron_dip"]
     assert header[HEADER_KEY] == {"segments": "vit=1,llm=2", "sub_sizes": "vit=2"}
     with caplog.at_level(logging.INFO, logger="megatron_dip.training.config"):
         spec = _spec("--load", str(root), "--train-iters", "2")

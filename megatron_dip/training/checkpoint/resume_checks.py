@@ -82,19 +82,26 @@ def _data_value(key: str, value):
     return value == "error" if key == "dip_bad_samples" else value
 
 
-def check_resume(config, resume: ResumePoint | None) -> None:
+def check_resume(config, resume: ResumePoint | None) -> dict | None:
     """Refuse (`ConfigError`, one line) a resume whose data configuration or LR schedule differs
     from the checkpoint's (module docstring); reads only the checkpoint's common state, once it
-    matches the manifest (a damaged checkpoint is the load's to name)."""
-    c = config.checkpoint
-    if resume is None or c.finetune:
-        return
-    common = verified_common_state(resume.path)
+    matches the manifest (a damaged checkpoint is the load's to name). Returns our header of
+    that common state, read once here for whatever else start-up asks of it (the layout a
+    resumed run keeps); None when not resuming (or `--finetune`) or when it cannot be read."""
+    if resume is None or config.checkpoint.finetune:
+        return None
+    common = _common_state(resume.path)
     header = common.get("megatron_dip") if isinstance(common, dict) else None
     if not isinstance(header, dict):
-        return
-    if header.get("content") != "training":
-        return
+        return None
+    if header.get("content") == "training":
+        _check_data(config, header, resume)
+        _check_schedule(config, common, resume)
+    return header
+
+
+def _check_data(config, header: dict, resume: ResumePoint) -> None:
+    """The data flags (`DATA_FLAGS`) against the checkpoint's."""
     saved_flags = header.get("flags") or {}
     mine = config.flat()
     for key, flag in DATA_FLAGS.items():
@@ -106,7 +113,12 @@ def check_resume(config, resume: ResumePoint | None) -> None:
                 f"{resume.path}: the data order it saved would not continue; pass "
                 f"{flag} {saved_flags[key]} to resume it, or --finetune to take its weights only"
             )
-    if c.no_load_optim:
+
+
+def _check_schedule(config, common: dict, resume: ResumePoint) -> None:
+    """The LR schedule's flags against the checkpoint's (unless the optimizer starts afresh or
+    an option says which wins)."""
+    if config.checkpoint.no_load_optim:
         return
     t = config.train
     if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
@@ -127,7 +139,7 @@ def check_resume(config, resume: ResumePoint | None) -> None:
         )
 
 
-def verified_common_state(path: Path) -> dict | None:
+def _common_state(path: Path) -> dict | None:
     """The common state of checkpoint `path` once its file matches the manifest; None when it
     cannot be read (the load verifies every file and names the damage, on every rank)."""
     from . import checksums, storage
@@ -142,10 +154,3 @@ def verified_common_state(path: Path) -> dict | None:
         return storage.load_common(path)
     except CheckpointError:
         return None
-
-
-def resume_header(path: Path) -> dict | None:
-    """Our header of checkpoint `path`'s common state (`verified_common_state`), if it has one."""
-    common = verified_common_state(path)
-    header = common.get("megatron_dip") if isinstance(common, dict) else None
-    return header if isinstance(header, dict) else None

@@ -156,12 +156,6 @@ def save(
     return writer.save(state, root, iteration)
 
 
-def read_header(path: Path, model: MultimodalSpec | None) -> dict:
-    """The checked header (`check_header`) of the checkpoint at `path`, from its common state
-    alone (no tensor is read)."""
-    return check_header(storage.load_common(path), path, model)
-
-
 def check_header(common: Mapping, path: Path, model: MultimodalSpec | None) -> dict:
     """The header of a checkpoint's common state: one of ours, saved from `model` (any model
     when None: a per-module load checks the tensors themselves)."""
@@ -293,7 +287,7 @@ def load_weights(
     if resume is None:
         raise CheckpointError(f"{root}: no checkpoint there")
     checksums.verify(resume.path)
-    read_header(resume.path, model)
+    check_header(storage.load_common(resume.path), resume.path, model)
     inner = [unwrap_chunk(c) for c in chunks]
     dp_rank = data_parallel_group.rank() if data_parallel_group is not None else 0
     request = {"model": chunks_sharded_state_dict(inner, data_parallel_rank=dp_rank)}

@@ -160,14 +160,12 @@ def _sized(config: TrainConfig, *, model, cost, data, base, pp, device):
     )
 
 
-def _sized_or_kept(config, build, resume, *, dp, segments_given, sizes_given):
-    """The run's layout: kept from the checkpoint it resumes where it may (`resumed_layout`),
-    else sized and searched (`build`). Runs on the rank that sizes the job."""
-    from ..checkpoint.resume_checks import resume_header
-
+def _sized_or_kept(config, build, resume, header, *, dp, segments_given, sizes_given):
+    """The run's layout: kept from the checkpoint it resumes (`resume`, with its `header` as
+    `check_checkpoints` read it) where it may (`resumed_layout`), else sized and searched
+    (`build`). Runs on the rank that sizes the job."""
     kept = None
     if resume is not None:
-        header = resume_header(resume.path)
         kept = kept_layout(config, header, source=str(resume.path), data_parallel=dp)
     return size_run(config, build, kept, segments_given=segments_given, sizes_given=sizes_given)
 
@@ -183,8 +181,8 @@ def _create_save(config: TrainConfig) -> None:
 
 
 def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
-    """(the checkpoint --load resumes from or None, the pretrained weights to start from),
-    after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
+    """(the checkpoint --load resumes from or None, the pretrained weights to start from, our
+    header of the resumed checkpoint's common state or None), after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
     --train-iters against the file system (`checkpoint.dirs`, `finetune`), touching nothing
     (`_create_save` makes --save)."""
     from ..checkpoint.finetune import pretrained_sources
@@ -203,8 +201,8 @@ def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
             dirs.check_save(c.save, load=None if c.finetune else c.load)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    check_resume(config, resume)
-    return resume, pretrained
+    header = check_resume(config, resume)
+    return resume, pretrained, header
 
 
 def recompute_mode(config: TrainConfig) -> MemoryPolicy:
@@ -434,7 +432,7 @@ def resolve(
     cost = _priced(config, model, device, shape=shape, cuda=cuda, dtype=dtype)
     base = _base_planner(config, model, shape=shape, recompute=recompute)
     # Read-only, before the minutes of the placement search: a bad --load / --save fails now.
-    resume, pretrained = check_checkpoints(config, model)
+    resume, pretrained, header = check_checkpoints(config, model)
     build = functools.partial(
         _sized,
         model=model,
@@ -444,7 +442,7 @@ def resolve(
         pp=pp,
         device=device if cuda or emulate else None,
     )
-    sizing = functools.partial(_sized_or_kept, config, build, resume, dp=dp, **given)
+    sizing = functools.partial(_sized_or_kept, config, build, resume, header, dp=dp, **given)
     layout = sizing() if shared is None else shared(sizing)
     _check_tied_embeddings(config, model, layout.placement)
     planner = replace(
