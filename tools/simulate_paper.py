@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="processes scoring the start-up search's placement candidates, as training's "
-        "--dip-startup-workers (the same choice for any count; at most the usable cores)",
+        "--dip-startup-workers (the same choice for any count)",
     )
     p.add_argument("--json", type=Path, help="write all results here")
     p.add_argument(

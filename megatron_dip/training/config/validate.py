@@ -165,7 +165,7 @@ def _sized_or_kept(config, build, resume, header, *, dp, segments_given, sizes_g
     `check_checkpoints` read it) where it may (`resumed_layout`), else sized and searched
     (`build`). Runs on the rank that sizes the job."""
     kept = None
-    if resume is not None:
+    if resume is not None and not segments_given:  # (no "searched again" line for a given one)
         kept = kept_layout(config, header, source=str(resume.path), data_parallel=dp)
     return size_run(config, build, kept, segments_given=segments_given, sizes_given=sizes_given)
 
@@ -182,9 +182,10 @@ def _create_save(config: TrainConfig) -> None:
 
 def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
     """(the checkpoint --load resumes from or None, the pretrained weights to start from, our
-    header of the resumed checkpoint's common state or None), after checking --load, --finetune, --pretrained-checkpoint, --dip-pretrained, --save and
-    --train-iters against the file system (`checkpoint.dirs`, `finetune`), touching nothing
-    (`_create_save` makes --save)."""
+    header of the resumed checkpoint's common state or None), after checking --load,
+    --finetune, --pretrained-checkpoint, --dip-pretrained, --save and --train-iters against the
+    file system (`checkpoint.dirs`, `finetune`), touching nothing (`_create_save` makes
+    --save)."""
     from ..checkpoint.finetune import pretrained_sources
     from ..checkpoint.resume_checks import check_resume
 
