@@ -223,7 +223,7 @@ def test_training_starts_from_weights_only_checkpoints(groups, tmp_path):
 
 def _plain_adamw(chunks):
     from megatron_dip.training.assembly.optim import PlainAdamW
-    from megatron_dip.training.config.validate import training_settings
+    from megatron_dip.training.config.settings import training_settings
 
     model = LocalModel(list(chunks))
     config = parse_config(["--lr", "1e-2", "--train-iters", "3"])

@@ -446,7 +446,7 @@ def test_bench_tool_plans_the_strongest_stock_and_dip_s_own_granularity(tmp_path
     from megatron_dip.planner.overheads import HostOverheads, OverheadsFile, save_overheads
     from megatron_dip.training.config.arguments import parse_config
     from megatron_dip.training.config.layout import placement_flag
-    from megatron_dip.training.config.validate import recompute_mode
+    from megatron_dip.training.config.recompute_flags import recompute_mode
 
     path = Path(__file__).resolve().parent.parent / "tools" / "bench_schedules.py"
     spec = importlib.util.spec_from_file_location("bench_schedules", path)

@@ -491,7 +491,7 @@ def test_extra_args_provider_extends_a_megatron_parser():
 def test_megatrons_distributed_timeout_bounds_the_wait_for_rank_0s_sizing():
     """Megatron-LM's launch scripts pass --distributed-timeout-minutes: it is accepted, and
     bounds the other ranks' wait for rank 0's start-up sizing (else --dip-comm-timeout-s)."""
-    from megatron_dip.training.config.validate import startup_timeout_s
+    from megatron_dip.training.config.settings import startup_timeout_s
 
     default = parse_config([*BASE, "--dip-comm-timeout-s", "45"], default_model="tiny-vlm")
     assert startup_timeout_s(default) == 45.0
@@ -704,6 +704,6 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
 def test_recompute_flags_are_read_back_as_their_mode(mode) -> None:
     """The benchmark passes the strongest stock configuration's recompute setting as Megatron's
     flags: they must mean that setting again."""
-    from megatron_dip.training.config.validate import recompute_flags, recompute_mode
+    from megatron_dip.training.config.recompute_flags import recompute_flags, recompute_mode
 
     assert recompute_mode(parse_config(recompute_flags(mode))) == mode

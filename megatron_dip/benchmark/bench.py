@@ -203,7 +203,7 @@ class StockChoice:
 
     def flags(self) -> list[str]:
         """The run's flags: schedule, placement, virtual stages and Megatron's recompute flags."""
-        from megatron_dip.training.config.validate import recompute_flags
+        from megatron_dip.training.config.recompute_flags import recompute_flags
 
         out = ["--dip-schedule", self.schedule, "--dip-stock-placement", self.placement]
         if self.virtual_stages is not None:

@@ -20,7 +20,8 @@ from typing import NoReturn
 
 from .config.arguments import ConfigError, TrainConfig, parse_config
 from .config.run import RunSpec
-from .config.validate import resolve, startup_timeout_s
+from .config.settings import startup_timeout_s
+from .config.validate import resolve
 
 logger = logging.getLogger("megatron_dip.training")
 

@@ -5,7 +5,9 @@ flag and every combination that can be checked without communicating (sizes, div
 placement, the memory limit, the cost profile, the data), and builds what every rank needs
 identically: the model spec, the cost model, the placement, the planner's configuration. Each
 problem is a `ConfigError` whose message starts with the flag to change. Every rank runs the same
-deterministic resolution, so no rank starts while another refuses.
+deterministic resolution, so no rank starts while another refuses. Beside it: the checkpoint
+flags' checks (`checkpoint_flags`), Megatron's recompute flags (`recompute_flags`) and the
+settings read off the flags (`settings`).
 """
 
 from __future__ import annotations
@@ -23,20 +25,25 @@ from megatron_dip.modelspec import MultimodalSpec
 from megatron_dip.parallel import ParallelShape, ShapeError
 from megatron_dip.planner.config import COARSER_SUB_SIZES, PlannerConfig, planner_config
 from megatron_dip.planner.cost_model import CostModel
-from megatron_dip.planner.search import SearchConfig
 from megatron_dip.planner.submicrobatch import split_modules
-from megatron_dip.schedule.ir import NO_RECOMPUTE, RECOMPUTE_MODULES, MemoryPolicy, Recompute
+from megatron_dip.schedule.ir import NO_RECOMPUTE, RECOMPUTE_MODULES
 
-from ..checkpoint import dirs
-from ..checkpoint.dirs import CheckpointError
-from ..checkpoint.resume_checks import schedule_of
 from .arguments import ConfigError, TrainConfig
 from .arguments import fail as _fail
+from .checkpoint_flags import check_checkpoint_flags, check_checkpoints, create_save
 from .data_config import data_spec, model_spec
 from .presets import RunPreset, get_run_preset
 from .pricing import run_cost_model, run_device, run_kernels
+from .recompute_flags import recompute_mode
 from .resumed_layout import kept_layout, size_run
-from .run import Checkpointing, Reporting, RunSpec, RuntimeLimits, Training, delays_weight_gradients
+from .run import RunSpec, delays_weight_gradients
+from .settings import (
+    checkpointing_settings,
+    reporting_settings,
+    runtime_limits,
+    search_settings,
+    training_settings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -135,19 +142,7 @@ def _check_training(config: TrainConfig) -> None:
         raise _fail("--dip-trace-interval", "must be >= 1")
     if config.dip.dip_max_nonfinite_iters < 0:
         raise _fail("--dip-max-nonfinite-iters", "must be >= 0 (0: never stop)")
-    _check_checkpoint_flags(config)
-
-
-def _check_checkpoint_flags(config: TrainConfig) -> None:
-    c = config.checkpoint
-    if c.save_interval is not None and (c.save_interval < 1 or c.save is None):
-        raise _fail("--save-interval", "needs --save and a value >= 1")
-    if c.ckpt_format != "torch_dist":  # Megatron-LM's parser allows others
-        raise _fail("--ckpt-format", f"only torch_dist is supported, got {c.ckpt_format!r}")
-    if c.async_save and c.save is None:
-        raise _fail("--async-save", "needs --save")
-    if c.ckpt_step is not None and c.load is None:
-        raise _fail("--ckpt-step", "needs --load")
+    check_checkpoint_flags(config)
 
 
 def _sized(config: TrainConfig, *, model, cost, data, base, pp, device):
@@ -168,79 +163,6 @@ def _sized_or_kept(config, build, resume, header, *, dp, segments_given, sizes_g
     if resume is not None and not segments_given:  # (no "searched again" line for a given one)
         kept = kept_layout(config, header, source=str(resume.path), data_parallel=dp)
     return size_run(config, build, kept, segments_given=segments_given, sizes_given=sizes_given)
-
-
-def _create_save(config: TrainConfig) -> None:
-    """Make --save once the run's every check has passed (`dirs.create_save`)."""
-    if config.checkpoint.save is None:
-        return
-    try:
-        dirs.create_save(config.checkpoint.save)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_checkpoints(config: TrainConfig, model: MultimodalSpec) -> tuple:
-    """(the checkpoint --load resumes from or None, the pretrained weights to start from, our
-    header of the resumed checkpoint's common state or None), after checking --load,
-    --finetune, --pretrained-checkpoint, --dip-pretrained, --save and --train-iters against the
-    file system (`checkpoint.dirs`, `finetune`), touching nothing (`_create_save` makes
-    --save)."""
-    from ..checkpoint.finetune import pretrained_sources
-    from ..checkpoint.resume_checks import check_resume
-
-    c = config.checkpoint
-    try:
-        if c.load and not (c.pretrained_checkpoint or c.dip_pretrained):
-            # (with pretrained weights, a --load that is not there yet is Megatron's idiom for
-            # "fine-tune from them until this run has its own checkpoints")
-            dirs.check_load_exists(c.load, save=c.save)
-        resume = dirs.find_resume(c.load, c.ckpt_step) if c.load else None
-        resume, pretrained = pretrained_sources(config, model, resume)
-        dirs.check_train_iters(resume, config.train.train_iters)
-        if c.save is not None:
-            dirs.check_save(c.save, load=None if c.finetune else c.load)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    header = check_resume(config, resume)
-    return resume, pretrained, header
-
-
-def recompute_mode(config: TrainConfig) -> MemoryPolicy:
-    """The memory policy of Megatron's recompute flags: `--recompute-granularity selective`,
-    `full` (the whole chunk), `full --recompute-method block|uniform --recompute-num-layers N`."""
-    m = config.model
-    if m.recompute_method is None:
-        if m.recompute_num_layers is not None:
-            raise _fail("--recompute-num-layers", "needs --recompute-method block|uniform")
-        if not m.recompute_granularity:
-            return NO_RECOMPUTE
-        return MemoryPolicy(Recompute(m.recompute_granularity))
-    if m.recompute_granularity != "full":
-        raise _fail(
-            "--recompute-method",
-            f"needs --recompute-granularity full (got {m.recompute_granularity}), as in Megatron-LM",
-        )
-    layers = 1 if m.recompute_num_layers is None else m.recompute_num_layers
-    if layers < 1:
-        raise _fail("--recompute-num-layers", f"must be >= 1, got {layers}")
-    return MemoryPolicy(Recompute(m.recompute_method), layers)
-
-
-def recompute_flags(mode: MemoryPolicy) -> list[str]:
-    """Megatron's flags that `recompute_mode` reads back as `mode` (the inverse); offload has
-    no flag here (the stock runtime recomputes only)."""
-    if mode.offload:
-        raise ValueError(f"memory policy {mode.label}: offload has no Megatron recompute flag")
-    method, layers = mode.method, mode.layers
-    if method is Recompute.NONE:
-        return []
-    if method in (Recompute.SELECTIVE, Recompute.FULL):
-        return ["--recompute-granularity", method.value]
-    return [
-        "--recompute-granularity", "full", "--recompute-method", method.value,
-        "--recompute-num-layers", str(layers),
-    ]  # fmt: skip
 
 
 def _check_emulation(config: TrainConfig) -> None:
@@ -449,7 +371,7 @@ def resolve(
     planner = replace(
         base, sub_sizes=dict(layout.sub_sizes), memory_limit_bytes=layout.memory_limit
     )
-    _create_save(config)  # last: every check has passed
+    create_save(config)  # last: every check has passed
     return RunSpec(
         preset=preset,
         model=model,
@@ -475,9 +397,9 @@ def resolve(
         planner=planner,
         memory_limit_bytes=layout.memory_limit,
         training=training_settings(config),
-        checkpointing=_checkpointing(config),
-        reporting=_reporting(config),
-        runtime=_runtime(config),
+        checkpointing=checkpointing_settings(config),
+        reporting=reporting_settings(config),
+        runtime=runtime_limits(config),
         stock_placement=config.dip.dip_stock_placement,
         segments=layout.segments,
         placement_name=layout.placement_name,
@@ -519,7 +441,7 @@ def _base_planner(config: TrainConfig, model, *, shape, recompute) -> PlannerCon
     return planner_config(
         shape=shape,
         packing=packing_limits(model, config.train.seq_length),
-        search=_search(config),
+        search=search_settings(config),
         use_search=d.dip_search_time_ms > 0,
         uniform_recompute=None if recompute == NO_RECOMPUTE else recompute,
         offload_activations=d.dip_offload_activations,
@@ -547,84 +469,3 @@ def _warn_split_without_delayed_wgrad(config: TrainConfig, *, cuda: bool, emulat
             "than planned)",
             megatron_compat.TE_DELAYED_WGRAD,
         )
-
-
-def _search(config: TrainConfig) -> SearchConfig:
-    """The planner process's search: it stops after its rollout budget or --dip-search-time-ms,
-    whichever comes first (only the planner process searches; every rank runs its plan)."""
-    d = config.dip
-    return SearchConfig(
-        time_budget_s=d.dip_search_time_ms / 1e3,
-        workers=d.dip_planner_workers,
-        seed=config.train.seed,
-    )
-
-
-def training_settings(config: TrainConfig) -> Training:
-    """The optimisation settings of `config` (preset defaults already filled in), resolved."""
-    t, m = config.train, config.model
-    return Training(
-        iterations=t.train_iters,
-        global_batch_size=t.global_batch_size,
-        seq_length=t.seq_length,
-        seed=t.seed,
-        init_std=m.init_method_std,
-        per_token_loss=m.calculate_per_token_loss,
-        attention=config.dip.dip_attention,
-        lr=t.lr,
-        min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
-        clip_grad=t.clip_grad,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps,
-        schedule=schedule_of(t),
-        override_opt_param_scheduler=t.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
-    )
-
-
-def _checkpointing(config: TrainConfig) -> Checkpointing:
-    c = config.checkpoint
-    return Checkpointing(
-        save=c.save,
-        save_interval=c.save_interval,
-        async_save=c.async_save,
-        load=c.load,
-        no_load_optim=c.no_load_optim,
-        no_load_rng=c.no_load_rng,
-    )
-
-
-def _reporting(config: TrainConfig) -> Reporting:
-    lg, d = config.logging, config.dip
-    return Reporting(
-        log_interval=lg.log_interval,
-        eval_interval=lg.eval_interval,
-        eval_iters=lg.eval_iters,
-        tensorboard_dir=lg.tensorboard_dir,
-        trace_dir=d.dip_trace_dir,
-        trace_interval=d.dip_trace_interval,
-        metrics_json=d.dip_metrics_json,
-        log_blend=d.dip_log_blend,
-    )
-
-
-def startup_timeout_s(config: TrainConfig) -> float:
-    """Seconds the other ranks wait for rank 0's start-up sizing (the placement search):
-    Megatron-LM's --distributed-timeout-minutes where given (its launch scripts pass it, and a
-    search on a large model may take longer than any pipeline wait), else --dip-comm-timeout-s."""
-    minutes = config.parallel.distributed_timeout_minutes
-    return config.dip.dip_comm_timeout_s if minutes is None else 60.0 * minutes
-
-
-def _runtime(config: TrainConfig) -> RuntimeLimits:
-    d = config.dip
-    return RuntimeLimits(
-        comm_timeout_s=d.dip_comm_timeout_s,
-        planner_timeout_s=d.dip_planner_timeout_s,
-        lookahead=d.dip_lookahead,
-        calibration_window=d.dip_calibration_window,
-        calibration_frozen=d.dip_calibration_frozen,
-        max_nonfinite_iters=d.dip_max_nonfinite_iters,
-    )
