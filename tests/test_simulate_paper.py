@@ -6,6 +6,8 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
+
 from megatron_dip.planner.search import mcts_order, unit_constraints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,3 +35,13 @@ def test_the_study_searches_its_rollouts_whatever_the_wall_time():
     assert found.rollouts == 9
     capped = tool.parse_args(["--setups", "vlm-s", "--search-time-ms", "250"])
     assert tool.search_config(capped).time_budget_s == 0.25
+
+
+def test_startup_workers_default_to_every_usable_core_and_refuse_a_negative_count(capsys):
+    """`--startup-workers` reads as training's `--dip-startup-workers`: 0 (the default) is one
+    process per usable core; a negative count is refused by name."""
+    tool = _tool()
+    assert tool.parse_args(["--setups", "vlm-s"]).startup_workers == 0
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--setups", "vlm-s", "--startup-workers", "-1"])
+    assert "--startup-workers must be >= 0" in capsys.readouterr().err

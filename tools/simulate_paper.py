@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_dip.batching import resplit
 from megatron_dip.modelspec import PAPER_SETUPS
 from megatron_dip.planner.bounds import module_bounds
+from megatron_dip.planner.candidate_pool import usable_cores
 from megatron_dip.planner.gap import decompose_gap, format_gap
 from megatron_dip.planner.paper import check_names, mixtures_for, paper_comparison
 from megatron_dip.planner.search import SearchConfig
@@ -84,9 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--startup-workers",
         type=int,
-        default=1,
+        default=0,
         help="processes scoring the start-up search's placement candidates, as training's "
-        "--dip-startup-workers (the same choice for any count)",
+        "--dip-startup-workers (0: one per usable CPU core; the same choice for any count)",
     )
     p.add_argument("--json", type=Path, help="write all results here")
     p.add_argument(
@@ -101,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(error)
     if args.batches < 1:
         p.error("--batches must be >= 1")
-    if args.startup_workers < 1:
-        p.error("--startup-workers must be >= 1")
+    if args.startup_workers < 0:
+        p.error("--startup-workers must be >= 0 (0: one per usable CPU core)")
     if args.placement is not None and "," in args.setups:
         p.error("--placement names the placement of one setup: give one --setups")
     return args
@@ -128,7 +129,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
             calibration_batches=args.calibration_batches,
             search=search,
             placement=args.placement,
-            workers=args.startup_workers,
+            workers=args.startup_workers or usable_cores(),
         )
     except ValueError as err:
         if args.placement is None:
