@@ -249,16 +249,32 @@ def test_gap_decomposition_of_1f1b_is_fill_and_drain() -> None:
     cost = UniformCost(1.0, 2.0)
     module = plan.placement.modules[0].name
     gap = decompose_gap(
-        plan, simulate(plan, cost), cost, m * 3.0, single_channel, {module: m * 3.0 - 1.0}
+        plan,
+        simulate(plan, cost),
+        cost,
+        m * 3.0,
+        single_channel,
+        {module: m * 3.0 - 1.0},
+        whole=plan.submicrobatches,
     )
     assert gap.granularity_by_module == {module: pytest.approx(1.0)}
+    # every rank computes its m forwards and backwards, all of them whole (no recompute, host)
+    for c in gap.compute:
+        assert c.whole == c.plain == c.recomputed == c.busy == pytest.approx(m * 3.0)
+        assert c.shares(gap.bound) == {
+            "whole": pytest.approx(1.0), "granularity": 0.0, "recompute": 0.0, "host": 0.0
+        }  # fmt: skip
     assert gap.makespan == pytest.approx((m + p - 1) * 3.0)
     for r, row in enumerate(gap.ranks):
         assert row.total == pytest.approx(gap.makespan - gap.bound)
         assert row.fill == pytest.approx((p - 1) * 2.0 - r * 1.0)
         assert row.fill + row.drain == pytest.approx((p - 1) * 3.0)
         assert row.steady == row.imbalance == row.reduction == row.overhead == 0.0
-    assert gap.free_communication == 0.0 and "fill +18.8%" in format_gap("1f1b", gap)
+    table = format_gap("1f1b", gap)
+    assert gap.free_communication == 0.0 and "fill +18.8%" in table
+    assert (
+        "   3  whole 100.0%  granularity +0.0%  recompute +0.0%  host +0.0%  busy 100.0%" in table
+    )
     slow = UniformCost(1.0, 2.0, transfer=0.5)
     gap = decompose_gap(plan, simulate(plan, slow), slow, m * 3.0, single_channel)
     assert gap.free_communication == pytest.approx(gap.makespan - (m + p - 1) * 3.0)

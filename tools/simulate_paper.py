@@ -177,6 +177,7 @@ def print_gaps(cmp, batch, result, title: str) -> None:
             result.balanced_bound,
             cmp.dip_channel,
             shares,
+            whole=replica.submicrobatches,
         )
         name = f"{title} iteration {result.iteration} {outcome.name}"
         print(format_gap(name, gap) + "\n", flush=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..schedule.ir import ChunkSpec, SubMicrobatch
+from ..schedule.ir import ChunkSpec, Placement, SubMicrobatch
 
 
 def total_compute(cost_model, submicrobatches: Iterable[SubMicrobatch]) -> float:
@@ -25,6 +25,21 @@ def total_compute(cost_model, submicrobatches: Iterable[SubMicrobatch]) -> float
         cost = cost_model.stage_cost(ChunkSpec(spec.name, 0, 0, 0, spec.num_layers), sub)
         total += cost.forward + (cost.backward if cost_model.needs_backward(spec.name) else 0.0)
     return total
+
+
+def rank_loads(
+    cost_model, placement: Placement, submicrobatches: Iterable[SubMicrobatch]
+) -> list[float]:
+    """Seconds of every forward (and backward, where the module needs one) each rank of
+    `placement` computes on these sub-microbatches, without recomputation: every chunk of a
+    sub-microbatch's module on its rank."""
+    loads = [0.0] * placement.num_ranks
+    for sub in submicrobatches:
+        backward = cost_model.needs_backward(sub.module)
+        for chunk in placement.module(sub.module).chunks:
+            cost = cost_model.stage_cost(chunk, sub)
+            loads[chunk.rank] += cost.forward + (cost.backward if backward else 0.0)
+    return loads
 
 
 def balanced_bound(

@@ -16,6 +16,10 @@ For each pipeline rank r of a simulated plan (makespan T, balanced bound L of it
   recomputation) and `host` (per-instruction host time); given each module's share of the bound
   (`bounds.module_bounds`), `granularity_by_module` says which module's cuts cost it.
 
+Per rank, `compute` splits the busy time the same way (`RankCompute`): the rank's stages priced
+on whole modules (given the whole-module split of the batch), plus its own granularity,
+recomputation and host time, so the busiest rank's makeup reads directly.
+
 Idle spent posting messages is part of the idle terms. `free_communication` is a counterfactual:
 what the plan would gain if every message took no time (same programs, transfers at 0 s), so a
 large value says communication sits on the critical path. The rank order of spans is time order
@@ -24,13 +28,14 @@ large value says communication sits on the critical path. The rank order of span
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from ..schedule.ir import Backward, BackwardWeight, Forward, Plan
+from ..schedule.ir import Backward, BackwardWeight, Forward, Plan, SubMicrobatch
+from .bounds import rank_loads
 from .simulator import PlanTiming, SimResult, stage_costs
 
-__all__ = ["GapDecomposition", "RankGap", "decompose_gap", "format_gap"]
+__all__ = ["GapDecomposition", "RankCompute", "RankGap", "decompose_gap", "format_gap"]
 
 IDLE_TERMS = ("fill", "steady", "drain", "reduction")
 
@@ -53,6 +58,28 @@ class RankGap:
 
 
 @dataclass(frozen=True)
+class RankCompute:
+    """One rank's busy seconds, built up: `whole` (its layers on whole modules, as the bound
+    prices them; None where no whole-module split was given), `plain` (the plan's stages without
+    recomputation or host time), `recomputed` (with its memory policies) and `busy` (with host
+    time: what the simulation ran)."""
+
+    whole: float | None
+    plain: float
+    recomputed: float
+    busy: float
+
+    def shares(self, bound: float) -> dict[str, float | None]:
+        """The build-up as shares of `bound`: whole, + granularity, + recompute, + host."""
+        return {
+            "whole": None if self.whole is None else self.whole / bound,
+            "granularity": None if self.whole is None else (self.plain - self.whole) / bound,
+            "recompute": (self.recomputed - self.plain) / bound,
+            "host": (self.busy - self.recomputed) / bound,
+        }
+
+
+@dataclass(frozen=True)
 class GapDecomposition:
     """A plan's gap to the balanced bound: per-rank terms and the shared overhead's parts."""
 
@@ -64,6 +91,7 @@ class GapDecomposition:
     host: float
     free_communication: float
     granularity_by_module: dict[str, float] = field(default_factory=dict)
+    compute: tuple[RankCompute, ...] = ()
 
     def mean(self, term: str) -> float:
         """The mean over ranks of one `RankGap` term."""
@@ -89,20 +117,22 @@ def _rank_idle(spans, program, compute_end: float) -> tuple[float, float, float]
     return idle[0], idle[1], idle[2]
 
 
-def _compute_totals(plan: Plan, cost_model) -> tuple[dict[str, float], float]:
-    """(per module, seconds of the plan's stages without recomputation; all of them with its
-    memory policies), every forward and backward of every rank, no host time."""
+def _compute_totals(plan: Plan, cost_model) -> tuple[dict[str, float], list[float], list[float]]:
+    """(per module, seconds of the plan's stages without recomputation; per rank, the same; per
+    rank, with its memory policies), every forward and backward of every rank, no host time."""
     costs, has_backward = stage_costs(plan, cost_model)
-    plain: dict[str, float] = {}
-    with_modes = 0.0
+    by_module: dict[str, float] = {}
+    plain = [0.0] * plan.num_ranks
+    recomputed = [0.0] * plan.num_ranks
     for stage, cost in costs.items():
         chunk = plan.placement.module(stage.module).chunks[stage.chunk]
         bare = cost_model.stage_cost(chunk, plan.submicrobatch(stage.work))
         backward = stage in has_backward
         seconds = bare.forward + (bare.backward if backward else 0.0)
-        plain[stage.module] = plain.get(stage.module, 0.0) + seconds
-        with_modes += cost.forward + (cost.backward if backward else 0.0)
-    return plain, with_modes
+        by_module[stage.module] = by_module.get(stage.module, 0.0) + seconds
+        plain[chunk.rank] += seconds
+        recomputed[chunk.rank] += cost.forward + (cost.backward if backward else 0.0)
+    return by_module, plain, recomputed
 
 
 class _FreeMessages:
@@ -126,15 +156,18 @@ def decompose_gap(
     bound: float,
     channel,
     module_bounds: Mapping[str, float] | None = None,
+    whole: Iterable[SubMicrobatch] | None = None,
 ) -> GapDecomposition:
     """The decomposition of `sim` (`plan`'s simulation under `cost_model` and `channel`)
-    against the balanced bound `bound` (of which each module's share: `module_bounds`)."""
+    against the balanced bound `bound` (of which each module's share: `module_bounds`);
+    `whole`: the batch's sub-microbatches on whole modules, which price each rank's share of
+    the bound (`RankCompute.whole`)."""
     execution = sim.execution
     ranks = len(plan.programs)
     compute_end = max((s[-1][2] for s in execution.spans if s), default=0.0)
     mean_busy = sum(sim.busy) / ranks
-    by_module, with_modes = _compute_totals(plan, cost_model)
-    plain = sum(by_module.values())
+    by_module, plain, recomputed = _compute_totals(plan, cost_model)
+    loads = None if whole is None else rank_loads(cost_model, plan.placement, whole)
     rows = []
     for program, spans, busy in zip(plan.programs, execution.spans, sim.busy):
         fill, steady, drain = _rank_idle(spans, program, compute_end)
@@ -155,13 +188,17 @@ def decompose_gap(
         makespan=sim.iteration_time,
         bound=bound,
         ranks=tuple(rows),
-        granularity=plain / ranks - bound,
-        recompute=(with_modes - plain) / ranks,
-        host=mean_busy - with_modes / ranks,
+        granularity=sum(plain) / ranks - bound,
+        recompute=(sum(recomputed) - sum(plain)) / ranks,
+        host=mean_busy - sum(recomputed) / ranks,
         free_communication=sim.iteration_time - free.makespan,
         granularity_by_module={
             m: by_module.get(m, 0.0) / ranks - b for m, b in (module_bounds or {}).items()
         },
+        compute=tuple(
+            RankCompute(None if loads is None else loads[r], plain[r], recomputed[r], sim.busy[r])
+            for r in range(ranks)
+        ),
     )
 
 
@@ -193,4 +230,20 @@ def format_gap(title: str, gap: GapDecomposition) -> str:
             "granularity by module: "
             + ", ".join(f"{m} {s / b:+.1%}" for m, s in gap.granularity_by_module.items())
         )
+    lines.extend(_compute_lines(gap))
     return "\n".join(lines)
+
+
+def _compute_lines(gap: GapDecomposition) -> list[str]:
+    """Each rank's busy time built up, as shares of the bound (`RankCompute.shares`)."""
+    if not gap.compute:
+        return []
+    lines = ["rank busy, share of the bound: whole + granularity + recompute + host = busy"]
+    for r, c in enumerate(gap.compute):
+        parts = c.shares(gap.bound)
+        text = "  ".join(
+            f"{n} {'n/a' if v is None else format(v, '+.1%' if n != 'whole' else '.1%')}"
+            for n, v in parts.items()
+        )
+        lines.append(f"{r:>4}  {text}  busy {c.busy / gap.bound:.1%}")
+    return lines

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ..data.sample import BatchMeta
 from ..modelspec import MultimodalSpec
 from ..schedule.engine import ChannelFn, per_peer_channel
+from .bounds import rank_loads
 from .candidates import merge_submicrobatches
 from .dip import DipPlanner
 from .placement import PlacementCandidate, choose_dip_placement
@@ -109,18 +110,12 @@ def rank_load_bound(planner: DipPlanner, batches: Sequence[BatchMeta]) -> float:
     whole (no plan of that work, split or not, recomputing or not, with host overheads or
     without, takes less). The start-up search skips a candidate whose bound exceeds the best
     score found (`choose_dip_placement`): the same choice as scoring it, for less work."""
-    cost, placement, model = planner.cost_model, planner.placement, planner.model
-    loads = []
+    busiest = []
     for batch in batches:
-        works = merge_submicrobatches(model, planner.layout(batch).replicas[0].works)
-        per_rank = [0.0] * placement.num_ranks
-        for sub in (s for w in works for s in w.submicrobatches):
-            backward = cost.needs_backward(sub.module)
-            for chunk in placement.module(sub.module).chunks:
-                c = cost.stage_cost(chunk, sub)
-                per_rank[chunk.rank] += c.forward + (c.backward if backward else 0.0)
-        loads.append(max(per_rank))
-    return sum(loads) / len(loads)
+        works = merge_submicrobatches(planner.model, planner.layout(batch).replicas[0].works)
+        subs = (s for w in works for s in w.submicrobatches)
+        busiest.append(max(rank_loads(planner.cost_model, planner.placement, subs)))
+    return sum(busiest) / len(busiest)
 
 
 __all__ = ["rank_load_bound", "search_placement", "simulated_score", "static_candidates"]

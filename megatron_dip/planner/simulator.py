@@ -129,6 +129,10 @@ class UniformCost:
         """`transfer` seconds for any message."""
         return self.transfer
 
+    def needs_backward(self, module: str) -> bool:
+        """Every module trains (as `CostModel.needs_backward` of an unfrozen one)."""
+        return True
+
 
 @dataclass(frozen=True)
 class SimResult:
