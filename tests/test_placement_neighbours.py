@@ -168,3 +168,42 @@ def test_the_run_resolves_a_moved_cuts_flag_to_the_same_placement(vlm) -> None:
         assert got.placement == cand.placement and got.stage_units == cand.stage_units
     with pytest.raises(ConfigError, match="positive stage sizes"):
         _named_static(sizing, "static:cost-split-v1-cut-1/2/3")
+
+
+def test_a_second_climb_starts_from_the_cost_cut_where_no_one_list_cut_wins(vlm) -> None:
+    """Where DIP's segments win the greedy scores, the cost rule's cut over one chunk per rank
+    is climbed too: over the memory limit its score is doubled (here 20, against the winner's
+    10), a cut one layer away fits and scores 5, so the search ends there; where a one-list cut
+    wins, only that one is climbed."""
+    from megatron_dip.planner.placement_climb import second_start
+    from megatron_dip.planner.placement_search import search_placement
+
+    base = vlm.cands["static cost-split v1"]
+    sizes = _sizes(base)
+    fits = "static cost-split v1 cut " + "/".join(
+        map(str, [sizes[0] - 1, sizes[1] + 1, *sizes[2:]])
+    )
+
+    def score(cand) -> float:
+        if cand.name == base.name:
+            return 20.0  # over the limit: counted double
+        if cand.name == fits:
+            return 5.0
+        if " cut " in cand.name:
+            return 25.0
+        return 12.0 if cand.name.startswith("static ") else 10.0  # DIP's segments win
+
+    chosen, scores, planned = search_placement(
+        vlm.model,
+        vlm.cost,
+        num_ranks=4,
+        workload=vlm.workload,
+        unit_instances=None,
+        static=vlm.static,
+        score=score,
+        plan_score=score,
+        bound=lambda c: 0.0,
+    )
+    assert chosen.name == fits and scores[base.name] == 20.0
+    assert planned == {fits: 5.0, base.name: 20.0}  # planned against the cut it climbed from
+    assert second_start(base, scores, {base.name: base}) is None  # a one-list cut: climbed itself

@@ -6,7 +6,15 @@ moved by one layer, `placement_neighbours`) with the same score, moves to the be
 scores lower, and repeats from there (so a cut two or more layers away is reached through
 improving steps) for at most `MAX_STEPS` steps. Scoring only the winner's neighbours keeps the
 search's cost at a few candidates per step (6 on a 4-stage cut, 14 on 8 stages) rather than
-every static cut's neighbours, and none when DIP's own segments win.
+every static cut's neighbours.
+
+Where DIP's own segments (or another placement that is no one-list cut) win, a second climb
+starts from the cost rule's cut over one chunk per rank (`second_start`): the cost rule balances
+compute and ignores memory, so that cut's first ranks can sit just over the activation limit,
+where the greedy score counts the plan double, while a cut one layer away fits (VLM-S
+mixed-blend: `static cost-split v1` 22.77 s, doubled; its cut 18/19/19/39 15.25 s, below DIP's
+best segments at 15.64 s). That cut is the cheapest to climb (2(P - 1) neighbours a step) and
+the one a Megatron user moves layers of first.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from collections.abc import Callable, Sequence
 from ..modelspec import MultimodalSpec
 from .candidate_pool import CandidateScorer
 from .placement import PlacementCandidate
-from .placement_neighbours import neighbour_candidates
+from .placement_neighbours import base_name, neighbour_candidates, searched
 
 MAX_STEPS = 4  # a cut at most this many layers' moves from the cost rule's
 
@@ -51,6 +59,26 @@ def climb_cut(
     return best
 
 
+def second_start(
+    chosen: PlacementCandidate,
+    scores: dict[str, float],
+    scored: dict[str, PlacementCandidate],
+) -> PlacementCandidate | None:
+    """Where a second climb starts (module docstring): the cost rule's cut over one chunk per
+    rank among the `scored` candidates, where `chosen` is no one-list cut; else None."""
+    if searched(chosen):
+        return None
+    bases = [
+        c
+        for c in scored.values()
+        if c.name in scores
+        and c.family == "cost-split"
+        and len(c.stage_units[0]) == 1
+        and c.name == base_name(c)  # the cost rule's own cut, not a moved one
+    ]
+    return min(bases, key=lambda c: (scores[c.name], c.name), default=None)
+
+
 def _lowest(
     cands: Sequence[PlacementCandidate],
     to_beat: float,
@@ -77,4 +105,4 @@ def _lowest(
     return None if i < 0 else (cands[i], score)
 
 
-__all__ = ["MAX_STEPS", "climb_cut"]
+__all__ = ["MAX_STEPS", "climb_cut", "second_start"]

@@ -5,8 +5,9 @@ batches, simulated.
 and the training entry point (`training.config.layout`): `planner.placement.choose_dip_placement`
 picks the candidate with the smallest greedy score among DIP's segment counts and the static
 Megatron placements (`static_candidates`), `placement_climb` moves a winning one-list cut a layer
-at a time while that scores lower, and `placement_ties` plans the near-ties (and the cut the
-climb started from) as the run does. Scores are `simulated_score`s, so a static placement with
+at a time while that scores lower (where no one-list cut wins, the cost rule's cut over one chunk
+per rank instead, `placement_climb.second_start`), and `placement_ties` plans the near-ties (and
+the cut the climb started from) as the run does. Scores are `simulated_score`s, so a static placement with
 Megatron's order (which the planner tries as a candidate plan) is always in the running and the
 choice never loses to it on those batches.
 """
@@ -22,7 +23,7 @@ from .bounds import rank_loads
 from .candidates import merge_submicrobatches
 from .dip import DipPlanner
 from .placement import PlacementCandidate, choose_dip_placement
-from .placement_climb import climb_cut
+from .placement_climb import climb_cut, second_start
 from .placement_ties import settle_near_ties
 from .simulator import simulate
 from .static_baselines import StaticPipeline
@@ -69,8 +70,8 @@ def search_placement(
         workers=workers,
         scored=scored,
     )
-    climbed = climb_cut(
-        model, chosen, scores, evaluate=score, bound=bound, workers=workers, scored=scored
+    climbed, start = _climbed(
+        model, chosen, scores, scored, score=score, bound=bound, workers=workers
     )
     settled, planned = settle_near_ties(
         climbed,
@@ -79,9 +80,33 @@ def search_placement(
         evaluate=plan_score,
         bound=bound,
         workers=workers,
-        start=chosen,
+        start=start,
     )
     return settled, scores, planned
+
+
+def _climbed(
+    model: MultimodalSpec,
+    chosen: PlacementCandidate,
+    scores: dict[str, float],
+    scored: dict[str, PlacementCandidate],
+    *,
+    score: Callable[[PlacementCandidate], float],
+    bound: Callable[[PlacementCandidate], float],
+    workers: int,
+) -> tuple[PlacementCandidate, PlacementCandidate]:
+    """(the climb's end, the cut it started from): `chosen` climbed, and where that is no
+    one-list cut, also the cost rule's cut over one chunk per rank (`second_start`); the end
+    with the lower greedy score (`chosen`'s on a tie)."""
+    climb = dict(evaluate=score, bound=bound, workers=workers, scored=scored)
+    end = climb_cut(model, chosen, scores, **climb)
+    other = second_start(chosen, scores, scored)
+    if other is None:
+        return end, chosen
+    other_end = climb_cut(model, other, scores, **climb)
+    if scores[other_end.name] < scores[end.name]:
+        return other_end, other
+    return end, chosen
 
 
 def simulated_score(
