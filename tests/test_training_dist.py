@@ -306,12 +306,15 @@ def test_training_survives_a_faulty_planner_with_the_same_losses(world, fault):
         assert run["variants"] == {"inline": 5} and "restarting" not in log
         assert "planner restarts: 0" in log
         return
-    reason = {
-        "killed": "was killed by signal 9",
-        "raises": "failed with exit code 1",
-        "stopped": "sent no heartbeat for",
+    # A stopped planner is found by the heartbeat check: silent past its timeout, or (when it
+    # was stopped deep into a slow plan, on a loaded machine) busy past the progress limit.
+    reasons = {
+        "killed": ("was killed by signal 9",),
+        "raises": ("failed with exit code 1",),
+        "stopped": ("sent no heartbeat for", "made no progress for"),
     }[fault]
-    assert f"planner process {reason}" in log and "restarting it (restart 1)" in log
+    assert any(f"planner process {r}" in log for r in reasons), log
+    assert "restarting it (restart 1)" in log
     assert "planner restarts: 1" in log
     if fault == "killed":
         assert "injected fault: killing the planner process (iteration 2)" in log
