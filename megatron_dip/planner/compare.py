@@ -171,10 +171,10 @@ class Comparison:
         workers: int = 1,
     ) -> PlacementCandidate:
         """The start-up search's placement, scored on the first two `calibration` batches:
-        DIP's segment counts and the static placements, then the chosen static cut moved a
-        layer at a time while that scores lower, then its near-ties settled by the run's own
-        plans (`placement_ties`; `placement_scores` gets every greedy score, `tie_scores`
-        the finalists' planned ones)."""
+        DIP's segment counts and the static placements, then a one-list cut moved a layer at a
+        time while that scores lower, then the near-ties settled by the run's own plans
+        (`placement_search.search_placement`; `placement_scores` gets every greedy score,
+        `tie_scores` the finalists' planned ones)."""
         batches = calibration[:2]
         chosen, self.placement_scores, self.tie_scores = search_placement(
             self.setup.model,

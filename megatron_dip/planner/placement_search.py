@@ -7,9 +7,9 @@ picks the candidate with the smallest greedy score among DIP's segment counts an
 Megatron placements (`static_candidates`), `placement_climb` moves a winning one-list cut a layer
 at a time while that scores lower (where no one-list cut wins, the cost rule's cut over one chunk
 per rank instead, `placement_climb.second_start`), and `placement_ties` plans the near-ties (and
-the cut the climb started from) as the run does. Scores are `simulated_score`s, so a static placement with
-Megatron's order (which the planner tries as a candidate plan) is always in the running and the
-choice never loses to it on those batches.
+the cut the climb started from) as the run does. Scores are `simulated_score`s, so a static
+placement with Megatron's order (which the planner tries as a candidate plan) is always in the
+running and the choice never loses to it on those batches.
 """
 
 from __future__ import annotations

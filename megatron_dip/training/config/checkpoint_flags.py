@@ -14,6 +14,8 @@ from .arguments import fail as _fail
 
 
 def check_checkpoint_flags(config: TrainConfig) -> None:
+    """The checkpoint flags' own combinations (`ConfigError` naming the flag), before any
+    file is looked at."""
     c = config.checkpoint
     if c.save_interval is not None and (c.save_interval < 1 or c.save is None):
         raise _fail("--save-interval", "needs --save and a value >= 1")

@@ -7,10 +7,10 @@ keeping 95% of peak efficiency), and the placement: for `--dip-schedule 1f1b|int
 stock Megatron placement of `--dip-stock-placement`; for DIP the `--dip-segments` given, or a
 start-up search over DIP's segment counts (the latency rule K_i = floor(T_i / T_min) among them)
 and the static Megatron placements (encoder on the first stage, one layer list cut by cost or
-parameters, 1 or 2 chunks per rank, the cost cut also 3, 4, 6 or 8; a winning one-list cut
-then moved a layer at a time while that scores lower), scored by simulated greedy plans of the
-first calibration batches (`planner.placement_search`; the near-ties and the cut the climb
-started from then planned as the run plans, `planner.placement_ties`) under the cost model,
+parameters, 1 or 2 chunks per rank, the cost cut also 3, 4, 6 or 8; a one-list cut then moved
+a layer at a time while that scores lower), scored by simulated greedy plans of the first
+calibration batches (`planner.placement_search.search_placement`; the near-ties and the cut the
+climb started from then planned as the run plans, `planner.placement_ties`) under the cost model,
 host overheads included (--dip-host-overheads): so the search trades granularity against the
 runtime's per-instruction cost, and the sub-microbatch sizes count the host time of a pass
 through a module's chunks. A static placement keeps its virtual stages, so the planner can

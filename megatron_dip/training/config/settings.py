@@ -36,6 +36,8 @@ def training_settings(config: TrainConfig) -> Training:
 
 
 def checkpointing_settings(config: TrainConfig) -> Checkpointing:
+    """Where and when the run saves, and what it loads (the flags checked by
+    `checkpoint_flags`)."""
     c = config.checkpoint
     return Checkpointing(
         save=c.save,
@@ -48,6 +50,7 @@ def checkpointing_settings(config: TrainConfig) -> Checkpointing:
 
 
 def reporting_settings(config: TrainConfig) -> Reporting:
+    """What the run logs, evaluates, traces and writes as metrics, and how often."""
     lg, d = config.logging, config.dip
     return Reporting(
         log_interval=lg.log_interval,
@@ -62,6 +65,7 @@ def reporting_settings(config: TrainConfig) -> Reporting:
 
 
 def runtime_limits(config: TrainConfig) -> RuntimeLimits:
+    """The runtime's waits, plan look-ahead, cost calibration and non-finite tolerance."""
     d = config.dip
     return RuntimeLimits(
         comm_timeout_s=d.dip_comm_timeout_s,
