@@ -45,3 +45,45 @@ def test_startup_workers_default_to_every_usable_core_and_refuse_a_negative_coun
     with pytest.raises(SystemExit):
         tool.parse_args(["--setups", "vlm-s", "--startup-workers", "-1"])
     assert "--startup-workers must be >= 0" in capsys.readouterr().err
+
+
+def test_what_ifs_change_the_modelled_machine_and_mark_the_table(capsys):
+    """`--memory-scale` multiplies every activation limit (DIP's and the stock grid's: one
+    `Comparison.memory`), `--gemm-half-rows 0` runs every GEMM at the device's cap, whatever
+    its rows; the table's title says it is a what-if. Bad values are
+    refused by name."""
+    from megatron_dip.planner.paper import paper_comparison
+    from megatron_dip.planner.search import SearchConfig
+
+    tool = _tool()
+    args = tool.parse_args(["--setups", "vlm-s", "--memory-scale", "2", "--gemm-half-rows", "0"])
+    assert tool.what_if_label(args) == "  WHAT-IF: activation limits x 2, GEMM knee 0 rows"
+    assert tool.what_if_label(tool.parse_args(["--setups", "vlm-s"])) == ""
+    for flag, value, message in [
+        ("--memory-scale", "0", "--memory-scale must be > 0"),
+        ("--gemm-half-rows", "-1", "--gemm-half-rows must be >= 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            tool.parse_args(["--setups", "vlm-s", flag, value])
+        assert message in capsys.readouterr().err
+
+    common = dict(
+        device="H800",
+        seed=0,
+        calibration_batches=1,
+        search=SearchConfig(max_rollouts=1),
+        placement="static cost-split v1",
+    )
+    real, _ = paper_comparison("vlm-s", "mixed", **common)
+    what_if, _ = paper_comparison("vlm-s", "mixed", memory_scale=2.0, gemm_half_rows=0, **common)
+    placement = real.dip_placement
+    assert what_if.memory(placement) == pytest.approx([2 * m for m in real.memory(placement)])
+
+    def efficiency(cmp, images: int) -> float:
+        return cmp.cost_model.efficiency("vit", instances=images, tokens_per_instance=1024)
+
+    def one_image_share(cmp) -> float:  # a one-image sub-microbatch's efficiency, of 16's
+        return efficiency(cmp, 1) / efficiency(cmp, 16)
+
+    # What is left is memory-bound work (weights read once per sub-microbatch).
+    assert one_image_share(real) < 0.7 and one_image_share(what_if) > 0.78

@@ -14,7 +14,10 @@ the recompute setting, and planner time per batch. Below the stock rows, the Zer
 ZB-H1 (Megatron's 1F1B order with split backwards, weight gradients in the bubbles, within
 1F1B's activation peak) on each static 1F1B placement; never the baseline (Megatron users do not
 run it), its best row compared with DIP in the last line.
-Deterministic by seed (the search runs a fixed number of rollouts). `--placement` fixes DIP's
+Deterministic by seed (the search runs a fixed number of rollouts). Two what-ifs change the
+modelled machine to ask what a goal would need, and mark the table's title: `--memory-scale`
+(every activation limit times this) and `--gemm-half-rows` (the GEMM efficiency knee; 0 prices
+every sub-microbatch as efficiently as its whole microbatch). `--placement` fixes DIP's
 placement to one the table printed (a row's "DIP placement"), skipping the start-up search:
 
     python tools/simulate_paper.py --setups vlm-l --mixtures mixed --batches 3 --calibration-batches 2 \
@@ -89,6 +92,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="processes scoring the start-up search's placement candidates, as training's "
         "--dip-startup-workers (0: one per usable CPU core; the same choice for any count)",
     )
+    whatif = p.add_argument_group(
+        "what-ifs", "change the modelled machine, to ask what a goal would need (not a benchmark)"
+    )
+    whatif.add_argument(
+        "--memory-scale",
+        type=float,
+        default=1.0,
+        help="every rank's activation limit times this, for DIP and the stock grid alike",
+    )
+    whatif.add_argument(
+        "--gemm-half-rows",
+        type=int,
+        default=None,
+        help="the cost model's GEMM efficiency knee in rows (default 512; 0: every GEMM at the "
+        "device's cap, so sub-microbatches cost no granularity)",
+    )
     p.add_argument("--json", type=Path, help="write all results here")
     p.add_argument(
         "--gap",
@@ -104,6 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--batches must be >= 1")
     if args.startup_workers < 0:
         p.error("--startup-workers must be >= 0 (0: one per usable CPU core)")
+    if not args.memory_scale > 0:
+        p.error("--memory-scale must be > 0")
+    if args.gemm_half_rows is not None and args.gemm_half_rows < 0:
+        p.error("--gemm-half-rows must be >= 0")
     if args.placement is not None and "," in args.setups:
         p.error("--placement names the placement of one setup: give one --setups")
     return args
@@ -130,6 +153,8 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
             search=search,
             placement=args.placement,
             workers=args.startup_workers or usable_cores(),
+            memory_scale=args.memory_scale,
+            gemm_half_rows=args.gemm_half_rows,
         )
     except ValueError as err:
         if args.placement is None:
@@ -151,6 +176,7 @@ def run(setup_name: str, mixture: str, args: argparse.Namespace) -> tuple[dict, 
         "tie_scores": cmp.tie_scores,
         "sizing_seconds": sizing_seconds,
         "sub_sizes": cmp.sub_sizes,
+        "what_if": what_if_label(args).strip(),
         **study.summary(),
         "rows": [r.as_dict() for r in [*study.stock_rows(), *study.peer_rows(), *study.dip_rows()]],
     }
@@ -198,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             title = (
                 f"== {setup_name} / {mixture}  (DIP placement {result['dip_placement']}, "
-                f"sub-microbatch sizes {result['sub_sizes']})"
+                f"sub-microbatch sizes {result['sub_sizes']}){what_if_label(args)}"
             )
             print(format_table(title, study), flush=True)
             if result["vs_zb_h1"] is not None:
@@ -212,6 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def what_if_label(args: argparse.Namespace) -> str:
+    """The title's mark of a what-if run (empty for the modelled machine itself)."""
+    changes = []
+    if args.memory_scale != 1.0:
+        changes.append(f"activation limits x {args.memory_scale:g}")
+    if args.gemm_half_rows is not None:
+        changes.append(f"GEMM knee {args.gemm_half_rows} rows")
+    return f"  WHAT-IF: {', '.join(changes)}" if changes else ""
 
 
 def _ties(tie_scores: dict[str, float]) -> str:

@@ -118,6 +118,8 @@ class Comparison:
     dip_channel: ChannelFn = per_peer_channel
     placement_scores: dict[str, float] = dataclasses.field(default_factory=dict)
     tie_scores: dict[str, float] = dataclasses.field(default_factory=dict)
+    # A what-if knob: every rank's activation limit times this, for DIP and the stock grid alike.
+    memory_scale: float = 1.0
 
     @property
     def dip_placement(self) -> Placement:
@@ -134,11 +136,15 @@ class Comparison:
         search: SearchConfig,
         placement: str | None = None,
         workers: int = 1,
+        memory_scale: float = 1.0,
     ) -> Comparison:
         """Size placements and sub-microbatch sizes from `calibration` batches (averages).
         `placement`: DIP's placement by the name the study prints for it (`named`), instead of
         the start-up search's choice; `workers`: processes scoring the search's candidates (the
-        same choice for any count, `candidate_pool`)."""
+        same choice for any count, `candidate_pool`); `memory_scale`: every activation limit
+        times this (a what-if, `memory`)."""
+        if not memory_scale > 0:
+            raise ValueError(f"memory_scale must be > 0, got {memory_scale}")
         model, p = setup.model, setup.pipeline_parallel
         limits = packing_limits(model, setup.seq_length)
         whole = LayoutConfig(seq_length=setup.seq_length, packing=limits)
@@ -157,6 +163,7 @@ class Comparison:
         static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
         rule_candidate = PlacementCandidate("rule", rule)
         cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
+        cmp.memory_scale = memory_scale
         if placement is None:
             cmp.dip = cmp.searched(calibration, workload, workers=workers)
         else:
@@ -240,7 +247,9 @@ class Comparison:
         return rank_load_bound(trial.planner(use_search=False, sub_size_scales=()), batches)
 
     def memory(self, placement: Placement) -> list[float]:
-        return activation_limits(placement, self.cost_model, device=self.device)
+        """Each rank's activation limit under `placement` (times `memory_scale`)."""
+        limits = activation_limits(placement, self.cost_model, device=self.device)
+        return [limit * self.memory_scale for limit in limits]
 
     def planner(self, **overrides: object) -> DipPlanner:
         config = planner_config(

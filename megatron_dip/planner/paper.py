@@ -59,14 +59,19 @@ def paper_comparison(
     search: SearchConfig,
     placement: str | None = None,
     workers: int = 1,
+    memory_scale: float = 1.0,
+    gemm_half_rows: int | None = None,
 ) -> tuple[Comparison, BatchStream]:
     """The `Comparison` of one setup and mixture (placements sized on the stream's first
     `calibration_batches`; DIP's the start-up search's choice, scored on `workers` processes,
     or the one `placement` names, `Comparison.named`) and the seeded batch stream it draws from
-    (not advanced)."""
+    (not advanced). Two what-ifs: `memory_scale` multiplies every activation limit,
+    `gemm_half_rows` replaces the cost model's GEMM efficiency knee (0: every GEMM at the
+    device's cap, so no sub-microbatch is less efficient than its whole microbatch)."""
     setup = PAPER_SETUPS[setup_name]
     spec = get_device(device)
-    cost = CostModel(setup.model, spec, shape=setup.shape)
+    knee = {} if gemm_half_rows is None else {"gemm_half_rows": gemm_half_rows}
+    cost = CostModel(setup.model, spec, shape=setup.shape, **knee)
     limits = packing_limits(setup.model, setup.seq_length)
     stream = BatchStream(
         SyntheticSource(mixture, model=setup.model, seed=seed),
@@ -83,6 +88,7 @@ def paper_comparison(
         search=search,
         placement=placement,
         workers=workers,
+        memory_scale=memory_scale,
     )
     return cmp, stream
 
