@@ -170,29 +170,13 @@ def test_the_run_resolves_a_moved_cuts_flag_to_the_same_placement(vlm) -> None:
         _named_static(sizing, "static:cost-split-v1-cut-1/2/3")
 
 
-def _search(vlm, score, plan_score):
-    """`search_placement` over VLM-S's candidates with these greedy and planned scores."""
-    from megatron_dip.planner.placement_search import search_placement
-
-    return search_placement(
-        vlm.model,
-        vlm.cost,
-        num_ranks=4,
-        workload=vlm.workload,
-        unit_instances=None,
-        static=vlm.static,
-        score=score,
-        plan_score=plan_score,
-        bound=lambda c: 0.0,
-    )
-
-
 def test_a_second_climb_starts_from_the_cost_cut_where_no_one_list_cut_wins(vlm) -> None:
     """Where DIP's segments win the greedy scores, the cost rule's cut over one chunk per rank
     is climbed too: over the memory limit its score is doubled (here 20, against the winner's
     10), a cut one layer away fits and scores 5, so the search ends there; where a one-list cut
     wins, only that one is climbed."""
     from megatron_dip.planner.placement_climb import second_start
+    from megatron_dip.planner.placement_search import search_placement
 
     base = vlm.cands["static cost-split v1"]
     sizes = _sizes(base)
@@ -209,38 +193,17 @@ def test_a_second_climb_starts_from_the_cost_cut_where_no_one_list_cut_wins(vlm)
             return 25.0
         return 12.0 if cand.name.startswith("static ") else 10.0  # DIP's segments win
 
-    chosen, scores, planned = _search(vlm, score, score)
+    chosen, scores, planned = search_placement(
+        vlm.model,
+        vlm.cost,
+        num_ranks=4,
+        workload=vlm.workload,
+        unit_instances=None,
+        static=vlm.static,
+        score=score,
+        plan_score=score,
+        bound=lambda c: 0.0,
+    )
     assert chosen.name == fits and scores[base.name] == 20.0
     assert planned == {fits: 5.0, base.name: 20.0}  # planned against the cut it climbed from
     assert second_start(base, scores, {base.name: base}) is None  # a one-list cut: climbed itself
-
-
-def test_the_climbs_runner_up_is_planned_against_its_end(vlm) -> None:
-    """The cost rule's cut wins the greedy scores and no neighbour beats it; its best neighbour
-    (2% above it, outside the near-tie margin) is planned against it all the same and wins on
-    the run's plans (omni-s mixed-blend: greedy scores and plans disagreed by 1.4% there). A
-    neighbour whose bound exceeds the end's score is never the runner-up."""
-    from megatron_dip.planner.placement_climb import runner_up
-
-    base = vlm.cands["static cost-split v1"]
-    sizes = _sizes(base)
-    near = "static cost-split v1 cut " + "/".join(
-        map(str, [*sizes[:2], sizes[2] + 1, sizes[3] - 1])
-    )
-    greedy = {base.name: 10.0, near: 10.2}
-
-    def score(cand) -> float:
-        return greedy.get(cand.name, 11.0 if " cut " in cand.name else 12.0)
-
-    def plan_score(cand) -> float:
-        return {near: 9.0}.get(cand.name, 9.5)
-
-    chosen, scores, planned = _search(vlm, score, plan_score)
-    assert chosen.name == near and planned == {base.name: 9.5, near: 9.0}
-    scored = {n: vlm.cands[n] for n in scores if n in vlm.cands}
-    scored.update({c.name: c for c in neighbour_candidates(vlm.model, base)})
-    assert runner_up(vlm.model, base, scores, scored).name == near
-    bounds = {near: 10.5}  # above the end's 10.0: the climb may not have scored it
-    got = runner_up(vlm.model, base, scores, scored, bound=lambda c: bounds.get(c.name, 0.0))
-    assert got.name != near and scores[got.name] == 11.0
-    assert runner_up(vlm.model, vlm.cands["static stock v2"], scores, scored) is None

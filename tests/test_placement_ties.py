@@ -79,20 +79,20 @@ def test_the_cut_the_climb_started_from_is_planned_against_its_end():
     finalist whatever its greedy score (on VLM-L the moved cut scored 4.7% lower greedily and
     planned 1.4% slower)."""
     scored = _candidates(*GREEDY)
-    got = finalists(scored["a"], GREEDY, scored, extra=[scored["far"]])
+    got = finalists(scored["a"], GREEDY, scored, start=scored["far"])
     assert [c.name for c in got] == ["a", "b", "c", "far"]
-    assert [c.name for c in finalists(scored["a"], GREEDY, scored, extra=[scored["a"]])] == [
+    assert [c.name for c in finalists(scored["a"], GREEDY, scored, start=scored["a"])] == [
         "a",
         "b",
         "c",
     ]
     planned = {"a": 5.0, "b": 5.1, "c": 5.2, "far": 4.9}
     chosen, scores = settle_near_ties(
-        scored["a"], GREEDY, scored, evaluate=lambda c: planned[c.name], extra=[scored["far"]]
+        scored["a"], GREEDY, scored, evaluate=lambda c: planned[c.name], start=scored["far"]
     )
     assert chosen.name == "far" and scores["far"] == 4.9
     alone = _candidates("a", "far")  # no near-tie: the start alone is planned against the end
     chosen, scores = settle_near_ties(
-        alone["a"], GREEDY, alone, evaluate=lambda c: planned[c.name], extra=[alone["far"]]
+        alone["a"], GREEDY, alone, evaluate=lambda c: planned[c.name], start=alone["far"]
     )
     assert chosen.name == "far" and set(scores) == {"a", "far"}

@@ -666,16 +666,13 @@ def test_startup_placement_search_scores_static_placements_and_keeps_the_best(
     assert {"static stock v1", "static cost-split v1", "static cost-split v2"} <= set(bounds)
     # Near-ties of the best greedy score are planned again as the run plans (placement_ties):
     # the finalists are the best and those within the margin whose bound does not exceed it,
-    # where the best is a moved cut, the cut its climb started from, and where it is a cut,
-    # at most one more: its best neighbour (the climb's runner-up, a static cut too).
+    # and where the best is a moved cut, the cut its climb started from.
     best = min(scores.values())
     near = sorted(
         (s, n) for n, s in scores.items() if s <= best * (1 + TIE_MARGIN) and bounds[n] <= best
     )
     finalists = {n for _, n in near[:MAX_FINALISTS]} | {near[0][1].split(" cut ")[0]}
-    runner_up = set(planned) - finalists
-    assert len(runner_up) <= 1 and all(n.startswith("static ") for n in runner_up)
-    assert set(planned) == (finalists | runner_up if len(finalists | runner_up) > 1 else set())
+    assert set(planned) == (finalists if len(finalists) > 1 else set())
     if planned:
         assert planned[chosen] == min(planned.values())
     else:

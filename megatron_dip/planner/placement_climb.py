@@ -15,11 +15,6 @@ where the greedy score counts the plan double, while a cut one layer away fits (
 mixed-blend: `static cost-split v1` 22.77 s, doubled; its cut 18/19/19/39 15.25 s, below DIP's
 best segments at 15.64 s). That cut is the cheapest to climb (2(P - 1) neighbours a step) and
 the one a Megatron user moves layers of first.
-
-Where the climb stops, its best neighbour (`runner_up`) goes on to the near-tie planning with
-the end, whatever its greedy score: next to a local minimum of the greedy score its error is
-largest (omni-s mixed-blend: the cost rule's cut 18/18/19/72 scored lower greedily than its
-neighbour 18/19/19/71, whose plans ran 1.4% faster).
 """
 
 from __future__ import annotations
@@ -84,28 +79,6 @@ def second_start(
     return min(bases, key=lambda c: (scores[c.name], c.name), default=None)
 
 
-def runner_up(
-    model: MultimodalSpec,
-    end: PlacementCandidate,
-    scores: dict[str, float],
-    scored: dict[str, PlacementCandidate],
-    *,
-    bound: Callable[[PlacementCandidate], float] | None = None,
-) -> PlacementCandidate | None:
-    """The climb's runner-up: of `end`'s neighbours (`end` a climb's end), the one with the
-    lowest greedy score (by name on ties), None where `end` is no searched cut or none was
-    scored. A neighbour whose bound exceeds `end`'s score does not count: the climb scores it
-    or not depending on timing (`climb_cut`'s workers), and the choice must not. Every other
-    neighbour was scored, in the climb's last step or an earlier one."""
-    best = scores[end.name]
-    # By placement: the cut a climb moved from is scored under its own name ("static
-    # cost-split v1"), not under the name its neighbour gives it ("... cut 37/31/14/13").
-    known = {c.placement: c for c in scored.values() if c.name in scores}
-    near = [known[c.placement] for c in neighbour_candidates(model, end) if c.placement in known]
-    near = [c for c in near if bound is None or bound(c) <= best]
-    return min(near, key=lambda c: (scores[c.name], c.name), default=None)
-
-
 def _lowest(
     cands: Sequence[PlacementCandidate],
     to_beat: float,
@@ -132,4 +105,4 @@ def _lowest(
     return None if i < 0 else (cands[i], score)
 
 
-__all__ = ["MAX_STEPS", "climb_cut", "runner_up", "second_start"]
+__all__ = ["MAX_STEPS", "climb_cut", "second_start"]

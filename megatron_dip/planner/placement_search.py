@@ -7,7 +7,7 @@ picks the candidate with the smallest greedy score among DIP's segment counts an
 Megatron placements (`static_candidates`), `placement_climb` moves a winning one-list cut a layer
 at a time while that scores lower (where no one-list cut wins, the cost rule's cut over one chunk
 per rank instead, `placement_climb.second_start`), and `placement_ties` plans the near-ties (and
-the cut the climb started from, and its end's best neighbour) as the run does. Scores are `simulated_score`s, so a static
+the cut the climb started from) as the run does. Scores are `simulated_score`s, so a static
 placement with Megatron's order (which the planner tries as a candidate plan) is always in the
 running and the choice never loses to it on those batches.
 """
@@ -23,7 +23,7 @@ from .bounds import rank_loads
 from .candidates import merge_submicrobatches
 from .dip import DipPlanner
 from .placement import PlacementCandidate, choose_dip_placement
-from .placement_climb import climb_cut, runner_up, second_start
+from .placement_climb import climb_cut, second_start
 from .placement_ties import settle_near_ties
 from .simulator import simulate
 from .static_baselines import StaticPipeline
@@ -73,7 +73,6 @@ def search_placement(
     climbed, start = _climbed(
         model, chosen, scores, scored, score=score, bound=bound, workers=workers
     )
-    second = runner_up(model, climbed, scores, scored, bound=bound)
     settled, planned = settle_near_ties(
         climbed,
         scores,
@@ -81,7 +80,7 @@ def search_placement(
         evaluate=plan_score,
         bound=bound,
         workers=workers,
-        extra=[c for c in (start, second) if c is not None],
+        start=start,
     )
     return settled, scores, planned
 

@@ -9,11 +9,9 @@ them) are scored again by `evaluate`, the run's own planner configuration (its s
 cuts, offload offers and split backward; without the search, so that a score stays a function of
 the data), and the lowest of those scores wins; its ties go to the greedy order.
 
-The search's climb (`placement_climb`) follows the greedy score alone, so two of its cuts are
-finalists too, whatever their greedy scores (`extra`): where it moved the cut, the cut it started
-from (on VLM-L its first step lowered the greedy score by 4.7% while the run's plans of the moved
-cut were 1.4% slower), and its end's best neighbour, the runner-up (on omni-s mixed-blend the
-cost rule's cut kept the lower greedy score while its neighbour's plans were 1.4% faster).
+Where the search's climb (`placement_climb`) moved the cut, the cut it started from is a finalist
+too, whatever its greedy score: the climb follows the greedy score alone, and on VLM-L its first
+step lowered that score by 4.7% while the run's plans of the moved cut were 1.4% slower.
 
 A candidate whose bound exceeds the best greedy score is not a finalist, whatever its score: with
 several workers such a candidate may or may not have been scored, depending on timing
@@ -24,7 +22,7 @@ whose bound is at most the best score is scored, with any number of workers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 from .candidate_pool import CandidateScorer
 from .placement import PlacementCandidate
@@ -43,12 +41,11 @@ def finalists(
     bound: Callable[[PlacementCandidate], float] | None = None,
     margin: float = TIE_MARGIN,
     keep: int = MAX_FINALISTS,
-    extra: Sequence[PlacementCandidate] = (),
+    start: PlacementCandidate | None = None,
 ) -> list[PlacementCandidate]:
     """`chosen` (the best greedy score) and the candidates of `scored` whose greedy score is
     within `margin` of it and whose bound does not exceed it, lowest scores first (ties by
-    name), `keep` at most; then each of `extra` (the climb's start and runner-up) not yet
-    among them."""
+    name), `keep` at most; then `start`, the cut the climb moved from, if it is another."""
     best = scores[chosen.name]
     near = sorted(
         (scores[name], name)
@@ -62,9 +59,8 @@ def finalists(
         cand = scored[name]
         if bound is None or bound(cand) <= best:
             out.append(cand)
-    for cand in extra:
-        if all(c.name != cand.name for c in out):
-            out.append(cand)
+    if start is not None and all(c.name != start.name for c in out):
+        out.append(start)
     return out
 
 
@@ -78,13 +74,12 @@ def settle_near_ties(
     workers: int = 1,
     margin: float = TIE_MARGIN,
     keep: int = MAX_FINALISTS,
-    extra: Sequence[PlacementCandidate] = (),
+    start: PlacementCandidate | None = None,
 ) -> tuple[PlacementCandidate, dict[str, float]]:
-    """The finalist (`finalists`, `extra` the climb's start and runner-up) that `evaluate`
-    scores lowest, and the finalists' scores by name; `chosen` and no scores when it has no
-    rival.
+    """The finalist (`finalists`, `start` the climb's starting cut) that `evaluate` scores
+    lowest, and the finalists' scores by name; `chosen` and no scores when it has no rival.
     `workers` as in `placement.choose_dip_placement` (the same choice, sooner)."""
-    cands = finalists(chosen, scores, scored, bound=bound, margin=margin, keep=keep, extra=extra)
+    cands = finalists(chosen, scores, scored, bound=bound, margin=margin, keep=keep, start=start)
     if len(cands) == 1:
         return chosen, {}
     settled: dict[int, float] = {}
@@ -94,8 +89,8 @@ def settle_near_ties(
     winner = min(range(len(cands)), key=lambda i: (settled[i], i))
     planned = {cands[i].name: settled[i] for i in range(len(cands))}
     logger.info(
-        "placement near-ties (within %.1f%% of the best greedy score, and the climb's start "
-        "and runner-up), scored with the run's plans: %s; %r wins",
+        "placement near-ties (within %.1f%% of the best greedy score, and the cut the climb "
+        "started from), scored with the run's plans: %s; %r wins",
         100 * margin,
         planned,
         cands[winner].name,
