@@ -283,3 +283,30 @@ def test_megatron_order_peaks_are_the_order_s_whatever_its_message_timing(segmen
         own = simulate(order(mode), cost).peak_activation_bytes
         assert activation_peaks(with_recompute(plain, mode), cost) == own, mode
     assert len({activation_peaks(with_recompute(plain, m), cost) for m in modes}) > 1
+
+
+def test_a_peer_whose_recompute_setting_differs_between_batches_keeps_its_row():
+    """ZB-H1 runs under each batch's fastest fitting 1F1B setting: where those differ (VLM-M's
+    cost cut: block 4 on one batch, block 3 on another) the peer is still one row, "recompute
+    per batch", fastest rows first (grouped by setting it was dropped, and the table compared
+    DIP with a slower placement's peer)."""
+    from types import SimpleNamespace
+
+    from megatron_dip.planner.compare import BatchResult
+    from megatron_dip.planner.stock_configs import StockResult
+
+    def peer(pipeline: str, layers: int, seconds: float) -> StockResult:
+        mode = MemoryPolicy(Recompute.BLOCK, layers=layers)
+        sim = SimpleNamespace(iteration_time=seconds, lower_bound=seconds / 2)
+        return StockResult(pipeline, "zb-h1", mode, sim, True)
+
+    study = Study()
+    for i, (layers, seconds) in enumerate([(4, 10.0), (3, 11.0)]):
+        peers = (peer("cost-split", layers, seconds), peer("stock", 48, 29.0))
+        study.add(BatchResult(i, (), (), 8.0, peers))
+    rows = study.peer_rows()
+    assert [r.name for r in rows] == [
+        "zb-h1 (cost-split), recompute per batch",
+        "zb-h1 (stock), block 48",
+    ]
+    assert rows[0].time == [10.0, 11.0] and rows[0].recompute == ["block 4", "block 3"]

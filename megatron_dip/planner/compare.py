@@ -300,7 +300,8 @@ class Comparison:
             for r in mine:
                 stock.setdefault(r.key, []).append(r)
             for r in self._zero_bubble(layout, whole, mine):
-                peers.setdefault(r.key, []).append(r)
+                # By placement: each replica's peer runs under its own fastest setting.
+                peers.setdefault(r.key[:2], []).append(r)
             for o in self._dip_steps(layout, replica):
                 dip.setdefault(o.name, []).append(o)
         return BatchResult(

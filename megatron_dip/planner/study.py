@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .compare import BatchResult
-from .stock_configs import StockResult, strongest
+from .stock_configs import StockResult, mode_label, strongest
 
 
 def summarize(values: Sequence[float]) -> tuple[float, float]:
@@ -90,11 +90,32 @@ class Study:
         return self._best_rows([b.stock for b in self.batches])
 
     def peer_rows(self) -> list[Row]:
-        """The literature's schedules on the static placements (ZB-H1), as `stock_rows`."""
-        rows = self._best_rows([b.peers for b in self.batches])
-        for row in rows:
-            row.name = row.name.removeprefix("megatron ")
-        return rows
+        """The literature's schedules on the static placements (ZB-H1), a row per placement and
+        schedule, fastest first. Each batch's peer runs under that batch's fastest fitting 1F1B
+        recompute setting (`compare.Comparison._zero_bubble`), which may differ between batches:
+        the row then says "recompute per batch" (grouping by setting, as `stock_rows` does,
+        would drop the row). A row some batch lacks is left out."""
+        by_group: dict[tuple[str, str], list[StockResult]] = {}
+        for b in self.batches:
+            for r in b.peers:
+                by_group.setdefault((r.pipeline, r.schedule), []).append(r)
+        rows = []
+        for (pipeline, schedule), results in by_group.items():
+            if len(results) < len(self.batches):
+                continue
+            settings = {mode_label(r.mode) for r in results}
+            setting = settings.pop() if len(settings) == 1 else "recompute per batch"
+            row = Row(f"{schedule} ({pipeline}), {setting}")
+            for b, r in zip(self.batches, results):
+                row.add(
+                    time=r.sim.iteration_time,
+                    balanced=b.balanced_bound,
+                    bound=r.sim.lower_bound,
+                    fits=r.fits,
+                    recompute=mode_label(r.mode),
+                )
+            rows.append(row)
+        return sorted(rows, key=lambda r: (not all(r.fits), sum(r.time), r.name))
 
     def _best_rows(self, per_batch: list) -> list[Row]:
         by_key: dict[tuple, list[StockResult]] = {}
@@ -156,8 +177,6 @@ class Study:
 
 
 def _label_of(key: tuple) -> str:
-    from .stock_configs import mode_label
-
     pipeline, schedule, mode = key
     return f"megatron {schedule} ({pipeline}), {mode_label(mode)}"
 
