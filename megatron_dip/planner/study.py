@@ -105,16 +105,7 @@ class Study:
                 continue
             settings = {mode_label(r.mode) for r in results}
             setting = settings.pop() if len(settings) == 1 else "recompute per batch"
-            row = Row(f"{schedule} ({pipeline}), {setting}")
-            for b, r in zip(self.batches, results):
-                row.add(
-                    time=r.sim.iteration_time,
-                    balanced=b.balanced_bound,
-                    bound=r.sim.lower_bound,
-                    fits=r.fits,
-                    recompute=mode_label(r.mode),
-                )
-            rows.append(row)
+            rows.append(self._row(f"{schedule} ({pipeline}), {setting}", results))
         return sorted(rows, key=lambda r: (not all(r.fits), sum(r.time), r.name))
 
     def _best_rows(self, per_batch: list) -> list[Row]:
@@ -131,20 +122,20 @@ class Study:
             group = key[:2]
             if group not in best or rank < best[group][0]:
                 best[group] = (rank, key)
-        rows = []
-        for _, key in sorted(best.values()):
-            results = by_key[key]
-            row = Row(results[0].label)
-            for b, r in zip(self.batches, results):
-                row.add(
-                    time=r.sim.iteration_time,
-                    balanced=b.balanced_bound,
-                    bound=r.sim.lower_bound,
-                    fits=r.fits,
-                    recompute=r.label.split(", ")[-1],
-                )
-            rows.append(row)
-        return rows
+        return [self._row(by_key[key][0].label, by_key[key]) for _, key in sorted(best.values())]
+
+    def _row(self, name: str, results: Sequence[StockResult]) -> Row:
+        """The row `name` of one stock configuration's (or peer's) result on each batch."""
+        row = Row(name)
+        for b, r in zip(self.batches, results):
+            row.add(
+                time=r.sim.iteration_time,
+                balanced=b.balanced_bound,
+                bound=r.sim.lower_bound,
+                fits=r.fits,
+                recompute=mode_label(r.mode),
+            )
+        return row
 
     def dip_rows(self) -> list[Row]:
         rows: dict[str, Row] = {}
