@@ -50,8 +50,7 @@ def test_startup_workers_default_to_every_usable_core_and_refuse_a_negative_coun
 def test_what_ifs_change_the_modelled_machine_and_mark_the_table(capsys):
     """`--memory-scale` multiplies every activation limit (DIP's and the stock grid's: one
     `Comparison.memory`), `--gemm-half-rows 0` runs every GEMM at the device's cap, whatever
-    its rows; the table's title says it is a what-if. Bad values are
-    refused by name."""
+    its rows; the table's title says it is a what-if. Bad values are refused by name."""
     from megatron_dip.planner.paper import paper_comparison
     from megatron_dip.planner.search import SearchConfig
 

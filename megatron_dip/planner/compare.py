@@ -162,8 +162,17 @@ class Comparison:
         sub_sizes = choose_sub_sizes(model, cost_model, workload, chunks=chunks)
         static = static_pipelines(model, cost_model, num_ranks=p, workload=workload)
         rule_candidate = PlacementCandidate("rule", rule)
-        cmp = cls(setup, cost_model, device, limits, rule_candidate, sub_sizes, static, search)
-        cmp.memory_scale = memory_scale
+        cmp = cls(
+            setup,
+            cost_model,
+            device,
+            limits,
+            rule_candidate,
+            sub_sizes,
+            static,
+            search,
+            memory_scale=memory_scale,
+        )
         if placement is None:
             cmp.dip = cmp.searched(calibration, workload, workers=workers)
         else:
